@@ -1,0 +1,326 @@
+"""Checkpoint families: how each HF `config.json` maps onto `ModelConfig`, and back.
+
+A family fixes what its format cannot express: the attention mode and logit shift a model of
+that kind was trained with (LLaDA: bidirectional, no shift; Dream: bidirectional, shift;
+Qwen2/Qwen3/Llama/MoE bases: causal, shift), and whether q/k carry norms or biases. Loading
+may override those (`load_pretrained(path, attention=...)`); saving into a family whose
+format cannot hold the model's settings fails with the field named (`dlm_jax` holds all).
+
+Config parsing is strict: every key must be mapped, validated or known to be irrelevant, so a
+key this code does not understand (a rope scaling, a sliding window, a bias) fails loudly
+instead of silently changing the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from dlm_jax._config import ConfigError, ModelConfig
+from dlm_jax.checkpoint._names import HF_SCHEME, LLADA_SCHEME, NameScheme
+
+FORMAT_VERSION = 1
+
+# Keys HF configs carry that do not change the forward pass in inference.
+_HF_IRRELEVANT = frozenset({
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "initializer_range", "attention_dropout", "output_router_logits", "router_aux_loss_coef",
+    "auto_map", "_name_or_path", "max_window_layers", "sliding_window", "return_dict",
+    "output_hidden_states", "output_attentions", "id2label", "label2id", "tokenizer_class",
+    "bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id",
+})
+_LLADA_IRRELEVANT = frozenset({
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "auto_map", "_name_or_path", "alibi_bias_max", "attention_dropout", "embedding_dropout",
+    "residual_dropout", "flash_attention", "init_device", "init_fn", "init_std",
+    "init_cutoff_factor", "precision", "attention_layer_norm_with_affine", "rope_full_precision",
+    "mlp_ratio", "bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id",
+})
+
+
+class _Reader:
+    """Reads a config dict, remembering which keys were used, to reject the rest."""
+
+    def __init__(self, data: dict[str, Any], source: str):
+        self.data, self.source, self.used = data, source, set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.used.add(key)
+        return self.data.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.data:
+            raise ConfigError(f"{self.source}: required key {key!r} is missing")
+        return self.get(key)
+
+    def expect(self, key: str, allowed: Iterable[Any]) -> None:
+        """The key, if present, must hold one of `allowed` (else dlm-jax would compute wrongly)."""
+        self.used.add(key)
+        allowed = list(allowed)
+        if key in self.data and self.data[key] not in allowed:
+            raise ConfigError(
+                f"{self.source}: {key}={self.data[key]!r} is not supported (supported: {allowed})")
+
+    def finish(self, irrelevant: frozenset[str], *, strict: bool) -> None:
+        unknown = sorted(set(self.data) - self.used - irrelevant)
+        if unknown and strict:
+            raise ConfigError(
+                f"{self.source}: unknown config keys {unknown} (pass strict=False to ignore them)")
+
+
+def _dtype_of(r: _Reader) -> str:
+    name = r.get("dtype") or r.get("torch_dtype") or "float32"
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"{r.source}: dtype={name!r} is not supported")
+    return name
+
+
+def _first(x: Any) -> Any:
+    return x[0] if isinstance(x, list) and x else (None if isinstance(x, list) else x)
+
+
+def _rope_theta(r: _Reader) -> float:
+    scaling = r.get("rope_scaling")
+    if scaling not in (None, {}) and (scaling.get("rope_type") or scaling.get("type")) != "default":
+        raise ConfigError(f"{r.source}: rope_scaling={scaling!r} is not supported")
+    params = r.get("rope_parameters")
+    theta = r.get("rope_theta")
+    if params:
+        if params.get("rope_type", "default") != "default":
+            raise ConfigError(f"{r.source}: rope_parameters={params!r} is not supported")
+        if theta is not None and float(theta) != float(params["rope_theta"]):
+            raise ConfigError(f"{r.source}: rope_theta={theta} disagrees with rope_parameters={params}")
+        theta = params["rope_theta"]
+    return float(theta if theta is not None else 10000.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One checkpoint layout: its names, its config keys, and what it implies."""
+
+    name: str
+    model_types: tuple[str, ...]
+    architecture: str
+    scheme: NameScheme
+    parse: Callable[["Family", _Reader], dict[str, Any]]
+    render: Callable[["Family", ModelConfig], dict[str, Any]]
+    irrelevant: frozenset[str] = _HF_IRRELEVANT
+    implied: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def config_from_json(self, data: dict[str, Any], *, source: str, strict: bool = True) -> ModelConfig:
+        r = _Reader(data, source)
+        kwargs = {**self.implied, **self.parse(self, r)}
+        r.finish(self.irrelevant, strict=strict)
+        return ModelConfig(**kwargs)
+
+    def config_to_json(self, cfg: ModelConfig) -> dict[str, Any]:
+        for field, value in self.implied.items():
+            if getattr(cfg, field) != value:
+                raise ConfigError(
+                    f"family {self.name!r} cannot store {field}={getattr(cfg, field)!r} (its format "
+                    f"implies {value!r}); save with family='dlm_jax'")
+        return self.render(self, cfg)
+
+
+# -- HF llama-like families (Llama, Qwen2/Dream, Qwen3, Qwen3-MoE, dots1) --------------------
+
+def _parse_hf(fam: Family, r: _Reader) -> dict[str, Any]:
+    dtype = _dtype_of(r)
+    kw: dict[str, Any] = dict(
+        vocab_size=r.require("vocab_size"), d_model=r.require("hidden_size"),
+        n_layers=r.require("num_hidden_layers"), n_heads=r.require("num_attention_heads"),
+        n_kv_heads=r.get("num_key_value_heads"), head_dim=r.get("head_dim"),
+        ffn_hidden=r.require("intermediate_size"), norm_eps=float(r.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(r), tie_embeddings=bool(r.get("tie_word_embeddings", False)),
+        max_seq_len=r.get("max_position_embeddings", 4096), param_dtype=dtype,
+        bos_token_id=_first(r.get("bos_token_id")), eos_token_id=_first(r.get("eos_token_id")),
+        pad_token_id=_first(r.get("pad_token_id")), mask_token_id=r.get("mask_token_id"),
+    )
+    r.expect("hidden_act", ["silu"])
+    r.expect("attention_bias", [False])
+    r.expect("mlp_bias", [False])
+    r.expect("pretraining_tp", [1])
+    r.expect("use_sliding_window", [False])
+    layer_types = r.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        raise ConfigError(f"{r.source}: layer_types={layer_types} (sliding attention) is not supported")
+    if fam.name == "qwen3_moe":
+        kw.update(_parse_qwen3_moe(r, kw["n_layers"]))
+    elif fam.name == "dots1":
+        kw.update(_parse_dots1(r))
+    return kw
+
+
+def _parse_qwen3_moe(r: _Reader, n_layers: int) -> dict[str, Any]:
+    n_experts = r.get("num_experts", r.get("num_local_experts"))
+    step = r.get("decoder_sparse_step", 1)
+    mlp_only = set(r.get("mlp_only_layers") or [])
+    dense = tuple(i for i in range(n_layers) if i in mlp_only or (i + 1) % step != 0)
+    return dict(ffn="moe", router="softmax", n_experts=n_experts,
+                n_experts_per_tok=r.require("num_experts_per_tok"),
+                moe_ffn_hidden=r.require("moe_intermediate_size"),
+                norm_topk_prob=bool(r.get("norm_topk_prob", False)), dense_layers=dense)
+
+
+def _parse_dots1(r: _Reader) -> dict[str, Any]:
+    return dict(ffn="moe", router="sigmoid", router_bias=True,
+                n_experts=r.require("n_routed_experts"),
+                n_experts_per_tok=r.require("num_experts_per_tok"),
+                moe_ffn_hidden=r.require("moe_intermediate_size"),
+                n_shared_experts=r.get("n_shared_experts", 0) or 0,
+                n_expert_groups=r.get("n_group", 1) or 1, topk_groups=r.get("topk_group", 1) or 1,
+                routed_scaling=float(r.get("routed_scaling_factor", 1.0)),
+                norm_topk_prob=bool(r.get("norm_topk_prob", False)),
+                dense_layers=tuple(range(r.get("first_k_dense_replace", 0) or 0)))
+
+
+def _render_hf(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.embedding_rows != cfg.vocab_size:
+        raise ConfigError(f"family {fam.name!r} cannot store embedding_rows={cfg.embedding_rows} "
+                          f"!= vocab_size={cfg.vocab_size}")
+    if cfg.ffn == "relu":
+        raise ConfigError(f"family {fam.name!r} cannot store ffn='relu'; save with family='dlm_jax'")
+    out: dict[str, Any] = {
+        "architectures": [fam.architecture], "model_type": fam.model_types[0],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_hidden, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": cfg.max_seq_len,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id, "dtype": cfg.param_dtype,
+    }
+    if cfg.mask_token_id is not None:
+        out["mask_token_id"] = cfg.mask_token_id
+    if fam.name != "qwen2" and fam.name != "dream":
+        out["attention_bias"] = False
+    if fam.name == "qwen3_moe":
+        out.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
+                   moe_intermediate_size=cfg.moe_ffn_hidden, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers))
+    elif fam.name == "dots1":
+        k = len(cfg.dense_layers)
+        if cfg.dense_layers != tuple(range(k)):
+            raise ConfigError(f"family 'dots1' stores only leading dense layers, not {cfg.dense_layers}")
+        out.update(n_routed_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
+                   moe_intermediate_size=cfg.moe_ffn_hidden, n_shared_experts=cfg.n_shared_experts,
+                   n_group=cfg.n_expert_groups, topk_group=cfg.topk_groups,
+                   routed_scaling_factor=cfg.routed_scaling, norm_topk_prob=cfg.norm_topk_prob,
+                   first_k_dense_replace=k)
+    return out
+
+
+# -- LLaDA (../shared/formats/llada.md) ------------------------------------------------------
+
+def _parse_llada(fam: Family, r: _Reader) -> dict[str, Any]:
+    d_model = r.require("d_model")
+    n_heads = r.require("n_heads")
+    mqa = r.get("multi_query_attention")
+    n_kv = 1 if mqa else r.get("n_kv_heads") or n_heads
+    hidden = r.get("mlp_hidden_size") or int(r.get("mlp_ratio", 4)) * d_model
+    for key, allowed in (("activation_type", ["silu"]), ("block_type", ["llama"]), ("rope", [True]),
+                         ("layer_norm_type", ["rms"]), ("alibi", [False]), ("include_bias", [False]),
+                         ("scale_logits", [False]), ("input_emb_norm", [False]),
+                         ("attention_layer_norm", [False]), ("clip_qkv", [None]),
+                         ("layer_norm_with_affine", [True]), ("bias_for_layer_norm", [False, None]),
+                         ("block_group_size", [1])):
+        r.expect(key, allowed)
+    return dict(
+        vocab_size=r.require("vocab_size"), d_model=d_model, n_layers=r.require("n_layers"),
+        n_heads=n_heads, n_kv_heads=n_kv, ffn_hidden=hidden,
+        rope_theta=float(r.get("rope_theta", 10000.0)), norm_eps=float(r.get("rms_norm_eps", 1e-5)),
+        embedding_rows=r.get("embedding_size") or r.get("vocab_size"),
+        tie_embeddings=bool(r.get("weight_tying", False)),
+        qkv_bias=bool(r.get("include_qkv_bias", False)),
+        mask_token_id=r.get("mask_token_id"), eos_token_id=_first(r.get("eos_token_id")),
+        pad_token_id=_first(r.get("pad_token_id")), bos_token_id=_first(r.get("bos_token_id")),
+        max_seq_len=r.get("max_sequence_length", 4096), param_dtype=_dtype_of(r),
+    )
+
+
+def _render_llada(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.ffn != "swiglu" or cfg.qk_norm:
+        raise ConfigError(f"family 'llada' stores a dense SwiGLU model without QK-norm "
+                          f"(got ffn={cfg.ffn!r}, qk_norm={cfg.qk_norm}); save with family='dlm_jax'")
+    if cfg.head_dim * cfg.n_heads != cfg.d_model:
+        raise ConfigError(f"family 'llada' needs head_dim * n_heads == d_model "
+                          f"(got {cfg.head_dim} * {cfg.n_heads} != {cfg.d_model})")
+    return {
+        "architectures": [fam.architecture], "model_type": "llada", "d_model": cfg.d_model,
+        "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "n_layers": cfg.n_layers,
+        "mlp_hidden_size": cfg.ffn_hidden, "mlp_ratio": max(1, cfg.ffn_hidden // cfg.d_model),
+        "activation_type": "silu", "block_type": "llama", "rope": True,
+        "rope_theta": cfg.rope_theta, "layer_norm_type": "rms", "rms_norm_eps": cfg.norm_eps,
+        "vocab_size": cfg.vocab_size, "embedding_size": cfg.embedding_rows,
+        "weight_tying": cfg.tie_embeddings, "mask_token_id": cfg.mask_token_id,
+        "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+        "bos_token_id": cfg.bos_token_id, "max_sequence_length": cfg.max_seq_len,
+        "include_bias": False, "include_qkv_bias": cfg.qkv_bias, "scale_logits": False,
+        "input_emb_norm": False, "attention_layer_norm": False, "alibi": False,
+        "torch_dtype": cfg.param_dtype,
+    }
+
+
+# -- dlm-jax's own format: every ModelConfig field ------------------------------------------
+
+def _parse_native(fam: Family, r: _Reader) -> dict[str, Any]:
+    version = r.get("format_version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise ConfigError(f"{r.source}: format_version={version} is not supported (expected {FORMAT_VERSION})")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    kw = {k: r.get(k) for k in r.data if k in known}
+    if "dense_layers" in kw:
+        kw["dense_layers"] = tuple(kw["dense_layers"])
+    return kw
+
+
+def _render_native(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
+    return {"architectures": [fam.architecture], "model_type": "dlm_jax",
+            "format_version": FORMAT_VERSION, **cfg.to_dict()}
+
+
+_CAUSAL = {"attention": "causal", "logit_shift": True}
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("dlm_jax", ("dlm_jax",), "DlmJaxTransformer", HF_SCHEME, _parse_native, _render_native,
+           irrelevant=frozenset({"architectures", "model_type"})),
+    Family("llada", ("llada",), "LLaDAModelLM", LLADA_SCHEME, _parse_llada, _render_llada,
+           irrelevant=_LLADA_IRRELEVANT,
+           implied={"attention": "bidirectional", "logit_shift": False, "ffn": "swiglu"}),
+    Family("dream", ("Dream", "dream"), "DreamModel", HF_SCHEME, _parse_hf, _render_hf,
+           implied={"attention": "bidirectional", "logit_shift": True, "qkv_bias": True,
+                    "qk_norm": False, "ffn": "swiglu"}),
+    Family("qwen2", ("qwen2",), "Qwen2ForCausalLM", HF_SCHEME, _parse_hf, _render_hf,
+           implied={**_CAUSAL, "qkv_bias": True, "qk_norm": False, "ffn": "swiglu"}),
+    Family("llama", ("llama",), "LlamaForCausalLM", HF_SCHEME, _parse_hf, _render_hf,
+           implied={**_CAUSAL, "qkv_bias": False, "qk_norm": False, "ffn": "swiglu"}),
+    Family("qwen3", ("qwen3",), "Qwen3ForCausalLM", HF_SCHEME, _parse_hf, _render_hf,
+           implied={**_CAUSAL, "qkv_bias": False, "qk_norm": True, "ffn": "swiglu"}),
+    Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", HF_SCHEME, _parse_hf, _render_hf,
+           implied={**_CAUSAL, "qkv_bias": False, "qk_norm": True, "ffn": "moe",
+                    "router": "softmax", "router_bias": False, "n_shared_experts": 0,
+                    "n_expert_groups": 1, "topk_groups": 1, "routed_scaling": 1.0}),
+    Family("dots1", ("dots1",), "Dots1ForCausalLM", HF_SCHEME, _parse_hf, _render_hf,
+           implied={**_CAUSAL, "qkv_bias": False, "qk_norm": True, "ffn": "moe",
+                    "router": "sigmoid", "router_bias": True}),
+]}
+_BY_MODEL_TYPE = {mt: f for f in FAMILIES.values() for mt in f.model_types}
+
+
+def family_for(config: dict[str, Any], *, source: str) -> Family:
+    """The family of a parsed `config.json`, by its `model_type`."""
+    model_type = config.get("model_type")
+    if model_type not in _BY_MODEL_TYPE:
+        raise ConfigError(
+            f"{source}: unknown architecture (model_type={model_type!r}, "
+            f"architectures={config.get('architectures')}); supported model types: "
+            f"{sorted(_BY_MODEL_TYPE)}")
+    return _BY_MODEL_TYPE[model_type]
+
+
+def get_family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown checkpoint family {name!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[name]

@@ -1,0 +1,145 @@
+"""Tensor naming schemes: dlm-jax parameter names <-> a checkpoint family's tensor names.
+
+dlm-jax names (see `dlm_jax.models.get_params`) are dotted paths such as
+`layers.3.attn.q_proj.kernel`. Dense kernels are stored [in, out] here and [out, in] in HF
+checkpoints; stacked expert tensors `layers.i.ffn.{gate,up,down}` [E, in, out] are one tensor
+per expert there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+EXPERT_KEYS = ("ffn.gate", "ffn.up", "ffn.down")
+
+
+@dataclasses.dataclass(frozen=True)
+class NameScheme:
+    """How one checkpoint family names each parameter.
+
+    top: dlm-jax name -> checkpoint name for parameters outside the layers.
+    layer_prefix: prefix of every layer tensor, with `{i}` for the layer index.
+    layer: dlm-jax suffix (after `layers.i.`) -> checkpoint suffix.
+    experts: stacked expert suffix -> per-expert checkpoint suffix with `{e}`.
+    ignorable: regexes of checkpoint tensors that carry no parameter (e.g. RoPE buffers).
+    """
+
+    top: Mapping[str, str]
+    layer_prefix: str
+    layer: Mapping[str, str]
+    experts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    ignorable: tuple[str, ...] = (r".*rotary_emb\.inv_freq$",)
+
+    def sources(self, name: str, shape: tuple[int, ...]) -> list[str]:
+        """Checkpoint tensor names that make up the dlm-jax parameter `name` of `shape`."""
+        if name in self.top:
+            return [self.top[name]]
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            raise KeyError(f"parameter {name!r} has no name in this checkpoint family")
+        i, suffix = m.group(1), m.group(2)
+        prefix = self.layer_prefix.format(i=i)
+        if suffix in self.experts:
+            return [prefix + self.experts[suffix].format(e=e) for e in range(shape[0])]
+        if suffix not in self.layer:
+            raise KeyError(f"parameter {name!r} has no name in this checkpoint family")
+        return [prefix + self.layer[suffix]]
+
+    def is_ignorable(self, tensor_name: str) -> bool:
+        return any(re.fullmatch(p, tensor_name) for p in self.ignorable)
+
+
+def _is_expert(name: str) -> bool:
+    m = _LAYER.fullmatch(name)
+    return m is not None and m.group(2) in EXPERT_KEYS
+
+
+def to_checkpoint(name: str, value: np.ndarray) -> list[np.ndarray]:
+    """One dlm-jax parameter -> the checkpoint tensors (in `sources` order)."""
+    if _is_expert(name):
+        return [np.ascontiguousarray(value[e].T) for e in range(value.shape[0])]
+    if name.endswith(".kernel"):
+        return [np.ascontiguousarray(value.T)]
+    return [value]
+
+
+def from_checkpoint(name: str, tensors: list[np.ndarray]) -> np.ndarray:
+    """The checkpoint tensors of one parameter (in `sources` order) -> the dlm-jax array."""
+    if _is_expert(name):
+        return np.stack([t.T for t in tensors])
+    if name.endswith(".kernel"):
+        return np.ascontiguousarray(tensors[0].T)
+    return tensors[0]
+
+
+def checkpoint_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of each checkpoint tensor of parameter `name` whose dlm-jax shape is `shape`."""
+    if _is_expert(name):
+        return (shape[2], shape[1])
+    if name.endswith(".kernel"):
+        return tuple(reversed(shape))
+    return tuple(shape)
+
+
+def iter_sources(scheme: NameScheme, shapes: Mapping[str, tuple[int, ...]]) -> Iterator[tuple[str, list[str]]]:
+    for name, shape in shapes.items():
+        yield name, scheme.sources(name, tuple(shape))
+
+
+# -- the schemes ----------------------------------------------------------------------------
+
+_HF_LAYER = {
+    "attn_norm.scale": "input_layernorm.weight",
+    "attn.q_proj.kernel": "self_attn.q_proj.weight",
+    "attn.q_proj.bias": "self_attn.q_proj.bias",
+    "attn.k_proj.kernel": "self_attn.k_proj.weight",
+    "attn.k_proj.bias": "self_attn.k_proj.bias",
+    "attn.v_proj.kernel": "self_attn.v_proj.weight",
+    "attn.v_proj.bias": "self_attn.v_proj.bias",
+    "attn.o_proj.kernel": "self_attn.o_proj.weight",
+    "attn.q_norm.scale": "self_attn.q_norm.weight",
+    "attn.k_norm.scale": "self_attn.k_norm.weight",
+    "ffn_norm.scale": "post_attention_layernorm.weight",
+    "ffn.gate_proj.kernel": "mlp.gate_proj.weight",
+    "ffn.up_proj.kernel": "mlp.up_proj.weight",
+    "ffn.down_proj.kernel": "mlp.down_proj.weight",
+    "ffn.router.kernel": "mlp.gate.weight",
+    "ffn.expert_bias": "mlp.gate.e_score_correction_bias",
+    "ffn.shared.gate_proj.kernel": "mlp.shared_experts.gate_proj.weight",
+    "ffn.shared.up_proj.kernel": "mlp.shared_experts.up_proj.weight",
+    "ffn.shared.down_proj.kernel": "mlp.shared_experts.down_proj.weight",
+}
+
+HF_SCHEME = NameScheme(
+    top={"embed.embedding": "model.embed_tokens.weight", "final_norm.scale": "model.norm.weight",
+         "lm_head.kernel": "lm_head.weight"},
+    layer_prefix="model.layers.{i}.",
+    layer=_HF_LAYER,
+    experts={"ffn.gate": "mlp.experts.{e}.gate_proj.weight",
+             "ffn.up": "mlp.experts.{e}.up_proj.weight",
+             "ffn.down": "mlp.experts.{e}.down_proj.weight"},
+)
+
+# ../shared/formats/llada.md
+LLADA_SCHEME = NameScheme(
+    top={"embed.embedding": "model.transformer.wte.weight",
+         "final_norm.scale": "model.transformer.ln_f.weight",
+         "lm_head.kernel": "model.transformer.ff_out.weight"},
+    layer_prefix="model.transformer.blocks.{i}.",
+    layer={
+        "attn_norm.scale": "attn_norm.weight",
+        "attn.q_proj.kernel": "q_proj.weight", "attn.q_proj.bias": "q_proj.bias",
+        "attn.k_proj.kernel": "k_proj.weight", "attn.k_proj.bias": "k_proj.bias",
+        "attn.v_proj.kernel": "v_proj.weight", "attn.v_proj.bias": "v_proj.bias",
+        "attn.o_proj.kernel": "attn_out.weight",
+        "ffn_norm.scale": "ff_norm.weight",
+        "ffn.gate_proj.kernel": "ff_proj.weight",
+        "ffn.up_proj.kernel": "up_proj.weight",
+        "ffn.down_proj.kernel": "ff_out.weight",
+    },
+)

@@ -1,0 +1,70 @@
+"""Building models and moving their parameters in and out as flat `{dotted.path: array}` dicts.
+
+Flat dotted names (`layers.0.attn.q_proj.kernel`) are the one key space shared by checkpoint
+families, exporters and tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dlm_jax._config import ModelConfig
+from dlm_jax.models._transformer import Transformer
+
+
+def init_model(cfg: ModelConfig, *, seed: int = 0) -> Transformer:
+    """A randomly initialised model."""
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def _path_name(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """Name -> shape/dtype of every parameter, without allocating any."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    return {_path_name(p): v.get_value() for p, v in nnx.to_flat_state(state)}
+
+
+def get_params(model: Transformer) -> dict[str, np.ndarray]:
+    """Name -> host copy of every parameter."""
+    state = nnx.state(model, nnx.Param)
+    return {_path_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+
+
+def model_from_params(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> Transformer:
+    """Build a model whose parameters are exactly `params` (names and shapes must match).
+
+    No random initialisation runs: the module graph is built abstractly and filled in.
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = []
+    expected = set()
+    for path, var in nnx.to_flat_state(state):
+        name = _path_name(path)
+        expected.add(name)
+        if name not in params:
+            raise KeyError(f"parameter {name!r} is missing")
+        spec = var.get_value()
+        value = np.asarray(params[name])
+        if tuple(value.shape) != tuple(spec.shape):
+            raise ValueError(f"parameter {name!r} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
+        flat.append((path, var.replace(jnp.asarray(value, dtype=spec.dtype))))
+    extra = sorted(set(params) - expected)
+    if extra:
+        raise KeyError(f"unexpected parameters: {extra[:5]}")
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def param_count(model_or_cfg: Transformer | ModelConfig) -> int:
+    if isinstance(model_or_cfg, ModelConfig):
+        return int(sum(np.prod(s.shape) for s in param_shapes(model_or_cfg).values()))
+    return int(sum(v.size for v in get_params(model_or_cfg).values()))

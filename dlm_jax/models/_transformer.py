@@ -1,0 +1,280 @@
+"""The one transformer behind every dLLM variant (Flax NNX).
+
+Axes: B batch, T window (query) length, P prefix-cache length, K = P + T key length,
+D model width, H query heads, Hkv key/value heads, G = H // Hkv, Dh head width, L layers,
+V vocabulary, E experts, F FFN width.
+
+The forward pass serves training (full sequence, any mask, no cache) and decoding (explicit
+positions, a [B, T, P+T] visibility mask, an external prefix K/V cache in, the window's K/V
+out), which is the decode-step contract of DESIGN.md. Cached K is stored after RoPE.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dlm_jax._config import ModelConfig
+from dlm_jax.models._masks import _mode_rule
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+_init = nnx.initializers.normal(stddev=0.02)
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array  # [B, T or R, V] float32
+    k: jax.Array  # [L, B, T, Hkv, Dh] the window's keys (post-RoPE)
+    v: jax.Array  # [L, B, T, Hkv, Dh]
+
+
+def _dtype(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+class RMSNorm(nnx.Module):
+    """`scale * x * rsqrt(mean(x^2) + eps)`, the statistic taken in float32."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def _linear(cfg: ModelConfig, d_in: int, d_out: int, *, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=_dtype(cfg.dtype),
+                      param_dtype=_dtype(cfg.param_dtype), kernel_init=_init, rngs=rngs)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, T, 1, Dh] in float32 (rotate-half convention)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate [B, T, heads, Dh] by the tables; computed in float32, returned in x.dtype."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    q: [B, T, H, Dh]; k, v: [B, K, Hkv, Dh]; mask: [B, T, K] bool (True = visible) or an
+    additive float bias. Returns [B, T, H, Dh]. Scores and softmax in float32.
+    """
+    b, t, h, dh = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, h // hkv, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(dh)))
+    if mask.dtype == jnp.bool_:
+        scores = jnp.where(mask[:, None, None], scores, _NEG)
+    else:
+        scores = scores + mask[:, None, None].astype(jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, dh)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, hkv, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = h, hkv, dh
+        self.q_proj = _linear(cfg, d, h * dh, bias=cfg.qkv_bias, rngs=rngs)
+        self.k_proj = _linear(cfg, d, hkv * dh, bias=cfg.qkv_bias, rngs=rngs)
+        self.v_proj = _linear(cfg, d, hkv * dh, bias=cfg.qkv_bias, rngs=rngs)
+        self.o_proj = _linear(cfg, h * dh, d, bias=False, rngs=rngs)
+        pd = _dtype(cfg.param_dtype)
+        self.q_norm = RMSNorm(dh, eps=cfg.norm_eps, param_dtype=pd) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(dh, eps=cfg.norm_eps, param_dtype=pd) if cfg.qk_norm else None
+
+    def __call__(self, x, cos, sin, mask, k_cache, v_cache):
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = k, v
+        if k_cache is not None:
+            keys = jnp.concatenate([k_cache.astype(k.dtype), k], axis=1)
+            values = jnp.concatenate([v_cache.astype(v.dtype), v], axis=1)
+        out = attend(q, keys, values, mask)
+        return self.o_proj(out.reshape(b, t, -1)), k, v
+
+
+class DenseFFN(nnx.Module):
+    """`swiglu`: down(silu(gate(x)) * up(x)); `relu`: down(relu(up(x)))."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int, *, kind: str, rngs: nnx.Rngs):
+        self.gate_proj = _linear(cfg, cfg.d_model, hidden, bias=False, rngs=rngs) if kind == "swiglu" else None
+        self.up_proj = _linear(cfg, cfg.d_model, hidden, bias=False, rngs=rngs)
+        self.down_proj = _linear(cfg, hidden, cfg.d_model, bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.gate_proj is None:
+            return self.down_proj(jax.nn.relu(self.up_proj(x)))
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(cfg: ModelConfig, logits: jax.Array, expert_bias: jax.Array | None) -> jax.Array:
+    """Dense combine weights [N, E] (zero for unselected experts) from router logits [N, E].
+
+    softmax (Qwen3-MoE): top-k of softmax probabilities, optionally renormalised.
+    sigmoid (LLaDA2.0, DeepSeek-V3): select by sigmoid score + bias (group-limited when
+    n_expert_groups > 1, a group scored by its two best experts), weight by the unbiased
+    score, optionally renormalised, then scaled by `routed_scaling`.
+    """
+    n, e = logits.shape
+    k = cfg.n_experts_per_tok
+    if cfg.router == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        choice = scores
+    else:
+        scores = jax.nn.sigmoid(logits)
+        choice = scores if expert_bias is None else scores + expert_bias.astype(jnp.float32)
+        if cfg.n_expert_groups > 1:
+            grouped = choice.reshape(n, cfg.n_expert_groups, e // cfg.n_expert_groups)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, groups]
+            _, top_groups = jax.lax.top_k(group_scores, cfg.topk_groups)
+            keep = jax.nn.one_hot(top_groups, cfg.n_expert_groups, dtype=jnp.bool_).any(1)
+            keep = jnp.repeat(keep, e // cfg.n_expert_groups, axis=1)
+            choice = jnp.where(keep, choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, k)  # [N, k]
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if cfg.norm_topk_prob:
+        denom = weights.sum(-1, keepdims=True)
+        weights = weights / (denom + 1e-20 if cfg.router == "sigmoid" else denom)
+    weights = weights * cfg.routed_scaling
+    return jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(idx, e, dtype=weights.dtype))
+
+
+class MoEFFN(nnx.Module):
+    """Routed SwiGLU experts plus optional shared experts.
+
+    Every expert is evaluated densely and combined with zero weights for unselected experts:
+    static shapes and exact, at E/k times the FLOPs of a gathered implementation.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, d, f = cfg.n_experts, cfg.d_model, cfg.moe_ffn_hidden
+        pd = _dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.router = nnx.Linear(d, e, use_bias=False, dtype=jnp.float32, param_dtype=pd,
+                                 kernel_init=_init, rngs=rngs)
+        self.expert_bias = nnx.Param(jnp.zeros((e,), jnp.float32)) if cfg.router_bias else None
+        self.gate = nnx.Param(_init(rngs.params(), (e, d, f), pd))
+        self.up = nnx.Param(_init(rngs.params(), (e, d, f), pd))
+        self.down = nnx.Param(_init(rngs.params(), (e, f, d), pd))
+        self.shared = (DenseFFN(cfg, cfg.n_shared_experts * f, kind="swiglu", rngs=rngs)
+                       if cfg.n_shared_experts else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        logits = flat.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
+        bias = None if self.expert_bias is None else self.expert_bias[...]
+        combine = route(self.cfg, logits, bias).astype(x.dtype)  # [N, E]
+        gate = jnp.einsum("nd,edf->nef", flat, self.gate[...].astype(x.dtype))
+        up = jnp.einsum("nd,edf->nef", flat, self.up[...].astype(x.dtype))
+        y = jnp.einsum("nef,efd->ned", jax.nn.silu(gate) * up, self.down[...].astype(x.dtype))
+        out = jnp.einsum("ne,ned->nd", combine, y).reshape(b, t, d)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        pd = _dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pd)
+        if cfg.is_moe_layer(layer):
+            self.ffn = MoEFFN(cfg, rngs=rngs)
+        else:
+            kind = "swiglu" if cfg.ffn == "moe" else cfg.ffn
+            self.ffn = DenseFFN(cfg, cfg.ffn_hidden, kind=kind, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask, k_cache, v_cache):
+        attn_out, k, v = self.attn(self.attn_norm(x), cos, sin, mask, k_cache, v_cache)
+        h = x + attn_out
+        return h + self.ffn(self.ffn_norm(h)), k, v
+
+
+class Transformer(nnx.Module):
+    """Embedding, L blocks, final RMSNorm and the output head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = nnx.Embed(cfg.embedding_rows, cfg.d_model, dtype=_dtype(cfg.dtype),
+                               param_dtype=_dtype(cfg.param_dtype), embedding_init=_init, rngs=rngs)
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=_dtype(cfg.param_dtype))
+        self.lm_head = (None if cfg.tie_embeddings else
+                        _linear(cfg, cfg.d_model, cfg.embedding_rows, bias=False, rngs=rngs))
+
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 mask: jax.Array | None = None, k_cache: jax.Array | None = None,
+                 v_cache: jax.Array | None = None,
+                 logit_rows: jax.Array | None = None) -> ModelOutput:
+        """Forward pass.
+
+        Args:
+          tokens: [B, T] int32 token ids.
+          positions: [B, T] absolute positions; default 0..T-1.
+          mask: [B, T, P+T] visibility (bool, True = visible) over cache slots then window
+            slots; default the configured attention mode over `positions` (needs no cache).
+          k_cache, v_cache: [L, B, P, Hkv, Dh] prefix keys/values (post-RoPE), or None.
+          logit_rows: [B, R] rows of the window whose logits are wanted; default all rows.
+
+        Returns:
+          ModelOutput(logits [B, R or T, V] float32, k, v [L, B, T, Hkv, Dh]).
+        """
+        cfg = self.config
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if mask is None:
+            if k_cache is not None:
+                raise ValueError("a prefix cache needs an explicit [B, T, P+T] mask")
+            mask = jnp.asarray(_mode_rule(cfg.attention, positions[:, :, None],
+                                          positions[:, None, :], cfg.block_size))
+            mask = jnp.broadcast_to(mask, (b, t, t))
+        if (k_cache is None) != (v_cache is None):
+            raise ValueError("k_cache and v_cache must be given together")
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        x = self.embed(tokens)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            kc = None if k_cache is None else k_cache[i]
+            vc = None if v_cache is None else v_cache[i]
+            x, k, v = layer(x, cos, sin, mask, kc, vc)
+            ks.append(k)
+            vs.append(v)
+        x = self.final_norm(x)
+        if logit_rows is not None:
+            x = jnp.take_along_axis(x, logit_rows[:, :, None].astype(jnp.int32), axis=1)
+        return ModelOutput(self.head(x), jnp.stack(ks), jnp.stack(vs))
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Output logits [..., V] in float32 from final hidden states [..., D]."""
+        x32 = x.astype(jnp.float32)
+        if self.lm_head is None:
+            w = self.embed.embedding[...].astype(jnp.float32).T
+        else:
+            w = self.lm_head.kernel[...].astype(jnp.float32)
+        return (x32 @ w)[..., : self.config.vocab_size]

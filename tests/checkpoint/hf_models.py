@@ -1,0 +1,113 @@
+"""Tiny random `transformers` models saved to disk: the references nobody here wrote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers as T
+
+from dlm_jax.checkpoint import load_file, save_file
+
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              rms_norm_eps=1e-6)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+
+BUILDERS = {
+    "llama": lambda: (T.LlamaConfig, T.LlamaForCausalLM, dict(rope_theta=500000.0)),
+    "qwen2": lambda: (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+    "qwen3": lambda: (T.Qwen3Config, T.Qwen3ForCausalLM, dict(head_dim=16)),
+    "qwen3_tied": lambda: (T.Qwen3Config, T.Qwen3ForCausalLM, dict(head_dim=8, tie_word_embeddings=True)),
+    "qwen3_moe": lambda: (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
+                          dict(head_dim=8, num_experts=4, norm_topk_prob=True, mlp_only_layers=[0], **MOE)),
+    "dots1": lambda: (T.Dots1Config, T.Dots1ForCausalLM,
+                      dict(head_dim=8, n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
+                           first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5, **MOE)),
+}
+
+
+def build(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny model with every parameter and buffer randomised (biases, norms, router bias)."""
+    config_cls, model_cls, extra = BUILDERS[kind]()
+    torch.manual_seed(seed)
+    config = config_cls(**{**COMMON, **extra})
+    config._attn_implementation = "eager"
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in name or not p.is_floating_point():
+                continue
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def logits(model: torch.nn.Module, ids: np.ndarray, *, bidirectional: bool = False) -> np.ndarray:
+    """Reference logits; `bidirectional` passes an all-visible 4D mask (LLaDA/Dream style)."""
+    tokens = torch.as_tensor(ids, dtype=torch.long)
+    kwargs = {}
+    if bidirectional:
+        b, t = ids.shape
+        kwargs["attention_mask"] = torch.zeros(b, 1, t, t, dtype=torch.float32)
+    with torch.no_grad():
+        return model(tokens, **kwargs).logits.float().numpy()
+
+
+def llama_to_llada(src: Path, dst: Path, *, mask_token_id: int) -> None:
+    """Rewrite an HF Llama checkpoint in LLaDA's layout (../shared/formats/llada.md)."""
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    rename = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj",
+              "self_attn.o_proj": "attn_out", "mlp.gate_proj": "ff_proj", "mlp.up_proj": "up_proj",
+              "mlp.down_proj": "ff_out", "input_layernorm": "attn_norm",
+              "post_attention_layernorm": "ff_norm"}
+    out = {}
+    for name, value in tensors.items():
+        if name == "model.embed_tokens.weight":
+            out["model.transformer.wte.weight"] = value
+        elif name == "model.norm.weight":
+            out["model.transformer.ln_f.weight"] = value
+        elif name == "lm_head.weight":
+            out["model.transformer.ff_out.weight"] = value
+        else:
+            _, _, i, rest = name.split(".", 3)
+            module, leaf = rest.rsplit(".", 1)
+            out[f"model.transformer.blocks.{i}.{rename[module]}.{leaf}"] = value
+    llada = {
+        "architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": cfg["hidden_size"],
+        "n_heads": cfg["num_attention_heads"], "n_kv_heads": cfg["num_key_value_heads"],
+        "n_layers": cfg["num_hidden_layers"], "mlp_hidden_size": cfg["intermediate_size"],
+        "mlp_ratio": 4, "activation_type": "silu", "block_type": "llama", "rope": True,
+        "rope_theta": cfg["rope_parameters"]["rope_theta"], "layer_norm_type": "rms",
+        "rms_norm_eps": cfg["rms_norm_eps"], "vocab_size": cfg["vocab_size"],
+        "embedding_size": cfg["vocab_size"], "weight_tying": False, "mask_token_id": mask_token_id,
+        "eos_token_id": 2, "pad_token_id": 2, "max_sequence_length": 128, "include_bias": False,
+        "include_qkv_bias": False, "scale_logits": False, "input_emb_norm": False,
+        "attention_layer_norm": False, "alibi": False, "alibi_bias_max": 8.0,
+        "attention_dropout": 0.0, "attention_layer_norm_with_affine": True,
+        "auto_map": {"AutoModel": "modeling_llada.LLaDAModelLM"}, "bias_for_layer_norm": False,
+        "block_group_size": 1, "embedding_dropout": 0.0, "flash_attention": False,
+        "init_cutoff_factor": None, "init_device": "meta", "init_fn": "mitchell", "init_std": 0.02,
+        "layer_norm_with_affine": True, "multi_query_attention": None, "precision": "amp_bf16",
+        "residual_dropout": 0.0, "rope_full_precision": True, "torch_dtype": "float32",
+        "transformers_version": "4.46.3", "use_cache": False,
+    }
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_text(json.dumps(llada, indent=2))
+    save_file(out, dst / "model.safetensors")
+
+
+def qwen2_to_dream(src: Path, dst: Path, *, mask_token_id: int) -> None:
+    """Dream ships Qwen2 tensors under `model_type: Dream` with a mask token."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(model_type="Dream", architectures=["DreamModel"], mask_token_id=mask_token_id,
+               auto_map={"AutoModel": "modeling_dream.DreamModel"})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
