@@ -3,21 +3,35 @@
     model = dlm_jax.load_pretrained("path/to/checkpoint")     # any supported HF family
     tokenizer = dlm_jax.load_tokenizer("path/to/checkpoint")
     out = model(tokens, positions=..., mask=..., k_cache=..., v_cache=...)
+
+Exports load lazily: the NumPy-only parts (configs, tokenizers, safetensors) never import JAX.
 """
 
-from dlm_jax._config import ConfigError, ModelConfig
-from dlm_jax._tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from dlm_jax.checkpoint import (FAMILIES, CheckpointError, load_config, load_pretrained,
-                                save_pretrained)
-from dlm_jax.models import (ModelOutput, Transformer, attention_mask, get_params, init_model,
-                            model_from_params, padded_mask, param_count,
-                            visibility_from_positions)
+from dlm_jax._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "FAMILIES", "ByteTokenizer", "CheckpointError", "ConfigError", "HFTokenizer", "ModelConfig",
-    "ModelOutput", "Tokenizer", "Transformer", "attention_mask", "get_params", "init_model",
-    "load_config", "load_pretrained", "load_tokenizer", "model_from_params", "padded_mask",
-    "param_count", "save_pretrained", "visibility_from_positions",
-]
+_EXPORTS = {
+    "ConfigError": "dlm_jax._errors",
+    "CheckpointError": "dlm_jax._errors",
+    "ModelConfig": "dlm_jax._config",
+    "ByteTokenizer": "dlm_jax._tokenizer",
+    "HFTokenizer": "dlm_jax._tokenizer",
+    "Tokenizer": "dlm_jax._tokenizer",
+    "load_tokenizer": "dlm_jax._tokenizer",
+    "FAMILIES": "dlm_jax.checkpoint._families",
+    "load_config": "dlm_jax.checkpoint._io",
+    "load_pretrained": "dlm_jax.checkpoint._io",
+    "save_pretrained": "dlm_jax.checkpoint._io",
+    "ModelOutput": "dlm_jax.models._transformer",
+    "Transformer": "dlm_jax.models._transformer",
+    "attention_mask": "dlm_jax.models._masks",
+    "padded_mask": "dlm_jax.models._masks",
+    "visibility_from_positions": "dlm_jax.models._masks",
+    "get_params": "dlm_jax.models._params",
+    "init_model": "dlm_jax.models._params",
+    "model_from_params": "dlm_jax.models._params",
+    "param_count": "dlm_jax.models._params",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

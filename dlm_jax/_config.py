@@ -12,6 +12,8 @@ import dataclasses
 import json
 from typing import Any, Literal
 
+from dlm_jax._errors import ConfigError
+
 AttentionMode = Literal["bidirectional", "block_causal", "causal"]
 FfnKind = Literal["swiglu", "relu", "moe"]
 RouterKind = Literal["softmax", "sigmoid"]
@@ -20,10 +22,6 @@ ATTENTION_MODES: tuple[str, ...] = ("bidirectional", "block_causal", "causal")
 FFN_KINDS: tuple[str, ...] = ("swiglu", "relu", "moe")
 ROUTER_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A model or decode configuration value is invalid; the message names the field."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from dlm_jax.checkpoint._safetensors import CheckpointError
+from dlm_jax._errors import CheckpointError
 
 Message = Mapping[str, str]  # {"role": "user" | "assistant" | "system", "content": str}
 

@@ -23,6 +23,14 @@ def test_help_runs_and_runtime_imports_no_torch():
         assert command in out
 
 
+def test_numpy_only_parts_import_without_jax():
+    """Config, tokenizers, safetensors I/O and masks must run where only NumPy exists."""
+    code = ("import sys, dlm_jax, dlm_jax.checkpoint._safetensors, dlm_jax.checkpoint._families;"
+            "from dlm_jax import ModelConfig, ByteTokenizer, HFTokenizer, CheckpointError, attention_mask;"
+            "assert 'jax' not in sys.modules and 'flax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_demo_decodes_every_position(capsys):
     assert main(["demo", "--gen", "16", "--steps", "8", "--block", "8"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

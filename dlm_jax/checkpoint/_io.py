@@ -21,7 +21,8 @@ import numpy as np
 from dlm_jax._config import ConfigError, ModelConfig
 from dlm_jax.checkpoint import _names
 from dlm_jax.checkpoint._families import Family, family_for, get_family
-from dlm_jax.checkpoint._safetensors import CheckpointError, TensorInfo, read_header, save_file
+from dlm_jax._errors import CheckpointError
+from dlm_jax.checkpoint._safetensors import TensorInfo, read_header, save_file
 from dlm_jax.models import get_params, model_from_params, param_shapes
 from dlm_jax.models._transformer import Transformer
 

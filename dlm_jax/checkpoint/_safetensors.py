@@ -18,6 +18,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from dlm_jax._errors import CheckpointError
+
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -26,10 +28,6 @@ DTYPES: dict[str, np.dtype] = {
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (config, tensor file or index) is missing, corrupt or inconsistent."""
 
 
 class TensorInfo:

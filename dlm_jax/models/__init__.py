@@ -1,12 +1,21 @@
-"""The shared transformer, its masks and parameter helpers."""
+"""The shared transformer, its masks and parameter helpers (masks import without JAX)."""
 
-from dlm_jax.models._masks import attention_mask, padded_mask, visibility_from_positions
-from dlm_jax.models._params import (get_params, init_model, model_from_params, param_count,
-                                    param_shapes)
-from dlm_jax.models._transformer import ModelOutput, Transformer, apply_rope, attend, rope_tables
+from dlm_jax._lazy import lazy_exports
 
-__all__ = [
-    "ModelOutput", "Transformer", "apply_rope", "attend", "attention_mask", "get_params",
-    "init_model", "model_from_params", "padded_mask", "param_count", "param_shapes",
-    "rope_tables", "visibility_from_positions",
-]
+_EXPORTS = {
+    "attention_mask": "dlm_jax.models._masks",
+    "padded_mask": "dlm_jax.models._masks",
+    "visibility_from_positions": "dlm_jax.models._masks",
+    "get_params": "dlm_jax.models._params",
+    "init_model": "dlm_jax.models._params",
+    "model_from_params": "dlm_jax.models._params",
+    "param_count": "dlm_jax.models._params",
+    "param_shapes": "dlm_jax.models._params",
+    "ModelOutput": "dlm_jax.models._transformer",
+    "Transformer": "dlm_jax.models._transformer",
+    "apply_rope": "dlm_jax.models._transformer",
+    "attend": "dlm_jax.models._transformer",
+    "rope_tables": "dlm_jax.models._transformer",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

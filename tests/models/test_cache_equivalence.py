@@ -104,3 +104,18 @@ def test_masks_follow_their_rules():
     np.testing.assert_array_equal(attention_mask("causal", 4), np.tril(np.ones((4, 4), bool)))
     bc = attention_mask("block_causal", 6, block_size=2)
     assert bc[1, 0] and bc[0, 1] and bc[2, 1] and not bc[1, 2] and bc[5, 0]
+
+
+@pytest.mark.parametrize("ffn", ["swiglu", "moe_sigmoid"])
+def test_bfloat16_compute_tracks_float32(ffn):
+    """bf16 activations (fp32 softmax, norms and RoPE) stay close to the fp32 forward."""
+    import dlm_jax
+
+    model = _model("bidirectional", ffn)
+    cfg16 = model.config.replace(dtype="bfloat16", param_dtype="bfloat16")
+    model16 = dlm_jax.model_from_params(cfg16, dlm_jax.get_params(model))
+    tokens = _tokens()
+    ref = np.asarray(model(tokens).logits)
+    out = model16(tokens)
+    assert out.logits.dtype == jnp.float32 and out.k.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(out.logits) - ref).max() < 0.05 * np.abs(ref).max()
