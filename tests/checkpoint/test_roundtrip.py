@@ -74,3 +74,17 @@ def test_relu_ffn_round_trips_natively(tmp_path):
     model = dlm_jax.init_model(cfg)
     dlm_jax.save_pretrained(model, tmp_path / "m")
     _same_params(model, dlm_jax.load_pretrained(tmp_path / "m"))
+
+
+def test_bfloat16_checkpoint_loads_bit_exact(tmp_path):
+    """Real checkpoints ship bf16: values arrive unchanged, as bf16 parameters."""
+    import torch
+
+    model = build("qwen3").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    ours = dlm_jax.load_pretrained(tmp_path / "bf16")
+    assert ours.config.param_dtype == "bfloat16"
+    q = dlm_jax.get_params(ours)["layers.1.attn.q_proj.kernel"]
+    ref = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T
+    assert q.dtype.name == "bfloat16"
+    np.testing.assert_array_equal(q.astype(np.float32), ref)
