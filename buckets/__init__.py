@@ -1,7 +1,22 @@
-"""Static token buckets: bucket sets, padding, per-bucket AOT compilation, latency tables.
+"""Static token buckets: bucket sets and padding (NumPy), per-bucket AOT compilation with a
+compile counter and the persistent cache, latency profiling into latency tables."""
 
-Planned contents (see DESIGN.md, "Packages"): window and cache bucket sets, bucket selection
-and padding helpers, ahead-of-time compilation per bucket with a compile counter and JAX's
-persistent cache, and latency profiling into JSON tables and plots. Nothing is implemented
-here yet.
-"""
+from dlm_jax._lazy import lazy_exports
+
+_EXPORTS = {
+    "BucketKey": "buckets._sets",
+    "BucketSet": "buckets._sets",
+    "DEFAULT_BATCH_BUCKETS": "buckets._sets",
+    "DEFAULT_WINDOW_BUCKETS": "buckets._sets",
+    "cache_buckets": "buckets._sets",
+    "pad_axis": "buckets._sets",
+    "window_buckets": "buckets._sets",
+    "LatencyEntry": "buckets._latency",
+    "LatencyTable": "buckets._latency",
+    "profile_executor": "buckets._profile",
+    "CompiledBuckets": "buckets._compile",
+    "XlaCompileCounter": "buckets._compile",
+    "enable_persistent_cache": "buckets._compile",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -1,8 +1,8 @@
 """dlm-jax: diffusion language models from training meshes to phone NPUs.
 
-    model = dlm_jax.load_pretrained("path/to/checkpoint")     # any supported HF family
-    tokenizer = dlm_jax.load_tokenizer("path/to/checkpoint")
-    out = model(tokens, positions=..., mask=..., k_cache=..., v_cache=...)
+    model = dlm_jax.load("path/to/checkpoint")               # any supported HF family
+    result = model.generate("Q: 12+30=?", dlm_jax.preset("frechet", gen_len=64))
+    print(result.texts[0], result.stats.nfe)
 
 Exports load lazily: the NumPy-only parts (configs, tokenizers, safetensors) never import JAX.
 """
@@ -13,6 +13,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ConfigError": "dlm_jax._errors",
+    "DecodeConfig": "dlm_jax.runtime.config",
+    "PRESETS": "dlm_jax.runtime.config",
+    "preset": "dlm_jax.runtime.config",
+    "Model": "dlm_jax.api",
+    "GenerateResult": "dlm_jax.api",
+    "load": "dlm_jax.api",
     "CheckpointError": "dlm_jax._errors",
     "ModelConfig": "dlm_jax._config",
     "ByteTokenizer": "dlm_jax._tokenizer",

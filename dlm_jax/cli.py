@@ -9,9 +9,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 DEMO_PROMPT = "Q: 12+30=? A:"
+_DECODE_FIELDS = ("gen_len", "block_len", "steps", "cache", "rule", "threshold", "factor", "delta",
+                  "confidence", "remasking", "temperature", "seed")
 
 
 def _tiny_config():
@@ -25,56 +25,60 @@ def _tiny_config():
         bos_token_id=tok.bos_id)
 
 
-def _decode_loop(model, tok, prompt: str, args: argparse.Namespace) -> None:
-    from tqdm import tqdm
+def decode_config(args: argparse.Namespace):
+    """The preset named by --preset, with every decode option given on the command line."""
+    from dlm_jax import preset
 
-    from dlm_jax._vanilla import generate_vanilla
+    changes = {f: getattr(args, f) for f in _DECODE_FIELDS if getattr(args, f, None) is not None}
+    return preset(args.preset, **changes)
 
-    ids = np.asarray([tok.encode(prompt)], dtype=np.int32)
-    if ids.shape[1] == 0:
-        raise SystemExit("error: the prompt is empty")
-    p = ids.shape[1]
-    bar = tqdm(total=args.gen // args.block, desc="blocks", unit="block", file=sys.stderr)
 
-    def on_block(blk: int, x: np.ndarray) -> None:
-        bar.update(1)
-        lo, hi = p + blk * args.block, p + (blk + 1) * args.block
-        bar.write(f"[block {blk}] {tok.decode(x[0, lo:hi])!r}", file=sys.stderr)
+def _run_generate(handle, prompt: str, cfg, *, chat: bool, stream: bool) -> dict:
+    shown = [""]
 
-    result = generate_vanilla(model, ids, gen_len=args.gen, steps=args.steps, block_len=args.block,
-                              temperature=args.temperature, seed=args.seed, on_block=on_block)
-    bar.close()
-    text = tok.decode(result.tokens[0, p:])
-    print(json.dumps({"prompt": prompt, "completion": text, "nfe": result.nfe,
-                      "seconds": round(result.seconds, 3),
-                      "tokens_per_second": round(args.gen / result.seconds, 1)}, ensure_ascii=False))
+    def on_block(i: int, texts: list[str]) -> None:
+        if stream:
+            new = texts[0][len(shown[0]):]
+            shown[0] = texts[0]
+            print(new, end="", flush=True)
+
+    result = handle.generate(prompt, cfg, chat=chat, on_block=on_block)
+    if stream:
+        print(result.texts[0][len(shown[0]):], flush=True)
+    return {"prompt": prompt, "completion": result.texts[0], "decoder": {f: getattr(cfg, f) for f in _DECODE_FIELDS},
+            "stats": result.stats.to_dict()}
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Build a random tiny model, save and reload it through the HF layout, and decode."""
+    """Save and reload a random tiny model through the HF layout, then decode with the
+    default fast decoder and with LLaDA's vanilla decoder."""
+    import numpy as np
+
     import dlm_jax
 
     tok, cfg = _tiny_config()
-    model = dlm_jax.init_model(cfg, seed=args.seed)
+    model = dlm_jax.init_model(cfg, seed=args.seed or 0)
     with tempfile.TemporaryDirectory() as tmp:
         path = dlm_jax.save_pretrained(model, Path(tmp) / "tiny", tokenizer=tok)
-        reloaded = dlm_jax.load_pretrained(path)
-        tok = dlm_jax.load_tokenizer(path)
-    same = all(np.array_equal(a, reloaded_p) for a, reloaded_p in
-               zip(dlm_jax.get_params(model).values(), dlm_jax.get_params(reloaded).values()))
-    print(f"model: random-initialised {dlm_jax.param_count(cfg):,}-parameter {cfg.attention} "
-          f"transformer (untrained: its text is noise); save/load round trip identical: {same}",
-          file=sys.stderr)
-    _decode_loop(reloaded, tok, args.prompt, args)
+        handle = dlm_jax.load(path)
+    same = all(np.array_equal(a, b) for a, b in zip(dlm_jax.get_params(model).values(),
+                                                    dlm_jax.get_params(handle.model).values()))
+    print(f"model: random-initialised {dlm_jax.param_count(cfg):,}-parameter {cfg.attention} transformer "
+          f"(untrained: its text is noise); save/load round trip identical: {same}", file=sys.stderr)
+    for name in ("fast-dllm", "llada"):
+        args.preset = name
+        report = _run_generate(handle, args.prompt, decode_config(args), chat=False, stream=False)
+        print(json.dumps({"preset": name, **report}, ensure_ascii=False))
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import dlm_jax
 
-    model = dlm_jax.load_pretrained(args.model)
-    tok = dlm_jax.load_tokenizer(args.model)
-    _decode_loop(model, tok, args.prompt, args)
+    cfg = decode_config(args)  # bad options fail before the model loads
+    handle = dlm_jax.load(args.model)
+    report = _run_generate(handle, args.prompt, cfg, chat=args.chat, stream=True)
+    print(json.dumps(report["stats"]), file=sys.stderr)
     return 0
 
 
@@ -100,25 +104,45 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from buckets._profile import profile_model
+
+    profile_model(args.model, out=Path(args.out), windows=args.windows, caches=args.caches,
+                  batch=args.batch, repeats=args.repeats)
+    return 0
+
+
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
+    from dlm_jax.runtime.config import CACHE_MODES, CONFIDENCES, PRESETS, REMASKING, RULES
+
     p.add_argument("--prompt", default=DEMO_PROMPT, help="prompt text")
-    p.add_argument("--gen", type=int, default=32, help="tokens to generate")
-    p.add_argument("--steps", type=int, default=32, help="denoising steps in total")
-    p.add_argument("--block", type=int, default=16, help="semi-autoregressive block length")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="fast-dllm", choices=sorted(PRESETS),
+                   help="decoder preset; the options below override it")
+    p.add_argument("--gen", dest="gen_len", type=int, help="tokens to generate")
+    p.add_argument("--block", dest="block_len", type=int, help="block length")
+    p.add_argument("--steps", type=int, help="total steps for --rule topk")
+    p.add_argument("--cache", choices=CACHE_MODES)
+    p.add_argument("--rule", choices=RULES)
+    p.add_argument("--threshold", type=float)
+    p.add_argument("--factor", type=float)
+    p.add_argument("--delta", type=float)
+    p.add_argument("--confidence", choices=CONFIDENCES)
+    p.add_argument("--remasking", choices=REMASKING)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--seed", type=int)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dlm_jax.checkpoint import FAMILIES
+    from dlm_jax.checkpoint._families import FAMILIES
 
-    parser = argparse.ArgumentParser(prog="dlm-jax", description=__doc__.strip() + " Diffusion LMs from training to phones.")
+    parser = argparse.ArgumentParser(prog="dlm-jax", description="Diffusion LMs from training to phones.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="save, reload and decode a random tiny model (no weights needed)")
     _add_decode_options(p)
-    p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("generate", help="decode with LLaDA's low-confidence remasking (no cache)")
+    p.set_defaults(func=cmd_demo, gen_len=32, block_len=16)
+    p = sub.add_parser("generate", help="decode a prompt, printing text as blocks commit")
     p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _add_decode_options(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("inspect", help="print a checkpoint's family, config and size")
@@ -131,11 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default="dlm_jax", choices=sorted(FAMILIES))
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("profile", help="median step latency per bucket: JSON table + PNG plot")
+    p.add_argument("--model", help="checkpoint directory (default: a random tiny model)")
+    p.add_argument("--out", default="latency", help="output prefix (writes .json and .png)")
+    p.add_argument("--windows", type=int, nargs="*", help="window buckets to measure")
+    p.add_argument("--caches", type=int, nargs="*", help="cache buckets to measure")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=20)
+    p.set_defaults(func=cmd_profile)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dlm_jax import CheckpointError, ConfigError
+    from dlm_jax._errors import CheckpointError, ConfigError
 
     args = build_parser().parse_args(argv)
     try:

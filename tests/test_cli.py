@@ -19,23 +19,27 @@ def test_help_runs_and_runtime_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
     out = subprocess.run([sys.executable, "-m", "dlm_jax.cli", "--help"], check=True,
                          capture_output=True, text=True).stdout
-    for command in ("demo", "generate", "inspect", "convert"):
+    for command in ("demo", "generate", "inspect", "convert", "profile"):
         assert command in out
 
 
 def test_numpy_only_parts_import_without_jax():
-    """Config, tokenizers, safetensors I/O and masks must run where only NumPy exists."""
+    """Config, tokenizers, safetensors I/O, masks and the host runtime must run where only
+    NumPy exists (the on-device runner)."""
     code = ("import sys, dlm_jax, dlm_jax.checkpoint._safetensors, dlm_jax.checkpoint._families;"
             "from dlm_jax import ModelConfig, ByteTokenizer, HFTokenizer, CheckpointError, attention_mask;"
+            "import dlm_jax.runtime.decoder, dlm_jax.runtime.commit, dlm_jax.runtime.cache, buckets._latency;"
             "assert 'jax' not in sys.modules and 'flax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_demo_decodes_every_position(capsys):
-    assert main(["demo", "--gen", "16", "--steps", "8", "--block", "8"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["nfe"] == 8
-    assert "<|mask|>" not in result["completion"]
+def test_demo_runs_fast_and_vanilla_decoders(capsys):
+    assert main(["demo", "--gen", "16", "--block", "8"]) == 0
+    fast, vanilla = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert (fast["preset"], fast["decoder"]["cache"]) == ("fast-dllm", "prefix")
+    assert (vanilla["decoder"]["cache"], vanilla["decoder"]["rule"]) == ("none", "topk")
+    assert vanilla["stats"]["nfe"] == 16  # one token per step
+    assert "<|mask|>" not in fast["completion"]
 
 
 @pytest.fixture
@@ -47,9 +51,11 @@ def tiny_ckpt(tmp_path):
 
 
 def test_generate_inspect_convert(tiny_ckpt, tmp_path, capsys):
-    assert main(["generate", "--model", str(tiny_ckpt), "--prompt", "hi", "--gen", "8",
-                 "--steps", "8", "--block", "8"]) == 0
-    assert json.loads(capsys.readouterr().out.strip())["nfe"] == 8
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt", "hi", "--gen", "16", "--block", "8",
+                 "--cache", "dual", "--rule", "frechet", "--delta", "0.25"]) == 0
+    captured = capsys.readouterr()
+    stats = json.loads(captured.err.strip().splitlines()[-1])
+    assert 1 <= stats["nfe"] <= 16 and stats["tokens_committed"] == 16
     assert main(["inspect", "--model", str(tiny_ckpt)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["family"] == "dlm_jax" and info["config"]["d_model"] == 32
@@ -67,3 +73,16 @@ def test_errors_are_clear(tiny_ckpt, tmp_path, capsys):
     assert "no such checkpoint directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["convert", "--model", str(tiny_ckpt), "--out", "x", "--family", "gguf"])
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--gen", "30", "--block", "8"]) == 2
+    assert "block_len=8 must divide gen_len=30" in capsys.readouterr().err
+
+
+def test_profile_writes_table_and_plot(tmp_path, capsys):
+    from buckets import LatencyTable
+
+    assert main(["profile", "--out", str(tmp_path / "lat"), "--windows", "8", "32", "--caches", "0", "32",
+                 "--repeats", "2"]) == 0
+    table = LatencyTable.load(tmp_path / "lat.json")
+    assert {(e.window, e.cache) for e in table.entries} == {(8, 0), (32, 0), (8, 32), (32, 32)}
+    assert table.lookup(20, 10) == next(e.median_ms for e in table.entries if (e.window, e.cache) == (32, 32))
+    assert (tmp_path / "lat.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,87 @@
+"""Latency tables: median step latency per bucket, as JSON and as a plot (NumPy only).
+
+The table is what schedulers consult to price a window (llada.cpp's adaptive lookahead): the
+cost of a step is stepwise in the bucket size, not linear in the live token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dlm_jax._errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyEntry:
+    window: int
+    cache: int
+    batch: int
+    rows: int
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+
+
+@dataclasses.dataclass
+class LatencyTable:
+    device: str
+    model: dict[str, Any]
+    entries: list[LatencyEntry]
+
+    def lookup(self, window: int, cache: int = 0, batch: int = 1) -> float:
+        """Median ms of the smallest profiled bucket that holds (window, cache, batch)."""
+        fits = [e for e in self.entries if e.window >= window and e.cache >= cache and e.batch >= batch]
+        if not fits:
+            raise KeyError(f"no profiled bucket holds window={window}, cache={cache}, batch={batch}")
+        return min(fits, key=lambda e: (e.window, e.cache, e.batch)).median_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "model": self.model,
+                "entries": [dataclasses.asdict(e) for e in self.entries]}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> LatencyTable:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(data["device"], data["model"], [LatencyEntry(**e) for e in data["entries"]])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path}: not a latency table ({e})") from None
+
+    def plot(self, path: str | os.PathLike) -> Path:
+        """PNG of median latency against window bucket, one line per cache bucket."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for cache in sorted({e.cache for e in self.entries}):
+            pts = sorted((e.window, e.median_ms, e.p10_ms, e.p90_ms) for e in self.entries if e.cache == cache)
+            w, med, lo, hi = zip(*pts)
+            ax.step(w, med, where="pre", marker="o", label=f"cache {cache}")
+            ax.fill_between(w, lo, hi, step="pre", alpha=0.2)
+        ax.set_xlabel("window bucket (tokens)")
+        ax.set_ylabel("median step latency (ms)")
+        ax.set_title(f"decode step latency per bucket ({self.device})")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path

@@ -1,0 +1,96 @@
+"""Bucket sets: the static sizes compiled programs are built for, and padding to them.
+
+NumPy only (the on-device runner selects buckets too). A `BucketKey` names one compiled
+program: batch B, window width W, cache capacity P, requested logit rows R, and whether full
+logits rows are returned. The same key type is used to look up and to store executables.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Iterable
+
+import numpy as np
+
+from dlm_jax._errors import ConfigError
+
+# Tile-aligned window widths (multiples of 8; the HMX tile is 32 wide).
+DEFAULT_WINDOW_BUCKETS: tuple[int, ...] = (8, 16, 32, 64, 96, 128, 192, 256)
+DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSet:
+    """Sorted distinct sizes; `select(n)` is the smallest size >= n."""
+
+    sizes: tuple[int, ...]
+    name: str = "bucket"
+
+    def __post_init__(self) -> None:
+        sizes = tuple(int(s) for s in self.sizes)
+        if not sizes or any(s < 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ConfigError(f"{self.name} sizes={self.sizes} must be distinct, sorted and >= 0")
+        object.__setattr__(self, "sizes", sizes)
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1]
+
+    def select(self, n: int) -> int:
+        i = bisect.bisect_left(self.sizes, n)
+        if i == len(self.sizes):
+            raise ConfigError(f"{n} exceeds the largest {self.name} ({self.largest})")
+        return self.sizes[i]
+
+    def __iter__(self):
+        return iter(self.sizes)
+
+
+def window_buckets(max_len: int, base: Iterable[int] = DEFAULT_WINDOW_BUCKETS) -> BucketSet:
+    """Window widths: `base` below `max_len`, then multiples of 256, then `max_len` itself
+    (rounded up to a multiple of 8), so a whole sequence always fits one window."""
+    top = -(-max_len // 8) * 8
+    sizes = {s for s in base if s < top}
+    sizes.update(range(512, top, 256))
+    sizes.add(top)
+    return BucketSet(tuple(sorted(sizes)), "window bucket")
+
+
+def cache_buckets(max_len: int) -> BucketSet:
+    """Cache capacities: 0 (no cache), 32, then doubling up to `max_len` (rounded up to 32)."""
+    top = -(-max_len // 32) * 32
+    sizes = {0, top}
+    s = 32
+    while s < top:
+        sizes.add(s)
+        s *= 2
+    return BucketSet(tuple(sorted(sizes)), "cache bucket")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class BucketKey:
+    """One compiled step program: batch, window, cache capacity, logit rows, full logits."""
+
+    batch: int
+    window: int
+    cache: int
+    rows: int
+    full_logits: bool = False
+
+    def __str__(self) -> str:
+        return f"b{self.batch}_w{self.window}_p{self.cache}_r{self.rows}" + ("_full" if self.full_logits else "")
+
+
+def pad_axis(x: np.ndarray, size: int, *, axis: int, value=0) -> np.ndarray:
+    """Pad `x` with `value` at the end of `axis` up to `size` (no copy if already that size)."""
+    n = x.shape[axis]
+    if n == size:
+        return x
+    if n > size:
+        raise ValueError(f"axis {axis} has {n} entries, more than the bucket size {size}")
+    shape = list(x.shape)
+    shape[axis] = size
+    out = np.full(shape, value, dtype=x.dtype)  # np.pad is several times slower on the hot path
+    out[(slice(None),) * (axis % x.ndim) + (slice(0, n),)] = x
+    return out

@@ -1,0 +1,372 @@
+"""Commit rules: which masked positions of the current block a decode step unmasks.
+
+A decode step scores every masked position of the current block with a confidence (see
+`confidence_scores`) and a commit rule picks the positions whose predicted token is kept.
+Every rule works on the same arrays:
+
+  confidence: [B, W] float, one score per position of the block window (row b = sequence b);
+    only entries where `candidates` is True are read.
+  candidates: [B, W] bool, the masked positions of the current block that may be committed.
+  returns:    [B, W] bool, the positions to commit this step.
+
+Invariants shared by every rule: a committed position is always a candidate; a row with no
+candidates commits nothing; a row with at least one candidate commits at least one position
+(for `TopKRule` only when its scheduled count for the step is >= 1, exactly as in LLaDA).
+Candidates are ranked by confidence, highest first, with ties broken by the lower position
+index (a stable sort on -confidence), so every rule commits a prefix of that ranking.
+
+Rules:
+  TopKRule      LLaDA's low-confidence remasking with a fixed per-step schedule.
+  ThresholdRule Fast-dLLM's confidence threshold.
+  FactorRule    Fast-dLLM's factor rule, (n + 1) * (1 - c_(n)) < factor.
+  FrechetRule   Fast-dLLM++'s Frechet lower bound rule, G_n > delta.
+
+NumPy only: this module is part of the host runtime and must not import JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from dlm_jax._errors import ConfigError
+
+__all__ = [
+    "CONFIDENCE_KINDS",
+    "RULES",
+    "CommitRule",
+    "FactorRule",
+    "FrechetRule",
+    "ThresholdRule",
+    "TopKRule",
+    "confidence_scores",
+    "make_rule",
+    "num_transfer_tokens",
+]
+
+CONFIDENCE_KINDS: tuple[str, ...] = ("prob", "margin", "entropy")
+
+
+# --------------------------------------------------------------------------- confidence
+
+
+def confidence_scores(
+    kind: str,
+    top1_prob: np.ndarray,
+    top2_prob: np.ndarray | None = None,
+    entropy: np.ndarray | None = None,
+) -> np.ndarray:
+    """Score each position from the model's distribution there; higher = more confident.
+
+    Args:
+      kind: `prob` (LLaDA / Fast-dLLM: the top-1 probability), `margin` (Dream's
+        `topk_margin`: top-1 minus top-2 probability) or `entropy` (Dream's `entropy`:
+        minus the entropy of the distribution).
+      top1_prob: [B, W] float, the probability of the most likely token.
+      top2_prob: [B, W] float, the probability of the second most likely token (needed for
+        `margin` only).
+      entropy: [B, W] float, the entropy (nats) of the distribution (needed for `entropy` only).
+
+    Returns:
+      [B, W] float64 confidence. `prob` and `margin` lie in [0, 1] for valid inputs;
+      `entropy` scores are <= 0.
+
+    Raises:
+      ConfigError: `kind` is not one of `CONFIDENCE_KINDS`.
+      ValueError: an array the kind needs is missing, or the shapes differ.
+    """
+    if kind not in CONFIDENCE_KINDS:
+        raise ConfigError(f"confidence kind={kind!r} is not one of {CONFIDENCE_KINDS}")
+    top1 = np.asarray(top1_prob, dtype=np.float64)
+    if kind == "prob":
+        return top1.copy()
+    if kind == "margin":
+        if top2_prob is None:
+            raise ValueError("confidence kind='margin' needs top2_prob")
+        top2 = np.asarray(top2_prob, dtype=np.float64)
+        if top2.shape != top1.shape:
+            raise ValueError(f"top2_prob shape {top2.shape} != top1_prob shape {top1.shape}")
+        return top1 - top2
+    if entropy is None:
+        raise ValueError("confidence kind='entropy' needs entropy")
+    ent = np.asarray(entropy, dtype=np.float64)
+    if ent.shape != top1.shape:
+        raise ValueError(f"entropy shape {ent.shape} != top1_prob shape {top1.shape}")
+    return -ent
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def num_transfer_tokens(masked: np.ndarray, steps: int) -> np.ndarray:
+    """LLaDA's `get_num_transfer_tokens`: split each row's masked count evenly over `steps`.
+
+    Every step gets `count // steps` tokens and the first `count % steps` steps one more.
+
+    Args:
+      masked: [B, block] bool, the masked positions of a block before its first step.
+      steps: number of decode steps for the block (>= 1).
+
+    Returns:
+      [B, steps] int64; row b sums to the number of masked positions of row b.
+    """
+    if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < 1:
+        raise ConfigError(f"num_transfer_tokens steps={steps!r} must be a positive integer")
+    masked = np.asarray(masked)
+    if masked.ndim != 2:
+        raise ValueError(f"masked must be [B, block], got shape {masked.shape}")
+    count = masked.astype(bool).sum(axis=1).astype(np.int64)  # [B]
+    base = count // steps
+    remainder = count % steps
+    extra = np.arange(steps)[None, :] < remainder[:, None]  # [B, steps]
+    return base[:, None] + extra.astype(np.int64)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_inputs(confidence: np.ndarray, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Validate and normalise ([B, W] float64 confidence, [B, W] bool candidates)."""
+    confidence = np.asarray(confidence, dtype=np.float64)
+    candidates = np.asarray(candidates)
+    if confidence.ndim != 2:
+        raise ValueError(f"confidence must be [B, W], got shape {confidence.shape}")
+    if candidates.shape != confidence.shape:
+        raise ValueError(f"candidates shape {candidates.shape} != confidence shape {confidence.shape}")
+    if candidates.dtype != np.bool_:
+        raise ValueError(f"candidates must be a bool mask, got dtype {candidates.dtype}")
+    if np.isnan(confidence[candidates]).any():
+        raise ValueError("confidence is NaN at a candidate position")
+    return confidence, candidates
+
+
+def _rank(confidence: np.ndarray, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rank each row's candidates by confidence, highest first, ties by lower position.
+
+    Returns:
+      order: [B, W] int, positions in rank order; the row's candidates come first.
+      sorted_conf: [B, W] float64, confidence in rank order (only the first m_b are candidates).
+      m: [B] int, number of candidates per row.
+    """
+    # lexsort: the last key is primary -> candidates first, then -confidence, then (stable)
+    # lower position index. Non-candidates never interleave with candidates, even at +-inf.
+    order = np.lexsort((-confidence, ~candidates), axis=-1)
+    sorted_conf = np.take_along_axis(confidence, order, axis=1)
+    m = candidates.sum(axis=1)
+    return order, sorted_conf, m
+
+
+def _commit_prefix(order: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Commit the first n[b] ranked positions of each row. order: [B, W]; n: [B] -> [B, W] bool."""
+    width = order.shape[1]
+    in_prefix = np.arange(width)[None, :] < n[:, None]  # [B, W] in rank order
+    out = np.zeros(order.shape, dtype=bool)
+    np.put_along_axis(out, order, in_prefix, axis=1)
+    return out
+
+
+def _at_least_one(n: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Clamp per-row counts to [1, m] where a row has candidates, 0 where it has none."""
+    return np.where(m > 0, np.clip(n, 1, np.maximum(m, 1)), 0)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# --------------------------------------------------------------------------- rules
+
+
+@runtime_checkable
+class CommitRule(Protocol):
+    """Picks the positions a decode step commits (see the module docstring for the contract)."""
+
+    def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
+        """confidence: [B, W] float; candidates: [B, W] bool; step: the step within the block.
+        Returns [B, W] bool, a subset of `candidates`."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TopKRule:
+    """LLaDA's low-confidence remasking: at step i commit the counts[b, i] most confident
+    candidates of row b (ties: lower position first; LLaDA's `torch.topk` leaves ties unspecified).
+
+    Exactly min(counts[b, i], n_candidates[b]) positions are committed, as in LLaDA, so a row
+    commits nothing at a step whose count is 0; the "at least one per row with candidates"
+    invariant holds only where counts[b, step] >= 1 (always true for the schedule from
+    `num_transfer_tokens` as long as the block is not finished early).
+
+    Attributes:
+      counts: [B, steps] non-negative int, e.g. `num_transfer_tokens(masked, steps)`.
+        Stored as a read-only copy; equality is by identity (the field is an array).
+    """
+
+    counts: np.ndarray
+
+    def __post_init__(self) -> None:
+        counts = np.asarray(self.counts)
+        if counts.ndim != 2 or counts.shape[1] < 1:
+            raise ConfigError(f"TopKRule.counts shape={counts.shape} must be [B, steps] with steps >= 1")
+        if not np.issubdtype(counts.dtype, np.integer):
+            raise ConfigError(f"TopKRule.counts dtype={counts.dtype} must be an integer dtype")
+        if (counts < 0).any():
+            raise ConfigError(f"TopKRule.counts min={int(counts.min())} must be >= 0")
+        counts = counts.astype(np.int64, copy=True)
+        counts.flags.writeable = False
+        object.__setattr__(self, "counts", counts)
+
+    def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
+        """Commit the counts[:, step] most confident candidates of each row -> [B, W] bool."""
+        confidence, candidates = _check_inputs(confidence, candidates)
+        steps = self.counts.shape[1]
+        if not isinstance(step, numbers.Integral) or isinstance(step, bool) or not 0 <= step < steps:
+            raise ConfigError(f"TopKRule.select step={step!r} must be in [0, {steps})")
+        if self.counts.shape[0] != confidence.shape[0]:
+            raise ValueError(
+                f"TopKRule.counts has {self.counts.shape[0]} rows but confidence has {confidence.shape[0]}")
+        order, _, m = _rank(confidence, candidates)
+        n = np.minimum(self.counts[:, step], m)
+        return _commit_prefix(order, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdRule:
+    """Fast-dLLM's threshold rule: the most confident candidate of a row always commits;
+    every other candidate commits iff its confidence >= threshold.
+
+    Meant for `prob` confidences; with `entropy` (scores <= 0) it commits one token per step.
+
+    Attributes:
+      threshold: in (0, 1].
+    """
+
+    threshold: float = 0.9
+
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if not _real(t) or not 0 < t <= 1:
+            raise ConfigError(f"ThresholdRule.threshold={t!r} must be in (0, 1]")
+
+    def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
+        """Commit the top candidate plus every candidate at or above the threshold -> [B, W] bool."""
+        confidence, candidates = _check_inputs(confidence, candidates)
+        order, sorted_conf, m = _rank(confidence, candidates)
+        # Candidates at or above the threshold form a prefix of the ranking.
+        n = ((np.arange(confidence.shape[1])[None, :] < m[:, None]) & (sorted_conf >= self.threshold)).sum(axis=1)
+        return _commit_prefix(order, _at_least_one(n, m))
+
+
+@dataclasses.dataclass(frozen=True)
+class FactorRule:
+    """Fast-dLLM's factor rule (as stated in the paper): with the row's candidate confidences
+    sorted c_(1) >= ... >= c_(m), commit the largest n such that (n' + 1) * (1 - c_(n')) < factor
+    for every n' <= n; at least one.
+
+    Because (n + 1) * (1 - c_(n)) is non-decreasing in n for sorted c, this is the same as
+    the largest n whose own condition holds. Meant for probabilities in [0, 1] (the `prob`
+    kind); other scores are accepted but the rule has no meaning for them.
+
+    Note: Fast-dLLM's released code compares c_(n) >= 1 - factor / (n + 1), i.e. `<=` where
+    the paper (and this rule) uses a strict `<`; they differ only on exact ties.
+
+    Attributes:
+      factor: f > 0 (finite).
+    """
+
+    factor: float
+
+    def __post_init__(self) -> None:
+        f = self.factor
+        if not _real(f) or f <= 0:
+            raise ConfigError(f"FactorRule.factor={f!r} must be a finite number > 0")
+
+    def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
+        """Commit the longest ranked prefix satisfying the factor condition -> [B, W] bool."""
+        confidence, candidates = _check_inputs(confidence, candidates)
+        order, sorted_conf, m = _rank(confidence, candidates)
+        rank = np.arange(confidence.shape[1])[None, :]  # rank r holds c_(r + 1)
+        ok = (rank < m[:, None]) & ((rank + 2) * (1.0 - sorted_conf) < self.factor)
+        n = np.logical_and.accumulate(ok, axis=1).sum(axis=1)  # leading run of True
+        return _commit_prefix(order, _at_least_one(n, m))
+
+
+@dataclasses.dataclass(frozen=True)
+class FrechetRule:
+    """Fast-dLLM++'s Frechet rule: with c_(1) >= ... >= c_(m), let
+
+        L_n = max(0, sum_{j <= n} c_(j) - (n - 1))   (Frechet lower bound on all n being right)
+        U_n = 1 - c_(n)                              (error of the weakest committed token)
+        G_n = L_n - U_n
+
+    and commit the largest n in 1..m with G_n > delta; at least one.
+
+    L_n is computed as max(0, 1 - sum_{j <= n} (1 - c_(j))), the same quantity with less
+    cancellation when many confidences are close to 1. For sorted c, G_n is non-increasing
+    in n, so the largest such n is also the end of the leading run. Meant for probabilities
+    in [0, 1] (the `prob` kind); other scores are accepted but the bound has no meaning.
+
+    At delta = 1 - f it commits at least as many tokens as `FactorRule(f)` (G_n >= 1 - (n+1) U_n),
+    and exactly as many when the candidates' confidences are all equal.
+
+    Attributes:
+      delta: in [0, 1).
+    """
+
+    delta: float = 0.25
+
+    def __post_init__(self) -> None:
+        d = self.delta
+        if not _real(d) or not 0 <= d < 1:
+            raise ConfigError(f"FrechetRule.delta={d!r} must be in [0, 1)")
+
+    def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
+        """Commit the largest ranked prefix with G_n > delta -> [B, W] bool."""
+        confidence, candidates = _check_inputs(confidence, candidates)
+        order, sorted_conf, m = _rank(confidence, candidates)
+        width = confidence.shape[1]
+        valid = np.arange(width)[None, :] < m[:, None]  # [B, W] rank < m
+        u = np.where(valid, 1.0 - sorted_conf, 0.0)  # U_n in rank order
+        lower = np.maximum(0.0, 1.0 - np.cumsum(u, axis=1))  # L_n
+        ok = valid & (lower - u > self.delta)  # G_n > delta
+        # Largest n with ok: width - (index of the first True from the right); 0 if none.
+        n = np.where(ok.any(axis=1), width - np.argmax(ok[:, ::-1], axis=1), 0)
+        return _commit_prefix(order, _at_least_one(n, m))
+
+
+RULES: dict[str, type] = {
+    "topk": TopKRule,
+    "threshold": ThresholdRule,
+    "factor": FactorRule,
+    "frechet": FrechetRule,
+}
+
+
+def make_rule(name: str, **params: Any) -> CommitRule:
+    """Build a commit rule by name: `topk` (counts=...), `threshold` (threshold=...),
+    `factor` (factor=...) or `frechet` (delta=...).
+
+    Raises:
+      ConfigError: unknown name (the message lists the known names), an unknown parameter,
+        a missing required parameter or an invalid value.
+    """
+    if name not in RULES:
+        raise ConfigError(f"commit rule name={name!r} is not one of {tuple(RULES)}")
+    cls = RULES[name]
+    fields = dataclasses.fields(cls)
+    known = {f.name for f in fields}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ConfigError(f"commit rule {name!r} got unknown parameters {unknown}; it takes {sorted(known)}")
+    missing = sorted(
+        f.name for f in fields
+        if f.name not in params
+        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+    if missing:
+        raise ConfigError(f"commit rule {name!r} needs parameters {missing}")
+    return cls(**params)

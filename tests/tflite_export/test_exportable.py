@@ -1,0 +1,125 @@
+"""The decode program stays exportable: two buckets go into ONE `.tflite` (one signature
+each) through litert-converter, run under ai-edge-litert with the JAX executor's results, and
+use TFLite builtin ops only."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import dlm_jax
+from buckets._sets import BucketKey
+from dlm_jax.program import JaxExecutor
+from dlm_jax.runtime.step import StepInputs
+from tflite_export._convert import (DECODE_OUTPUT_NAMES, convert_signatures, decode_signature,
+                                    decode_signature_name, export_signatures, tflite_op_names)
+
+Interpreter = pytest.importorskip("ai_edge_litert.interpreter").Interpreter
+
+CFG = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+           mask_token_id=63)
+KEYS = [BucketKey(batch=1, window=8, cache=8, rows=8),
+        BucketKey(batch=1, window=16, cache=8, rows=8)]
+ATOL = 1e-5
+HEAD_SCALE = 30.0
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny random model with its head scaled up: a plain init gives near-uniform rows
+    whose top-2 probabilities can differ by ~1e-6, too close to float noise for an exact
+    argmax comparison; scaled, top-1 probabilities spread over ~0.15-0.7."""
+    model = dlm_jax.init_model(dlm_jax.ModelConfig(**CFG))
+    params = {name: value * (HEAD_SCALE if name.startswith("lm_head") else 1.0)
+              for name, value in dlm_jax.get_params(model).items()}
+    return dlm_jax.model_from_params(model.config, params)
+
+
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory):
+    """Both buckets in one file, written atomically; returns its bytes."""
+    graphdef, state = nnx.split(model)
+    folder = tmp_path_factory.mktemp("tflite")
+    path = folder / "decode.tflite"
+    export_signatures([decode_signature(graphdef, state, model.config, k) for k in KEYS], path)
+    assert os.listdir(folder) == ["decode.tflite"]  # no temporary file left behind
+    return path.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def interpreter(exported):
+    return Interpreter(model_content=exported)
+
+
+def random_inputs(cfg, key: BucketKey, seed: int = 0) -> StepInputs:
+    rng = np.random.default_rng(seed)
+    b, w, p, r = key.batch, key.window, key.cache, key.rows
+    visibility = rng.random((b, w, p + w)) < 0.7
+    visibility[:, np.arange(w), p + np.arange(w)] = True  # every row sees itself
+    cache = (cfg.n_layers, b, p, cfg.n_kv_heads, cfg.head_dim)
+    return StepInputs(
+        tokens=rng.integers(0, cfg.vocab_size, (b, w), dtype=np.int32),
+        positions=np.broadcast_to(np.arange(p, p + w, dtype=np.int32), (b, w)).copy(),
+        visibility=visibility,
+        k_cache=rng.standard_normal(cache, dtype=np.float32),
+        v_cache=rng.standard_normal(cache, dtype=np.float32),
+        logit_rows=np.broadcast_to(np.arange(r, dtype=np.int32), (b, r)).copy(),
+    )
+
+
+def run_litert(interpreter, key: BucketKey, inputs: StepInputs) -> dict[str, np.ndarray]:
+    runner = interpreter.get_signature_runner(decode_signature_name(key))
+    return runner(tokens=inputs.tokens, positions=inputs.positions, visibility=inputs.visibility,
+                  k_cache=inputs.k_cache, v_cache=inputs.v_cache, logit_rows=inputs.logit_rows)
+
+
+def assert_parity(got: dict[str, np.ndarray], want) -> None:
+    assert set(got) == set(DECODE_OUTPUT_NAMES)
+    for name in DECODE_OUTPUT_NAMES:
+        expected = getattr(want, name)
+        assert got[name].shape == expected.shape and got[name].dtype == expected.dtype, name
+        if name == "top_token":
+            np.testing.assert_array_equal(got[name], expected)
+        else:
+            np.testing.assert_allclose(got[name], expected, rtol=0, atol=ATOL, err_msg=name)
+
+
+def test_signatures(interpreter):
+    sigs = interpreter.get_signature_list()
+    assert set(sigs) == {"step_w8_p8_r8", "step_w16_p8_r8"}
+    for sig in sigs.values():
+        assert sorted(sig["inputs"]) == sorted(["tokens", "positions", "visibility", "k_cache",
+                                                "v_cache", "logit_rows"])
+        assert sorted(sig["outputs"]) == sorted(DECODE_OUTPUT_NAMES)
+
+
+@pytest.mark.parametrize("key", KEYS, ids=decode_signature_name)
+def test_parity_with_jax_executor(model, interpreter, key):
+    inputs = random_inputs(model.config, key, seed=key.window)
+    assert not inputs.visibility.all()
+    want = JaxExecutor(model).step(inputs)
+    top2_gap = (want.top_prob - want.second_prob).min()
+    assert top2_gap > 1e-4, "inputs leave the argmax within float noise; pick another seed"
+    assert_parity(run_litert(interpreter, key, inputs), want)
+
+
+def test_empty_cache_bucket(model):
+    """P == 0 (zero-size cache inputs the program ignores) still converts and matches."""
+    key = BucketKey(batch=1, window=8, cache=0, rows=8)
+    graphdef, state = nnx.split(model)
+    content = convert_signatures([decode_signature(graphdef, state, model.config, key)])
+    inputs = random_inputs(model.config, key)
+    assert_parity(run_litert(Interpreter(model_content=content), key, inputs),
+                  JaxExecutor(model).step(inputs))
+
+
+def test_builtin_ops_only(exported):
+    ops = tflite_op_names(exported)
+    print({name: sorted(names) for name, names in ops.items()})
+    assert set(ops) == {"step_w8_p8_r8", "step_w16_p8_r8"}  # no extra (control-flow) subgraphs
+    used = set().union(*ops.values())
+    assert not {op for op in used if op.startswith(("CUSTOM", "STABLEHLO_", "BUILTIN_"))}, used
+    assert {"FULLY_CONNECTED", "BATCH_MATMUL"} <= used

@@ -1,0 +1,210 @@
+"""JAX functions -> one multi-signature `.tflite` through litert-converter.
+
+Each signature is a JAX function of arrays only (model weights closed over, so they become
+constants and the flatbuffer is self-contained) plus example `jax.ShapeDtypeStruct`s. It is
+lowered with `jax.jit(fn).lower(*specs)`, its StableHLO text parsed into a litert-converter
+MLIR context, converted to TFL ops (`run_convert_to_tfl_passes`), its `main` renamed to the
+signature name (public symbols must not collide when merging) and tagged with `set_signature`;
+the modules are merged (`merge_modules`) and exported as one flatbuffer.
+
+    sigs = [decode_signature(graphdef, state, config, BucketKey(1, w, 8, 8)) for w in (8, 16)]
+    content = convert_signatures(sigs)        # bytes
+    write_tflite("decode.tflite", content)    # atomic
+
+`tflite_op_names` lists the operator codes per signature straight from the flatbuffer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+# Names of the decode step's inputs and outputs, in `StepInputs` / `StepOutputs` field order.
+DECODE_INPUT_NAMES = ("tokens", "positions", "visibility", "k_cache", "v_cache", "logit_rows")
+DECODE_OUTPUT_NAMES = ("top_token", "top_prob", "second_prob", "entropy", "k_new", "v_new")
+
+
+class Signature(NamedTuple):
+    """One exported entry point. A plain 5-tuple in this order works as well."""
+
+    name: str
+    fn: Callable[..., Any]  # arrays in, a tuple of arrays out
+    specs: Sequence[Any]  # jax.ShapeDtypeStruct per input
+    input_names: Sequence[str]
+    output_names: Sequence[str]
+
+
+def decode_signature_name(key) -> str:
+    """Stable signature name of a bucket: `step_w8_p8_r8` (`_b2` appended for batch 2,
+    `_full` when rows' logits are returned)."""
+    name = f"step_w{key.window}_p{key.cache}_r{key.rows}"
+    if key.batch != 1:
+        name += f"_b{key.batch}"
+    return name + ("_full" if key.full_logits else "")
+
+
+def decode_signature(graphdef, state, config, key) -> Signature:
+    """The decode program (`dlm_jax.program.decode_step`) of one bucket as a `Signature`,
+    weights closed over. With `key.full_logits` a seventh output `logits` [B, R, V] is added."""
+    import jax
+    import jax.numpy as jnp
+
+    from dlm_jax.program import decode_step
+
+    step = functools.partial(decode_step, graphdef, state, full_logits=key.full_logits)
+
+    def fn(tokens, positions, visibility, k_cache, v_cache, logit_rows):
+        out = step(tokens, positions, visibility, k_cache, v_cache, logit_rows)
+        return tuple(out) if key.full_logits else tuple(out[:6])
+
+    b, w, p, r = key.batch, key.window, key.cache, key.rows
+    cache = jax.ShapeDtypeStruct((config.n_layers, b, p, config.n_kv_heads, config.head_dim),
+                                 jnp.dtype(config.dtype))
+    specs = (
+        jax.ShapeDtypeStruct((b, w), jnp.int32),
+        jax.ShapeDtypeStruct((b, w), jnp.int32),
+        jax.ShapeDtypeStruct((b, w, p + w), jnp.bool_),
+        cache, cache,
+        jax.ShapeDtypeStruct((b, r), jnp.int32),
+    )
+    outputs = DECODE_OUTPUT_NAMES + (("logits",) if key.full_logits else ())
+    return Signature(decode_signature_name(key), fn, specs, DECODE_INPUT_NAMES, outputs)
+
+
+def lower_to_stablehlo(fn: Callable[..., Any], specs: Sequence[Any]) -> str:
+    """StableHLO text of `jax.jit(fn, keep_unused=True).lower(*specs)`: its `main` takes exactly
+    `specs`, used or not (P == 0 ignores the caches; the default `keep_unused=False` would drop
+    them from the signature). Closed-over arrays lower to constants."""
+    import jax
+
+    return jax.jit(fn, keep_unused=True).lower(*specs).as_text()
+
+
+def _new_context():
+    from litert_converter import converter_api_ext
+    from litert_converter.mlir import ir
+
+    ctx = ir.Context()
+    converter_api_ext.prepare_mlir_context(ctx)
+    return ctx
+
+
+def _main_func(module):
+    from litert_converter.mlir import ir
+
+    for op in module.body.operations:
+        if (op.operation.name == "func.func"
+                and ir.StringAttr(op.attributes["sym_name"]).value == "main"):
+            return op
+    raise ValueError("lowered module has no func.func @main")
+
+
+def _check_arity(func, sig: Signature) -> None:
+    from litert_converter.mlir import ir
+
+    ftype = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
+    if len(ftype.inputs) != len(sig.specs) or len(sig.input_names) != len(sig.specs):
+        raise ValueError(f"signature {sig.name!r}: main takes {len(ftype.inputs)} arguments, "
+                         f"{len(sig.specs)} specs, {len(sig.input_names)} input names "
+                         "(closed-over arrays must lower to constants)")
+    if len(ftype.results) != len(sig.output_names):
+        raise ValueError(f"signature {sig.name!r}: main returns {len(ftype.results)} values, "
+                         f"{len(sig.output_names)} output names given")
+
+
+def convert_signatures(signatures: Iterable[Signature | tuple], *, config=None) -> bytes:
+    """Lower, convert and merge `signatures` into one `.tflite` flatbuffer (bytes).
+    `config` is a `converter_api_ext.ConvertToTFLConfig` (default settings if None)."""
+    from litert_converter import converter_api_ext
+    from litert_converter.mlir import ir, passmanager
+
+    sigs = [Signature(*s) for s in signatures]
+    if not sigs:
+        raise ValueError("no signatures to convert")
+    names = [s.name for s in sigs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate signature names: {names}")
+    texts = [lower_to_stablehlo(s.fn, s.specs) for s in sigs]
+    if config is None:
+        config = converter_api_ext.ConvertToTFLConfig()
+
+    ctx = _new_context()
+    with ctx, ir.Location.unknown():
+        modules = []
+        for sig, text in zip(sigs, texts):
+            module = ir.Module.parse(text)
+            func = _main_func(module)
+            _check_arity(func, sig)
+            converter_api_ext.run_convert_to_tfl_passes(module, passmanager.PassManager(), config)
+            func = _main_func(module)
+            func.attributes["sym_name"] = ir.StringAttr.get(sig.name)
+            converter_api_ext.set_signature(func.operation, sig.name, list(sig.input_names),
+                                            list(sig.output_names))
+            modules.append(module)
+        merged = modules[0] if len(modules) == 1 else converter_api_ext.merge_modules(modules)
+        return converter_api_ext.export_flatbuffer_to_bytes(merged.operation)
+
+
+def write_tflite(path: str | os.PathLike[str], content: bytes) -> str:
+    """Write `content` to `path` atomically (temporary file in the same folder, then
+    `os.replace`). Returns the path."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".tflite", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def export_signatures(signatures: Iterable[Signature | tuple], path: str | os.PathLike[str], *,
+                      config=None) -> str:
+    """`convert_signatures` then `write_tflite`."""
+    return write_tflite(path, convert_signatures(signatures, config=config))
+
+
+@functools.cache
+def _builtin_names() -> dict[int, str]:
+    from litert_converter import schema_py_generated as schema
+
+    return {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
+
+
+def tflite_op_names(content: bytes) -> dict[str, set[str]]:
+    """Operator names used by each signature's subgraph, read from the flatbuffer: builtin
+    ops by their `BuiltinOperator` name (`FULLY_CONNECTED`, `STABLEHLO_ADD`, ...), custom ops
+    as `CUSTOM:<code>` (Flex ops are `CUSTOM:Flex...`). Subgraphs no signature points at
+    (control-flow bodies) are listed under `<subgraph i>`."""
+    from litert_converter import schema_py_generated as schema
+
+    model = schema.Model.GetRootAs(content, 0)
+    builtin = _builtin_names()
+    codes = []
+    for i in range(model.OperatorCodesLength()):
+        oc = model.OperatorCodes(i)
+        code = max(oc.BuiltinCode(), oc.DeprecatedBuiltinCode())
+        if code == schema.BuiltinOperator.CUSTOM:
+            codes.append("CUSTOM:" + (oc.CustomCode() or b"").decode())
+        else:
+            codes.append(builtin.get(code, f"BUILTIN_{code}"))
+    sig_of = {}
+    for i in range(model.SignatureDefsLength()):
+        sd = model.SignatureDefs(i)
+        sig_of[sd.SubgraphIndex()] = sd.SignatureKey().decode()
+    ops: dict[str, set[str]] = {}
+    for s in range(model.SubgraphsLength()):
+        sg = model.Subgraphs(s)
+        names = {codes[sg.Operators(j).OpcodeIndex()] for j in range(sg.OperatorsLength())}
+        ops.setdefault(sig_of.get(s, f"<subgraph {s}>"), set()).update(names)
+    return ops
