@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from buckets._sets import DEFAULT_BATCH_BUCKETS, BucketSet, cache_buckets, pad_axis, window_buckets
+from buckets._sets import (DEFAULT_BATCH_BUCKETS, BucketKey, BucketSet, cache_buckets, pad_axis,
+                          window_buckets)
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
 from dlm_jax.models._masks import visibility_from_positions
@@ -86,6 +87,26 @@ class BlockDecoder:
     def max_tokens(self) -> int:
         """The longest prompt + generation this decoder can hold."""
         return min(self.windows.largest, self.caches.largest, self.model_config.max_seq_len)
+
+    def bucket_keys(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> list[BucketKey]:
+        """Every bucket key a decode of prompts with these lengths can use (for warm-up)."""
+        p_max, total = max(prompt_lens), max(prompt_lens) + cfg.gen_len
+        b = self.batches.select(len(prompt_lens))
+        strategy = make_cache(cfg.cache)
+        shift = 1 if self.model_config.logit_shift else 0
+        r = self.windows.select(cfg.block_len)
+        keys = set()
+        for blk in range(cfg.n_blocks):
+            lo = p_max + blk * cfg.block_len
+            for step in (0, 1):
+                plan = strategy.plan(step, lo - shift, lo + cfg.block_len, total)
+                keys.add(BucketKey(b, self.windows.select(len(plan.window)),
+                                   self.caches.select(len(plan.cached)), r, cfg.temperature > 0))
+        return sorted(keys)
+
+    def warmup(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> int:
+        """Compile, ahead of time, every bucket such a decode needs; returns how many were new."""
+        return self.executor.warmup(self.bucket_keys(prompt_lens, cfg))
 
     def decode(self, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, *,
                seeds: Sequence[int] | None = None,

@@ -85,9 +85,10 @@ def test_no_compilation_after_warmup():
     executor = JaxExecutor(model)
     dec = BlockDecoder(executor, model.config)
     cfg = DecodeConfig(gen_len=32, block_len=8, cache="dual", rule="frechet")
-    dec.decode([PROMPTS[0]], cfg)  # warm-up compiles the buckets this setting uses
+    assert dec.warmup([len(PROMPTS[0])], cfg) == 2  # the full forward and the block window
     ours, xla = executor.compile_count, XlaCompileCounter.count()
     out = dec.decode([PROMPTS[0]], cfg)
+    dec.decode([PROMPTS[0]], cfg)
     assert out.stats.nfe > 4
     assert executor.compile_count == ours
     assert XlaCompileCounter.count() == xla
@@ -105,3 +106,23 @@ def test_bad_input(decoder):
         DecodeConfig(rule="fastest")
     with pytest.raises(ConfigError, match="cache='triple'"):
         DecodeConfig(cache="triple")
+
+
+def test_defer_eos_ranks_eos_last(decoder):
+    """LLaDA's confidence_eos_eot_inf: a position predicted as EOS gets confidence 0, so any
+    rule commits it after every other candidate."""
+    from dlm_jax.runtime.commit import TopKRule
+    from dlm_jax.runtime.step import StepOutputs
+
+    eos = decoder.model_config.eos_token_id
+    top = np.array([[eos, 7, eos, 9]], np.int32)
+    prob = np.array([[0.99, 0.6, 0.95, 0.5]], np.float32)
+    out = StepOutputs(top_token=top, top_prob=prob, second_prob=prob / 4, entropy=1 - prob,
+                      k_new=np.zeros(0), v_new=np.zeros(0))
+    cand = np.ones((1, 4), bool)
+    cfg = DecodeConfig(gen_len=8, block_len=4, rule="topk", cache="none")
+    _, conf = decoder._predict(out, np.arange(4), cand, cfg, [None])
+    _, deferred = decoder._predict(out, np.arange(4), cand, cfg.replace(defer_eos=True), [None])
+    first_two = TopKRule(np.array([[2]]))
+    assert first_two.select(conf, cand).tolist() == [[True, False, True, False]]
+    assert first_two.select(deferred, cand).tolist() == [[False, True, False, True]]

@@ -17,7 +17,7 @@ from dlm_jax.runtime.step import StepInputs
 from tflite_export._convert import (DECODE_OUTPUT_NAMES, convert_signatures, decode_signature,
                                     decode_signature_name, export_signatures, tflite_op_names)
 
-Interpreter = pytest.importorskip("ai_edge_litert.interpreter").Interpreter
+from ai_edge_litert.interpreter import Interpreter  # noqa: E402  (a runtime dependency: never skipped)
 
 CFG = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
            mask_token_id=63)
