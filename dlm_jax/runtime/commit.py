@@ -257,7 +257,8 @@ class ThresholdRule:
         confidence, candidates = _check_inputs(confidence, candidates)
         order, sorted_conf, m = _rank(confidence, candidates)
         # Candidates at or above the threshold form a prefix of the ranking.
-        n = ((np.arange(confidence.shape[1])[None, :] < m[:, None]) & (sorted_conf >= self.threshold)).sum(axis=1)
+        valid = np.arange(confidence.shape[1])[None, :] < m[:, None]  # [B, W] rank < m
+        n = (valid & (sorted_conf >= self.threshold)).sum(axis=1)
         return _commit_prefix(order, _at_least_one(n, m))
 
 

@@ -48,20 +48,13 @@ def decoder(model):
 PROMPT = np.array([[5, 17, 3, 44, 9, 21, 30]])
 
 
-def test_vanilla_topk_equals_llada_generate(model, decoder):
-    ref, ref_nfe = llada_generate(model, PROMPT, steps=32, gen_length=32, block_length=16, mask_id=MASK)
-    out = decoder.decode([PROMPT[0].tolist()], DecodeConfig(gen_len=32, block_len=16, steps=32, cache="none",
+@pytest.mark.parametrize("steps", [32, 10])
+def test_vanilla_topk_equals_llada_generate(model, decoder, steps):
+    ref, ref_nfe = llada_generate(model, PROMPT, steps=steps, gen_length=32, block_length=16, mask_id=MASK)
+    out = decoder.decode([PROMPT[0].tolist()], DecodeConfig(gen_len=32, block_len=16, steps=steps, cache="none",
                                                              rule="topk", stop_on_eos_block=False))
     np.testing.assert_array_equal(out.sequences[0], ref[0, PROMPT.shape[1]:])
-    assert out.stats.nfe == ref_nfe == 32
-
-
-def test_vanilla_topk_with_fewer_steps(model, decoder):
-    ref, ref_nfe = llada_generate(model, PROMPT, steps=10, gen_length=32, block_length=16, mask_id=MASK)
-    out = decoder.decode([PROMPT[0].tolist()], DecodeConfig(gen_len=32, block_len=16, steps=10, cache="none",
-                                                             rule="topk", stop_on_eos_block=False))
-    np.testing.assert_array_equal(out.sequences[0], ref[0, PROMPT.shape[1]:])
-    assert out.stats.nfe == ref_nfe == 10
+    assert out.stats.nfe == ref_nfe == steps
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
