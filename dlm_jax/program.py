@@ -21,20 +21,26 @@ from dlm_jax.runtime.step import StepInputs, StepOutputs
 
 
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
-                full_logits: bool):
+                full_logits: bool, mask_id: int | None = None):
     """One forward over the window; shapes as in `StepInputs`. Returns a tuple in the field
-    order of `StepOutputs` (logits last, or None)."""
+    order of `StepOutputs` (logits last, or None).
+
+    `mask_id` is never proposed: its logit is removed before the softmax, so a commit always
+    unmasks (committing the mask token would leave the slot masked and stall the block)."""
     model = nnx.merge(graphdef, state)
     has_cache = k_cache.shape[2] > 0  # static: P == 0 means no cache input is used
     out = model(tokens, positions=positions, mask=visibility,
                 k_cache=k_cache if has_cache else None, v_cache=v_cache if has_cache else None,
                 logit_rows=logit_rows)
-    logp = jax.nn.log_softmax(out.logits, axis=-1)
+    logits = out.logits
+    if mask_id is not None:  # a select, not a scatter: stays a TFLite builtin
+        logits = jnp.where(jnp.arange(logits.shape[-1]) == mask_id, -jnp.inf, logits)
+    logp = jax.nn.log_softmax(logits, axis=-1)
     probs = jnp.exp(logp)
     top2, idx = jax.lax.top_k(probs, 2)
     entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
     return (idx[..., 0].astype(jnp.int32), top2[..., 0], top2[..., 1], entropy, out.k, out.v,
-            out.logits if full_logits else None)
+            logits if full_logits else None)
 
 
 class JaxExecutor:
@@ -63,7 +69,7 @@ class JaxExecutor:
 
         def program(leaves, *inputs):
             return decode_step(graphdef, jax.tree.unflatten(treedef, leaves), *inputs,
-                               full_logits=key.full_logits)
+                               full_logits=key.full_logits, mask_id=cfg.mask_token_id)
 
         return program, specs
 

@@ -54,7 +54,8 @@ def decode_signature(graphdef, state, config, key) -> Signature:
 
     from dlm_jax.program import decode_step
 
-    step = functools.partial(decode_step, graphdef, state, full_logits=key.full_logits)
+    step = functools.partial(decode_step, graphdef, state, full_logits=key.full_logits,
+                             mask_id=config.mask_token_id)
 
     def fn(tokens, positions, visibility, k_cache, v_cache, logit_rows):
         out = step(tokens, positions, visibility, k_cache, v_cache, logit_rows)

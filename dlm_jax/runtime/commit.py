@@ -273,7 +273,10 @@ class FactorRule:
     kind); other scores are accepted but the rule has no meaning for them.
 
     Note: Fast-dLLM's released code compares c_(n) >= 1 - factor / (n + 1), i.e. `<=` where
-    the paper (and this rule) uses a strict `<`; they differ only on exact ties.
+    the paper (and this rule) uses a strict `<`; they differ only on exact ties. The released
+    `get_transfer_index_dynamic` also commits every candidate when only the weakest one fails
+    (its `top_i == len(threshs) - 1` branch), so with two candidates left it always commits
+    both; this rule follows the paper's statement instead.
 
     Attributes:
       factor: f > 0 (finite).

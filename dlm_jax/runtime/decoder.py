@@ -170,7 +170,7 @@ class BlockDecoder:
                 cand = (x[:, lo:hi] == mc.mask_token_id) & state.active[:, None]
                 x0, conf = self._predict(out, rows, cand, cfg, rngs)
                 commit = rule.select(conf, cand, step=step)
-                if fixed_rule is not None and (cand.any(1) & ~commit.any(1)).any():
+                if fixed_rule is not None and ((cand.any(1) & ~commit.any(1)).any() or step > cfg.block_len):
                     # Only the fixed step count of topk may leave a step empty; anything else
                     # would spin forever on an unfinishable block.
                     raise RuntimeError(f"commit rule {cfg.rule!r} committed nothing for a row with candidates")

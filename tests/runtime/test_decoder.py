@@ -49,15 +49,20 @@ def test_sampling_is_seeded_per_request(decoder):
     assert any(not np.array_equal(others[0], o) for o in others[1:])
 
 
-def test_logit_shift_uses_the_previous_row():
-    """Dream/I-DLM: row i predicts position i + 1, so the block's first slot is predicted by
-    the last prompt token; cached and uncached decoding agree for a causal model."""
-    model = sharp_model(attention="causal", logit_shift=True)
+@pytest.mark.parametrize("attention, shift", [("causal", True), ("block_causal", False), ("block_causal", True)])
+def test_caches_are_exact_when_attention_cannot_see_the_future(attention, shift):
+    """With causal or block-causal attention (block = decode block) the prefix cache and the
+    stale suffix of the dual cache change nothing: all cache modes give the same tokens (for
+    block-causal only when decode blocks line up with attention blocks). With
+    logit shift (Dream, I-DLM) row i predicts position i + 1, so the block's first slot is
+    predicted from the last prompt token's row."""
+    model = sharp_model(attention=attention, logit_shift=shift)
     dec = BlockDecoder(JaxExecutor(model), model.config)
     base = dict(gen_len=16, block_len=8, rule="threshold", threshold=0.7, stop_on_eos_block=False)
-    none = dec.decode([PROMPTS[0]], DecodeConfig(cache="none", **base))
+    prompt = PROMPTS[0] + [11]  # 8 tokens: decode blocks line up with the attention blocks
+    none = dec.decode([prompt], DecodeConfig(cache="none", **base))
     for cache in ("prefix", "dual"):
-        out = dec.decode([PROMPTS[0]], DecodeConfig(cache=cache, **base))
+        out = dec.decode([prompt], DecodeConfig(cache=cache, **base))
         np.testing.assert_array_equal(out.sequences[0], none.sequences[0])
 
 
@@ -126,3 +131,18 @@ def test_defer_eos_ranks_eos_last(decoder):
     first_two = TopKRule(np.array([[2]]))
     assert first_two.select(conf, cand).tolist() == [[True, False, True, False]]
     assert first_two.select(deferred, cand).tolist() == [[False, True, False, True]]
+
+
+def test_mask_token_is_never_proposed():
+    """A model whose head favours the mask token would 'commit' masks forever (the block never
+    finishes, no error). The program removes the mask logit before ranking."""
+    import dlm_jax
+
+    model = sharp_model(seed=2)
+    params = dlm_jax.get_params(model)
+    head = params["lm_head.kernel"].copy()
+    head[:, MASK] = 50.0
+    model = dlm_jax.model_from_params(model.config, {**params, "lm_head.kernel": head})
+    dec = BlockDecoder(JaxExecutor(model), model.config)
+    out = dec.decode([PROMPTS[0]], DecodeConfig(gen_len=16, block_len=8, cache="prefix", rule="threshold"))
+    assert MASK not in out.sequences[0].tolist()
