@@ -58,6 +58,8 @@ class Model:
         callback = None
         if on_block is not None:
             callback = lambda i, seqs: on_block(i, [self._text(s) for s in seqs])  # noqa: E731
+        # Compile every bucket this decode needs first, so stats time decoding, not compilation.
+        self.decoder.warmup([len(i) for i in ids], config)
         out = self.decoder.decode(ids, config, seeds=seeds, on_block=callback)
         trimmed = [self._trim(s) for s in out.sequences]
         return GenerateResult([self.tokenizer.decode(t) for t in trimmed], trimmed, out.stats)

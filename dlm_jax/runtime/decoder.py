@@ -88,8 +88,21 @@ class BlockDecoder:
         """The longest prompt + generation this decoder can hold."""
         return min(self.windows.largest, self.caches.largest, self.model_config.max_seq_len)
 
+    def _check(self, lens: Sequence[int], cfg: DecodeConfig) -> None:
+        """Reject an empty batch, an empty prompt or a sequence longer than any bucket."""
+        if len(lens) == 0:
+            raise ConfigError("no prompts given")
+        if min(lens) == 0:
+            raise ConfigError(f"prompt {list(lens).index(0)} is empty")
+        total = max(lens) + cfg.gen_len
+        if total > self.max_tokens:
+            raise ConfigError(f"prompt ({max(lens)} tokens) + gen_len ({cfg.gen_len}) = {total} tokens exceeds "
+                              f"the limit of {self.max_tokens} (largest cache bucket / max_seq_len)")
+        self.batches.select(len(lens))
+
     def bucket_keys(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> list[BucketKey]:
         """Every bucket key a decode of prompts with these lengths can use (for warm-up)."""
+        self._check(prompt_lens, cfg)
         p_max, total = max(prompt_lens), max(prompt_lens) + cfg.gen_len
         b = self.batches.select(len(prompt_lens))
         strategy = make_cache(cfg.cache)
@@ -120,16 +133,10 @@ class BlockDecoder:
         """
         mc = self.model_config
         n = len(prompts)
-        if n == 0:
-            raise ConfigError("no prompts given")
         lens = [len(p) for p in prompts]
-        if min(lens) == 0:
-            raise ConfigError(f"prompt {lens.index(0)} is empty")
+        self._check(lens, cfg)
         p_max = max(lens)
         total = p_max + cfg.gen_len
-        if total > self.max_tokens:
-            raise ConfigError(f"prompt ({p_max} tokens) + gen_len ({cfg.gen_len}) = {total} tokens exceeds "
-                              f"the limit of {self.max_tokens} (largest cache bucket / max_seq_len)")
         b = self.batches.select(n)
         x = np.full((b, total), mc.mask_token_id, dtype=np.int32)
         valid = np.zeros((b, total), dtype=bool)
