@@ -112,6 +112,31 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from training.config import RunConfig
+    from training.loop import train
+
+    run = RunConfig.load(args.config)  # every key checked before anything is built
+    out = Path(args.out or Path("runs") / Path(args.config).stem)
+    result = train(run, out, resume=not args.fresh)
+    print(json.dumps({"steps": result.steps, "final_loss": result.final_loss, "seconds": round(result.seconds, 1),
+                      "tokens_per_second": round(result.tokens_per_second), "model": str(result.model_dir),
+                      "resumed_from": result.resumed_from}))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import dlm_jax
+    from training.evaluate import evaluate
+
+    cfg = decode_config(args)
+    handle = dlm_jax.load(args.model)
+    report = evaluate(handle, args.task, cfg, n=args.n, batch_size=args.batch, keep=args.show)
+    report["decoder"] = {f: getattr(cfg, f) for f in _DECODE_FIELDS}
+    print(json.dumps(report, indent=2, ensure_ascii=False))
+    return 0
+
+
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
     from dlm_jax.runtime.config import CACHE_MODES, CONFIDENCES, PRESETS, REMASKING, RULES
 
@@ -155,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default="dlm_jax", choices=sorted(FAMILIES))
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("train", help="train a model from a TOML config (resumes if interrupted)")
+    p.add_argument("--config", required=True, help="e.g. examples/configs/llada-tiny.toml")
+    p.add_argument("--out", help="run directory (default runs/<config name>)")
+    p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("eval", help="task accuracy, NFE and tokens/s of a model under a decoder setting")
+    p.add_argument("--model", required=True)
+    p.add_argument("--task", required=True, help="addition, sorting or gsm_lite")
+    p.add_argument("--n", type=int, default=200, help="held-out examples")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--show", type=int, default=3, help="sample completions to print")
+    _add_decode_options(p)
+    p.set_defaults(func=cmd_eval)
     p = sub.add_parser("profile", help="median step latency per bucket: JSON table + PNG plot")
     p.add_argument("--model", help="checkpoint directory (default: a random tiny model)")
     p.add_argument("--out", default="latency", help="output prefix (writes .json and .png)")

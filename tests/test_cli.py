@@ -19,7 +19,7 @@ def test_help_runs_and_runtime_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
     out = subprocess.run([sys.executable, "-m", "dlm_jax.cli", "--help"], check=True,
                          capture_output=True, text=True).stdout
-    for command in ("demo", "generate", "inspect", "convert", "profile"):
+    for command in ("demo", "generate", "inspect", "convert", "profile", "train", "eval"):
         assert command in out
 
 
@@ -86,3 +86,40 @@ def test_profile_writes_table_and_plot(tmp_path, capsys):
     assert {(e.window, e.cache) for e in table.entries} == {(8, 0), (32, 0), (8, 32), (32, 32)}
     assert table.lookup(20, 10) == next(e.median_ms for e in table.entries if (e.window, e.cache) == (32, 32))
     assert (tmp_path / "lat.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_train_then_eval(tmp_path, capsys):
+    """`dlm-jax train --config` writes an HF checkpoint that `dlm-jax eval` scores."""
+    config = tmp_path / "tiny.toml"
+    config.write_text("""
+[model]
+vocab_size = 264
+mask_token_id = 259
+eos_token_id = 258
+d_model = 32
+n_layers = 1
+n_heads = 2
+ffn_hidden = 64
+max_seq_len = 96
+[train]
+objective = "masked_diffusion"
+steps = 4
+batch_size = 4
+seq_len = 32
+warmup_steps = 1
+log_every = 2
+checkpoint_every = 2
+[data]
+tasks = { addition = 1.0 }
+train_examples = 16
+""")
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["steps"] == 4
+    assert main(["eval", "--model", result["model"], "--task", "addition", "--n", "4", "--gen", "16",
+                 "--block", "8", "--show", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["n"] == 4 and 0.0 <= report["accuracy"] <= 1.0 and len(report["samples"]) == 1
+    config.write_text(config.read_text().replace("steps = 4", "steps = 4\nlr = 1"))
+    assert main(["train", "--config", str(config)]) == 2
+    assert "unknown key(s) ['lr'] in [train]" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+"""The training loop: exact resume after an interruption, multi-device parity, config errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dlm_jax
+from dlm_jax import ConfigError
+from training.config import RunConfig
+
+MODEL = dict(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+             mask_token_id=259, eos_token_id=258, max_seq_len=64)
+
+
+def run_config(**train):
+    return RunConfig.from_dict({
+        "model": MODEL,
+        "train": {"objective": "masked_diffusion", "steps": 8, "batch_size": 4, "seq_len": 32,
+                  "warmup_steps": 2, "log_every": 2, "checkpoint_every": 4, **train},
+        "data": {"tasks": {"addition": 1.0}, "train_examples": 64},
+    })
+
+
+def small_dataset():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (40, 32)).astype(np.int32)
+    prompt = np.zeros((40, 32), bool)
+    prompt[:, :8] = True
+    return {"tokens": tokens, "prompt_mask": prompt}
+
+
+def test_interrupted_run_resumes_at_the_same_step_and_data(tmp_path):
+    from training.loop import train
+
+    run, data = run_config(), small_dataset()
+    straight = train(run, tmp_path / "a", progress=False, dataset=data)
+    first = train(run, tmp_path / "b", progress=False, dataset=data, stop_after=4)
+    assert first.steps == 4 and not (tmp_path / "b" / "model").exists()
+    second = train(run, tmp_path / "b", progress=False, dataset=data)
+    assert second.resumed_from == 4 and second.steps == 8
+    a = dlm_jax.get_params(dlm_jax.load_pretrained(straight.model_dir))
+    b = dlm_jax.get_params(dlm_jax.load_pretrained(second.model_dir))
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    losses = lambda d: [json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    np.testing.assert_allclose(losses(tmp_path / "a"), losses(tmp_path / "b"), rtol=1e-5)
+
+
+def test_four_fake_devices_match_one_device(tmp_path):
+    """Data x model sharding over 4 CPU devices gives the 1-device losses."""
+    code = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from tests.training.test_loop import run_config, small_dataset
+from training.loop import train
+import jax
+mesh = [int(x) for x in sys.argv[1:3]]
+r = train(run_config(mesh_data=mesh[0], mesh_model=mesh[1]), sys.argv[3], progress=False, dataset=small_dataset())
+print(json.dumps({{"devices": jax.device_count()}}))
+"""
+    losses = {}
+    for name, devices, mesh in (("one", 1, ("1", "1")), ("four", 4, ("2", "2"))):
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+        out = subprocess.run([sys.executable, "-c", code, *mesh, str(tmp_path / name)], env=env, check=True,
+                             capture_output=True, text=True).stdout
+        assert json.loads(out.strip().splitlines()[-1])["devices"] == devices
+        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(losses["four"], losses["one"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"train": {"objective": "masked_diffusion", "steps": 8, "batch_size": 4, "seq_len": 32, "learnin_rate": 1}},
+     r"unknown key\(s\) \['learnin_rate'\] in \[train\]"),
+    ({"model": {**MODEL, "colour": 1}}, r"unknown key\(s\) \['colour'\] in \[model\]"),
+    ({"optimizer": {}}, r"unknown tables \['optimizer'\]"),
+    ({"train": {"objective": "masked_diffusion", "steps": 8, "batch_size": 4, "seq_len": 128, "warmup_steps": 2}},
+     "seq_len=128 exceeds \\[model\\] max_seq_len=64"),
+    ({"train": {"objective": "introspective", "steps": 8, "batch_size": 4, "seq_len": 32, "warmup_steps": 2}},
+     "needs model attention='causal'"),
+    ({"data": {"tasks": {"poetry": 1.0}}}, r"unknown task\(s\) \['poetry'\]"),
+    ({"train": {"objective": "masked_diffusion", "steps": 8, "batch_size": 4, "seq_len": 32, "warmup_steps": 9}},
+     "warmup_steps=9"),
+])
+def test_bad_configs_name_the_key(change, match):
+    raw = {"model": MODEL, "train": {"objective": "masked_diffusion", "steps": 8, "batch_size": 4, "seq_len": 32,
+                                     "warmup_steps": 2},
+           "data": {"tasks": {"addition": 1.0}}}
+    raw.update(change)
+    with pytest.raises(ConfigError, match=match):
+        RunConfig.from_dict(raw)
+
+
+def test_block_size_must_divide_seq_len_for_two_stream_objectives():
+    raw = {"model": {**MODEL, "attention": "block_causal", "block_size": 12},
+           "train": {"objective": "block_diffusion", "steps": 8, "batch_size": 4, "seq_len": 32, "warmup_steps": 2},
+           "data": {"tasks": {"addition": 1.0}}}
+    with pytest.raises(ConfigError, match="block_size=12 must divide \\[train\\] seq_len=32"):
+        RunConfig.from_dict(raw)

@@ -1,0 +1,128 @@
+"""Training run configuration: one TOML file with [model], [train] and [data] tables.
+
+Every key is checked before anything is built: an unknown key, a missing required key or an
+impossible shape fails with the table and key named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from dlm_jax._config import ModelConfig
+from dlm_jax._errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    objective: str
+    steps: int
+    batch_size: int
+    seq_len: int
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.98
+    seed: int = 0
+    log_every: int = 50
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    mesh_data: int = -1  # -1: every device not used by the model axis
+    mesh_model: int = 1
+    compute_dtype: str = "float32"  # "bfloat16" for mixed precision (params stay float32)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "log_every", "checkpoint_every", "keep_checkpoints",
+                     "mesh_model"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"[train] {name}={getattr(self, name)} must be > 0")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ConfigError(f"[train] warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
+        if self.learning_rate <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"[train] learning_rate={self.learning_rate} must be > 0 and "
+                              f"min_lr_ratio={self.min_lr_ratio} in [0, 1]")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"[train] compute_dtype={self.compute_dtype!r} is not float32 or bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    tasks: dict[str, float]  # task name -> mixture weight ("code" = the stdlib corpus)
+    train_examples: int = 20000  # per task
+    heldout_examples: int = 200  # per task
+    corpus_bytes: int = 500_000
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    train: TrainConfig
+    data: DataConfig
+    source: str = "<dict>"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "<dict>") -> RunConfig:
+        unknown = sorted(set(raw) - {"model", "train", "data"})
+        if unknown:
+            raise ConfigError(f"{source}: unknown tables {unknown} (expected [model], [train], [data])")
+        parts = {}
+        for table, kind in (("model", ModelConfig), ("train", TrainConfig), ("data", DataConfig)):
+            values = dict(raw.get(table, {}))
+            known = {f.name for f in dataclasses.fields(kind)}
+            bad = sorted(set(values) - known)
+            if bad:
+                raise ConfigError(f"{source}: unknown key(s) {bad} in [{table}]")
+            if table == "model" and "dense_layers" in values:
+                values["dense_layers"] = tuple(values["dense_layers"])
+            try:
+                parts[table] = kind(**values)
+            except TypeError as e:
+                raise ConfigError(f"{source}: [{table}] {e}") from None
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
+        cfg = cls(parts["model"], parts["train"], parts["data"], source)
+        cfg._check_shapes()
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    def _check_shapes(self) -> None:
+        from training.objectives import get_objective
+
+        m, t = self.model, self.train
+        try:
+            get_objective(t.objective, m)
+        except ConfigError as e:
+            raise ConfigError(f"{self.source}: [train] {e}") from None
+        if t.seq_len > m.max_seq_len:
+            raise ConfigError(f"{self.source}: [train] seq_len={t.seq_len} exceeds [model] max_seq_len={m.max_seq_len}")
+        if t.objective in ("block_diffusion", "introspective") and t.seq_len % m.block_size:
+            raise ConfigError(f"{self.source}: [model] block_size={m.block_size} must divide "
+                              f"[train] seq_len={t.seq_len} for {t.objective!r}")
+        from training.data import TASKS
+
+        unknown = sorted(set(self.data.tasks) - set(TASKS) - {"code"})
+        if unknown:
+            raise ConfigError(f"{self.source}: [data] tasks has unknown task(s) {unknown}; "
+                              f"known: {sorted(TASKS) + ['code']}")
+        if not self.data.tasks or any(w <= 0 for w in self.data.tasks.values()):
+            raise ConfigError(f"{self.source}: [data] tasks needs at least one task with weight > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
+                "data": dataclasses.asdict(self.data)}

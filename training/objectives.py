@@ -1,0 +1,159 @@
+"""Training objectives on the shared model family.
+
+Axes: B batch, T sequence length, V vocabulary. A batch is a dict with `tokens` [B, T] int32
+and `prompt_mask` [B, T] bool (True on prompt tokens, never masked and never a target; all
+False for plain corpus rows). Every objective returns (loss, metrics) and is a pure function
+of (model, batch, rng), so it jits and shards like any JAX function.
+
+- `masked_diffusion` (LLaDA): t ~ U(eps, 1) per row, each response token masked with prob t,
+  cross-entropy on masked positions weighted 1/t, normalised per row by its response length
+  (LLaDA's SFT loss); bidirectional attention.
+- `block_diffusion` (BD3-LM / SDAR): input [x_noisy ; x_clean]; noisy block k attends
+  bidirectionally within itself and to clean blocks < k; the clean half is block-causal;
+  loss on masked noisy positions weighted 1/t.
+- `introspective` (I-DLM): input [x_masked ; x_clean] with every response token of the noisy
+  half masked; strict causal attention inside each noisy block, noisy block k sees clean
+  tokens before it, the clean half is causal; logit shift (row i predicts token i + 1);
+  loss = L_noisy + sg(L_noisy / L_clean) * L_clean (auto-balanced).
+- `autoregressive`: causal next-token loss on response tokens (the lossless reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dlm_jax._errors import ConfigError
+from dlm_jax.models._transformer import Transformer
+
+Batch = dict[str, jax.Array]
+Objective = Callable[[Transformer, Batch, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+EPS = 1e-3
+
+
+def _token_ce(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """[B, T] cross-entropy of `targets` under `logits` [B, T, V] (float32)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def _mask_id(model: Transformer) -> int:
+    if model.config.mask_token_id is None:
+        raise ConfigError("training a diffusion objective needs ModelConfig.mask_token_id")
+    return model.config.mask_token_id
+
+
+def masked_diffusion(model: Transformer, batch: Batch, rng: jax.Array):
+    tokens, response = batch["tokens"], ~batch["prompt_mask"]
+    b, t_len = tokens.shape
+    k_t, k_m = jax.random.split(rng)
+    t = jax.random.uniform(k_t, (b, 1), minval=EPS, maxval=1.0)
+    masked = (jax.random.uniform(k_m, (b, t_len)) < t) & response
+    noisy = jnp.where(masked, _mask_id(model), tokens)
+    logits = model(noisy).logits
+    ce = _token_ce(logits, tokens) * masked / t
+    answer_len = jnp.maximum(response.sum(axis=1, keepdims=True), 1)
+    loss = jnp.sum(ce / answer_len) / b
+    acc = jnp.sum((logits.argmax(-1) == tokens) & masked) / jnp.maximum(masked.sum(), 1)
+    return loss, {"loss": loss, "masked_acc": acc}
+
+
+def two_stream_mask(length: int, block: int, *, noisy_causal: bool, clean_causal: bool) -> np.ndarray:
+    """[2T, 2T] visibility for inputs [x_noisy ; x_clean] (True = may attend).
+
+    Noisy block k sees its own block (causally when `noisy_causal`, else bidirectionally) and
+    the clean tokens of blocks < k; the clean half sees itself causally (`clean_causal`) or
+    block-causally, and never the noisy half.
+    """
+    pos = np.arange(length)
+    blk = pos // block
+    same_block = blk[:, None] == blk[None, :]
+    noisy_self = same_block & (pos[None, :] <= pos[:, None]) if noisy_causal else same_block
+    noisy_clean = blk[None, :] < blk[:, None]
+    clean_self = (pos[None, :] <= pos[:, None]) if clean_causal else (blk[None, :] <= blk[:, None])
+    top = np.concatenate([noisy_self, noisy_clean], axis=1)
+    bottom = np.concatenate([np.zeros((length, length), bool), clean_self], axis=1)
+    return np.concatenate([top, bottom], axis=0)
+
+
+def _two_stream_forward(model: Transformer, noisy: jax.Array, clean: jax.Array, mask: np.ndarray):
+    b, t_len = clean.shape
+    positions = jnp.broadcast_to(jnp.tile(jnp.arange(t_len, dtype=jnp.int32), 2), (b, 2 * t_len))
+    full = jnp.broadcast_to(jnp.asarray(mask), (b, 2 * t_len, 2 * t_len))
+    logits = model(jnp.concatenate([noisy, clean], axis=1), positions=positions, mask=full).logits
+    return logits[:, :t_len], logits[:, t_len:]
+
+
+def block_diffusion(model: Transformer, batch: Batch, rng: jax.Array):
+    tokens, response = batch["tokens"], ~batch["prompt_mask"]
+    b, t_len = tokens.shape
+    block = model.config.block_size
+    k_t, k_m = jax.random.split(rng)
+    t = jax.random.uniform(k_t, (b, 1), minval=EPS, maxval=1.0)
+    masked = (jax.random.uniform(k_m, (b, t_len)) < t) & response
+    noisy = jnp.where(masked, _mask_id(model), tokens)
+    mask = two_stream_mask(t_len, block, noisy_causal=False, clean_causal=False)
+    noisy_logits, _ = _two_stream_forward(model, noisy, tokens, mask)
+    ce = _token_ce(noisy_logits, tokens) * masked / t
+    loss = jnp.sum(ce) / jnp.maximum(response.sum(), 1)
+    acc = jnp.sum((noisy_logits.argmax(-1) == tokens) & masked) / jnp.maximum(masked.sum(), 1)
+    return loss, {"loss": loss, "masked_acc": acc}
+
+
+def introspective(model: Transformer, batch: Batch, rng: jax.Array):
+    del rng  # all-masked: nothing is random
+    tokens, response = batch["tokens"], ~batch["prompt_mask"]
+    t_len = tokens.shape[1]
+    noisy = jnp.where(response, _mask_id(model), tokens)
+    mask = two_stream_mask(t_len, model.config.block_size, noisy_causal=True, clean_causal=True)
+    noisy_logits, clean_logits = _two_stream_forward(model, noisy, tokens, mask)
+    # Logit shift: row i predicts token i + 1; a target counts when it is a response token.
+    targets = tokens[:, 1:]
+    weight = response[:, 1:].astype(jnp.float32)
+    n = jnp.maximum(weight.sum(), 1.0)
+    noisy_ce = jnp.sum(_token_ce(noisy_logits[:, :-1], targets) * weight) / n
+    clean_ce = jnp.sum(_token_ce(clean_logits[:, :-1], targets) * weight) / n
+    scale = jax.lax.stop_gradient(noisy_ce / jnp.maximum(clean_ce, 1e-6))
+    loss = noisy_ce + scale * clean_ce
+    acc = jnp.sum((noisy_logits[:, :-1].argmax(-1) == targets) * weight) / n
+    return loss, {"loss": loss, "noisy_ce": noisy_ce, "clean_ce": clean_ce, "masked_acc": acc}
+
+
+def autoregressive(model: Transformer, batch: Batch, rng: jax.Array):
+    del rng
+    tokens, response = batch["tokens"], ~batch["prompt_mask"]
+    logits = model(tokens).logits  # the model's own (causal) attention
+    weight = response[:, 1:].astype(jnp.float32)
+    n = jnp.maximum(weight.sum(), 1.0)
+    loss = jnp.sum(_token_ce(logits[:, :-1], tokens[:, 1:]) * weight) / n
+    acc = jnp.sum((logits[:, :-1].argmax(-1) == tokens[:, 1:]) * weight) / n
+    return loss, {"loss": loss, "next_token_acc": acc}
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "masked_diffusion": masked_diffusion,
+    "block_diffusion": block_diffusion,
+    "introspective": introspective,
+    "autoregressive": autoregressive,
+}
+# What each objective needs from the model config.
+REQUIREMENTS: dict[str, dict[str, object]] = {
+    "masked_diffusion": {"attention": "bidirectional", "logit_shift": False},
+    "block_diffusion": {"attention": "block_causal", "logit_shift": False},
+    "introspective": {"attention": "causal", "logit_shift": True},
+    "autoregressive": {"attention": "causal", "logit_shift": True},
+}
+
+
+def get_objective(name: str, model_config) -> Objective:
+    """The objective `name`, after checking the model is configured for it."""
+    if name not in OBJECTIVES:
+        raise ConfigError(f"unknown objective {name!r}; known: {sorted(OBJECTIVES)}")
+    for field, value in REQUIREMENTS[name].items():
+        if getattr(model_config, field) != value:
+            raise ConfigError(f"objective {name!r} needs model {field}={value!r}, "
+                              f"got {getattr(model_config, field)!r}")
+    return OBJECTIVES[name]
