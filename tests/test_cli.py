@@ -33,7 +33,10 @@ def test_numpy_only_parts_import_without_jax():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_demo_runs_fast_and_vanilla_decoders(capsys):
+def test_demo_without_a_shipped_model_uses_a_random_one(capsys, monkeypatch, tmp_path):
+    import dlm_jax.cli
+
+    monkeypatch.setattr(dlm_jax.cli, "shipped_model", lambda name="llada-tiny": tmp_path / "absent")
     assert main(["demo", "--gen", "16", "--block", "8"]) == 0
     fast, vanilla = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert (fast["preset"], fast["decoder"]["cache"]) == ("fast-dllm", "prefix")
@@ -46,8 +49,16 @@ def test_demo_runs_fast_and_vanilla_decoders(capsys):
 def tiny_ckpt(tmp_path):
     tok = ByteTokenizer()
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, ffn_hidden=64,
-                      mask_token_id=tok.mask_id, max_seq_len=64)
+                      mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, max_seq_len=256)
     return dlm_jax.save_pretrained(dlm_jax.init_model(cfg), tmp_path / "tiny", tokenizer=tok)
+
+
+def test_demo_answers_task_prompts_fast_and_vanilla(tiny_ckpt, capsys):
+    assert main(["demo", "--model", str(tiny_ckpt), "--per-task", "1", "--gen", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("== ") == 2 and "expected" in out
+    speed = json.loads(out.strip().splitlines()[-1])
+    assert set(speed) == {"speedup_vs_vanilla", "nfe_ratio"}
 
 
 def test_generate_inspect_convert(tiny_ckpt, tmp_path, capsys):

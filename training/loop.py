@@ -185,6 +185,9 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
     manager.wait_until_finished()
     seconds = time.perf_counter() - t0
     model_dir = out_dir / "model"
+    info = out_dir / "train_seconds.json"  # wall time summed over interrupted segments
+    total = seconds + (json.loads(info.read_text())["seconds"] if info.exists() and start > 0 else 0.0)
+    info.write_text(json.dumps({"seconds": total}))
     if end == tc.steps:
         flat = {_name(path): np.asarray(v) for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
         save_pretrained(model_from_params(run.model, flat), model_dir, tokenizer=tok, overwrite=True)
