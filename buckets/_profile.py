@@ -60,9 +60,9 @@ def profile_model(path: str | None, *, out: Path, windows: Sequence[int] | None 
     from dlm_jax.program import JaxExecutor
 
     if path is None:
-        from dlm_jax.cli import _tiny_config
+        from dlm_jax.models._params import tiny_byte_config
 
-        model = dlm_jax.init_model(_tiny_config()[1])
+        model = dlm_jax.init_model(tiny_byte_config()[1])
     else:
         model = dlm_jax.load_pretrained(path)
     cfg = model.config

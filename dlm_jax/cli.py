@@ -14,17 +14,6 @@ _DECODE_FIELDS = ("gen_len", "block_len", "steps", "cache", "rule", "threshold",
                   "confidence", "remasking", "temperature", "seed")
 
 
-def _tiny_config():
-    from dlm_jax import ByteTokenizer, ModelConfig
-
-    tok = ByteTokenizer()
-    return tok, ModelConfig(
-        vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-        ffn_hidden=128, attention="bidirectional", max_seq_len=256,
-        mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
-        bos_token_id=tok.bos_id)
-
-
 def decode_config(args: argparse.Namespace):
     """The preset named by --preset, with every decode option given on the command line."""
     from dlm_jax import preset
@@ -103,7 +92,9 @@ def _demo_random(args: argparse.Namespace) -> int:
 
     import dlm_jax
 
-    tok, cfg = _tiny_config()
+    from dlm_jax.models._params import tiny_byte_config
+
+    tok, cfg = tiny_byte_config()
     model = dlm_jax.init_model(cfg, seed=args.seed or 0)
     with tempfile.TemporaryDirectory() as tmp:
         path = dlm_jax.save_pretrained(model, Path(tmp) / "tiny", tokenizer=tok)

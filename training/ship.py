@@ -44,15 +44,18 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
         raise SystemExit(f"{run_dir / 'model'} is {size_mb:.1f} MB, over the {MAX_MB} MB limit")
     train_seconds = _wall_seconds(run_dir, run, metrics)
     card = _card(dest.name, run, config, metrics, results, size_mb, train_seconds, n, gen_len)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent if dest.parent.exists() else None))
-    shutil.rmtree(tmp)
-    shutil.copytree(run_dir / "model", tmp)
-    (tmp / "README.md").write_text(card)
-    (tmp / "eval.json").write_text(json.dumps({"n_per_task": n, "gen_len": gen_len, "results": results}, indent=2))
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(dest)
+    from dlm_jax.checkpoint._io import _replace_dir
+
+    dest.parent.mkdir(parents=True, exist_ok=True)  # stage beside dest: the rename stays atomic
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        shutil.copytree(run_dir / "model", tmp, dirs_exist_ok=True)
+        (tmp / "README.md").write_text(card)
+        (tmp / "eval.json").write_text(json.dumps({"n_per_task": n, "gen_len": gen_len, "results": results}, indent=2))
+        _replace_dir(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return results
 
 

@@ -68,3 +68,16 @@ def param_count(model_or_cfg: Transformer | ModelConfig) -> int:
     if isinstance(model_or_cfg, ModelConfig):
         return int(sum(np.prod(s.shape) for s in param_shapes(model_or_cfg).values()))
     return int(sum(v.size for v in get_params(model_or_cfg).values()))
+
+
+def tiny_byte_config():
+    """(ByteTokenizer, ModelConfig) of the small random model used by the demo fallback and
+    the profiler when no checkpoint is given."""
+    from dlm_jax._tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    return tok, ModelConfig(
+        vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        ffn_hidden=128, attention="bidirectional", max_seq_len=256,
+        mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+        bos_token_id=tok.bos_id)
