@@ -35,6 +35,11 @@ class TrainConfig:
     mesh_data: int = -1  # -1: every device not used by the model axis
     mesh_model: int = 1
     compute_dtype: str = "float32"  # "bfloat16" for mixed precision (params stay float32)
+    # Length-bucketed batches (training.data.LengthBuckets): each step is one task's rows cut to
+    # the shortest bucket that holds them (batch_size * seq_len tokens per step); empty = every
+    # row is seq_len long. The last bucket must be seq_len.
+    length_buckets: tuple[int, ...] = ()
+    long_tail_prob: float = 0.0  # chance a step uses a longer bucket than its task needs
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -48,6 +53,17 @@ class TrainConfig:
                               f"min_lr_ratio={self.min_lr_ratio} in [0, 1]")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"[train] compute_dtype={self.compute_dtype!r} is not float32 or bfloat16")
+        if not 0.0 <= self.long_tail_prob <= 1.0:
+            raise ConfigError(f"[train] long_tail_prob={self.long_tail_prob} must be in [0, 1]")
+        b = list(self.length_buckets)
+        if b:
+            if b != sorted(set(b)) or b[0] <= 0 or b[-1] != self.seq_len:
+                raise ConfigError(f"[train] length_buckets={b} must be positive, strictly increasing "
+                                  f"and end at seq_len={self.seq_len}")
+            bad = [x for x in b if (self.batch_size * self.seq_len) % x]
+            if bad:
+                raise ConfigError(f"[train] length_buckets {bad} do not divide the batch's "
+                                  f"batch_size * seq_len = {self.batch_size * self.seq_len} tokens")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,8 +94,9 @@ class RunConfig:
             bad = sorted(set(values) - known)
             if bad:
                 raise ConfigError(f"{source}: unknown key(s) {bad} in [{table}]")
-            if table == "model" and "dense_layers" in values:
-                values["dense_layers"] = tuple(values["dense_layers"])
+            for key in ("dense_layers", "length_buckets"):
+                if key in values and isinstance(values[key], list):
+                    values[key] = tuple(values[key])
             try:
                 parts[table] = kind(**values)
             except TypeError as e:
@@ -111,9 +128,12 @@ class RunConfig:
             raise ConfigError(f"{self.source}: [train] {e}") from None
         if t.seq_len > m.max_seq_len:
             raise ConfigError(f"{self.source}: [train] seq_len={t.seq_len} exceeds [model] max_seq_len={m.max_seq_len}")
-        if t.objective in ("block_diffusion", "introspective") and t.seq_len % m.block_size:
-            raise ConfigError(f"{self.source}: [model] block_size={m.block_size} must divide "
-                              f"[train] seq_len={t.seq_len} for {t.objective!r}")
+        if t.objective in ("block_diffusion", "introspective"):
+            for length in (t.seq_len, *t.length_buckets):
+                if length % m.block_size:
+                    what = "seq_len" if length == t.seq_len else "length_buckets entry"
+                    raise ConfigError(f"{self.source}: [model] block_size={m.block_size} must divide "
+                                      f"[train] {what}={length} for {t.objective!r}")
         from training.data import TASKS
 
         unknown = sorted(set(self.data.tasks) - set(TASKS) - {"code"})

@@ -100,8 +100,8 @@ class AdditionTask:
     """`"48213+97345="` -> `"145558"`. With probability `hard_fraction` an example is redrawn
     (up to 64 times) until it has at least `min_carries` carries, so long carry chains dominate."""
 
-    min_digits: int = 3
-    max_digits: int = 6
+    min_digits: int = 2
+    max_digits: int = 4
     hard_fraction: float = 0.85
     min_carries: int = 2
     name: str = "addition"
@@ -133,8 +133,8 @@ class AdditionTask:
 class SortingTask:
     """`"sort: 42 7 19 88 3"` -> `"3 7 19 42 88"` (ascending; duplicates allowed)."""
 
-    min_len: int = 4
-    max_len: int = 8
+    min_len: int = 3
+    max_len: int = 6
     max_value: int = 99
     name: str = "sorting"
 
@@ -185,7 +185,7 @@ class GsmLiteTask:
 
     min_steps: int = 2
     max_steps: int = 4
-    max_operand: int = 25
+    max_operand: int = 12
     name: str = "gsm_lite"
 
     def __post_init__(self) -> None:
@@ -199,7 +199,7 @@ class GsmLiteTask:
         name, subj, obj_pron, poss = pick(_PEOPLE)
         others = [p[0] for p in _PEOPLE if p[0] != name]
         obj = pick(_OBJECTS)
-        cur = int(rng.integers(2, 41))
+        cur = int(rng.integers(2, 31))
         sentences = [f"{name} has {cur} {obj}."]
         working: list[str] = []
         for _ in range(int(rng.integers(self.min_steps, self.max_steps + 1))):
@@ -442,6 +442,92 @@ class Batches:
             if key in state and int(state[key]) != have:
                 raise ValueError(f"state was saved with {key}={state[key]}, restoring with {have}")
         return b
+
+
+class LengthBuckets:
+    """Endless, deterministic batches of a fixed token budget, cut to a length bucket.
+
+    Rows are encoded at the longest bucket with an EOS fill. Each step draws one dataset (by
+    `weights`), the shortest bucket that holds every row of that dataset (its "home" bucket),
+    and, with probability `long_tail_prob`, a uniformly drawn longer bucket instead, so the
+    model also sees long EOS tails (the decoder asks for generation lengths well past the
+    answer). The batch has `tokens_per_batch // length` rows drawn with replacement and is the
+    rows' first `length` tokens. A batch is a function of (seed, step) alone, so resuming is
+    restoring the step.
+
+    Short tasks thus cost a few dozen tokens per example instead of a full-length row.
+    """
+
+    def __init__(self, datasets: Mapping[str, Mapping[str, np.ndarray]], weights: Mapping[str, float],
+                 buckets: Sequence[int], tokens_per_batch: int, *, seed: int, long_tail_prob: float = 0.0,
+                 eos_id: int, multiple_of: int = 1, step: int = 0):
+        if set(weights) != set(datasets) or not datasets:
+            raise ValueError(f"weights {sorted(weights)} and datasets {sorted(datasets)} name different sets")
+        self.buckets = tuple(int(b) for b in buckets)
+        if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] <= 0:
+            raise ValueError(f"buckets must be positive and strictly increasing, got {list(buckets)}")
+        if not 0.0 <= long_tail_prob <= 1.0:
+            raise ValueError(f"long_tail_prob must be in [0, 1], got {long_tail_prob}")
+        for b in self.buckets:
+            rows = tokens_per_batch // b
+            if tokens_per_batch % b or rows % multiple_of:
+                raise ValueError(f"bucket {b}: tokens_per_batch={tokens_per_batch} must split into a "
+                                 f"whole number of rows divisible by {multiple_of}")
+        self.names = sorted(datasets)
+        w = np.array([float(weights[k]) for k in self.names])
+        if (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
+            raise ValueError(f"weights must be finite, non-negative and not all zero: {dict(weights)}")
+        self.p = w / w.sum()
+        self.sets = {k: _as_dataset(datasets[k]) for k in self.names}
+        self.home: dict[str, int] = {}
+        for k in self.names:
+            tokens = self.sets[k]["tokens"]
+            if tokens.shape[1] != self.buckets[-1]:
+                raise ValueError(f"dataset {k!r} rows have {tokens.shape[1]} tokens, expected the "
+                                 f"longest bucket {self.buckets[-1]}")
+            # Length needed: the last token that is not the trailing EOS fill, plus one EOS.
+            not_eos = tokens != eos_id
+            last = np.where(not_eos.any(1), tokens.shape[1] - np.argmax(not_eos[:, ::-1], axis=1), 0)
+            need = int(min(last.max() + 1, tokens.shape[1]))
+            self.home[k] = next(i for i, b in enumerate(self.buckets) if b >= need)
+        self.tokens_per_batch = int(tokens_per_batch)
+        self.long_tail_prob = float(long_tail_prob)
+        self.seed = int(seed)
+        self.eos_id = int(eos_id)
+        self.multiple_of = int(multiple_of)
+        self.step = int(step)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, length) a batch can have."""
+        lo = min(self.home.values())
+        return [(self.tokens_per_batch // b, b) for b in self.buckets[lo:]]
+
+    def __iter__(self) -> LengthBuckets:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, self.step, 0x1b])
+        name = self.names[int(rng.choice(len(self.names), p=self.p))]
+        home = self.home[name]
+        i = home
+        if home + 1 < len(self.buckets) and rng.random() < self.long_tail_prob:
+            i = int(rng.integers(home + 1, len(self.buckets)))
+        length = self.buckets[i]
+        data = self.sets[name]
+        idx = rng.integers(0, len(data["tokens"]), size=self.tokens_per_batch // length)
+        self.step += 1
+        return {k: v[idx, :length] for k, v in data.items()}
+
+    def state(self) -> dict[str, int]:
+        return {"step": self.step, "seed": self.seed, "tokens_per_batch": self.tokens_per_batch}
+
+    def restore(self, state: Mapping[str, int]) -> LengthBuckets:
+        """Continue where the iterator that produced `state` stopped."""
+        for key, have in (("seed", self.seed), ("tokens_per_batch", self.tokens_per_batch)):
+            if int(state[key]) != have:
+                raise ValueError(f"state was saved with {key}={state[key]}, restoring with {have}")
+        self.step = int(state["step"])
+        return self
 
 
 def _as_dataset(data: Mapping[str, np.ndarray] | np.ndarray) -> dict[str, np.ndarray]:

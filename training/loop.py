@@ -115,7 +115,7 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
-    from training.data import Batches
+    from training.data import Batches, LengthBuckets
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -126,13 +126,21 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
     mesh = build_mesh(tc.mesh_data, tc.mesh_model)
     if tc.batch_size % mesh.shape["data"]:
         raise ConfigError(f"[train] batch_size={tc.batch_size} must divide by the data axis ({mesh.shape['data']})")
-    arrays = dataset if dataset is not None else build_dataset(run, tok)
+    if tc.length_buckets:
+        if dataset is not None:
+            raise ConfigError("a pre-built dataset cannot be used with [train] length_buckets")
+        per_task = build_task_datasets(run, tok)
+        batches = LengthBuckets(per_task, run.data.tasks, tc.length_buckets, tc.batch_size * tc.seq_len,
+                                seed=tc.seed, long_tail_prob=tc.long_tail_prob, eos_id=tok.eos_id,
+                                multiple_of=mesh.shape["data"])
+    else:
+        arrays = dataset if dataset is not None else build_dataset(run, tok)
+        batches = Batches(arrays, tc.batch_size, seed=tc.seed)
     graphdef, params = nnx.split(init_model(train_cfg, seed=tc.seed))
     tx, schedule = make_optimizer(tc)
     p_shard = param_sharding(params, mesh)
     params = jax.device_put(params, p_shard)
     opt_state = tx.init(params)
-    batches = Batches(arrays, tc.batch_size, seed=tc.seed)
     start = 0
     manager = _checkpoint_manager(out_dir / "checkpoints", tc.keep_checkpoints)
     if resume and manager.latest_step() is not None:
@@ -141,7 +149,9 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
         restored = manager.restore(start, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         params, opt_state = restored["state"]["params"], restored["state"]["opt_state"]
-        batches = Batches.restore(arrays, tc.batch_size, restored["meta"]["data"])
+        state = restored["meta"]["data"]
+        batches = (batches.restore(state) if tc.length_buckets
+                   else Batches.restore(arrays, tc.batch_size, state))
     b_shard = NamedSharding(mesh, P("data"))
 
     def loss_fn(p, batch, rng):
@@ -195,9 +205,10 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
                        model_dir, start)
 
 
-def build_dataset(run: RunConfig, tok: Any) -> dict[str, np.ndarray]:
-    """The training mixture of `run.data`: SFT rows per task, packed stdlib code for "code"."""
-    from training.data import TASKS, code_corpus, encode_sft, make_split, mix, pack_corpus
+def build_task_datasets(run: RunConfig, tok: Any) -> dict[str, dict[str, np.ndarray]]:
+    """Encoded rows of seq_len tokens per entry of `run.data.tasks`: SFT rows per task, packed
+    stdlib code for "code"."""
+    from training.data import TASKS, code_corpus, encode_sft, make_split, pack_corpus
 
     d, seq = run.data, run.train.seq_len
     datasets = {}
@@ -207,5 +218,35 @@ def build_dataset(run: RunConfig, tok: Any) -> dict[str, np.ndarray]:
         else:
             examples = make_split(TASKS[name], d.train_examples, split="train", seed=d.seed)
             datasets[name] = encode_sft(tok, examples, seq)
+    return datasets
+
+
+def build_dataset(run: RunConfig, tok: Any) -> dict[str, np.ndarray]:
+    """The training mixture of `run.data` (fixed-length rows, mixed by weight)."""
+    from training.data import mix
+
+    d = run.data
+    datasets = build_task_datasets(run, tok)
     total = sum(len(next(iter(v.values()))) for v in datasets.values())
     return mix(datasets, d.tasks, total, seed=d.seed)
+
+
+def export_checkpoint(run: RunConfig, out_dir: str | Path, dest: str | Path, *, step: int | None = None) -> int:
+    """Write the parameters of checkpoint `step` (default: the latest) of the run in `out_dir`
+    as an HF-layout model at `dest`, e.g. to evaluate a run that is still training. Returns the
+    step exported."""
+    import orbax.checkpoint as ocp
+
+    manager = _checkpoint_manager(Path(out_dir) / "checkpoints", run.train.keep_checkpoints)
+    step = manager.latest_step() if step is None else step
+    if step is None or step not in manager.all_steps():
+        raise ConfigError(f"{out_dir}: no checkpoint at step {step} (have {sorted(manager.all_steps())})")
+    train_cfg = run.model.replace(dtype=run.train.compute_dtype, param_dtype="float32")
+    _, params = nnx.split(init_model(train_cfg, seed=run.train.seed))
+    tx, _ = make_optimizer(run.train)
+    abstract = {"params": params, "opt_state": tx.init(params)}
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    flat = {_name(path): np.asarray(v) for path, v in
+            jax.tree_util.tree_flatten_with_path(restored["state"]["params"])[0]}
+    save_pretrained(model_from_params(run.model, flat), dest, tokenizer=ByteTokenizer(), overwrite=True)
+    return step

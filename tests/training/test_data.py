@@ -8,6 +8,7 @@ import pytest
 
 from dlm_jax import ByteTokenizer
 from training.data import (HELDOUT_FRACTION, MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, TASKS, AdditionTask,
+                           LengthBuckets,
                            Batches, Example, GsmLiteTask, SortingTask, code_corpus, count_carries,
                            encode_sft, is_heldout, make_split, mix, pack_corpus, tagged_answer)
 
@@ -80,7 +81,7 @@ def test_addition_carry_bias():
     for ex in examples:
         a, b = map(int, ex.prompt.rstrip("=").split("+"))
         assert ex.prompt == f"{a}+{b}=" and int(ex.answer) == a + b
-        assert 3 <= len(str(a)) <= 6 and 3 <= len(str(b)) <= 6
+        assert 2 <= len(str(a)) <= 4 and 2 <= len(str(b)) <= 4
         carries.append(count_carries(a, b))
     assert np.mean(np.array(carries) >= 2) >= 0.85  # unbiased sampling gives ~0.63
     assert count_carries(48213, 97345) == 2 and count_carries(100, 200) == 0 and count_carries(999, 1) == 3
@@ -91,7 +92,7 @@ def test_sorting_answers():
         assert ex.prompt.startswith("sort: ")
         given = [int(t) for t in ex.prompt[len("sort: "):].split()]
         answer = [int(t) for t in ex.answer.split()]
-        assert 4 <= len(given) <= 8 and all(0 <= v <= 99 for v in given)
+        assert 3 <= len(given) <= 6 and all(0 <= v <= 99 for v in given)
         assert answer == sorted(answer) and sorted(given) == sorted(answer)
 
 
@@ -255,3 +256,63 @@ def test_mix_proportions():
         mix({"add": a}, {"code": 1.0}, 10, seed=0)
     with pytest.raises(ValueError):
         mix({"add": a, "x": np.zeros((3, seq + 1), np.int32)}, {"add": 1.0, "x": 1.0}, 10, seed=0)
+
+
+def _bucket_sets():
+    sets = {name: encode_sft(TOK, make_split(TASKS[name], 64, split="train"), 256)
+            for name in ("addition", "sorting", "gsm_lite")}
+    return sets
+
+
+def test_length_buckets_cut_only_eos_fill_and_resume():
+    sets = _bucket_sets()
+    weights = {"addition": 1.0, "sorting": 1.0, "gsm_lite": 1.0}
+    lb = LengthBuckets(sets, weights, (32, 64, 128, 256), 1024, seed=3, long_tail_prob=0.3,
+                       eos_id=TOK.eos_id, multiple_of=2)
+    assert lb.home == {"addition": 0, "sorting": 1, "gsm_lite": 3}
+    assert sorted(lb.shapes()) == [(4, 256), (8, 128), (16, 64), (32, 32)]
+    seen = set()
+    first = [next(lb) for _ in range(60)]
+    for batch in first:
+        rows, length = batch["tokens"].shape
+        assert rows * length == 1024 and rows % 2 == 0
+        seen.add(length)
+    assert seen == {32, 64, 128, 256}
+    # Rows are exact prefixes of encoded rows, every one ends in EOS fill.
+    for batch in first:
+        assert (batch["tokens"][:, -1] == TOK.eos_id).all()
+        assert not batch["prompt_mask"][:, -1].any()
+    state = lb.state()
+    after = [next(lb) for _ in range(5)]
+    again = LengthBuckets(sets, weights, (32, 64, 128, 256), 1024, seed=3, long_tail_prob=0.3,
+                          eos_id=TOK.eos_id, multiple_of=2).restore(state)
+    for a, b in zip(after, [next(again) for _ in range(5)]):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="seed"):
+        LengthBuckets(sets, weights, (32, 64, 128, 256), 1024, seed=4, eos_id=TOK.eos_id).restore(state)
+
+
+def test_length_buckets_without_long_tail_use_home_bucket():
+    sets = _bucket_sets()
+    lb = LengthBuckets(sets, {"addition": 1.0, "sorting": 0.0, "gsm_lite": 0.0}, (32, 64, 128, 256),
+                       1024, seed=0, eos_id=TOK.eos_id)
+    for _ in range(10):
+        b = next(lb)
+        assert b["tokens"].shape == (32, 32)
+        full = sets["addition"]["tokens"]
+        # each row is the first 32 tokens of an encoded addition row
+        assert all(any(np.array_equal(r, f[:32]) for f in full) for r in b["tokens"][:4])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(buckets=(64, 32, 256)), "strictly increasing"),
+    (dict(buckets=(32, 64, 128)), "longest bucket 128"),
+    (dict(tokens=1000), "whole number of rows"),
+    (dict(long_tail_prob=1.5), "long_tail_prob"),
+])
+def test_length_buckets_bad_input(kwargs, match):
+    sets = _bucket_sets()
+    with pytest.raises(ValueError, match=match):
+        LengthBuckets(sets, {k: 1.0 for k in sets}, kwargs.get("buckets", (32, 64, 128, 256)),
+                      kwargs.get("tokens", 1024), seed=0, eos_id=TOK.eos_id,
+                      long_tail_prob=kwargs.get("long_tail_prob", 0.0))

@@ -51,6 +51,35 @@ def test_interrupted_run_resumes_at_the_same_step_and_data(tmp_path):
     np.testing.assert_allclose(losses(tmp_path / "a"), losses(tmp_path / "b"), rtol=1e-5)
 
 
+def test_length_bucketed_run_resumes_exactly(tmp_path):
+    """Length buckets: steps of different shapes, interrupted mid-run, resume bit-for-bit."""
+    from training.loop import train
+
+    run = RunConfig.from_dict({
+        "model": MODEL,
+        "train": {"objective": "masked_diffusion", "steps": 6, "batch_size": 2, "seq_len": 64,
+                  "length_buckets": [32, 64], "long_tail_prob": 0.5, "warmup_steps": 1,
+                  "log_every": 1, "checkpoint_every": 3},
+        "data": {"tasks": {"addition": 1.0, "sorting": 1.0}, "train_examples": 32},
+    })
+    straight = train(run, tmp_path / "a", progress=False)
+    train(run, tmp_path / "b", progress=False, stop_after=3)
+    second = train(run, tmp_path / "b", progress=False)
+    assert second.resumed_from == 3
+    a = dlm_jax.get_params(dlm_jax.load_pretrained(straight.model_dir))
+    b = dlm_jax.get_params(dlm_jax.load_pretrained(second.model_dir))
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    # A checkpoint exports to the same HF model the run wrote at its end.
+    from training.loop import export_checkpoint
+
+    assert export_checkpoint(run, tmp_path / "b", tmp_path / "exported") == 6
+    c = dlm_jax.get_params(dlm_jax.load_pretrained(tmp_path / "exported"))
+    assert all(np.array_equal(b[name], c[name]) for name in b)
+    with pytest.raises(ConfigError, match="no checkpoint at step 5"):
+        export_checkpoint(run, tmp_path / "b", tmp_path / "x", step=5)
+
+
 def test_four_fake_devices_match_one_device(tmp_path):
     """Data x model sharding over 4 CPU devices gives the 1-device losses."""
     code = f"""
@@ -95,9 +124,24 @@ def test_bad_configs_name_the_key(change, match):
         RunConfig.from_dict(raw)
 
 
+@pytest.mark.parametrize("train, match", [
+    ({"length_buckets": [16, 8, 32]}, "strictly increasing"),
+    ({"length_buckets": [8, 16]}, "end at seq_len=32"),
+    ({"length_buckets": [24, 32]}, "\\[24\\] do not divide"),
+    ({"length_buckets": [8, 32], "long_tail_prob": 2.0}, "long_tail_prob=2.0"),
+])
+def test_length_bucket_config_errors(train, match):
+    with pytest.raises(ConfigError, match=match):
+        run_config(**train)
+
+
 def test_block_size_must_divide_seq_len_for_two_stream_objectives():
     raw = {"model": {**MODEL, "attention": "block_causal", "block_size": 12},
            "train": {"objective": "block_diffusion", "steps": 8, "batch_size": 4, "seq_len": 32, "warmup_steps": 2},
            "data": {"tasks": {"addition": 1.0}}}
     with pytest.raises(ConfigError, match="block_size=12 must divide \\[train\\] seq_len=32"):
+        RunConfig.from_dict(raw)
+    raw["model"]["block_size"] = 8
+    raw["train"]["length_buckets"] = [4, 32]
+    with pytest.raises(ConfigError, match="block_size=8 must divide \\[train\\] length_buckets entry=4"):
         RunConfig.from_dict(raw)
