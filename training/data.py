@@ -444,6 +444,18 @@ class Batches:
         return b
 
 
+def _mixture_weights(datasets: Mapping[str, Any], weights: Mapping[str, float]) -> tuple[list[str], np.ndarray]:
+    """Dataset names (sorted) and their weights normalised to sum to 1, after checking both
+    name the same non-empty set and the weights are finite, non-negative and not all zero."""
+    if set(weights) != set(datasets) or not datasets:
+        raise ValueError(f"weights {sorted(weights)} and datasets {sorted(datasets)} name different sets")
+    names = sorted(datasets)
+    w = np.array([float(weights[k]) for k in names])
+    if (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
+        raise ValueError(f"weights must be finite, non-negative and not all zero: {dict(weights)}")
+    return names, w / w.sum()
+
+
 class LengthBuckets:
     """Endless, deterministic batches of a fixed token budget, cut to a length bucket.
 
@@ -460,9 +472,7 @@ class LengthBuckets:
 
     def __init__(self, datasets: Mapping[str, Mapping[str, np.ndarray]], weights: Mapping[str, float],
                  buckets: Sequence[int], tokens_per_batch: int, *, seed: int, long_tail_prob: float = 0.0,
-                 eos_id: int, multiple_of: int = 1, step: int = 0):
-        if set(weights) != set(datasets) or not datasets:
-            raise ValueError(f"weights {sorted(weights)} and datasets {sorted(datasets)} name different sets")
+                 eos_id: int, multiple_of: int = 1):
         self.buckets = tuple(int(b) for b in buckets)
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] <= 0:
             raise ValueError(f"buckets must be positive and strictly increasing, got {list(buckets)}")
@@ -473,11 +483,7 @@ class LengthBuckets:
             if tokens_per_batch % b or rows % multiple_of:
                 raise ValueError(f"bucket {b}: tokens_per_batch={tokens_per_batch} must split into a "
                                  f"whole number of rows divisible by {multiple_of}")
-        self.names = sorted(datasets)
-        w = np.array([float(weights[k]) for k in self.names])
-        if (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
-            raise ValueError(f"weights must be finite, non-negative and not all zero: {dict(weights)}")
-        self.p = w / w.sum()
+        self.names, self.p = _mixture_weights(datasets, weights)
         self.sets = {k: _as_dataset(datasets[k]) for k in self.names}
         self.home: dict[str, int] = {}
         for k in self.names:
@@ -493,9 +499,7 @@ class LengthBuckets:
         self.tokens_per_batch = int(tokens_per_batch)
         self.long_tail_prob = float(long_tail_prob)
         self.seed = int(seed)
-        self.eos_id = int(eos_id)
-        self.multiple_of = int(multiple_of)
-        self.step = int(step)
+        self.step = 0
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, length) a batch can have."""
@@ -549,12 +553,7 @@ def mix(datasets: Mapping[str, Mapping[str, np.ndarray] | np.ndarray], weights: 
     `prompt_mask`. Datasets must share seq_len and keys."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    if set(weights) != set(datasets):
-        raise ValueError(f"weights {sorted(weights)} and datasets {sorted(datasets)} name different sets")
-    names = sorted(datasets)
-    w = np.array([float(weights[k]) for k in names])
-    if (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
-        raise ValueError(f"weights must be finite, non-negative and not all zero: {dict(weights)}")
+    names, w = _mixture_weights(datasets, weights)
     sets = {k: _as_dataset(datasets[k]) for k in names}
     keys = set(sets[names[0]])
     for k in names:
@@ -563,7 +562,7 @@ def mix(datasets: Mapping[str, Mapping[str, np.ndarray] | np.ndarray], weights: 
         if sets[k]["tokens"].shape[1:] != sets[names[0]]["tokens"].shape[1:]:
             raise ValueError(f"dataset {k!r} has rows of shape {sets[k]['tokens'].shape[1:]}, "
                              f"{names[0]!r} {sets[names[0]]['tokens'].shape[1:]}")
-    share = n * w / w.sum()
+    share = n * w
     counts = np.floor(share).astype(np.int64)
     for i in np.argsort(-(share - counts), kind="stable")[:n - counts.sum()]:
         counts[i] += 1

@@ -199,8 +199,7 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
     total = seconds + (json.loads(info.read_text())["seconds"] if info.exists() and start > 0 else 0.0)
     info.write_text(json.dumps({"seconds": total}))
     if end == tc.steps:
-        flat = {_name(path): np.asarray(v) for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-        save_pretrained(model_from_params(run.model, flat), model_dir, tokenizer=tok, overwrite=True)
+        _save_model(run, params, model_dir)
     return TrainResult(end, last_loss, seconds, (end - start) * tokens_per_step / max(seconds, 1e-9),
                        model_dir, start)
 
@@ -246,7 +245,11 @@ def export_checkpoint(run: RunConfig, out_dir: str | Path, dest: str | Path, *, 
     tx, _ = make_optimizer(run.train)
     abstract = {"params": params, "opt_state": tx.init(params)}
     restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    flat = {_name(path): np.asarray(v) for path, v in
-            jax.tree_util.tree_flatten_with_path(restored["state"]["params"])[0]}
-    save_pretrained(model_from_params(run.model, flat), dest, tokenizer=ByteTokenizer(), overwrite=True)
+    _save_model(run, restored["state"]["params"], dest)
     return step
+
+
+def _save_model(run: RunConfig, params, dest: str | Path) -> None:
+    """Training parameters as an HF-layout model (with the byte tokenizer) at `dest`."""
+    flat = {_name(path): np.asarray(v) for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    save_pretrained(model_from_params(run.model, flat), dest, tokenizer=ByteTokenizer(), overwrite=True)
