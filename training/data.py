@@ -97,13 +97,15 @@ def count_carries(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class AdditionTask:
-    """`"48213+97345="` -> `"145558"`. With probability `hard_fraction` an example is redrawn
-    (up to 64 times) until it has at least `min_carries` carries, so long carry chains dominate."""
+    """`"482+973="` -> `"1455"`. With probability `hard_fraction` an example is redrawn (up to 64
+    times) until it has at least `min_carries` carries, so carry chains dominate. With
+    `same_length` both operands have the same number of digits (digits line up at fixed offsets)."""
 
     min_digits: int = 2
-    max_digits: int = 4
-    hard_fraction: float = 0.85
-    min_carries: int = 2
+    max_digits: int = 3
+    hard_fraction: float = 0.5
+    min_carries: int = 1
+    same_length: bool = True
     name: str = "addition"
 
     def __post_init__(self) -> None:
@@ -112,15 +114,17 @@ class AdditionTask:
         if 2 * self.max_digits + 2 > MAX_PROMPT_CHARS:
             raise ValueError(f"max_digits={self.max_digits} makes prompts longer than {MAX_PROMPT_CHARS} chars")
 
-    def _number(self, rng: np.random.Generator) -> int:
-        digits = int(rng.integers(self.min_digits, self.max_digits + 1))
+    def _number(self, rng: np.random.Generator, digits: int | None = None) -> int:
+        if digits is None:
+            digits = int(rng.integers(self.min_digits, self.max_digits + 1))
         low = 0 if digits == 1 else 10 ** (digits - 1)
         return int(rng.integers(low, 10 ** digits))
 
     def sample(self, rng: np.random.Generator) -> Example:
         hard = bool(rng.random() < self.hard_fraction)
         for _ in range(64):
-            a, b = self._number(rng), self._number(rng)
+            a = self._number(rng)
+            b = self._number(rng, len(str(a)) if self.same_length else None)
             if not hard or count_carries(a, b) >= self.min_carries:
                 break
         return Example(self.name, f"{a}+{b}=", str(a + b))
@@ -134,8 +138,8 @@ class SortingTask:
     """`"sort: 42 7 19 88 3"` -> `"3 7 19 42 88"` (ascending; duplicates allowed)."""
 
     min_len: int = 3
-    max_len: int = 6
-    max_value: int = 99
+    max_len: int = 5
+    max_value: int = 20
     name: str = "sorting"
 
     def __post_init__(self) -> None:
@@ -185,7 +189,8 @@ class GsmLiteTask:
 
     min_steps: int = 2
     max_steps: int = 4
-    max_operand: int = 12
+    max_operand: int = 9
+    max_start: int = 20
     name: str = "gsm_lite"
 
     def __post_init__(self) -> None:
@@ -193,13 +198,15 @@ class GsmLiteTask:
             raise ValueError(f"need 1 <= min_steps <= max_steps <= 4, got {self.min_steps}, {self.max_steps}")
         if not 1 <= self.max_operand <= 99:
             raise ValueError(f"max_operand must be in [1, 99], got {self.max_operand}")
+        if not 2 <= self.max_start <= 99:
+            raise ValueError(f"max_start must be in [2, 99], got {self.max_start}")
 
     def _attempt(self, rng: np.random.Generator) -> Example:
         pick = lambda seq: seq[int(rng.integers(len(seq)))]  # noqa: E731
         name, subj, obj_pron, poss = pick(_PEOPLE)
         others = [p[0] for p in _PEOPLE if p[0] != name]
         obj = pick(_OBJECTS)
-        cur = int(rng.integers(2, 31))
+        cur = int(rng.integers(2, self.max_start + 1))
         sentences = [f"{name} has {cur} {obj}."]
         working: list[str] = []
         for _ in range(int(rng.integers(self.min_steps, self.max_steps + 1))):

@@ -76,15 +76,26 @@ def test_score_parsing_details():
 
 
 def test_addition_carry_bias():
-    examples = _samples(TASKS["addition"], 2000)
-    carries = []
-    for ex in examples:
+    task = AdditionTask(min_digits=2, max_digits=4, hard_fraction=0.85, min_carries=2, same_length=False)
+    carries, lengths = [], set()
+    for ex in _samples(task, 2000):
         a, b = map(int, ex.prompt.rstrip("=").split("+"))
         assert ex.prompt == f"{a}+{b}=" and int(ex.answer) == a + b
         assert 2 <= len(str(a)) <= 4 and 2 <= len(str(b)) <= 4
         carries.append(count_carries(a, b))
+        lengths.add((len(str(a)), len(str(b))))
     assert np.mean(np.array(carries) >= 2) >= 0.85  # unbiased sampling gives ~0.63
+    assert len(lengths) == 9  # operands of different lengths are drawn independently
     assert count_carries(48213, 97345) == 2 and count_carries(100, 200) == 0 and count_carries(999, 1) == 3
+
+
+def test_default_addition_operands_line_up():
+    carries = []
+    for ex in _samples(TASKS["addition"], 1000):
+        a, b = map(int, ex.prompt.rstrip("=").split("+"))
+        assert len(str(a)) == len(str(b)) and 2 <= len(str(a)) <= 3 and int(ex.answer) == a + b
+        carries.append(count_carries(a, b))
+    assert np.mean(np.array(carries) >= 1) >= 0.8
 
 
 def test_sorting_answers():
@@ -92,7 +103,7 @@ def test_sorting_answers():
         assert ex.prompt.startswith("sort: ")
         given = [int(t) for t in ex.prompt[len("sort: "):].split()]
         answer = [int(t) for t in ex.answer.split()]
-        assert 3 <= len(given) <= 6 and all(0 <= v <= 99 for v in given)
+        assert 3 <= len(given) <= 5 and all(0 <= v <= 20 for v in given)
         assert answer == sorted(answer) and sorted(given) == sorted(answer)
 
 
@@ -106,6 +117,7 @@ def test_gsm_lite_working_is_consistent():
         steps = working.split(" ")
         assert 2 <= len(steps) <= 4, ex
         start = int(re.match(r"\w+ has (\d+) ", ex.prompt).group(1))
+        assert 2 <= start <= 20, ex
         value = start
         for s in steps:
             m = step.fullmatch(s)
@@ -316,3 +328,14 @@ def test_length_buckets_bad_input(kwargs, match):
         LengthBuckets(sets, {k: 1.0 for k in sets}, kwargs.get("buckets", (32, 64, 128, 256)),
                       kwargs.get("tokens", 1024), seed=0, eos_id=TOK.eos_id,
                       long_tail_prob=kwargs.get("long_tail_prob", 0.0))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: AdditionTask(min_digits=3, max_digits=2), "min_digits"),
+    (lambda: SortingTask(max_len=40), "longer than"),
+    (lambda: GsmLiteTask(max_steps=5), "max_steps"),
+    (lambda: GsmLiteTask(max_start=1), "max_start"),
+])
+def test_task_sizes_are_checked(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
