@@ -114,17 +114,20 @@ class AdditionTask:
         if 2 * self.max_digits + 2 > MAX_PROMPT_CHARS:
             raise ValueError(f"max_digits={self.max_digits} makes prompts longer than {MAX_PROMPT_CHARS} chars")
 
-    def _number(self, rng: np.random.Generator, digits: int | None = None) -> int:
-        if digits is None:
-            digits = int(rng.integers(self.min_digits, self.max_digits + 1))
+    def _digits(self, rng: np.random.Generator) -> int:
+        return int(rng.integers(self.min_digits, self.max_digits + 1))
+
+    @staticmethod
+    def _number(rng: np.random.Generator, digits: int) -> int:
         low = 0 if digits == 1 else 10 ** (digits - 1)
         return int(rng.integers(low, 10 ** digits))
 
     def sample(self, rng: np.random.Generator) -> Example:
         hard = bool(rng.random() < self.hard_fraction)
         for _ in range(64):
-            a = self._number(rng)
-            b = self._number(rng, len(str(a)) if self.same_length else None)
+            digits = self._digits(rng)
+            a = self._number(rng, digits)
+            b = self._number(rng, digits if self.same_length else self._digits(rng))
             if not hard or count_carries(a, b) >= self.min_carries:
                 break
         return Example(self.name, f"{a}+{b}=", str(a + b))
@@ -135,7 +138,7 @@ class AdditionTask:
 
 @dataclass(frozen=True)
 class SortingTask:
-    """`"sort: 42 7 19 88 3"` -> `"3 7 19 42 88"` (ascending; duplicates allowed)."""
+    """`"sort: 12 7 19 3"` -> `"3 7 12 19"` (ascending; duplicates allowed)."""
 
     min_len: int = 3
     max_len: int = 5

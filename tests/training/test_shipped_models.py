@@ -12,6 +12,7 @@ import dlm_jax
 from dlm_jax.runtime.config import DecodeConfig
 from training.data import TASKS
 from training.evaluate import evaluate
+from training.ship import MAX_MB
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
@@ -22,7 +23,7 @@ def test_shipped_checkpoint_loads_and_has_a_card(name, attention):
     model = dlm_jax.load_pretrained(path)
     assert model.config.attention == attention
     assert model.config.logit_shift == (attention == "causal")
-    assert sum(f.stat().st_size for f in path.iterdir()) <= 10 * 2**20
+    assert sum(f.stat().st_size for f in path.iterdir()) <= MAX_MB * 2**20
     card = (path / "README.md").read_text()
     for needle in ("dlm-jax train --config examples/configs/", "steps:", "wall time:", "final training loss:",
                    "Held-out accuracy"):
