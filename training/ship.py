@@ -73,6 +73,12 @@ def _wall_seconds(run_dir: Path, run: RunConfig, metrics: list[dict]) -> float:
     return total
 
 
+def _final_loss(metrics: list[dict], window: int = 10) -> float:
+    """Mean loss of the last `window` logged steps."""
+    tail = metrics[-window:]
+    return sum(m["loss"] for m in tail) / len(tail)
+
+
 def _card(name, run, config, metrics, results, size_mb, seconds, n, gen_len) -> str:
     m, t = run.model, run.train
     lines = [f"# {name}", "",
@@ -85,7 +91,8 @@ def _card(name, run, config, metrics, results, size_mb, seconds, n, gen_len) -> 
              f"(warm-up {t.warmup_steps}, cosine to {t.min_lr_ratio}x), weight decay {t.weight_decay}, "
              f"clip {t.grad_clip}, {t.compute_dtype}",
              f"- wall time: {seconds / 60:.1f} min of training steps on a 2-core CPU machine",
-             f"- final training loss: {metrics[-1]['loss']:.4f} (step {metrics[-1]['step']})",
+             f"- final training loss: {_final_loss(metrics):.4f} (mean of the last {min(len(metrics), 10)} "
+             f"logged steps, up to step {metrics[-1]['step']}; single batches are noisy)",
              f"- size: {size_mb:.1f} MB (safetensors, float32)", "",
              f"## Held-out accuracy ({n} prompts per task, generation length {gen_len}, block 32)", "",
              "| decoder | " + " | ".join(TASKS) + " | mean NFE |", "|---|" + "---|" * (len(TASKS) + 1)]
