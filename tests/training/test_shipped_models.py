@@ -38,3 +38,10 @@ def test_llada_tiny_answers_heldout_prompts(task):
     handle = dlm_jax.load(MODELS / "llada-tiny")
     report = evaluate(handle, task, DecodeConfig(gen_len=32, block_len=32), n=16, progress=False)
     assert report["accuracy"] >= 0.75  # chance is ~0: exact sums / exact sorted lists
+
+
+def test_idlm_tiny_answers_heldout_additions():
+    handle = dlm_jax.load(MODELS / "idlm-tiny")
+    cfg = DecodeConfig(gen_len=32, block_len=32, cache="none", rule="topk")  # vanilla: a token per step
+    report = evaluate(handle, "addition", cfg, n=16, progress=False)
+    assert report["accuracy"] >= 0.75
