@@ -73,9 +73,12 @@ def _wall_seconds(run_dir: Path, run: RunConfig, metrics: list[dict]) -> float:
     return total
 
 
-def _final_loss(metrics: list[dict], window: int = 10) -> float:
-    """Mean loss of the last `window` logged steps."""
-    tail = metrics[-window:]
+LOSS_WINDOW = 10  # logged steps averaged for the card's final loss: single batches are noisy
+
+
+def _final_loss(metrics: list[dict]) -> float:
+    """Mean loss of the last LOSS_WINDOW logged steps."""
+    tail = metrics[-LOSS_WINDOW:]
     return sum(m["loss"] for m in tail) / len(tail)
 
 
@@ -91,7 +94,7 @@ def _card(name, run, config, metrics, results, size_mb, seconds, n, gen_len) -> 
              f"(warm-up {t.warmup_steps}, cosine to {t.min_lr_ratio}x), weight decay {t.weight_decay}, "
              f"clip {t.grad_clip}, {t.compute_dtype}",
              f"- wall time: {seconds / 60:.1f} min of training steps on a 2-core CPU machine",
-             f"- final training loss: {_final_loss(metrics):.4f} (mean of the last {min(len(metrics), 10)} "
+             f"- final training loss: {_final_loss(metrics):.4f} (mean of the last {min(len(metrics), LOSS_WINDOW)} "
              f"logged steps, up to step {metrics[-1]['step']}; single batches are noisy)",
              f"- size: {size_mb:.1f} MB (safetensors, float32)", "",
              f"## Held-out accuracy ({n} prompts per task, generation length {gen_len}, block 32)", "",
