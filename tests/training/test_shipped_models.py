@@ -33,15 +33,12 @@ def test_shipped_checkpoint_loads_and_has_a_card(name, attention):
         assert set(per_task) == set(TASKS)
 
 
-@pytest.mark.parametrize("task", ["addition", "sorting"])
-def test_llada_tiny_answers_heldout_prompts(task):
-    handle = dlm_jax.load(MODELS / "llada-tiny")
-    report = evaluate(handle, task, DecodeConfig(gen_len=32, block_len=32), n=16, progress=False)
+FAST = DecodeConfig(gen_len=32, block_len=32)  # prefix cache + threshold 0.9
+VANILLA = DecodeConfig(gen_len=32, block_len=32, cache="none", rule="topk")  # a token per step
+
+
+@pytest.mark.parametrize("name, task, cfg", [("llada-tiny", "addition", FAST), ("llada-tiny", "sorting", FAST),
+                                             ("idlm-tiny", "addition", VANILLA)])
+def test_shipped_model_answers_heldout_prompts(name, task, cfg):
+    report = evaluate(dlm_jax.load(MODELS / name), task, cfg, n=16, progress=False)
     assert report["accuracy"] >= 0.75  # chance is ~0: exact sums / exact sorted lists
-
-
-def test_idlm_tiny_answers_heldout_additions():
-    handle = dlm_jax.load(MODELS / "idlm-tiny")
-    cfg = DecodeConfig(gen_len=32, block_len=32, cache="none", rule="topk")  # vanilla: a token per step
-    report = evaluate(handle, "addition", cfg, n=16, progress=False)
-    assert report["accuracy"] >= 0.75
