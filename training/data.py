@@ -141,8 +141,8 @@ class SortingTask:
     """`"sort: 12 7 19 3"` -> `"3 7 12 19"` (ascending; duplicates allowed)."""
 
     min_len: int = 3
-    max_len: int = 5
-    max_value: int = 20
+    max_len: int = 7
+    max_value: int = 50
     name: str = "sorting"
 
     def __post_init__(self) -> None:

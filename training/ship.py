@@ -51,7 +51,8 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
     try:
         shutil.copytree(run_dir / "model", tmp, dirs_exist_ok=True)
         (tmp / "README.md").write_text(card)
-        (tmp / "eval.json").write_text(json.dumps({"n_per_task": n, "gen_len": gen_len, "results": results}, indent=2))
+        (tmp / "eval.json").write_text(json.dumps({"n_per_task": n, "gen_len": gen_len, "results": results,
+                                                  "tasks": {k: repr(v) for k, v in TASKS.items()}}, indent=2))
         _replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -97,6 +98,8 @@ def _card(name, run, config, metrics, results, size_mb, seconds, n, gen_len) -> 
              f"- final training loss: {_final_loss(metrics):.4f} (mean of the last {min(len(metrics), LOSS_WINDOW)} "
              f"logged steps, up to step {metrics[-1]['step']}; single batches are noisy)",
              f"- size: {size_mb:.1f} MB (safetensors, float32)", "",
+             "## Tasks", "", "Held-out prompts of the task generators in `training/data.py`, with these sizes:", "",
+             *[f"- `{task!r}`" for task in TASKS.values()], "",
              f"## Held-out accuracy ({n} prompts per task, generation length {gen_len}, block 32)", "",
              "| decoder | " + " | ".join(TASKS) + " | mean NFE |", "|---|" + "---|" * (len(TASKS) + 1)]
     for dec, per in results.items():

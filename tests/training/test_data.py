@@ -90,21 +90,27 @@ def test_addition_carry_bias():
 
 
 def test_default_addition_operands_line_up():
-    carries = []
-    for ex in _samples(TASKS["addition"], 1000):
+    task, carries, digits = TASKS["addition"], [], set()
+    for ex in _samples(task, 1000):
         a, b = map(int, ex.prompt.rstrip("=").split("+"))
-        assert len(str(a)) == len(str(b)) and 2 <= len(str(a)) <= 3 and int(ex.answer) == a + b
+        assert len(str(a)) == len(str(b)) and int(ex.answer) == a + b
+        digits.add(len(str(a)))
         carries.append(count_carries(a, b))
+    assert digits == set(range(task.min_digits, task.max_digits + 1))
     assert np.mean(np.array(carries) >= 1) >= 0.8
 
 
 def test_sorting_answers():
-    for ex in _samples(TASKS["sorting"], 1000):
+    task = TASKS["sorting"]
+    lengths = set()
+    for ex in _samples(task, 1000):
         assert ex.prompt.startswith("sort: ")
         given = [int(t) for t in ex.prompt[len("sort: "):].split()]
         answer = [int(t) for t in ex.answer.split()]
-        assert 3 <= len(given) <= 5 and all(0 <= v <= 20 for v in given)
+        assert task.min_len <= len(given) <= task.max_len and all(0 <= v <= task.max_value for v in given)
+        lengths.add(len(given))
         assert answer == sorted(answer) and sorted(given) == sorted(answer)
+    assert lengths == set(range(task.min_len, task.max_len + 1))
 
 
 def test_gsm_lite_working_is_consistent():

@@ -28,6 +28,8 @@ def test_shipped_checkpoint_loads_and_has_a_card(name, attention):
     for needle in ("dlm-jax train --config examples/configs/", "steps:", "wall time:", "final training loss:",
                    "Held-out accuracy"):
         assert needle in card, needle
+    for task in TASKS.values():  # measured on the task sizes the generators have now
+        assert f"`{task!r}`" in card, f"{name}'s card was measured on other sizes than {task!r}"
     evals = json.loads((path / "eval.json").read_text())
     for per_task in evals["results"].values():
         assert set(per_task) == set(TASKS)
