@@ -106,10 +106,12 @@ def plot(rows: list[dict], path: Path) -> None:
     gens = sorted({r["gen_len"] for r in rows})
     fig, axes = plt.subplots(1, len(gens), figsize=(6 * len(gens), 4.5), squeeze=False)
     for ax, gen in zip(axes[0], gens):
+        points: dict[tuple[float, float], list[str]] = {}  # settings that land on one point share a label
         for r in (r for r in rows if r["gen_len"] == gen):
-            ax.scatter(r["mean_nfe"], r["accuracy"] * 100, s=40)
-            ax.annotate(r["setting"], (r["mean_nfe"], r["accuracy"] * 100), fontsize=7,
-                        xytext=(4, 3), textcoords="offset points")
+            points.setdefault((round(r["mean_nfe"], 6), round(r["accuracy"] * 100, 6)), []).append(r["setting"])
+        for (nfe, acc), names in points.items():
+            ax.scatter(nfe, acc, s=40)
+            ax.annotate(" = ".join(names), (nfe, acc), fontsize=7, xytext=(4, 3), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_xlabel("mean NFE per request (log)")
         ax.set_ylabel("accuracy (%)")
