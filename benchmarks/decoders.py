@@ -8,8 +8,8 @@ length (LLaDA), prefix + threshold 0.9 (Fast-dLLM), prefix + factor 1.0, prefix 
 delta in {0.1, 0.25, 0.5} (Fast-dLLM++), dual + Frechet 0.25; and two deliberately aggressive
 references, top-k at 4 tokens per step and prefix + threshold 0.5, that show how much accuracy
 the tasks lose to over-parallel commits. Every setting decodes the same held-out prompts of
-every task. Writes <out>.json, <out>.md (table) and <out>.png (accuracy
-against NFE), and reports the targets as ratios measured in this one run:
+every task. Writes <out>.json, <out>.md (table) and <out>.png (accuracy against NFE), and
+reports the targets as ratios measured in this one run:
 - Frechet 0.25 uses >= 25% fewer NFE than threshold 0.9 at <= 1 point accuracy loss;
 - the cached pipeline is >= 5x faster than vanilla in wall clock at matched accuracy.
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dlm_jax  # noqa: E402
 from dlm_jax.runtime.config import DecodeConfig  # noqa: E402
-from training.data import TASKS  # noqa: E402
+from training.data import TASKS, task_settings  # noqa: E402
 from training.evaluate import evaluate  # noqa: E402
 
 SETTINGS = {
@@ -47,10 +47,10 @@ def run(model: str, gens: list[int], n: int, tasks: list[str], block: int) -> li
     rows = []
     for gen in gens:
         for name, setting in SETTINGS.items():
-            setting = dict(setting)
-            if setting["rule"] == "topk":
-                setting["steps"] = gen // setting.pop("tokens_per_step")
-            cfg = DecodeConfig(gen_len=gen, block_len=block, **setting)
+            kwargs = dict(setting)
+            if kwargs["rule"] == "topk":
+                kwargs["steps"] = gen // kwargs.pop("tokens_per_step")
+            cfg = DecodeConfig(gen_len=gen, block_len=block, **kwargs)
             per_task = {t: evaluate(handle, t, cfg, n=n, progress=False) for t in tasks}
             seconds = sum(r["seconds"] for r in per_task.values())
             row = {"gen_len": gen, "setting": name,
@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = run(args.model, args.gens, args.n, args.tasks, args.block)
     result = {"model": args.model, "n_per_task": args.n, "block_len": args.block,
-              "tasks": {t: repr(TASKS[t]) for t in args.tasks}, "rows": rows,
+              "tasks": task_settings(args.tasks), "rows": rows,
               "targets": targets(rows)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

@@ -21,7 +21,7 @@ import os
 import re
 import sysconfig
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -252,6 +252,11 @@ class GsmLiteTask:
 
 
 TASKS: dict[str, Task] = {"addition": AdditionTask(), "sorting": SortingTask(), "gsm_lite": GsmLiteTask()}
+
+
+def task_settings(names: Iterable[str] | None = None) -> dict[str, str]:
+    """The default generators' sizes by task name (their reprs), for model cards and results."""
+    return {name: repr(TASKS[name]) for name in (TASKS if names is None else names)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 import dlm_jax
 from dlm_jax.runtime.config import DecodeConfig
 from training.config import RunConfig
-from training.data import TASKS
+from training.data import TASKS, task_settings
 from training.evaluate import evaluate
 
 MAX_MB = 10.0
@@ -52,7 +52,7 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
         shutil.copytree(run_dir / "model", tmp, dirs_exist_ok=True)
         (tmp / "README.md").write_text(card)
         (tmp / "eval.json").write_text(json.dumps({"n_per_task": n, "gen_len": gen_len, "results": results,
-                                                  "tasks": {k: repr(v) for k, v in TASKS.items()}}, indent=2))
+                                                  "tasks": task_settings()}, indent=2))
         _replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -99,7 +99,7 @@ def _card(name, run, config, metrics, results, size_mb, seconds, n, gen_len) -> 
              f"logged steps, up to step {metrics[-1]['step']}; single batches are noisy)",
              f"- size: {size_mb:.1f} MB (safetensors, float32)", "",
              "## Tasks", "", "Held-out prompts of the task generators in `training/data.py`, with these sizes:", "",
-             *[f"- `{task!r}`" for task in TASKS.values()], "",
+             *[f"- `{sizes}`" for sizes in task_settings().values()], "",
              f"## Held-out accuracy ({n} prompts per task, generation length {gen_len}, block 32)", "",
              "| decoder | " + " | ".join(TASKS) + " | mean NFE |", "|---|" + "---|" * (len(TASKS) + 1)]
     for dec, per in results.items():
