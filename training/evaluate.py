@@ -44,3 +44,12 @@ def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_s
                 samples.append({"prompt": ex.prompt, "completion": text, "answer": ex.answer, "correct": ok})
     return {"task": task, "n": n, "accuracy": float(np.mean(correct)), "mean_nfe": float(np.mean(nfe)),
             "tokens_per_second": tokens / seconds if seconds else 0.0, "seconds": seconds, "samples": samples}
+
+
+def chance_accuracy(task: str, *, n: int = 200, seed: int = 0) -> float:
+    """Accuracy of answering all `n` held-out prompts of `task` with one fixed completion, the
+    best of the split's own answers: the floor a model has to clear (about 5% on GSM-lite,
+    whose running totals pile up on small numbers)."""
+    examples = make_split(TASKS[task], n, split="heldout", seed=seed)
+    score = TASKS[task].score
+    return max(float(np.mean([score(c.answer, ex) for ex in examples])) for c in examples)

@@ -18,7 +18,7 @@ import dlm_jax
 from dlm_jax.runtime.config import DecodeConfig
 from training.config import RunConfig
 from training.data import TASKS, task_settings
-from training.evaluate import evaluate
+from training.evaluate import chance_accuracy, evaluate
 
 MAX_MB = 10.0
 
@@ -52,6 +52,7 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
         shutil.copytree(run_dir / "model", tmp, dirs_exist_ok=True)
         (tmp / "README.md").write_text(card)
         (tmp / "eval.json").write_text(json.dumps({"n_per_task": n, "gen_len": gen_len, "results": results,
+                                                  "chance": {t: chance_accuracy(t, n=n) for t in TASKS},
                                                   "tasks": task_settings()}, indent=2))
         _replace_dir(tmp, dest)
     except BaseException:
@@ -106,8 +107,9 @@ def _card(name, run, config, metrics, results, size_mb, seconds, n, gen_len) -> 
         accs = " | ".join(f"{per[task]['accuracy'] * 100:.1f}%" for task in TASKS)
         nfe = sum(r["mean_nfe"] for r in per.values()) / len(per)
         lines.append(f"| {dec} | {accs} | {nfe:.1f} |")
-    lines += ["", "Measured with `training.ship` (`training.evaluate`); chance is about 0% on every task "
-              "(exact answers required).", ""]
+    chance = " | ".join(f"{chance_accuracy(task, n=n) * 100:.1f}%" for task in TASKS)
+    lines += [f"| chance: the most frequent held-out answer, always | {chance} | 0 |", "",
+              "Measured with `training.ship` (`training.evaluate`); answers must match exactly.", ""]
     return "\n".join(lines)
 
 

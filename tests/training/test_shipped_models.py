@@ -33,6 +33,7 @@ def test_shipped_checkpoint_loads_and_has_a_card(name, attention):
     evals = json.loads((path / "eval.json").read_text())
     for per_task in evals["results"].values():
         assert set(per_task) == set(TASKS)
+    assert set(evals["chance"]) == set(TASKS) and "| chance:" in card
 
 
 FAST = DecodeConfig(gen_len=32, block_len=32)  # prefix cache + threshold 0.9
