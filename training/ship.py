@@ -43,7 +43,8 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
     if size_mb > MAX_MB:
         raise SystemExit(f"{run_dir / 'model'} is {size_mb:.1f} MB, over the {MAX_MB} MB limit")
     train_seconds = _wall_seconds(run_dir, run, metrics)
-    card = _card(dest.name, run, config, metrics, results, size_mb, train_seconds, n, gen_len)
+    chance = {t: chance_accuracy(t, n=n) for t in TASKS}
+    card = _card(dest.name, run, config, metrics, results, chance, size_mb, train_seconds, n, gen_len)
     from dlm_jax.checkpoint._io import _replace_dir
 
     dest.parent.mkdir(parents=True, exist_ok=True)  # stage beside dest: the rename stays atomic
@@ -52,7 +53,7 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
         shutil.copytree(run_dir / "model", tmp, dirs_exist_ok=True)
         (tmp / "README.md").write_text(card)
         (tmp / "eval.json").write_text(json.dumps({"n_per_task": n, "gen_len": gen_len, "results": results,
-                                                  "chance": {t: chance_accuracy(t, n=n) for t in TASKS},
+                                                  "chance": chance,
                                                   "tasks": task_settings()}, indent=2))
         _replace_dir(tmp, dest)
     except BaseException:
@@ -84,7 +85,7 @@ def _final_loss(metrics: list[dict]) -> float:
     return sum(m["loss"] for m in tail) / len(tail)
 
 
-def _card(name, run, config, metrics, results, size_mb, seconds, n, gen_len) -> str:
+def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_len) -> str:
     m, t = run.model, run.train
     lines = [f"# {name}", "",
              f"A {dlm_jax.param_count(m):,}-parameter {m.attention} transformer "
@@ -107,8 +108,8 @@ def _card(name, run, config, metrics, results, size_mb, seconds, n, gen_len) -> 
         accs = " | ".join(f"{per[task]['accuracy'] * 100:.1f}%" for task in TASKS)
         nfe = sum(r["mean_nfe"] for r in per.values()) / len(per)
         lines.append(f"| {dec} | {accs} | {nfe:.1f} |")
-    chance = " | ".join(f"{chance_accuracy(task, n=n) * 100:.1f}%" for task in TASKS)
-    lines += [f"| chance: the most frequent held-out answer, always | {chance} | 0 |", "",
+    floors = " | ".join(f"{chance[task] * 100:.1f}%" for task in TASKS)
+    lines += [f"| chance: the most frequent held-out answer, always | {floors} | 0 |", "",
               "Measured with `training.ship` (`training.evaluate`); answers must match exactly.", ""]
     return "\n".join(lines)
 
