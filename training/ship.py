@@ -24,7 +24,12 @@ MAX_MB = 10.0
 
 
 def card_decoders(gen_len: int) -> dict[str, DecodeConfig]:
-    return {"vanilla top-k (LLaDA, steps = gen)": DecodeConfig(gen_len=gen_len, block_len=32, cache="none",
+    """The card's decoders, from one token per step in order (left to right, the most
+    sequential) to the most parallel commits."""
+    return {"left-to-right (block 1, one token per step)": DecodeConfig(gen_len=gen_len, block_len=1,
+                                                                        cache="none", rule="topk",
+                                                                        steps=gen_len),
+            "vanilla top-k (LLaDA, steps = gen)": DecodeConfig(gen_len=gen_len, block_len=32, cache="none",
                                                                rule="topk", steps=gen_len),
             "prefix + threshold 0.9 (Fast-dLLM)": DecodeConfig(gen_len=gen_len, block_len=32),
             "prefix + frechet 0.25 (Fast-dLLM++)": DecodeConfig(gen_len=gen_len, block_len=32, rule="frechet")}
@@ -102,7 +107,7 @@ def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_
              f"- size: {size_mb:.1f} MB (safetensors, float32)", "",
              "## Tasks", "", "Held-out prompts of the task generators in `training/data.py`, with these sizes:", "",
              *[f"- `{sizes}`" for sizes in task_settings().values()], "",
-             f"## Held-out accuracy ({n} prompts per task, generation length {gen_len}, block 32)", "",
+             f"## Held-out accuracy ({n} prompts per task, generation length {gen_len}, block 32 unless named)", "",
              "| decoder | " + " | ".join(TASKS) + " | mean NFE |", "|---|" + "---|" * (len(TASKS) + 1)]
     for dec, per in results.items():
         accs = " | ".join(f"{per[task]['accuracy'] * 100:.1f}%" for task in TASKS)

@@ -38,10 +38,13 @@ def test_shipped_checkpoint_loads_and_has_a_card(name, attention):
 
 FAST = DecodeConfig(gen_len=32, block_len=32)  # prefix cache + threshold 0.9
 VANILLA = DecodeConfig(gen_len=32, block_len=32, cache="none", rule="topk")  # a token per step
+IN_ORDER = DecodeConfig(gen_len=64, block_len=1, cache="none", rule="topk")  # left to right
 
 
 @pytest.mark.parametrize("name, task, cfg", [("llada-tiny", "addition", FAST), ("llada-tiny", "sorting", FAST),
-                                             ("idlm-tiny", "addition", VANILLA)])
+                                             ("idlm-tiny", "addition", VANILLA),
+                                             ("idlm-tiny", "gsm_lite", IN_ORDER)])
 def test_shipped_model_answers_heldout_prompts(name, task, cfg):
     report = evaluate(dlm_jax.load(MODELS / name), task, cfg, n=16, progress=False)
-    assert report["accuracy"] >= 0.75  # chance is ~0: exact sums / exact sorted lists
+    # Chance (one fixed answer for every prompt) is 1-6%: see the cards' chance rows.
+    assert report["accuracy"] >= 0.75
