@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine; each builds .venv and installs what it needs.
-#   make demo   - the main job: save, reload and decode a tiny model
+#   make demo   - the main job: the shipped llada-tiny answers held-out task prompts (fast + vanilla decoding)
 #   make test   - the test suite (what CI runs)
 PYTHON ?= python3
 VENV := .venv
