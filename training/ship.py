@@ -26,11 +26,9 @@ MAX_MB = 10.0
 def card_decoders(gen_len: int) -> dict[str, DecodeConfig]:
     """The card's decoders, from one token per step in order (left to right, the most
     sequential) to the most parallel commits."""
-    return {"left-to-right (block 1, one token per step)": DecodeConfig(gen_len=gen_len, block_len=1,
-                                                                        cache="none", rule="topk",
-                                                                        steps=gen_len),
-            "vanilla top-k (LLaDA, steps = gen)": DecodeConfig(gen_len=gen_len, block_len=32, cache="none",
-                                                               rule="topk", steps=gen_len),
+    one_per_step = dict(gen_len=gen_len, cache="none", rule="topk", steps=gen_len)
+    return {"left-to-right (block 1, one token per step)": DecodeConfig(block_len=1, **one_per_step),
+            "vanilla top-k (LLaDA, steps = gen)": DecodeConfig(block_len=32, **one_per_step),
             "prefix + threshold 0.9 (Fast-dLLM)": DecodeConfig(gen_len=gen_len, block_len=32),
             "prefix + frechet 0.25 (Fast-dLLM++)": DecodeConfig(gen_len=gen_len, block_len=32, rule="frechet")}
 
