@@ -40,6 +40,10 @@ class TrainConfig:
     # row is seq_len long. The last bucket must be seq_len.
     length_buckets: tuple[int, ...] = ()
     long_tail_prob: float = 0.0  # chance a step uses a longer bucket than its task needs
+    # An HF-layout model (path from the working directory) whose weights start the run instead of
+    # a random init, e.g. an autoregressive model adapted to diffusion (Dream, LLaDA 2.0). Its
+    # parameter shapes must match [model]; attention and logit shift come from [model].
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "log_every", "checkpoint_every", "keep_checkpoints",

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlm_jax._errors import ConfigError
 from dlm_jax._tokenizer import ByteTokenizer
-from dlm_jax.checkpoint._io import save_pretrained
+from dlm_jax.checkpoint._io import load_pretrained, save_pretrained
 from dlm_jax.models._params import init_model, model_from_params
 from training.config import RunConfig
 from training.objectives import get_objective
@@ -103,6 +103,22 @@ def _checkpoint_manager(directory: Path, keep: int):
         max_to_keep=keep, create=True, enable_async_checkpointing=False))
 
 
+def _initial_weights(path: str, model: Any) -> Any:
+    """`model` with the weights of the HF-layout checkpoint at `path` ([train] init_from)."""
+    if not Path(path).is_dir():
+        raise ConfigError(f"[train] init_from={path!r} is not a model directory")
+    graphdef, params = nnx.split(model)
+    _, loaded = nnx.split(load_pretrained(path))
+    want = {k: v.shape for k, v in nnx.to_flat_state(params)}
+    got = {k: v.shape for k, v in nnx.to_flat_state(loaded)}
+    if want != got:
+        diff = sorted(set(want.items()) ^ set(got.items()))[:4]
+        raise ConfigError(f"[train] init_from={path!r}: its parameters do not fit [model] "
+                          f"(first differences, (name, shape): {diff})")
+    loaded = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), loaded, params)
+    return nnx.merge(graphdef, loaded)
+
+
 def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_after: int | None = None,
           progress: bool = True, dataset: dict[str, np.ndarray] | None = None) -> TrainResult:
     """Train `run` into `out_dir` (checkpoints/, metrics.jsonl, model/ in HF layout).
@@ -126,6 +142,9 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
     mesh = build_mesh(tc.mesh_data, tc.mesh_model)
     if tc.batch_size % mesh.shape["data"]:
         raise ConfigError(f"[train] batch_size={tc.batch_size} must divide by the data axis ({mesh.shape['data']})")
+    model = init_model(train_cfg, seed=tc.seed)
+    if tc.init_from:
+        model = _initial_weights(tc.init_from, model)
     if tc.length_buckets:
         if dataset is not None:
             raise ConfigError("a pre-built dataset cannot be used with [train] length_buckets")
@@ -136,7 +155,7 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
     else:
         arrays = dataset if dataset is not None else build_dataset(run, tok)
         batches = Batches(arrays, tc.batch_size, seed=tc.seed)
-    graphdef, params = nnx.split(init_model(train_cfg, seed=tc.seed))
+    graphdef, params = nnx.split(model)
     tx, schedule = make_optimizer(tc)
     p_shard = param_sharding(params, mesh)
     params = jax.device_put(params, p_shard)

@@ -99,6 +99,8 @@ def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_
              f"- steps: {t.steps}, batch {t.batch_size} x {t.seq_len} tokens, AdamW lr {t.learning_rate} "
              f"(warm-up {t.warmup_steps}, cosine to {t.min_lr_ratio}x), weight decay {t.weight_decay}, "
              f"clip {t.grad_clip}, {t.compute_dtype}",
+             *([f"- initial weights: `{t.init_from}` (`[train] init_from`; its wall time not counted "
+                f"here), with this config's attention and logit shift"] if t.init_from else []),
              f"- wall time: {seconds / 60:.1f} min of training steps on a 2-core CPU machine",
              f"- final training loss: {_final_loss(metrics):.4f} (mean of the last {min(len(metrics), LOSS_WINDOW)} "
              f"logged steps, up to step {metrics[-1]['step']}; single batches are noisy)",

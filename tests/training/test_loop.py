@@ -1,5 +1,6 @@
 """The training loop: exact resume after an interruption, multi-device parity, config errors."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -145,3 +146,27 @@ def test_block_size_must_divide_seq_len_for_two_stream_objectives():
     raw["train"]["length_buckets"] = [4, 32]
     with pytest.raises(ConfigError, match="block_size=8 must divide \\[train\\] length_buckets entry=4"):
         RunConfig.from_dict(raw)
+
+
+def test_init_from_starts_the_run_at_a_saved_models_weights(tmp_path):
+    """[train] init_from: a causal model's weights start a bidirectional run (AR -> diffusion
+    adaptation); a model of other shapes is refused with the key named, before any step."""
+    from training.loop import train
+
+    causal = dlm_jax.init_model(dataclasses.replace(run_config().model, attention="causal"), seed=7)
+    dlm_jax.save_pretrained(causal, tmp_path / "ar", tokenizer=dlm_jax.ByteTokenizer())
+    start = dlm_jax.get_params(causal)
+    one_step = train(run_config(steps=1, warmup_steps=0, init_from=str(tmp_path / "ar")), tmp_path / "a",
+                     progress=False, dataset=small_dataset())
+    scratch = train(run_config(steps=1, warmup_steps=0), tmp_path / "b", progress=False, dataset=small_dataset())
+    after, fresh = (dlm_jax.get_params(dlm_jax.load_pretrained(r.model_dir)) for r in (one_step, scratch))
+    # one AdamW step moves each weight by at most about the learning rate
+    for name in start:
+        assert np.abs(after[name] - start[name]).max() < 3e-3, name
+    assert max(np.abs(fresh[n] - start[n]).max() for n in start) > 0.1  # a random init is elsewhere
+    wide = dlm_jax.init_model(dataclasses.replace(causal.config, d_model=64), seed=0)
+    dlm_jax.save_pretrained(wide, tmp_path / "wide", tokenizer=dlm_jax.ByteTokenizer())
+    for path, match in ((tmp_path / "wide", "init_from=.*do not fit"), (tmp_path / "none", "not a model dir")):
+        with pytest.raises(ConfigError, match=match):
+            train(run_config(init_from=str(path)), tmp_path / "c", progress=False, dataset=small_dataset())
+        assert not (tmp_path / "c" / "checkpoints").exists() or not any((tmp_path / "c" / "checkpoints").iterdir())
