@@ -53,7 +53,7 @@ class Task(Protocol):
 # ----------------------------------------------------------------------------------------------
 # Answer parsing
 
-_ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)")
+_RESULT_RE = re.compile(r"=\s*(-?\d+)")
 _LEADING_INT_RE = re.compile(r"\s*(-?\d+)")
 _LEADING_INTS_RE = re.compile(r"\s*(\d+(?:[ \t,]+\d+)*)")
 
@@ -74,10 +74,10 @@ def _leading_ints(text: str) -> list[int] | None:
     return [int(t) for t in re.split(r"[ \t,]+", m.group(1))] if m else None
 
 
-def tagged_answer(text: str) -> int | None:
-    """The integer after the first "Answer:" in `text`, or None."""
-    m = _ANSWER_RE.search(text)
-    return int(m.group(1)) if m else None
+def final_result(text: str) -> int | None:
+    """The integer after the last "=" in `text` (a GSM-lite working's last result), or None."""
+    found = _RESULT_RE.findall(text)
+    return int(found[-1]) if found else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +187,10 @@ class GsmLiteTask:
     """Templated multi-step word problems with small non-negative integers (< 1000).
 
     "Ana has 12 pens. She buys 5 more. She gives 3 to Ben. How many pens does Ana have now?"
-    -> "12+5=17. 17-3=14. Answer: 14". Scored by the integer after "Answer:".
+    -> "12+5=17, -3=14". The working keeps a running total: each step starts from the previous
+    result without restating it, so every intermediate result is written exactly once (a masked
+    result can only be worked out, never copied from elsewhere in the answer), and the answer is
+    the last result. Scored by the integer after the last "=".
     """
 
     min_steps: int = 2
@@ -230,13 +233,13 @@ class GsmLiteTask:
                 b = 3 if cur * 3 < 1000 and cur <= 30 and rng.random() < 0.3 else 2
                 new, sym, template = cur * b, "*", _MUL_TEMPLATES[b]
             sentences.append(template.format(b=b, **fields))
-            working.append(f"{cur}{sym}{b}={new}.")
+            working.append(f"{cur if not working else ''}{sym}{b}={new}")
             cur = new
         question = f"How many {obj} does {name} have now?"
         prompt = " ".join([*sentences, question])
         if len(prompt) > MAX_PROMPT_CHARS:
             prompt = " ".join([*sentences, "How many now?"])
-        return Example(self.name, prompt, " ".join([*working, f"Answer: {cur}"]))
+        return Example(self.name, prompt, ", ".join(working))
 
     def sample(self, rng: np.random.Generator) -> Example:
         for _ in range(100):
@@ -247,8 +250,8 @@ class GsmLiteTask:
                            f"after 100 attempts")
 
     def score(self, completion: str, example: Example) -> bool:
-        got = tagged_answer(completion)
-        return got is not None and got == tagged_answer(example.answer)
+        got = final_result(completion)
+        return got is not None and got == final_result(example.answer)
 
 
 TASKS: dict[str, Task] = {"addition": AdditionTask(), "sorting": SortingTask(), "gsm_lite": GsmLiteTask()}

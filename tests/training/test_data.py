@@ -10,7 +10,7 @@ from dlm_jax import ByteTokenizer
 from training.data import (HELDOUT_FRACTION, MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, TASKS, AdditionTask,
                            LengthBuckets,
                            Batches, Example, GsmLiteTask, SortingTask, code_corpus, count_carries,
-                           encode_sft, is_heldout, make_split, mix, pack_corpus, tagged_answer)
+                           encode_sft, is_heldout, make_split, mix, final_result, pack_corpus)
 
 TOK = ByteTokenizer()
 NAMES = sorted(TASKS)
@@ -28,7 +28,7 @@ def _corrupt(ex: Example) -> str:
         values[-1] += 1  # the list is no longer the sorted input
         return " ".join(map(str, values))
     if ex.task == "gsm_lite":
-        return re.sub(r"Answer: (\d+)", lambda m: f"Answer: {int(m.group(1)) + 1}", ex.answer)
+        return re.sub(r"=(\d+)$", lambda m: f"={int(m.group(1)) + 1}", ex.answer)  # the last result
     return ex.answer[:-1] + str((int(ex.answer[-1]) + 1) % 10)
 
 
@@ -70,9 +70,11 @@ def test_score_parsing_details():
     assert srt.score("3 7 19 42 88\nsort: 1 2", ex) and srt.score("3, 7, 19, 42, 88", ex)
     assert not srt.score("3 7 19 42 88 90", ex) and not srt.score("3 7 19 42", ex)
     gsm = TASKS["gsm_lite"]
-    ex = Example("gsm_lite", "...", "12+5=17. 17-3=14. Answer: 14")
-    assert gsm.score("12+5=17. 17-3=15. Answer: 14 and then Answer: 3", ex)
-    assert not gsm.score("14", ex) and not gsm.score("Answer: 140", ex)
+    ex = Example("gsm_lite", "...", "12+5=17, -3=14")
+    assert gsm.score("12+5=17, -3=14", ex) and gsm.score("12+5=18, -3= 14.", ex)  # the last result counts
+    assert not gsm.score("14", ex) and not gsm.score("12+5=17, -3=140", ex)
+    assert not gsm.score("12+5=17, -3=14, +1=15", ex)  # a step too many
+    assert final_result("1+2=3, *2=6") == 6 and final_result("no working") is None
 
 
 def test_addition_carry_bias():
@@ -114,26 +116,28 @@ def test_sorting_answers():
 
 
 def test_gsm_lite_working_is_consistent():
-    step = re.compile(r"(\d+)([+*-])(\d+)=(\d+)\.")
+    """A running total: the first step restates the start, later ones start from the previous
+    result; every result is written once and the last one is the answer."""
+    step = re.compile(r"(\d*)([+*-])(\d+)=(\d+)")
     ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
     seen_ops = set()
     for ex in _samples(TASKS["gsm_lite"], 1000):
         assert ex.prompt.endswith("?")
-        working, final = ex.answer.split(" Answer: ")
-        steps = working.split(" ")
+        steps = ex.answer.split(", ")
         assert 2 <= len(steps) <= 4, ex
         start = int(re.match(r"\w+ has (\d+) ", ex.prompt).group(1))
         assert 2 <= start <= 20, ex
         value = start
-        for s in steps:
+        for i, s in enumerate(steps):
             m = step.fullmatch(s)
             assert m, (s, ex)
-            a, op, b, c = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
-            assert a == value and ops[op](a, b) == c and 0 <= c < 1000, ex
+            assert m.group(1) == (str(start) if i == 0 else ""), ex
+            op, b, c = m.group(2), int(m.group(3)), int(m.group(4))
+            assert ops[op](value, b) == c and 0 <= c < 1000, ex
             assert str(b) in ex.prompt or op == "*", ex
             seen_ops.add(op)
             value = c
-        assert final.isdigit() and int(final) == value == tagged_answer(ex.answer)
+        assert final_result(ex.answer) == value
     assert seen_ops == {"+", "-", "*"}
 
 

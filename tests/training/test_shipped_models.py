@@ -41,10 +41,13 @@ VANILLA = DecodeConfig(gen_len=32, block_len=32, cache="none", rule="topk")  # a
 IN_ORDER = DecodeConfig(gen_len=64, block_len=1, cache="none", rule="topk")  # left to right
 
 
-@pytest.mark.parametrize("name, task, cfg", [("llada-tiny", "addition", FAST), ("llada-tiny", "sorting", FAST),
-                                             ("idlm-tiny", "addition", VANILLA),
-                                             ("idlm-tiny", "gsm_lite", IN_ORDER)])
-def test_shipped_model_answers_heldout_prompts(name, task, cfg):
+@pytest.mark.parametrize("name, task, cfg, floor", [
+    ("llada-tiny", "addition", FAST, 0.75), ("llada-tiny", "sorting", FAST, 0.75),
+    ("llada-tiny", "gsm_lite", FAST, 0.25),  # 34% on the card's 100 prompts
+    ("idlm-tiny", "addition", VANILLA, 0.75),
+    ("idlm-tiny", "gsm_lite", IN_ORDER, 0.4),  # 74% on the card's 100 prompts
+])
+def test_shipped_model_answers_heldout_prompts(name, task, cfg, floor):
     report = evaluate(dlm_jax.load(MODELS / name), task, cfg, n=16, progress=False)
     # Chance (one fixed answer for every prompt) is 1-6%: see the cards' chance rows.
-    assert report["accuracy"] >= 0.75
+    assert report["accuracy"] >= floor
