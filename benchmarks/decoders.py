@@ -1,6 +1,6 @@
 """The decoder benchmark: accuracy, NFE and wall clock of every decoder on a trained model.
 
-    .venv/bin/python benchmarks/decoders.py --model models/llada-tiny --n 48 \
+    .venv/bin/python benchmarks/decoders.py --model models/llada-tiny --n 32 \
         --out benchmarks/results/decoders
 
 Settings (block 32, generation lengths 128 and 256): vanilla top-k with steps = generation
