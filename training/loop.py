@@ -103,11 +103,11 @@ def _checkpoint_manager(directory: Path, keep: int):
         max_to_keep=keep, create=True, enable_async_checkpointing=False))
 
 
-def _initial_weights(path: str, model: Any) -> Any:
-    """`model` with the weights of the HF-layout checkpoint at `path` ([train] init_from)."""
+def _initial_params(path: str, params: Any) -> Any:
+    """The weights of the HF-layout checkpoint at `path` ([train] init_from), in the tree and
+    dtypes of `params`."""
     if not Path(path).is_dir():
         raise ConfigError(f"[train] init_from={path!r} is not a model directory")
-    graphdef, params = nnx.split(model)
     _, loaded = nnx.split(load_pretrained(path))
     want = {k: v.shape for k, v in nnx.to_flat_state(params)}
     got = {k: v.shape for k, v in nnx.to_flat_state(loaded)}
@@ -115,8 +115,7 @@ def _initial_weights(path: str, model: Any) -> Any:
         diff = sorted(set(want.items()) ^ set(got.items()))[:4]
         raise ConfigError(f"[train] init_from={path!r}: its parameters do not fit [model] "
                           f"(first differences, (name, shape): {diff})")
-    loaded = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), loaded, params)
-    return nnx.merge(graphdef, loaded)
+    return jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), loaded, params)
 
 
 def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_after: int | None = None,
@@ -142,9 +141,6 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
     mesh = build_mesh(tc.mesh_data, tc.mesh_model)
     if tc.batch_size % mesh.shape["data"]:
         raise ConfigError(f"[train] batch_size={tc.batch_size} must divide by the data axis ({mesh.shape['data']})")
-    model = init_model(train_cfg, seed=tc.seed)
-    if tc.init_from:
-        model = _initial_weights(tc.init_from, model)
     if tc.length_buckets:
         if dataset is not None:
             raise ConfigError("a pre-built dataset cannot be used with [train] length_buckets")
@@ -155,14 +151,17 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
     else:
         arrays = dataset if dataset is not None else build_dataset(run, tok)
         batches = Batches(arrays, tc.batch_size, seed=tc.seed)
-    graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(init_model(train_cfg, seed=tc.seed))
+    manager = _checkpoint_manager(out_dir / "checkpoints", tc.keep_checkpoints)
+    resuming = resume and manager.latest_step() is not None
+    if tc.init_from and not resuming:  # a resumed run restores its own weights below
+        params = _initial_params(tc.init_from, params)
     tx, schedule = make_optimizer(tc)
     p_shard = param_sharding(params, mesh)
     params = jax.device_put(params, p_shard)
     opt_state = tx.init(params)
     start = 0
-    manager = _checkpoint_manager(out_dir / "checkpoints", tc.keep_checkpoints)
-    if resume and manager.latest_step() is not None:
+    if resuming:
         start = manager.latest_step()
         abstract = {"params": params, "opt_state": opt_state}
         restored = manager.restore(start, args=ocp.args.Composite(
