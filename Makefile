@@ -1,7 +1,8 @@
 # Two entry points for a fresh machine; each builds .venv and installs what it needs.
 #   make demo   - the main job: the shipped llada-tiny answers held-out task prompts (fast + vanilla decoding)
-#   make test   - the test suite (what CI runs)
+#   make test   - the test suite (what CI runs); PYTEST_ARGS=--runslow adds the slow tests
 PYTHON ?= python3
+PYTEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 
@@ -23,7 +24,7 @@ demo: $(VENV)/.runtime
 	$(BIN)/dlm-jax demo
 
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dlm_jax  # noqa: E402
-from dlm_jax.runtime.config import DecodeConfig  # noqa: E402
 from training.data import TASKS, task_settings  # noqa: E402
 from training.evaluate import evaluate  # noqa: E402
 
@@ -50,7 +49,7 @@ def run(model: str, gens: list[int], n: int, tasks: list[str], block: int) -> li
             kwargs = dict(setting)
             if kwargs["rule"] == "topk":
                 kwargs["steps"] = gen // kwargs.pop("tokens_per_step")
-            cfg = DecodeConfig(gen_len=gen, block_len=block, **kwargs)
+            cfg = dlm_jax.decode_config(gen_len=gen, block_len=block, **kwargs)
             per_task = {t: evaluate(handle, t, cfg, n=n, progress=False) for t in tasks}
             seconds = sum(r["seconds"] for r in per_task.values())
             row = {"gen_len": gen, "setting": name,

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dlm_jax  # noqa: E402
 from dlm_jax.program import JaxExecutor  # noqa: E402
-from dlm_jax.runtime.decoder import BlockDecoder  # noqa: E402
+from dlm_jax.runtime.decoder import Decoder  # noqa: E402
 
 MODELS = {
     "tiny-d64-L2": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128),
@@ -36,12 +36,12 @@ def measure(name: str, spec: dict, windows: list[int], prompt_len: int, repeats:
     cfg = dlm_jax.ModelConfig(vocab_size=tok.vocab_size, mask_token_id=tok.mask_id, eos_token_id=tok.eos_id,
                               max_seq_len=1024, **spec)
     model = dlm_jax.init_model(cfg)
-    decoder = BlockDecoder(JaxExecutor(model), cfg)
+    decoder = Decoder(JaxExecutor(model), cfg)
     prompt = list(np.random.default_rng(0).integers(0, 256, prompt_len))
     rows = []
     for w in windows:
         # threshold 1.0 commits one token per step: many steady-state steps per block
-        dc = dlm_jax.DecodeConfig(gen_len=2 * w, block_len=w, cache="dual", rule="threshold",
+        dc = dlm_jax.decode_config(gen_len=2 * w, block_len=w, cache="dual", rule="threshold",
                                   threshold=1.0, stop_on_eos_block=False)
         decoder.decode([prompt], dc)  # warm-up: compiles this setting's buckets
         host, step = [], []

@@ -1,22 +1,28 @@
-"""Static token buckets: bucket sets and padding (NumPy), per-bucket AOT compilation with a
-compile counter and the persistent cache, latency profiling into latency tables."""
+"""Static token buckets, from the tools' side: latency profiling of an executor into
+latency tables (`profile_executor`, `dlm-jax profile`).
+
+The bucket types, padding and latency tables live in the host runtime
+(`dlm_jax.runtime.buckets`, `dlm_jax.runtime.latency`) and per-bucket AOT compilation in the
+JAX executor (`dlm_jax._compile`); they are re-exported here. This package depends on
+`dlm_jax`, never the reverse.
+"""
 
 from dlm_jax._lazy import lazy_exports
 
 _EXPORTS = {
-    "BucketKey": "buckets._sets",
-    "BucketSet": "buckets._sets",
-    "DEFAULT_BATCH_BUCKETS": "buckets._sets",
-    "DEFAULT_WINDOW_BUCKETS": "buckets._sets",
-    "cache_buckets": "buckets._sets",
-    "pad_axis": "buckets._sets",
-    "window_buckets": "buckets._sets",
-    "LatencyEntry": "buckets._latency",
-    "LatencyTable": "buckets._latency",
+    "BucketKey": "dlm_jax.runtime.buckets",
+    "BucketSet": "dlm_jax.runtime.buckets",
+    "DEFAULT_BATCH_BUCKETS": "dlm_jax.runtime.buckets",
+    "DEFAULT_WINDOW_BUCKETS": "dlm_jax.runtime.buckets",
+    "cache_buckets": "dlm_jax.runtime.buckets",
+    "pad_axis": "dlm_jax.runtime.buckets",
+    "window_buckets": "dlm_jax.runtime.buckets",
+    "LatencyEntry": "dlm_jax.runtime.latency",
+    "LatencyTable": "dlm_jax.runtime.latency",
+    "CompiledBuckets": "dlm_jax._compile",
+    "XlaCompileCounter": "dlm_jax._compile",
+    "enable_persistent_cache": "dlm_jax._compile",
     "profile_executor": "buckets._profile",
-    "CompiledBuckets": "buckets._compile",
-    "XlaCompileCounter": "buckets._compile",
-    "enable_persistent_cache": "buckets._compile",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from buckets._latency import LatencyEntry, LatencyTable
-from buckets._sets import cache_buckets, window_buckets
 from dlm_jax._config import ModelConfig
-from dlm_jax.runtime.step import Executor, StepInputs
+from dlm_jax.runtime.buckets import cache_buckets, window_buckets
+from dlm_jax.runtime.latency import LatencyEntry, LatencyTable
+from dlm_jax.runtime.step import Executor, OutputRequest, StepInputs
 
 
 def synthetic_inputs(cfg: ModelConfig, *, batch: int, window: int, cache: int, rows: int) -> StepInputs:
@@ -24,7 +24,8 @@ def synthetic_inputs(cfg: ModelConfig, *, batch: int, window: int, cache: int, r
         positions=np.broadcast_to(np.arange(cache, cache + window, dtype=np.int32), (batch, window)).copy(),
         visibility=np.ones((batch, window, cache + window), dtype=bool),
         k_cache=kv, v_cache=kv.copy(),
-        logit_rows=np.broadcast_to(np.arange(rows, dtype=np.int32), (batch, rows)).copy())
+        logit_rows=np.broadcast_to(np.arange(rows, dtype=np.int32), (batch, rows)).copy(),
+        want=OutputRequest(kv=False))
 
 
 def profile_executor(executor: Executor, cfg: ModelConfig, *, windows: Sequence[int],

@@ -1,21 +1,22 @@
-"""The Python decode API: `dlm_jax.load(path).generate(prompts, DecodeConfig(...))`."""
+"""The Python decode API: `dlm_jax.load(path).generate(prompts, dlm_jax.preset(...))`."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dlm_jax._config import ModelConfig
 from dlm_jax._tokenizer import Tokenizer, load_tokenizer
-from dlm_jax.checkpoint._io import load_pretrained
-from dlm_jax.models._transformer import Transformer
-from dlm_jax.program import JaxExecutor
 from dlm_jax.runtime.config import DecodeConfig
-from dlm_jax.runtime.decoder import BlockDecoder, DecodeStats
+from dlm_jax.runtime.decoder import DecodeStats, Decoder
 from dlm_jax.runtime.step import Executor
+
+if TYPE_CHECKING:
+    from dlm_jax.models._transformer import Transformer
 
 Prompt = str | Sequence[int]
 
@@ -28,14 +29,23 @@ class GenerateResult:
 
 
 class Model:
-    """A model, its tokenizer and a decoder over an executor (JAX by default)."""
+    """A model, its tokenizer and a decoder over an executor: the JAX executor over `model`
+    by default, or any `Executor` (a LiteRT runner, `dlm_jax.testing.MockExecutor`) with
+    `model=None` and the model's `config`."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, executor: Executor | None = None):
+    def __init__(self, model: Transformer | None, tokenizer: Tokenizer, *, executor: Executor | None = None,
+                 config: ModelConfig | None = None):
+        if model is None and (executor is None or config is None):
+            raise ValueError("Model(None, ...) needs an executor and the model config")
         self.model = model
         self.tokenizer = tokenizer
-        self.config = model.config
-        self.executor = executor or JaxExecutor(model)
-        self.decoder = BlockDecoder(self.executor, self.config)
+        self.config = config or model.config
+        if executor is None:
+            from dlm_jax.program import JaxExecutor
+
+            executor = JaxExecutor(model)
+        self.executor = executor
+        self.decoder = Decoder(self.executor, self.config)
 
     def encode(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         if not isinstance(prompt, str):
@@ -76,4 +86,6 @@ class Model:
 
 def load(path: str | os.PathLike, **overrides: Any) -> Model:
     """Load a checkpoint directory (model + tokenizer) ready to generate."""
+    from dlm_jax.checkpoint._io import load_pretrained
+
     return Model(load_pretrained(path, **overrides), load_tokenizer(path))

@@ -10,16 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 DEMO_PROMPT = "Q: 12+30=? A:"
-_DECODE_FIELDS = ("gen_len", "block_len", "steps", "cache", "rule", "threshold", "factor", "delta",
-                  "confidence", "remasking", "temperature", "seed")
 
 
 def decode_config(args: argparse.Namespace):
     """The preset named by --preset, with every decode option given on the command line."""
-    from dlm_jax import preset
+    from dlm_jax.runtime.registry import config_from_args
 
-    changes = {f: getattr(args, f) for f in _DECODE_FIELDS if getattr(args, f, None) is not None}
-    return preset(args.preset, **changes)
+    return config_from_args(args)
 
 
 def _run_generate(handle, prompt: str, cfg, *, chat: bool, stream: bool) -> dict:
@@ -34,7 +31,7 @@ def _run_generate(handle, prompt: str, cfg, *, chat: bool, stream: bool) -> dict
     result = handle.generate(prompt, cfg, chat=chat, on_block=on_block)
     if stream:
         print(result.texts[0][len(shown[0]):], flush=True)
-    return {"prompt": prompt, "completion": result.texts[0], "decoder": {f: getattr(cfg, f) for f in _DECODE_FIELDS},
+    return {"prompt": prompt, "completion": result.texts[0], "decoder": cfg.options(),
             "stats": result.stats.to_dict()}
 
 
@@ -47,7 +44,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The main job: answer held-out task prompts with the shipped llada-tiny, once with the
     default fast decoder and once with LLaDA's vanilla decoder, and compare."""
     import dlm_jax
-    from dlm_jax.runtime.config import DecodeConfig
 
     path = Path(args.model) if args.model else shipped_model()
     if not args.model and not path.exists():
@@ -59,9 +55,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"model: {path} ({dlm_jax.param_count(handle.config):,} parameters, {handle.config.attention})",
           file=sys.stderr)
     gen = args.gen_len or 64
-    decoders = {"fast (prefix cache + threshold 0.9)": DecodeConfig(gen_len=gen, block_len=32),
-                "vanilla (no cache, top-k, steps = gen)": DecodeConfig(gen_len=gen, block_len=32, cache="none",
-                                                                       rule="topk", steps=gen)}
+    decoders = {"fast (prefix cache + threshold 0.9)": dlm_jax.decode_config(gen_len=gen, block_len=32),
+                "vanilla (no cache, top-k, steps = gen)": dlm_jax.decode_config(gen_len=gen, block_len=32, cache="none",
+                                                                                rule="topk", steps=gen)}
     summary = {}
     for name, cfg in decoders.items():
         print(f"\n== {name}")
@@ -171,29 +167,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = decode_config(args)
     handle = dlm_jax.load(args.model)
     report = evaluate(handle, args.task, cfg, n=args.n, batch_size=args.batch, keep=args.show)
-    report["decoder"] = {f: getattr(cfg, f) for f in _DECODE_FIELDS}
+    report["decoder"] = cfg.options()
     print(json.dumps(report, indent=2, ensure_ascii=False))
     return 0
 
 
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
-    from dlm_jax.runtime.config import CACHE_MODES, CONFIDENCES, PRESETS, REMASKING, RULES
+    from dlm_jax.runtime.registry import add_cli_options
 
     p.add_argument("--prompt", default=DEMO_PROMPT, help="prompt text")
-    p.add_argument("--preset", default="fast-dllm", choices=sorted(PRESETS),
-                   help="decoder preset; the options below override it")
-    p.add_argument("--gen", dest="gen_len", type=int, help="tokens to generate")
-    p.add_argument("--block", dest="block_len", type=int, help="block length")
-    p.add_argument("--steps", type=int, help="total steps for --rule topk")
-    p.add_argument("--cache", choices=CACHE_MODES)
-    p.add_argument("--rule", choices=RULES)
-    p.add_argument("--threshold", type=float)
-    p.add_argument("--factor", type=float)
-    p.add_argument("--delta", type=float)
-    p.add_argument("--confidence", choices=CONFIDENCES)
-    p.add_argument("--remasking", choices=REMASKING)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--seed", type=int)
+    add_cli_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,29 +1,32 @@
 """The decode program (one pure function per static bucket) and the JAX executor over it.
 
-`decode_step` follows the step contract of DESIGN.md: window tokens, positions, a visibility
-mask over cache + window slots, an external K/V cache and the rows whose predictions are
-wanted go in; per-row top-1 token and probability, the runner-up probability, the entropy,
-optionally the rows' logits, and the window's K/V come out. It is model-agnostic: logit shift
-is the host's business (it asks for row i - 1 to predict position i).
+`decode_step` follows the step contract of `dlm_jax.runtime.step`: window tokens, positions,
+a visibility mask over cache + window slots, an external K/V cache and the rows whose
+predictions are wanted go in; per-row top-1 token and probability, the runner-up
+probability, the entropy, optionally the rows' logits, and the window's K/V come out, named
+as the contract names them. It is model-agnostic: logit shift is the host's business (it asks
+for row i - 1 to predict slot i).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from buckets._compile import CompiledBuckets
-from buckets._sets import BucketKey
+from dlm_jax._compile import CompiledBuckets
 from dlm_jax.models._transformer import Transformer
-from dlm_jax.runtime.step import StepInputs, StepOutputs
+from dlm_jax.runtime.buckets import BucketKey
+from dlm_jax.runtime.step import Capabilities, StepInputs, StepOutputs, input_specs, output_names
 
 
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
-                full_logits: bool, mask_id: int | None = None):
-    """One forward over the window; shapes as in `StepInputs`. Returns a tuple in the field
-    order of `StepOutputs` (logits last, or None).
+                full_logits: bool, mask_id: int | None = None) -> dict[str, jax.Array]:
+    """One forward over the window; shapes as in `StepInputs`. Returns `{output name: array}`
+    for the names of `output_names` (logits only with `full_logits`).
 
     `mask_id` is never proposed: its logit is removed before the softmax, so a commit always
     unmasks (committing the mask token would leave the slot masked and stall the block)."""
@@ -39,39 +42,44 @@ def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache
     probs = jnp.exp(logp)
     top2, idx = jax.lax.top_k(probs, 2)
     entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
-    return (idx[..., 0].astype(jnp.int32), top2[..., 0], top2[..., 1], entropy, out.k, out.v,
-            logits if full_logits else None)
+    named = {"top_token": idx[..., 0].astype(jnp.int32), "top_prob": top2[..., 0], "second_prob": top2[..., 1],
+             "entropy": entropy, "k_new": out.k, "v_new": out.v}
+    if full_logits:
+        named["logits"] = logits
+    return named
+
+
+def abstract_inputs(config, key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """`jax.ShapeDtypeStruct`s of a bucket's inputs, from the step contract."""
+    return tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in input_specs(config, key))
 
 
 class JaxExecutor:
-    """Executor over AOT-compiled `decode_step`s, one per bucket key."""
+    """Executor over AOT-compiled `decode_step`s, one per bucket key, compiled on first use
+    (or ahead of time by `warmup`). `compile_count` counts its compilations. It runs every
+    bucket of `capabilities` (default: `Capabilities.for_length(max_seq_len)`)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None):
         self.config = model.config
+        self._capabilities = capabilities or Capabilities.for_length(self.config.max_seq_len)
         self._graphdef, state = nnx.split(model)
         # Flattened once: the state pytree is not re-walked on every step.
         self._leaves, self._treedef = jax.tree.flatten(state)
         self._programs = CompiledBuckets(self._build)
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
     def _build(self, key: BucketKey):
         cfg = self.config
-        cache = jax.ShapeDtypeStruct((cfg.n_layers, key.batch, key.cache, cfg.n_kv_heads, cfg.head_dim),
-                                     jnp.dtype(cfg.dtype))
-        specs = (
-            self._leaves,
-            jax.ShapeDtypeStruct((key.batch, key.window), jnp.int32),
-            jax.ShapeDtypeStruct((key.batch, key.window), jnp.int32),
-            jax.ShapeDtypeStruct((key.batch, key.window, key.cache + key.window), jnp.bool_),
-            cache, cache,
-            jax.ShapeDtypeStruct((key.batch, key.rows), jnp.int32),
-        )
         graphdef, treedef = self._graphdef, self._treedef
 
         def program(leaves, *inputs):
             return decode_step(graphdef, jax.tree.unflatten(treedef, leaves), *inputs,
                                full_logits=key.full_logits, mask_id=cfg.mask_token_id)
 
-        return program, specs
+        return program, (self._leaves, *abstract_inputs(cfg, key))
 
     @property
     def compile_count(self) -> int:
@@ -81,15 +89,14 @@ class JaxExecutor:
     def compiled_keys(self) -> list[BucketKey]:
         return self._programs.keys
 
-    def warmup(self, keys: list[BucketKey]) -> int:
+    def warmup(self, keys: Sequence[BucketKey]) -> int:
         return self._programs.warmup(keys)
 
     def step(self, inputs: StepInputs) -> StepOutputs:
-        exe = self._programs.get(inputs.key)
-        out = exe(self._leaves, inputs.tokens, inputs.positions, inputs.visibility,
-                  inputs.k_cache, inputs.v_cache, inputs.logit_rows)
-        top_token, top_prob, second, entropy, k, v, logits = jax.device_get(out)
-        return StepOutputs(top_token=np.asarray(top_token), top_prob=np.asarray(top_prob),
-                           second_prob=np.asarray(second), entropy=np.asarray(entropy),
-                           k_new=np.asarray(k), v_new=np.asarray(v),
-                           logits=None if logits is None else np.asarray(logits))
+        key = inputs.key
+        out = self._programs.get(key)(self._leaves, *inputs.arrays())
+        # Only what the host reads leaves the device: the window K/V stay behind on steps
+        # that do not store them.
+        names = [n for n in output_names(key) if inputs.want.kv or n not in ("k_new", "v_new")]
+        fetched = jax.device_get({n: out[n] for n in names})
+        return StepOutputs.from_named({n: np.asarray(v) for n, v in fetched.items()})

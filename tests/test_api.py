@@ -4,16 +4,13 @@ import numpy as np
 import pytest
 
 import dlm_jax
-from dlm_jax import ByteTokenizer, ConfigError, DecodeConfig, ModelConfig
+from dlm_jax import ConfigError, decode_config
+from dlm_jax.testing import mock_model, tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def handle(tmp_path_factory):
-    tok = ByteTokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, ffn_hidden=64,
-                      mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, max_seq_len=128)
-    path = dlm_jax.save_pretrained(dlm_jax.init_model(cfg), tmp_path_factory.mktemp("m") / "tiny", tokenizer=tok)
-    return dlm_jax.load(path)
+    return dlm_jax.load(tiny_checkpoint(tmp_path_factory.mktemp("m") / "tiny", max_seq_len=128))
 
 
 def test_generate_returns_text_ids_and_stats(handle):
@@ -33,26 +30,26 @@ def test_generate_returns_text_ids_and_stats(handle):
 
 def test_single_prompt_token_ids_and_chat(handle):
     tok = handle.tokenizer
-    by_ids = handle.generate(tok.encode("hi"), DecodeConfig(gen_len=8, block_len=8))
-    by_text = handle.generate("hi", DecodeConfig(gen_len=8, block_len=8))
+    by_ids = handle.generate(tok.encode("hi"), decode_config(gen_len=8, block_len=8))
+    by_text = handle.generate("hi", decode_config(gen_len=8, block_len=8))
     assert by_ids.token_ids == by_text.token_ids
-    chat = handle.generate("hi", DecodeConfig(gen_len=8, block_len=8), chat=True)
+    chat = handle.generate("hi", decode_config(gen_len=8, block_len=8), chat=True)
     assert len(chat.texts) == 1
-
-
-def test_presets_match_the_papers():
-    assert dlm_jax.preset("fast-dllm") == DecodeConfig(cache="prefix", rule="threshold", threshold=0.9, block_len=32)
-    assert dlm_jax.preset("frechet").delta == 0.25 and dlm_jax.preset("frechet").block_len == 32
-    assert dlm_jax.preset("llada", gen_len=64).steps_per_block == 32
-    with pytest.raises(ConfigError, match="unknown decode preset 'turbo'"):
-        dlm_jax.preset("turbo")
-    with pytest.raises(ConfigError, match="steps=8 applies to rule='topk' only"):
-        DecodeConfig(rule="threshold", steps=8)
 
 
 def test_over_long_prompt_names_the_limit(handle):
     with pytest.raises(ConfigError, match="exceeds the limit of 128"):
-        handle.generate("x" * 120, DecodeConfig(gen_len=16, block_len=8))
+        handle.generate("x" * 120, decode_config(gen_len=16, block_len=8))
     with pytest.raises(ConfigError, match="prompt 0 is empty"):
-        handle.generate("", DecodeConfig(gen_len=8, block_len=8))
-    assert np.isfinite(handle.decoder.max_tokens)
+        handle.generate("", decode_config(gen_len=8, block_len=8))
+    assert handle.decoder.max_tokens == 128
+
+
+def test_any_executor_behind_the_api():
+    """`Model` decodes over any Executor: here a scripted one, whose answer spells 'hello'."""
+    answer = np.full(96, ord("!"))
+    answer[5:10] = [ord(c) for c in "hello"]
+    answer[10:] = dlm_jax.ByteTokenizer().eos_id
+    handle = mock_model(answer=answer, confidence=np.full(96, 0.95))
+    res = handle.generate("abcde", decode_config(gen_len=16, block_len=8))
+    assert res.texts == ["hello"] and res.stats.nfe == 2 and handle.model is None

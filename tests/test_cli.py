@@ -6,9 +6,11 @@ import sys
 
 import pytest
 
+import numpy as np
+
 import dlm_jax
-from dlm_jax import ByteTokenizer, ModelConfig
 from dlm_jax.cli import main
+from dlm_jax.testing import mock_model, tiny_checkpoint
 
 
 def test_help_runs_and_runtime_imports_no_torch():
@@ -24,12 +26,17 @@ def test_help_runs_and_runtime_imports_no_torch():
 
 
 def test_numpy_only_parts_import_without_jax():
-    """Config, tokenizers, safetensors I/O, masks and the host runtime must run where only
-    NumPy exists (the on-device runner)."""
-    code = ("import sys, dlm_jax, dlm_jax.checkpoint._safetensors, dlm_jax.checkpoint._families;"
+    """Config, tokenizers, safetensors I/O, masks, the host runtime and the test seams must run
+    where only NumPy exists (the on-device runner); the runtime reaches neither the model
+    code nor the `buckets` tools package (which depends on it, not the reverse)."""
+    code = ("import sys, pkgutil, importlib, dlm_jax, dlm_jax.runtime, dlm_jax.testing;"
+            "import dlm_jax.checkpoint._safetensors, dlm_jax.checkpoint._families;"
             "from dlm_jax import ModelConfig, ByteTokenizer, HFTokenizer, CheckpointError, attention_mask;"
-            "import dlm_jax.runtime.decoder, dlm_jax.runtime.commit, dlm_jax.runtime.cache, buckets._latency;"
-            "assert 'jax' not in sys.modules and 'flax' not in sys.modules")
+            "[importlib.import_module('dlm_jax.runtime.' + m.name) for m in pkgutil.iter_modules(dlm_jax.runtime.__path__)];"
+            "from dlm_jax.testing import mock_model; mock_model(answer=[1], confidence=[0.5]).generate('hi', dlm_jax.decode_config(gen_len=32));"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'buckets')"
+            " or m.startswith('dlm_jax.models')];"
+            "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -47,10 +54,7 @@ def test_demo_without_a_shipped_model_uses_a_random_one(capsys, monkeypatch, tmp
 
 @pytest.fixture
 def tiny_ckpt(tmp_path):
-    tok = ByteTokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, ffn_hidden=64,
-                      mask_token_id=tok.mask_id, eos_token_id=tok.eos_id, max_seq_len=256)
-    return dlm_jax.save_pretrained(dlm_jax.init_model(cfg), tmp_path / "tiny", tokenizer=tok)
+    return tiny_checkpoint(tmp_path / "tiny", max_seq_len=256)
 
 
 def test_demo_answers_task_prompts_fast_and_vanilla(tiny_ckpt, capsys):
@@ -74,6 +78,22 @@ def test_generate_inspect_convert(tiny_ckpt, tmp_path, capsys):
     capsys.readouterr()
     cfg, family = dlm_jax.load_config(tmp_path / "llada")
     assert family.name == "llada" and cfg.d_model == 32
+
+
+def test_generate_options_come_from_the_registry(monkeypatch, capsys):
+    """Every decode option reaches the decoder and the report (scripted executor, no model)."""
+    answer = np.full(96, ord("7"))
+    handle = mock_model(answer=answer, confidence=np.linspace(0.5, 1.0, 96))
+    monkeypatch.setattr(dlm_jax, "load", lambda path, **kw: handle)
+    assert main(["generate", "--model", "any", "--prompt", "Q", "--gen", "16", "--block", "8", "--cache", "dual",
+                 "--rule", "factor_paper", "--factor", "2", "--no-stop-on-eos-block", "--confidence", "margin"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "7" * 16
+    stats = json.loads(err.strip().splitlines()[-1])
+    assert stats["tokens_committed"] == 16 and stats["nfe"] == len(handle.executor.calls)
+    assert {k.split("_")[2] for k in stats["buckets"]} == {"p0", "p32"}  # full forwards, then dual windows
+    assert main(["generate", "--model", "any", "--rule", "frechet", "--threshold", "0.5"]) == 2
+    assert "error: threshold=0.5 applies to rule='threshold' only" in capsys.readouterr().err
 
 
 def test_errors_are_clear(tiny_ckpt, tmp_path, capsys):

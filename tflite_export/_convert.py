@@ -22,11 +22,6 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-# Names of the decode step's inputs and outputs, in `StepInputs` / `StepOutputs` field order.
-DECODE_INPUT_NAMES = ("tokens", "positions", "visibility", "k_cache", "v_cache", "logit_rows")
-DECODE_OUTPUT_NAMES = ("top_token", "top_prob", "second_prob", "entropy", "k_new", "v_new")
-
-
 class Signature(NamedTuple):
     """One exported entry point. A plain 5-tuple in this order works as well."""
 
@@ -48,31 +43,20 @@ def decode_signature_name(key) -> str:
 
 def decode_signature(graphdef, state, config, key) -> Signature:
     """The decode program (`dlm_jax.program.decode_step`) of one bucket as a `Signature`,
-    weights closed over. With `key.full_logits` a seventh output `logits` [B, R, V] is added."""
-    import jax
-    import jax.numpy as jnp
-
-    from dlm_jax.program import decode_step
+    weights closed over; inputs and outputs named, shaped and ordered by the step contract
+    (`dlm_jax.runtime.step`), so `logits` [B, R, V] is added when `key.full_logits`."""
+    from dlm_jax.program import abstract_inputs, decode_step
+    from dlm_jax.runtime.step import INPUT_NAMES, output_names
 
     step = functools.partial(decode_step, graphdef, state, full_logits=key.full_logits,
                              mask_id=config.mask_token_id)
+    outputs = output_names(key)
 
-    def fn(tokens, positions, visibility, k_cache, v_cache, logit_rows):
-        out = step(tokens, positions, visibility, k_cache, v_cache, logit_rows)
-        return tuple(out) if key.full_logits else tuple(out[:6])
+    def fn(*inputs):
+        named = step(*inputs)
+        return tuple(named[name] for name in outputs)
 
-    b, w, p, r = key.batch, key.window, key.cache, key.rows
-    cache = jax.ShapeDtypeStruct((config.n_layers, b, p, config.n_kv_heads, config.head_dim),
-                                 jnp.dtype(config.dtype))
-    specs = (
-        jax.ShapeDtypeStruct((b, w), jnp.int32),
-        jax.ShapeDtypeStruct((b, w), jnp.int32),
-        jax.ShapeDtypeStruct((b, w, p + w), jnp.bool_),
-        cache, cache,
-        jax.ShapeDtypeStruct((b, r), jnp.int32),
-    )
-    outputs = DECODE_OUTPUT_NAMES + (("logits",) if key.full_logits else ())
-    return Signature(decode_signature_name(key), fn, specs, DECODE_INPUT_NAMES, outputs)
+    return Signature(decode_signature_name(key), fn, abstract_inputs(config, key), INPUT_NAMES, outputs)
 
 
 def lower_to_stablehlo(fn: Callable[..., Any], specs: Sequence[Any]) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import dlm_jax
 from dlm_jax.runtime.config import DecodeConfig
+from dlm_jax.runtime.registry import decode_config
 from training.config import RunConfig
 from training.data import TASKS, task_settings
 from training.evaluate import chance_accuracy, evaluate
@@ -27,10 +28,10 @@ def card_decoders(gen_len: int) -> dict[str, DecodeConfig]:
     """The card's decoders, from one token per step in order (left to right, the most
     sequential) to the most parallel commits."""
     one_per_step = dict(gen_len=gen_len, cache="none", rule="topk", steps=gen_len)
-    return {"left-to-right (block 1, one token per step)": DecodeConfig(block_len=1, **one_per_step),
-            "vanilla top-k (LLaDA, steps = gen)": DecodeConfig(block_len=32, **one_per_step),
-            "prefix + threshold 0.9 (Fast-dLLM)": DecodeConfig(gen_len=gen_len, block_len=32),
-            "prefix + frechet 0.25 (Fast-dLLM++)": DecodeConfig(gen_len=gen_len, block_len=32, rule="frechet")}
+    return {"left-to-right (block 1, one token per step)": decode_config(block_len=1, **one_per_step),
+            "vanilla top-k (LLaDA, steps = gen)": decode_config(block_len=32, **one_per_step),
+            "prefix + threshold 0.9 (Fast-dLLM)": decode_config(gen_len=gen_len, block_len=32),
+            "prefix + frechet 0.25 (Fast-dLLM++)": decode_config(gen_len=gen_len, block_len=32, rule="frechet")}
 
 
 def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> dict:

@@ -3,9 +3,9 @@
 from dlm_jax._lazy import lazy_exports
 
 _EXPORTS = {
-    "attention_mask": "dlm_jax.models._masks",
-    "padded_mask": "dlm_jax.models._masks",
-    "visibility_from_positions": "dlm_jax.models._masks",
+    "attention_mask": "dlm_jax._masks",
+    "padded_mask": "dlm_jax._masks",
+    "visibility_from_positions": "dlm_jax._masks",
     "get_params": "dlm_jax.models._params",
     "init_model": "dlm_jax.models._params",
     "model_from_params": "dlm_jax.models._params",

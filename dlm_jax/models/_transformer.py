@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dlm_jax._config import ModelConfig
-from dlm_jax.models._masks import _mode_rule
+from dlm_jax._masks import _mode_rule
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 _init = nnx.initializers.normal(stddev=0.02)

@@ -1,31 +1,65 @@
-"""The NumPy-only host runtime: decode config, cache strategies, commit rules, the block-wise
-decode loop and the Executor boundary. Nothing here imports JAX."""
+"""The NumPy-only host runtime. Nothing here imports JAX: it runs unchanged beside a LiteRT
+bundle on a device.
+
+    state      DecodeState (per-slot tokens, TokenState, confidence, positions), RequestStatus
+    kvstore    KVStore (per-slot K/V with versions, stable vs revisable entries)
+    scheduler  Scheduler protocol, StepPlan; NoCache / PrefixCache / DualCache block schedules
+    step       the step contract (tensor specs, StepInputs / StepOutputs), Executor, Capabilities
+    inputs     StepInputBuilder (plans -> padded bucket inputs)
+    proposer   Proposer (greedy / Gumbel sampling, confidence kinds, random order, deferred EOS)
+    commit     commit rules (top-k schedule, threshold, factor, Frechet) and their unit life
+    revision   RevisionPolicy protocol, NoRevision
+    config     DecodeConfig (the strategy objects of one decode)
+    registry   names -> strategies, presets, flat options, CLI flags
+    decoder    Decoder (the loop), DecodeStats, DecodeOutput
+    buckets    BucketKey, BucketSet, padding; latency: LatencyTable
+"""
 
 from dlm_jax._lazy import lazy_exports
 
 _EXPORTS = {
-    "DecodeConfig": "dlm_jax.runtime.config",
-    "PRESETS": "dlm_jax.runtime.config",
-    "preset": "dlm_jax.runtime.config",
-    "BlockDecoder": "dlm_jax.runtime.decoder",
-    "DecodeOutput": "dlm_jax.runtime.decoder",
-    "DecodeStats": "dlm_jax.runtime.decoder",
-    "CacheStrategy": "dlm_jax.runtime.cache",
-    "NoCache": "dlm_jax.runtime.cache",
-    "PrefixCache": "dlm_jax.runtime.cache",
-    "DualCache": "dlm_jax.runtime.cache",
-    "make_cache": "dlm_jax.runtime.cache",
-    "CommitRule": "dlm_jax.runtime.commit",
-    "TopKRule": "dlm_jax.runtime.commit",
-    "ThresholdRule": "dlm_jax.runtime.commit",
-    "FactorRule": "dlm_jax.runtime.commit",
-    "FrechetRule": "dlm_jax.runtime.commit",
-    "make_rule": "dlm_jax.runtime.commit",
-    "confidence_scores": "dlm_jax.runtime.commit",
-    "num_transfer_tokens": "dlm_jax.runtime.commit",
+    "DecodeState": "dlm_jax.runtime.state",
+    "RequestStatus": "dlm_jax.runtime.state",
+    "TokenState": "dlm_jax.runtime.state",
+    "KVStore": "dlm_jax.runtime.kvstore",
+    "BlockScheduler": "dlm_jax.runtime.scheduler",
+    "DualCache": "dlm_jax.runtime.scheduler",
+    "NoCache": "dlm_jax.runtime.scheduler",
+    "PlanShape": "dlm_jax.runtime.scheduler",
+    "PrefixCache": "dlm_jax.runtime.scheduler",
+    "Scheduler": "dlm_jax.runtime.scheduler",
+    "StepPlan": "dlm_jax.runtime.scheduler",
+    "Capabilities": "dlm_jax.runtime.step",
     "Executor": "dlm_jax.runtime.step",
+    "OutputRequest": "dlm_jax.runtime.step",
     "StepInputs": "dlm_jax.runtime.step",
     "StepOutputs": "dlm_jax.runtime.step",
+    "StepInputBuilder": "dlm_jax.runtime.inputs",
+    "Proposal": "dlm_jax.runtime.proposer",
+    "Proposer": "dlm_jax.runtime.proposer",
+    "CommitRule": "dlm_jax.runtime.commit",
+    "FactorRule": "dlm_jax.runtime.commit",
+    "FrechetRule": "dlm_jax.runtime.commit",
+    "PaperFactorRule": "dlm_jax.runtime.commit",
+    "PerStepRule": "dlm_jax.runtime.commit",
+    "ThresholdRule": "dlm_jax.runtime.commit",
+    "TopKRule": "dlm_jax.runtime.commit",
+    "TopKSchedule": "dlm_jax.runtime.commit",
+    "confidence_scores": "dlm_jax.runtime.commit",
+    "num_transfer_tokens": "dlm_jax.runtime.commit",
+    "NoRevision": "dlm_jax.runtime.revision",
+    "RevisionPolicy": "dlm_jax.runtime.revision",
+    "DecodeConfig": "dlm_jax.runtime.config",
+    "PRESETS": "dlm_jax.runtime.registry",
+    "registry": "dlm_jax.runtime.registry",
+    "decode_config": "dlm_jax.runtime.registry",
+    "preset": "dlm_jax.runtime.registry",
+    "Decoder": "dlm_jax.runtime.decoder",
+    "DecodeOutput": "dlm_jax.runtime.decoder",
+    "DecodeStats": "dlm_jax.runtime.decoder",
+    "BucketKey": "dlm_jax.runtime.buckets",
+    "BucketSet": "dlm_jax.runtime.buckets",
+    "LatencyTable": "dlm_jax.runtime.latency",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

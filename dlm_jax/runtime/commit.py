@@ -1,25 +1,32 @@
-"""Commit rules: which masked positions of the current block a decode step unmasks.
+"""Commit rules: which undecided slots of the current commit unit a decode step commits.
 
-A decode step scores every masked position of the current block with a confidence (see
-`confidence_scores`) and a commit rule picks the positions whose predicted token is kept.
+A decode step scores every undecided slot of the unit with a confidence (see
+`confidence_scores`) and a commit rule picks the slots whose proposed token is kept.
 Every rule works on the same arrays:
 
-  confidence: [B, W] float, one score per position of the block window (row b = sequence b);
+  confidence: [B, W] float, one score per slot of the unit (row b = request b);
     only entries where `candidates` is True are read.
-  candidates: [B, W] bool, the masked positions of the current block that may be committed.
-  returns:    [B, W] bool, the positions to commit this step.
+  candidates: [B, W] bool, the undecided slots of the unit that may be committed.
+  returns:    [B, W] bool, the slots to commit this step.
 
-Invariants shared by every rule: a committed position is always a candidate; a row with no
-candidates commits nothing; a row with at least one candidate commits at least one position
+Invariants shared by every rule: a committed slot is always a candidate; a row with no
+candidates commits nothing; a row with at least one candidate commits at least one slot
 (for `TopKRule` only when its scheduled count for the step is >= 1, exactly as in LLaDA).
 Candidates are ranked by confidence, highest first, with ties broken by the lower position
 index (a stable sort on -confidence), so every rule commits a prefix of that ranking.
 
+A rule also owns its unit's life: `begin(candidates, units=...)` returns the rule to use for
+a unit that starts with these candidates (a fixed schedule is built there), and
+`finished(steps, remaining)` says when the unit is done. `PerStepRule` gives the common
+answers: the same rule every unit, done when no candidate is left.
+
 Rules:
-  TopKRule      LLaDA's low-confidence remasking with a fixed per-step schedule.
-  ThresholdRule Fast-dLLM's confidence threshold.
-  FactorRule    Fast-dLLM's factor rule, (n + 1) * (1 - c_(n)) < factor.
-  FrechetRule   Fast-dLLM++'s Frechet lower bound rule, G_n > delta.
+  TopKSchedule   LLaDA's low-confidence remasking: a fixed number of steps per unit, split
+                 evenly (`TopKRule` is the rule of one unit).
+  ThresholdRule  Fast-dLLM's confidence threshold.
+  FactorRule     Fast-dLLM's factor rule as released (`get_transfer_index_dynamic`).
+  PaperFactorRule  the factor rule as the paper states it, (n + 1) * (1 - c_(n)) < factor.
+  FrechetRule    Fast-dLLM++'s Frechet lower bound rule, G_n > delta.
 
 NumPy only: this module is part of the host runtime and must not import JAX.
 """
@@ -37,14 +44,15 @@ from dlm_jax._errors import ConfigError
 
 __all__ = [
     "CONFIDENCE_KINDS",
-    "RULES",
     "CommitRule",
     "FactorRule",
     "FrechetRule",
+    "PaperFactorRule",
+    "PerStepRule",
     "ThresholdRule",
     "TopKRule",
+    "TopKSchedule",
     "confidence_scores",
-    "make_rule",
     "num_transfer_tokens",
 ]
 
@@ -183,12 +191,46 @@ def _real(value: Any) -> bool:
 
 @runtime_checkable
 class CommitRule(Protocol):
-    """Picks the positions a decode step commits (see the module docstring for the contract)."""
+    """Picks the slots a decode step commits (see the module docstring for the contract)."""
+
+    def begin(self, candidates: np.ndarray, *, units: int) -> CommitRule:
+        """The rule for a unit whose candidates at its first step are `candidates` [B, W];
+        `units` is the number of units in the generation."""
+        ...
 
     def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
-        """confidence: [B, W] float; candidates: [B, W] bool; step: the step within the block.
+        """confidence: [B, W] float; candidates: [B, W] bool; step: the step within the unit.
         Returns [B, W] bool, a subset of `candidates`."""
         ...
+
+    def finished(self, steps: int, remaining: np.ndarray) -> bool:
+        """Whether the unit is done after `steps` steps with `remaining` [B, W] candidates."""
+        ...
+
+    def max_steps(self, width: int) -> int:
+        """An upper bound on the steps a unit of `width` slots takes (a loop guard)."""
+        ...
+
+    def check(self, *, units: int) -> None:
+        """Raise ConfigError if the rule cannot decode a generation of `units` units."""
+        ...
+
+
+class PerStepRule:
+    """The unit life of a rule that decides every step afresh: the same rule for every unit,
+    done when no candidate is left, at most one step per slot (it commits at least one)."""
+
+    def begin(self, candidates: np.ndarray, *, units: int) -> PerStepRule:
+        return self
+
+    def finished(self, steps: int, remaining: np.ndarray) -> bool:
+        return not remaining.any()
+
+    def max_steps(self, width: int) -> int:
+        return width
+
+    def check(self, *, units: int) -> None:
+        pass
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -233,9 +275,59 @@ class TopKRule:
         n = np.minimum(self.counts[:, step], m)
         return _commit_prefix(order, n)
 
+    def begin(self, candidates: np.ndarray, *, units: int) -> TopKRule:
+        return self
+
+    def finished(self, steps: int, remaining: np.ndarray) -> bool:
+        """LLaDA runs exactly the scheduled number of steps."""
+        return steps >= self.counts.shape[1]
+
+    def max_steps(self, width: int) -> int:
+        return self.counts.shape[1]
+
+    def check(self, *, units: int) -> None:
+        pass
+
 
 @dataclasses.dataclass(frozen=True)
-class ThresholdRule:
+class TopKSchedule:
+    """LLaDA's schedule: `steps` denoising steps over the whole generation, the same number
+    in each unit, and in each unit's step i the `num_transfer_tokens` count of the unit's
+    candidates at its start (`TopKRule`).
+
+    Attributes:
+      steps: total steps; None = one per generated slot (each unit gets its width).
+    """
+
+    steps: int | None = dataclasses.field(
+        default=None, metadata={"help": "total denoising steps (default: one per generated token)"})
+
+    def __post_init__(self) -> None:
+        s = self.steps
+        if s is not None and (not isinstance(s, numbers.Integral) or isinstance(s, bool) or s <= 0):
+            raise ConfigError(f"steps={s!r} must be a positive integer")
+
+    def check(self, *, units: int) -> None:
+        if self.steps is not None and self.steps % units:
+            raise ConfigError(f"steps={self.steps} must be a positive multiple of the number of blocks ({units})")
+
+    def begin(self, candidates: np.ndarray, *, units: int) -> TopKRule:
+        self.check(units=units)
+        per_unit = candidates.shape[1] if self.steps is None else self.steps // units
+        return TopKRule(num_transfer_tokens(candidates, per_unit))
+
+    def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
+        raise TypeError("TopKSchedule selects through the TopKRule that begin() returns for each unit")
+
+    def finished(self, steps: int, remaining: np.ndarray) -> bool:
+        raise TypeError("TopKSchedule finishes units through the TopKRule that begin() returns")
+
+    def max_steps(self, width: int) -> int:
+        return width if self.steps is None else self.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdRule(PerStepRule):
     """Fast-dLLM's threshold rule: the most confident candidate of a row always commits;
     every other candidate commits iff its confidence >= threshold.
 
@@ -245,7 +337,7 @@ class ThresholdRule:
       threshold: in (0, 1].
     """
 
-    threshold: float = 0.9
+    threshold: float = dataclasses.field(default=0.9, metadata={"help": "confidence threshold (Fast-dLLM)"})
 
     def __post_init__(self) -> None:
         t = self.threshold
@@ -263,31 +355,51 @@ class ThresholdRule:
 
 
 @dataclasses.dataclass(frozen=True)
-class FactorRule:
-    """Fast-dLLM's factor rule (as stated in the paper): with the row's candidate confidences
-    sorted c_(1) >= ... >= c_(m), commit the largest n such that (n' + 1) * (1 - c_(n')) < factor
-    for every n' <= n; at least one.
+class FactorRule(PerStepRule):
+    """Fast-dLLM's factor rule as released (`get_transfer_index_dynamic` in NVlabs/Fast-dLLM
+    `llada/generate.py`), which produced the published numbers. With the row's candidate
+    confidences sorted c_(1) >= ... >= c_(m), scan n = 1..m and stop at the first n whose
+    c_(n) < 1 - factor / (n + 1) (for n = 1 the bar is -1); commit the n - 1 that passed, except
+    that a scan stopping at the last candidate commits all m (the code's
+    `top_i == len(threshs) - 1` branch: with two candidates left it always commits both).
 
-    Because (n + 1) * (1 - c_(n)) is non-decreasing in n for sorted c, this is the same as
-    the largest n whose own condition holds. Meant for probabilities in [0, 1] (the `prob`
-    kind); other scores are accepted but the rule has no meaning for them.
-
-    Note: Fast-dLLM's released code compares c_(n) >= 1 - factor / (n + 1), i.e. `<=` where
-    the paper (and this rule) uses a strict `<`; they differ only on exact ties. The released
-    `get_transfer_index_dynamic` also commits every candidate when only the weakest one fails
-    (its `top_i == len(threshs) - 1` branch), so with two candidates left it always commits
-    both; this rule follows the paper's statement instead.
+    `PaperFactorRule` is the paper's statement: the strict (n + 1)(1 - c_(n)) < factor and no
+    last-candidate exception.
 
     Attributes:
       factor: f > 0 (finite).
     """
 
-    factor: float
+    factor: float = dataclasses.field(default=1.0, metadata={"help": "factor of the factor rule (Fast-dLLM)"})
 
     def __post_init__(self) -> None:
         f = self.factor
         if not _real(f) or f <= 0:
-            raise ConfigError(f"FactorRule.factor={f!r} must be a finite number > 0")
+            raise ConfigError(f"{type(self).__name__}.factor={f!r} must be a finite number > 0")
+
+    def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
+        """Commit the leading ranked run that passes (all m if only the last fails) -> [B, W] bool."""
+        confidence, candidates = _check_inputs(confidence, candidates)
+        order, sorted_conf, m = _rank(confidence, candidates)
+        rank = np.arange(confidence.shape[1])[None, :]  # rank r holds c_(r + 1)
+        thresholds = np.where(rank == 0, -1.0, 1.0 - self.factor / (rank + 2))  # the code's threshs
+        ok = (rank < m[:, None]) & (sorted_conf >= thresholds)
+        n = np.logical_and.accumulate(ok, axis=1).sum(axis=1)  # leading run of passes
+        n = np.where(n == m - 1, m, n)  # the scan stopped at the last candidate
+        return _commit_prefix(order, _at_least_one(n, m))
+
+
+@dataclasses.dataclass(frozen=True)
+class PaperFactorRule(FactorRule):
+    """Fast-dLLM's factor rule as the paper states it: commit the largest n such that
+    (n' + 1) * (1 - c_(n')) < factor for every n' <= n; at least one.
+
+    Because (n + 1) * (1 - c_(n)) is non-decreasing in n for sorted c, this is the same as
+    the largest n whose own condition holds. Meant for probabilities in [0, 1] (the `prob`
+    kind); other scores are accepted but the rule has no meaning for them. It differs from the
+    released `FactorRule` on exact ties (`<` against the code's `>=` on c) and when only the
+    weakest candidate fails (the code commits it too).
+    """
 
     def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
         """Commit the longest ranked prefix satisfying the factor condition -> [B, W] bool."""
@@ -300,7 +412,7 @@ class FactorRule:
 
 
 @dataclasses.dataclass(frozen=True)
-class FrechetRule:
+class FrechetRule(PerStepRule):
     """Fast-dLLM++'s Frechet rule: with c_(1) >= ... >= c_(m), let
 
         L_n = max(0, sum_{j <= n} c_(j) - (n - 1))   (Frechet lower bound on all n being right)
@@ -314,14 +426,14 @@ class FrechetRule:
     in n, so the largest such n is also the end of the leading run. Meant for probabilities
     in [0, 1] (the `prob` kind); other scores are accepted but the bound has no meaning.
 
-    At delta = 1 - f it commits at least as many tokens as `FactorRule(f)` (G_n >= 1 - (n+1) U_n),
+    At delta = 1 - f it commits at least as many tokens as `PaperFactorRule(f)` (G_n >= 1 - (n+1) U_n),
     and exactly as many when the candidates' confidences are all equal.
 
     Attributes:
       delta: in [0, 1).
     """
 
-    delta: float = 0.25
+    delta: float = dataclasses.field(default=0.25, metadata={"help": "Frechet margin (Fast-dLLM++)"})
 
     def __post_init__(self) -> None:
         d = self.delta
@@ -340,37 +452,3 @@ class FrechetRule:
         # Largest n with ok: width - (index of the first True from the right); 0 if none.
         n = np.where(ok.any(axis=1), width - np.argmax(ok[:, ::-1], axis=1), 0)
         return _commit_prefix(order, _at_least_one(n, m))
-
-
-RULES: dict[str, type] = {
-    "topk": TopKRule,
-    "threshold": ThresholdRule,
-    "factor": FactorRule,
-    "frechet": FrechetRule,
-}
-
-
-def make_rule(name: str, **params: Any) -> CommitRule:
-    """Build a commit rule by name: `topk` (counts=...), `threshold` (threshold=...),
-    `factor` (factor=...) or `frechet` (delta=...).
-
-    Raises:
-      ConfigError: unknown name (the message lists the known names), an unknown parameter,
-        a missing required parameter or an invalid value.
-    """
-    if name not in RULES:
-        raise ConfigError(f"commit rule name={name!r} is not one of {tuple(RULES)}")
-    cls = RULES[name]
-    fields = dataclasses.fields(cls)
-    known = {f.name for f in fields}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ConfigError(f"commit rule {name!r} got unknown parameters {unknown}; it takes {sorted(known)}")
-    missing = sorted(
-        f.name for f in fields
-        if f.name not in params
-        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    )
-    if missing:
-        raise ConfigError(f"commit rule {name!r} needs parameters {missing}")
-    return cls(**params)

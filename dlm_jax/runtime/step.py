@@ -1,53 +1,225 @@
-"""The Executor boundary: what one compiled decode step takes and returns (NumPy only).
+"""The step contract: what one compiled decode step takes and returns, and the Executor
+protocol that runs it (NumPy only).
+
+This module is the one place that names, shapes, orders and types the step's tensors. The
+JAX executor lowers its programs from `input_specs`, the `.tflite` exporter names its
+signature tensors from `INPUTS` / `output_specs`, and an on-device runner checks a bundle
+against them.
 
 Axes: B batch, W window bucket, P cache bucket, R logit-row bucket, L layers, Hkv key/value
-heads, Dh head width, V vocabulary. Inputs are already padded to their bucket sizes; the
-bucket key is read off their shapes.
+heads, Dh head width, V vocabulary. Inputs are padded to their bucket sizes; the bucket key
+is read off their shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from buckets._sets import BucketKey
+from dlm_jax._config import ModelConfig
+from dlm_jax._errors import ConfigError
+from dlm_jax.runtime.buckets import (DEFAULT_BATCH_BUCKETS, BucketKey, BucketSet, cache_buckets,
+                                     window_buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the step: its name, axes (symbols above; `P+W` is a sum) and dtype
+    (`model` = the model's compute dtype). `output` names the `OutputRequest` flag that
+    asks for an optional output; None = always produced."""
+
+    name: str
+    axes: tuple[str, ...]
+    dtype: str
+    output: str | None = None
+
+    def shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(sum(sizes[a] for a in axis.split("+")) for axis in self.axes)
+
+
+INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("tokens", ("B", "W"), "int32"),  # mask id where undecided, anything at padding
+    TensorSpec("positions", ("B", "W"), "int32"),  # absolute positions (RoPE)
+    TensorSpec("visibility", ("B", "W", "P+W"), "bool"),  # cache slots first, then window slots
+    TensorSpec("k_cache", ("L", "B", "P", "Hkv", "Dh"), "model"),
+    TensorSpec("v_cache", ("L", "B", "P", "Hkv", "Dh"), "model"),
+    TensorSpec("logit_rows", ("B", "R"), "int32"),  # window rows whose predictions are wanted
+)
+OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("top_token", ("B", "R"), "int32"),  # argmax token per requested row (never the mask)
+    TensorSpec("top_prob", ("B", "R"), "float32"),  # its probability
+    TensorSpec("second_prob", ("B", "R"), "float32"),  # runner-up probability (margin confidence)
+    TensorSpec("entropy", ("B", "R"), "float32"),  # entropy of the row's distribution (nats)
+    TensorSpec("k_new", ("L", "B", "W", "Hkv", "Dh"), "model", output="kv"),  # window keys, post-RoPE
+    TensorSpec("v_new", ("L", "B", "W", "Hkv", "Dh"), "model", output="kv"),
+    TensorSpec("logits", ("B", "R", "V"), "float32", output="logits"),  # rows' logits (sampling, ISD)
+)
+INPUT_NAMES: tuple[str, ...] = tuple(s.name for s in INPUTS)
+
+
+def axis_sizes(config: ModelConfig, key: BucketKey) -> dict[str, int]:
+    return {"B": key.batch, "W": key.window, "P": key.cache, "R": key.rows, "L": config.n_layers,
+            "Hkv": config.n_kv_heads, "Dh": config.head_dim, "V": config.vocab_size}
+
+
+def _dtype(spec: TensorSpec, config: ModelConfig) -> str:
+    return config.dtype if spec.dtype == "model" else spec.dtype
+
+
+def input_specs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every input of bucket `key`, in argument order."""
+    sizes = axis_sizes(config, key)
+    return [(s.name, s.shape(sizes), _dtype(s, config)) for s in INPUTS]
+
+
+def output_specs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every output a program of bucket `key` returns, in order. A
+    compiled program always returns the window K/V; it returns logits only when the key asks
+    (`key.full_logits`), so that flag is part of the bucket."""
+    sizes = axis_sizes(config, key)
+    return [(s.name, s.shape(sizes), _dtype(s, config)) for s in OUTPUTS
+            if s.output != "logits" or key.full_logits]
+
+
+def output_names(key: BucketKey) -> tuple[str, ...]:
+    return tuple(s.name for s in OUTPUTS if s.output != "logits" or key.full_logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputRequest:
+    """Which optional outputs a step needs on the host. `kv`: the window's K/V (only on steps
+    that store them, so other steps copy nothing back); `logits`: the rows' logits (selects
+    a program that computes them)."""
+
+    kv: bool = True
+    logits: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    tokens: np.ndarray  # [B, W] int32; mask id where undecided, anything at padding
-    positions: np.ndarray  # [B, W] int32 absolute positions (RoPE)
-    visibility: np.ndarray  # [B, W, P+W] bool; cache slots first, then window slots
+    tokens: np.ndarray  # [B, W] int32
+    positions: np.ndarray  # [B, W] int32
+    visibility: np.ndarray  # [B, W, P+W] bool
     k_cache: np.ndarray  # [L, B, P, Hkv, Dh]
     v_cache: np.ndarray  # [L, B, P, Hkv, Dh]
-    logit_rows: np.ndarray  # [B, R] int32 window rows whose predictions are wanted
-    full_logits: bool = False  # also return the rows' logits (sampling, ISD acceptance)
+    logit_rows: np.ndarray  # [B, R] int32
+    want: OutputRequest = OutputRequest()
 
     @property
     def key(self) -> BucketKey:
         b, w = self.tokens.shape
-        return BucketKey(b, w, self.k_cache.shape[2], self.logit_rows.shape[1], self.full_logits)
+        return BucketKey(b, w, self.k_cache.shape[2], self.logit_rows.shape[1], self.want.logits)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The inputs in `INPUTS` order."""
+        return tuple(getattr(self, name) for name in INPUT_NAMES)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutputs:
-    top_token: np.ndarray  # [B, R] int32 argmax token per requested row
-    top_prob: np.ndarray  # [B, R] float32 its probability
-    second_prob: np.ndarray  # [B, R] float32 runner-up probability (margin confidence)
-    entropy: np.ndarray  # [B, R] float32 entropy of the row's distribution (nats)
-    k_new: np.ndarray  # [L, B, W, Hkv, Dh] keys of the window (post-RoPE)
-    v_new: np.ndarray  # [L, B, W, Hkv, Dh]
-    logits: np.ndarray | None = None  # [B, R, V] float32 when full_logits was asked
+    top_token: np.ndarray  # [B, R] int32
+    top_prob: np.ndarray  # [B, R] float32
+    second_prob: np.ndarray  # [B, R] float32
+    entropy: np.ndarray  # [B, R] float32
+    k_new: np.ndarray | None = None  # [L, B, W, Hkv, Dh] when asked (`want.kv`)
+    v_new: np.ndarray | None = None
+    logits: np.ndarray | None = None  # [B, R, V] float32 when asked (`want.logits`)
+
+    @classmethod
+    def from_named(cls, named: Mapping[str, Any]) -> StepOutputs:
+        """From `{output name: array}`; outputs not present stay None."""
+        return cls(**{s.name: (None if named.get(s.name) is None else np.asarray(named[s.name]))
+                      for s in OUTPUTS if s.name in named})
 
 
-class Executor(Protocol):
-    """Runs one decode step for a bucket. JAX (AOT per bucket) and LiteRT implement it."""
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What an executor can run. `keys` is a fixed set of buckets (a LiteRT bundle has one
+    signature per bucket); None means any combination of the four size sets (the JAX
+    executor compiles a bucket on first use). `outputs` lists the optional outputs it can
+    produce (`kv`, `logits`)."""
 
-    def step(self, inputs: StepInputs) -> StepOutputs: ...
+    batches: BucketSet
+    windows: BucketSet
+    caches: BucketSet
+    rows: BucketSet
+    keys: frozenset[BucketKey] | None = None
+    outputs: frozenset[str] = frozenset({"kv", "logits"})
 
-    def warmup(self, keys: list[BucketKey]) -> int: ...
+    @classmethod
+    def for_length(cls, max_len: int, *, batches: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> Capabilities:
+        """The default sets for sequences up to `max_len`: tile-aligned windows (rows use the
+        same sizes), doubling cache buckets, batches 1-8."""
+        windows = window_buckets(max_len)
+        return cls(BucketSet(tuple(batches), "batch bucket"), windows, cache_buckets(max_len),
+                   BucketSet(windows.sizes, "row bucket"))
+
+    @classmethod
+    def from_keys(cls, keys: Iterable[BucketKey]) -> Capabilities:
+        """A fixed set of buckets; the size sets are the sizes it contains."""
+        keys = frozenset(keys)
+        if not keys:
+            raise ConfigError("an executor with a fixed bucket set needs at least one bucket")
+        outputs = {"kv"} | ({"logits"} if any(k.full_logits for k in keys) else set())
+
+        def sizes(field: str, name: str) -> BucketSet:
+            return BucketSet(tuple(sorted({getattr(k, field) for k in keys})), name)
+
+        return cls(sizes("batch", "batch bucket"), sizes("window", "window bucket"),
+                   sizes("cache", "cache bucket"), sizes("rows", "row bucket"), keys, frozenset(outputs))
 
     @property
-    def compile_count(self) -> int: ...
+    def max_tokens(self) -> int:
+        """The longest sequence one window or one cache can hold."""
+        return min(self.windows.largest, self.caches.largest)
+
+    def select(self, *, batch: int, window: int, cache: int, rows: int, logits: bool = False) -> BucketKey:
+        """The cheapest bucket that holds a step of these live sizes.
+
+        Raises:
+          ConfigError: no bucket holds it; the message names the bucket needed and, for a
+            fixed set, the nearest one available.
+        """
+        if logits and "logits" not in self.outputs:
+            raise ConfigError("this executor cannot return logits (needed for sampling, temperature > 0)")
+        if self.keys is None:
+            return BucketKey(self.batches.select(batch), self.windows.select(window),
+                             self.caches.select(cache), self.rows.select(rows), logits)
+        need = (batch, window, cache, rows)
+        # A bucket that returns logits also serves a step that does not read them.
+        fits = [k for k in self.keys if k.full_logits >= logits
+                and all(h >= n for h, n in zip((k.batch, k.window, k.cache, k.rows), need))]
+        if fits:
+            return min(fits, key=lambda k: (k.window + k.cache, k.rows, k.batch, k.full_logits, k.window))
+
+        def shortfall(k: BucketKey) -> tuple:
+            have = (k.batch, k.window, k.cache, k.rows)
+            return (k.full_logits < logits, sum(max(0, n - h) for h, n in zip(have, need)),
+                    sum(abs(h - n) for h, n in zip(have, need)))
+
+        nearest = min(self.keys, key=shortfall)
+        wanted = BucketKey(batch, window, cache, rows, logits)
+        raise ConfigError(f"no bucket of this executor holds a step of batch={batch}, window={window}, "
+                          f"cache={cache}, rows={rows}{' with logits' if logits else ''} (needs at least "
+                          f"{wanted}); nearest available: {nearest} ({len(self.keys)} buckets)")
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs one decode step of a bucket. The JAX executor (AOT per bucket) and the LiteRT
+    runner implement it; `dlm_jax.testing.MockExecutor` is a scripted one for tests."""
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def step(self, inputs: StepInputs) -> StepOutputs:
+        """Outputs for every requested row; `k_new`/`v_new` only if `inputs.want.kv`,
+        `logits` only if `inputs.want.logits`."""
+        ...
+
+    def warmup(self, keys: Sequence[BucketKey]) -> int:
+        """Prepare every bucket in `keys` (compile, load); returns how many were new."""
+        ...

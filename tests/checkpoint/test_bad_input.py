@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 import dlm_jax
-from dlm_jax import CheckpointError, ConfigError, ModelConfig
+from dlm_jax import CheckpointError, ConfigError
 from dlm_jax.checkpoint import _io, load_file, save_file
+from dlm_jax.testing import tiny_config
 
-CFG = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, ffn_hidden=32, mask_token_id=39)
+CFG = tiny_config()
 
 
 @pytest.fixture

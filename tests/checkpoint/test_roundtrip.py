@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import dlm_jax
-from dlm_jax import ByteTokenizer, ModelConfig
+from dlm_jax import ByteTokenizer
 from dlm_jax.checkpoint import load_file
+from dlm_jax.testing import tiny_config
 
 from .hf_models import build, llama_to_llada, qwen2_to_dream
 
@@ -53,12 +54,11 @@ def test_family_round_trip(kind, tmp_path):
 
 def test_native_layout_keeps_every_variant_and_shards(tmp_path):
     tok = ByteTokenizer()
-    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=3, n_heads=4, n_kv_heads=1,
-                      ffn_hidden=48, attention="block_causal", block_size=8, logit_shift=True,
+    cfg = tiny_config(tokenizer=tok, n_layers=3, n_kv_heads=1, attention="block_causal", logit_shift=True,
                       ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=16,
                       n_shared_experts=2, router="sigmoid", router_bias=True, n_expert_groups=2,
                       topk_groups=1, dense_layers=(1,), tie_embeddings=True, qk_norm=True,
-                      mask_token_id=tok.mask_id, param_dtype="bfloat16")
+                      param_dtype="bfloat16")
     model = dlm_jax.init_model(cfg, seed=5)
     path = dlm_jax.save_pretrained(model, tmp_path / "m", tokenizer=tok, max_shard_bytes=20_000)
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -70,7 +70,7 @@ def test_native_layout_keeps_every_variant_and_shards(tmp_path):
 
 
 def test_relu_ffn_round_trips_natively(tmp_path):
-    cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, ffn_hidden=64, ffn="relu")
+    cfg = tiny_config(ffn="relu")
     model = dlm_jax.init_model(cfg)
     dlm_jax.save_pretrained(model, tmp_path / "m")
     _same_params(model, dlm_jax.load_pretrained(tmp_path / "m"))

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dlm_jax import ModelConfig, init_model, padded_mask, visibility_from_positions
+from dlm_jax import padded_mask, visibility_from_positions
+from dlm_jax.testing import tiny_model
 
 MODES = ["bidirectional", "block_causal", "causal"]
 FFNS = {
@@ -26,10 +27,7 @@ T, BLOCK = 12, 4
 
 
 def _model(attention: str, ffn: str, **extra):
-    cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                      ffn_hidden=48, attention=attention, block_size=BLOCK, qk_norm=True,
-                      **{**FFNS[ffn], **extra})
-    return init_model(cfg, seed=3)
+    return tiny_model(seed=3, attention=attention, block_size=BLOCK, qk_norm=True, **{**FFNS[ffn], **extra})
 
 
 def _tokens(b=2, t=T, seed=0):

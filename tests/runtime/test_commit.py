@@ -1,5 +1,7 @@
-"""Commit rules of the host runtime: hand-computed cases, invariants and the Frechet/factor
-relations from Fast-dLLM++ (flat profiles agree; heterogeneous profiles only help Frechet)."""
+"""Commit rules of the host runtime: hand-computed cases, invariants, the Frechet/factor
+relations from Fast-dLLM++ (flat profiles agree; heterogeneous profiles only help Frechet),
+the released factor rule against a transcription of Fast-dLLM's code, and each rule's unit
+life (schedule, end-of-unit test)."""
 
 from __future__ import annotations
 
@@ -14,14 +16,14 @@ from hypothesis.extra import numpy as hnp
 
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.commit import (
-    RULES,
     CommitRule,
     FactorRule,
     FrechetRule,
+    PaperFactorRule,
     ThresholdRule,
     TopKRule,
+    TopKSchedule,
     confidence_scores,
-    make_rule,
     num_transfer_tokens,
 )
 
@@ -59,7 +61,7 @@ def _ref_count(rule, conf_row, cand_row, step=0):
         return ranked, min(int(rule.counts[0, step]), m)
     if isinstance(rule, ThresholdRule):
         return ranked, 1 + sum(1 for x in c[1:] if x >= rule.threshold)
-    if isinstance(rule, FactorRule):
+    if isinstance(rule, PaperFactorRule):
         n = 0
         for k in range(1, m + 1):  # every n' <= n must pass
             if (k + 1) * (1 - c[k - 1]) < rule.factor:
@@ -67,6 +69,8 @@ def _ref_count(rule, conf_row, cand_row, step=0):
             else:
                 break
         return ranked, max(n, 1)
+    if isinstance(rule, FactorRule):
+        return ranked, _released_factor_count(c, rule.factor)
     if isinstance(rule, FrechetRule):
         best = 0
         for k in range(1, m + 1):  # the largest n, not the first failure
@@ -75,6 +79,19 @@ def _ref_count(rule, conf_row, cand_row, step=0):
                 best = k
         return ranked, max(best, 1)
     raise AssertionError(rule)
+
+
+def _released_factor_count(c, factor):
+    """NVlabs/Fast-dLLM `get_transfer_index_dynamic`, transcribed for one row of sorted
+    confidences c (its loop, its `threshs[0] = -1` and its `top_i` exception)."""
+    threshs = [1 - factor / (n + 1) for n in range(1, len(c) + 1)]
+    threshs[0] = -1
+    for top_i in range(len(threshs)):
+        if c[top_i] < threshs[top_i]:
+            break
+    if top_i == 0 or top_i == len(threshs) - 1:
+        top_i += 1
+    return top_i
 
 
 def _frechet_gaps(c_sorted):
@@ -173,19 +190,37 @@ def test_threshold_hand_examples():
     assert _committed(rule.select(conf, cand)) == [[2], []]
 
 
-def test_factor_hand_examples():
+def test_paper_factor_hand_examples():
     # f = 1, sorted c = [0.99, 0.9, 0.6]:
     #   n=1: 2 * 0.01 = 0.02 < 1 ok;  n=2: 3 * 0.1 = 0.3 < 1 ok;  n=3: 4 * 0.4 = 1.6 -> stop.
-    rule = FactorRule(1.0)
+    rule = PaperFactorRule(1.0)
     assert _committed(rule.select(*_row([0.6, 0.99, 0.9]))) == [[1, 2]]
     # f = 0.1, c = [0.5, 0.4]: n=1: 2 * 0.5 = 1.0, not < 0.1 -> the floor of one token.
-    assert _committed(FactorRule(0.1).select(*_row([0.4, 0.5]))) == [[1]]
-    # strict '<': f = 0.5, c = [0.75, 0.75]: n=1: 2 * 0.25 = 0.5, not < 0.5 -> one token
-    # (Fast-dLLM's code, with '<=', would also take the first; the boundary is exact in binary).
-    assert _committed(FactorRule(0.5).select(*_row([0.75, 0.75]))) == [[0]]
+    assert _committed(PaperFactorRule(0.1).select(*_row([0.4, 0.5]))) == [[1]]
+    # strict '<': f = 0.5, c = [0.75, 0.75]: n=1: 2 * 0.25 = 0.5, not < 0.5 -> one token.
+    assert _committed(PaperFactorRule(0.5).select(*_row([0.75, 0.75]))) == [[0]]
     # f = 0.51: n=1: 0.5 < 0.51 ok; n=2: 3 * 0.25 = 0.75 -> stop.
-    assert _committed(FactorRule(0.51).select(*_row([0.75, 0.75]))) == [[0]]
-    assert _committed(FactorRule(0.76).select(*_row([0.75, 0.75]))) == [[0, 1]]
+    assert _committed(PaperFactorRule(0.51).select(*_row([0.75, 0.75]))) == [[0]]
+    assert _committed(PaperFactorRule(0.76).select(*_row([0.75, 0.75]))) == [[0, 1]]
+
+
+def test_released_factor_hand_examples():
+    """Fast-dLLM's code commits c_(n) >= 1 - f / (n + 1) scanned from n = 2, and all of them
+    when only the last candidate fails: it decodes differently from the paper's rule."""
+    # f = 1, c = [0.99, 0.9, 0.6]: n=2: 0.9 >= 1 - 1/3 ok; n=3: 0.6 < 0.75 fails, and it is the
+    # last candidate -> all three commit (the paper's rule stops at two).
+    assert _committed(FactorRule(1.0).select(*_row([0.6, 0.99, 0.9]))) == [[0, 1, 2]]
+    # f = 1, c = [0.99, 0.5, 0.4, 0.3]: n=2: 0.5 < 0.667 fails, not the last -> one token.
+    assert _committed(FactorRule(1.0).select(*_row([0.99, 0.5, 0.4, 0.3]))) == [[0]]
+    # two candidates always both commit, whatever the factor: c = [0.9, 0.1].
+    assert _committed(FactorRule(0.05).select(*_row([0.9, 0.1]))) == [[0, 1]]
+    assert _committed(PaperFactorRule(0.05).select(*_row([0.9, 0.1]))) == [[0]]
+    # '>=' on the bar: f = 0.5, c = [0.9, 0.875, 0.875, 0.1]: n=2: bar 1 - 0.5/3 = 0.8333 ok;
+    # n=3: bar 0.875 exactly, passes; n=4: 0.1 fails at the last -> all four.
+    assert _committed(FactorRule(0.5).select(*_row([0.9, 0.875, 0.875, 0.1]))) == [[0, 1, 2, 3]]
+    # one candidate commits; none commits nothing.
+    assert _committed(FactorRule(1.0).select(*_row([0.2]))) == [[0]]
+    assert _committed(FactorRule(1.0).select(*_row([0.2], [False]))) == [[]]
 
 
 def test_frechet_hand_examples():
@@ -202,11 +237,11 @@ def test_frechet_hand_examples():
     #   (n=3: 4 * 0.01 = 0.04 ok) -- the heterogeneity bonus of Fast-dLLM++.
     conf, cand = _row([0.7, 0.99, 0.99, 0.99])
     assert _committed(rule.select(conf, cand)) == [[0, 1, 2, 3]]
-    assert _committed(FactorRule(0.75).select(conf, cand)) == [[1, 2, 3]]
+    assert _committed(PaperFactorRule(0.75).select(conf, cand)) == [[1, 2, 3]]
     # delta = 0, c = [1.0, 0.6]: n=2: L = 0.6, U = 0.4, G = 0.2 > 0 -> 2; factor f=1: 3 * 0.4 = 1.2 -> 1.
     conf, cand = _row([1.0, 0.6])
     assert _committed(FrechetRule(0.0).select(conf, cand)) == [[0, 1]]
-    assert _committed(FactorRule(1.0).select(conf, cand)) == [[0]]
+    assert _committed(PaperFactorRule(1.0).select(conf, cand)) == [[0]]
     # delta = 0.5, c = [0.7, 0.6]: n=1: G = 0.7 - 0.3 = 0.4, not > 0.5 -> the floor of one token.
     assert _committed(FrechetRule(0.5).select(*_row([0.6, 0.7]))) == [[1]]
 
@@ -225,7 +260,7 @@ def _batches(draw, low=0.0, high=1.0):
 
 @st.composite
 def _rules(draw, width):
-    kind = draw(st.sampled_from(sorted(RULES)))
+    kind = draw(st.sampled_from(["topk", "threshold", "factor", "factor_paper", "frechet"]))
     if kind == "topk":
         steps = draw(st.integers(1, 4))
         counts = draw(hnp.arrays(np.int64, (4, steps), elements=st.integers(1, max(width, 1))))
@@ -234,6 +269,8 @@ def _rules(draw, width):
         return ThresholdRule(draw(st.floats(0.01, 1.0))), 0
     if kind == "factor":
         return FactorRule(draw(st.floats(0.05, 3.0))), 0
+    if kind == "factor_paper":
+        return PaperFactorRule(draw(st.floats(0.05, 3.0))), 0
     return FrechetRule(draw(st.floats(0.0, 0.95))), 0
 
 
@@ -272,8 +309,10 @@ def test_rules_match_loop_references(data):
             # differently (hypothesis likes such values).
             c = np.array([conf[b, i] for i in ranked])
             ks = np.arange(2, len(c) + 2)
-            if isinstance(rule, FactorRule):
+            if isinstance(rule, PaperFactorRule):
                 assume(np.all(np.abs(ks * (1 - c) - rule.factor) > 1e-9))
+            elif isinstance(rule, FactorRule):
+                pass  # the same float expression on both sides: no rounding gap
             else:
                 assume(np.all(np.abs(_frechet_gaps(c) - rule.delta) > 1e-9))
         assert sorted(np.flatnonzero(out[b]).tolist()) == sorted(ranked[:n])
@@ -286,6 +325,8 @@ def test_rules_match_loop_references(data):
     st.randoms(use_true_random=False),
 )
 def test_frechet_equals_factor_on_flat_profiles(rows, delta_pct, rnd):
+    # (The paper's factor rule; the released one commits every candidate when only the
+    # last fails, which the Frechet bound does not.)
     # All m candidates of a row share c = k / 97, delta = j / 100, factor = 1 - delta.
     # With u = 1 - c: Frechet G_n = max(0, 1 - n u) - u, factor F_n = 1 - (n + 1) u; they are
     # equal when 1 - n u >= 0 and both fail otherwise (G_n = -u <= 0 <= delta). The grid keeps
@@ -300,7 +341,7 @@ def test_frechet_equals_factor_on_flat_profiles(rows, delta_pct, rnd):
         cand[b, pos] = True
         conf[b, pos] = k / 97
     frechet = FrechetRule(delta).select(conf, cand)
-    factor = FactorRule(1 - delta).select(conf, cand)
+    factor = PaperFactorRule(1 - delta).select(conf, cand)
     np.testing.assert_array_equal(frechet, factor)
 
 
@@ -320,7 +361,7 @@ def test_frechet_commits_at_least_what_factor_does(batch, delta):
         c = np.array([conf[b, i] for i in _ranked(conf[b], cand[b])])
         assume(np.all(np.abs(np.arange(2, len(c) + 2) * (1 - c) - factor) > 1e-9))
     frechet_mask = FrechetRule(delta).select(conf, cand)
-    factor_mask = FactorRule(factor).select(conf, cand)
+    factor_mask = PaperFactorRule(factor).select(conf, cand)
     assert not (factor_mask & ~frechet_mask).any()
     assert (frechet_mask.sum(axis=1) >= factor_mask.sum(axis=1)).all()
 
@@ -369,24 +410,22 @@ def test_select_rejects_bad_inputs():
         rule.select(np.array([[np.nan, 0.5]]), np.ones((1, 2), bool))
 
 
-def test_make_rule():
-    assert make_rule("threshold") == ThresholdRule(0.9)
-    assert make_rule("threshold", threshold=0.7) == ThresholdRule(0.7)
-    assert make_rule("factor", factor=1.0) == FactorRule(1.0)
-    assert make_rule("frechet", delta=0.1) == FrechetRule(0.1)
-    topk = make_rule("topk", counts=np.array([[2, 1]]))
-    assert isinstance(topk, TopKRule) and topk.counts.tolist() == [[2, 1]]
-    for rule in (topk, make_rule("frechet")):
-        assert isinstance(rule, CommitRule)
-    known = r"\('topk', 'threshold', 'factor', 'frechet'\)"
-    with pytest.raises(ConfigError, match=r"name='greedy' is not one of " + known):
-        make_rule("greedy")
-    with pytest.raises(ConfigError, match=r"unknown parameters \['thresh'\]"):
-        make_rule("threshold", thresh=0.5)
-    with pytest.raises(ConfigError, match=r"needs parameters \['factor'\]"):
-        make_rule("factor")
-    with pytest.raises(ConfigError, match="FactorRule.factor=0"):
-        make_rule("factor", factor=0)
+def test_unit_life():
+    """A rule owns its unit: LLaDA's schedule is built at the unit's start and ends the unit
+    after its steps; the per-step rules end it when no candidate is left."""
+    masked = np.array([[True] * 8, [True] * 5 + [False] * 3])
+    schedule = TopKSchedule(steps=8)  # 8 steps over 2 units: 4 per unit
+    unit = schedule.begin(masked, units=2)
+    assert isinstance(unit, TopKRule) and unit.counts.tolist() == [[2, 2, 2, 2], [2, 1, 1, 1]]
+    assert not unit.finished(3, np.zeros_like(masked)) and unit.finished(4, masked)
+    assert unit.max_steps(8) == 4
+    assert TopKSchedule().begin(masked, units=2).counts.shape == (2, 8)  # default: one per slot
+    with pytest.raises(ConfigError, match=r"steps=6 must be a positive multiple of the number of blocks \(4\)"):
+        TopKSchedule(steps=6).check(units=4)
+    for rule in (ThresholdRule(), FactorRule(), PaperFactorRule(), FrechetRule()):
+        assert isinstance(rule, CommitRule) and rule.begin(masked, units=2) is rule
+        assert rule.finished(1, np.zeros_like(masked)) and not rule.finished(1, masked)
+        assert rule.max_steps(8) == 8
 
 
 def test_topk_counts_are_a_frozen_copy():

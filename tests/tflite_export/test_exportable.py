@@ -1,9 +1,11 @@
 """The decode program stays exportable: two buckets go into ONE `.tflite` (one signature
 each) through litert-converter, run under ai-edge-litert with the JAX executor's results, and
-use TFLite builtin ops only."""
+use TFLite builtin ops only. Both sides follow the one step contract (`dlm_jax.runtime.step`):
+the signature's tensors and the executor's outputs have its names, shapes and dtypes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -11,16 +13,16 @@ import pytest
 from flax import nnx
 
 import dlm_jax
-from buckets._sets import BucketKey
 from dlm_jax.program import JaxExecutor
-from dlm_jax.runtime.step import StepInputs
-from tflite_export._convert import (DECODE_OUTPUT_NAMES, convert_signatures, decode_signature,
-                                    decode_signature_name, export_signatures, tflite_op_names)
+from dlm_jax.runtime.buckets import BucketKey
+from dlm_jax.runtime.step import INPUT_NAMES, OutputRequest, StepInputs, input_specs, output_names, output_specs
+from dlm_jax.testing import TINY
+from tflite_export._convert import (convert_signatures, decode_signature, decode_signature_name, export_signatures,
+                                    tflite_op_names)
 
 from ai_edge_litert.interpreter import Interpreter  # noqa: E402  (a runtime dependency: never skipped)
 
-CFG = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-           mask_token_id=63)
+CFG = TINY
 KEYS = [BucketKey(batch=1, window=8, cache=8, rows=8),
         BucketKey(batch=1, window=16, cache=8, rows=8)]
 ATOL = 1e-5
@@ -55,6 +57,7 @@ def interpreter(exported):
 
 
 def random_inputs(cfg, key: BucketKey, seed: int = 0) -> StepInputs:
+    """Inputs of bucket `key` with random contents, shaped as the contract says."""
     rng = np.random.default_rng(seed)
     b, w, p, r = key.batch, key.window, key.cache, key.rows
     visibility = rng.random((b, w, p + w)) < 0.7
@@ -67,18 +70,19 @@ def random_inputs(cfg, key: BucketKey, seed: int = 0) -> StepInputs:
         k_cache=rng.standard_normal(cache, dtype=np.float32),
         v_cache=rng.standard_normal(cache, dtype=np.float32),
         logit_rows=np.broadcast_to(np.arange(r, dtype=np.int32), (b, r)).copy(),
+        want=OutputRequest(kv=True, logits=key.full_logits),
     )
 
 
 def run_litert(interpreter, key: BucketKey, inputs: StepInputs) -> dict[str, np.ndarray]:
     runner = interpreter.get_signature_runner(decode_signature_name(key))
-    return runner(tokens=inputs.tokens, positions=inputs.positions, visibility=inputs.visibility,
-                  k_cache=inputs.k_cache, v_cache=inputs.v_cache, logit_rows=inputs.logit_rows)
+    return runner(**dict(zip(INPUT_NAMES, inputs.arrays())))
 
 
 def assert_parity(got: dict[str, np.ndarray], want) -> None:
-    assert set(got) == set(DECODE_OUTPUT_NAMES)
-    for name in DECODE_OUTPUT_NAMES:
+    names = [name for name in output_names(BucketKey(1, 1, 1, 1, want.logits is not None))]
+    assert set(got) == set(names)
+    for name in names:
         expected = getattr(want, name)
         assert got[name].shape == expected.shape and got[name].dtype == expected.dtype, name
         if name == "top_token":
@@ -87,13 +91,30 @@ def assert_parity(got: dict[str, np.ndarray], want) -> None:
             np.testing.assert_allclose(got[name], expected, rtol=0, atol=ATOL, err_msg=name)
 
 
-def test_signatures(interpreter):
+def test_signatures_follow_the_step_contract(model, interpreter):
     sigs = interpreter.get_signature_list()
     assert set(sigs) == {"step_w8_p8_r8", "step_w16_p8_r8"}
-    for sig in sigs.values():
-        assert sorted(sig["inputs"]) == sorted(["tokens", "positions", "visibility", "k_cache",
-                                                "v_cache", "logit_rows"])
-        assert sorted(sig["outputs"]) == sorted(DECODE_OUTPUT_NAMES)
+    for key in KEYS:
+        runner = interpreter.get_signature_runner(decode_signature_name(key))
+        details = {**runner.get_input_details(), **runner.get_output_details()}
+        for name, shape, dtype in input_specs(model.config, key) + output_specs(model.config, key):
+            assert tuple(details[name]["shape"]) == shape, name
+            assert np.dtype(details[name]["dtype"]) == np.dtype(dtype), name
+        assert set(details) == set(INPUT_NAMES) | set(output_names(key))
+
+
+def test_executor_follows_the_step_contract(model):
+    """The JAX executor returns the contract's outputs, shapes and dtypes; the window K/V only
+    when asked, the logits only in a logits bucket."""
+    key = BucketKey(batch=2, window=16, cache=8, rows=8, full_logits=True)
+    inputs = random_inputs(model.config, key)
+    out = JaxExecutor(model).step(inputs)
+    for name, shape, dtype in output_specs(model.config, key):
+        value = getattr(out, name)
+        assert value.shape == shape and value.dtype == np.dtype(dtype), name
+    lean = JaxExecutor(model).step(dataclasses.replace(random_inputs(model.config, KEYS[0]),
+                                                       want=OutputRequest(kv=False)))
+    assert lean.k_new is None and lean.v_new is None and lean.logits is None
 
 
 @pytest.mark.parametrize("key", KEYS, ids=decode_signature_name)

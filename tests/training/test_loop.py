@@ -35,6 +35,7 @@ def small_dataset():
     return {"tokens": tokens, "prompt_mask": prompt}
 
 
+@pytest.mark.slow  # 25-45 s; .ci/run runs the slow tests after the default suite
 def test_interrupted_run_resumes_at_the_same_step_and_data(tmp_path):
     from training.loop import train
 
@@ -52,6 +53,7 @@ def test_interrupted_run_resumes_at_the_same_step_and_data(tmp_path):
     np.testing.assert_allclose(losses(tmp_path / "a"), losses(tmp_path / "b"), rtol=1e-5)
 
 
+@pytest.mark.slow  # 25-45 s; .ci/run runs the slow tests after the default suite
 def test_length_bucketed_run_resumes_exactly(tmp_path):
     """Length buckets: steps of different shapes, interrupted mid-run, resume bit-for-bit."""
     from training.loop import train
@@ -81,6 +83,7 @@ def test_length_bucketed_run_resumes_exactly(tmp_path):
         export_checkpoint(run, tmp_path / "b", tmp_path / "x", step=5)
 
 
+@pytest.mark.slow  # 25-45 s; .ci/run runs the slow tests after the default suite
 def test_four_fake_devices_match_one_device(tmp_path):
     """Data x model sharding over 4 CPU devices gives the 1-device losses."""
     code = f"""

@@ -8,6 +8,7 @@ import pytest
 
 import dlm_jax
 from dlm_jax import ConfigError
+from dlm_jax.testing import tiny_config
 from training.objectives import (EPS, autoregressive, get_objective, introspective, masked_diffusion,
                                  two_stream_mask)
 
@@ -19,8 +20,7 @@ class FixedLogits:
 
     def __init__(self, logits, **config):
         self.logits = jnp.asarray(logits, jnp.float32)
-        self.config = dlm_jax.ModelConfig(vocab_size=V, d_model=8, n_layers=1, n_heads=2, ffn_hidden=8,
-                                          mask_token_id=MASK, **config)
+        self.config = tiny_config(vocab_size=V, mask_token_id=MASK, eos_token_id=None, **config)
         self.calls = []
 
     def __call__(self, tokens, **kw):
@@ -72,8 +72,8 @@ def test_two_stream_masks_follow_the_papers():
 def test_introspective_auto_balance_and_shift():
     """loss = L_noisy + sg(L_noisy / L_clean) * L_clean: the value is 2 L_noisy and the
     gradient is grad L_noisy + (L_noisy / L_clean) grad L_clean."""
-    cfg = dlm_jax.ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, ffn_hidden=32, mask_token_id=MASK,
-                              attention="causal", logit_shift=True, block_size=4)
+    cfg = tiny_config(vocab_size=V, mask_token_id=MASK, eos_token_id=None, n_layers=1, attention="causal",
+                      logit_shift=True, block_size=4)
     model = dlm_jax.init_model(cfg, seed=1)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 14, (2, 8)), jnp.int32)
     batch = {"tokens": tokens, "prompt_mask": jnp.arange(8)[None, :].repeat(2, 0) < 3}
@@ -107,7 +107,7 @@ def test_autoregressive_is_next_token_cross_entropy():
 
 
 def test_objective_checks_the_model():
-    cfg = dlm_jax.ModelConfig(vocab_size=V, d_model=8, n_layers=1, n_heads=2, ffn_hidden=8, mask_token_id=MASK)
+    cfg = tiny_config(vocab_size=V, mask_token_id=MASK, eos_token_id=None)
     with pytest.raises(ConfigError, match="objective 'introspective' needs model attention='causal'"):
         get_objective("introspective", cfg)
     with pytest.raises(ConfigError, match="unknown objective 'gan'"):

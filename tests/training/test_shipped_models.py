@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import dlm_jax
-from dlm_jax.runtime.config import DecodeConfig
+from dlm_jax.runtime import decode_config
 from training.data import TASKS
 from training.evaluate import evaluate
 from training.ship import MAX_MB
@@ -36,9 +36,9 @@ def test_shipped_checkpoint_loads_and_has_a_card(name, attention):
     assert set(evals["chance"]) == set(TASKS) and "| chance:" in card
 
 
-FAST = DecodeConfig(gen_len=32, block_len=32)  # prefix cache + threshold 0.9
-VANILLA = DecodeConfig(gen_len=32, block_len=32, cache="none", rule="topk")  # a token per step
-IN_ORDER = DecodeConfig(gen_len=64, block_len=1, cache="none", rule="topk")  # left to right
+FAST = decode_config(gen_len=32, block_len=32)  # prefix cache + threshold 0.9
+VANILLA = decode_config(gen_len=32, block_len=32, cache="none", rule="topk")  # a token per step
+IN_ORDER = decode_config(gen_len=64, block_len=1, cache="none", rule="topk")  # left to right
 
 
 @pytest.mark.parametrize("name, task, cfg, floor", [

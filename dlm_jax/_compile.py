@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from buckets._sets import BucketKey
+from dlm_jax.runtime.buckets import BucketKey
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 

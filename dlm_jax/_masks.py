@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dlm_jax._config import ATTENTION_MODES, ConfigError
+from dlm_jax._config import ATTENTION_MODES
+from dlm_jax._errors import ConfigError
 
 
 def _mode_rule(mode: str, q_pos: np.ndarray, k_pos: np.ndarray, block_size: int) -> np.ndarray:

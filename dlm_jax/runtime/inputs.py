@@ -1,0 +1,73 @@
+"""Step inputs from a plan: the plan's slots padded to the executor's bucket (NumPy only).
+
+Tokens are rebuilt every step. Positions, visibility and logit rows depend only on the
+plan's slot lists (a decode's positions and padding never change), so they are reused while
+the window, cached and row lists are exactly the same; the cached K/V come from the store,
+which reuses its gather while the slots and their versions are unchanged. Nothing is keyed on
+a range's endpoints.
+
+Axes: B batch rows, W window bucket, P cache bucket, R row bucket.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dlm_jax._config import ModelConfig
+from dlm_jax._masks import visibility_from_positions
+from dlm_jax.runtime.buckets import BucketKey, pad_axis
+from dlm_jax.runtime.kvstore import KVStore
+from dlm_jax.runtime.scheduler import StepPlan
+from dlm_jax.runtime.state import DecodeState
+from dlm_jax.runtime.step import Capabilities, OutputRequest, StepInputs
+
+
+class StepInputBuilder:
+    """Builds the padded `StepInputs` of each plan of one decode."""
+
+    def __init__(self, config: ModelConfig, capabilities: Capabilities):
+        self.config = config
+        self.capabilities = capabilities
+        self._static: tuple | None = None  # (key, (positions, visibility, logit_rows))
+        self._empty: dict[tuple, np.ndarray] = {}
+
+    def key(self, plan: StepPlan, batch: int, want: OutputRequest) -> BucketKey:
+        w, p, r = plan.shape
+        return self.capabilities.select(batch=batch, window=w, cache=p, rows=r, logits=want.logits)
+
+    def build(self, plan: StepPlan, state: DecodeState, store: KVStore | None,
+              want: OutputRequest) -> StepInputs:
+        key = self.key(plan, state.batch, want)
+        tokens = pad_axis(state.fed_tokens(plan.window), key.window, axis=1, value=state.mask_id)
+        static_key = (key, plan.window.tobytes(), plan.cached.tobytes(), plan.rows.tobytes())
+        if self._static is None or self._static[0] != static_key:
+            self._static = (static_key, self._static_inputs(plan, state, key))
+        positions, visibility, logit_rows = self._static[1]
+        if len(plan.cached) and store is None:
+            raise RuntimeError("the plan reads cached K/V but nothing has been stored yet")
+        if store is not None:
+            k_cache, v_cache = store.gather(plan.cached, key.cache)
+        else:
+            k_cache = v_cache = self._zeros(state.batch, key.cache)
+        return StepInputs(tokens=tokens, positions=positions, visibility=visibility, k_cache=k_cache,
+                          v_cache=v_cache, logit_rows=logit_rows, want=want)
+
+    def _static_inputs(self, plan: StepPlan, state: DecodeState, key: BucketKey):
+        cfg = self.config
+        win, cached = plan.window, plan.cached
+        positions = pad_axis(state.positions[:, win], key.window, axis=1)
+        q_valid = pad_axis(state.valid[:, win], key.window, axis=1, value=False)
+        k_pos = np.concatenate([pad_axis(state.positions[:, cached], key.cache, axis=1), positions], axis=1)
+        k_valid = np.concatenate([pad_axis(state.valid[:, cached], key.cache, axis=1, value=False), q_valid],
+                                 axis=1)
+        visibility = visibility_from_positions(cfg.attention, positions, k_pos, k_valid, block_size=cfg.block_size)
+        rows = pad_axis(plan.rows, key.rows, axis=0)
+        logit_rows = np.ascontiguousarray(np.broadcast_to(rows, (state.batch, key.rows)).astype(np.int32))
+        return positions, visibility, logit_rows
+
+    def _zeros(self, batch: int, size: int) -> np.ndarray:
+        cfg = self.config
+        shape = (cfg.n_layers, batch, size, cfg.n_kv_heads, cfg.head_dim)
+        if shape not in self._empty:
+            self._empty[shape] = np.zeros(shape, cfg.dtype)
+        return self._empty[shape]

@@ -1,0 +1,68 @@
+"""The host K/V store: per-slot keys and values with versions (NumPy only).
+
+The store owns the K/V of every slot of the [B, S] grid that a step has written. Each write
+bumps the written slots' version numbers and marks each entry stable (computed from a final
+token: prompt or committed) or revisable (computed from a mask, a draft or a visible token
+that may still change). Steps read the store by exact slot lists; a gathered, padded cache is
+reused only while the slots and their versions are exactly those it was built from.
+
+Axes: L layers, B batch rows, S slots, Hkv key/value heads, Dh head width, n a slot list,
+P a cache bucket.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dlm_jax._config import ModelConfig
+
+
+class KVStore:
+    def __init__(self, n_layers: int, batch: int, slots: int, n_kv_heads: int, head_dim: int,
+                 dtype: str = "float32"):
+        shape = (n_layers, batch, slots, n_kv_heads, head_dim)
+        self.k = np.zeros(shape, dtype)  # [L, B, S, Hkv, Dh]
+        self.v = np.zeros(shape, dtype)
+        self.version = np.zeros((batch, slots), np.int64)  # [B, S], 0 = never written
+        self.stable = np.zeros((batch, slots), bool)  # [B, S], False = revisable or unwritten
+        self._memo: tuple | None = None  # (key, (k, v)) of the last gather
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, batch: int, slots: int) -> KVStore:
+        return cls(config.n_layers, batch, slots, config.n_kv_heads, config.head_dim, config.dtype)
+
+    @property
+    def written(self) -> np.ndarray:
+        """[B, S] bool, slots holding K/V."""
+        return self.version > 0
+
+    def write(self, slots: np.ndarray, k: np.ndarray, v: np.ndarray, *, stable: np.ndarray | bool) -> None:
+        """Store k, v [L, B, n, Hkv, Dh] (extra entries past n, a bucket's padding, are
+        ignored) at `slots` [n] of every row; `stable` is [B, n] bool or one bool."""
+        n = len(slots)
+        self.k[:, :, slots] = k[:, :, :n]
+        self.v[:, :, slots] = v[:, :, :n]
+        self.version[:, slots] += 1
+        self.stable[:, slots] = stable
+
+    def gather(self, slots: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(k, v) [L, B, size, Hkv, Dh] of `slots` [n], zero-padded to `size` >= n. The last
+        result is reused when the slots and their versions are unchanged; do not write into
+        it."""
+        slots = np.asarray(slots)
+        key = (slots.tobytes(), size, self.version[:, slots].tobytes())
+        if self._memo is None or self._memo[0] != key:
+            self._memo = (key, (self._take(self.k, slots, size), self._take(self.v, slots, size)))
+        return self._memo[1]
+
+    @staticmethod
+    def _take(x: np.ndarray, slots: np.ndarray, size: int) -> np.ndarray:
+        n = len(slots)
+        if n > size:
+            raise ValueError(f"{n} cached slots do not fit a cache bucket of {size}")
+        out = np.zeros(x.shape[:2] + (size,) + x.shape[3:], x.dtype)
+        if n and slots[-1] - slots[0] == n - 1 and (np.diff(slots) == 1).all():
+            out[:, :, :n] = x[:, :, slots[0]:slots[0] + n]  # a range: one copy, no gather
+        elif n:
+            out[:, :, :n] = x[:, :, slots]
+        return out

@@ -1,0 +1,100 @@
+"""The proposer: a step's outputs -> a proposed token and a confidence per predicted slot
+(NumPy only).
+
+Greedy decoding takes the program's argmax and its probability. Sampling (temperature > 0)
+draws LLaDA's float64 Gumbel-max from the rows' logits, each request from its own generator,
+and only while the request has candidates, so batching never changes a request's samples.
+Confidences are the top-1 probability (`prob`), top-1 minus top-2 (`margin`) or minus the
+entropy (`entropy`); `remasking="random"` ranks by uniform noise instead (LLaDA); `defer_eos`
+drops EOS proposals to the lowest confidence so they commit last (LLaDA's
+`confidence_eos_eot_inf`).
+
+Axes: B batch rows, R predicted rows of the step, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+
+from dlm_jax._errors import ConfigError
+from dlm_jax.runtime.commit import CONFIDENCE_KINDS, confidence_scores
+from dlm_jax.runtime.state import DecodeState
+from dlm_jax.runtime.step import StepOutputs
+
+REMASKING: tuple[str, ...] = ("low_confidence", "random")
+
+
+class Proposal(NamedTuple):
+    tokens: np.ndarray  # [B, R] int32
+    confidence: np.ndarray  # [B, R] float64
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposer:
+    temperature: float = dataclasses.field(
+        default=0.0, metadata={"help": "0 = greedy; > 0 = float64 Gumbel-max sampling (LLaDA)"})
+    confidence: str = dataclasses.field(
+        default="prob", metadata={"help": "what rules rank by", "choices": CONFIDENCE_KINDS})
+    remasking: str = dataclasses.field(
+        default="low_confidence", metadata={"help": "rank by confidence, or by uniform noise (LLaDA)",
+                                            "choices": REMASKING})
+    defer_eos: bool = dataclasses.field(
+        default=False, metadata={"help": "EOS proposals get the lowest confidence (commit last)"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "sampling / random-remasking seed per request"})
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not isinstance(t, numbers.Real) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise ConfigError(f"temperature={t!r} must be a finite number >= 0")
+        if self.confidence not in CONFIDENCE_KINDS:
+            raise ConfigError(f"confidence={self.confidence!r} is not one of {CONFIDENCE_KINDS}")
+        if self.remasking not in REMASKING:
+            raise ConfigError(f"remasking={self.remasking!r} is not one of {REMASKING}")
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.temperature > 0
+
+    def propose(self, out: StepOutputs, candidates: np.ndarray, state: DecodeState) -> Proposal:
+        """Tokens and confidences [B, R] for the step's R predicted rows (`candidates` [B, R]:
+        the rows a rule may commit; only they draw noise)."""
+        k = candidates.shape[1]
+        if self.temperature > 0:
+            x0, top1, top2, ent = _sample(out.logits[:, :k], candidates, self.temperature, state.rngs)
+        else:
+            x0, top1, top2, ent = out.top_token[:, :k], out.top_prob[:, :k], out.second_prob[:, :k], out.entropy[:, :k]
+        conf = confidence_scores(self.confidence, top1.astype(np.float64), top2.astype(np.float64),
+                                 ent.astype(np.float64))
+        if self.remasking == "random":
+            conf = np.zeros_like(conf)
+            for r, rng in enumerate(state.rngs):
+                if rng is not None and candidates[r].any():
+                    conf[r] = rng.random(k)
+        if self.defer_eos and state.eos_id is not None:
+            # The lowest score a proposal can have: 0, or minus the largest entropy, log V.
+            floor = -math.log(state.vocab_size) if self.confidence == "entropy" else 0.0
+            conf = np.where(x0 == state.eos_id, floor, conf)
+        return Proposal(x0.astype(np.int32), conf)
+
+
+def _sample(logits: np.ndarray, cand: np.ndarray, temperature: float, rngs: list):
+    """LLaDA's Gumbel-max in float64: x0 = argmax(exp(logits) / (-log u)^T), confidence = the
+    softmax probability of x0. Noise is drawn per request from its own generator, only while
+    it has candidates."""
+    logits = logits.astype(np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    x0 = logits.argmax(-1)
+    for r, rng in enumerate(rngs):
+        if rng is not None and cand[r].any():
+            gumbel = (-np.log(rng.random(logits[r].shape))) ** temperature
+            x0[r] = np.argmax(np.exp(logits[r]) / gumbel, axis=-1)
+    top1 = np.take_along_axis(probs, x0[..., None], -1)[..., 0]
+    top2 = np.sort(probs, axis=-1)[..., -2]
+    ent = -(probs * np.log(np.maximum(probs, 1e-300))).sum(-1)
+    return x0, top1, top2, ent

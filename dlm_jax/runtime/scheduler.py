@@ -1,0 +1,184 @@
+"""Schedulers: which slots each decode step computes, reads from the K/V store, predicts and
+stores, and when a request is done (NumPy only).
+
+A scheduler looks at the `DecodeState` and returns the next `StepPlan`, or None when decoding
+is over. It also states, for warm-up, every plan shape it can produce for a prompt length, so
+all buckets are compiled before the first step. A scheduler decodes the generation in commit
+units (blocks); the commit rule says when a unit is finished and `advance` moves on.
+
+Today's schedules are block-wise (Fast-dLLM's semi-autoregressive blocks):
+  NoCache      LLaDA: the whole sequence every step, nothing stored.
+  PrefixCache  Fast-dLLM prefix cache: a full forward at each block's first step stores every
+               slot's K/V; later steps compute the block and everything after it over the
+               cached prefix.
+  DualCache    Fast-dLLM dual cache: as PrefixCache, but later steps compute the block only,
+               over the cached prefix and suffix.
+
+Writing a new scheduler: implement `units`, `plan`, `advance` and `plan_shapes` (the
+`Scheduler` protocol). `plan` must only name slots of the state's grid; `advance` is told
+whether the commit rule finished the unit and moves `state.unit` / `state.unit_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+
+from dlm_jax._errors import ConfigError
+from dlm_jax.runtime.state import DecodeState
+
+
+class PlanShape(NamedTuple):
+    """Live sizes of a plan: window slots, cached slots, predicted rows."""
+
+    window: int
+    cached: int
+    rows: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepPlan:
+    """One step. Slot arrays index the state's [B, S] grid and are shared by every row.
+
+    window: [W] slots fed as queries, in window-row order.
+    cached: [P] slots whose K/V are read from the store.
+    rows: [R] window rows whose predictions are wanted ...
+    targets: [R] ... and the slot each predicts (row's slot + the logit shift).
+    unit, step: the commit unit and the step within it.
+    store: [n] window rows whose K/V are written to the store (None: none).
+    store_stable: [B, n] bool, which of those entries are stable (computed from final tokens);
+      the rest are revisable.
+    """
+
+    window: np.ndarray
+    cached: np.ndarray
+    rows: np.ndarray
+    targets: np.ndarray
+    unit: int
+    step: int
+    store: np.ndarray | None = None
+    store_stable: np.ndarray | None = None
+
+    @property
+    def shape(self) -> PlanShape:
+        return PlanShape(len(self.window), len(self.cached), len(self.rows))
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    def units(self, gen_len: int) -> int:
+        """Commit units in a generation of `gen_len` (raises ConfigError if it cannot split it)."""
+        ...
+
+    def plan(self, state: DecodeState) -> StepPlan | None:
+        """The next step, or None when no request is left to decode."""
+        ...
+
+    def advance(self, state: DecodeState, unit_done: bool) -> None:
+        """After a step: move the cursor, end requests (EOS), mark the last unit done."""
+        ...
+
+    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int) -> set[PlanShape]:
+        """Every plan shape a decode of a batch with these prompt lengths can produce."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScheduler:
+    """Semi-autoregressive blocks of `block_len` slots, decoded left to right; the window of
+    each step comes from `window` (one subclass per cache mode).
+
+    Attributes:
+      block_len: slots per block (a commit unit); must divide the generation length.
+      stop_on_eos_block: a block decoded entirely to EOS ends its request (later slots EOS).
+    """
+
+    block_len: int = dataclasses.field(default=32, metadata={"help": "block length (slots per commit unit)"})
+    stop_on_eos_block: bool = dataclasses.field(
+        default=True, metadata={"help": "a block decoded entirely to EOS ends its request"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_len, int) or isinstance(self.block_len, bool) or self.block_len <= 0:
+            raise ConfigError(f"block_len={self.block_len!r} must be a positive integer")
+
+    def units(self, gen_len: int) -> int:
+        if gen_len % self.block_len:
+            raise ConfigError(f"block_len={self.block_len} must divide gen_len={gen_len}")
+        return gen_len // self.block_len
+
+    def window(self, step: int, start: int, end: int, total: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(window slots, cached slots, store the window's K/V) for step `step` of a block
+        whose predicting rows sit at slots [start, end - shift) of `total` slots."""
+        raise NotImplementedError
+
+    def _plan(self, unit: int, step: int, gen_start: int, total: int, shift: int) -> StepPlan:
+        lo = gen_start + unit * self.block_len
+        hi = lo + self.block_len
+        window, cached, store = self.window(step, lo - shift, hi, total)
+        first = lo - shift - int(window[0])  # window row predicting slot lo; windows are ranges
+        rows = np.arange(first, first + self.block_len)
+        return StepPlan(window=window, cached=cached, rows=rows, targets=np.arange(lo, hi), unit=unit,
+                        step=step, store=np.arange(len(window)) if store else None)
+
+    def plan(self, state: DecodeState) -> StepPlan | None:
+        if state.unit >= self.units(state.gen_len) or not state.active.any():
+            return None
+        plan = self._plan(state.unit, state.unit_step, state.gen_start, state.total, state.shift)
+        if plan.store is None:
+            return plan
+        return dataclasses.replace(plan, store_stable=state.is_final(plan.window[plan.store]))
+
+    def advance(self, state: DecodeState, unit_done: bool) -> None:
+        if not unit_done:
+            state.unit_step += 1
+            return
+        if self.stop_on_eos_block:
+            lo = state.gen_start + state.unit * self.block_len
+            state.stop_at_eos(np.arange(lo, lo + self.block_len))
+        state.unit += 1
+        state.unit_step = 0
+        if state.unit == self.units(state.gen_len):
+            state.finish()
+
+    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int) -> set[PlanShape]:
+        """Each block's first step and its later steps (all alike within a block)."""
+        p_max = max(prompt_lens)
+        return {self._plan(unit, step, p_max, p_max + gen_len, shift).shape
+                for unit in range(self.units(gen_len)) for step in (0, 1)}
+
+
+def _full(total: int, store: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+    return np.arange(total), np.arange(0), store
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCache(BlockScheduler):
+    """LLaDA: the whole sequence every step."""
+
+    def window(self, step: int, start: int, end: int, total: int):
+        return _full(total, store=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCache(BlockScheduler):
+    """Fast-dLLM prefix cache: a full forward at each block start fills the store; later steps
+    compute the block and everything after it over the cached prefix."""
+
+    def window(self, step: int, start: int, end: int, total: int):
+        if step == 0:
+            return _full(total, store=True)
+        return np.arange(start, total), np.arange(start), False
+
+
+@dataclasses.dataclass(frozen=True)
+class DualCache(BlockScheduler):
+    """Fast-dLLM dual cache: prefix and suffix stored at block start; later steps compute only
+    the block."""
+
+    def window(self, step: int, start: int, end: int, total: int):
+        if step == 0:
+            return _full(total, store=True)
+        return np.arange(start, end), np.concatenate([np.arange(start), np.arange(end, total)]), False

@@ -1,0 +1,162 @@
+"""Decode state: every slot of the [B, S] request grid and every request (NumPy only).
+
+A decode holds B requests (a batch bucket; rows past the real requests are padding) on S
+slots: the longest prompt, left-aligned so every request's generation starts at the same
+slot `gen_start`, then `gen_len` generated slots. Per slot the state keeps the token id, a
+`TokenState`, the last confidence the decoder computed for it, its absolute position
+(counted over the row's real tokens, so a left-padded row decodes exactly as it would
+alone) and whether it is a real slot. Per request it keeps a `RequestStatus` and its
+sampling generator. `unit` / `unit_step` are the scheduler's cursor: the commit unit (block)
+being decoded and the steps taken in it.
+
+Axes: B batch rows, S slots, n a list of slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class TokenState(enum.IntEnum):
+    """What a slot holds. Fed as its token: PROMPT, DRAFT, VISIBLE, STABLE; fed as the mask
+    token: MASK, CANDIDATE."""
+
+    PROMPT = 0  # given by the request (left padding too, with `valid` False)
+    MASK = 1  # undecided
+    DRAFT = 2  # a tentative token of a block that is not current yet (speculative windows)
+    CANDIDATE = 3  # proposed but still invisible (llada.cpp's IV state)
+    VISIBLE = 4  # fed as its token; identity and K/V may still be revised (llada.cpp's V)
+    STABLE = 5  # final (llada.cpp's S)
+    COMMITTED = 5  # today's decoders commit straight to the stable state
+
+
+_FEEDS_TOKEN = np.array([True, False, True, False, True, True])  # by TokenState value
+_UNDECIDED = np.array([False, True, False, True, False, False])
+_FINAL = np.array([True, False, False, False, False, True])
+
+
+class RequestStatus(enum.IntEnum):
+    PADDING = 0  # a row that only fills the batch bucket
+    RUNNING = 1
+    DONE = 2  # every generated slot decided
+    STOPPED = 3  # ended early at an all-EOS block; its remaining slots hold EOS
+
+
+@dataclasses.dataclass(eq=False)
+class DecodeState:
+    tokens: np.ndarray  # [B, S] int32 token ids (the mask id where nothing is proposed)
+    status: np.ndarray  # [B, S] int8 TokenState
+    confidence: np.ndarray  # [B, S] float64 last confidence computed (NaN: never scored)
+    positions: np.ndarray  # [B, S] int32 absolute positions
+    valid: np.ndarray  # [B, S] bool, False at left padding
+    request: np.ndarray  # [B] int8 RequestStatus
+    gen_start: int  # first generated slot
+    mask_id: int
+    vocab_size: int
+    eos_id: int | None = None
+    shift: int = 0  # 1 for logit-shift models: window row i predicts slot i + 1
+    rngs: list = dataclasses.field(default_factory=list)  # per row: np.random.Generator or None
+    unit: int = 0  # the scheduler's cursor: current commit unit ...
+    unit_step: int = 0  # ... and the steps taken in it
+
+    @classmethod
+    def create(cls, prompts: Sequence[Sequence[int]], *, gen_len: int, batch: int, mask_id: int,
+               vocab_size: int, eos_id: int | None = None, shift: int = 0, seeds: Sequence[int] | None = None) -> DecodeState:
+        """Left-align `prompts` on a [batch, max prompt + gen_len] grid; rows past
+        `len(prompts)` are padding. `seeds` seed each request's generator (default 0)."""
+        n = len(prompts)
+        lens = [len(p) for p in prompts]
+        p_max = max(lens)
+        total = p_max + gen_len
+        tokens = np.full((batch, total), mask_id, dtype=np.int32)
+        valid = np.zeros((batch, total), dtype=bool)
+        for r, prompt in enumerate(prompts):
+            tokens[r, p_max - lens[r]:p_max] = np.asarray(prompt, dtype=np.int32)
+            valid[r, p_max - lens[r]:] = True
+        status = np.full((batch, total), TokenState.MASK, dtype=np.int8)
+        status[:, :p_max] = TokenState.PROMPT
+        positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
+        request = np.full(batch, RequestStatus.PADDING, dtype=np.int8)
+        request[:n] = RequestStatus.RUNNING
+        seeds = list(seeds) if seeds is not None else [0] * n
+        if len(seeds) != n:
+            raise ValueError(f"{len(seeds)} seeds for {n} prompts")
+        rngs = [np.random.default_rng(s) for s in seeds] + [None] * (batch - n)
+        return cls(tokens=tokens, status=status, confidence=np.full((batch, total), np.nan),
+                   positions=positions, valid=valid, request=request, gen_start=p_max,
+                   mask_id=mask_id, vocab_size=vocab_size, eos_id=eos_id, shift=shift, rngs=rngs)
+
+    # -- shape ------------------------------------------------------------------------------
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def total(self) -> int:
+        """S, the number of slots."""
+        return self.tokens.shape[1]
+
+    @property
+    def gen_len(self) -> int:
+        return self.total - self.gen_start
+
+    @property
+    def n_requests(self) -> int:
+        return int((self.request != RequestStatus.PADDING).sum())
+
+    @property
+    def active(self) -> np.ndarray:
+        """[B] bool, requests still decoding."""
+        return self.request == RequestStatus.RUNNING
+
+    # -- per-slot views ---------------------------------------------------------------------
+
+    def fed_tokens(self, slots: np.ndarray) -> np.ndarray:
+        """[B, n] the ids a forward sees at `slots`: the token, or the mask id where the slot
+        is undecided or invisible."""
+        return np.where(_FEEDS_TOKEN[self.status[:, slots]], self.tokens[:, slots], self.mask_id).astype(np.int32, copy=False)
+
+    def undecided(self, slots: np.ndarray) -> np.ndarray:
+        """[B, n] bool: MASK or CANDIDATE slots of running requests (what a commit rule may
+        commit)."""
+        return _UNDECIDED[self.status[:, slots]] & self.active[:, None]
+
+    def is_final(self, slots: np.ndarray) -> np.ndarray:
+        """[B, n] bool: slots whose token will not change (prompt or stable)."""
+        return _FINAL[self.status[:, slots]]
+
+    # -- updates ----------------------------------------------------------------------------
+
+    def record(self, slots: np.ndarray, scored: np.ndarray, confidence: np.ndarray) -> None:
+        """Keep `confidence` [B, n] as the last confidence of the `scored` [B, n] slots."""
+        self.confidence[:, slots] = np.where(scored, confidence, self.confidence[:, slots])
+
+    def commit(self, slots: np.ndarray, chosen: np.ndarray, tokens: np.ndarray) -> None:
+        """Give the `chosen` [B, n] slots their `tokens` [B, n] and make them stable."""
+        self.tokens[:, slots] = np.where(chosen, tokens, self.tokens[:, slots])
+        self.status[:, slots] = np.where(chosen, TokenState.STABLE, self.status[:, slots])
+
+    def stop_at_eos(self, slots: np.ndarray) -> np.ndarray:
+        """End the running requests whose `slots` all hold EOS: every later slot becomes a
+        stable EOS. Returns [B] bool, the rows stopped."""
+        if self.eos_id is None or len(slots) == 0:
+            return np.zeros(self.batch, bool)
+        done = self.active & (self.tokens[:, slots] == self.eos_id).all(axis=1)
+        after = int(np.max(slots)) + 1
+        self.tokens[done, after:] = self.eos_id
+        self.status[done, after:] = TokenState.STABLE
+        self.request[done] = RequestStatus.STOPPED
+        return done
+
+    def finish(self) -> None:
+        """Mark every running request done."""
+        self.request[self.active] = RequestStatus.DONE
+
+    def sequences(self) -> list[np.ndarray]:
+        """Per request, its `gen_len` generated ids (mask ids where undecided)."""
+        return [self.tokens[r, self.gen_start:].copy() for r in range(self.n_requests)]

@@ -1,0 +1,148 @@
+"""Test seams: the tiny model twin every test shares and a scripted executor.
+
+    cfg = tiny_config()                          # the one tiny config (vocab 64, 2 layers)
+    model = tiny_model(attention="causal")       # a random model of it (JAX)
+    model = sharp_model()                        # the same, made confident and position-sensitive
+    path = tiny_checkpoint(tmp / "m")            # a saved HF-layout checkpoint with a tokenizer
+    exe = MockExecutor(cfg, answer=..., confidence=...)   # hand-computable predictions, no JAX
+    handle = mock_model(answer=..., confidence=...)       # `dlm_jax.Model` over a MockExecutor
+
+Importing this module does not import JAX; the model helpers do when called.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlm_jax._config import ModelConfig
+from dlm_jax._tokenizer import ByteTokenizer, Tokenizer
+from dlm_jax.runtime.buckets import BucketKey
+from dlm_jax.runtime.step import Capabilities, StepInputs, StepOutputs
+
+MASK, EOS = 63, 62  # the tiny config's special ids
+TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, block_size=8,
+            mask_token_id=MASK, eos_token_id=EOS, max_seq_len=96)
+
+
+def tiny_config(*, tokenizer: Tokenizer | None = None, **overrides: Any) -> ModelConfig:
+    """The tiny config (`TINY`) with `overrides`; with a `tokenizer`, its vocabulary size and
+    special ids replace the tiny ones."""
+    base = dict(TINY)
+    if tokenizer is not None:
+        base.update(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id,
+                    eos_token_id=tokenizer.eos_id)
+    return ModelConfig(**{**base, **overrides})
+
+
+def tiny_model(*, seed: int = 0, tokenizer: Tokenizer | None = None, **overrides: Any):
+    """A randomly initialised `Transformer` of `tiny_config(**overrides)`."""
+    import dlm_jax
+
+    return dlm_jax.init_model(tiny_config(tokenizer=tokenizer, **overrides), seed=seed)
+
+
+def sharp_model(*, seed: int = 0, **overrides: Any):
+    """A tiny random model made position-sensitive and confident, so confidences spread over
+    (0.5, 0.95) and differ between positions by far more than float noise: the mask token's
+    embedding is zero (masked slots are pure attention read-outs), fast RoPE and sharp
+    attention make those read-outs depend on position, and a scaled head sharpens them."""
+    import dlm_jax
+
+    cfg = tiny_config(**{"rope_theta": 4.0, **overrides})
+    params = dlm_jax.get_params(dlm_jax.init_model(cfg, seed=seed))
+    scale = {"lm_head.kernel": 70.0, "q_proj": 8.0, "k_proj": 8.0}
+    params = {k: v * next((f for key, f in scale.items() if key in k), 1.0) for k, v in params.items()}
+    embedding = params["embed.embedding"].copy()
+    embedding[cfg.mask_token_id] = 0.0
+    params["embed.embedding"] = embedding
+    return dlm_jax.model_from_params(cfg, params)
+
+
+def tiny_checkpoint(path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> Path:
+    """Save a random tiny model with the byte-level tokenizer at `path` (HF layout)."""
+    import dlm_jax
+
+    tok = ByteTokenizer()
+    return dlm_jax.save_pretrained(tiny_model(seed=seed, tokenizer=tok, **overrides), path, tokenizer=tok)
+
+
+Script = np.ndarray | Sequence[float] | Callable[[StepInputs, np.ndarray], np.ndarray]
+
+
+class MockExecutor:
+    """An `Executor` whose predictions are a script, by the position each row predicts.
+
+    A requested row whose query sits at position q predicts position p = q (+1 for a
+    logit-shift config). Its top token is `answer[p]` and its probability `confidence[p]`
+    (arrays indexed by position; or callables `f(inputs, p) -> [B, R]` for predictions that
+    depend on the step). The remaining probability is spread evenly over the other tokens
+    except the mask, which fixes `second_prob`, `entropy` and `logits`. The window K/V
+    encode what was fed: `k_new[..., w, :, :]` is the token id at window row w and `v_new`
+    its position. Every `StepInputs` is kept in `calls`; every warmed bucket in `warmed`.
+    """
+
+    def __init__(self, config: ModelConfig, *, answer: Script, confidence: Script,
+                 capabilities: Capabilities | None = None):
+        self.config = config
+        self.answer = answer
+        self.confidence = confidence
+        self._capabilities = capabilities or Capabilities.for_length(config.max_seq_len)
+        self.calls: list[StepInputs] = []
+        self.warmed: set[BucketKey] = set()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    def warmup(self, keys: Sequence[BucketKey]) -> int:
+        new = set(keys) - self.warmed
+        self.warmed |= new
+        return len(new)
+
+    def _lookup(self, script: Script, inputs: StepInputs, predicted: np.ndarray) -> np.ndarray:
+        if callable(script):
+            return np.asarray(script(inputs, predicted))
+        table = np.asarray(script)
+        return table[np.clip(predicted, 0, len(table) - 1)]
+
+    def step(self, inputs: StepInputs) -> StepOutputs:
+        cfg = self.config
+        self.calls.append(inputs)
+        q = np.take_along_axis(inputs.positions, inputs.logit_rows, axis=1)
+        predicted = q + (1 if cfg.logit_shift else 0)
+        top = self._lookup(self.answer, inputs, predicted).astype(np.int32)
+        prob = self._lookup(self.confidence, inputs, predicted).astype(np.float64)
+        others = cfg.vocab_size - 1 - (cfg.mask_token_id is not None)  # tokens sharing 1 - prob
+        rest = (1.0 - prob) / others
+        entropy = -(prob * np.log(np.maximum(prob, 1e-300)) + others * np.where(rest > 0, rest * np.log(np.maximum(rest, 1e-300)), 0.0))
+        out: dict[str, np.ndarray] = {"top_token": top, "top_prob": prob.astype(np.float32),
+                                      "second_prob": rest.astype(np.float32), "entropy": entropy.astype(np.float32)}
+        if inputs.want.kv:
+            shape = (cfg.n_layers, *inputs.tokens.shape, cfg.n_kv_heads, cfg.head_dim)
+            out["k_new"] = np.broadcast_to(inputs.tokens[None, :, :, None, None], shape).astype(cfg.dtype)
+            out["v_new"] = np.broadcast_to(inputs.positions[None, :, :, None, None], shape).astype(cfg.dtype)
+        if inputs.want.logits:
+            probs = np.broadcast_to(rest[..., None], (*top.shape, cfg.vocab_size)).copy()
+            np.put_along_axis(probs, top[..., None], prob[..., None], axis=-1)
+            if cfg.mask_token_id is not None:
+                probs[..., cfg.mask_token_id] = 0.0
+            with np.errstate(divide="ignore"):
+                out["logits"] = np.log(probs).astype(np.float32)
+        return StepOutputs.from_named(out)
+
+
+def mock_model(*, answer: Script, confidence: Script, tokenizer: Tokenizer | None = None,
+               capabilities: Capabilities | None = None, **overrides: Any):
+    """A `dlm_jax.Model` (no weights, no JAX) whose executor is a `MockExecutor`; the config is
+    `tiny_config(tokenizer=..., **overrides)` with the byte-level tokenizer by default."""
+    from dlm_jax.api import Model
+
+    tok = tokenizer or ByteTokenizer()
+    cfg = tiny_config(tokenizer=tok, **overrides)
+    return Model(None, tok, config=cfg,
+                 executor=MockExecutor(cfg, answer=answer, confidence=confidence, capabilities=capabilities))
