@@ -146,8 +146,9 @@ class Decoder:
         start = time.perf_counter()
         while (plan := scheduler.plan(state)) is not None:
             t0 = time.perf_counter()
+            targets = plan.target_index
             if plan.step == 0:
-                rule = cfg.rule.begin(state.undecided(plan.targets), units=units)
+                rule = cfg.rule.begin(state.undecided(targets), units=units)
             want = OutputRequest(kv=plan.store is not None, logits=proposer.needs_logits)
             inputs = builder.build(plan, state, store, want)
             t1 = time.perf_counter()
@@ -157,14 +158,14 @@ class Decoder:
                 store = store or KVStore.for_model(mc, state.batch, state.total)
                 store.write(plan.window[plan.store], out.k_new[:, :, plan.store], out.v_new[:, :, plan.store],
                             stable=plan.store_stable)
-            candidates = state.undecided(plan.targets)
+            candidates = state.undecided(targets)
             proposal = proposer.propose(out, candidates, state)
-            state.record(plan.targets, candidates, proposal.confidence)
+            state.record(targets, candidates, proposal.confidence)
             committed = rule.select(proposal.confidence, candidates, step=plan.step)
-            state.commit(plan.targets, committed, proposal.tokens)
+            state.commit(targets, committed, proposal.tokens)
             revision.after_step(state, plan, proposal, committed)
             steps = plan.step + 1
-            unit_done = rule.finished(steps, state.undecided(plan.targets))
+            unit_done = rule.finished(steps, state.undecided(targets))
             if not unit_done and steps >= rule.max_steps(len(plan.targets)):
                 raise RuntimeError(f"commit rule {rule!r} left unit {plan.unit} unfinished after {steps} steps")
             counts = committed.sum(axis=1)[:n]

@@ -38,7 +38,7 @@ class StepInputBuilder:
     def build(self, plan: StepPlan, state: DecodeState, store: KVStore | None,
               want: OutputRequest) -> StepInputs:
         key = self.key(plan, state.batch, want)
-        tokens = pad_axis(state.fed_tokens(plan.window), key.window, axis=1, value=state.mask_id)
+        tokens = pad_axis(state.fed_tokens(plan.window_index), key.window, axis=1, value=state.mask_id)
         static_key = (key, plan.window.tobytes(), plan.cached.tobytes(), plan.rows.tobytes())
         if self._static is None or self._static[0] != static_key:
             self._static = (static_key, self._static_inputs(plan, state, key))

@@ -22,13 +22,14 @@ whether the commit rule finished the unit and moves `state.unit` / `state.unit_s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.runtime.state import DecodeState
+from dlm_jax.runtime.state import DecodeState, as_index
 
 
 class PlanShape(NamedTuple):
@@ -65,6 +66,15 @@ class StepPlan:
     @property
     def shape(self) -> PlanShape:
         return PlanShape(len(self.window), len(self.cached), len(self.rows))
+
+    @functools.cached_property
+    def target_index(self) -> slice | np.ndarray:
+        """`targets` as a slice when they are a run of slots (faster state access)."""
+        return as_index(self.targets)
+
+    @functools.cached_property
+    def window_index(self) -> slice | np.ndarray:
+        return as_index(self.window)
 
 
 @runtime_checkable

@@ -9,7 +9,8 @@ alone) and whether it is a real slot. Per request it keeps a `RequestStatus` and
 sampling generator. `unit` / `unit_step` are the scheduler's cursor: the commit unit (block)
 being decoded and the steps taken in it.
 
-Axes: B batch rows, S slots, n a list of slots.
+Axes: B batch rows, S slots, n a list of slots. Slot lists may be index arrays or, for
+ascending runs, slices (`as_index`); both select the same slots.
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ class TokenState(enum.IntEnum):
 _FEEDS_TOKEN = np.array([True, False, True, False, True, True])  # by TokenState value
 _UNDECIDED = np.array([False, True, False, True, False, False])
 _FINAL = np.array([True, False, False, False, False, True])
+_STABLE = int(TokenState.STABLE)  # plain ints on the hot path (enum attribute access is slow)
+
+
+Index = np.ndarray | slice  # a slot list, or an ascending run of slots as a slice
+
+
+def as_index(slots: np.ndarray) -> Index:
+    """`slots` as a basic slice when they are an ascending run (views, no gather), else as
+    they are. Every entry is checked: equal endpoints do not make a range."""
+    n = len(slots)
+    if n and int(slots[-1]) - int(slots[0]) == n - 1 and (n < 2 or bool((np.diff(slots) == 1).all())):
+        return slice(int(slots[0]), int(slots[0]) + n)
+    return slots
 
 
 class RequestStatus(enum.IntEnum):
@@ -44,6 +58,9 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     DONE = 2  # every generated slot decided
     STOPPED = 3  # ended early at an all-EOS block; its remaining slots hold EOS
+
+
+_RUNNING = int(RequestStatus.RUNNING)
 
 
 @dataclasses.dataclass(eq=False)
@@ -112,34 +129,34 @@ class DecodeState:
     @property
     def active(self) -> np.ndarray:
         """[B] bool, requests still decoding."""
-        return self.request == RequestStatus.RUNNING
+        return self.request == _RUNNING
 
     # -- per-slot views ---------------------------------------------------------------------
 
-    def fed_tokens(self, slots: np.ndarray) -> np.ndarray:
+    def fed_tokens(self, slots: Index) -> np.ndarray:
         """[B, n] the ids a forward sees at `slots`: the token, or the mask id where the slot
         is undecided or invisible."""
         return np.where(_FEEDS_TOKEN[self.status[:, slots]], self.tokens[:, slots], self.mask_id).astype(np.int32, copy=False)
 
-    def undecided(self, slots: np.ndarray) -> np.ndarray:
+    def undecided(self, slots: Index) -> np.ndarray:
         """[B, n] bool: MASK or CANDIDATE slots of running requests (what a commit rule may
         commit)."""
         return _UNDECIDED[self.status[:, slots]] & self.active[:, None]
 
-    def is_final(self, slots: np.ndarray) -> np.ndarray:
+    def is_final(self, slots: Index) -> np.ndarray:
         """[B, n] bool: slots whose token will not change (prompt or stable)."""
         return _FINAL[self.status[:, slots]]
 
     # -- updates ----------------------------------------------------------------------------
 
-    def record(self, slots: np.ndarray, scored: np.ndarray, confidence: np.ndarray) -> None:
+    def record(self, slots: Index, scored: np.ndarray, confidence: np.ndarray) -> None:
         """Keep `confidence` [B, n] as the last confidence of the `scored` [B, n] slots."""
         self.confidence[:, slots] = np.where(scored, confidence, self.confidence[:, slots])
 
-    def commit(self, slots: np.ndarray, chosen: np.ndarray, tokens: np.ndarray) -> None:
+    def commit(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray) -> None:
         """Give the `chosen` [B, n] slots their `tokens` [B, n] and make them stable."""
         self.tokens[:, slots] = np.where(chosen, tokens, self.tokens[:, slots])
-        self.status[:, slots] = np.where(chosen, TokenState.STABLE, self.status[:, slots])
+        self.status[:, slots] = np.where(chosen, _STABLE, self.status[:, slots])
 
     def stop_at_eos(self, slots: np.ndarray) -> np.ndarray:
         """End the running requests whose `slots` all hold EOS: every later slot becomes a
