@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -44,6 +43,21 @@ class DecodeStats:
     host_seconds: list[float] = dataclasses.field(default_factory=list)  # host time per step
     peak_rss_mb: float = 0.0
     buckets: dict[str, int] = dataclasses.field(default_factory=dict)  # bucket key -> steps run in it
+
+    def record_step(self, candidates: np.ndarray, committed: np.ndarray, key: BucketKey, step_seconds: float,
+                    host_seconds: float) -> None:
+        """Count one step: `candidates` / `committed` [B, R] (rows past the requests are padding)."""
+        n = len(self.request_nfe)
+        counts = committed.sum(axis=1)[:n]
+        took_part = candidates.any(axis=1)[:n]
+        for r in np.flatnonzero(took_part):
+            self.request_nfe[r] += 1
+            self.commit_histogram[int(counts[r])] = self.commit_histogram.get(int(counts[r]), 0) + 1
+        self.buckets[str(key)] = self.buckets.get(str(key), 0) + 1
+        self.tokens_committed += int(counts.sum())
+        self.nfe += 1
+        self.step_seconds.append(step_seconds)
+        self.host_seconds.append(host_seconds)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -140,8 +154,7 @@ class Decoder:
         scheduler, proposer, revision = cfg.scheduler, cfg.proposer, cfg.revision
         units = cfg.units
         stats = DecodeStats(request_nfe=[0] * n)
-        hist: Counter[int] = Counter()
-        buckets: Counter[str] = Counter()
+        wants = {kv: OutputRequest(kv=kv, logits=proposer.needs_logits) for kv in (False, True)}
         rule = cfg.rule
         start = time.perf_counter()
         while (plan := scheduler.plan(state)) is not None:
@@ -149,8 +162,7 @@ class Decoder:
             targets = plan.target_index
             if plan.step == 0:
                 rule = cfg.rule.begin(state.undecided(targets), units=units)
-            want = OutputRequest(kv=plan.store is not None, logits=proposer.needs_logits)
-            inputs = builder.build(plan, state, store, want)
+            inputs = builder.build(plan, state, store, wants[plan.store is not None])
             t1 = time.perf_counter()
             out = self.executor.step(inputs)
             t2 = time.perf_counter()
@@ -168,16 +180,7 @@ class Decoder:
             unit_done = rule.finished(steps, state.undecided(targets))
             if not unit_done and steps >= rule.max_steps(len(plan.targets)):
                 raise RuntimeError(f"commit rule {rule!r} left unit {plan.unit} unfinished after {steps} steps")
-            counts = committed.sum(axis=1)[:n]
-            took_part = candidates.any(axis=1)[:n]
-            for r in np.flatnonzero(took_part):
-                stats.request_nfe[r] += 1
-            hist.update(counts[took_part].tolist())
-            buckets[str(inputs.key)] += 1
-            stats.tokens_committed += int(counts.sum())
-            stats.nfe += 1
-            stats.step_seconds.append(t2 - t1)
-            stats.host_seconds.append((t1 - t0) + (time.perf_counter() - t2))
+            stats.record_step(candidates, committed, inputs.key, t2 - t1, (t1 - t0) + (time.perf_counter() - t2))
             scheduler.advance(state, unit_done)
             if unit_done:
                 if stats.first_block_seconds is None:
@@ -185,7 +188,5 @@ class Decoder:
                 if on_block is not None:
                     on_block(plan.unit, state.sequences())
         stats.seconds = time.perf_counter() - start
-        stats.commit_histogram = dict(hist)
-        stats.buckets = dict(buckets)
         stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return DecodeOutput(state.sequences(), stats)

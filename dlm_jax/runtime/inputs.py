@@ -1,8 +1,8 @@
 """Step inputs from a plan: the plan's slots padded to the executor's bucket (NumPy only).
 
 Tokens are rebuilt every step. Positions, visibility and logit rows depend only on the
-plan's slot lists (a decode's positions and padding never change), so they are reused while
-the window, cached and row lists are exactly the same; the cached K/V come from the store,
+decode's state (its positions and padding never change) and the plan's slot lists, so they
+are reused while the state and the window, cached and row lists are exactly the same; the cached K/V come from the store,
 which reuses its gather while the slots and their versions are unchanged. Nothing is keyed on
 a range's endpoints.
 
@@ -39,7 +39,8 @@ class StepInputBuilder:
               want: OutputRequest) -> StepInputs:
         key = self.key(plan, state.batch, want)
         tokens = pad_axis(state.fed_tokens(plan.window_index), key.window, axis=1, value=state.mask_id)
-        static_key = (key, plan.window.tobytes(), plan.cached.tobytes(), plan.rows.tobytes())
+        # The state (held, so compared by identity) fixes positions and padding.
+        static_key = (state, key, plan.window.tobytes(), plan.cached.tobytes(), plan.rows.tobytes())
         if self._static is None or self._static[0] != static_key:
             self._static = (static_key, self._static_inputs(plan, state, key))
         positions, visibility, logit_rows = self._static[1]

@@ -25,7 +25,8 @@ class KVStore:
         self.v = np.zeros(shape, dtype)
         self.version = np.zeros((batch, slots), np.int64)  # [B, S], 0 = never written
         self.stable = np.zeros((batch, slots), bool)  # [B, S], False = revisable or unwritten
-        self._memo: tuple | None = None  # (key, (k, v)) of the last gather
+        self.writes = 0  # writes so far: while unchanged, no version has changed
+        self._memo: tuple | None = None  # (slots, size, writes, versions, (k, v)) of the last gather
 
     @classmethod
     def for_model(cls, config: ModelConfig, batch: int, slots: int) -> KVStore:
@@ -44,16 +45,20 @@ class KVStore:
         self.v[:, :, slots] = v[:, :, :n]
         self.version[:, slots] += 1
         self.stable[:, slots] = stable
+        self.writes += 1
 
     def gather(self, slots: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
         """(k, v) [L, B, size, Hkv, Dh] of `slots` [n], zero-padded to `size` >= n. The last
         result is reused when the slots and their versions are unchanged; do not write into
         it."""
         slots = np.asarray(slots)
-        key = (slots.tobytes(), size, self.version[:, slots].tobytes())
-        if self._memo is None or self._memo[0] != key:
-            self._memo = (key, (self._take(self.k, slots, size), self._take(self.v, slots, size)))
-        return self._memo[1]
+        memo = self._memo
+        if memo is not None and memo[0] == slots.tobytes() and memo[1] == size:
+            if memo[2] == self.writes or memo[3] == self.version[:, slots].tobytes():
+                return memo[4]
+        self._memo = (slots.tobytes(), size, self.writes, self.version[:, slots].tobytes(),
+                      (self._take(self.k, slots, size), self._take(self.v, slots, size)))
+        return self._memo[4]
 
     @staticmethod
     def _take(x: np.ndarray, slots: np.ndarray, size: int) -> np.ndarray:

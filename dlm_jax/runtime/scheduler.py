@@ -125,13 +125,22 @@ class BlockScheduler:
         raise NotImplementedError
 
     def _plan(self, unit: int, step: int, gen_start: int, total: int, shift: int) -> StepPlan:
+        window, cached, rows, targets, store = self._geometry(unit, min(step, 1), gen_start, total, shift)
+        return StepPlan(window=window, cached=cached, rows=rows, targets=targets, unit=unit, step=step, store=store)
+
+    # Every step after a block's first has the same slots: built once per block, read-only.
+    @functools.lru_cache(maxsize=256)
+    def _geometry(self, unit: int, step: int, gen_start: int, total: int, shift: int) -> tuple:
         lo = gen_start + unit * self.block_len
         hi = lo + self.block_len
         window, cached, store = self.window(step, lo - shift, hi, total)
         first = lo - shift - int(window[0])  # window row predicting slot lo; windows are ranges
-        rows = np.arange(first, first + self.block_len)
-        return StepPlan(window=window, cached=cached, rows=rows, targets=np.arange(lo, hi), unit=unit,
-                        step=step, store=np.arange(len(window)) if store else None)
+        arrays = (window, cached, np.arange(first, first + self.block_len), np.arange(lo, hi),
+                  np.arange(len(window)) if store else None)
+        for a in arrays:
+            if a is not None:
+                a.flags.writeable = False
+        return arrays
 
     def plan(self, state: DecodeState) -> StepPlan | None:
         if state.unit >= self.units(state.gen_len) or not state.active.any():

@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dlm_jax._errors import ConfigError
+from dlm_jax import ConfigError
 from dlm_jax.runtime.commit import (
     CommitRule,
     FactorRule,

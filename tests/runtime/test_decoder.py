@@ -53,7 +53,7 @@ def test_caches_are_exact_when_attention_cannot_see_the_future(attention, shift)
 
 
 def test_no_compilation_after_warmup():
-    from dlm_jax._compile import XlaCompileCounter
+    from buckets import XlaCompileCounter
 
     model = sharp_model(seed=1)
     executor = JaxExecutor(model)

@@ -6,10 +6,8 @@ import numpy as np
 import pytest
 
 from dlm_jax import ConfigError
-from dlm_jax.runtime import (BucketKey, Capabilities, DecodeState, Decoder, KVStore, Proposer, RequestStatus,
-                             StepInputBuilder, StepOutputs, TokenState, decode_config)
-from dlm_jax.runtime.scheduler import StepPlan
-from dlm_jax.runtime.step import OutputRequest
+from dlm_jax.runtime import (BucketKey, Capabilities, DecodeState, Decoder, KVStore, OutputRequest, Proposer,
+                             RequestStatus, StepInputBuilder, StepOutputs, StepPlan, TokenState, decode_config)
 from dlm_jax.testing import EOS, MockExecutor, tiny_config
 
 CFG = tiny_config()

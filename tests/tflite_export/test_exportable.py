@@ -14,11 +14,10 @@ from flax import nnx
 
 import dlm_jax
 from dlm_jax.program import JaxExecutor
-from dlm_jax.runtime.buckets import BucketKey
-from dlm_jax.runtime.step import INPUT_NAMES, OutputRequest, StepInputs, input_specs, output_names, output_specs
+from dlm_jax.runtime import BucketKey, OutputRequest, StepInputs
+from dlm_jax.runtime.step import INPUT_NAMES, input_specs, output_names, output_specs
 from dlm_jax.testing import TINY
-from tflite_export._convert import (convert_signatures, decode_signature, decode_signature_name, export_signatures,
-                                    tflite_op_names)
+from tflite_export import convert_signatures, decode_signature, decode_signature_name, export_signatures, tflite_op_names
 
 from ai_edge_litert.interpreter import Interpreter  # noqa: E402  (a runtime dependency: never skipped)
 
