@@ -203,10 +203,12 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
     """One flag per option (`--gen`, `--block`, `--cache`, `--rule`, `--threshold`, ...), all
     defaulting to None so only what was typed overrides a preset."""
     parser.add_argument("--preset", default="fast-dllm", choices=sorted(PRESETS),
-                        help="decoder preset; the options below override it")
+                        help="decoder preset (default fast-dllm); the options below override it, and an "
+                             "option that neither sets takes the default shown")
     for opt in options().values():
         flag = FLAGS.get(opt.name, "--" + opt.name.replace("_", "-"))
-        help_ = opt.help + (f" [{', '.join(opt.owners)}]" if opt.owners else "")
+        default = "" if opt.default is None or opt.type is bool else f"; default {opt.default}"
+        help_ = opt.help + default + (f" [{', '.join(opt.owners)}]" if opt.owners else "")
         if opt.type is bool:
             parser.add_argument(flag, dest=opt.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_)
