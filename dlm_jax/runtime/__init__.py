@@ -45,7 +45,7 @@ _EXPORTS = {
     "ThresholdRule": "dlm_jax.runtime.commit",
     "TopKRule": "dlm_jax.runtime.commit",
     "TopKSchedule": "dlm_jax.runtime.commit",
-    "confidence_scores": "dlm_jax.runtime.commit",
+    "confidence_scores": "dlm_jax.runtime.proposer",
     "num_transfer_tokens": "dlm_jax.runtime.commit",
     "NoRevision": "dlm_jax.runtime.revision",
     "RevisionPolicy": "dlm_jax.runtime.revision",

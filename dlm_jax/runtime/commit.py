@@ -1,6 +1,6 @@
 """Commit rules: which undecided slots of the current commit unit a decode step commits.
 
-A decode step scores every undecided slot of the unit with a confidence (see
+A decode step scores every undecided slot of the unit with a confidence (the proposer's
 `confidence_scores`) and a commit rule picks the slots whose proposed token is kept.
 Every rule works on the same arrays:
 
@@ -43,7 +43,6 @@ import numpy as np
 from dlm_jax._errors import ConfigError
 
 __all__ = [
-    "CONFIDENCE_KINDS",
     "CommitRule",
     "FactorRule",
     "FrechetRule",
@@ -52,60 +51,8 @@ __all__ = [
     "ThresholdRule",
     "TopKRule",
     "TopKSchedule",
-    "confidence_scores",
     "num_transfer_tokens",
 ]
-
-CONFIDENCE_KINDS: tuple[str, ...] = ("prob", "margin", "entropy")
-
-
-# --------------------------------------------------------------------------- confidence
-
-
-def confidence_scores(
-    kind: str,
-    top1_prob: np.ndarray,
-    top2_prob: np.ndarray | None = None,
-    entropy: np.ndarray | None = None,
-) -> np.ndarray:
-    """Score each position from the model's distribution there; higher = more confident.
-
-    Args:
-      kind: `prob` (LLaDA / Fast-dLLM: the top-1 probability), `margin` (Dream's
-        `topk_margin`: top-1 minus top-2 probability) or `entropy` (Dream's `entropy`:
-        minus the entropy of the distribution).
-      top1_prob: [B, W] float, the probability of the most likely token.
-      top2_prob: [B, W] float, the probability of the second most likely token (needed for
-        `margin` only).
-      entropy: [B, W] float, the entropy (nats) of the distribution (needed for `entropy` only).
-
-    Returns:
-      [B, W] float64 confidence. `prob` and `margin` lie in [0, 1] for valid inputs;
-      `entropy` scores are <= 0.
-
-    Raises:
-      ConfigError: `kind` is not one of `CONFIDENCE_KINDS`.
-      ValueError: an array the kind needs is missing, or the shapes differ.
-    """
-    if kind not in CONFIDENCE_KINDS:
-        raise ConfigError(f"confidence kind={kind!r} is not one of {CONFIDENCE_KINDS}")
-    top1 = np.asarray(top1_prob, dtype=np.float64)
-    if kind == "prob":
-        return top1.copy()
-    if kind == "margin":
-        if top2_prob is None:
-            raise ValueError("confidence kind='margin' needs top2_prob")
-        top2 = np.asarray(top2_prob, dtype=np.float64)
-        if top2.shape != top1.shape:
-            raise ValueError(f"top2_prob shape {top2.shape} != top1_prob shape {top1.shape}")
-        return top1 - top2
-    if entropy is None:
-        raise ValueError("confidence kind='entropy' needs entropy")
-    ent = np.asarray(entropy, dtype=np.float64)
-    if ent.shape != top1.shape:
-        raise ValueError(f"entropy shape {ent.shape} != top1_prob shape {top1.shape}")
-    return -ent
-
 
 # --------------------------------------------------------------------------- schedule
 

@@ -23,7 +23,6 @@ from dlm_jax.runtime.commit import (
     ThresholdRule,
     TopKRule,
     TopKSchedule,
-    confidence_scores,
     num_transfer_tokens,
 )
 
@@ -98,30 +97,6 @@ def _frechet_gaps(c_sorted):
     """G_n for n = 1..m of a sorted (descending) confidence list."""
     c = np.asarray(c_sorted, dtype=np.float64)
     return np.maximum(0.0, 1.0 - np.cumsum(1.0 - c)) - (1.0 - c)
-
-
-# ----------------------------------------------------------------------- confidence kinds
-
-
-def test_confidence_kinds():
-    top1 = np.array([[0.7, 0.4]])
-    top2 = np.array([[0.2, 0.35]])
-    ent = np.array([[0.5, 1.2]])
-    np.testing.assert_allclose(confidence_scores("prob", top1, top2, ent), [[0.7, 0.4]])
-    np.testing.assert_allclose(confidence_scores("margin", top1, top2, ent), [[0.5, 0.05]])
-    np.testing.assert_allclose(confidence_scores("entropy", top1, top2, ent), [[-0.5, -1.2]])
-    out = confidence_scores("prob", top1.astype(np.float32), None, None)
-    assert out.dtype == np.float64 and out.shape == (1, 2)
-
-
-def test_confidence_kind_errors():
-    top1 = np.array([[0.7]])
-    with pytest.raises(ConfigError, match="'topk_margin'"):
-        confidence_scores("topk_margin", top1, top1, top1)
-    with pytest.raises(ValueError, match="top2_prob"):
-        confidence_scores("margin", top1, None, None)
-    with pytest.raises(ValueError, match="entropy"):
-        confidence_scores("entropy", top1, None, None)
 
 
 # ----------------------------------------------------------------------- schedule

@@ -7,7 +7,8 @@ import pytest
 
 from dlm_jax import ConfigError
 from dlm_jax.runtime import (BucketKey, Capabilities, DecodeState, Decoder, KVStore, OutputRequest, Proposer,
-                             RequestStatus, StepInputBuilder, StepOutputs, StepPlan, TokenState, decode_config)
+                             RequestStatus, StepInputBuilder, StepOutputs, StepPlan, TokenState, confidence_scores,
+                             decode_config)
 from dlm_jax.testing import EOS, MockExecutor, tiny_config
 
 CFG = tiny_config()
@@ -188,6 +189,27 @@ def test_sampling_is_seeded_per_request():
     assert any(not np.array_equal(others[0], o) for o in others[1:])
     greedy = dec.decode([prompts[1]], cfg.replace(temperature=0.0)).sequences[0]
     np.testing.assert_array_equal(greedy, ANSWER[2:18])
+
+
+def test_confidence_kinds():
+    top1 = np.array([[0.7, 0.4]])
+    top2 = np.array([[0.2, 0.35]])
+    ent = np.array([[0.5, 1.2]])
+    np.testing.assert_allclose(confidence_scores("prob", top1, top2, ent), [[0.7, 0.4]])
+    np.testing.assert_allclose(confidence_scores("margin", top1, top2, ent), [[0.5, 0.05]])
+    np.testing.assert_allclose(confidence_scores("entropy", top1, top2, ent), [[-0.5, -1.2]])
+    out = confidence_scores("prob", top1.astype(np.float32), None, None)
+    assert out.dtype == np.float64 and out.shape == (1, 2)
+
+
+def test_confidence_kind_errors():
+    top1 = np.array([[0.7]])
+    with pytest.raises(ConfigError, match="'topk_margin'"):
+        confidence_scores("topk_margin", top1, top1, top1)
+    with pytest.raises(ValueError, match="top2_prob"):
+        confidence_scores("margin", top1, None, None)
+    with pytest.raises(ValueError, match="entropy"):
+        confidence_scores("entropy", top1, None, None)
 
 
 def test_deferred_eos_ranks_eos_last():
