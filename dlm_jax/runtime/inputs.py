@@ -2,9 +2,9 @@
 
 Tokens are rebuilt every step. Positions, visibility and logit rows depend only on the
 decode's state (its positions and padding never change) and the plan's slot lists, so they
-are reused while the state and the window, cached and row lists are exactly the same; the cached K/V come from the store,
-which reuses its gather while the slots and their versions are unchanged. Nothing is keyed on
-a range's endpoints.
+are reused while the state and the window, cached and row lists are exactly the same. The
+cached K/V come from the store, which reuses its gather while the slots and their versions
+are unchanged. Nothing is keyed on a range's endpoints.
 
 Axes: B batch rows, W window bucket, P cache bucket, R row bucket.
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from dlm_jax._config import ModelConfig
+from dlm_jax.runtime.state import as_index
 
 
 class KVStore:
@@ -66,8 +67,5 @@ class KVStore:
         if n > size:
             raise ValueError(f"{n} cached slots do not fit a cache bucket of {size}")
         out = np.zeros(x.shape[:2] + (size,) + x.shape[3:], x.dtype)
-        if n and slots[-1] - slots[0] == n - 1 and (np.diff(slots) == 1).all():
-            out[:, :, :n] = x[:, :, slots[0]:slots[0] + n]  # a range: one copy, no gather
-        elif n:
-            out[:, :, :n] = x[:, :, slots]
+        out[:, :, :n] = x[:, :, as_index(slots)]  # a run of slots is one slice copy, no gather
         return out

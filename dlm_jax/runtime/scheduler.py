@@ -124,9 +124,13 @@ class BlockScheduler:
         whose predicting rows sit at slots [start, end - shift) of `total` slots."""
         raise NotImplementedError
 
-    def _plan(self, unit: int, step: int, gen_start: int, total: int, shift: int) -> StepPlan:
+    def _plan(self, unit: int, step: int, gen_start: int, total: int, shift: int,
+              state: DecodeState | None = None) -> StepPlan:
+        """The plan of a step; with the `state`, the stability of what it stores."""
         window, cached, rows, targets, store = self._geometry(unit, min(step, 1), gen_start, total, shift)
-        return StepPlan(window=window, cached=cached, rows=rows, targets=targets, unit=unit, step=step, store=store)
+        stable = None if store is None or state is None else state.is_final(window[store])
+        return StepPlan(window=window, cached=cached, rows=rows, targets=targets, unit=unit, step=step, store=store,
+                        store_stable=stable)
 
     # Every step after a block's first has the same slots: built once per block, read-only.
     @functools.lru_cache(maxsize=256)
@@ -145,10 +149,7 @@ class BlockScheduler:
     def plan(self, state: DecodeState) -> StepPlan | None:
         if state.unit >= self.units(state.gen_len) or not state.active.any():
             return None
-        plan = self._plan(state.unit, state.unit_step, state.gen_start, state.total, state.shift)
-        if plan.store is None:
-            return plan
-        return dataclasses.replace(plan, store_stable=state.is_final(plan.window[plan.store]))
+        return self._plan(state.unit, state.unit_step, state.gen_start, state.total, state.shift, state)
 
     def advance(self, state: DecodeState, unit_done: bool) -> None:
         if not unit_done:

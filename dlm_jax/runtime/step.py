@@ -80,12 +80,15 @@ def output_specs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[i
     compiled program always returns the window K/V; it returns logits only when the key asks
     (`key.full_logits`), so that flag is part of the bucket."""
     sizes = axis_sizes(config, key)
-    return [(s.name, s.shape(sizes), _dtype(s, config)) for s in OUTPUTS
-            if s.output != "logits" or key.full_logits]
+    return [(s.name, s.shape(sizes), _dtype(s, config)) for s in _outputs(key)]
 
 
 def output_names(key: BucketKey) -> tuple[str, ...]:
-    return tuple(s.name for s in OUTPUTS if s.output != "logits" or key.full_logits)
+    return tuple(s.name for s in _outputs(key))
+
+
+def _outputs(key: BucketKey) -> list[TensorSpec]:
+    return [s for s in OUTPUTS if s.output != "logits" or key.full_logits]
 
 
 @dataclasses.dataclass(frozen=True)
