@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -51,6 +52,16 @@ def profile_executor(executor: Executor, cfg: ModelConfig, *, windows: Sequence[
     return LatencyTable(device, model, entries)
 
 
+def _check_writable(folder: Path) -> None:
+    """Fail before measuring when the output folder cannot take a file (read-only, full)."""
+    import tempfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+    os.close(fd)
+    os.unlink(name)
+
+
 def profile_model(path: str | None, *, out: Path, windows: Sequence[int] | None = None,
                   caches: Sequence[int] | None = None, batch: int = 1, repeats: int = 20) -> LatencyTable:
     """`dlm-jax profile`: write `<out>.json` and `<out>.png` for a checkpoint (or a random tiny
@@ -58,6 +69,7 @@ def profile_model(path: str | None, *, out: Path, windows: Sequence[int] | None 
     import jax
 
     import dlm_jax
+    from dlm_jax._integrity import manifest_name, write_manifest
     from dlm_jax.program import JaxExecutor
 
     if path is None:
@@ -67,12 +79,16 @@ def profile_model(path: str | None, *, out: Path, windows: Sequence[int] | None 
     else:
         model = dlm_jax.load_pretrained(path)
     cfg = model.config
+    _check_writable(out.parent)
     windows = list(windows or [w for w in window_buckets(cfg.max_seq_len) if w <= 256])
     caches = list(caches if caches is not None else [0, max(c for c in cache_buckets(cfg.max_seq_len) if c <= cfg.max_seq_len // 2)])
     table = profile_executor(JaxExecutor(model), cfg, windows=windows, caches=caches, batch=batch,
                              repeats=repeats, device=jax.devices()[0].device_kind)
+    out.parent.mkdir(parents=True, exist_ok=True)
     table.save(out.with_suffix(".json"))
     table.plot(out.with_suffix(".png"))
+    write_manifest(out.parent, [out.with_suffix(".json").name, out.with_suffix(".png").name],
+                   name=manifest_name(out))
     print(json.dumps({"json": str(out.with_suffix(".json")), "png": str(out.with_suffix(".png")),
                       "entries": len(table.entries)}))
     return table

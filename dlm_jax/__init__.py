@@ -1,7 +1,7 @@
 """dlm-jax: diffusion language models from training meshes to phone NPUs.
 
-    model = dlm_jax.load("path/to/checkpoint")               # any supported HF family
-    result = model.generate("Q: 12+30=?", dlm_jax.preset("frechet", gen_len=64))
+    model = dlm_jax.load("models/llada-tiny")                # or any supported HF checkpoint
+    result = model.generate("564+894=", dlm_jax.preset("frechet", gen_len=32))
     print(result.texts[0], result.stats.nfe)
 
 Exports load lazily: the NumPy-only parts (configs, tokenizers, safetensors) never import JAX.
@@ -21,12 +21,14 @@ _EXPORTS = {
     "GenerateResult": "dlm_jax.api",
     "load": "dlm_jax.api",
     "CheckpointError": "dlm_jax._errors",
+    "InputError": "dlm_jax._errors",
     "ModelConfig": "dlm_jax._config",
     "ByteTokenizer": "dlm_jax._tokenizer",
     "HFTokenizer": "dlm_jax._tokenizer",
     "Tokenizer": "dlm_jax._tokenizer",
     "load_tokenizer": "dlm_jax._tokenizer",
     "FAMILIES": "dlm_jax.checkpoint._families",
+    "convert_checkpoint": "dlm_jax.checkpoint._io",
     "load_config": "dlm_jax.checkpoint._io",
     "load_pretrained": "dlm_jax.checkpoint._io",
     "save_pretrained": "dlm_jax.checkpoint._io",

@@ -48,7 +48,8 @@ class ModelConfig:
       tie_embeddings: the output head is the transposed embedding matrix.
       embedding_rows: rows of the embedding matrix; may exceed `vocab_size` (LLaDA's
         `embedding_size`); logits are cut to `vocab_size`.
-      mask_token_id, bos_token_id, eos_token_id, pad_token_id: special ids (None if absent).
+      mask_token_id, bos_token_id, eos_token_id, pad_token_id: special ids (None if absent);
+        `eos_token_id` may be a tuple (Llama-3 style: generation ends at any of them).
       max_seq_len: the longest sequence the model is meant to see.
       n_experts, n_experts_per_tok, moe_ffn_hidden: routed experts, top-k, expert width.
       n_shared_experts: always-on experts (one SwiGLU of width n * moe_ffn_hidden).
@@ -80,7 +81,7 @@ class ModelConfig:
     embedding_rows: int | None = None
     mask_token_id: int | None = None
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     max_seq_len: int = 4096
     n_experts: int = 0
@@ -106,6 +107,10 @@ class ModelConfig:
         if self.embedding_rows is None:
             object.__setattr__(self, "embedding_rows", self.vocab_size)
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+        if isinstance(self.eos_token_id, (list, tuple)):
+            if not self.eos_token_id:
+                raise ConfigError("ModelConfig.eos_token_id=[] must name at least one id (or be None)")
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         self._validate()
 
     def _validate(self) -> None:
@@ -136,9 +141,10 @@ class ModelConfig:
                 f"ModelConfig.rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be > 0")
         for name in ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value < self.embedding_rows:
-                raise ConfigError(
-                    f"ModelConfig.{name}={value} is outside the embedding table [0, {self.embedding_rows})")
+            for v in (value if isinstance(value, tuple) else (value,)):
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.embedding_rows):
+                    raise ConfigError(
+                        f"ModelConfig.{name}={value} is outside the embedding table [0, {self.embedding_rows})")
         for i in self.dense_layers:
             if not 0 <= i < self.n_layers:
                 raise ConfigError(f"ModelConfig.dense_layers contains {i}, outside [0, {self.n_layers})")
@@ -172,6 +178,12 @@ class ModelConfig:
         return self.ffn == "moe" and layer not in self.dense_layers
 
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation (empty without EOS)."""
+        e = self.eos_token_id
+        return () if e is None else e if isinstance(e, tuple) else (e,)
+
+    @property
     def n_groups(self) -> int:
         """Query heads per key/value head."""
         return self.n_heads // self.n_kv_heads
@@ -181,6 +193,8 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["dense_layers"] = list(self.dense_layers)
+        if isinstance(self.eos_token_id, tuple):
+            out["eos_token_id"] = list(self.eos_token_id)
         return out
 
     @classmethod

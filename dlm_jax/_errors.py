@@ -8,3 +8,7 @@ class ConfigError(ValueError):
 class CheckpointError(ValueError):
     """A checkpoint (config, tensor file, index or tokenizer) is missing, corrupt or inconsistent;
     the message names the file and the tensor or key."""
+
+
+class InputError(ConfigError):
+    """A request's input (a prompt, its token ids, a seed) is invalid; the message names it."""

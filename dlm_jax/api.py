@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import operator
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dlm_jax._config import ModelConfig
-from dlm_jax._tokenizer import Tokenizer, load_tokenizer
+from dlm_jax._errors import CheckpointError, InputError
+from dlm_jax._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.decoder import DecodeStats, Decoder
 from dlm_jax.runtime.step import Executor
@@ -23,9 +27,37 @@ Prompt = str | Sequence[int]
 
 @dataclasses.dataclass
 class GenerateResult:
-    texts: list[str]  # decoded completions, cut at the first EOS
-    token_ids: list[list[int]]  # completion ids, cut at the first EOS
+    texts: list[str] | None  # decoded completions, cut at the first EOS (None: no tokenizer)
+    token_ids: list[list[int]]  # completion ids, cut at the first EOS id
     stats: DecodeStats
+
+
+class MissingTokenizer:
+    """The tokenizer of a checkpoint that ships none: token-id prompts decode, and anything
+    that needs text fails with the directory named."""
+
+    vocab_size = 0
+    mask_id = eos_id = pad_id = bos_id = None
+    prompt_format = "raw"
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+
+    def _fail(self, what: str):
+        raise CheckpointError(f"{self.directory}: no tokenizer files (tokenizer.json or a dlm-jax "
+                              f"tokenizer_config.json), so text cannot be {what}: pass prompts as token ids")
+
+    def encode(self, text: str) -> list[int]:
+        self._fail("encoded")
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        self._fail("decoded")
+
+    def apply_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
+        self._fail("encoded")
+
+    def save(self, directory: str | os.PathLike) -> None:
+        pass
 
 
 class Model:
@@ -47,24 +79,46 @@ class Model:
         self.executor = executor
         self.decoder = Decoder(self.executor, self.config)
 
-    def encode(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
+    @property
+    def has_tokenizer(self) -> bool:
+        return not isinstance(self.tokenizer, MissingTokenizer)
+
+    @property
+    def prompt_format(self) -> str:
+        """How the model was trained to be prompted: `chat` (the tokenizer's chat template
+        wraps a text prompt) or `raw`; recorded in the checkpoint's tokenizer config."""
+        return getattr(self.tokenizer, "prompt_format", "raw")
+
+    def encode(self, prompt: Prompt, *, chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt: text is wrapped in the chat template when `chat` is True, or
+        when it is None (the default) and the model's prompt format is `chat`; ids pass as
+        they are."""
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            try:
+                return [operator.index(t) for t in prompt]
+            except TypeError:
+                raise InputError(f"a prompt must be text or a sequence of integer token ids, got "
+                                 f"{type(prompt).__name__} {prompt!r:.60}") from None
+        if chat is None:
+            chat = self.prompt_format == "chat"
         if chat:
             return self.tokenizer.apply_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], config: DecodeConfig | None = None, *,
-                 chat: bool = False, seeds: Sequence[int] | None = None,
+                 chat: bool | None = None, seeds: Sequence[int] | None = None,
                  on_block: Callable[[int, list[str]], None] | None = None) -> GenerateResult:
         """Decode a completion for each prompt (text or token ids).
 
-        `on_block(i, texts)` receives the committed text of every request after block i.
+        `chat`: wrap text prompts in the chat template (None: as the model was trained, see
+        `prompt_format`; False: the raw text). `on_block(i, texts)` receives the committed text
+        of every request after block i.
         """
         config = config or DecodeConfig()
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         batch = [prompts] if single else list(prompts)
         ids = [self.encode(p, chat=chat) for p in batch]
+        self.decoder.check_prompts(ids, seeds)
         callback = None
         if on_block is not None:
             callback = lambda i, seqs: on_block(i, [self._text(s) for s in seqs])  # noqa: E731
@@ -72,20 +126,46 @@ class Model:
         self.decoder.warmup([len(i) for i in ids], config)
         out = self.decoder.decode(ids, config, seeds=seeds, on_block=callback)
         trimmed = [self._trim(s) for s in out.sequences]
-        return GenerateResult([self.tokenizer.decode(t) for t in trimmed], trimmed, out.stats)
+        texts = [self.tokenizer.decode(t) for t in trimmed] if self.has_tokenizer else None
+        return GenerateResult(texts, trimmed, out.stats)
 
     def _trim(self, seq: np.ndarray) -> list[int]:
-        eos = self.config.eos_token_id
         ids = [int(t) for t in seq]
-        return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
+        eos = set(self.config.eos_ids)
+        cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
+        return ids[:cut]
 
     def _text(self, seq: np.ndarray) -> str:
         mask = self.config.mask_token_id
         return self.tokenizer.decode([t for t in self._trim(seq) if t != mask])
 
 
-def load(path: str | os.PathLike, **overrides: Any) -> Model:
-    """Load a checkpoint directory (model + tokenizer) ready to generate."""
+def _has_tokenizer(path: Path) -> bool:
+    if (path / "tokenizer.json").exists():
+        return True
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (ValueError, UnicodeDecodeError):
+        return True  # there, but corrupt: load_tokenizer names the problem
+    return not isinstance(config, dict) or config.get("tokenizer_class") == ByteTokenizer.CLASS_NAME
+
+
+def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, **overrides: Any) -> Model:
+    """Load a checkpoint directory (model + tokenizer) ready to generate.
+
+    Args:
+      strict: refuse config.json keys this loader does not know (default: warn once).
+      verify: check the files against the checkpoint's manifest (size and sha256) if it has one.
+      overrides: `ModelConfig` fields to change (`mask_token_id=N` for a checkpoint that
+        declares none, `attention=...`, `dtype=...`).
+
+    A checkpoint without tokenizer files loads too: token-id prompts decode, text raises.
+    """
     from dlm_jax.checkpoint._io import load_pretrained
 
-    return Model(load_pretrained(path, **overrides), load_tokenizer(path))
+    path = Path(path)
+    model = load_pretrained(path, strict=strict, verify=verify, **overrides)
+    tokenizer = load_tokenizer(path) if _has_tokenizer(path) else MissingTokenizer(path)
+    return Model(model, tokenizer)

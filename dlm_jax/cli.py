@@ -6,10 +6,54 @@ import argparse
 import json
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-DEMO_PROMPT = "Q: 12+30=? A:"
+DEMO_PROMPT = "564+894="  # an addition prompt of the shipped models' task mix
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `dlm-jax generate: error: ...` and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def _check_prompts(prompts: Sequence[str]) -> None:
+    """Prompts typed on the command line must be UTF-8 (Python keeps undecodable argv bytes
+    as lone surrogates, which no tokenizer can encode)."""
+    from dlm_jax._errors import InputError
+
+    for p in prompts:
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = p[e.start].encode("utf-8", "surrogateescape")
+            raise InputError(f"--prompt {p!r} is not valid UTF-8 (byte 0x{bad.hex()} at character {e.start})") from None
+
+
+def _load(args: argparse.Namespace, path: str | Path):
+    """`dlm_jax.load` with the model flags (--strict, --no-verify, --mask-token-id)."""
+    import dlm_jax
+
+    overrides = {} if args.mask_token_id is None else {"mask_token_id": args.mask_token_id}
+    return dlm_jax.load(path, strict=args.strict, verify=args.verify, **overrides)
+
+
+def _chat(args: argparse.Namespace) -> bool | None:
+    """--chat / --raw, else None: the prompt format recorded in the checkpoint."""
+    return True if args.chat else False if args.raw else None
 
 
 def decode_config(args: argparse.Namespace):
@@ -19,19 +63,26 @@ def decode_config(args: argparse.Namespace):
     return config_from_args(args)
 
 
-def _run_generate(handle, prompt: str, cfg, *, chat: bool, stream: bool) -> dict:
+def _run_generate(handle, prompts: list, cfg, *, chat: bool | None, stream: bool) -> dict:
+    """Decode `prompts` (texts or token-id lists) as one batch; with `stream`, print the
+    completions (one prompt: as its blocks commit; a batch: one line each when done; ids,
+    space-separated, for a checkpoint without a tokenizer)."""
     shown = [""]
+    single = len(prompts) == 1 and handle.has_tokenizer
 
     def on_block(i: int, texts: list[str]) -> None:
-        if stream:
-            new = texts[0][len(shown[0]):]
-            shown[0] = texts[0]
-            print(new, end="", flush=True)
+        new = texts[0][len(shown[0]):]
+        shown[0] = texts[0]
+        print(new, end="", flush=True)
 
-    result = handle.generate(prompt, cfg, chat=chat, on_block=on_block)
+    result = handle.generate(prompts, cfg, chat=chat, on_block=on_block if stream and single else None)
+    completions = result.texts if result.texts is not None else [" ".join(map(str, t)) for t in result.token_ids]
     if stream:
-        print(result.texts[0][len(shown[0]):], flush=True)
-    return {"prompt": prompt, "completion": result.texts[0], "decoder": cfg.options(),
+        if single:
+            print(result.texts[0][len(shown[0]):], flush=True)
+        else:
+            print("\n".join(completions), flush=True)
+    return {"prompts": prompts, "completions": completions, "decoder": cfg.options(),
             "stats": result.stats.to_dict()}
 
 
@@ -40,50 +91,92 @@ def shipped_model(name: str = "llada-tiny") -> Path:
     return Path(__file__).resolve().parents[1] / "models" / name
 
 
+def _label(cfg) -> str:
+    """A decoder's name from its options, e.g. `prefix cache + threshold 0.9, block 32, gen 64`."""
+    o = cfg.options()
+    rule = o["rule"]
+    if rule == "topk":
+        rule += f", {o['steps'] or cfg.gen_len} steps"
+    else:
+        param = {"threshold": "threshold", "factor": "factor", "factor_paper": "factor", "frechet": "delta"}.get(rule)
+        rule += f" {o[param]}" if param else ""
+    return f"{o['cache']} cache + {rule}, block {o['block_len']}, gen {cfg.gen_len}"
+
+
+def demo_decoders(args: argparse.Namespace) -> dict:
+    """The demo's two decoders: the one the decode flags describe (default: Fast-dLLM's prefix
+    cache + threshold 0.9, block 32, generation 64), and LLaDA's vanilla decoder (no cache,
+    top-k, one step per token) with the same block, length and sampling options."""
+    if args.gen_len is None:
+        args.gen_len = 64
+    chosen = decode_config(args)
+    vanilla = chosen.replace(cache="none", rule="topk", steps=chosen.gen_len)
+    return {_label(chosen): chosen, f"vanilla: {_label(vanilla)}": vanilla}
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job: answer held-out task prompts with the shipped llada-tiny, once with the
-    default fast decoder and once with LLaDA's vanilla decoder, and compare."""
+    """The main job: answer held-out task prompts (or the --prompt texts) with the shipped
+    llada-tiny, once with the decoder the flags choose (default the fast one) and once with
+    LLaDA's vanilla decoder, and compare."""
     import dlm_jax
 
+    if args.prompt:
+        _check_prompts(args.prompt)
+    decoders = demo_decoders(args)  # bad options fail before the model loads
     path = Path(args.model) if args.model else shipped_model()
     if not args.model and not path.exists():
-        return _demo_random(args)
-    from training.data import TASKS, make_split
-    from training.evaluate import evaluate
-
-    handle = dlm_jax.load(path)
-    print(f"model: {path} ({dlm_jax.param_count(handle.config):,} parameters, {handle.config.attention})",
-          file=sys.stderr)
-    gen = args.gen_len or 64
-    decoders = {"fast (prefix cache + threshold 0.9)": dlm_jax.decode_config(gen_len=gen, block_len=32),
-                "vanilla (no cache, top-k, steps = gen)": dlm_jax.decode_config(gen_len=gen, block_len=32, cache="none",
-                                                                                rule="topk", steps=gen)}
+        return _demo_random(args, decoders)
+    handle = _load(args, path)
+    print(f"model: {path} ({dlm_jax.param_count(handle.config):,} parameters, {handle.config.attention}, "
+          f"{handle.prompt_format} prompts)", file=sys.stderr)
     summary = {}
     for name, cfg in decoders.items():
         print(f"\n== {name}")
-        total = {"correct": 0, "n": 0, "nfe": 0.0, "seconds": 0.0}
-        for task in TASKS:
-            report = evaluate(handle, task, cfg, n=args.per_task, batch_size=args.per_task, progress=False,
-                              keep=args.per_task)
-            for s_ in report["samples"]:
-                mark = "ok " if s_["correct"] else "BAD"
-                print(f"[{mark}] {task:8s} {s_['prompt']!r} -> {s_['completion']!r} (expected {s_['answer']!r})")
-            total["correct"] += round(report["accuracy"] * report["n"])
-            total["n"] += report["n"]
-            total["nfe"] += report["mean_nfe"] * report["n"]
-            total["seconds"] += report["seconds"]
-        summary[name] = {"accuracy": total["correct"] / total["n"], "mean_nfe": total["nfe"] / total["n"],
-                         "seconds": round(total["seconds"], 3)}
+        summary[name] = (_demo_prompts(handle, cfg, args) if args.prompt else _demo_tasks(handle, cfg, args))
         print(json.dumps(summary[name]))
-    fast, vanilla = summary.values()
-    print(json.dumps({"speedup_vs_vanilla": round(vanilla["seconds"] / max(fast["seconds"], 1e-9), 2),
-                      "nfe_ratio": round(fast["mean_nfe"] / max(vanilla["mean_nfe"], 1e-9), 3)}))
+    chosen, vanilla = summary.values()
+    print(json.dumps({"speedup_vs_vanilla": round(vanilla["seconds"] / max(chosen["seconds"], 1e-9), 2),
+                      "nfe_ratio": round(chosen["mean_nfe"] / max(vanilla["mean_nfe"], 1e-9), 3)}))
     return 0
 
 
-def _demo_random(args: argparse.Namespace) -> int:
+def _demo_tasks(handle, cfg, args: argparse.Namespace) -> dict:
+    from training.data import TASKS
+    from training.evaluate import evaluate
+
+    total = {"correct": 0, "n": 0, "nfe": 0.0, "seconds": 0.0}
+    for task in TASKS:
+        report = evaluate(handle, task, cfg, n=args.per_task, batch_size=args.per_task, progress=False,
+                          keep=args.per_task)
+        for s_ in report["samples"]:
+            mark = "ok " if s_["correct"] else "BAD"
+            print(f"[{mark}] {task:8s} {s_['prompt']!r} -> {s_['completion']!r} (expected {s_['answer']!r})")
+        total["correct"] += round(report["accuracy"] * report["n"])
+        total["n"] += report["n"]
+        total["nfe"] += report["mean_nfe"] * report["n"]
+        total["seconds"] += report["seconds"]
+    return {"accuracy": total["correct"] / total["n"], "mean_nfe": total["nfe"] / total["n"],
+            "seconds": round(total["seconds"], 3)}
+
+
+def _demo_prompts(handle, cfg, args: argparse.Namespace) -> dict:
+    """The --prompt texts, decoded as one batch."""
+    import time
+
+    chat = _chat(args)
+    handle.decoder.warmup([len(handle.encode(p, chat=chat)) for p in args.prompt], cfg)
+    t0 = time.perf_counter()
+    result = handle.generate(args.prompt, cfg, chat=chat)
+    seconds = time.perf_counter() - t0
+    for prompt, text in zip(args.prompt, result.texts):
+        print(f"{prompt!r} -> {text!r}")
+    nfe = result.stats.request_nfe
+    return {"mean_nfe": sum(nfe) / len(nfe), "seconds": round(seconds, 3)}
+
+
+def _demo_random(args: argparse.Namespace, decoders: dict) -> int:
     """Without a shipped model: save and reload a random tiny model through the HF layout and
-    decode with the fast and vanilla presets (the text is noise)."""
+    decode with the demo's decoders (the text is noise)."""
     import numpy as np
 
     import dlm_jax
@@ -91,7 +184,7 @@ def _demo_random(args: argparse.Namespace) -> int:
     from dlm_jax.models._params import tiny_byte_config
 
     tok, cfg = tiny_byte_config()
-    model = dlm_jax.init_model(cfg, seed=args.seed or 0)
+    model = dlm_jax.init_model(cfg, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         path = dlm_jax.save_pretrained(model, Path(tmp) / "tiny", tokenizer=tok)
         handle = dlm_jax.load(path)
@@ -99,20 +192,17 @@ def _demo_random(args: argparse.Namespace) -> int:
                                                     dlm_jax.get_params(handle.model).values()))
     print(f"model: random-initialised {dlm_jax.param_count(cfg):,}-parameter {cfg.attention} transformer "
           f"(untrained: its text is noise); save/load round trip identical: {same}", file=sys.stderr)
-    args.gen_len, args.block_len = args.gen_len or 32, args.block_len or 16
-    for name in ("fast-dllm", "llada"):
-        args.preset = name
-        report = _run_generate(handle, args.prompt, decode_config(args), chat=False, stream=False)
-        print(json.dumps({"preset": name, **report}, ensure_ascii=False))
+    for name, dcfg in decoders.items():
+        report = _run_generate(handle, args.prompt or [DEMO_PROMPT], dcfg, chat=_chat(args), stream=False)
+        print(json.dumps({"decoder_name": name, **report}, ensure_ascii=False))
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import dlm_jax
-
+    _check_prompts(args.prompt or [])
     cfg = decode_config(args)  # bad options fail before the model loads
-    handle = dlm_jax.load(args.model)
-    report = _run_generate(handle, args.prompt, cfg, chat=args.chat, stream=True)
+    handle = _load(args, args.model)
+    report = _run_generate(handle, args.prompt or args.prompt_ids, cfg, chat=_chat(args), stream=True)
     print(json.dumps(report["stats"]), file=sys.stderr)
     return 0
 
@@ -120,21 +210,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import dlm_jax
 
-    cfg, family = dlm_jax.load_config(args.model, strict=not args.lenient)
+    cfg, family = dlm_jax.load_config(args.model, strict=args.strict)
     print(json.dumps({"family": family.name, "parameters": dlm_jax.param_count(cfg),
                       "config": cfg.to_dict()}, indent=2))
     return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    import dlm_jax
+    from dlm_jax.checkpoint import convert_checkpoint
 
-    model = dlm_jax.load_pretrained(args.model)
-    try:
-        tok = dlm_jax.load_tokenizer(args.model)
-    except dlm_jax.CheckpointError:
-        tok = None
-    dlm_jax.save_pretrained(model, args.out, family=args.family, tokenizer=tok, overwrite=args.overwrite)
+    convert_checkpoint(args.model, args.out, family=args.family, overwrite=args.overwrite, strict=args.strict,
+                       verify=args.verify)
     print(f"wrote {args.out} ({args.family})")
     return 0
 
@@ -148,24 +234,32 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import shlex
+
     from training.config import RunConfig
-    from training.loop import train
+    from training.loop import TrainingInterrupted, train
 
     run = RunConfig.load(args.config)  # every key checked before anything is built
     out = Path(args.out or Path("runs") / Path(args.config).stem)
-    result = train(run, out, resume=not args.fresh)
+    try:
+        result = train(run, out, resume=not args.fresh, replace=args.replace)
+    except KeyboardInterrupt as e:  # Ctrl-C: train saved a checkpoint; say how to go on, no traceback
+        where = f"interrupted at step {e.step}" if isinstance(e, TrainingInterrupted) else "interrupted"
+        print(f"{where}; resume with: dlm-jax train --config {shlex.quote(str(args.config))} "
+              f"--out {shlex.quote(str(out))}", file=sys.stderr)
+        return 130
     print(json.dumps({"steps": result.steps, "final_loss": result.final_loss, "seconds": round(result.seconds, 1),
                       "tokens_per_second": round(result.tokens_per_second), "model": str(result.model_dir),
-                      "resumed_from": result.resumed_from}))
+                      "resumed_from": result.resumed_from,
+                      "replaced": str(result.replaced) if result.replaced else None}))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import dlm_jax
     from training.evaluate import evaluate
 
     cfg = decode_config(args)
-    handle = dlm_jax.load(args.model)
+    handle = _load(args, args.model)
     report = evaluate(handle, args.task, cfg, n=args.n, batch_size=args.batch, keep=args.show)
     report["decoder"] = cfg.options()
     print(json.dumps(report, indent=2, ensure_ascii=False))
@@ -175,46 +269,92 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
     from dlm_jax.runtime.registry import add_cli_options
 
-    p.add_argument("--prompt", default=DEMO_PROMPT, help="prompt text")
     add_cli_options(p)
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of integer token ids") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("an empty list of token ids")
+    return ids
+
+
+def _add_prompt_options(p: argparse.ArgumentParser, *, required: bool, help_: str, ids: bool = False) -> None:
+    given = p.add_mutually_exclusive_group(required=required) if ids else p
+    given.add_argument("--prompt", action="append", required=required and not ids,
+                       help=help_ + "; repeat to decode a batch")
+    if ids:
+        given.add_argument("--prompt-ids", action="append", type=token_ids, metavar="IDS",
+                           help="a prompt as token ids ('12 7 99'), e.g. for a checkpoint without tokenizer "
+                                "files; repeat to decode a batch")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--chat", action="store_true",
+                     help="wrap prompts in the chat template (default: the prompt format the checkpoint records)")
+    fmt.add_argument("--raw", action="store_true", help="feed prompt text as it is, without the chat template")
+
+
+def _add_model_options(p: argparse.ArgumentParser, *, loads_weights: bool = True) -> None:
+    p.add_argument("--strict", action="store_true",
+                   help="refuse config.json keys this loader does not know (default: warn and ignore them)")
+    if loads_weights:
+        p.add_argument("--no-verify", dest="verify", action="store_false",
+                       help="skip checking the files against the checkpoint's manifest (size and sha256)")
+        p.add_argument("--mask-token-id", type=int, metavar="ID",
+                       help="the mask token id, for a checkpoint whose config and tokenizer declare none")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from dlm_jax.checkpoint._families import FAMILIES
 
-    parser = argparse.ArgumentParser(prog="dlm-jax", description="Diffusion LMs from training to phones.")
+    parser = _Parser(prog="dlm-jax", description="Diffusion LMs from training to phones.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="answer held-out task prompts with the shipped model, fast vs vanilla")
     p.add_argument("--model", help="checkpoint directory (default: the shipped models/llada-tiny)")
-    p.add_argument("--per-task", type=int, default=3, help="held-out prompts per task")
+    p.add_argument("--per-task", type=positive_int, default=3, help="held-out prompts per task")
+    _add_prompt_options(p, required=False, help_="decode this text instead of the held-out task prompts")
+    _add_model_options(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("generate", help="decode a prompt, printing text as blocks commit")
+    p = sub.add_parser("generate", help="decode prompts, printing text as blocks commit (stats on stderr)")
     p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _add_prompt_options(p, required=True, help_="prompt text", ids=True)
+    _add_model_options(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("inspect", help="print a checkpoint's family, config and size")
     p.add_argument("--model", required=True)
-    p.add_argument("--lenient", action="store_true", help="ignore unknown config keys")
+    _add_model_options(p, loads_weights=False)
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("convert", help="rewrite a checkpoint in another family's layout")
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--family", default="dlm_jax", choices=sorted(FAMILIES))
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--strict", action="store_true", help="refuse config.json keys this loader does not know")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the manifest check")
     p.set_defaults(func=cmd_convert)
-    p = sub.add_parser("train", help="train a model from a TOML config (resumes if interrupted)")
+    p = sub.add_parser("train", help="train a model from a TOML config (resumes the run in --out; Ctrl-C saves "
+                                      "a checkpoint)")
     p.add_argument("--config", required=True, help="e.g. examples/configs/llada-tiny.toml")
-    p.add_argument("--out", help="run directory (default runs/<config name>)")
-    p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--out", help="run directory (default runs/<config name>); a run there is resumed, its "
+                                 "config must match but for [train] steps, log_every, checkpoint_every, "
+                                 "keep_checkpoints, mesh_data and mesh_model")
+    p.add_argument("--fresh", action="store_true",
+                   help="start a new run instead of resuming; refused if --out already holds files (see --replace)")
+    p.add_argument("--replace", action="store_true",
+                   help="start a new run, first moving whatever --out holds aside to <out>.old-<date-time> "
+                        "(one rename; nothing is deleted)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("eval", help="task accuracy, NFE and tokens/s of a model under a decoder setting")
     p.add_argument("--model", required=True)
     p.add_argument("--task", required=True, help="addition, sorting or gsm_lite")
-    p.add_argument("--n", type=int, default=200, help="held-out examples")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--n", type=positive_int, default=200, help="held-out examples")
+    p.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
     p.add_argument("--show", type=int, default=3, help="sample completions to print")
+    _add_model_options(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("profile", help="median step latency per bucket: JSON table + PNG plot")
@@ -222,21 +362,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="latency", help="output prefix (writes .json and .png)")
     p.add_argument("--windows", type=int, nargs="*", help="window buckets to measure")
     p.add_argument("--caches", type=int, nargs="*", help="cache buckets to measure")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=20)
     p.set_defaults(func=cmd_profile)
     return parser
 
 
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. A user's mistake (a bad option, file or input) or an environment
+    failure (a read-only, full or missing output location) ends in one `error:` line on stderr
+    and a non-zero exit, never a traceback."""
     from dlm_jax._errors import CheckpointError, ConfigError
 
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (CheckpointError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda message, *a, **k: print(f"warning: {_one_line(message)}", file=sys.stderr)
+        try:
+            return args.func(args)
+        except (CheckpointError, ConfigError) as e:
+            print(f"error: {_one_line(e)}", file=sys.stderr)
+            return 2
+        except OSError as e:  # the disk, not the program: name the path and the reason
+            where = f"{e.filename}: " if e.filename else ""
+            print(f"error: {where}{e.strerror or _one_line(e)}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

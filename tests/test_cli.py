@@ -46,10 +46,10 @@ def test_demo_without_a_shipped_model_uses_a_random_one(capsys, monkeypatch, tmp
     monkeypatch.setattr(dlm_jax.cli, "shipped_model", lambda name="llada-tiny": tmp_path / "absent")
     assert main(["demo", "--gen", "16", "--block", "8"]) == 0
     fast, vanilla = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
-    assert (fast["preset"], fast["decoder"]["cache"]) == ("fast-dllm", "prefix")
+    assert fast["decoder_name"] == "prefix cache + threshold 0.9, block 8, gen 16"
     assert (vanilla["decoder"]["cache"], vanilla["decoder"]["rule"]) == ("none", "topk")
     assert vanilla["stats"]["nfe"] == 16  # one token per step
-    assert "<|mask|>" not in fast["completion"]
+    assert fast["prompts"] == ["564+894="] and "<|mask|>" not in fast["completions"][0]
 
 
 @pytest.fixture
@@ -92,19 +92,19 @@ def test_generate_options_come_from_the_registry(monkeypatch, capsys):
     stats = json.loads(err.strip().splitlines()[-1])
     assert stats["tokens_committed"] == 16 and stats["nfe"] == len(handle.executor.calls)
     assert {k.split("_")[2] for k in stats["buckets"]} == {"p0", "p32"}  # full forwards, then dual windows
-    assert main(["generate", "--model", "any", "--rule", "frechet", "--threshold", "0.5"]) == 2
+    assert main(["generate", "--model", "any", "--prompt", "Q", "--rule", "frechet", "--threshold", "0.5"]) == 2
     assert "error: threshold=0.5 applies to rule='threshold' only" in capsys.readouterr().err
 
 
 def test_errors_are_clear(tiny_ckpt, tmp_path, capsys):
     (tiny_ckpt / "model.safetensors").write_bytes(b"abc")
-    assert main(["generate", "--model", str(tiny_ckpt)]) == 2
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt", "a", "--no-verify"]) == 2
     assert "model.safetensors: truncated" in capsys.readouterr().err
     assert main(["inspect", "--model", str(tmp_path / "missing")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["convert", "--model", str(tiny_ckpt), "--out", "x", "--family", "gguf"])
-    assert main(["generate", "--model", str(tmp_path / "missing"), "--gen", "30", "--block", "8"]) == 2
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "a", "--gen", "30", "--block", "8"]) == 2
     assert "block_len=8 must divide gen_len=30" in capsys.readouterr().err
 
 
@@ -117,6 +117,12 @@ def test_profile_writes_table_and_plot(tmp_path, capsys):
     assert {(e.window, e.cache) for e in table.entries} == {(8, 0), (32, 0), (8, 32), (32, 32)}
     assert table.lookup(20, 10) == next(e.median_ms for e in table.entries if (e.window, e.cache) == (32, 32))
     assert (tmp_path / "lat.png").read_bytes()[:4] == b"\x89PNG"
+    manifest = json.loads((tmp_path / "lat.manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["lat.json", "lat.png"]
+    text = (tmp_path / "lat.json").read_text()
+    (tmp_path / "lat.json").write_text(text.replace('"median_ms": ', '"median_ms": 1', 1))
+    with pytest.raises(dlm_jax.CheckpointError, match="lat.json: truncated or modified"):
+        LatencyTable.load(tmp_path / "lat.json")
 
 
 def test_train_then_eval(tmp_path, capsys):

@@ -103,8 +103,9 @@ def test_bad_tokenizer_files(hf_dir, tmp_path):
         dlm_jax.load_tokenizer(hf_dir)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+    with pytest.raises(CheckpointError, match="no tokenizer files") as e:
         dlm_jax.load_tokenizer(empty)
+    assert "\n" not in str(e.value)
 
 
 def test_added_token_dicts_in_tokenizer_config(hf_dir):
@@ -114,3 +115,118 @@ def test_added_token_dicts_in_tokenizer_config(hf_dir):
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = dlm_jax.load_tokenizer(hf_dir)
     assert tok.eos_id == tok.token_id("<|eot|>")
+
+
+# -- chat templates as transformers 5 saves them (chat_template.jinja) --------------------------
+
+RICH_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = 'none' %}{%- endif %}"
+    "{{ bos_token }}<|start|>system\n{{ system | tojson }}<|eot|>\n"
+    "{%- for m in messages %}"
+    "{%- if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role') }}{%- endif %}"
+    "{%- if m['role'] == 'assistant' %}<|start|>assistant\n{% generation %}{{ m['content'] }}"
+    "{% endgeneration %}{{ eos_token }}"
+    "{%- else %}<|start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|eot|>{%- endif %}"
+    "{%- if loop.last %}\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant\n{%- endif %}")
+CHATS = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "12 + 30?"}],
+         [{"role": "user", "content": "  the fox  "}, {"role": "assistant", "content": "42"},
+          {"role": "user", "content": "ünïcödé ✓"}]]
+
+
+def _saved_by_transformers(hf_dir, out, template):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(hf_dir)
+    ref.chat_template = template
+    ref.save_pretrained(out)
+    return AutoTokenizer.from_pretrained(out)
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, RICH_TEMPLATE])
+def test_chat_template_jinja_saved_by_transformers(hf_dir, tmp_path, template):
+    ref = _saved_by_transformers(hf_dir, tmp_path / "saved", template)
+    assert (tmp_path / "saved" / "chat_template.jinja").read_text() == template
+    assert "chat_template" not in json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    ours = dlm_jax.load_tokenizer(tmp_path / "saved")
+    assert ours.chat_template == template
+    for messages in CHATS:
+        want = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert ours.apply_chat(messages) == want
+        assert ours.apply_chat(messages, add_generation_prompt=False) == ref.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=False, return_dict=False)
+    if template is RICH_TEMPLATE:  # raise_exception, as in transformers, names the problem
+        with pytest.raises(ValueError, match="bad role"):
+            ours.apply_chat([{"role": "robot", "content": "x"}])
+
+
+def test_jinja_file_wins_over_tokenizer_config(hf_dir, tmp_path):
+    (hf_dir / "chat_template.jinja").write_text(RICH_TEMPLATE)  # tokenizer_config.json has CHAT_TEMPLATE
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(hf_dir)
+    ours = dlm_jax.load_tokenizer(hf_dir)
+    assert ours.chat_template == RICH_TEMPLATE == ref.chat_template
+    assert ours.apply_chat(CHATS[0]) == ref.apply_chat_template(CHATS[0], tokenize=True,
+                                                                add_generation_prompt=True, return_dict=False)
+
+
+def test_save_writes_the_files_back_as_they_came(hf_dir, tmp_path):
+    _saved_by_transformers(hf_dir, tmp_path / "saved", RICH_TEMPLATE)
+    (tmp_path / "saved" / "special_tokens_map.json").write_text(json.dumps({"mask_token": "<|mdm_mask|>"}))
+    for src in (tmp_path / "saved", hf_dir):  # .jinja file / template inside tokenizer_config.json
+        out = tmp_path / f"copy-{src.name}"
+        out.mkdir()
+        dlm_jax.load_tokenizer(src).save(out)
+        names = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"}
+        written = {p.name: p.read_bytes() for p in out.iterdir()}
+        assert written == {n: (src / n).read_bytes() for n in names if (src / n).exists()}
+        assert dlm_jax.load_tokenizer(out).apply_chat(CHATS[1]) == dlm_jax.load_tokenizer(src).apply_chat(CHATS[1])
+
+
+# -- prompt_format ------------------------------------------------------------------------------
+
+def test_byte_tokenizer_prompt_format_round_trips(tmp_path):
+    assert ByteTokenizer().prompt_format == "raw"
+    for fmt in ("raw", "chat"):
+        out = tmp_path / fmt
+        out.mkdir()
+        ByteTokenizer(prompt_format=fmt).save(out)
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        assert ("prompt_format" in config) == (fmt == "chat")  # "raw" files stay as they were
+        assert dlm_jax.load_tokenizer(out).prompt_format == fmt
+    assert list(json.loads((tmp_path / "raw" / "tokenizer_config.json").read_text())) == [
+        "tokenizer_class", "special_tokens"]
+    with pytest.raises(dlm_jax.ConfigError, match="prompt_format='json'"):
+        ByteTokenizer(prompt_format="json")
+    config = json.loads((tmp_path / "chat" / "tokenizer_config.json").read_text())
+    (tmp_path / "chat" / "tokenizer_config.json").write_text(json.dumps({**config, "prompt_format": "Chat"}))
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json: prompt_format='Chat' is not one of \['raw', 'chat'\]"):
+        dlm_jax.load_tokenizer(tmp_path / "chat")
+
+
+def test_hf_tokenizer_prompt_format(hf_dir):
+    assert dlm_jax.load_tokenizer(hf_dir).prompt_format == "raw"
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({**config, "prompt_format": "chat"}))
+    assert dlm_jax.load_tokenizer(hf_dir).prompt_format == "chat"
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({**config, "prompt_format": 1}))
+    with pytest.raises(CheckpointError, match=r"tokenizer_config\.json: prompt_format=1 is not one of"):
+        dlm_jax.load_tokenizer(hf_dir)
+
+
+# -- several EOS ids (Llama-3 style) ------------------------------------------------------------
+
+def test_hf_tokenizer_eos_ids(hf_dir):
+    tok = dlm_jax.load_tokenizer(hf_dir)
+    endoftext, eot, start = tok.token_id("<|endoftext|>"), tok.token_id("<|eot|>"), tok.token_id("<|start|>")
+    assert tok.eos_ids == (endoftext,) and tok.eos_id == endoftext
+    (hf_dir / "config.json").write_text(json.dumps({"eos_token_id": [eot, endoftext]}))
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot, start]}))
+    tok = dlm_jax.load_tokenizer(hf_dir)
+    assert tok.eos_ids == (eot, endoftext, start) and tok.eos_id == eot
+    (hf_dir / "config.json").unlink()
+    assert dlm_jax.load_tokenizer(hf_dir).eos_ids == (endoftext, eot, start)
+    assert BYTE.eos_ids == (BYTE.eos_id,)

@@ -18,6 +18,7 @@ _EXPORTS = {
     "lower_to_stablehlo": "tflite_export._convert",
     "tflite_op_names": "tflite_export._convert",
     "write_tflite": "tflite_export._convert",
+    "read_tflite": "tflite_export._convert",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -135,22 +134,27 @@ def convert_signatures(signatures: Iterable[Signature | tuple], *, config=None) 
 
 def write_tflite(path: str | os.PathLike[str], content: bytes) -> str:
     """Write `content` to `path` atomically (temporary file in the same folder, then
-    `os.replace`). Returns the path."""
+    `os.replace`) with its manifest (`<stem>.manifest.json`: size and sha256). Returns the path."""
+    from dlm_jax._integrity import atomic_write, manifest_name, write_manifest
+
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".tflite", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, content)
+    write_manifest(folder, [os.path.basename(path)], name=manifest_name(path))
     return path
+
+
+def read_tflite(path: str | os.PathLike[str], *, verify: bool = True) -> bytes:
+    """The bytes of a `.tflite` file, checked against its manifest when it has one (a flipped
+    byte names the file instead of running a corrupt graph)."""
+    from dlm_jax._integrity import manifest_name, verify_manifest
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if verify:
+        verify_manifest(folder, name=manifest_name(path), files=[os.path.basename(path)])
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def export_signatures(signatures: Iterable[Signature | tuple], path: str | os.PathLike[str], *,

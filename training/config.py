@@ -130,6 +130,12 @@ class RunConfig:
             get_objective(t.objective, m)
         except ConfigError as e:
             raise ConfigError(f"{self.source}: [train] {e}") from None
+        from dlm_jax._tokenizer import ByteTokenizer
+
+        ids = ByteTokenizer().vocab_size  # training encodes with the byte tokenizer
+        if m.vocab_size < ids:
+            raise ConfigError(f"{self.source}: [model] vocab_size={m.vocab_size} is smaller than the byte "
+                              f"tokenizer's {ids} ids; set vocab_size >= {ids}")
         if t.seq_len > m.max_seq_len:
             raise ConfigError(f"{self.source}: [train] seq_len={t.seq_len} exceeds [model] max_seq_len={m.max_seq_len}")
         if t.objective in ("block_diffusion", "introspective"):

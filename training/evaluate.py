@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.config import DecodeConfig
 from training.data import TASKS, make_split
 
@@ -16,6 +17,7 @@ from training.data import TASKS, make_split
 def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_size: int = 8,
              seed: int = 0, progress: bool = True, keep: int = 0) -> dict[str, Any]:
     """Decode `n` held-out examples of `task` with `handle` (a `dlm_jax.Model`) and score them.
+    Prompts take the model's prompt format (`handle.prompt_format`, chat for the shipped models).
 
     Returns accuracy, mean NFE per request, tokens/s (committed tokens over decode time, after
     warm-up), and the first `keep` (prompt, completion, correct) triples.
@@ -23,14 +25,15 @@ def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_s
     from tqdm import tqdm
 
     if task not in TASKS:
-        from dlm_jax._errors import ConfigError
-
         raise ConfigError(f"unknown task {task!r}; known: {sorted(TASKS)}")
+    for name, value in (("n", n), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
     examples = make_split(TASKS[task], n, split="heldout", seed=seed)
     correct, nfe, tokens, seconds, samples = [], [], 0, 0.0, []
     for i in tqdm(range(0, n, batch_size), desc=f"eval {task}", disable=not progress, file=sys.stderr):
         chunk = examples[i:i + batch_size]
-        prompts = [handle.tokenizer.apply_chat([{"role": "user", "content": ex.prompt}]) for ex in chunk]
+        prompts = [handle.encode(ex.prompt) for ex in chunk]  # in the model's prompt format
         handle.decoder.warmup([len(p) for p in prompts], cfg)
         t0 = time.perf_counter()
         res = handle.generate(prompts, cfg)

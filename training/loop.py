@@ -2,6 +2,10 @@
 a `jax.sharding` mesh with data and model axes, orbax checkpoints with exact resume, JSONL
 metrics and a progress bar.
 
+A run directory holds one run: its resolved config (run_config.json) is checked before a resume,
+a new run never starts in a directory that holds files unless asked to move them aside, Ctrl-C
+saves a checkpoint, and a non-finite loss stops the run without saving that step.
+
 Multi-host (TPU pods, GPU clusters): call `jax.distributed.initialize()` in every process
 before `train` (on Cloud TPU it needs no arguments; on GPU clusters pass coordinator_address,
 num_processes and process_id); `jax.devices()` then spans all hosts, the mesh is built over
@@ -11,11 +15,16 @@ cheap, so every host computes it and the `data` sharding keeps each host's slice
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import re
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlm_jax._errors import ConfigError
+from dlm_jax._integrity import atomic_write
 from dlm_jax._tokenizer import ByteTokenizer
 from dlm_jax.checkpoint._io import load_pretrained, save_pretrained
 from dlm_jax.models._params import init_model, model_from_params
@@ -94,13 +104,128 @@ class TrainResult:
     tokens_per_second: float
     model_dir: Path
     resumed_from: int
+    replaced: Path | None = None  # where a previous run in the directory was moved (replace=True)
 
 
-def _checkpoint_manager(directory: Path, keep: int):
+class TrainingError(ConfigError):
+    """Training stopped because a step went wrong (a non-finite loss or parameters). A
+    ConfigError, so the CLI prints it as one line: a diverging run is usually its config's
+    doing (learning rate, warm-up, clipping)."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `train`, after the checkpoint of `step` was saved: resuming continues at
+    `step`. Still a KeyboardInterrupt, so callers that do not know it stop as before."""
+
+    def __init__(self, step: int, out_dir: Path):
+        super().__init__(f"interrupted at step {step}; its checkpoint is in {out_dir / 'checkpoints'}" if step
+                         else f"interrupted before the first checkpoint of the run in {out_dir}")
+        self.step, self.out_dir = step, out_dir
+
+
+RUN_CONFIG = "run_config.json"  # the resolved RunConfig of the run in a directory
+# Keys that may differ when a run resumes: how long it runs, how often it logs and checkpoints,
+# how many checkpoints it keeps, and the devices it runs on. (`steps` also stretches the cosine
+# schedule over the new length: that is what extending a run means.) Every other key changes
+# what the steps compute or which data they see (model, objective, optimizer, batch, seed,
+# data), so resuming with it changed would silently splice two runs: refused.
+RESUMABLE_KEYS = frozenset({("train", "steps"), ("train", "log_every"), ("train", "checkpoint_every"),
+                            ("train", "keep_checkpoints"), ("train", "mesh_data"), ("train", "mesh_model")})
+
+
+def _holds_files(directory: Path) -> bool:
+    """Whether `directory` holds any file (empty folders, e.g. the checkpoints/ a failed start
+    left, do not make a run)."""
+    return directory.is_dir() and any(p.is_file() for p in directory.rglob("*"))
+
+
+def _move_aside(directory: Path) -> Path:
+    """Rename `directory` to a free sibling `<name>.old-<date-time>` (one atomic rename; nothing
+    is deleted) and return where it went."""
+    directory = directory.resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = directory.with_name(f"{directory.name}.old-{stamp}"), 1
+    while dest.exists():
+        dest, n = directory.with_name(f"{directory.name}.old-{stamp}-{n}"), n + 1
+    os.replace(directory, dest)
+    return dest
+
+
+def _config_json(run: RunConfig) -> dict[str, Any]:
+    """The [model], [train] and [data] tables as they read back from JSON (tuples as lists)."""
+    return json.loads(json.dumps(run.to_dict()))
+
+
+def _check_same_run(run: RunConfig, out_dir: Path) -> None:
+    """Refuse to resume the run in `out_dir` with a config that differs from its stored one in
+    any key outside RESUMABLE_KEYS, naming every such key with its old and new value."""
+    stored = out_dir / RUN_CONFIG
+    try:
+        old = json.loads(stored.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{stored}: unreadable ({e}); move the run aside with --replace") from None
+    new = _config_json(run)
+    missing = object()
+    changes = []
+    for table in ("model", "train", "data"):
+        a, b = old.get(table, {}), new[table]
+        # A key newer than the stored file reads as its default: runs outlive code changes.
+        defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(getattr(run, table))
+                                          if f.default is not dataclasses.MISSING}))
+        for key in sorted(set(a) | set(b)):
+            was, now = a.get(key, defaults.get(key, missing)), b.get(key, missing)
+            if (table, key) not in RESUMABLE_KEYS and was != now:
+                show = lambda v: "(absent)" if v is missing else json.dumps(v)  # noqa: E731
+                changes.append(f"[{table}] {key}: {show(was)} -> {show(now)}")
+    if changes:
+        allowed = ", ".join(f"[{t}] {k}" for t, k in sorted(RESUMABLE_KEYS))
+        raise ConfigError(f"{out_dir} holds a run with another config ({stored.name}); resuming it with "
+                          f"{run.source} would change {'; '.join(changes)}. Only {allowed} may change on "
+                          f"resume: restore the old values, choose another --out, or pass --replace to move "
+                          f"the old run aside and start a new one")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics of steps <= `step` (the checkpoint a resume starts from): a run that
+    stopped after logging past its last checkpoint logs those steps again."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            break  # a line cut short by a crash
+    atomic_write(path, "".join(keep))
+
+
+@contextlib.contextmanager
+def _ctrl_c_after():
+    """Hold Ctrl-C until the block (a checkpoint save) is done, then raise it: an interrupted
+    save would leave orbax's temporary directory and its threads' errors behind. Only where
+    Python's own SIGINT handler is in place (the main thread, no custom handler)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _checkpoint_manager(directory: Path, keep: int, *, cleanup: bool = False):
+    """Orbax manager of `directory`; `cleanup` removes temporary directories of saves a crash cut
+    short (only for the training process itself: an export may run beside a training run)."""
     import orbax.checkpoint as ocp
 
     return ocp.CheckpointManager(directory.resolve(), options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=False))
+        max_to_keep=keep, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=cleanup))
 
 
 def _initial_params(path: str, params: Any) -> Any:
@@ -118,21 +243,49 @@ def _initial_params(path: str, params: Any) -> Any:
     return jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), loaded, params)
 
 
-def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_after: int | None = None,
-          progress: bool = True, dataset: dict[str, np.ndarray] | None = None) -> TrainResult:
-    """Train `run` into `out_dir` (checkpoints/, metrics.jsonl, model/ in HF layout).
+def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: bool = False,
+          stop_after: int | None = None, progress: bool = True, dataset: dict[str, np.ndarray] | None = None,
+          on_step: Callable[[int], None] | None = None) -> TrainResult:
+    """Train `run` into `out_dir` (run_config.json, checkpoints/, metrics.jsonl,
+    train_seconds.json, model/ in HF layout).
 
     Args:
-      resume: continue from the latest checkpoint in out_dir/checkpoints if there is one.
+      resume: continue the run in out_dir if there is one (its stored config must match `run`
+        but for RESUMABLE_KEYS); False starts a new run and refuses a directory that holds files.
+      replace: start a new run, first moving whatever out_dir holds aside to a sibling
+        `<out_dir>.old-<date-time>` (one rename, nothing deleted).
       stop_after: stop (after checkpointing) once this many steps are done: an interruption.
       dataset: pre-built training arrays (default: built from `run.data`).
+      on_step: called with the number of steps done after each step (and its logging and
+        checkpoint); tests raise KeyboardInterrupt from it to interrupt a run at a known step.
+
+    Ctrl-C saves a checkpoint at the last finished step and raises TrainingInterrupted; a
+    non-finite loss or parameter raises TrainingError without saving that step.
     """
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
     from training.data import Batches, LengthBuckets
 
+    # The directory first, before anything is built: never mix two runs in one directory.
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is a file, not a run directory")
+    replaced = None
+    occupied = _holds_files(out_dir)
+    if occupied and (replace or not resume):
+        if not replace:
+            raise ConfigError(f"{out_dir} already holds a run (or other files); pass --replace to move it "
+                              f"aside and start a new run there, or leave out --fresh to resume it")
+        replaced = _move_aside(out_dir)
+        print(f"moved the previous contents of {out_dir} aside to {replaced}", file=sys.stderr)
+        occupied = False
+    if occupied:
+        if (out_dir / RUN_CONFIG).exists():
+            _check_same_run(run, out_dir)
+        elif not _holds_files(out_dir / "checkpoints") and not (out_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"{out_dir} holds files but no training run ({RUN_CONFIG}, checkpoints/); choose "
+                              f"an empty --out, or pass --replace to move them aside")
     out_dir.mkdir(parents=True, exist_ok=True)
     tc = run.train
     tok = ByteTokenizer()
@@ -152,14 +305,18 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
         arrays = dataset if dataset is not None else build_dataset(run, tok)
         batches = Batches(arrays, tc.batch_size, seed=tc.seed)
     graphdef, params = nnx.split(init_model(train_cfg, seed=tc.seed))
-    manager = _checkpoint_manager(out_dir / "checkpoints", tc.keep_checkpoints)
+    manager = _checkpoint_manager(out_dir / "checkpoints", tc.keep_checkpoints, cleanup=True)
     resuming = resume and manager.latest_step() is not None
+    if resuming and manager.latest_step() > tc.steps:
+        raise ConfigError(f"[train] steps={tc.steps} is below step {manager.latest_step()}, which the run in "
+                          f"{out_dir} has reached; set steps >= {manager.latest_step()}")
     if tc.init_from and not resuming:  # a resumed run restores its own weights below
         params = _initial_params(tc.init_from, params)
     tx, schedule = make_optimizer(tc)
     p_shard = param_sharding(params, mesh)
     params = jax.device_put(params, p_shard)
-    opt_state = tx.init(params)
+    with jax.set_mesh(mesh):  # the step counts get the mesh's sharding too: one compile, not two
+        opt_state = tx.init(params)
     start = 0
     if resuming:
         start = manager.latest_step()
@@ -171,6 +328,10 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
         batches = (batches.restore(state) if tc.length_buckets
                    else Batches.restore(arrays, tc.batch_size, state))
     b_shard = NamedSharding(mesh, P("data"))
+    # Every check passed: record the run (allowed changes such as a longer `steps` included)
+    # and drop metrics logged past the checkpoint it continues from.
+    atomic_write(out_dir / RUN_CONFIG, json.dumps(_config_json(run), indent=2) + "\n")
+    _truncate_metrics(out_dir / "metrics.jsonl", start)
 
     def loss_fn(p, batch, rng):
         return objective(nnx.merge(graphdef, p), batch, rng)
@@ -179,47 +340,87 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, stop_afte
     def step_fn(p, o, batch, rng):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, batch, rng)
         updates, o = tx.update(grads, o, p)
-        return optax.apply_updates(p, updates), o, {**metrics, "grad_norm": optax.tree.norm(grads)}
+        p = optax.apply_updates(p, updates)
+        finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(p)]))
+        return p, o, {**metrics, "grad_norm": optax.tree.norm(grads)}, finite
+
+    def save(good) -> None:
+        done, p, o, data_state = good
+        manager.save(done, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": p, "opt_state": o}),
+            meta=ocp.args.JsonSave({"step": done, "data": data_state})))
+        manager.wait_until_finished()
 
     base_key = jax.random.key(tc.seed)
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
-    metrics_file = open(out_dir / "metrics.jsonl", "a")
     tokens_per_step = tc.batch_size * tc.seq_len
-    t0, last_loss, window_t, window_steps = time.perf_counter(), float("nan"), time.perf_counter(), 0
+    last_loss, saved = float("nan"), start
+    # (steps done, params, optimizer state, data position), replaced as one value after each
+    # step, so Ctrl-C at any instant finds a consistent state to save.
+    good = (start, params, opt_state, batches.state())
+    metrics_file = open(out_dir / "metrics.jsonl", "a")
     bar = tqdm(total=tc.steps, initial=start, desc=f"train {tc.objective}", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
-    with jax.set_mesh(mesh):
-        for step in range(start, end):
-            batch = {k: jax.device_put(jnp.asarray(v), b_shard) for k, v in next(batches).items()}
-            params, opt_state, metrics = step_fn(params, opt_state, batch, jax.random.fold_in(base_key, step))
-            window_steps += 1
-            done = step + 1
-            if done % tc.log_every == 0 or done == end:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                now = time.perf_counter()
-                m.update(step=done, lr=float(schedule(step)),
-                         tokens_per_second=window_steps * tokens_per_step / (now - window_t))
-                window_t, window_steps, last_loss = now, 0, m["loss"]
-                metrics_file.write(json.dumps(m) + "\n")
-                metrics_file.flush()
-                bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_second']:.0f}")
-            if done % tc.checkpoint_every == 0 or done == end:
-                manager.save(done, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-                    meta=ocp.args.JsonSave({"step": done, "data": batches.state()})))
-            bar.update(1)
-    bar.close()
-    metrics_file.close()
-    manager.wait_until_finished()
-    seconds = time.perf_counter() - t0
+    t0 = window_t = time.perf_counter()
+    window_steps = 0
+    try:
+        with jax.set_mesh(mesh):
+            for step in range(start, end):
+                batch = {k: jax.device_put(jnp.asarray(v), b_shard) for k, v in next(batches).items()}
+                p, o, metrics, finite = step_fn(good[1], good[2], batch, jax.random.fold_in(base_key, step))
+                done = step + 1
+                # One scalar a step: a diverged step is named exactly and never saved or shipped.
+                if not bool(finite):
+                    m = jax.device_get(metrics)
+                    what = [f"the {label} is {float(m[key])}" for key, label in
+                            (("loss", "loss"), ("grad_norm", "gradient norm")) if not np.isfinite(m[key])]
+                    kept = f"step {saved} is the last checkpoint" if saved else "no checkpoint was saved"
+                    raise TrainingError(
+                        f"step {done}: {' and '.join(what) or 'the updated parameters hold NaN or inf'}; training "
+                        f"stopped without saving this step ({kept} in {out_dir / 'checkpoints'}). Lower [train] "
+                        f"learning_rate or raise warmup_steps, then start again with --replace")
+                good = (done, p, o, batches.state())
+                window_steps += 1
+                if done % tc.log_every == 0 or done == end:
+                    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    now = time.perf_counter()
+                    m.update(step=done, lr=float(schedule(step)),
+                             tokens_per_second=window_steps * tokens_per_step / (now - window_t))
+                    window_t, window_steps, last_loss = now, 0, m["loss"]
+                    metrics_file.write(json.dumps(m) + "\n")
+                    metrics_file.flush()
+                    bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_second']:.0f}")
+                if done % tc.checkpoint_every == 0 or done == end:
+                    with _ctrl_c_after():
+                        save(good)
+                        saved = done
+                bar.update(1)
+                if on_step is not None:
+                    on_step(done)
+    except KeyboardInterrupt:
+        if good[0] > saved:
+            try:
+                with _ctrl_c_after():
+                    save(good)
+                    saved = good[0]
+            except KeyboardInterrupt:
+                pass  # pressed again while saving: the save finished first, stop now
+            except Exception as e:  # the last checkpoint stays the one to resume from
+                print(f"could not save the checkpoint at step {good[0]} ({e!r})", file=sys.stderr)
+        raise TrainingInterrupted(saved, out_dir) from None
+    finally:
+        bar.close()
+        metrics_file.close()
+        seconds = time.perf_counter() - t0
+        info = out_dir / "train_seconds.json"  # wall time summed over every segment of the run
+        total = seconds + (json.loads(info.read_text())["seconds"] if info.exists() else 0.0)
+        atomic_write(info, json.dumps({"seconds": total}))
+    params = good[1]
     model_dir = out_dir / "model"
-    info = out_dir / "train_seconds.json"  # wall time summed over interrupted segments
-    total = seconds + (json.loads(info.read_text())["seconds"] if info.exists() and start > 0 else 0.0)
-    info.write_text(json.dumps({"seconds": total}))
     if end == tc.steps:
         _save_model(run, params, model_dir)
     return TrainResult(end, last_loss, seconds, (end - start) * tokens_per_step / max(seconds, 1e-9),
-                       model_dir, start)
+                       model_dir, start, replaced)
 
 
 def build_task_datasets(run: RunConfig, tok: Any) -> dict[str, dict[str, np.ndarray]]:
@@ -228,13 +429,25 @@ def build_task_datasets(run: RunConfig, tok: Any) -> dict[str, dict[str, np.ndar
     from training.data import TASKS, code_corpus, encode_sft, make_split, pack_corpus
 
     d, seq = run.data, run.train.seq_len
+    splits = {name: make_split(TASKS[name], d.train_examples, split="train", seed=d.seed)
+              for name in d.tasks if name != "code"}
+    # The longest example of every task must fit one row (chat prompt + answer + EOS); a row is
+    # never cut, so a short seq_len is a config error, named before any data is encoded.
+    need = {name: max(len(tok.apply_chat([{"role": "user", "content": ex.prompt}])) + len(tok.encode(ex.answer)) + 1
+                      for ex in examples) for name, examples in splits.items() if examples}
+    if need and max(need.values()) > seq:
+        task = max(need, key=need.get)
+        also = (f" (and [model] max_seq_len={run.model.max_seq_len} with it)"
+                if need[task] > run.model.max_seq_len else "")
+        raise ConfigError(f"{run.source}: [train] seq_len={seq} is too short for the task data: the longest "
+                          f"{task!r} example needs {need[task]} tokens (chat prompt + answer + EOS); set "
+                          f"[train] seq_len >= {need[task]}{also}")
     datasets = {}
     for name in d.tasks:
         if name == "code":
             datasets[name] = {"tokens": pack_corpus(tok, code_corpus(d.corpus_bytes, seed=d.seed), seq)}
         else:
-            examples = make_split(TASKS[name], d.train_examples, split="train", seed=d.seed)
-            datasets[name] = encode_sft(tok, examples, seq)
+            datasets[name] = encode_sft(tok, splits[name], seq)
     return datasets
 
 
@@ -268,6 +481,19 @@ def export_checkpoint(run: RunConfig, out_dir: str | Path, dest: str | Path, *, 
 
 
 def _save_model(run: RunConfig, params, dest: str | Path) -> None:
-    """Training parameters as an HF-layout model (with the byte tokenizer) at `dest`."""
+    """Training parameters as an HF-layout model (with the byte tokenizer) at `dest`; refused
+    when a tensor holds NaN or inf, so a diverged run never becomes a model."""
     flat = {_name(path): np.asarray(v) for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-    save_pretrained(model_from_params(run.model, flat), dest, tokenizer=ByteTokenizer(), overwrite=True)
+    bad = [name for name, v in flat.items() if not np.isfinite(v).all()]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise TrainingError(f"parameter {bad[0]}{more} has non-finite values (NaN or inf); "
+                            f"refusing to write a model to {dest}")
+    save_pretrained(model_from_params(run.model, flat), dest, tokenizer=ByteTokenizer(prompt_format(run)),
+                    overwrite=True)
+
+
+def prompt_format(run: RunConfig) -> str:
+    """How the trained model expects prompts: task rows are chat-formatted (`encode_sft`),
+    so a run with any task answers chat prompts; a code-corpus-only run takes raw text."""
+    return "chat" if any(name != "code" for name in run.data.tasks) else "raw"

@@ -11,15 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
+import numpy as np
+
 import dlm_jax
+from dlm_jax._integrity import make_temp_dir, write_manifest
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.registry import decode_config
 from training.config import RunConfig
 from training.data import TASKS, task_settings
 from training.evaluate import chance_accuracy, evaluate
+from training.loop import prompt_format
 
 MAX_MB = 10.0
 
@@ -40,6 +43,10 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
     last = metrics[-1]
     if last["step"] != run.train.steps:
         raise SystemExit(f"{run_dir}: run stopped at step {last['step']} of {run.train.steps}")
+    params = dlm_jax.get_params(dlm_jax.load_pretrained(run_dir / "model"))
+    bad = [name for name, v in params.items() if not np.isfinite(v).all()]
+    if bad:  # a diverged run is never shipped, however it came to write its model
+        raise SystemExit(f"{run_dir / 'model'}: tensor {bad[0]} has non-finite values (NaN or inf); not shipping it")
     handle = dlm_jax.load(run_dir / "model")
     results = {name: {t: evaluate(handle, t, cfg, n=n, keep=2) for t in TASKS}
                for name, cfg in card_decoders(gen_len).items()}
@@ -52,13 +59,14 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
     from dlm_jax.checkpoint._io import _replace_dir
 
     dest.parent.mkdir(parents=True, exist_ok=True)  # stage beside dest: the rename stays atomic
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    tmp = make_temp_dir(dest.parent, f".{dest.name}.")
     try:
         shutil.copytree(run_dir / "model", tmp, dirs_exist_ok=True)
         (tmp / "README.md").write_text(card)
         (tmp / "eval.json").write_text(json.dumps({"n_per_task": n, "gen_len": gen_len, "results": results,
                                                   "chance": chance,
                                                   "tasks": task_settings()}, indent=2))
+        write_manifest(tmp)  # the card and evaluation too
         _replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -80,6 +88,10 @@ def _wall_seconds(run_dir: Path, run: RunConfig, metrics: list[dict]) -> float:
     return total
 
 
+PROMPT_FORMAT_NOTE = ("Prompts: chat format, as in training (`\"prompt_format\": \"chat\"` in `tokenizer_config.json`): "
+                      "`dlm-jax generate`, `eval`, `demo` and `dlm_jax.load(...).generate` wrap a text prompt in "
+                      "the byte tokenizer's chat template; `--raw` / `chat=False` feed it as it is.")
+
 LOSS_WINDOW = 10  # logged steps averaged for the card's final loss: single batches are noisy
 
 
@@ -96,6 +108,7 @@ def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_
              f"({'logit shift, ' if m.logit_shift else ''}d_model {m.d_model}, {m.n_layers} layers, "
              f"{m.n_heads} heads / {m.n_kv_heads} kv heads, SwiGLU {m.ffn_hidden}) trained by dlm-jax with the "
              f"`{t.objective}` objective on the task mix {dict(run.data.tasks)} (byte-level tokenizer).", "",
+             *([PROMPT_FORMAT_NOTE, ""] if prompt_format(run) == "chat" else []),
              "## How it was trained", "", "```", f"dlm-jax train --config {config}", "```", "",
              f"- steps: {t.steps}, batch {t.batch_size} x {t.seq_len} tokens, AdamW lr {t.learning_rate} "
              f"(warm-up {t.warmup_steps}, cosine to {t.min_lr_ratio}x), weight decay {t.weight_decay}, "

@@ -6,14 +6,23 @@ Qwen2/Qwen3/Llama/MoE bases: causal, shift), and whether q/k carry norms or bias
 may override those (`load_pretrained(path, attention=...)`); saving into a family whose
 format cannot hold the model's settings fails with the field named (`dlm_jax` holds all).
 
-Config parsing is strict: every key must be mapped, validated or known to be irrelevant, so a
-key this code does not understand (a rope scaling, a sliding window, a bias) fails loudly
-instead of silently changing the numbers.
+Config parsing follows transformers: keys this code does not use are ignored with one
+`UserWarning` per load that lists them and the file (`strict=True` refuses them instead). Keys
+that change the computation are never ignored: each family's parser reads or validates every
+key of its format that does (an unsupported RoPE scaling or partial rotary factor, an enabled
+sliding window, another activation, biases, logit scaling or soft-capping, a LayerNorm instead
+of RMSNorm, ...), and a value dlm-jax cannot compute fails in both modes with the key named.
+Where a key is absent, the value the family's reference code would then use is what is checked
+(LLaDA's code, for one, defaults to no RoPE and a plain LayerNorm).
+
+`block_size` (the block length of block-causal attention) has no key in the HF formats; it is
+written as `block_size` when it differs from the default and read back from there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -21,6 +30,8 @@ from dlm_jax._config import ConfigError, ModelConfig
 from dlm_jax.checkpoint._names import HF_SCHEME, LLADA_SCHEME, NameScheme
 
 FORMAT_VERSION = 1
+_UNSET = object()
+_DEFAULT_BLOCK_SIZE: int = ModelConfig.__dataclass_fields__["block_size"].default
 
 # Keys HF configs carry that do not change the forward pass in inference.
 _HF_IRRELEVANT = frozenset({
@@ -30,6 +41,15 @@ _HF_IRRELEVANT = frozenset({
     "output_hidden_states", "output_attentions", "id2label", "label2id", "tokenizer_class",
     "bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id",
 })
+# Keys that change the computation where transformers (or remote code under an HF model_type)
+# reads them, with the values that do not; a config carrying one with another value is refused.
+_HF_NEUTRAL: dict[str, list[Any]] = {
+    "partial_rotary_factor": [1.0, None], "attn_logit_softcapping": [None],
+    "final_logit_softcapping": [None], "logit_scale": [None, 1.0], "logits_scaling": [None, 1.0],
+    "embedding_multiplier": [None, 1.0], "residual_multiplier": [None, 1.0],
+    "attention_multiplier": [None], "query_pre_attn_scalar": [None], "use_mrope": [False, None],
+    "shared_expert_intermediate_size": [None, 0],
+}
 _LLADA_IRRELEVANT = frozenset({
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
     "auto_map", "_name_or_path", "alibi_bias_max", "attention_dropout", "embedding_dropout",
@@ -54,19 +74,33 @@ class _Reader:
             raise ConfigError(f"{self.source}: required key {key!r} is missing")
         return self.get(key)
 
-    def expect(self, key: str, allowed: Iterable[Any]) -> None:
-        """The key, if present, must hold one of `allowed` (else dlm-jax would compute wrongly)."""
+    def expect(self, key: str, allowed: Iterable[Any], *, absent: Any = _UNSET) -> None:
+        """The key must hold one of `allowed` (else dlm-jax would compute wrongly). Where it is
+        missing, `absent` (what the format's reference code then uses) must be allowed."""
         self.used.add(key)
         allowed = list(allowed)
-        if key in self.data and self.data[key] not in allowed:
+        if key in self.data:
+            value = self.data[key]
+            if value not in allowed or (isinstance(value, bool) and not any(
+                    isinstance(a, bool) and a == value for a in allowed)):
+                raise ConfigError(
+                    f"{self.source}: {key}={value!r} is not supported (supported: {allowed})")
+        elif absent is not _UNSET and absent not in allowed:
             raise ConfigError(
-                f"{self.source}: {key}={self.data[key]!r} is not supported (supported: {allowed})")
+                f"{self.source}: {key} is missing, which means {key}={absent!r} for this format; "
+                f"that is not supported (supported: {allowed})")
 
-    def finish(self, irrelevant: frozenset[str], *, strict: bool) -> None:
+    def finish(self, irrelevant: frozenset[str], *, strict: bool) -> list[str]:
+        """Refuse (strict) or warn once about the keys nothing read; returns them."""
         unknown = sorted(set(self.data) - self.used - irrelevant)
         if unknown and strict:
             raise ConfigError(
-                f"{self.source}: unknown config keys {unknown} (pass strict=False to ignore them)")
+                f"{self.source}: unknown config keys {unknown} (strict=True refuses them; "
+                f"load with strict=False to ignore them)")
+        if unknown:
+            warnings.warn(f"{self.source}: ignoring config keys dlm-jax does not use: {unknown} "
+                          f"(strict=True refuses them)", UserWarning, stacklevel=4)
+        return unknown
 
 
 def _dtype_of(r: _Reader) -> str:
@@ -80,14 +114,28 @@ def _first(x: Any) -> Any:
     return x[0] if isinstance(x, list) and x else (None if isinstance(x, list) else x)
 
 
+def _eos(x: Any) -> Any:
+    """`eos_token_id` as HF stores it: an id, or a list of ids any of which ends generation."""
+    if isinstance(x, list):
+        return tuple(x) if len(x) > 1 else _first(x)
+    return x
+
+
+def _eos_json(x: Any) -> Any:
+    return list(x) if isinstance(x, tuple) else x
+
+
 def _rope_theta(r: _Reader) -> float:
     scaling = r.get("rope_scaling")
-    if scaling not in (None, {}) and (scaling.get("rope_type") or scaling.get("type")) != "default":
+    if scaling not in (None, {}) and (not isinstance(scaling, dict) or (
+            scaling.get("rope_type") or scaling.get("type")) != "default"
+            or scaling.get("partial_rotary_factor", 1.0) not in (1.0, None)):
         raise ConfigError(f"{r.source}: rope_scaling={scaling!r} is not supported")
     params = r.get("rope_parameters")
     theta = r.get("rope_theta")
     if params:
-        if params.get("rope_type", "default") != "default":
+        if (not isinstance(params, dict) or params.get("rope_type", "default") != "default"
+                or params.get("partial_rotary_factor", 1.0) not in (1.0, None)):
             raise ConfigError(f"{r.source}: rope_parameters={params!r} is not supported")
         if theta is not None and float(theta) != float(params["rope_theta"]):
             raise ConfigError(f"{r.source}: rope_theta={theta} disagrees with rope_parameters={params}")
@@ -134,17 +182,27 @@ def _parse_hf(fam: Family, r: _Reader) -> dict[str, Any]:
         ffn_hidden=r.require("intermediate_size"), norm_eps=float(r.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(r), tie_embeddings=bool(r.get("tie_word_embeddings", False)),
         max_seq_len=r.get("max_position_embeddings", 4096), param_dtype=dtype,
-        bos_token_id=_first(r.get("bos_token_id")), eos_token_id=_first(r.get("eos_token_id")),
+        bos_token_id=_first(r.get("bos_token_id")), eos_token_id=_eos(r.get("eos_token_id")),
         pad_token_id=_first(r.get("pad_token_id")), mask_token_id=r.get("mask_token_id"),
     )
-    r.expect("hidden_act", ["silu"])
+    r.expect("hidden_act", ["silu", "swish"])  # transformers' "swish" is SiLU too
     r.expect("attention_bias", [False])
     r.expect("mlp_bias", [False])
     r.expect("pretraining_tp", [1])
     r.expect("use_sliding_window", [False])
+    for key, allowed in _HF_NEUTRAL.items():
+        r.expect(key, allowed)
     layer_types = r.get("layer_types")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         raise ConfigError(f"{r.source}: layer_types={layer_types} (sliding attention) is not supported")
+    if layer_types is None and fam.name == "dots1":
+        # Dots1Config derives sliding layers from these two (no use_sliding_window switch).
+        window, full = r.get("sliding_window", 4096), r.get("max_window_layers", 62)
+        if window is not None and kw["n_layers"] > full:
+            raise ConfigError(f"{r.source}: sliding_window={window} with max_window_layers={full} < "
+                              f"num_hidden_layers={kw['n_layers']} (sliding attention) is not supported")
+    if r.get("block_size") is not None:
+        kw["block_size"] = r.get("block_size")
     if fam.name == "qwen3_moe":
         kw.update(_parse_qwen3_moe(r, kw["n_layers"]))
     elif fam.name == "dots1":
@@ -190,11 +248,13 @@ def _render_hf(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": cfg.max_seq_len,
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": _eos_json(cfg.eos_token_id),
         "pad_token_id": cfg.pad_token_id, "dtype": cfg.param_dtype,
     }
     if cfg.mask_token_id is not None:
         out["mask_token_id"] = cfg.mask_token_id
+    if cfg.block_size != _DEFAULT_BLOCK_SIZE:
+        out["block_size"] = cfg.block_size
     if fam.name != "qwen2" and fam.name != "dream":
         out["attention_bias"] = False
     if fam.name == "qwen3_moe":
@@ -209,7 +269,7 @@ def _render_hf(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
                    moe_intermediate_size=cfg.moe_ffn_hidden, n_shared_experts=cfg.n_shared_experts,
                    n_group=cfg.n_expert_groups, topk_group=cfg.topk_groups,
                    routed_scaling_factor=cfg.routed_scaling, norm_topk_prob=cfg.norm_topk_prob,
-                   first_k_dense_replace=k)
+                   first_k_dense_replace=k, sliding_window=None)
     return out
 
 
@@ -221,24 +281,32 @@ def _parse_llada(fam: Family, r: _Reader) -> dict[str, Any]:
     mqa = r.get("multi_query_attention")
     n_kv = 1 if mqa else r.get("n_kv_heads") or n_heads
     hidden = r.get("mlp_hidden_size") or int(r.get("mlp_ratio", 4)) * d_model
-    for key, allowed in (("activation_type", ["silu"]), ("block_type", ["llama"]), ("rope", [True]),
-                         ("layer_norm_type", ["rms"]), ("alibi", [False]), ("include_bias", [False]),
-                         ("scale_logits", [False]), ("input_emb_norm", [False]),
-                         ("attention_layer_norm", [False]), ("clip_qkv", [None]),
-                         ("layer_norm_with_affine", [True]), ("bias_for_layer_norm", [False, None]),
-                         ("block_group_size", [1])):
-        r.expect(key, allowed)
-    return dict(
+    # Each key with the values dlm-jax computes and, where LLaDA's configuration_llada.py
+    # defaults to something else, that default (a config without the key means it).
+    # A "llama" block computes silu(ff_proj(x)) * up_proj(x): "swiglu" there would chunk.
+    for key, allowed, absent in (
+            ("activation_type", ["silu"], "swiglu"), ("block_type", ["llama"], "sequential"),
+            ("rope", [True], False), ("layer_norm_type", ["rms"], "default"),
+            ("alibi", [False], False), ("include_bias", [False], False),
+            ("scale_logits", [False], False), ("input_emb_norm", [False], False),
+            ("attention_layer_norm", [False], False), ("clip_qkv", [None], None),
+            ("layer_norm_with_affine", [True], True), ("bias_for_layer_norm", [False, None], None),
+            ("block_group_size", [1], 1)):
+        r.expect(key, allowed, absent=absent)
+    kw: dict[str, Any] = dict(
         vocab_size=r.require("vocab_size"), d_model=d_model, n_layers=r.require("n_layers"),
         n_heads=n_heads, n_kv_heads=n_kv, ffn_hidden=hidden,
         rope_theta=float(r.get("rope_theta", 10000.0)), norm_eps=float(r.get("rms_norm_eps", 1e-5)),
         embedding_rows=r.get("embedding_size") or r.get("vocab_size"),
-        tie_embeddings=bool(r.get("weight_tying", False)),
+        tie_embeddings=bool(r.get("weight_tying", True)),  # LLaDA's default: tied
         qkv_bias=bool(r.get("include_qkv_bias", False)),
-        mask_token_id=r.get("mask_token_id"), eos_token_id=_first(r.get("eos_token_id")),
+        mask_token_id=r.get("mask_token_id"), eos_token_id=_eos(r.get("eos_token_id")),
         pad_token_id=_first(r.get("pad_token_id")), bos_token_id=_first(r.get("bos_token_id")),
         max_seq_len=r.get("max_sequence_length", 4096), param_dtype=_dtype_of(r),
     )
+    if r.get("block_size") is not None:
+        kw["block_size"] = r.get("block_size")
+    return kw
 
 
 def _render_llada(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
@@ -256,11 +324,12 @@ def _render_llada(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta, "layer_norm_type": "rms", "rms_norm_eps": cfg.norm_eps,
         "vocab_size": cfg.vocab_size, "embedding_size": cfg.embedding_rows,
         "weight_tying": cfg.tie_embeddings, "mask_token_id": cfg.mask_token_id,
-        "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+        "eos_token_id": _eos_json(cfg.eos_token_id), "pad_token_id": cfg.pad_token_id,
         "bos_token_id": cfg.bos_token_id, "max_sequence_length": cfg.max_seq_len,
         "include_bias": False, "include_qkv_bias": cfg.qkv_bias, "scale_logits": False,
         "input_emb_norm": False, "attention_layer_norm": False, "alibi": False,
         "torch_dtype": cfg.param_dtype,
+        **({"block_size": cfg.block_size} if cfg.block_size != _DEFAULT_BLOCK_SIZE else {}),
     }
 
 

@@ -1,9 +1,17 @@
-"""`load_pretrained` / `save_pretrained`: HF-layout checkpoints in and out.
+"""`load_pretrained` / `save_pretrained` / `convert_checkpoint`: HF-layout checkpoints in and out.
 
 A checkpoint directory holds `config.json` and either `model.safetensors` or shards listed in
-`model.safetensors.index.json` (plus tokenizer files, see `dlm_jax.tokenizers`). Saving writes
+`model.safetensors.index.json` (plus tokenizer files, see `dlm_jax._tokenizer`). Saving writes
 everything into a temporary sibling directory and renames it into place, so an interrupted or
-failed save never leaves a half-written checkpoint behind.
+failed save never leaves a half-written checkpoint behind; the directory and its files get the
+permissions the umask gives. `manifest.json` lists every file written with its size and sha256;
+`load_pretrained` verifies it before reading tensors (`verify=False` skips that; checkpoints
+without a manifest, such as those transformers writes, load as before). After editing a file
+of a checkpoint by hand, `dlm_jax.checkpoint.write_manifest(path)` lists the files anew.
+
+Unknown `config.json` keys are ignored with a warning (`strict=True` refuses them); keys that
+change the computation are always checked (see `_families`). A config without
+`mask_token_id` gets the mask token its tokenizer files declare, if any.
 """
 
 from __future__ import annotations
@@ -12,13 +20,16 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dlm_jax import _integrity
 from dlm_jax._config import ConfigError, ModelConfig
+from dlm_jax._tokenizer import declared_mask_token_id
 from dlm_jax.checkpoint import _names
 from dlm_jax.checkpoint._families import Family, family_for, get_family
 from dlm_jax._errors import CheckpointError
@@ -29,6 +40,12 @@ from dlm_jax.models._transformer import Transformer
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+MANIFEST_NAME = _integrity.MANIFEST_NAME
+# Files `convert_checkpoint` carries over byte for byte (the tokenizer's, the generation defaults).
+CARRIED_FILES: tuple[str, ...] = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt")
+_RESERVED = (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, MANIFEST_NAME)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -44,12 +61,19 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | os.PathLike, *, strict: bool = True,
+def load_config(path: str | os.PathLike, *, strict: bool = False,
                 **overrides: Any) -> tuple[ModelConfig, Family]:
     """The `ModelConfig` and family of the checkpoint directory `path`.
 
-    `overrides` replace config fields after parsing (e.g. `attention="bidirectional"` to run
-    a Llama checkpoint as a LLaDA-style model).
+    Args:
+      strict: refuse `config.json` keys this loader does not use (default: ignore them with one
+        warning naming them). Keys that change the computation are checked either way.
+      overrides: replace config fields after parsing (e.g. `attention="bidirectional"` to run
+        a Llama checkpoint as a LLaDA-style model, `mask_token_id=N`).
+
+    Without `mask_token_id` in config.json (and no override), the mask token that the tokenizer
+    files of `path` declare is used (tokenizer_config.json / special_tokens_map.json
+    `mask_token`, or a known mask token in tokenizer.json); with none, it stays None.
     """
     path = Path(path)
     if not path.is_dir():
@@ -58,12 +82,25 @@ def load_config(path: str | os.PathLike, *, strict: bool = True,
     data = _read_json(path / CONFIG_NAME)
     family = family_for(data, source=source)
     cfg = family.config_from_json(data, source=source, strict=strict)
+    if cfg.mask_token_id is None and "mask_token_id" not in overrides:
+        cfg = _mask_from_tokenizer(cfg, path)
     if overrides:
         try:
             cfg = cfg.replace(**overrides)
         except TypeError as e:
             raise ConfigError(f"bad override for {source}: {e}") from None
     return cfg, family
+
+
+def _mask_from_tokenizer(cfg: ModelConfig, path: Path) -> ModelConfig:
+    mask = declared_mask_token_id(path)
+    if mask is None:
+        return cfg
+    if not 0 <= mask < cfg.embedding_rows:
+        warnings.warn(f"{path}: the tokenizer's mask token id {mask} is outside the embedding table "
+                      f"[0, {cfg.embedding_rows}); not using it", UserWarning, stacklevel=3)
+        return cfg
+    return cfg.replace(mask_token_id=mask)
 
 
 def _tensor_index(path: Path) -> dict[str, TensorInfo]:
@@ -95,21 +132,26 @@ def _tensor_index(path: Path) -> dict[str, TensorInfo]:
     return infos
 
 
-def load_pretrained(path: str | os.PathLike, *, strict: bool = True,
+def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bool = True,
                     **overrides: Any) -> Transformer:
     """Load an HF-layout checkpoint (any supported family) into a `Transformer`.
 
     Args:
       path: checkpoint directory.
-      strict: reject config keys this loader does not understand.
+      strict: refuse config keys this loader does not use (default: warn once and ignore them).
+      verify: check every file `manifest.json` lists (size and sha256) before reading anything;
+        a checkpoint without a manifest loads unchecked.
       overrides: `ModelConfig` fields to change after parsing (attention, logit_shift,
         mask_token_id, dtype, param_dtype, block_size, ...).
 
     Raises:
-      CheckpointError: missing/corrupt files, missing, unexpected or mis-shaped tensors.
-      ConfigError: unknown architecture, unknown or unsupported config keys.
+      CheckpointError: missing/corrupt files (a file that differs from the manifest is named),
+        missing, unexpected or mis-shaped tensors.
+      ConfigError: unknown architecture, unsupported config values (unknown keys if strict).
     """
     path = Path(path)
+    if verify and path.is_dir():
+        _integrity.verify_manifest(path)
     cfg, family = load_config(path, strict=strict, **overrides)
     infos = _tensor_index(path)
     shapes = {name: tuple(s.shape) for name, s in param_shapes(cfg).items()}
@@ -159,7 +201,8 @@ def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[dict[str,
 
 def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str = "dlm_jax",
                     tokenizer: Any = None, overwrite: bool = False,
-                    max_shard_bytes: int = 2 * 1024**3) -> Path:
+                    max_shard_bytes: int = 2 * 1024**3,
+                    extra_files: Mapping[str, str | os.PathLike | bytes] | None = None) -> Path:
     """Write `model` (and optionally its tokenizer) as an HF-layout checkpoint at `path`.
 
     Args:
@@ -169,18 +212,27 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
       tokenizer: anything with `save(directory)`, written beside the weights.
       overwrite: replace an existing checkpoint at `path` (atomically).
       max_shard_bytes: above this the weights are split into indexed shards.
+      extra_files: more files to write, name -> bytes or a file to copy byte for byte (they
+        replace same-named tokenizer files; config, weights and manifest names are refused).
+
+    Everything goes into one temporary directory renamed into place; `manifest.json` lists
+    every file (size, sha256); the directory and files get the umask's permissions.
     """
     path = Path(path)
     fam = get_family(family)
     config = fam.config_to_json(model.config)  # fails before anything is written
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path}: already exists (pass overwrite=True to replace it)")
+    extra = dict(extra_files or {})
+    for name in extra:
+        if name in _RESERVED or Path(name).name != name or name.startswith("."):
+            raise CheckpointError(f"extra file {name!r}: not a plain file name, or one save_pretrained writes itself")
     tensors: dict[str, np.ndarray] = {}
     for name, value in get_params(model).items():
         for src, arr in zip(fam.scheme.sources(name, value.shape), _names.to_checkpoint(name, value)):
             tensors[src] = arr
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = _integrity.make_temp_dir(path.parent, prefix=f".{path.name}.tmp-")
     try:
         with open(tmp / CONFIG_NAME, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
@@ -199,11 +251,40 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         if tokenizer is not None:
             tokenizer.save(tmp)
+        for name, source in extra.items():
+            (tmp / name).write_bytes(source if isinstance(source, bytes) else Path(source).read_bytes())
+        for file in tmp.rglob("*"):
+            _integrity.apply_umask(file, directory=file.is_dir())
+        _integrity.write_manifest(tmp)
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, family: str = "dlm_jax",
+                       overwrite: bool = False, strict: bool = False, verify: bool = True) -> Path:
+    """Load the checkpoint `src` and save it at `dst` in `family`'s layout.
+
+    The tokenizer files and generation_config.json of `src` (`CARRIED_FILES`) are carried over
+    byte for byte; every setting the target family can store is kept (`block_size` included)
+    and one it cannot store fails with the field named before anything is written. The result
+    appears atomically, with a manifest. `strict` and `verify` apply to loading `src`.
+    """
+    src, dst = Path(src), Path(dst)
+    fam = get_family(family)
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"{dst}: already exists (pass overwrite=True to replace it)")
+    if verify and src.is_dir():
+        _integrity.verify_manifest(src)
+    cfg, _ = load_config(src, strict=strict)
+    fam.config_to_json(cfg)  # a setting the family cannot store fails before the weights are read
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the config's warnings were given just above
+        model = load_pretrained(src, strict=strict, verify=False)
+    carried = {name: (src / name).read_bytes() for name in CARRIED_FILES if (src / name).is_file()}
+    return save_pretrained(model, dst, family=family, overwrite=overwrite, extra_files=carried)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

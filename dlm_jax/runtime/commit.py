@@ -158,8 +158,9 @@ class CommitRule(Protocol):
         """An upper bound on the steps a unit of `width` slots takes (a loop guard)."""
         ...
 
-    def check(self, *, units: int) -> None:
-        """Raise ConfigError if the rule cannot decode a generation of `units` units."""
+    def check(self, *, units: int, gen_len: int | None = None) -> None:
+        """Raise ConfigError if the rule cannot decode a generation of `gen_len` tokens in
+        `units` units."""
         ...
 
 
@@ -176,7 +177,7 @@ class PerStepRule:
     def max_steps(self, width: int) -> int:
         return width
 
-    def check(self, *, units: int) -> None:
+    def check(self, *, units: int, gen_len: int | None = None) -> None:
         pass
 
 
@@ -232,7 +233,7 @@ class TopKRule:
     def max_steps(self, width: int) -> int:
         return self.counts.shape[1]
 
-    def check(self, *, units: int) -> None:
+    def check(self, *, units: int, gen_len: int | None = None) -> None:
         pass
 
 
@@ -254,9 +255,13 @@ class TopKSchedule:
         if s is not None and (not isinstance(s, numbers.Integral) or isinstance(s, bool) or s <= 0):
             raise ConfigError(f"steps={s!r} must be a positive integer")
 
-    def check(self, *, units: int) -> None:
+    def check(self, *, units: int, gen_len: int | None = None) -> None:
         if self.steps is not None and self.steps % units:
             raise ConfigError(f"steps={self.steps} must be a positive multiple of the number of blocks ({units})")
+        if self.steps is not None and gen_len is not None and self.steps > gen_len:
+            # Later steps would commit nothing: each one a full forward for no token.
+            raise ConfigError(f"steps={self.steps} exceeds gen_len={gen_len}: at most one step per "
+                              f"generated token")
 
     def begin(self, candidates: np.ndarray, *, units: int) -> TopKRule:
         self.check(units=units)

@@ -46,7 +46,7 @@ class DecodeConfig:
                            ("revision", RevisionPolicy)):
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"DecodeConfig.{name}={getattr(self, name)!r} is not a {kind.__name__}")
-        self.rule.check(units=self.units)
+        self.rule.check(units=self.units, gen_len=self.gen_len)
 
     @property
     def units(self) -> int:

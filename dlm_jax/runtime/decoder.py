@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dlm_jax._config import ModelConfig
-from dlm_jax._errors import ConfigError
+from dlm_jax._errors import ConfigError, InputError
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
@@ -90,7 +90,9 @@ class Decoder:
 
     def __init__(self, executor: Executor, model_config: ModelConfig):
         if model_config.mask_token_id is None:
-            raise ConfigError("the model config has no mask_token_id; diffusion decoding needs one")
+            raise ConfigError("the model has no mask token (no mask_token_id in config.json, none declared by "
+                              "its tokenizer) and diffusion decoding needs one: pass "
+                              "dlm_jax.load(path, mask_token_id=N) or --mask-token-id N")
         self.executor = executor
         self.model_config = model_config
 
@@ -117,6 +119,25 @@ class Decoder:
         if total > self.max_tokens:
             raise ConfigError(f"prompt ({max(lens)} tokens) + gen_len ({cfg.gen_len}) = {total} tokens exceeds "
                               f"the limit of {self.max_tokens} (largest cache bucket / max_seq_len)")
+
+    def check_prompts(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None = None) -> None:
+        """Reject token ids outside [0, vocab_size) (a NaN confidence or a silent wrap-around
+        later) and negative or non-integer seeds, naming the prompt and the id."""
+        vocab = self.model_config.vocab_size
+        for r, prompt in enumerate(prompts):
+            ids = np.asarray(prompt)
+            if ids.size == 0:
+                continue  # _check names an empty prompt
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+                raise InputError(f"prompt {r} must be a sequence of integer token ids, got {ids.dtype} "
+                                 f"of shape {ids.shape}")
+            bad = ids[(ids < 0) | (ids >= vocab)]
+            if bad.size:
+                raise InputError(f"prompt {r} holds token id {int(bad[0])}, outside the model's vocabulary "
+                                 f"[0, {vocab})")
+        for s in seeds if seeds is not None else ():
+            if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
+                raise InputError(f"seed {s!r} must be an integer >= 0")
 
     def bucket_keys(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> list[BucketKey]:
         """Every bucket a decode of one batch with these prompt lengths can use: the
@@ -145,9 +166,10 @@ class Decoder:
         """
         mc = self.model_config
         n = len(prompts)
+        self.check_prompts(prompts, seeds)
         self.bucket_keys([len(p) for p in prompts], cfg)  # every check before any work
         state = DecodeState.create(prompts, gen_len=cfg.gen_len, batch=self.capabilities.batches.select(n),
-                                   mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_id=mc.eos_token_id,
+                                   mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_ids=mc.eos_ids,
                                    shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n)
         builder = StepInputBuilder(mc, self.capabilities)
         store: KVStore | None = None

@@ -7,13 +7,14 @@ cost of a step is stepwise in the bucket size, not linear in the live token coun
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from dlm_jax._errors import CheckpointError
+from dlm_jax._integrity import atomic_write, atomic_write_json, manifest_name, verify_manifest, write_manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,17 +46,19 @@ class LatencyTable:
                 "entries": [dataclasses.asdict(e) for e in self.entries]}
 
     def save(self, path: str | os.PathLike) -> Path:
+        """Write the table as JSON (atomically) with its manifest, `<stem>.manifest.json`."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        atomic_write_json(path, self.to_dict())
+        write_manifest(path.parent, [path.name], name=manifest_name(path))
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> LatencyTable:
+    def load(cls, path: str | os.PathLike, *, verify: bool = True) -> LatencyTable:
+        """Read a table; with `verify`, check it against its manifest when it has one."""
+        path = Path(path)
+        if verify and path.exists():
+            verify_manifest(path.parent, name=manifest_name(path), files=[path.name])
         try:
             data = json.loads(Path(path).read_text())
             return cls(data["device"], data["model"], [LatencyEntry(**e) for e in data["entries"]])
@@ -82,6 +85,7 @@ class LatencyTable:
         ax.legend()
         fig.tight_layout()
         path = Path(path)
-        fig.savefig(path, dpi=110)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
         plt.close(fig)
-        return path
+        return atomic_write(path, png.getvalue())

@@ -96,6 +96,8 @@ class Proposer:
         t = self.temperature
         if not isinstance(t, numbers.Real) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise ConfigError(f"temperature={t!r} must be a finite number >= 0")
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ConfigError(f"seed={self.seed!r} must be an integer >= 0")
         if self.confidence not in CONFIDENCE_KINDS:
             raise ConfigError(f"confidence={self.confidence!r} is not one of {CONFIDENCE_KINDS}")
         if self.remasking not in REMASKING:
@@ -120,10 +122,10 @@ class Proposer:
             for r, rng in enumerate(state.rngs):
                 if rng is not None and candidates[r].any():
                     conf[r] = rng.random(k)
-        if self.defer_eos and state.eos_id is not None:
+        if self.defer_eos and state.eos_ids:
             # The lowest score a proposal can have: 0, or minus the largest entropy, log V.
             floor = -math.log(state.vocab_size) if self.confidence == "entropy" else 0.0
-            conf = np.where(x0 == state.eos_id, floor, conf)
+            conf = np.where(state.is_eos(x0), floor, conf)
         return Proposal(x0.astype(np.int32), conf)
 
 

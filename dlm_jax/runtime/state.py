@@ -74,7 +74,7 @@ class DecodeState:
     gen_start: int  # first generated slot
     mask_id: int
     vocab_size: int
-    eos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()  # ids that end a generation (any of them)
     shift: int = 0  # 1 for logit-shift models: window row i predicts slot i + 1
     rngs: list = dataclasses.field(default_factory=list)  # per row: np.random.Generator or None
     unit: int = 0  # the scheduler's cursor: current commit unit ...
@@ -82,7 +82,7 @@ class DecodeState:
 
     @classmethod
     def create(cls, prompts: Sequence[Sequence[int]], *, gen_len: int, batch: int, mask_id: int,
-               vocab_size: int, eos_id: int | None = None, shift: int = 0, seeds: Sequence[int] | None = None) -> DecodeState:
+               vocab_size: int, eos_ids: Sequence[int] = (), shift: int = 0, seeds: Sequence[int] | None = None) -> DecodeState:
         """Left-align `prompts` on a [batch, max prompt + gen_len] grid; rows past
         `len(prompts)` are padding. `seeds` seed each request's generator (default 0)."""
         n = len(prompts)
@@ -105,7 +105,7 @@ class DecodeState:
         rngs = [np.random.default_rng(s) for s in seeds] + [None] * (batch - n)
         return cls(tokens=tokens, status=status, confidence=np.full((batch, total), np.nan),
                    positions=positions, valid=valid, request=request, gen_start=p_max,
-                   mask_id=mask_id, vocab_size=vocab_size, eos_id=eos_id, shift=shift, rngs=rngs)
+                   mask_id=mask_id, vocab_size=vocab_size, eos_ids=tuple(eos_ids), shift=shift, rngs=rngs)
 
     # -- shape ------------------------------------------------------------------------------
 
@@ -159,16 +159,22 @@ class DecodeState:
         self.status[:, slots] = np.where(chosen, _STABLE, self.status[:, slots])
 
     def stop_at_eos(self, slots: np.ndarray) -> np.ndarray:
-        """End the running requests whose `slots` all hold EOS: every later slot becomes a
-        stable EOS. Returns [B] bool, the rows stopped."""
-        if self.eos_id is None or len(slots) == 0:
+        """End the running requests whose `slots` all hold an EOS id: every later slot becomes
+        a stable EOS (the first id). Returns [B] bool, the rows stopped."""
+        if not self.eos_ids or len(slots) == 0:
             return np.zeros(self.batch, bool)
-        done = self.active & (self.tokens[:, slots] == self.eos_id).all(axis=1)
+        done = self.active & self.is_eos(self.tokens[:, slots]).all(axis=1)
         after = int(np.max(slots)) + 1
-        self.tokens[done, after:] = self.eos_id
+        self.tokens[done, after:] = self.eos_ids[0]
         self.status[done, after:] = TokenState.STABLE
         self.request[done] = RequestStatus.STOPPED
         return done
+
+    def is_eos(self, tokens: np.ndarray) -> np.ndarray:
+        """Elementwise: `tokens` that are one of the EOS ids."""
+        if len(self.eos_ids) == 1:
+            return tokens == self.eos_ids[0]
+        return np.isin(tokens, self.eos_ids)
 
     def finish(self) -> None:
         """Mark every running request done."""

@@ -58,6 +58,20 @@ def logits(model: torch.nn.Module, ids: np.ndarray, *, bidirectional: bool = Fal
         return model(tokens, **kwargs).logits.float().numpy()
 
 
+def word_tokenizer(directory: Path, *, added: tuple[str, ...] = ("<|endoftext|>", "<mask>")) -> dict[str, int]:
+    """Write a tiny word-level tokenizer.json whose ids fit the tiny models' vocabulary (w0..w89
+    are 0..89, <unk> is 90, then the `added` special tokens from 91 on); returns their ids."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(90)}
+    vocab["<unk>"] = 90
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in added])
+    tok.save(str(directory / "tokenizer.json"))
+    return {t: tok.token_to_id(t) for t in added}
+
+
 def llama_to_llada(src: Path, dst: Path, *, mask_token_id: int) -> None:
     """Rewrite an HF Llama checkpoint in LLaDA's layout (../shared/formats/llada.md)."""
     cfg = json.loads((src / "config.json").read_text())

@@ -90,3 +90,65 @@ def test_transformers_loads_what_dlm_jax_saves(kind, family, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
     diff = float(np.abs(logits(reloaded, IDS) - logits(model, IDS)).max())
     assert diff <= 1e-6, f"{kind}: {diff}"
+
+
+# Every key of LLaDA-8B-Instruct's config.json (transformers 4.46.3), read from a copy of that
+# file in a public GitHub repository (yinj66/support_basis, LLaDA-8B-Instruct-B&S-light), plus
+# `train_max_sequence_length`, which some LLaDA-8B releases carry as well; the sizes below are
+# replaced by the tiny Llama's before use.
+LLADA_8B_INSTRUCT_CONFIG = {
+    "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0,
+    "architectures": ["LLaDAModelLM"], "attention_dropout": 0.0, "attention_layer_norm": False,
+    "attention_layer_norm_with_affine": True,
+    "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig",
+                 "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+                 "AutoModel": "modeling_llada.LLaDAModelLM"},
+    "bias_for_layer_norm": False, "block_group_size": 1, "block_type": "llama", "d_model": 4096,
+    "embedding_dropout": 0.0, "embedding_size": 126464, "eos_token_id": 126081,
+    "flash_attention": False, "include_bias": False, "include_qkv_bias": False,
+    "init_cutoff_factor": None, "init_device": "meta", "init_fn": "mitchell", "init_std": 0.02,
+    "input_emb_norm": False, "layer_norm_type": "rms", "layer_norm_with_affine": True,
+    "mask_token_id": 126336, "max_sequence_length": 4096, "mlp_hidden_size": 12288, "mlp_ratio": 4,
+    "model_type": "llada", "multi_query_attention": None, "n_heads": 32, "n_kv_heads": 32,
+    "n_layers": 32, "pad_token_id": 126081, "precision": "amp_bf16", "residual_dropout": 0.0,
+    "rms_norm_eps": 1e-05, "rope": True, "rope_full_precision": True, "rope_theta": 500000.0,
+    "scale_logits": False, "train_max_sequence_length": 4096, "transformers_version": "4.46.3",
+    "use_cache": False, "vocab_size": 126464, "weight_tying": False,
+}
+
+
+def test_real_llada_8b_config_loads_and_matches_llama(tmp_path):
+    """LLaDA-8B-Instruct's own config.json key set, tiny sizes, no tokenizer files: loads with
+    one warning naming the keys dlm-jax does not use, and computes bidirectional Llama."""
+    import json
+    import warnings
+
+    model = build("llama")
+    model.save_pretrained(tmp_path / "llama")
+    llama_to_llada(tmp_path / "llama", tmp_path / "llada", mask_token_id=95)
+    hf = model.config
+    tiny = {"d_model": hf.hidden_size, "n_heads": hf.num_attention_heads,
+            "n_kv_heads": hf.num_key_value_heads, "n_layers": hf.num_hidden_layers,
+            "mlp_hidden_size": hf.intermediate_size, "vocab_size": hf.vocab_size,
+            "embedding_size": hf.vocab_size, "max_sequence_length": 128,
+            "train_max_sequence_length": 128, "rms_norm_eps": hf.rms_norm_eps,
+            "eos_token_id": 90, "pad_token_id": 90, "mask_token_id": 95}
+    config = {**LLADA_8B_INSTRUCT_CONFIG, **tiny}
+    assert config.keys() == LLADA_8B_INSTRUCT_CONFIG.keys()
+    (tmp_path / "llada" / "config.json").write_text(json.dumps(config, indent=2))
+    assert sorted(p.name for p in (tmp_path / "llada").iterdir()) == ["config.json", "model.safetensors"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = dlm_jax.load_pretrained(tmp_path / "llada")
+    assert len(caught) == 1 and caught[0].category is UserWarning
+    assert "['train_max_sequence_length']" in str(caught[0].message)
+    assert "config.json" in str(caught[0].message)
+    cfg = ours.config
+    assert (cfg.attention, cfg.logit_shift, cfg.mask_token_id, cfg.eos_token_id) == ("bidirectional", False, 95, 90)
+    _check("llada_8b_config", np.asarray(ours(jnp.asarray(IDS, jnp.int32)).logits),
+           logits(model, IDS, bidirectional=True))
+    # ... and `dlm_jax.load` makes it a model that decodes token-id prompts without a tokenizer.
+    handle = dlm_jax.load(tmp_path / "llada")
+    result = handle.generate([[5, 6, 7], [8, 9]], dlm_jax.preset("llada", gen_len=8, block_len=8))
+    assert result.texts is None and result.stats.nfe == 8
+    assert all(0 <= t < cfg.vocab_size and t != 95 for ids in result.token_ids for t in ids)  # no mask left

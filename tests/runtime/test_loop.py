@@ -98,8 +98,29 @@ def test_states_after_a_decode_and_an_eos_stop():
     assert never.stats.nfe == 3 and (never.sequences[0][4:] != EOS).all()
 
 
+def test_any_of_several_eos_ids_ends_a_request():
+    """Llama-3 style `eos_token_id` lists: a block of mixed EOS ids stops the request (later
+    slots take the first id), deferral scores each of them lowest, and the API cuts a
+    completion at the first of any."""
+    from dlm_jax.testing import mock_model
+
+    answer = np.full(CFG.max_seq_len, ord("7"))
+    answer[5:7] = 263  # prompt of 3: generated slots 3-4 '77', then EOS ids 263 / 258 only
+    answer[7:11] = [258, 263, 258, 258]
+    handle = mock_model(answer=answer, confidence=np.full(CFG.max_seq_len, 0.95), eos_token_id=[258, 263])
+    assert handle.config.eos_ids == (258, 263)
+    res = handle.generate([1, 2, 3], decode_config(gen_len=12, block_len=4))
+    assert res.token_ids == [[55, 55]] and res.texts == ["77"]
+    assert res.stats.nfe == 2  # the second block (all EOS ids) ends the request: no third step
+    out = StepOutputs(top_token=np.array([[263, 7, 258, 9]], np.int32), top_prob=np.full((1, 4), 0.9, np.float32),
+                      second_prob=np.full((1, 4), 0.01, np.float32), entropy=np.zeros((1, 4), np.float32))
+    state = DecodeState.create([[1]], gen_len=4, batch=1, mask_id=259, vocab_size=264, eos_ids=(258, 263))
+    deferred = Proposer(defer_eos=True).propose(out, np.ones((1, 4), bool), state).confidence
+    assert deferred[0].tolist() == pytest.approx([0.0, 0.9, 0.0, 0.9])
+
+
 def test_token_and_request_states():
-    state = DecodeState.create([[7, 8, 9], [5]], gen_len=4, batch=4, mask_id=63, vocab_size=64, eos_id=EOS)
+    state = DecodeState.create([[7, 8, 9], [5]], gen_len=4, batch=4, mask_id=63, vocab_size=64, eos_ids=(EOS,))
     assert state.total == 7 and state.gen_start == 3 and state.n_requests == 2
     assert state.request.tolist() == [RequestStatus.RUNNING] * 2 + [RequestStatus.PADDING] * 2
     assert state.valid[1].tolist() == [False, False, True, True, True, True, True]
@@ -218,7 +239,7 @@ def test_deferred_eos_ranks_eos_last():
     out = StepOutputs(top_token=np.array([[EOS, 7, EOS, 9]], np.int32),
                       top_prob=np.array([[0.99, 0.6, 0.95, 0.5]], np.float32),
                       second_prob=np.full((1, 4), 0.01, np.float32), entropy=np.array([[0.1, 1.0, 0.2, 1.2]], np.float32))
-    state = DecodeState.create([[1]], gen_len=4, batch=1, mask_id=63, vocab_size=64, eos_id=EOS)
+    state = DecodeState.create([[1]], gen_len=4, batch=1, mask_id=63, vocab_size=64, eos_ids=(EOS,))
     cand = np.ones((1, 4), bool)
     plain = Proposer().propose(out, cand, state).confidence
     deferred = Proposer(defer_eos=True).propose(out, cand, state).confidence

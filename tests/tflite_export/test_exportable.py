@@ -17,7 +17,9 @@ from dlm_jax.program import JaxExecutor
 from dlm_jax.runtime import BucketKey, OutputRequest, StepInputs
 from dlm_jax.runtime.step import INPUT_NAMES, input_specs, output_names, output_specs
 from dlm_jax.testing import TINY
-from tflite_export import convert_signatures, decode_signature, decode_signature_name, export_signatures, tflite_op_names
+from dlm_jax import CheckpointError, _integrity
+from tflite_export import (convert_signatures, decode_signature, decode_signature_name, export_signatures,
+                           read_tflite, tflite_op_names, write_tflite)
 
 from ai_edge_litert.interpreter import Interpreter  # noqa: E402  (a runtime dependency: never skipped)
 
@@ -46,8 +48,22 @@ def exported(model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tflite")
     path = folder / "decode.tflite"
     export_signatures([decode_signature(graphdef, state, model.config, k) for k in KEYS], path)
-    assert os.listdir(folder) == ["decode.tflite"]  # no temporary file left behind
+    # No temporary file left behind; the manifest holds its size and sha256; umask permissions.
+    assert sorted(os.listdir(folder)) == ["decode.manifest.json", "decode.tflite"]
+    assert read_tflite(path) == path.read_bytes()
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_integrity.umask()
     return path.read_bytes()
+
+
+def test_a_flipped_byte_in_a_tflite_file_is_named(exported, tmp_path):
+    path = tmp_path / "decode.tflite"
+    write_tflite(path, exported)
+    data = bytearray(exported)
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="decode.tflite: sha256 differs"):
+        read_tflite(path)
+    assert read_tflite(path, verify=False) == bytes(data)
 
 
 @pytest.fixture(scope="module")

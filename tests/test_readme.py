@@ -1,0 +1,153 @@
+"""Every command and snippet the README shows runs, and prints what the README says it prints.
+
+README conventions this test reads:
+- a ```console block: lines starting with `$ ` are commands; the lines after a command, up to
+  the next one, are its expected stdout: each must appear, in order, as a line of the real
+  output (compared without surrounding spaces); `...` stands for any lines.
+- a ```python block runs as a script from the repository root; a ```text block right after it
+  is its expected stdout, with the same rule.
+- the set-up block (`make demo`, `make test`) runs `make demo`; `make test` is the command
+  running this file.
+
+Commands run in a scratch directory that links `models/` and `examples/` from the repository,
+so what they write (`latency.json`, converted checkpoints, runs) lands there. The training
+commands take hours as written; they run in-process with their config cut to two steps on a
+few hundred examples (marked slow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BIN = Path(sys.executable).parent
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+def blocks() -> list[tuple[str, str]]:
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(README)]
+
+
+def console_commands() -> list[tuple[str, list[str]]]:
+    out: list[tuple[str, list[str]]] = []
+    for info, body in blocks():
+        if info != "console":
+            continue
+        for line in body.splitlines():
+            if line.startswith("$ "):
+                out.append((line[2:].strip(), []))
+            elif out and line.strip():
+                out[-1][1].append(line)
+    return out
+
+
+def python_snippets() -> list[tuple[str, list[str]]]:
+    found = blocks()
+    return [(body, found[i + 1][1].splitlines() if i + 1 < len(found) and found[i + 1][0] == "text" else [])
+            for i, (info, body) in enumerate(found) if info == "python"]
+
+
+def assert_prints(stdout: str, expected: list[str], what: str) -> None:
+    """Each expected line (but `...`) appears in `stdout`, in order."""
+    lines = [line.strip() for line in stdout.splitlines()]
+    at = 0
+    for want in expected:
+        if want.strip() == "...":
+            continue
+        try:
+            at = lines.index(want.strip(), at) + 1
+        except ValueError:
+            raise AssertionError(f"{what}: expected the line {want.strip()!r} (in order) in its output:\n"
+                                 f"{stdout}") from None
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    for name in ("models", "examples"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    return tmp_path
+
+
+def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+TRAINING = [(c, e) for c, e in console_commands() if c.startswith("dlm-jax train ")]
+RUNS_ON_A_TRAINED_RUN = [(c, e) for c, e in console_commands() if "runs/" in c and (c, e) not in TRAINING]
+QUICK = [(c, e) for c, e in console_commands() if (c, e) not in TRAINING + RUNS_ON_A_TRAINED_RUN]
+
+
+def test_the_readme_shows_commands_and_snippets():
+    assert len(QUICK) >= 5 and len(TRAINING) == 2 and len(python_snippets()) >= 1
+    setup = blocks()[0][1]
+    assert [line.split()[:2] for line in setup.splitlines()] == [["make", "demo"], ["make", "test"]]
+
+
+def test_every_inline_command_is_also_run():
+    """A command quoted in the prose must be one of the commands the blocks run."""
+    runnable = {c for c, _ in console_commands()} | {"make demo", "make test"}
+    inline = re.findall(r"`((?:dlm-jax|make|python -m) [^`]*)`", README)
+    stray = [c for c in inline if c not in runnable and not c.startswith("dlm-jax demo --help")]
+    assert not stray, f"commands in README prose that no test runs: {stray}"
+
+
+@pytest.mark.parametrize("command,expected", QUICK, ids=[c[:60] for c, _ in QUICK])
+def test_console_command(command, expected, scratch):
+    result = run(command, scratch)
+    assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr
+    assert_prints(result.stdout, expected, command)
+
+
+@pytest.mark.parametrize("snippet,expected", python_snippets(), ids=lambda x: "snippet")
+def test_python_snippet(snippet, expected):
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_prints(result.stdout, expected, "README snippet")
+
+
+def test_setup_demo_command():
+    """`make demo` in this checkout (its .venv exists, so make only runs the demo)."""
+    result = run("make demo", ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("[ok ]") > result.stdout.count("[BAD]")
+    assert "speedup_vs_vanilla" in result.stdout
+
+
+def _shrunk(run_config):
+    """The README's training config cut to two steps on a few hundred examples."""
+    train = dataclasses.replace(run_config.train, steps=2, warmup_steps=0, log_every=1, checkpoint_every=1,
+                                batch_size=2, length_buckets=(), long_tail_prob=0.0)
+    data = dataclasses.replace(run_config.data, train_examples=50, heldout_examples=10, corpus_bytes=10_000)
+    return dataclasses.replace(run_config, train=train, data=data)
+
+
+@pytest.mark.slow
+def test_training_commands_then_eval_of_the_run(scratch, monkeypatch, capsys):
+    """The README's training commands, then its eval of the finished run."""
+    import json
+
+    from dlm_jax.cli import main
+    from training.config import RunConfig
+
+    real_load = RunConfig.load
+    monkeypatch.setattr(RunConfig, "load", classmethod(lambda cls, path: _shrunk(real_load.__func__(cls, path))))
+    monkeypatch.chdir(scratch)
+    for command, _ in TRAINING:
+        assert main(shlex.split(command)[1:]) == 0, command
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert report["steps"] == 2 and Path(report["model"]).is_dir()
+    for command, _ in RUNS_ON_A_TRAINED_RUN:
+        args = shlex.split(command)[1:] + ["--n", "2"]
+        assert main(args) == 0, command
+        assert json.loads(capsys.readouterr().out)["n"] == 2
