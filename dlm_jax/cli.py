@@ -147,7 +147,7 @@ def _demo_tasks(handle, cfg, args: argparse.Namespace) -> dict:
     total = {"correct": 0, "n": 0, "nfe": 0.0, "seconds": 0.0}
     for task in TASKS:
         report = evaluate(handle, task, cfg, n=args.per_task, batch_size=args.per_task, progress=False,
-                          keep=args.per_task)
+                          keep=args.per_task, chat=_chat(args))
         for s_ in report["samples"]:
             mark = "ok " if s_["correct"] else "BAD"
             print(f"[{mark}] {task:8s} {s_['prompt']!r} -> {s_['completion']!r} (expected {s_['answer']!r})")
@@ -260,7 +260,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     cfg = decode_config(args)
     handle = _load(args, args.model)
-    report = evaluate(handle, args.task, cfg, n=args.n, batch_size=args.batch, keep=args.show)
+    report = evaluate(handle, args.task, cfg, n=args.n, batch_size=args.batch, keep=args.show, chat=_chat(args))
     report["decoder"] = cfg.options()
     print(json.dumps(report, indent=2, ensure_ascii=False))
     return 0
@@ -290,6 +290,10 @@ def _add_prompt_options(p: argparse.ArgumentParser, *, required: bool, help_: st
         given.add_argument("--prompt-ids", action="append", type=token_ids, metavar="IDS",
                            help="a prompt as token ids ('12 7 99'), e.g. for a checkpoint without tokenizer "
                                 "files; repeat to decode a batch")
+    _add_format_options(p)
+
+
+def _add_format_options(p: argparse.ArgumentParser) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--chat", action="store_true",
                      help="wrap prompts in the chat template (default: the prompt format the checkpoint records)")
@@ -354,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=positive_int, default=200, help="held-out examples")
     p.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
     p.add_argument("--show", type=int, default=3, help="sample completions to print")
+    _add_format_options(p)
     _add_model_options(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_eval)

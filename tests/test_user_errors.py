@@ -209,3 +209,16 @@ def test_a_bucket_the_backend_lacks_is_named_in_one_line(monkeypatch, capsys):
     line = one_error_line(capsys.readouterr().err)
     assert "no bucket of this executor holds a step of batch=1, window=16" in line
     assert "nearest available: b1_w32_p0_r8" in line and not handle.executor.calls
+
+
+def test_raw_prompting_is_one_flag_away_in_eval_and_demo(capsys):
+    """The shipped model answers in its recorded chat format and not from raw text, in eval
+    and in the demo alike."""
+    model = str(ROOT / "models" / "llada-tiny")
+    scores = {}
+    for flag in ([], ["--raw"]):
+        assert main(["eval", "--model", model, "--task", "addition", "--n", "4", "--gen", "32", "--show", "0"] + flag) == 0
+        scores[tuple(flag)] = json.loads(capsys.readouterr().out)["accuracy"]
+    assert scores[()] == 1.0 and scores[("--raw",)] < 1.0
+    assert main(["demo", "--per-task", "1", "--gen", "32", "--raw"]) == 0
+    assert "[ok ]" not in capsys.readouterr().out.split("== vanilla")[0]

@@ -15,9 +15,10 @@ from training.data import TASKS, make_split
 
 
 def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_size: int = 8,
-             seed: int = 0, progress: bool = True, keep: int = 0) -> dict[str, Any]:
+             seed: int = 0, progress: bool = True, keep: int = 0, chat: bool | None = None) -> dict[str, Any]:
     """Decode `n` held-out examples of `task` with `handle` (a `dlm_jax.Model`) and score them.
-    Prompts take the model's prompt format (`handle.prompt_format`, chat for the shipped models).
+    Prompts take the model's prompt format (`handle.prompt_format`, chat for the shipped models)
+    unless `chat` says otherwise.
 
     Returns accuracy, mean NFE per request, tokens/s (committed tokens over decode time, after
     warm-up), and the first `keep` (prompt, completion, correct) triples.
@@ -33,7 +34,7 @@ def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_s
     correct, nfe, tokens, seconds, samples = [], [], 0, 0.0, []
     for i in tqdm(range(0, n, batch_size), desc=f"eval {task}", disable=not progress, file=sys.stderr):
         chunk = examples[i:i + batch_size]
-        prompts = [handle.encode(ex.prompt) for ex in chunk]  # in the model's prompt format
+        prompts = [handle.encode(ex.prompt, chat=chat) for ex in chunk]
         handle.decoder.warmup([len(p) for p in prompts], cfg)
         t0 = time.perf_counter()
         res = handle.generate(prompts, cfg)
