@@ -350,8 +350,12 @@ def declared_mask_token_id(directory: str | os.PathLike) -> int | None:
     return None
 
 
+class NoTokenizerError(CheckpointError):
+    """A checkpoint directory holds no tokenizer files (a model still loads without them)."""
+
+
 def load_tokenizer(directory: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer stored in a checkpoint directory."""
+    """The tokenizer stored in a checkpoint directory (NoTokenizerError when there is none)."""
     directory = Path(directory)
     if (directory / "tokenizer.json").exists():
         return HFTokenizer(directory)
@@ -361,5 +365,5 @@ def load_tokenizer(directory: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
             raise CheckpointError(f"{directory / CONFIG_FILE}: special tokens differ "
                                   f"from this version's byte tokenizer")
         return ByteTokenizer(prompt_format=_prompt_format(config, directory / CONFIG_FILE))
-    raise CheckpointError(f"{directory}: no tokenizer files (neither tokenizer.json nor a dlm-jax "
+    raise NoTokenizerError(f"{directory}: no tokenizer files (neither tokenizer.json nor a dlm-jax "
                           f"tokenizer_config.json)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import operator
 import os
 from collections.abc import Callable, Sequence
@@ -14,7 +13,7 @@ import numpy as np
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import CheckpointError, InputError
-from dlm_jax._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from dlm_jax._tokenizer import NoTokenizerError, Tokenizer, load_tokenizer
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.decoder import DecodeStats, Decoder
 from dlm_jax.runtime.step import Executor
@@ -140,18 +139,6 @@ class Model:
         return self.tokenizer.decode([t for t in self._trim(seq) if t != mask])
 
 
-def _has_tokenizer(path: Path) -> bool:
-    if (path / "tokenizer.json").exists():
-        return True
-    try:
-        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return False
-    except (ValueError, UnicodeDecodeError):
-        return True  # there, but corrupt: load_tokenizer names the problem
-    return not isinstance(config, dict) or config.get("tokenizer_class") == ByteTokenizer.CLASS_NAME
-
-
 def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, **overrides: Any) -> Model:
     """Load a checkpoint directory (model + tokenizer) ready to generate.
 
@@ -167,5 +154,8 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
 
     path = Path(path)
     model = load_pretrained(path, strict=strict, verify=verify, **overrides)
-    tokenizer = load_tokenizer(path) if _has_tokenizer(path) else MissingTokenizer(path)
+    try:
+        tokenizer = load_tokenizer(path)
+    except NoTokenizerError:  # corrupt tokenizer files still raise
+        tokenizer = MissingTokenizer(path)
     return Model(model, tokenizer)

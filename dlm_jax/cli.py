@@ -300,12 +300,13 @@ def _add_format_options(p: argparse.ArgumentParser) -> None:
     fmt.add_argument("--raw", action="store_true", help="feed prompt text as it is, without the chat template")
 
 
-def _add_model_options(p: argparse.ArgumentParser, *, loads_weights: bool = True) -> None:
+def _add_model_options(p: argparse.ArgumentParser, *, verify: bool = True, mask: bool = True) -> None:
     p.add_argument("--strict", action="store_true",
                    help="refuse config.json keys this loader does not know (default: warn and ignore them)")
-    if loads_weights:
+    if verify:
         p.add_argument("--no-verify", dest="verify", action="store_false",
                        help="skip checking the files against the checkpoint's manifest (size and sha256)")
+    if mask:
         p.add_argument("--mask-token-id", type=int, metavar="ID",
                        help="the mask token id, for a checkpoint whose config and tokenizer declare none")
 
@@ -330,15 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("inspect", help="print a checkpoint's family, config and size")
     p.add_argument("--model", required=True)
-    _add_model_options(p, loads_weights=False)
+    _add_model_options(p, verify=False, mask=False)
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("convert", help="rewrite a checkpoint in another family's layout")
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--family", default="dlm_jax", choices=sorted(FAMILIES))
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--strict", action="store_true", help="refuse config.json keys this loader does not know")
-    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the manifest check")
+    _add_model_options(p, mask=False)
     p.set_defaults(func=cmd_convert)
     p = sub.add_parser("train", help="train a model from a TOML config (resumes the run in --out; Ctrl-C saves "
                                       "a checkpoint)")
