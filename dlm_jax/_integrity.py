@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -150,3 +151,19 @@ def verify_manifest(directory: str | os.PathLike, *, name: str = MANIFEST_NAME,
 def manifest_name(path: str | os.PathLike) -> str:
     """The manifest beside a single-file output: `latency.json` -> `latency.manifest.json`."""
     return f"{Path(path).stem}.manifest.json"
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished `src` to `dst`; an existing `dst` is swapped out, then removed."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    os.rmdir(old)
+    os.replace(dst, old)
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -44,8 +44,13 @@ def _check_prompts(prompts: Sequence[str]) -> None:
 
 
 def _load(args: argparse.Namespace, path: str | Path):
-    """`dlm_jax.load` with the model flags (--strict, --no-verify, --mask-token-id)."""
+    """`dlm_jax.load` with the model flags (--strict, --no-verify, --mask-token-id); a bundle
+    (`dlm-jax export`) loads into the LiteRT runner instead."""
     import dlm_jax
+    from dlm_jax.runner import BUNDLE_FILE
+
+    if (Path(path) / BUNDLE_FILE).exists():
+        return _load_bundle(args, path)
 
     overrides = {} if args.mask_token_id is None else {"mask_token_id": args.mask_token_id}
     return dlm_jax.load(path, strict=args.strict, verify=args.verify, **overrides)
@@ -207,6 +212,70 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_bundle(args: argparse.Namespace, path: str | Path):
+    from dlm_jax.runner import load_bundle
+
+    handle = load_bundle(path, accelerator=getattr(args, "accelerator", None) or "cpu",
+                         threads=getattr(args, "threads", 2), cpu_fallback=getattr(args, "cpu_fallback", False),
+                         verify=getattr(args, "verify", True))
+    args.keep_alive = handle  # LiteRT logs its teardown: let it happen after main hushes stderr
+    return handle
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Decode with an exported bundle through LiteRT: no JAX, the bundle's decode defaults
+    unless --preset or decode flags say otherwise."""
+    from dlm_jax.runner import Bundle
+    from dlm_jax.runtime.registry import PRESETS, build, options
+
+    _check_prompts(args.prompt or [])
+    bundle = Bundle.open(args.bundle, verify=args.verify)
+    if args.accelerator is None:
+        target = bundle.meta.get("target", "cpu")
+        args.accelerator = target if target in ("cpu", "gpu", "npu") else "npu"
+    given = {name: getattr(args, name) for name in options() if getattr(args, name, None) is not None}
+    cfg = build(given, base=PRESETS[args.preset] if args.preset else bundle.meta.get("decode", {}))
+    handle = _load_bundle(args, args.bundle)
+    if handle.accelerator_note:
+        print(f"warning: {handle.accelerator_note}", file=sys.stderr)
+    report = _run_generate(handle, args.prompt or args.prompt_ids, cfg, chat=_chat(args), stream=True)
+    print(json.dumps({**report["stats"], "bundle": bundle.describe()}), file=sys.stderr)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A checkpoint -> a LiteRT bundle (one signature per bucket) with a progress bar."""
+    from tqdm import tqdm
+
+    from tflite_export.bundle import buckets_for_prompts, export_bundle, parse_bucket
+
+    cfg = decode_config(args)
+    if args.buckets:
+        keys = [parse_bucket(b) for b in args.buckets]
+    else:
+        import dlm_jax
+
+        model_cfg, _ = dlm_jax.load_config(args.model)
+        keys = buckets_for_prompts(model_cfg, cfg, max_prompt=args.for_prompts or 64, batches=args.batch)
+    bar = tqdm(total=len(keys), desc="export", unit="bucket", file=sys.stderr, disable=None)
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar.set_postfix_str(stage)
+        if stage.startswith("convert"):
+            bar.update(1)
+
+    try:
+        result = export_bundle(args.model, args.out, keys=keys, decode=cfg, quant=args.quant, target=args.target,
+                               add=args.add, overwrite=args.overwrite, verify=args.verify, progress=progress,
+                               latency_repeats=args.latency_repeats)
+    finally:
+        bar.close()
+    print(json.dumps({"bundle": str(result.path), "buckets": len(result.keys), "added": len(result.added),
+                      "model_bytes": result.model_bytes, "quant": args.quant, "target": args.target,
+                      "seconds": round(result.seconds, 1)}))
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     import dlm_jax
 
@@ -329,6 +398,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("export", help="export a checkpoint as a LiteRT bundle: one .tflite signature per bucket, "
+                                      "tokenizer, decode defaults, latency table, lowering plan, manifest")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--out", required=True, help="bundle directory to write")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--buckets", nargs="+", metavar="NAME",
+                       help="buckets by signature name, e.g. step_w32_p64_r32 (step_w<window>_p<cache>_r<rows>"
+                            "[_b<batch>][_full])")
+    given.add_argument("--for-prompts", type=positive_int, metavar="N",
+                       help="every bucket the decode options need for prompts of up to N tokens (default 64)")
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1],
+                   help="batch sizes to export buckets for (with --for-prompts; default 1)")
+    p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+                   help="weight quantisation with LiteRT's quantised kernels (default none: float32)")
+    p.add_argument("--target", default="cpu",
+                   choices=["cpu", "gpu", "npu", "qualcomm-sm8650", "qualcomm-sm8750", "qualcomm-sm8850"],
+                   help="the runner's default accelerator; qualcomm-* compiles ahead of time (needs the vendor SDK)")
+    p.add_argument("--add", action="store_true", help="add the buckets to the bundle already at --out")
+    p.add_argument("--overwrite", action="store_true", help="replace the bundle already at --out")
+    p.add_argument("--latency-repeats", type=positive_int, default=5, help="runs per bucket for the latency table")
+    _add_model_options(p, mask=False)
+    _add_decode_options(p)
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("run", help="decode prompts with an exported bundle through LiteRT (no JAX), streaming text")
+    p.add_argument("bundle", help="bundle directory (dlm-jax export)")
+    _add_prompt_options(p, required=True, help_="prompt text", ids=True)
+    p.add_argument("--accelerator", choices=["cpu", "gpu", "npu"],
+                   help="LiteRT accelerator (default: the bundle's target; cpu is XNNPACK)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2; 0: LiteRT decides)")
+    p.add_argument("--cpu-fallback", action="store_true",
+                   help="let ops the GPU/NPU cannot run fall back to the CPU instead of refusing the bundle")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip checking the bundle's files against its manifest")
+    _add_decode_options(p)
+    p.set_defaults(func=cmd_run, preset=None)
     p = sub.add_parser("inspect", help="print a checkpoint's family, config and size")
     p.add_argument("--model", required=True)
     _add_model_options(p, verify=False, mask=False)
@@ -381,9 +485,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. A user's mistake (a bad option, file or input) or an environment
     failure (a read-only, full or missing output location) ends in one `error:` line on stderr
     and a non-zero exit, never a traceback."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    finally:
+        # As the process's entry point (argv None), hush LiteRT's teardown log after our last line.
+        if argv is None and "dlm_jax.runner" in sys.modules:
+            sys.modules["dlm_jax.runner"].quiet_native_exit()
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     from dlm_jax._errors import CheckpointError, ConfigError
 
-    args = build_parser().parse_args(argv)
     with warnings.catch_warnings():
         warnings.showwarning = lambda message, *a, **k: print(f"warning: {_one_line(message)}", file=sys.stderr)
         try:

@@ -1,3 +1,27 @@
 """Lowering: tile padding to hardware tiles, tiled weight layouts, quantisation, NPU/CPU
-partitioning and the memory planner. Nothing is implemented here yet (see DESIGN.md).
+partitioning and the memory planner (see DESIGN.md). NumPy only: importing it never loads JAX.
 """
+
+from dlm_jax._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {}
+# tiles: 32x32 tile padding, tiled weight layout, tile-reading matmul, stepwise tile cost
+_EXPORTS.update({name: "lowering.tiles" for name in (
+    "TILE", "TileCost", "TiledLayout", "crop_from_tiles", "pad_to_tiles", "row_shuffle_inner_product",
+    "tile_cost", "tiled_matmul")})
+# quant: GGML Q4_0, per-channel INT8/INT4, INT4 + INT8 outlier channels, fake-quant schemes
+_EXPORTS.update({name: "lowering.quant" for name in (
+    "MixedInt4", "PerChannel", "QUANT_SCHEMES", "WeightError", "dequantize_q4_0", "fake_quantize",
+    "quantize_int4", "quantize_int8", "quantize_mixed", "quantize_per_channel", "quantize_q4_0",
+    "salience", "weight_error")})
+# graph: the lowered step as data, read from a .tflite signature or built from a ModelConfig
+_EXPORTS.update({name: "lowering.graph" for name in (
+    "Op", "StepGraph", "Tensor", "analytic_graph", "op_flops", "read_tflite_graph", "signatures")})
+# partition: NPU/CPU assignment per bucket (the function is `lowering.partition.partition`: a package
+# attribute of that name would be shadowed by the submodule once it is imported)
+_EXPORTS.update({name: "lowering.partition" for name in ("Partition", "find_lm_head")})
+# memory: swap-optimized memory planner, its checker, the cost model and the paging-only baseline
+_EXPORTS.update({name: "lowering.memory" for name in (
+    "MemoryPlan", "PlanError", "check_plan", "plan_bundle", "plan_memory", "simulate")})
+_EXPORTS.update({"CostModel": "lowering.costs", "PagingResult": "lowering.paging", "paging_only": "lowering.paging"})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

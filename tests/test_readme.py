@@ -77,6 +77,31 @@ def scratch(tmp_path):
     return tmp_path
 
 
+def block_of() -> dict[str, int]:
+    """Which console block each command is in: a block's commands run in order in one
+    directory (a bundle exported by one line is run by the next)."""
+    found = {}
+    for i, (info, body) in enumerate(blocks()):
+        for line in body.splitlines():
+            if info == "console" and line.startswith("$ "):
+                found.setdefault(line[2:].strip(), i)
+    return found
+
+
+@pytest.fixture(scope="module")
+def block_dirs(tmp_path_factory):
+    made: dict[int, Path] = {}
+
+    def get(block: int) -> Path:
+        if block not in made:
+            made[block] = tmp_path_factory.mktemp(f"block{block}")
+            for name in ("models", "examples"):
+                (made[block] / name).symlink_to(ROOT / name)
+        return made[block]
+
+    return get
+
+
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
@@ -102,8 +127,8 @@ def test_every_inline_command_is_also_run():
 
 
 @pytest.mark.parametrize("command,expected", QUICK, ids=[c[:60] for c, _ in QUICK])
-def test_console_command(command, expected, scratch):
-    result = run(command, scratch)
+def test_console_command(command, expected, block_dirs):
+    result = run(command, block_dirs(block_of()[command]))
     assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
     assert "Traceback" not in result.stderr
     assert_prints(result.stdout, expected, command)

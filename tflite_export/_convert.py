@@ -32,30 +32,36 @@ class Signature(NamedTuple):
 
 
 def decode_signature_name(key) -> str:
-    """Stable signature name of a bucket: `step_w8_p8_r8` (`_b2` appended for batch 2,
-    `_full` when rows' logits are returned)."""
-    name = f"step_w{key.window}_p{key.cache}_r{key.rows}"
-    if key.batch != 1:
-        name += f"_b{key.batch}"
-    return name + ("_full" if key.full_logits else "")
+    """Stable signature name of a bucket (`dlm_jax.runtime.step.signature_name`)."""
+    from dlm_jax.runtime.step import signature_name
+
+    return signature_name(key)
 
 
 def decode_signature(graphdef, state, config, key) -> Signature:
     """The decode program (`dlm_jax.program.decode_step`) of one bucket as a `Signature`,
     weights closed over; inputs and outputs named, shaped and ordered by the step contract
-    (`dlm_jax.runtime.step`), so `logits` [B, R, V] is added when `key.full_logits`."""
-    from dlm_jax.program import abstract_inputs, decode_step
-    from dlm_jax.runtime.step import INPUT_NAMES, output_names
+    (`dlm_jax.runtime.step`), so `logits` [B, R, V] is added when `key.full_logits`. A
+    cache-less bucket (P == 0) takes no cache inputs (`signature_inputs`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dlm_jax.program import decode_step
+    from dlm_jax.runtime.step import input_specs, output_names, signature_inputs, signature_name
 
     step = functools.partial(decode_step, graphdef, state, full_logits=key.full_logits,
                              mask_id=config.mask_token_id)
     outputs = output_names(key)
+    taken = signature_inputs(config, key)
+    names = [name for name, _, _ in taken]
+    empty = {name: jnp.zeros(shape, dtype) for name, shape, dtype in input_specs(config, key) if name not in names}
 
     def fn(*inputs):
-        named = step(*inputs)
+        named = step(**{**empty, **dict(zip(names, inputs))})
         return tuple(named[name] for name in outputs)
 
-    return Signature(decode_signature_name(key), fn, abstract_inputs(config, key), INPUT_NAMES, outputs)
+    specs = tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in taken)
+    return Signature(signature_name(key), fn, specs, names, outputs)
 
 
 def lower_to_stablehlo(fn: Callable[..., Any], specs: Sequence[Any]) -> str:
@@ -99,9 +105,11 @@ def _check_arity(func, sig: Signature) -> None:
                          f"{len(sig.output_names)} output names given")
 
 
-def convert_signatures(signatures: Iterable[Signature | tuple], *, config=None) -> bytes:
+def convert_signatures(signatures: Iterable[Signature | tuple], *, config=None,
+                       progress: Callable[[str], None] | None = None) -> bytes:
     """Lower, convert and merge `signatures` into one `.tflite` flatbuffer (bytes).
-    `config` is a `converter_api_ext.ConvertToTFLConfig` (default settings if None)."""
+    `config` is a `converter_api_ext.ConvertToTFLConfig` (default settings if None);
+    `progress(name)` is called as each signature has been lowered and converted."""
     from litert_converter import converter_api_ext
     from litert_converter.mlir import ir, passmanager
 
@@ -111,15 +119,14 @@ def convert_signatures(signatures: Iterable[Signature | tuple], *, config=None) 
     names = [s.name for s in sigs]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate signature names: {names}")
-    texts = [lower_to_stablehlo(s.fn, s.specs) for s in sigs]
     if config is None:
         config = converter_api_ext.ConvertToTFLConfig()
 
     ctx = _new_context()
     with ctx, ir.Location.unknown():
         modules = []
-        for sig, text in zip(sigs, texts):
-            module = ir.Module.parse(text)
+        for sig in sigs:
+            module = ir.Module.parse(lower_to_stablehlo(sig.fn, sig.specs))
             func = _main_func(module)
             _check_arity(func, sig)
             converter_api_ext.run_convert_to_tfl_passes(module, passmanager.PassManager(), config)
@@ -128,6 +135,8 @@ def convert_signatures(signatures: Iterable[Signature | tuple], *, config=None) 
             converter_api_ext.set_signature(func.operation, sig.name, list(sig.input_names),
                                             list(sig.output_names))
             modules.append(module)
+            if progress is not None:
+                progress(sig.name)
         merged = modules[0] if len(modules) == 1 else converter_api_ext.merge_modules(modules)
         return converter_api_ext.export_flatbuffer_to_bytes(merged.operation)
 
@@ -163,30 +172,17 @@ def export_signatures(signatures: Iterable[Signature | tuple], path: str | os.Pa
     return write_tflite(path, convert_signatures(signatures, config=config))
 
 
-@functools.cache
-def _builtin_names() -> dict[int, str]:
-    from litert_converter import schema_py_generated as schema
-
-    return {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
-
-
 def tflite_op_names(content: bytes) -> dict[str, set[str]]:
     """Operator names used by each signature's subgraph, read from the flatbuffer: builtin
     ops by their `BuiltinOperator` name (`FULLY_CONNECTED`, `STABLEHLO_ADD`, ...), custom ops
     as `CUSTOM:<code>` (Flex ops are `CUSTOM:Flex...`). Subgraphs no signature points at
     (control-flow bodies) are listed under `<subgraph i>`."""
-    from litert_converter import schema_py_generated as schema
+    from ai_edge_litert import schema_py_generated as schema
+
+    from lowering.graph import opcode_names
 
     model = schema.Model.GetRootAs(content, 0)
-    builtin = _builtin_names()
-    codes = []
-    for i in range(model.OperatorCodesLength()):
-        oc = model.OperatorCodes(i)
-        code = max(oc.BuiltinCode(), oc.DeprecatedBuiltinCode())
-        if code == schema.BuiltinOperator.CUSTOM:
-            codes.append("CUSTOM:" + (oc.CustomCode() or b"").decode())
-        else:
-            codes.append(builtin.get(code, f"BUILTIN_{code}"))
+    codes = opcode_names(model, schema)
     sig_of = {}
     for i in range(model.SignatureDefsLength()):
         sd = model.SignatureDefs(i)

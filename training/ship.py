@@ -56,7 +56,7 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
     train_seconds = _wall_seconds(run_dir, run, metrics)
     chance = {t: chance_accuracy(t, n=n) for t in TASKS}
     card = _card(dest.name, run, config, metrics, results, chance, size_mb, train_seconds, n, gen_len)
-    from dlm_jax.checkpoint._io import _replace_dir
+    from dlm_jax._integrity import replace_dir
 
     dest.parent.mkdir(parents=True, exist_ok=True)  # stage beside dest: the rename stays atomic
     tmp = make_temp_dir(dest.parent, f".{dest.name}.")
@@ -67,7 +67,7 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
                                                   "chance": chance,
                                                   "tasks": task_settings()}, indent=2))
         write_manifest(tmp)  # the card and evaluation too
-        _replace_dir(tmp, dest)
+        replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

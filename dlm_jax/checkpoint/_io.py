@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -256,7 +255,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
         for file in tmp.rglob("*"):
             _integrity.apply_umask(file, directory=file.is_dir())
         _integrity.write_manifest(tmp)
-        _replace_dir(tmp, path)
+        _integrity.replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -285,19 +284,3 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, family
         model = load_pretrained(src, strict=strict, verify=False)
     carried = {name: (src / name).read_bytes() for name in CARRIED_FILES if (src / name).is_file()}
     return save_pretrained(model, dst, family=family, overwrite=overwrite, extra_files=carried)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move the finished `src` to `dst`; an existing `dst` is swapped out, then removed."""
-    if not dst.exists():
-        os.replace(src, dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-    os.rmdir(old)
-    os.replace(dst, old)
-    try:
-        os.replace(src, dst)
-    except BaseException:
-        os.replace(old, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

@@ -118,7 +118,8 @@ class Decoder:
         total = max(lens) + cfg.gen_len
         if total > self.max_tokens:
             raise ConfigError(f"prompt ({max(lens)} tokens) + gen_len ({cfg.gen_len}) = {total} tokens exceeds "
-                              f"the limit of {self.max_tokens} (largest cache bucket / max_seq_len)")
+                              f"the limit of {self.max_tokens} (largest cache bucket / max_seq_len)"
+                              + (f"; {self.capabilities.missing_hint}" if self.capabilities.missing_hint else ""))
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None = None) -> None:
         """Reject token ids outside [0, vocab_size) (a NaN confidence or a silent wrap-around
@@ -145,7 +146,10 @@ class Decoder:
         ConfigError naming a bucket the executor lacks."""
         self._check(prompt_lens, cfg)
         caps = self.capabilities
-        batch = caps.batches.select(len(prompt_lens))
+        try:
+            batch = caps.batches.select(len(prompt_lens))
+        except ConfigError as e:
+            raise ConfigError(f"{e}" + (f"; {caps.missing_hint}" if caps.missing_hint else "")) from None
         logits = cfg.proposer.needs_logits
         shapes = cfg.scheduler.plan_shapes(prompt_lens, cfg.gen_len, shift=self.shift)
         return sorted({caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes})

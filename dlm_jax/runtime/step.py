@@ -83,6 +83,22 @@ def output_specs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[i
     return [(s.name, s.shape(sizes), _dtype(s, config)) for s in _outputs(key)]
 
 
+def signature_name(key: BucketKey) -> str:
+    """Stable name of a bucket's exported signature: `step_w8_p8_r8` (`_b2` appended for
+    batch 2, `_full` when rows' logits are returned)."""
+    name = f"step_w{key.window}_p{key.cache}_r{key.rows}"
+    if key.batch != 1:
+        name += f"_b{key.batch}"
+    return name + ("_full" if key.full_logits else "")
+
+
+def signature_inputs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[int, ...], str]]:
+    """The inputs an exported signature takes: `input_specs` less the cache inputs of a
+    cache-less bucket (P == 0 makes them zero-size tensors, which LiteRT buffers cannot hold;
+    the program ignores them)."""
+    return [s for s in input_specs(config, key) if not (key.cache == 0 and s[0] in ("k_cache", "v_cache"))]
+
+
 def output_names(key: BucketKey) -> tuple[str, ...]:
     return tuple(s.name for s in _outputs(key))
 
@@ -151,6 +167,7 @@ class Capabilities:
     rows: BucketSet
     keys: frozenset[BucketKey] | None = None
     outputs: frozenset[str] = frozenset({"kv", "logits"})
+    missing_hint: str = ""  # appended to the error for a step no bucket holds (how to get one)
 
     @classmethod
     def for_length(cls, max_len: int, *, batches: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> Capabilities:
@@ -176,7 +193,11 @@ class Capabilities:
 
     @property
     def max_tokens(self) -> int:
-        """The longest sequence one window or one cache can hold."""
+        """The longest sequence one window or one cache can hold. For a fixed bucket set, the
+        most any bucket holds (cache + window): whether a decode finds every bucket it needs
+        is `select`'s to say, naming the one missing."""
+        if self.keys is not None:
+            return max(k.window + k.cache for k in self.keys)
         return min(self.windows.largest, self.caches.largest)
 
     def select(self, *, batch: int, window: int, cache: int, rows: int, logits: bool = False) -> BucketKey:
@@ -207,7 +228,8 @@ class Capabilities:
         wanted = BucketKey(batch, window, cache, rows, logits)
         raise ConfigError(f"no bucket of this executor holds a step of batch={batch}, window={window}, "
                           f"cache={cache}, rows={rows}{' with logits' if logits else ''} (needs at least "
-                          f"{wanted}); nearest available: {nearest} ({len(self.keys)} buckets)")
+                          f"{wanted}); nearest available: {nearest} ({len(self.keys)} buckets)"
+                          + (f"; {self.missing_hint}" if self.missing_hint else ""))
 
 
 @runtime_checkable

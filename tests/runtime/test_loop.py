@@ -190,8 +190,9 @@ def test_fixed_bucket_sets_are_honoured_and_a_missing_bucket_is_named():
                                           r"cache=3, rows=8 \(needs at least b1_w16_p3_r8\); nearest available: "
                                           r"b1_w32_p0_r8 \(2 buckets\)"):
         dec.decode([[1, 2, 3]], decode_config(gen_len=16, block_len=8, cache="prefix"))
-    with pytest.raises(ConfigError, match=r"exceeds the limit of 32"):
-        dec.decode([[1] * 24], decode_config(gen_len=16, block_len=8))
+    # The longest sequence a fixed set holds is its largest cache + window (8 + 32).
+    with pytest.raises(ConfigError, match=r"= 46 tokens exceeds the limit of 40"):
+        dec.decode([[1] * 30], decode_config(gen_len=16, block_len=8))
     with pytest.raises(ConfigError, match=r"cannot return logits \(needed for sampling"):
         dec.decode([[1, 2, 3]], decode_config(gen_len=8, block_len=8, temperature=1.0))
     assert not exe.calls  # nothing ran

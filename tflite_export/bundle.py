@@ -1,0 +1,352 @@
+"""`dlm-jax export`: a checkpoint -> a bundle directory the runner (`dlm_jax.runner`) decodes from.
+
+    keys = buckets_for_prompts(config, decode, max_prompt=64, batches=(1,))
+    export_bundle("models/llada-tiny", "bundles/llada-tiny", keys=keys, quant="int8", decode=decode)
+
+One `.tflite` holds one signature per bucket; the converter stores each constant once, so the
+weights are shared and a bucket adds only its graph (`bundle.json` records the bytes per
+bucket). Quantisation uses LiteRT's own quantised kernels through `ai-edge-quantizer`
+recipes (`QUANT_MODES`): weights stored as int8 / int4 constants that XNNPACK's
+dynamic-range FULLY_CONNECTED kernels consume directly (activations quantised per row at run
+time), not float weights with DEQUANTIZE ops, which would run at float speed from float memory.
+
+The bundle is built in a temporary sibling directory and renamed into place, so an
+interrupted export leaves the previous bundle (or nothing) behind, never a half-written one.
+Qualcomm targets compile ahead of time through `ai_edge_litert.aot`, which needs the vendor
+SDK package; without it the export stops before writing anything, naming the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlm_jax._errors import CheckpointError, ConfigError
+from dlm_jax.runner import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, MODEL_FILE, Bundle, key_to_dict)
+from dlm_jax.runtime.buckets import BucketKey
+
+QUANT_MODES: dict[str, str] = {
+    "none": "float32 weights and activations",
+    "int8": "ai-edge-quantizer dynamic_wi8_afp32: int8 weights, one symmetric scale per output channel; "
+            "FULLY_CONNECTED quantises its input per row at run time (XNNPACK qd8-f32-qc8w)",
+    "int4": "ai-edge-quantizer dynamic int4 BLOCKWISE_32: int4 weights in blocks of 32 along the input "
+            "dimension with one scale each (Q4_0's granularity); FULLY_CONNECTED quantises its input at "
+            "run time (XNNPACK qd8-f32-qb4w)",
+}
+TARGETS: dict[str, str | None] = {"cpu": None, "gpu": None, "npu": None,
+                                  "qualcomm-sm8650": "SM8650", "qualcomm-sm8750": "SM8750",
+                                  "qualcomm-sm8850": "SM8850"}
+QUALCOMM_SDK_PACKAGE = "ai-edge-litert-sdk-qualcomm"
+LATENCY_FILE = "latency.json"
+PLAN_FILE = "plan.json"
+_SIGNATURE = re.compile(r"^step_w(\d+)_p(\d+)_r(\d+)(?:_b(\d+))?(_full)?$")
+
+
+def parse_bucket(text: str) -> BucketKey:
+    """A bucket from its signature name (`step_w32_p64_r32`, `_b4` for batch 4, `_full` for
+    logits), as bundles and error messages print them."""
+    m = _SIGNATURE.match(text.strip())
+    if not m:
+        raise ConfigError(f"bucket {text!r} is not a signature name like step_w32_p64_r32 "
+                          f"(step_w<window>_p<cache>_r<rows>[_b<batch>][_full])")
+    w, p, r, b, full = m.groups()
+    return BucketKey(int(b or 1), int(w), int(p), int(r), bool(full))
+
+
+class _Sizes:
+    """The executor stand-in a `Decoder` needs to enumerate buckets: the JAX executor's
+    default bucket sets for the model's length."""
+
+    def __init__(self, config):
+        from dlm_jax.runtime.step import Capabilities
+
+        self.capabilities = Capabilities.for_length(config.max_seq_len)
+
+
+def buckets_for_prompts(config, decode, *, max_prompt: int, batches: Sequence[int] = (1,)) -> list[BucketKey]:
+    """Every bucket a decode with `decode` options needs for prompts of 1..`max_prompt` tokens
+    in batches of each size in `batches` (the decoder's own `bucket_keys`)."""
+    from dlm_jax.runtime.decoder import Decoder
+
+    decoder = Decoder(_Sizes(config), config)
+    if max_prompt <= 0:
+        raise ConfigError(f"--for-prompts {max_prompt} must be a positive number of tokens")
+    limit = decoder.max_tokens - decode.gen_len
+    if max_prompt > limit:
+        raise ConfigError(f"prompts of {max_prompt} tokens + gen_len {decode.gen_len} exceed the model's "
+                          f"{decoder.max_tokens} tokens; the longest prompt this decode allows is {limit}")
+    keys: set[BucketKey] = set()
+    for batch in batches:
+        for n in range(1, max_prompt + 1):
+            keys.update(decoder.bucket_keys([n] * batch, decode))
+    return sorted(keys)
+
+
+def quantize_tflite(content: bytes, mode: str) -> bytes:
+    """`content` with its weights quantised by LiteRT's quantizer (`QUANT_MODES`)."""
+    if mode not in QUANT_MODES:
+        raise ConfigError(f"unknown quantisation {mode!r}; known: {', '.join(QUANT_MODES)}")
+    if mode == "none":
+        return content
+    from ai_edge_quantizer import qtyping, quantizer, recipe, recipe_manager
+
+    if mode == "int8":
+        rcp = recipe.dynamic_wi8_afp32()
+    else:
+        manager = recipe_manager.RecipeManager()
+        manager.add_dynamic_config(regex=".*", operation_name=qtyping.TFLOperationName.ALL_SUPPORTED, num_bits=4,
+                                   granularity=qtyping.QuantGranularity.BLOCKWISE_32)
+        rcp = manager.get_quantization_recipe()
+    from dlm_jax.runner import native_stderr_captured
+
+    with native_stderr_captured(), _quiet_stdout():
+        return bytes(quantizer.Quantizer(content, rcp).quantize().quantized_model)
+
+
+class _quiet_stdout:
+    """The quantizer prints a size summary and progress bars; the exporter shows its own."""
+
+    def __enter__(self):
+        import contextlib
+        import io
+
+        self._cm = contextlib.ExitStack()
+        self._cm.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        self._cm.enter_context(contextlib.redirect_stderr(io.StringIO()))
+        return self
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+def qualcomm_target(target: str):
+    """The `ai_edge_litert.aot` target of a `qualcomm-*` name, after checking the vendor SDK
+    package is importable.
+
+    Raises:
+      ConfigError: naming the missing package (its install downloads the vendor SDK).
+    """
+    from ai_edge_litert.aot.vendors.qualcomm import target as qnn
+
+    soc = qnn.Target(soc_model=qnn.SocModel(TARGETS[target]))
+    try:
+        import ai_edge_litert_sdk_qualcomm  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"--target {target} compiles ahead of time for the {soc!r} NPU with the Qualcomm AI "
+                          f"Engine Direct SDK, and its Python package {QUALCOMM_SDK_PACKAGE} is not installed "
+                          f"(pip install {QUALCOMM_SDK_PACKAGE}; its install fetches the SDK from the vendor). "
+                          f"Export with --target npu for LiteRT's on-device compilation instead") from None
+    return soc
+
+
+def aot_compile_qualcomm(content: bytes, soc) -> bytes:
+    """`content` compiled for a Qualcomm SoC by LiteRT's AOT flow (needs the vendor SDK)."""
+    import tempfile
+
+    from ai_edge_litert.aot import aot_compile
+    from ai_edge_litert.aot.core import aot_types
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / MODEL_FILE
+        src.write_bytes(content)
+        result = aot_compile.aot_compile(str(src), output_dir=tmp, target=soc, keep_going=False)
+        models = [m for _, m in getattr(result, "models_with_backend", [])]
+        if not models:
+            raise ConfigError(f"ahead-of-time compilation for {soc!r} produced no model: {result}")
+        model: aot_types.Model = models[0]
+        return model.model_bytes
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("dlm-jax", "jax", "litert-converter", "ai-edge-litert", "ai-edge-quantizer"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _measure_latency(bundle_dir: Path, keys: Sequence[BucketKey], repeats: int) -> dict[str, Any]:
+    """Median step latency of every bucket with the runner on this CPU (XNNPACK, 2 threads)."""
+    import platform
+
+    import gc
+
+    from dlm_jax.runner import LiteRTExecutor, _zero_inputs, native_stderr_captured
+
+    executor = LiteRTExecutor(Bundle.open(bundle_dir, verify=False), accelerator="cpu", threads=2)
+    entries = []
+    for key in keys:
+        inputs = _zero_inputs(executor.config, key)
+        executor.step(inputs)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            executor.step(inputs)
+            times.append((time.perf_counter() - t0) * 1e3)
+        entries.append({"window": key.window, "cache": key.cache, "batch": key.batch, "rows": key.rows,
+                        "median_ms": float(np.median(times)), "p10_ms": float(np.percentile(times, 10)),
+                        "p90_ms": float(np.percentile(times, 90))})
+    with native_stderr_captured():  # LiteRT logs its teardown
+        del executor
+        gc.collect()
+    return {"device": f"litert-xnnpack-2threads ({platform.machine()})", "model": {}, "entries": entries}
+
+
+def _lowering_plan(content: bytes, config, keys: Sequence[BucketKey], quant: str, params) -> dict[str, Any]:
+    """Partition and memory plan per signature (`lowering.memory.plan_bundle`), the
+    quantisation of this `.tflite`, and the NPU-side mixed precision a QNN path would use
+    (PowerInfer-2's INT4 per channel + INT8 outlier input channels): its rule and, per linear
+    weight, the outlier channels and the weight error."""
+    from lowering.memory import plan_bundle
+    from lowering.quant import quantize_mixed, weight_error
+
+    plan = plan_bundle(content, config, list(keys))
+    plan["quantization"] = {"mode": quant, "method": QUANT_MODES[quant]}
+    npu, rule = {}, None
+    for name, value in sorted(params.items()):
+        if np.ndim(value) != 2 or name.startswith("embed"):
+            continue
+        w = np.asarray(value, np.float32).T  # kernel [in, out] -> W [out, in]
+        mixed = quantize_mixed(w)
+        rule = mixed.rule
+        npu[name] = {"outlier_channels": mixed.outliers.tolist(),
+                     "rel_error": round(weight_error(w, mixed.dequantize()).rel_fro, 6)}
+    plan["npu_quantization"] = {"rule": rule, "weights": npu}
+    return plan
+
+
+@dataclasses.dataclass
+class ExportResult:
+    path: Path
+    keys: list[BucketKey]
+    added: list[BucketKey]
+    model_bytes: int
+    seconds: float
+
+
+def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys: Iterable[BucketKey],
+                  decode, quant: str = "none", target: str = "cpu", add: bool = False, overwrite: bool = False,
+                  latency_repeats: int = 5, verify: bool = True,
+                  progress: Callable[[str, int, int], None] | None = None) -> ExportResult:
+    """Export the checkpoint at `model_dir` as a bundle at `out`.
+
+    Args:
+      keys: the buckets to export (`buckets_for_prompts`, `parse_bucket`).
+      decode: the `DecodeConfig` recorded as the bundle's decode defaults.
+      quant: "none", "int8" or "int4" (`QUANT_MODES`).
+      target: "cpu", "gpu", "npu" (the runner's default accelerator; one portable `.tflite`)
+        or "qualcomm-sm8650" / "sm8750" / "sm8850" (ahead-of-time compiled; needs the SDK).
+      add: `out` is a bundle of this model: keep its buckets and add `keys`.
+      overwrite: replace whatever bundle `out` holds.
+      progress: `progress(stage, done, total)` as signatures convert.
+
+    Raises:
+      ConfigError: an unknown quantisation or target, a missing vendor SDK, an existing bundle
+        at `out` without `add` / `overwrite`, or one of another model or quantisation.
+    """
+    import dlm_jax
+    from dlm_jax._integrity import make_temp_dir, replace_dir, write_manifest
+    from flax import nnx
+
+    from tflite_export._convert import convert_signatures, decode_signature
+
+    t0 = time.perf_counter()
+    if quant not in QUANT_MODES:
+        raise ConfigError(f"unknown quantisation {quant!r}; known: {', '.join(QUANT_MODES)}")
+    if target not in TARGETS:
+        raise ConfigError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
+    soc = qualcomm_target(target) if TARGETS[target] else None
+    out = Path(out)
+    keys = sorted(set(keys))
+    if not keys:
+        raise ConfigError("no buckets to export")
+    handle = dlm_jax.load(model_dir, verify=verify)
+    config = handle.config
+    existing = _existing_keys(out, config, quant, target, add=add, overwrite=overwrite)
+    added = [k for k in keys if k not in existing]
+    keys = sorted(set(keys) | set(existing))
+
+    graphdef, state = nnx.split(handle.model)
+    done = [0]
+
+    def tick(name: str) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(f"convert {name}", done[0], len(keys))
+
+    content = convert_signatures([decode_signature(graphdef, state, config, k) for k in keys], progress=tick)
+    float_bytes = len(content)
+    if progress is not None:
+        progress(f"quantize ({quant})", 0, 1)
+    content = quantize_tflite(content, quant)
+    if soc is not None:
+        content = aot_compile_qualcomm(content, soc)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_temp_dir(out.parent, f".{out.name}.tmp-")
+    try:
+        (tmp / MODEL_FILE).write_bytes(content)
+        if handle.has_tokenizer:
+            handle.tokenizer.save(tmp)
+        meta = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "model": MODEL_FILE,
+                "source": str(model_dir), "config": config.to_dict(),
+                "buckets": [key_to_dict(k) for k in keys],
+                "quant": {"mode": quant, "method": QUANT_MODES[quant]}, "target": target,
+                "decode": decode.options(), "prompt_format": handle.prompt_format,
+                "bytes": {"model": len(content), "float_model": float_bytes,
+                          "weights_float32": int(4 * dlm_jax.param_count(config))},
+                "files": {"latency": LATENCY_FILE, "plan": PLAN_FILE}, "versions": _versions()}
+        (tmp / BUNDLE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if progress is not None:
+            progress("lowering plan", 0, 1)
+        plan = _lowering_plan(content, config, keys, quant, dlm_jax.get_params(handle.model))
+        (tmp / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
+        if soc is None:
+            if progress is not None:
+                progress("latency table", 0, 1)
+            latency = _measure_latency(tmp, keys, latency_repeats)
+            latency["model"] = {"source": str(model_dir), "quant": quant}
+            (tmp / LATENCY_FILE).write_text(json.dumps(latency, indent=2) + "\n")
+        write_manifest(tmp)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out, keys, added, len(content), time.perf_counter() - t0)
+
+
+def _existing_keys(out: Path, config, quant: str, target: str, *, add: bool, overwrite: bool) -> list[BucketKey]:
+    """The buckets of the bundle at `out` to keep (with `add`), after checking it may be replaced."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return []
+    if not (out / BUNDLE_FILE).exists():
+        raise ConfigError(f"{out} exists and is not a bundle; choose another --out (nothing was written)")
+    if not (add or overwrite):
+        raise ConfigError(f"{out} already holds a bundle: pass --add to add these buckets to it, or "
+                          f"--overwrite to replace it")
+    if overwrite and not add:
+        return []
+    try:
+        old = Bundle.open(out)
+    except CheckpointError as e:
+        raise ConfigError(f"cannot add to {out}: {e}; pass --overwrite to replace it") from None
+    if old.config.to_dict() != config.to_dict():
+        raise ConfigError(f"cannot add to {out}: it holds another model (its config differs); "
+                          f"pass --overwrite to replace it")
+    if old.quant != quant or old.meta.get("target") != target:
+        raise ConfigError(f"cannot add to {out}: it is quant={old.quant} target={old.meta.get('target')}, "
+                          f"this export quant={quant} target={target}")
+    return old.keys
