@@ -45,8 +45,14 @@ def test_run_uses_the_bundle_decode_defaults(bundle, capsys):
     (["export", "--model", MODEL, "--out", "{bundle}", "--buckets", "step_w32_p32_r32"], "pass --add"),
     (["export", "--model", MODEL, "--out", "{tmp}", "--buckets", "step_w32_p32_r32"], "is not a bundle"),
     (["export", "--model", MODEL, "--out", "{tmp}/new", "--for-prompts", "900"], "exceed the model's"),
+    (["export", "--model", MODEL, "--out", "{tmp}/new", "--buckets", "step_w32_p32_r32", "--target",
+      "qualcomm-sm8750"], "ai-edge-litert-sdk-qualcomm is not installed"),
 ])
 def test_mistakes_are_one_line_errors(bundle, tmp_path, capsys, argv, message):
+    import importlib.util
+
+    if "qualcomm-sm8750" in argv and importlib.util.find_spec("ai_edge_litert_sdk_qualcomm"):
+        pytest.skip("the Qualcomm SDK package is installed here")
     (tmp_path / "something").write_text("x")
     before = sorted(p.name for p in bundle.iterdir())
     argv = [a.format(bundle=bundle, tmp=tmp_path) for a in argv]
@@ -60,3 +66,20 @@ def test_unknown_accelerator_is_refused_by_the_parser(bundle, capsys):
     with pytest.raises(SystemExit) as e:
         main(["run", str(bundle), "--prompt", "1+1=", "--accelerator", "tpu"])
     assert e.value.code == 2 and "invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+def test_a_failed_export_leaves_the_old_bundle_and_no_temporary(bundle, monkeypatch):
+    """The bundle is built beside the destination and renamed into place: an export that
+    fails half way (here: while measuring latency) changes nothing."""
+    import tflite_export.bundle as bundle_module
+    from dlm_jax._integrity import file_digest
+
+    before = {p.name: file_digest(p) for p in bundle.iterdir()}
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bundle_module, "_measure_latency", broken)
+    assert main(["export", "--model", MODEL, "--out", str(bundle), "--buckets", "step_w32_p32_r32", "--add"]) == 1
+    assert {p.name: file_digest(p) for p in bundle.iterdir()} == before
+    assert sorted(p.name for p in bundle.parent.iterdir()) == [bundle.name]
