@@ -26,8 +26,10 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -227,8 +229,13 @@ class LiteRTExecutor:
         self.config = bundle.config
         self.accelerator = accelerator
         self._content = bundle.model_path.read_bytes()  # LiteRT reads from this buffer: keep it alive
+        # XNNPACK packs the weights of every signature it prepares; with a weight cache file the
+        # signatures share one packed copy (without it, memory grows by a copy per bucket).
+        self._cache_dir = tempfile.mkdtemp(prefix="dlm-jax-xnnpack-")
+        weakref.finalize(self, shutil.rmtree, self._cache_dir, ignore_errors=True)
+        cache = os.path.join(self._cache_dir, "weights.xnnpack_cache")
         options = Options(hardware_accelerators=_accelerator_flags(accelerator, cpu_fallback=cpu_fallback),
-                          cpu_options=CpuOptions(num_threads=threads))
+                          cpu_options=CpuOptions(num_threads=threads, xnnpack_weight_cache_path=cache))
         with native_stderr_captured() as log:
             try:
                 self._model = CompiledModel.from_buffer(self._content, options=options)
