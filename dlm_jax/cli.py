@@ -51,9 +51,28 @@ def _load(args: argparse.Namespace, path: str | Path):
 
     if (Path(path) / BUNDLE_FILE).exists():
         return _load_bundle(args, path)
+    if getattr(args, "entry_point", False):
+        _persistent_compile_cache()
 
     overrides = {} if args.mask_token_id is None else {"mask_token_id": args.mask_token_id}
     return dlm_jax.load(path, strict=args.strict, verify=args.verify, **overrides)
+
+
+def _persistent_compile_cache() -> None:
+    """Keep compiled buckets across runs of a command (~/.cache/dlm-jax/xla, or
+    DLM_JAX_CACHE_DIR; "off" disables it): a second `generate` skips XLA compilation. An
+    unwritable location only means compiling again. Not for `main(argv)` called from Python,
+    whose JAX settings are the caller's."""
+    import os
+
+    if os.environ.get("DLM_JAX_CACHE_DIR", "").lower() == "off":
+        return
+    from dlm_jax._compile import enable_persistent_cache
+
+    try:
+        enable_persistent_cache()
+    except OSError:
+        pass
 
 
 def _chat(args: argparse.Namespace) -> bool | None:
@@ -486,11 +505,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     failure (a read-only, full or missing output location) ends in one `error:` line on stderr
     and a non-zero exit, never a traceback."""
     args = build_parser().parse_args(argv)
+    args.entry_point = argv is None  # the process is this command (not a caller's Python)
     try:
         return _dispatch(args)
     finally:
-        # As the process's entry point (argv None), hush LiteRT's teardown log after our last line.
-        if argv is None and "dlm_jax.runner" in sys.modules:
+        # As the process's entry point, hush LiteRT's teardown log after our last line.
+        if args.entry_point and "dlm_jax.runner" in sys.modules:
             sys.modules["dlm_jax.runner"].quiet_native_exit()
 
 

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Commands run by tests share one persistent XLA cache (the CLI keeps compiled buckets there),
+# apart from the user's own ~/.cache.
+os.environ.setdefault("DLM_JAX_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"dlm-jax-tests-xla-{os.getuid()}"))
+# The test processes themselves too: many tests compile the same buckets of the same models.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DLM_JAX_CACHE_DIR"])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 

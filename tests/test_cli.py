@@ -160,3 +160,22 @@ train_examples = 16
     config.write_text(config.read_text().replace("steps = 4", "steps = 4\nlr = 1"))
     assert main(["train", "--config", str(config)]) == 2
     assert "unknown key(s) ['lr'] in [train]" in capsys.readouterr().err
+
+
+def test_a_command_keeps_its_compiled_buckets_for_the_next_run(tiny_ckpt, tmp_path):
+    """`dlm-jax generate` as a process stores its XLA executables in DLM_JAX_CACHE_DIR (a
+    second run loads them instead of compiling); `main([...])` called from Python leaves the
+    caller's JAX settings alone."""
+    import os
+
+    cache = tmp_path / "xla"
+    argv = [sys.executable, "-m", "dlm_jax.cli", "generate", "--model", str(tiny_ckpt), "--prompt-ids", "5 6 7",
+            "--gen", "8", "--block", "8"]
+    run = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "DLM_JAX_CACHE_DIR": str(cache)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert any(cache.iterdir())
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt-ids", "5 6 7", "--gen", "8", "--block", "8"]) == 0
+    assert jax.config.jax_compilation_cache_dir == before

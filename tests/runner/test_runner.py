@@ -27,7 +27,8 @@ RULES = ("topk", "threshold", "factor", "frechet")
 BLOCK = {"llada-tiny": 16, "idlm-tiny": 4}
 
 
-# Every cache mode and every rule at least once (the full product runs with --runslow).
+# Every cache mode and every rule at least once, at batch 1 (the full product, and batch 4, run
+# with --runslow).
 DIAGONAL = [("none", "topk"), ("prefix", "threshold"), ("dual", "factor"), ("prefix", "frechet"),
             ("dual", "topk")]
 
@@ -61,7 +62,7 @@ def pair(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["diagonal", "product"])
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_runner_decodes_exactly_like_jax(pair, batch, full):
     name, jax_model, runner, prompts = pair
     if name != "llada-tiny" and not full:
