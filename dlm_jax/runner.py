@@ -275,7 +275,7 @@ class LiteRTExecutor:
         """Create the buffers of every bucket in `keys` and run each once; returns how many were new."""
         new = [k for k in dict.fromkeys(keys) if k not in self._signatures]
         for key in new:
-            self.step(_zero_inputs(self.config, key))
+            self.step(zero_inputs(self.config, key))
         return len(new)
 
     def close(self) -> None:
@@ -307,7 +307,8 @@ def quiet_native_exit() -> None:
     os.close(devnull)
 
 
-def _zero_inputs(config: ModelConfig, key: BucketKey) -> StepInputs:
+def zero_inputs(config: ModelConfig, key: BucketKey) -> StepInputs:
+    """A step of bucket `key` with zero inputs and every slot visible (warm-up, timing)."""
     arrays = {name: np.zeros(shape, dtype) for name, shape, dtype in input_specs(config, key)}
     arrays["visibility"][...] = True
     return StepInputs(**arrays, want=OutputRequest(kv=True, logits=key.full_logits))

@@ -184,12 +184,12 @@ def _measure_latency(bundle_dir: Path, keys: Sequence[BucketKey], repeats: int) 
 
     import gc
 
-    from dlm_jax.runner import LiteRTExecutor, _zero_inputs, native_stderr_captured
+    from dlm_jax.runner import LiteRTExecutor, zero_inputs, native_stderr_captured
 
     executor = LiteRTExecutor(Bundle.open(bundle_dir, verify=False), accelerator="cpu", threads=2)
     entries = []
     for key in keys:
-        inputs = _zero_inputs(executor.config, key)
+        inputs = zero_inputs(executor.config, key)
         executor.step(inputs)
         times = []
         for _ in range(repeats):
