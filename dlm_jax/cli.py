@@ -274,7 +274,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         import dlm_jax
 
-        model_cfg, _ = dlm_jax.load_config(args.model)
+        model_cfg, _ = dlm_jax.load_config(args.model, strict=args.strict)
         keys = buckets_for_prompts(model_cfg, cfg, max_prompt=args.for_prompts or 64, batches=args.batch)
     bar = tqdm(total=len(keys), desc="export", unit="bucket", file=sys.stderr, disable=None)
 
@@ -285,7 +285,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         result = export_bundle(args.model, args.out, keys=keys, decode=cfg, quant=args.quant, target=args.target,
-                               add=args.add, overwrite=args.overwrite, verify=args.verify, progress=progress,
+                               add=args.add, overwrite=args.overwrite, verify=args.verify, strict=args.strict,
+                               progress=progress,
                                latency_repeats=args.latency_repeats)
     finally:
         bar.close()

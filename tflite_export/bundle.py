@@ -239,7 +239,7 @@ class ExportResult:
 
 def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys: Iterable[BucketKey],
                   decode, quant: str = "none", target: str = "cpu", add: bool = False, overwrite: bool = False,
-                  latency_repeats: int = 5, verify: bool = True,
+                  latency_repeats: int = 5, verify: bool = True, strict: bool = False,
                   progress: Callable[[str, int, int], None] | None = None) -> ExportResult:
     """Export the checkpoint at `model_dir` as a bundle at `out`.
 
@@ -252,6 +252,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
       add: `out` is a bundle of this model: keep its buckets and add `keys`.
       overwrite: replace whatever bundle `out` holds.
       progress: `progress(stage, done, total)` as signatures convert.
+      verify, strict: as for `dlm_jax.load` (manifest check; refuse unknown config keys).
 
     Raises:
       ConfigError: an unknown quantisation or target, a missing vendor SDK, an existing bundle
@@ -273,7 +274,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     keys = sorted(set(keys))
     if not keys:
         raise ConfigError("no buckets to export")
-    handle = dlm_jax.load(model_dir, verify=verify)
+    handle = dlm_jax.load(model_dir, strict=strict, verify=verify)
     config = handle.config
     existing = _existing_keys(out, config, quant, target, add=add, overwrite=overwrite)
     added = [k for k in keys if k not in existing]
