@@ -288,11 +288,12 @@ class LiteRTExecutor:
             gc.collect()
 
     def step(self, inputs: StepInputs) -> StepOutputs:
+        key = inputs.key
         with self._lock:
-            if inputs.key in self._signatures:
-                return self._signatures[inputs.key].run(self._model, inputs)
+            if key in self._signatures:
+                return self._signatures[key].run(self._model, inputs)
             with native_stderr_captured():  # a first run sets LiteRT up, which it logs
-                return self._signature(inputs.key).run(self._model, inputs)
+                return self._signature(key).run(self._model, inputs)
 
 
 def quiet_native_exit() -> None:

@@ -56,8 +56,19 @@ class Op:
     outputs: tuple[int, ...]
 
 
+class JsonText:
+    """JSON text of a plan dataclass that has `to_dict` / `from_dict` (reloads equal)."""
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls.from_dict(json.loads(text))
+
+
 @dataclasses.dataclass(frozen=True)
-class StepGraph:
+class StepGraph(JsonText):
     """A step program: `ops` in execution order; `inputs`/`outputs` are the tensors that
     enter and leave it (the signature's, or a subgraph's boundary tensors)."""
 
@@ -128,12 +139,6 @@ class StepGraph:
         ops = tuple(Op(i, c, tuple(a), tuple(b)) for i, c, a, b in data["ops"])
         return cls(data["signature"], ops, tensors, tuple(data["inputs"]), tuple(data["outputs"]))
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str) -> StepGraph:
-        return cls.from_dict(json.loads(text))
 
 
 # --- FLOPs ------------------------------------------------------------------------------------

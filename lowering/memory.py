@@ -27,7 +27,7 @@ from typing import Any
 from dlm_jax._errors import ConfigError
 from lowering._plan_check import PlanError, check_plan
 from lowering.costs import MB, CostModel
-from lowering.graph import StepGraph
+from lowering.graph import JsonText, StepGraph, ceil_to
 
 __all__ = ["MB", "DEFAULT_STAGING_BYTES", "CostModel", "MemoryPlan", "PlanError", "Region", "ScratchEntry",
            "Staged", "Timeline", "check_plan", "plan_bundle", "plan_memory", "simulate"]
@@ -83,7 +83,7 @@ class Timeline:
 
 
 @dataclasses.dataclass(frozen=True)
-class MemoryPlan:
+class MemoryPlan(JsonText):
     signature: str
     op_index: tuple[int, ...]  # `Op.index` of the planned ops, in order
     va_budget: int
@@ -128,16 +128,10 @@ class MemoryPlan:
         d["timeline"] = Timeline(**{**d["timeline"], "op_stall_s": tuple(d["timeline"]["op_stall_s"])})
         return cls(**d)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str) -> MemoryPlan:
-        return cls.from_dict(json.loads(text))
 
 
 def align(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
+    return ceil_to(n, alignment)
 
 
 def _mb(n: float) -> str:

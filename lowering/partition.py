@@ -19,7 +19,7 @@ import dataclasses
 import json
 from typing import Any
 
-from lowering.graph import MATMUL_OPS, TILE, Op, StepGraph, op_flops
+from lowering.graph import MATMUL_OPS, TILE, JsonText, Op, StepGraph, op_flops
 
 TARGETS = ("npu", "cpu")
 NORM_OPS = frozenset({"RMS_NORM", "MEAN", "RSQRT", "SQRT"})
@@ -48,7 +48,7 @@ class Crossing:
 
 
 @dataclasses.dataclass(frozen=True)
-class Partition:
+class Partition(JsonText):
     """`devices` and `roles` are per op position; `lm_head` is an `Op.index` (None if the
     graph has none)."""
 
@@ -84,12 +84,6 @@ class Partition:
         d["programs"] = tuple(tuple(p) for p in d["programs"])
         return cls(**d)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    @classmethod
-    def from_json(cls, text: str) -> Partition:
-        return cls.from_dict(json.loads(text))
 
 
 def _consumers(graph: StepGraph) -> dict[int, list[int]]:

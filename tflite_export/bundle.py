@@ -108,24 +108,12 @@ def quantize_tflite(content: bytes, mode: str) -> bytes:
         rcp = manager.get_quantization_recipe()
     from dlm_jax.runner import native_stderr_captured
 
-    with native_stderr_captured(), _quiet_stdout():
+    import contextlib
+    import io
+
+    # The quantizer prints a size summary and progress bars; the exporter shows its own.
+    with native_stderr_captured(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return bytes(quantizer.Quantizer(content, rcp).quantize().quantized_model)
-
-
-class _quiet_stdout:
-    """The quantizer prints a size summary and progress bars; the exporter shows its own."""
-
-    def __enter__(self):
-        import contextlib
-        import io
-
-        self._cm = contextlib.ExitStack()
-        self._cm.enter_context(contextlib.redirect_stdout(io.StringIO()))
-        self._cm.enter_context(contextlib.redirect_stderr(io.StringIO()))
-        return self
-
-    def __exit__(self, *exc):
-        return self._cm.__exit__(*exc)
 
 
 def qualcomm_target(target: str):

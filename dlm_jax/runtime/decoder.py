@@ -117,9 +117,9 @@ class Decoder:
             raise ConfigError(f"prompt {list(lens).index(0)} is empty")
         total = max(lens) + cfg.gen_len
         if total > self.max_tokens:
-            raise ConfigError(f"prompt ({max(lens)} tokens) + gen_len ({cfg.gen_len}) = {total} tokens exceeds "
-                              f"the limit of {self.max_tokens} (largest cache bucket / max_seq_len)"
-                              + (f"; {self.capabilities.missing_hint}" if self.capabilities.missing_hint else ""))
+            raise self.capabilities.refusal(f"prompt ({max(lens)} tokens) + gen_len ({cfg.gen_len}) = {total} "
+                                            f"tokens exceeds the limit of {self.max_tokens} (largest cache bucket "
+                                            f"/ max_seq_len)")
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None = None) -> None:
         """Reject token ids outside [0, vocab_size) (a NaN confidence or a silent wrap-around
@@ -149,7 +149,7 @@ class Decoder:
         try:
             batch = caps.batches.select(len(prompt_lens))
         except ConfigError as e:
-            raise ConfigError(f"{e}" + (f"; {caps.missing_hint}" if caps.missing_hint else "")) from None
+            raise caps.refusal(str(e)) from None
         logits = cfg.proposer.needs_logits
         shapes = cfg.scheduler.plan_shapes(prompt_lens, cfg.gen_len, shift=self.shift)
         return sorted({caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes})

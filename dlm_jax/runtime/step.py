@@ -191,6 +191,11 @@ class Capabilities:
         return cls(sizes("batch", "batch bucket"), sizes("window", "window bucket"),
                    sizes("cache", "cache bucket"), sizes("rows", "row bucket"), keys, frozenset(outputs))
 
+    def refusal(self, message: str) -> ConfigError:
+        """The error for a decode these buckets cannot run, with `missing_hint` (how to get
+        the missing bucket) appended when there is one."""
+        return ConfigError(message + (f"; {self.missing_hint}" if self.missing_hint else ""))
+
     @property
     def max_tokens(self) -> int:
         """The longest sequence one window or one cache can hold. For a fixed bucket set, the
@@ -226,10 +231,9 @@ class Capabilities:
 
         nearest = min(self.keys, key=shortfall)
         wanted = BucketKey(batch, window, cache, rows, logits)
-        raise ConfigError(f"no bucket of this executor holds a step of batch={batch}, window={window}, "
-                          f"cache={cache}, rows={rows}{' with logits' if logits else ''} (needs at least "
-                          f"{wanted}); nearest available: {nearest} ({len(self.keys)} buckets)"
-                          + (f"; {self.missing_hint}" if self.missing_hint else ""))
+        raise self.refusal(f"no bucket of this executor holds a step of batch={batch}, window={window}, "
+                           f"cache={cache}, rows={rows}{' with logits' if logits else ''} (needs at least "
+                           f"{wanted}); nearest available: {nearest} ({len(self.keys)} buckets)")
 
 
 @runtime_checkable
