@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -193,10 +194,13 @@ class _Signature:
                                   f"not follow the step contract (expected {sorted(wanted)} / "
                                   f"{sorted(self.out_specs)})")
 
-    def run(self, model, inputs: StepInputs) -> StepOutputs:
+    def run(self, model, inputs: StepInputs, timings: dict[str, float] | None = None) -> StepOutputs:
+        t0 = time.perf_counter()
         for name, buffer in zip(self.input_names, self.inputs):
             buffer.write(getattr(inputs, name))
+        t1 = time.perf_counter()
         model.run_by_index(self.index, self.inputs, self.outputs)
+        t2 = time.perf_counter()
         skip = set() if inputs.want.kv else {"k_new", "v_new"}
         if not inputs.want.logits:
             skip.add("logits")
@@ -206,6 +210,8 @@ class _Signature:
                 continue
             shape, dtype = self.out_specs[name]
             named[name] = buffer.read(int(np.prod(shape)), dtype).reshape(shape)
+        if timings is not None:
+            timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
         return StepOutputs.from_named(named)
 
 
@@ -287,13 +293,15 @@ class LiteRTExecutor:
             self._model = None
             gc.collect()
 
-    def step(self, inputs: StepInputs) -> StepOutputs:
+    def step(self, inputs: StepInputs, timings: dict[str, float] | None = None) -> StepOutputs:
+        """Run one step; with `timings`, the seconds spent writing the input buffers ("h2d"),
+        running the signature ("compute") and reading the outputs ("d2h")."""
         key = inputs.key
         with self._lock:
             if key in self._signatures:
-                return self._signatures[key].run(self._model, inputs)
+                return self._signatures[key].run(self._model, inputs, timings)
             with native_stderr_captured():  # a first run sets LiteRT up, which it logs
-                return self._signature(key).run(self._model, inputs)
+                return self._signature(key).run(self._model, inputs, timings)
 
 
 def quiet_native_exit() -> None:

@@ -198,7 +198,11 @@ def _head(s: _Step, x: int, logit_rows: int) -> tuple[int, ...]:
     top_token = b.tensor("top_token", (bsz, r), "int32", bsz * r * 4, "output")
     top_prob = b.tensor("top_prob", (bsz, r), "float32", bsz * r * 4, "output")
     second = b.tensor("second_prob", (bsz, r), "float32", bsz * r * 4, "output")
-    b.op("TOPK_V2", (probs,), (top_token, top_prob, second))
+    b.op("ARG_MAX", (probs,), (top_token,))
+    b.op("REDUCE_MAX", (probs,), (top_prob,))
+    runner_up = s.act("head.runner_up", (bsz, r, v))  # the top token's entry removed
+    b.op("SELECT_V2", (probs, top_token), (runner_up,))
+    b.op("REDUCE_MAX", (runner_up,), (second,))
     entropy = b.tensor("entropy", (bsz, r), "float32", bsz * r * 4, "output")
     b.op("ENTROPY", (probs, logp), (entropy,))
     return (top_token, top_prob, second, entropy) + ((logits,) if full else ())

@@ -15,9 +15,12 @@ import numpy as np
 
 from dlm_jax._errors import ConfigError
 
-# Tile-aligned window widths (multiples of 8; the HMX tile is 32 wide).
-DEFAULT_WINDOW_BUCKETS: tuple[int, ...] = (8, 16, 32, 64, 96, 128, 192, 256)
+# Tile-aligned window widths (multiples of 8 below one tile; the HMX tile is 32 wide).
+DEFAULT_WINDOW_BUCKETS: tuple[int, ...] = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8)
+# Past 256 slots the ladder steps by 64, past 1024 by 128: padding a step costs at most an
+# eighth of it (a doubling ladder cost up to half: a 320-token sequence ran 512 wide).
+_LADDER: tuple[tuple[int, int], ...] = ((256, 32), (1024, 64), (1 << 62, 128))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,25 +50,30 @@ class BucketSet:
         return iter(self.sizes)
 
 
+def _ladder(start: int, top: int) -> set[int]:
+    """Sizes above `start` up to `top`: steps of 32 to 256, of 64 to 1024, then of 128."""
+    sizes, s = set(), start
+    for limit, step in _LADDER:
+        while s < min(limit, top):
+            s += step
+            sizes.add(min(s, top))
+    return sizes
+
+
 def window_buckets(max_len: int, base: Iterable[int] = DEFAULT_WINDOW_BUCKETS) -> BucketSet:
-    """Window widths: `base` below `max_len`, then multiples of 256, then `max_len` itself
-    (rounded up to a multiple of 8), so a whole sequence always fits one window."""
+    """Window widths: `base` below `max_len`, then the ladder (steps of 64 to 1024, then 128)
+    up to `max_len` itself (rounded up to a multiple of 8), so a whole sequence always fits
+    one window."""
     top = -(-max_len // 8) * 8
-    sizes = {s for s in base if s < top}
-    sizes.update(range(512, top, 256))
-    sizes.add(top)
+    sizes = {s for s in base if s < top} | _ladder(256, top) | {top}
     return BucketSet(tuple(sorted(sizes)), "window bucket")
 
 
 def cache_buckets(max_len: int) -> BucketSet:
-    """Cache capacities: 0 (no cache), 32, then doubling up to `max_len` (rounded up to 32)."""
+    """Cache capacities: 0 (no cache), then multiples of 32 to 256, of 64 to 1024, then of 128,
+    up to `max_len` (rounded up to 32)."""
     top = -(-max_len // 32) * 32
-    sizes = {0, top}
-    s = 32
-    while s < top:
-        sizes.add(s)
-        s *= 2
-    return BucketSet(tuple(sorted(sizes)), "cache bucket")
+    return BucketSet(tuple(sorted({0, top} | _ladder(0, top))), "cache bucket")
 
 
 @dataclasses.dataclass(frozen=True, order=True)

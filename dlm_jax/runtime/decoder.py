@@ -41,12 +41,14 @@ class DecodeStats:
     commit_histogram: dict[int, int] = dataclasses.field(default_factory=dict)  # tokens/step -> count
     step_seconds: list[float] = dataclasses.field(default_factory=list)  # executor time per step
     host_seconds: list[float] = dataclasses.field(default_factory=list)  # host time per step
+    prep_seconds: list[float] = dataclasses.field(default_factory=list)  # of which building inputs
     peak_rss_mb: float = 0.0
     buckets: dict[str, int] = dataclasses.field(default_factory=dict)  # bucket key -> steps run in it
 
     def record_step(self, candidates: np.ndarray, committed: np.ndarray, key: BucketKey, step_seconds: float,
-                    host_seconds: float) -> None:
-        """Count one step: `candidates` / `committed` [B, R] (rows past the requests are padding)."""
+                    host_seconds: float, prep_seconds: float = 0.0) -> None:
+        """Count one step: `candidates` / `committed` [B, R] (rows past the requests are padding);
+        `host_seconds` is the host's whole share of it, `prep_seconds` the part building inputs."""
         n = len(self.request_nfe)
         counts = committed.sum(axis=1)[:n]
         took_part = candidates.any(axis=1)[:n]
@@ -58,6 +60,7 @@ class DecodeStats:
         self.nfe += 1
         self.step_seconds.append(step_seconds)
         self.host_seconds.append(host_seconds)
+        self.prep_seconds.append(prep_seconds)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -206,7 +209,8 @@ class Decoder:
             unit_done = rule.finished(steps, state.undecided(targets))
             if not unit_done and steps >= rule.max_steps(len(plan.targets)):
                 raise RuntimeError(f"commit rule {rule!r} left unit {plan.unit} unfinished after {steps} steps")
-            stats.record_step(candidates, committed, inputs.key, t2 - t1, (t1 - t0) + (time.perf_counter() - t2))
+            stats.record_step(candidates, committed, inputs.key, t2 - t1, (t1 - t0) + (time.perf_counter() - t2),
+                              t1 - t0)
             scheduler.advance(state, unit_done)
             if unit_done:
                 if stats.first_block_seconds is None:

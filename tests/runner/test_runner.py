@@ -78,6 +78,16 @@ def test_runner_decodes_exactly_like_jax(pair, batch, full):
         assert got.stats.buckets == want.stats.buckets, label
 
 
+def test_runner_step_timings_are_split_by_phase(pair):
+    from dlm_jax.runner import zero_inputs
+
+    _, jax_model, runner, _ = pair
+    key = min(runner.bundle.keys)
+    timings = {}
+    out = runner.decoder.executor.step(zero_inputs(jax_model.config, key), timings=timings)
+    assert set(timings) == {"h2d", "compute", "d2h"} and timings["compute"] > 0 and out.top_token.shape[0] == key.batch
+
+
 def test_bundle_layout_and_shared_weights(pair):
     name, jax_model, runner, _ = pair
     bundle = runner.bundle
