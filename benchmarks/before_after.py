@@ -48,7 +48,7 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "nfe": out.stats.nfe, "fi
 
 
 def run(pythonpath: str, args: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=pythonpath)
+    env = dict(os.environ, PYTHONPATH=pythonpath, DLM_JAX_EXECUTOR="jax")  # the JAX executor on both sides
     p = subprocess.run([sys.executable, "-c", _CASE, *args], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])

@@ -44,7 +44,7 @@ AGGRESSIVE = ("top-k, 4 tokens/step", "prefix + threshold 0.5")
 
 
 def run(model: str, gens: list[int], n: int, tasks: list[str], block: int) -> list[dict]:
-    handle = dlm_jax.load(model)
+    handle = dlm_jax.load(model, executor="jax")
     rows = []
     for gen in gens:
         for name, setting in SETTINGS.items():

@@ -5,8 +5,9 @@
 Every case decodes the same prompts (batch 1 or 4, all of one length) with block 32,
 threshold 0.9, temperature 0, generation 128 or 256, cache none / prefix / dual, through:
 
-  jax      the JAX executor (`dlm_jax.load`, the default of `generate` and the API)
-  litert   the LiteRT runner on an fp32 bundle exported here (`dlm_jax.runner.load_bundle`)
+  jax      the JAX executor (`dlm_jax.load(path, executor="jax")`)
+  litert   the LiteRT runner on an fp32 bundle exported here (`dlm_jax.runner.load_bundle`): what
+           `generate` and the API run by default on a CPU, over their bundle cache
   torch    the eager PyTorch peer (`benchmarks/torch_decoder.py`, 2 threads)
 
 Decodes of one case are timed in rotating order (this machine is noisy, so only ratios
@@ -76,7 +77,7 @@ class Executors:
         from torch_decoder import TorchModel
 
         self.name = name
-        self.jax = dlm_jax.load(path)
+        self.jax = dlm_jax.load(path, executor="jax")
         self.torch = TorchModel(dlm_jax.get_params(self.jax.model), self.jax.config, threads=2)
         self.litert = None
         self.export_seconds = None
@@ -168,7 +169,7 @@ def child(kind: str, path: str, name: str, gen: str) -> dict[str, Any]:
         prompts = prompts_for(name, handle, 1)
         seqs = handle.decoder.decode(prompts, decode_config(gen, "prefix")).stats.nfe
     else:
-        handle = dlm_jax.load(path)
+        handle = dlm_jax.load(path, executor="jax")
         prompts = prompts_for(name, handle, 1)
         if kind == "jax":
             seqs = handle.decoder.decode(prompts, decode_config(gen, "prefix")).stats.nfe

@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
         for name in args.models:
-            handle = dlm_jax.load(model_path(name, workdir))
+            handle = dlm_jax.load(model_path(name, workdir), executor="jax")
             entry = {"model": name, "params": dlm_jax.param_count(handle.model), "decodes": []}
             prompt = prompts_for(name, handle, 1)[0]
             for gen in args.gens:

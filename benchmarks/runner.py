@@ -370,7 +370,7 @@ def child_decode(kind: str, path: str, prompts_file: str) -> dict[str, Any]:
     if kind == "jax":
         import dlm_jax
 
-        handle = dlm_jax.load(path)
+        handle = dlm_jax.load(path, executor="jax")
     else:
         from dlm_jax.runner import load_bundle
 
@@ -436,7 +436,7 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, tmp: Path, spawner: S
     import dlm_jax
     from dlm_jax.runner import load_bundle
 
-    jax_handle = dlm_jax.load(spec.source)
+    jax_handle = dlm_jax.load(spec.source, executor="jax")
     prompts = e2e_prompts(jax_handle, args.tasks)
     max_prompt = longest_prompt(jax_handle, args.tasks, args.n) if spec.accuracy else None
     keys = bundle_keys(args.buckets, jax_handle, prompts, max_prompt)

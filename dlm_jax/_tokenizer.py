@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from dlm_jax._errors import CheckpointError, ConfigError
+from dlm_jax._errors import CheckpointError, ConfigError, InputError
 
 Message = Mapping[str, str]  # {"role": "user" | "assistant" | "system", "content": str}
 
@@ -95,7 +95,8 @@ class ByteTokenizer:
         for i in ids:
             i = int(i)
             if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary [0, {self.vocab_size})")
+                raise InputError(f"token id {i} is outside the byte tokenizer's vocabulary [0, {self.vocab_size}) "
+                                 f"(a model whose vocabulary the tokenizer does not cover)")
             if i < 256:
                 run.append(i)
                 continue

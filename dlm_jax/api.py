@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dlm_jax._config import ModelConfig
-from dlm_jax._errors import CheckpointError, InputError
+from dlm_jax._errors import CheckpointError, ConfigError, InputError
 from dlm_jax._tokenizer import NoTokenizerError, Tokenizer, load_tokenizer
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.decoder import DecodeStats, Decoder
@@ -139,12 +139,37 @@ class Model:
         return self.tokenizer.decode([t for t in self._trim(seq) if t != mask])
 
 
-def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, **overrides: Any) -> Model:
+EXECUTORS = ("auto", "jax", "litert")
+EXECUTOR_ENV = "DLM_JAX_EXECUTOR"
+
+
+def resolve_executor(name: str | None, config: ModelConfig) -> str:
+    """"jax" or "litert" for `load(executor=name)`. None takes `$DLM_JAX_EXECUTOR`, else "auto".
+    "auto" is the faster one here: the LiteRT runner over the bundle cache on a CPU-only JAX
+    for a float32 model (it decodes faster there: `benchmarks/results/peer.md`), the JAX
+    executor on an accelerator (GPU/TPU) or for another dtype."""
+    name = name or os.environ.get(EXECUTOR_ENV) or "auto"
+    if name not in EXECUTORS:
+        raise ConfigError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
+    if name != "auto":
+        return name
+    import jax
+
+    float32 = config.dtype == "float32" and config.param_dtype == "float32"
+    return "litert" if jax.default_backend() == "cpu" and float32 else "jax"
+
+
+def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, executor: str | None = None,
+         **overrides: Any) -> Model:
     """Load a checkpoint directory (model + tokenizer) ready to generate.
 
     Args:
       strict: refuse config.json keys this loader does not know (default: warn once).
       verify: check the files against the checkpoint's manifest (size and sha256) if it has one.
+      executor: "auto" (default, or `$DLM_JAX_EXECUTOR`), "jax" or "litert" (`resolve_executor`).
+        "litert" decodes with the LiteRT runner over a bundle cache
+        (`tflite_export.cache.BundleCacheExecutor`): the first decode that needs a bucket
+        exports it, once per model and machine. `model.model` is the Flax model either way.
       overrides: `ModelConfig` fields to change (`mask_token_id=N` for a checkpoint that
         declares none, `attention=...`, `dtype=...`).
 
@@ -153,9 +178,15 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
     from dlm_jax.checkpoint._io import load_pretrained
 
     path = Path(path)
+    if executor is not None and executor not in EXECUTORS:  # before the weights load
+        raise ConfigError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
     model = load_pretrained(path, strict=strict, verify=verify, **overrides)
     try:
         tokenizer = load_tokenizer(path)
     except NoTokenizerError:  # corrupt tokenizer files still raise
         tokenizer = MissingTokenizer(path)
+    if resolve_executor(executor, model.config) == "litert":
+        from tflite_export.cache import BundleCacheExecutor
+
+        return Model(model, tokenizer, executor=BundleCacheExecutor(model, source=path))
     return Model(model, tokenizer)

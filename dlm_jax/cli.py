@@ -55,7 +55,33 @@ def _load(args: argparse.Namespace, path: str | Path):
         _persistent_compile_cache()
 
     overrides = {} if args.mask_token_id is None else {"mask_token_id": args.mask_token_id}
-    return dlm_jax.load(path, strict=args.strict, verify=args.verify, **overrides)
+    handle = dlm_jax.load(path, strict=args.strict, verify=args.verify, executor=getattr(args, "executor", None),
+                          **overrides)
+    if hasattr(handle.executor, "prepare"):  # the bundle cache: show its exports, hush LiteRT's teardown
+        handle.executor.progress = _export_progress()
+        args.keep_alive = handle
+    return handle
+
+
+def _export_progress():
+    """A `progress(stage, done, total)` drawing one bar per export on stderr."""
+    from tqdm import tqdm
+
+    bar = [None]
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if stage.startswith("convert"):
+            if bar[0] is None or bar[0].total != total or done == 1:
+                if bar[0] is not None:
+                    bar[0].close()
+                bar[0] = tqdm(total=total, desc="exporting to the bundle cache (once per bucket)", unit="bucket",
+                              file=sys.stderr, disable=None)
+            bar[0].update(1)
+            if done == total:
+                bar[0].close()
+                bar[0] = None
+
+    return progress
 
 
 def _persistent_compile_cache() -> None:
@@ -211,7 +237,7 @@ def _demo_random(args: argparse.Namespace, decoders: dict) -> int:
     model = dlm_jax.init_model(cfg, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         path = dlm_jax.save_pretrained(model, Path(tmp) / "tiny", tokenizer=tok)
-        handle = dlm_jax.load(path)
+        handle = dlm_jax.load(path, executor=args.executor)
     same = all(np.array_equal(a, b) for a, b in zip(dlm_jax.get_params(model).values(),
                                                     dlm_jax.get_params(handle.model).values()))
     print(f"model: random-initialised {dlm_jax.param_count(cfg):,}-parameter {cfg.attention} transformer "
@@ -389,6 +415,14 @@ def _add_format_options(p: argparse.ArgumentParser) -> None:
     fmt.add_argument("--raw", action="store_true", help="feed prompt text as it is, without the chat template")
 
 
+def _add_executor_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--executor", choices=["auto", "jax", "litert"],
+                   help="what runs the decode steps: auto (default, or $DLM_JAX_EXECUTOR) is the LiteRT runner "
+                        "on a CPU, exporting each bucket to a bundle cache the first time a decode needs it "
+                        "(~/.cache/dlm-jax/bundles, or $DLM_JAX_BUNDLE_CACHE), and JAX on a GPU/TPU; jax: the "
+                        "JAX executor; litert: the LiteRT runner")
+
+
 def _add_model_options(p: argparse.ArgumentParser, *, verify: bool = True, mask: bool = True) -> None:
     p.add_argument("--strict", action="store_true",
                    help="refuse config.json keys this loader does not know (default: warn and ignore them)")
@@ -410,12 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-task", type=positive_int, default=3, help="held-out prompts per task")
     _add_prompt_options(p, required=False, help_="decode this text instead of the held-out task prompts")
     _add_model_options(p)
+    _add_executor_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("generate", help="decode prompts, printing text as blocks commit (stats on stderr)")
     p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
     _add_prompt_options(p, required=True, help_="prompt text", ids=True)
     _add_model_options(p)
+    _add_executor_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("export", help="export a checkpoint as a LiteRT bundle: one .tflite signature per bucket, "
@@ -484,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", type=int, default=3, help="sample completions to print")
     _add_format_options(p)
     _add_model_options(p)
+    _add_executor_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("profile", help="median step latency per bucket: JSON table + PNG plot")
@@ -507,12 +544,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     and a non-zero exit, never a traceback."""
     args = build_parser().parse_args(argv)
     args.entry_point = argv is None  # the process is this command (not a caller's Python)
-    try:
-        return _dispatch(args)
-    finally:
-        # As the process's entry point, hush LiteRT's teardown log after our last line.
-        if args.entry_point and "dlm_jax.runner" in sys.modules:
-            sys.modules["dlm_jax.runner"].quiet_native_exit()
+    code = _dispatch(args)
+    # As the process's entry point, hush LiteRT's teardown log after our last line (not before
+    # an unexpected exception's traceback, which must reach the terminal).
+    if args.entry_point and "dlm_jax.runner" in sys.modules:
+        sys.modules["dlm_jax.runner"].quiet_native_exit()
+    return code
 
 
 def _dispatch(args: argparse.Namespace) -> int:

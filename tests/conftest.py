@@ -14,6 +14,12 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DLM_JAX_CACHE_DIR
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# Tests are about the executor they name, the JAX one by default; the default executor
+# (auto: the LiteRT runner over the bundle cache on a CPU) is tested where a test clears this
+# (tests/tflite_export/test_cache.py, the README's commands). Its cache is private to the tests.
+os.environ.setdefault("DLM_JAX_EXECUTOR", "jax")
+os.environ.setdefault("DLM_JAX_BUNDLE_CACHE", os.path.join(tempfile.gettempdir(), f"dlm-jax-tests-bundles-{os.getuid()}"))
+
 import pytest  # noqa: E402
 
 

@@ -102,9 +102,15 @@ def block_dirs(tmp_path_factory):
     return get
 
 
+def newcomer_env() -> dict[str, str]:
+    """The environment a reader's shell has: the default executor (not the tests' JAX one)."""
+    env = {k: v for k, v in os.environ.items() if k != "DLM_JAX_EXECUTOR"}
+    return {**env, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+
+
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, shell=True, cwd=cwd, env=newcomer_env(), capture_output=True, text=True,
+                          timeout=600)
 
 
 TRAINING = [(c, e) for c, e in console_commands() if c.startswith("dlm-jax train ")]
@@ -136,7 +142,8 @@ def test_console_command(command, expected, block_dirs):
 
 @pytest.mark.parametrize("snippet,expected", python_snippets(), ids=lambda x: "snippet")
 def test_python_snippet(snippet, expected):
-    result = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, env=newcomer_env(), capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_prints(result.stdout, expected, "README snippet")
 

@@ -228,7 +228,8 @@ class ExportResult:
 def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys: Iterable[BucketKey],
                   decode, quant: str = "none", target: str = "cpu", add: bool = False, overwrite: bool = False,
                   latency_repeats: int = 5, verify: bool = True, strict: bool = False,
-                  progress: Callable[[str, int, int], None] | None = None) -> ExportResult:
+                  progress: Callable[[str, int, int], None] | None = None, handle=None,
+                  plan: bool = True) -> ExportResult:
     """Export the checkpoint at `model_dir` as a bundle at `out`.
 
     Args:
@@ -241,6 +242,9 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
       overwrite: replace whatever bundle `out` holds.
       progress: `progress(stage, done, total)` as signatures convert.
       verify, strict: as for `dlm_jax.load` (manifest check; refuse unknown config keys).
+      handle: the checkpoint already loaded (`dlm_jax.load(model_dir)`): exported as it is.
+      plan: write `plan.json` (lowering plan and NPU mixed precision); latency_repeats=0
+        leaves `latency.json` out. The bundle cache (`tflite_export.cache`) skips both.
 
     Raises:
       ConfigError: an unknown quantisation or target, a missing vendor SDK, an existing bundle
@@ -262,7 +266,8 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     keys = sorted(set(keys))
     if not keys:
         raise ConfigError("no buckets to export")
-    handle = dlm_jax.load(model_dir, strict=strict, verify=verify)
+    if handle is None:
+        handle = dlm_jax.load(model_dir, strict=strict, verify=verify)
     config = handle.config
     existing = _existing_keys(out, config, quant, target, add=add, overwrite=overwrite)
     added = [k for k in keys if k not in existing]
@@ -297,13 +302,16 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
                 "decode": decode.options(), "prompt_format": handle.prompt_format,
                 "bytes": {"model": len(content), "float_model": float_bytes,
                           "weights_float32": int(4 * dlm_jax.param_count(config))},
-                "files": {"latency": LATENCY_FILE, "plan": PLAN_FILE}, "versions": _versions()}
+                "files": {**({"latency": LATENCY_FILE} if soc is None and latency_repeats > 0 else {}),
+                          **({"plan": PLAN_FILE} if plan else {})},
+                "versions": _versions()}
         (tmp / BUNDLE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if progress is not None:
-            progress("lowering plan", 0, 1)
-        plan = _lowering_plan(content, config, keys, quant, dlm_jax.get_params(handle.model))
-        (tmp / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
-        if soc is None:
+        if plan:
+            if progress is not None:
+                progress("lowering plan", 0, 1)
+            lowering = _lowering_plan(content, config, keys, quant, dlm_jax.get_params(handle.model))
+            (tmp / PLAN_FILE).write_text(json.dumps(lowering, indent=1) + "\n")
+        if soc is None and latency_repeats > 0:
             if progress is not None:
                 progress("latency table", 0, 1)
             latency = _measure_latency(tmp, keys, latency_repeats)

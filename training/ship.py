@@ -47,7 +47,7 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
     bad = [name for name, v in params.items() if not np.isfinite(v).all()]
     if bad:  # a diverged run is never shipped, however it came to write its model
         raise SystemExit(f"{run_dir / 'model'}: tensor {bad[0]} has non-finite values (NaN or inf); not shipping it")
-    handle = dlm_jax.load(run_dir / "model")
+    handle = dlm_jax.load(run_dir / "model", executor="jax")  # the card reports the JAX executor's speed
     results = {name: {t: evaluate(handle, t, cfg, n=n, keep=2) for t in TASKS}
                for name, cfg in card_decoders(gen_len).items()}
     size_mb = sum(f.stat().st_size for f in (run_dir / "model").iterdir()) / 2**20

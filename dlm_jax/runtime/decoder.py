@@ -158,8 +158,18 @@ class Decoder:
         return sorted({caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes})
 
     def warmup(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> int:
-        """Prepare, ahead of time, every bucket such a decode needs; returns how many were new."""
-        return self.executor.warmup(self.bucket_keys(prompt_lens, cfg))
+        """Prepare, ahead of time, every bucket such a decode needs; returns how many were new.
+
+        An executor that makes buckets in batches (`prepare`, the bundle cache, whose exports
+        rewrite its whole bundle) is first asked for every bucket of prompts up to the next
+        multiple of 64 tokens, so that the next prompts of other lengths find theirs ready."""
+        keys = self.bucket_keys(prompt_lens, cfg)
+        prepare = getattr(self.executor, "prepare", None)
+        if prepare is not None:
+            span = min(-(-max(prompt_lens) // 64) * 64, self.max_tokens - cfg.gen_len)
+            batch = len(prompt_lens)
+            prepare(sorted({k for n in range(1, span + 1) for k in self.bucket_keys([n] * batch, cfg)} | set(keys)))
+        return self.executor.warmup(keys)
 
     def decode(self, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, *,
                seeds: Sequence[int] | None = None,

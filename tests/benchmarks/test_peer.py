@@ -86,3 +86,18 @@ def test_roofline_benchmark_splits_every_step(tmp_path):
     for b in decode_["buckets"]:
         assert b["flops"] > 0 and b["bytes"] > 0 and 0 <= b["padding_waste"] < 1 and b["gflops"] > 0
         assert 0 < b["live"]["window"] <= int(b["bucket"].split("_w")[1].split("_")[0])
+
+
+def test_default_executor_benchmark_compares_the_commands(tmp_path):
+    """`benchmarks/default_executor.py` on one small case: both executors' cold and warm runs of
+    `dlm-jax generate`, with equal tokens."""
+    out = tmp_path / "default"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "default_executor.py"), "--models", "llada-tiny",
+                           "--caches", "dual", "--gen", "32", "--warm", "1", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (case,) = json.loads(out.with_suffix(".json").read_text())["cases"]
+    assert case["same_tokens"] and case["same_nfe"]
+    for ex in ("jax", "auto"):
+        assert case[ex]["cold_wall_s"] > 0 and case[ex]["warm_decode_s"] > 0 and case[ex]["peak_rss_mb"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0 and "| llada-tiny dual 32 |" in out.with_suffix(".md").read_text()

@@ -1,0 +1,223 @@
+"""The bundle cache: a checkpoint decoded by the LiteRT runner, its buckets exported on first use.
+
+On a CPU the LiteRT runner decodes faster than the JAX executor (`benchmarks/results/peer.md`:
+faster in all 18 cases measured; XNNPACK packs each weight matrix into its kernels' layout
+once, at load). `BundleCacheExecutor` makes it the executor of a checkpoint loaded with
+`dlm_jax.load`: it offers every bucket the JAX executor offers and exports the ones a decode
+needs the first time they are needed (`prepare` / `warmup`, which `Model.generate` calls
+before decoding, export them all at once), like a persistent compilation cache. Later
+processes open what is cached.
+
+    model = dlm_jax.load("models/llada-tiny", executor="litert")
+    model.generate("564+894=")          # first call: exports the buckets it needs, then decodes
+
+The cache entry of a model is a directory of bundles (`part-<hash>`), one per export: an
+export converts only the buckets no part holds, and a cached bundle is never rewritten (one
+bundle grown by `export --add` would convert all its buckets again on every addition). A
+decode whose buckets lie in several parts opens each, and each holds its own copy of the
+weights. The entry is keyed by the model (its config and the bytes of every parameter), the
+versions of the packages that write and read it, and the source of the modules that define
+the exported graph, so a changed model or program never reuses a stale bundle. Exports into
+one entry are serialised by a file lock and written as `dlm-jax export` writes a bundle (a
+temporary directory renamed into place); a damaged part is removed and exported again. The
+cache lives in `$DLM_JAX_BUNDLE_CACHE`, or `~/.cache/dlm-jax/bundles`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import shutil
+import types
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dlm_jax._errors import CheckpointError
+from dlm_jax.runtime.buckets import BucketKey
+from dlm_jax.runtime.step import Capabilities, StepInputs, StepOutputs
+
+CACHE_ENV = "DLM_JAX_BUNDLE_CACHE"
+# The modules whose source defines the exported graph: a change to any of them is a new entry.
+_GRAPH_MODULES = ("dlm_jax.program", "dlm_jax.models._transformer", "dlm_jax.runtime.step",
+                  "tflite_export._convert", "tflite_export.bundle")
+
+
+def cache_root() -> Path:
+    """Where cached bundles live: `$DLM_JAX_BUNDLE_CACHE`, or `~/.cache/dlm-jax/bundles`."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dlm-jax" / "bundles")
+
+
+def model_fingerprint(model) -> str:
+    """A 16-hex-digit key of what a cached bundle holds: the model's config and parameters,
+    the package versions and the source of the graph-defining modules."""
+    from dlm_jax.models._params import get_params
+    from tflite_export.bundle import _versions
+
+    h = hashlib.sha256()
+    h.update(json.dumps({"config": model.config.to_dict(), "versions": _versions()}, sort_keys=True).encode())
+    for name in _GRAPH_MODULES:
+        h.update(inspect.getsource(importlib.import_module(name)).encode())
+    for name, value in sorted(get_params(model).items()):
+        value = np.ascontiguousarray(value)
+        h.update(f"{name}:{value.dtype}:{value.shape}".encode())
+        h.update(memoryview(value).cast("B"))
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _covers(keys: Sequence[BucketKey], key: BucketKey) -> bool:
+    """A bundle runs `key` with the signature of that name or its full-logits twin."""
+    return key in keys or dataclasses.replace(key, full_logits=True) in keys
+
+
+class BundleCacheExecutor:
+    """The LiteRT runner over a cached bundle of `model` (a Flax `Transformer`; `source`, its
+    checkpoint directory, names the cache entry), exporting the buckets it
+    lacks when they are first needed. Offers the JAX executor's buckets
+    (`Capabilities.for_length`), so any decode the JAX executor runs, this one runs.
+
+    `progress(stage, done, total)` reports an export as it converts (the CLI draws a bar);
+    `exported` lists the buckets this executor added to the cache."""
+
+    def __init__(self, model, *, source: str | os.PathLike = "", root: str | os.PathLike | None = None,
+                 threads: int = 2, progress: Callable[[str, int, int], None] | None = None):
+        self._model = model
+        self.config = model.config
+        self._source = str(source)
+        self._root = Path(root or cache_root())
+        self._threads = threads
+        self.progress = progress
+        self._capabilities = Capabilities.for_length(self.config.max_seq_len)
+        self._path: Path | None = None
+        self.exported: list[BucketKey] = []
+        self._runners: dict[Path, object] = {}  # part directory -> its LiteRTExecutor
+        self._route: dict[BucketKey, object] = {}  # bucket -> the runner that runs it
+
+    @property
+    def path(self) -> Path:
+        """The cache entry of this model (a directory of bundles, `part-*`); hashed on first use."""
+        if self._path is None:
+            name = Path(self._source).name or "model"
+            self._path = self._root / f"{name}-{model_fingerprint(self._model)}"
+        return self._path
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    @property
+    def parts_open(self) -> list[Path]:
+        """The cached bundles this executor has opened (each holds its own copy of the weights)."""
+        return sorted(self._runners)
+
+    def _scan(self) -> dict[Path, list[BucketKey]]:
+        """The readable parts of the entry and their buckets (from `bundle.json`; the files are
+        checked when a part is opened)."""
+        from dlm_jax.runner import Bundle
+
+        parts = {}
+        for d in sorted(self.path.glob("part-*")):
+            try:
+                parts[d] = Bundle.open(d, verify=False).keys
+            except CheckpointError:
+                continue
+        return parts
+
+    def _export(self, missing: list[BucketKey]) -> None:
+        from dlm_jax.runner import native_stderr_captured
+        from dlm_jax.runtime.config import DecodeConfig
+        from dlm_jax.runtime.step import signature_name
+        from tflite_export.bundle import export_bundle
+
+        with native_stderr_captured():  # the converter logs its start-up to the native stderr
+            import litert_converter.converter_api_ext  # noqa: F401
+        names = ",".join(signature_name(k) for k in missing)
+        part = self.path / f"part-{hashlib.sha256(names.encode()).hexdigest()[:12]}"
+        if part.exists():  # an unreadable part of that name: replace it
+            shutil.rmtree(part)
+        handle = types.SimpleNamespace(config=self.config, model=self._model, has_tokenizer=False,
+                                       prompt_format=None)
+        export_bundle(self._source, part, keys=missing, decode=DecodeConfig(), handle=handle,
+                      latency_repeats=0, plan=False, progress=self.progress)
+        self.exported.extend(missing)
+
+    def _ensure(self, keys: Sequence[BucketKey], *, retry: bool = True) -> None:
+        """Route every bucket of `keys` to an open part, exporting the ones no part holds (as a
+        new part: a cached bundle is never rewritten, so an export converts only what is new)."""
+        from dlm_jax.runner import Bundle, LiteRTExecutor
+
+        need = [k for k in dict.fromkeys(keys) if k not in self._route]
+        if not need:
+            return
+        parts = self._scan()
+        if any(not any(_covers(v, k) for v in parts.values()) for k in need):
+            with _locked(self.path.parent / f"{self.path.name}.lock"):
+                parts = self._scan()  # another process may have exported them meanwhile
+                missing = sorted({k for k in need if not any(_covers(v, k) for v in parts.values())})
+                if missing:
+                    self._export(missing)
+                    parts = self._scan()
+        for key in need:
+            holding = [p for p, v in parts.items() if _covers(v, key)]
+            opened = [p for p in holding if p in self._runners]
+            # Fewest parts open: one already open, else the one holding most of this request.
+            part = opened[0] if opened else max(holding, key=lambda p: sum(_covers(parts[p], k) for k in need))
+            if part not in self._runners:
+                try:
+                    bundle = Bundle.open(part)
+                except CheckpointError:  # a damaged part: drop it and export its buckets again
+                    if not retry:
+                        raise
+                    with _locked(self.path.parent / f"{self.path.name}.lock"):
+                        shutil.rmtree(part, ignore_errors=True)
+                    return self._ensure(keys, retry=False)
+                self._runners[part] = LiteRTExecutor(bundle, accelerator="cpu", threads=self._threads)
+            self._route[key] = self._runners[part]
+
+    def prepare(self, keys: Sequence[BucketKey]) -> None:
+        """Export the buckets of `keys` the cache lacks, in one export."""
+        from dlm_jax.runner import Bundle  # noqa: F401  (fails early without ai-edge-litert)
+
+        parts = self._scan()
+        missing = sorted({k for k in keys if not any(_covers(v, k) for v in parts.values())})
+        if missing:
+            with _locked(self.path.parent / f"{self.path.name}.lock"):
+                parts = self._scan()
+                missing = sorted({k for k in keys if not any(_covers(v, k) for v in parts.values())})
+                if missing:
+                    self._export(missing)
+
+    def warmup(self, keys: Sequence[BucketKey]) -> int:
+        """Export the buckets of `keys` the cache lacks (all in one export), then prepare each
+        in its runner; returns how many were not prepared yet."""
+        self._ensure(keys)
+        return sum(self._route[k].warmup([k]) for k in dict.fromkeys(keys))
+
+    def step(self, inputs: StepInputs, timings: dict[str, float] | None = None) -> StepOutputs:
+        runner = self._route.get(inputs.key)
+        if runner is None:
+            self._ensure([inputs.key])
+            runner = self._route[inputs.key]
+        return runner.step(inputs, timings)
+
+    def close(self) -> None:
+        for runner in self._runners.values():
+            runner.close()
