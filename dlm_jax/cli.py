@@ -70,16 +70,14 @@ def _export_progress():
     bar = [None]
 
     def progress(stage: str, done: int, total: int) -> None:
-        if stage.startswith("convert"):
-            if bar[0] is None or bar[0].total != total or done == 1:
-                if bar[0] is not None:
-                    bar[0].close()
-                bar[0] = tqdm(total=total, desc="exporting to the bundle cache (once per bucket)", unit="bucket",
-                              file=sys.stderr, disable=None)
-            bar[0].update(1)
-            if done == total:
-                bar[0].close()
-                bar[0] = None
+        if not stage.startswith("convert"):
+            return
+        if done == 1:
+            bar[0] = tqdm(total=total, desc="exporting to the bundle cache (once per bucket)", unit="bucket",
+                          file=sys.stderr, disable=None)
+        bar[0].update(1)
+        if done == total:
+            bar[0].close()
 
     return progress
 

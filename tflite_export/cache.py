@@ -128,6 +128,10 @@ class BundleCacheExecutor:
         """The cached bundles this executor has opened (each holds its own copy of the weights)."""
         return sorted(self._runners)
 
+    def _lock(self):
+        """The lock that serialises exports into this model's entry (across processes)."""
+        return _locked(self.path.parent / f"{self.path.name}.lock")
+
     def _scan(self) -> dict[Path, list[BucketKey]]:
         """The readable parts of the entry and their buckets (from `bundle.json`; the files are
         checked when a part is opened)."""
@@ -159,6 +163,21 @@ class BundleCacheExecutor:
                       latency_repeats=0, plan=False, progress=self.progress)
         self.exported.extend(missing)
 
+    def _export_missing(self, keys: Sequence[BucketKey]) -> dict[Path, list[BucketKey]]:
+        """Export, as one new part, the buckets of `keys` no part holds; the parts after it."""
+
+        def missing(parts: dict[Path, list[BucketKey]]) -> list[BucketKey]:
+            return sorted({k for k in keys if not any(_covers(v, k) for v in parts.values())})
+
+        parts = self._scan()
+        if missing(parts):
+            with self._lock():
+                parts = self._scan()  # another process may have exported them meanwhile
+                if todo := missing(parts):
+                    self._export(todo)
+                    parts = self._scan()
+        return parts
+
     def _ensure(self, keys: Sequence[BucketKey], *, retry: bool = True) -> None:
         """Route every bucket of `keys` to an open part, exporting the ones no part holds (as a
         new part: a cached bundle is never rewritten, so an export converts only what is new)."""
@@ -167,14 +186,7 @@ class BundleCacheExecutor:
         need = [k for k in dict.fromkeys(keys) if k not in self._route]
         if not need:
             return
-        parts = self._scan()
-        if any(not any(_covers(v, k) for v in parts.values()) for k in need):
-            with _locked(self.path.parent / f"{self.path.name}.lock"):
-                parts = self._scan()  # another process may have exported them meanwhile
-                missing = sorted({k for k in need if not any(_covers(v, k) for v in parts.values())})
-                if missing:
-                    self._export(missing)
-                    parts = self._scan()
+        parts = self._export_missing(need)
         for key in need:
             holding = [p for p, v in parts.items() if _covers(v, key)]
             opened = [p for p in holding if p in self._runners]
@@ -186,7 +198,7 @@ class BundleCacheExecutor:
                 except CheckpointError:  # a damaged part: drop it and export its buckets again
                     if not retry:
                         raise
-                    with _locked(self.path.parent / f"{self.path.name}.lock"):
+                    with self._lock():
                         shutil.rmtree(part, ignore_errors=True)
                     return self._ensure(keys, retry=False)
                 self._runners[part] = LiteRTExecutor(bundle, accelerator="cpu", threads=self._threads)
@@ -194,16 +206,7 @@ class BundleCacheExecutor:
 
     def prepare(self, keys: Sequence[BucketKey]) -> None:
         """Export the buckets of `keys` the cache lacks, in one export."""
-        from dlm_jax.runner import Bundle  # noqa: F401  (fails early without ai-edge-litert)
-
-        parts = self._scan()
-        missing = sorted({k for k in keys if not any(_covers(v, k) for v in parts.values())})
-        if missing:
-            with _locked(self.path.parent / f"{self.path.name}.lock"):
-                parts = self._scan()
-                missing = sorted({k for k in keys if not any(_covers(v, k) for v in parts.values())})
-                if missing:
-                    self._export(missing)
+        self._export_missing(keys)
 
     def warmup(self, keys: Sequence[BucketKey]) -> int:
         """Export the buckets of `keys` the cache lacks (all in one export), then prepare each

@@ -160,9 +160,9 @@ class Decoder:
     def warmup(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> int:
         """Prepare, ahead of time, every bucket such a decode needs; returns how many were new.
 
-        An executor that makes buckets in batches (`prepare`, the bundle cache, whose exports
-        rewrite its whole bundle) is first asked for every bucket of prompts up to the next
-        multiple of 64 tokens, so that the next prompts of other lengths find theirs ready."""
+        An executor that makes buckets in batches (`prepare`: the bundle cache, which exports
+        each batch as a bundle of its own) is first asked for every bucket of prompts up to the
+        next multiple of 64 tokens, so that later prompts of other lengths find theirs ready."""
         keys = self.bucket_keys(prompt_lens, cfg)
         prepare = getattr(self.executor, "prepare", None)
         if prepare is not None:
