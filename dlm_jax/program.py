@@ -103,6 +103,14 @@ class JaxExecutor:
 
         return program, (self._leaves, *abstract_inputs(cfg, key))
 
+    def fork(self) -> JaxExecutor:
+        """A second executor over the same weights (no copy) with programs of its own, for a
+        second thread (the CPU refresh path of progressive revision)."""
+        twin = object.__new__(JaxExecutor)
+        twin.__dict__.update(self.__dict__)
+        twin._programs = CompiledBuckets(twin._build)
+        return twin
+
     @property
     def compile_count(self) -> int:
         return self._programs.compile_count

@@ -27,7 +27,10 @@ from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
 from dlm_jax.runtime.kvstore import KVStore
-from dlm_jax.runtime.state import DecodeState
+from dlm_jax.runtime.state import DecodeState, TokenState
+
+_USEFUL = np.zeros(max(TokenState) + 1, bool)
+_USEFUL[[TokenState.MASK, TokenState.CANDIDATE, TokenState.DRAFT]] = True
 from dlm_jax.runtime.step import Capabilities, Executor, OutputRequest
 
 
@@ -44,6 +47,7 @@ class DecodeStats:
     prep_seconds: list[float] = dataclasses.field(default_factory=list)  # of which building inputs
     peak_rss_mb: float = 0.0
     buckets: dict[str, int] = dataclasses.field(default_factory=dict)  # bucket key -> steps run in it
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)  # events of schedulers and policies
 
     def record_step(self, candidates: np.ndarray, committed: np.ndarray, key: BucketKey, step_seconds: float,
                     host_seconds: float, prep_seconds: float = 0.0) -> None:
@@ -79,7 +83,8 @@ class DecodeStats:
                 "commit_histogram": dict(sorted(self.commit_histogram.items())),
                 "median_step_seconds": float(np.median(self.step_seconds)) if self.step_seconds else 0.0,
                 "median_host_seconds": float(np.median(self.host_seconds)) if self.host_seconds else 0.0,
-                "peak_rss_mb": round(self.peak_rss_mb, 1), "buckets": dict(sorted(self.buckets.items()))}
+                "peak_rss_mb": round(self.peak_rss_mb, 1), "buckets": dict(sorted(self.buckets.items())),
+                "counters": self.counters}
 
 
 @dataclasses.dataclass
@@ -102,6 +107,16 @@ class Decoder:
     @property
     def capabilities(self) -> Capabilities:
         return self.executor.capabilities
+
+    @property
+    def refresh_executor(self) -> Executor:
+        """The executor of a revision policy's CPU path: the main executor's `fork()` (the
+        same weights, programs of its own, for a thread of its own), made once; the main
+        executor itself when it cannot fork."""
+        if not hasattr(self, "_refresh_executor"):
+            fork = getattr(self.executor, "fork", None)
+            self._refresh_executor = fork() if fork is not None else self.executor
+        return self._refresh_executor
 
     @property
     def max_tokens(self) -> int:
@@ -196,37 +211,59 @@ class Decoder:
         wants = {kv: OutputRequest(kv=kv, logits=proposer.needs_logits) for kv in (False, True)}
         rule = cfg.rule
         start = time.perf_counter()
-        while (plan := scheduler.plan(state)) is not None:
-            t0 = time.perf_counter()
-            targets = plan.target_index
-            if plan.step == 0:
-                rule = cfg.rule.begin(state.undecided(targets), units=units)
-            inputs = builder.build(plan, state, store, wants[plan.store is not None])
-            t1 = time.perf_counter()
-            out = self.executor.step(inputs)
-            t2 = time.perf_counter()
-            if plan.store is not None:
-                store = store or KVStore.for_model(mc, state.batch, state.total)
-                store.write(plan.window[plan.store], out.k_new[:, :, plan.store], out.v_new[:, :, plan.store],
-                            stable=plan.store_stable)
-            candidates = state.undecided(targets)
-            proposal = proposer.propose(out, candidates, state)
-            state.record(targets, candidates, proposal.confidence)
-            committed = rule.select(proposal.confidence, candidates, step=plan.step)
-            state.commit(targets, committed, proposal.tokens)
-            revision.after_step(state, plan, proposal, committed)
-            steps = plan.step + 1
-            unit_done = rule.finished(steps, state.undecided(targets))
-            if not unit_done and steps >= rule.max_steps(len(plan.targets)):
-                raise RuntimeError(f"commit rule {rule!r} left unit {plan.unit} unfinished after {steps} steps")
-            stats.record_step(candidates, committed, inputs.key, t2 - t1, (t1 - t0) + (time.perf_counter() - t2),
-                              t1 - t0)
-            scheduler.advance(state, unit_done)
-            if unit_done:
-                if stats.first_block_seconds is None:
-                    stats.first_block_seconds = time.perf_counter() - start
-                if on_block is not None:
-                    on_block(plan.unit, state.sequences())
+        settle = getattr(scheduler, "settle", None)
+        refresher = revision.refresher(self) if hasattr(revision, "refresher") else None
+        try:
+            while (plan := scheduler.plan(state)) is not None:
+                t0 = time.perf_counter()
+                targets = plan.target_index
+                if plan.step == 0:
+                    rule = cfg.rule.begin(state.undecided(plan.unit_index), units=units)
+                if refresher is not None and store is not None:
+                    refresher.submit(state, store, plan)  # runs beside this step; merged after it
+                inputs = builder.build(plan, state, store, wants[plan.store is not None])
+                # Rows of the step still to decide (mask, invisible or draft), of the widest request.
+                state.count("useful_rows", int((_USEFUL[state.status[:, plan.window_index]]
+                                                & state.active[:, None]).sum(axis=1).max()))
+                state.count("window_rows", len(plan.window))
+                state.count("logit_rows", len(plan.rows))
+                t1 = time.perf_counter()
+                out = self.executor.step(inputs)
+                t2 = time.perf_counter()
+                if plan.store is not None:
+                    store = store or KVStore.for_model(mc, state.batch, state.total)
+                    slots = plan.window[plan.store]
+                    store.write(slots, out.k_new[:, :, plan.store], out.v_new[:, :, plan.store],
+                                stable=plan.store_stable, rows=plan.store_rows)
+                    state.stored(slots, inputs.tokens[:, plan.store], plan.store_rows)
+                scored = state.undecided(targets)
+                candidates = scored if plan.current is None else scored & plan.current
+                proposal = proposer.propose(out, scored, state)
+                state.record(targets, ~state.is_final(targets) & state.active[:, None], proposal.confidence)
+                committed = rule.select(proposal.confidence, candidates, step=plan.step)
+                if settle is not None and plan.current is not None:
+                    committed = committed | settle(state, plan, proposal)
+                state.commit(targets, committed, proposal.tokens)
+                revision.after_step(state, plan, proposal, committed)
+                if refresher is not None:
+                    store = refresher.merge(state, store)  # the step boundary: delayed merge
+                steps = plan.step + 1
+                unit_done = rule.finished(steps, state.undecided(plan.unit_index))
+                width = len(plan.targets) if plan.unit_slots is None else len(plan.unit_slots)
+                if not unit_done and steps >= rule.max_steps(width):
+                    raise RuntimeError(f"commit rule {rule!r} left unit {plan.unit} unfinished after {steps} steps")
+                stats.record_step(candidates, committed, inputs.key, t2 - t1,
+                                  (t1 - t0) + (time.perf_counter() - t2), t1 - t0)
+                scheduler.advance(state, unit_done)
+                if unit_done:
+                    if stats.first_block_seconds is None:
+                        stats.first_block_seconds = time.perf_counter() - start
+                    if on_block is not None:
+                        on_block(plan.unit, state.sequences())
+        finally:
+            if refresher is not None:
+                refresher.close()
+        stats.counters = dict(sorted(state.counters.items()))
         stats.seconds = time.perf_counter() - start
         stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return DecodeOutput(state.sequences(), stats)

@@ -38,14 +38,23 @@ class KVStore:
         """[B, S] bool, slots holding K/V."""
         return self.version > 0
 
-    def write(self, slots: np.ndarray, k: np.ndarray, v: np.ndarray, *, stable: np.ndarray | bool) -> None:
+    def write(self, slots: np.ndarray, k: np.ndarray, v: np.ndarray, *, stable: np.ndarray | bool,
+              rows: np.ndarray | None = None) -> None:
         """Store k, v [L, B, n, Hkv, Dh] (extra entries past n, a bucket's padding, are
-        ignored) at `slots` [n] of every row; `stable` is [B, n] bool or one bool."""
+        ignored) at `slots` [n] of every row; `stable` is [B, n] bool or one bool. With
+        `rows` [B, n] bool, only those entries are written."""
         n = len(slots)
+        if rows is not None:
+            keep = rows[None, :, :, None, None]
+            k = np.where(keep, k[:, :, :n], self.k[:, :, slots])
+            v = np.where(keep, v[:, :, :n], self.v[:, :, slots])
+            self.version[:, slots] += rows
+            self.stable[:, slots] = np.where(rows, stable, self.stable[:, slots])
+        else:
+            self.version[:, slots] += 1
+            self.stable[:, slots] = stable
         self.k[:, :, slots] = k[:, :, :n]
         self.v[:, :, slots] = v[:, :, :n]
-        self.version[:, slots] += 1
-        self.stable[:, slots] = stable
         self.writes += 1
 
     def gather(self, slots: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,10 @@ class LatencyTable:
     entries: list[LatencyEntry]
 
     def lookup(self, window: int, cache: int = 0, batch: int = 1) -> float:
-        """Median ms of the smallest profiled bucket that holds (window, cache, batch)."""
+        """Median ms of the smallest profiled bucket that holds (window, cache, batch); a
+        table profiled at one cache size only (a cost model) prices every cache with it."""
+        if len({e.cache for e in self.entries}) == 1:
+            cache = 0
         fits = [e for e in self.entries if e.window >= window and e.cache >= cache and e.batch >= batch]
         if not fits:
             raise KeyError(f"no profiled bucket holds window={window}, cache={cache}, batch={batch}")
@@ -89,3 +93,44 @@ class LatencyTable:
         fig.savefig(png, format="png", dpi=110)
         plt.close(fig)
         return atomic_write(path, png.getvalue())
+
+
+@dataclasses.dataclass(frozen=True)
+class PhoneCostModel:
+    """A decode step's latency on a phone, from published device figures (a plausibility
+    model for pricing decode traces, not a measurement):
+
+        t(W) = fixed + max(weight_bytes / bandwidth, ceil_tile(W) * flop_factor / throughput)
+
+    memory-bound (streaming the weights once) up to about one tile, then stepwise in `tile`
+    token tiles. Defaults: an 8B Q4_0 model (4.5 bits per weight) on a Snapdragon 8 Gen 3
+    NPU: 56 GB/s DRAM bandwidth during matmul and 770 tokens/s of dense INT4 prefill
+    (PowerInfer-2 §2.3.1), 32-token HMX tiles (llada.cpp §2.2). `cpu()` gives the same
+    phone's CPU (43.9 GB/s, 8 tokens/s). Every parameter is data: pass others to model
+    another device."""
+
+    name: str = "npu"
+    weight_bytes: float = 4.5e9
+    bandwidth: float = 56e9  # bytes/s
+    throughput: float = 770.0  # tokens/s, dense prefill
+    tile: int = 32
+    flop_factor: float = 8 / 7  # the prefill figure's tokens per tile-slot
+    fixed_ms: float = 0.0
+
+    @classmethod
+    def npu(cls, **changes: Any) -> PhoneCostModel:
+        return cls(**changes)
+
+    @classmethod
+    def cpu(cls, **changes: Any) -> PhoneCostModel:
+        return cls(**{"name": "cpu", "bandwidth": 43.9e9, "throughput": 8.0, **changes})
+
+    def step_ms(self, window: int) -> float:
+        """Latency (ms) of one step over `window` query tokens."""
+        tiles = -(-max(int(window), 1) // self.tile) * self.tile
+        return self.fixed_ms + 1e3 * max(self.weight_bytes / self.bandwidth, tiles * self.flop_factor / self.throughput)
+
+    def table(self, windows: Sequence[int]) -> LatencyTable:
+        """The model as a `LatencyTable` over these window sizes (cache 0, batch 1)."""
+        entries = [LatencyEntry(int(w), 0, 1, int(w), *(3 * [self.step_ms(w)])) for w in sorted(set(windows))]
+        return LatencyTable(f"phone cost model ({self.name})", dataclasses.asdict(self), entries)

@@ -23,13 +23,15 @@ from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.commit import FactorRule, FrechetRule, PaperFactorRule, ThresholdRule, TopKSchedule
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.proposer import Proposer
-from dlm_jax.runtime.revision import NoRevision
+from dlm_jax.runtime.revision import NoRevision, ProgressiveRevision
 from dlm_jax.runtime.scheduler import DualCache, NoCache, PrefixCache
+from dlm_jax.runtime.speculative import SpeculativeWindow
 
 SCHEDULERS: dict[str, type] = {
     "none": NoCache,  # LLaDA: the whole sequence every step
     "prefix": PrefixCache,  # Fast-dLLM prefix cache
     "dual": DualCache,  # Fast-dLLM dual cache
+    "mbsd": SpeculativeWindow,  # llada.cpp multi-block speculative windows
 }
 RULES: dict[str, type] = {
     "topk": TopKSchedule,  # LLaDA low-confidence remasking, fixed steps
@@ -40,6 +42,7 @@ RULES: dict[str, type] = {
 }
 REVISIONS: dict[str, type] = {
     "none": NoRevision,
+    "dppr": ProgressiveRevision,  # llada.cpp dual-path progressive revision
 }
 
 
@@ -66,6 +69,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "fast-dllm-factor": {"cache": "prefix", "rule": "factor", "factor": 1.0, "block_len": 32},
     # Fast-dLLM++: prefix cache, Frechet delta 0.25, block 32.
     "frechet": {"cache": "prefix", "rule": "frechet", "delta": 0.25, "block_len": 32},
+    # llada.cpp: sliding multi-block speculative windows (look-ahead at 4 undecided slots),
+    # tokens visible at 0.7 (the threshold rule) and stable at 0.9, CPU-path refresh of 8
+    # visible tokens per step, stable slots request no logits.
+    "llada-cpp": {"cache": "mbsd", "rule": "threshold", "threshold": 0.7, "draft_threshold": 0.7,
+                  "revision": "dppr", "theta_stable": 0.9, "theta_visible": 0.7, "block_len": 32},
 }
 
 # Short flags the command line has always used.

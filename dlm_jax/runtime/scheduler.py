@@ -29,7 +29,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.runtime.state import DecodeState, as_index
+from dlm_jax.runtime.state import DecodeState, TokenState, as_index
 
 
 class PlanShape(NamedTuple):
@@ -52,6 +52,12 @@ class StepPlan:
     store: [n] window rows whose K/V are written to the store (None: none).
     store_stable: [B, n] bool, which of those entries are stable (computed from final tokens);
       the rest are revisable.
+    store_rows: [B, n] bool, which of the store's entries are written (None: all); entries
+      computed from drafts never are.
+    current: [R] bool, the targets in the current commit unit (None: all of them); the
+      others are look-ahead rows (drafts), which the rule never commits.
+    unit_slots: the slots of the current commit unit (None: the targets); a rule begins
+      and finishes the unit over these.
     """
 
     window: np.ndarray
@@ -62,6 +68,9 @@ class StepPlan:
     step: int
     store: np.ndarray | None = None
     store_stable: np.ndarray | None = None
+    store_rows: np.ndarray | None = None
+    current: np.ndarray | None = None
+    unit_slots: np.ndarray | None = None
 
     @property
     def shape(self) -> PlanShape:
@@ -75,6 +84,11 @@ class StepPlan:
     @functools.cached_property
     def window_index(self) -> slice | np.ndarray:
         return as_index(self.window)
+
+    @functools.cached_property
+    def unit_index(self) -> slice | np.ndarray:
+        """The current unit's slots (as a slice when a run)."""
+        return self.target_index if self.unit_slots is None else as_index(self.unit_slots)
 
 
 @runtime_checkable
@@ -155,8 +169,11 @@ class BlockScheduler:
         if not unit_done:
             state.unit_step += 1
             return
+        lo = state.gen_start + state.unit * self.block_len
+        visible = int((state.status[state.active, lo:lo + self.block_len] == TokenState.VISIBLE).sum())
+        if visible:  # tokens a block finished with below the stable bar (llada.cpp Fig. 13b)
+            state.count("visible_at_block_end", visible)
         if self.stop_on_eos_block:
-            lo = state.gen_start + state.unit * self.block_len
             state.stop_at_eos(np.arange(lo, lo + self.block_len))
         state.unit += 1
         state.unit_step = 0

@@ -38,6 +38,7 @@ class TokenState(enum.IntEnum):
 _FEEDS_TOKEN = np.array([True, False, True, False, True, True])  # by TokenState value
 _UNDECIDED = np.array([False, True, False, True, False, False])
 _FINAL = np.array([True, False, False, False, False, True])
+_FED_FINAL = np.array([True, False, False, False, True, True])  # prompt, visible, stable: cacheable
 _STABLE = int(TokenState.STABLE)  # plain ints on the hot path (enum attribute access is slow)
 
 
@@ -79,6 +80,27 @@ class DecodeState:
     rngs: list = dataclasses.field(default_factory=list)  # per row: np.random.Generator or None
     unit: int = 0  # the scheduler's cursor: current commit unit ...
     unit_step: int = 0  # ... and the steps taken in it
+    window_start: int = 0  # a sliding scheduler's cursor: the first slot its window may hold
+    kv_token: np.ndarray | None = None  # [B, S] int32, the id each stored K/V entry was computed from (-1: none)
+    counters: dict = dataclasses.field(default_factory=dict)  # event counts of schedulers and policies
+
+    def __post_init__(self) -> None:
+        if self.kv_token is None:
+            self.kv_token = np.full(self.tokens.shape, -1, np.int32)
+
+    def stored(self, slots: Index, fed: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Note that the K/V store now holds, at `slots`, entries computed from the ids `fed`
+        [B, n] (only where `rows` [B, n] is True, when given)."""
+        self.kv_token[:, slots] = fed if rows is None else np.where(rows, fed, self.kv_token[:, slots])
+
+    def kv_ready(self) -> np.ndarray:
+        """[B, S] bool: slots whose token is final or visible and whose stored K/V were
+        computed from that very token (a sliding window may leave them to the cache)."""
+        return _FED_FINAL[self.status] & (self.kv_token == self.tokens)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to the event counter `name` (reported in `DecodeStats.counters`)."""
+        self.counters[name] = self.counters.get(name, 0) + int(n)
 
     @classmethod
     def create(cls, prompts: Sequence[Sequence[int]], *, gen_len: int, batch: int, mask_id: int,
@@ -153,10 +175,16 @@ class DecodeState:
         """Keep `confidence` [B, n] as the last confidence of the `scored` [B, n] slots."""
         self.confidence[:, slots] = np.where(scored, confidence, self.confidence[:, slots])
 
-    def commit(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray) -> None:
-        """Give the `chosen` [B, n] slots their `tokens` [B, n] and make them stable."""
+    def commit(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray, state: int = _STABLE) -> None:
+        """Give the `chosen` [B, n] slots their `tokens` [B, n] and the token `state`
+        (stable unless told)."""
         self.tokens[:, slots] = np.where(chosen, tokens, self.tokens[:, slots])
-        self.status[:, slots] = np.where(chosen, _STABLE, self.status[:, slots])
+        self.status[:, slots] = np.where(chosen, state, self.status[:, slots])
+
+    def unset(self, slots: Index, chosen: np.ndarray) -> None:
+        """Return the `chosen` [B, n] slots to MASK (a draft that failed its re-evaluation)."""
+        self.tokens[:, slots] = np.where(chosen, self.mask_id, self.tokens[:, slots])
+        self.status[:, slots] = np.where(chosen, int(TokenState.MASK), self.status[:, slots])
 
     def stop_at_eos(self, slots: np.ndarray) -> np.ndarray:
         """End the running requests whose `slots` all hold an EOS id: every later slot becomes

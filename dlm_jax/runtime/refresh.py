@@ -1,0 +1,135 @@
+"""The CPU path of dual-path progressive revision: sparse refresh of visible tokens that
+have left the window, beside the main step, merged at the step boundary (NumPy only).
+
+One refresh is one step of a second executor (the main one's `fork()`, which reads the same
+weights; the main executor itself, run in turn, when it cannot fork) whose queries are the
+selected visible slots at their positions, fed their current tokens, over every stored K/V
+entry except those slots' own (they are recomputed). With `revisit="remask"` each slot also
+gets a duplicate query fed the mask, which sees neither the slot's entry nor its token row:
+its prediction is the leave-one-out score. Outputs: a new top token and probability per slot
+(-> promote, revise) and the slots' K/V, computed from the tokens fed (-> the store; a slot
+whose token the refresh replaced keeps a stale entry and is refreshed first next time).
+
+Axes: B batch rows, n refreshed slots, W window bucket, P cache bucket.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import numpy as np
+
+from dlm_jax._masks import visibility_from_positions
+from dlm_jax.runtime.buckets import pad_axis
+from dlm_jax.runtime.kvstore import KVStore
+from dlm_jax.runtime.state import DecodeState, TokenState
+from dlm_jax.runtime.step import OutputRequest, StepInputs, StepOutputs
+
+_VISIBLE = int(TokenState.VISIBLE)
+
+
+@dataclasses.dataclass
+class _Job:
+    slots: np.ndarray  # [n]
+    fed: np.ndarray  # [B, n] the tokens fed (the slots' identities at submission)
+    scored: np.ndarray  # [B, n] bool, (row, slot) pairs that were visible at submission
+    result: concurrent.futures.Future | StepOutputs
+
+
+class Refresher:
+    """The CPU path of one decode: `submit` before a main step, `merge` after it."""
+
+    def __init__(self, policy, decoder):
+        self.policy = policy
+        self.config = decoder.model_config
+        self.executor = decoder.refresh_executor
+        self.capabilities = self.executor.capabilities
+        forked = self.executor is not decoder.executor
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "dlm-refresh") if forked else None
+        self._job: _Job | None = None
+        self.calls: list[StepInputs] = []  # every refresh step's inputs (for tests and traces)
+
+    def select(self, state: DecodeState, before: int) -> np.ndarray:
+        """Up to `refresh_rows` tracked visible slots left of `before` (the main window):
+        stale K/V first, then the lowest last confidence, then the lowest position."""
+        run = state.active
+        vis = (state.status[:, :before] == _VISIBLE) & run[:, None]
+        slots = np.flatnonzero(vis.any(axis=0))
+        if not len(slots):
+            return slots
+        stale = ((state.kv_token[:, slots] != state.tokens[:, slots]) & vis[:, slots]).any(axis=0)
+        conf = np.where(vis[:, slots], np.nan_to_num(state.confidence[:, slots], nan=0.0), np.inf).min(axis=0)
+        order = np.lexsort((slots, conf, ~stale))
+        return np.sort(slots[order[:self.policy.refresh_rows]])
+
+    def submit(self, state: DecodeState, store: KVStore, plan) -> None:
+        """Start a refresh from the state as it is now (before the main step)."""
+        slots = self.select(state, int(plan.window[0]))
+        if not len(slots):
+            return
+        inputs = self._inputs(state, store, slots)
+        scored = (state.status[:, slots] == _VISIBLE) & state.active[:, None]
+        fed = state.tokens[:, slots].copy()
+        self.calls.append(inputs)
+        state.count("refresh_steps")
+        state.count("refresh_rows", len(slots))
+        result = self._pool.submit(self.executor.step, inputs) if self._pool else self.executor.step(inputs)
+        self._job = _Job(slots, fed, scored, result)
+
+    def _inputs(self, state: DecodeState, store: KVStore, slots: np.ndarray) -> StepInputs:
+        n, b = len(slots), state.batch
+        remask = self.policy.revisit == "remask"
+        rows = 2 * n if remask else n
+        written = state.kv_token >= 0
+        cached = np.flatnonzero(written.any(axis=0))
+        key = self.capabilities.select(batch=b, window=rows, cache=len(cached), rows=rows)
+        tokens = state.tokens[:, slots]
+        if remask:
+            tokens = np.concatenate([tokens, np.full_like(tokens, state.mask_id)], axis=1)
+        pos = state.positions[:, slots]
+        pos = np.concatenate([pos, pos], axis=1) if remask else pos
+        positions = pad_axis(pos, key.window, axis=1)
+        k_valid = pad_axis((written & state.valid)[:, cached] & ~np.isin(cached, slots)[None, :], key.cache,
+                           axis=1, value=False)
+        q_valid = pad_axis(np.ones((b, rows), bool), key.window, axis=1, value=False)
+        k_pos = np.concatenate([pad_axis(state.positions[:, cached], key.cache, axis=1), positions], axis=1)
+        vis = visibility_from_positions(self.config.attention, positions, k_pos, np.concatenate([k_valid, q_valid], 1),
+                                        block_size=self.config.block_size)
+        if remask:  # mask row n + i sees neither slot i's token row nor (above) its cache entry
+            own = np.arange(n)
+            vis[:, n + own, key.cache + own] = False
+            vis[:, :n, key.cache + n:key.cache + 2 * n] = False  # token rows never see the duplicates
+            dup = np.zeros((n, n), bool)
+            np.fill_diagonal(dup, True)
+            vis[:, n:2 * n, key.cache + n:key.cache + 2 * n] = dup  # a duplicate sees itself only
+        pad_q = np.arange(key.window) >= rows
+        vis[:, pad_q, :] = False
+        vis[:, pad_q, key.cache + np.flatnonzero(pad_q)] = True  # padding queries see themselves
+        k_cache, v_cache = store.gather(cached, key.cache)
+        logit_rows = np.broadcast_to(pad_axis(np.arange(rows), key.rows, axis=0), (b, key.rows)).astype(np.int32)
+        return StepInputs(tokens=pad_axis(tokens.astype(np.int32), key.window, axis=1, value=state.mask_id),
+                          positions=positions.astype(np.int32), visibility=vis, k_cache=k_cache, v_cache=v_cache,
+                          logit_rows=np.ascontiguousarray(logit_rows), want=OutputRequest(kv=True, logits=False))
+
+    def merge(self, state: DecodeState, store: KVStore | None) -> KVStore | None:
+        """Apply the pending refresh (the step boundary). Slots whose token or state changed
+        since the refresh started are left alone."""
+        job, self._job = self._job, None
+        if job is None:
+            return store
+        out = job.result.result() if isinstance(job.result, concurrent.futures.Future) else job.result
+        n, slots = len(job.slots), job.slots
+        q = n if self.policy.revisit == "remask" else 0  # the rows that score
+        top, prob = out.top_token[:, q:q + n], out.top_prob[:, q:q + n].astype(np.float64)
+        unchanged = job.scored & (state.status[:, slots] == _VISIBLE) & (state.tokens[:, slots] == job.fed)
+        promoted, revised = self.policy.rescore(state, slots, unchanged, top, prob, counter="refresh")
+        write = unchanged  # K/V computed from the token fed; a revised slot stays stale
+        if write.any():
+            store.write(slots, out.k_new[:, :, :n], out.v_new[:, :, :n], stable=promoted & ~revised, rows=write)
+            state.stored(slots, job.fed, write)
+        return store
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
