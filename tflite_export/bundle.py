@@ -87,7 +87,7 @@ def buckets_for_prompts(config, decode, *, max_prompt: int, batches: Sequence[in
     keys: set[BucketKey] = set()
     for batch in batches:
         for n in range(1, max_prompt + 1):
-            keys.update(decoder.bucket_keys([n] * batch, decode))
+            keys.update(decoder.bucket_keys([n] * batch, decode, complete=True))
     return sorted(keys)
 
 

@@ -204,6 +204,15 @@ class BundleCacheExecutor:
                 self._runners[part] = LiteRTExecutor(bundle, accelerator="cpu", threads=self._threads)
             self._route[key] = self._runners[part]
 
+    def fork(self) -> BundleCacheExecutor:
+        """A second executor over the same cache entry (the same lowered weights; runners of
+        its own, one thread) for a second thread: the CPU refresh path of progressive
+        revision."""
+        twin = BundleCacheExecutor(self._model, source=self._source, root=self._root, threads=1,
+                                   progress=self.progress)
+        twin._path = self._path
+        return twin
+
     def prepare(self, keys: Sequence[BucketKey]) -> None:
         """Export the buckets of `keys` the cache lacks, in one export."""
         self._export_missing(keys)

@@ -158,9 +158,10 @@ class Decoder:
             if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
                 raise InputError(f"seed {s!r} must be an integer >= 0")
 
-    def bucket_keys(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> list[BucketKey]:
-        """Every bucket a decode of one batch with these prompt lengths can use: the
-        scheduler's plan shapes, each in the bucket the executor would run it in. Raises a
+    def bucket_keys(self, prompt_lens: Sequence[int], cfg: DecodeConfig, *, complete: bool = False) -> list[BucketKey]:
+        """The buckets a decode of one batch with these prompt lengths uses: the scheduler's
+        (and a revision policy's CPU path's) plan shapes, each in the bucket the executor
+        would run it in; with `complete`, every one it can use (for a fixed bundle). Raises a
         ConfigError naming a bucket the executor lacks."""
         self._check(prompt_lens, cfg)
         caps = self.capabilities
@@ -169,7 +170,9 @@ class Decoder:
         except ConfigError as e:
             raise caps.refusal(str(e)) from None
         logits = cfg.proposer.needs_logits
-        shapes = cfg.scheduler.plan_shapes(prompt_lens, cfg.gen_len, shift=self.shift)
+        shapes = set(cfg.scheduler.plan_shapes(prompt_lens, cfg.gen_len, shift=self.shift, complete=complete))
+        if hasattr(cfg.revision, "plan_shapes"):
+            shapes |= cfg.revision.plan_shapes(prompt_lens, cfg.gen_len, shift=self.shift, complete=complete)
         return sorted({caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes})
 
     def warmup(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> int:

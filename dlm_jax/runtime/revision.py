@@ -126,6 +126,17 @@ class ProgressiveRevision:
             state.count(f"{counter}_revised", int(revise.sum()))
         return promote, revise
 
+    def plan_shapes(self, prompt_lens, gen_len: int, *, shift: int, complete: bool = False) -> set:
+        """The CPU path's step shapes (refresh rows over every cache size), when `complete`;
+        otherwise none (compiled or exported on first use)."""
+        from dlm_jax.runtime.scheduler import PlanShape
+
+        if not complete or not self.refresh_rows:
+            return set()
+        rows = self.refresh_rows * (2 if self.revisit == "remask" else 1)
+        total = max(prompt_lens) + gen_len
+        return {PlanShape(rows, c, rows) for c in range(0, total + 1, 32)} | {PlanShape(rows, total, rows)}
+
     def refresher(self, decoder):
         """The CPU path of one decode (None when refresh is off)."""
         if not self.refresh_rows:

@@ -105,8 +105,10 @@ class Scheduler(Protocol):
         """After a step: move the cursor, end requests (EOS), mark the last unit done."""
         ...
 
-    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int) -> set[PlanShape]:
-        """Every plan shape a decode of a batch with these prompt lengths can produce."""
+    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int,
+                    complete: bool = False) -> set[PlanShape]:
+        """The plan shapes a decode of a batch with these prompt lengths produces: every one
+        with `complete` (what a fixed bundle must hold), else those worth compiling ahead."""
         ...
 
 
@@ -180,8 +182,10 @@ class BlockScheduler:
         if state.unit == self.units(state.gen_len):
             state.finish()
 
-    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int) -> set[PlanShape]:
-        """Each block's first step and its later steps (all alike within a block)."""
+    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int,
+                    complete: bool = False) -> set[PlanShape]:
+        """Each block's first step and its later steps (all alike within a block): always
+        complete."""
         p_max = max(prompt_lens)
         return {self._plan(unit, step, p_max, p_max + gen_len, shift).shape
                 for unit in range(self.units(gen_len)) for step in (0, 1)}

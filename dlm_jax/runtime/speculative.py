@@ -260,13 +260,24 @@ class SpeculativeWindow(BlockScheduler):
 
     # -- shapes -----------------------------------------------------------------------------
 
-    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int) -> set[PlanShape]:
-        """The usual shapes: the first (prefill) window and a base window over each block's
-        cache. Windows of other widths (look-ahead, sliding) are compiled or exported when a
-        decode first needs them."""
+    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int,
+                    complete: bool = False) -> set[PlanShape]:
+        """The usual shapes: the first window and a base window over each block's cache;
+        windows of other widths (look-ahead, sliding) are compiled or exported when a decode
+        first needs them. `complete`: every shape a decode can take, at bucket granularity
+        (what a fixed bundle must hold)."""
         p_max = max(prompt_lens)
         total = p_max + gen_len
         w = min(self.w0, gen_len)
+        if complete:
+            sizes = window_buckets(max(total, self.max_window)).sizes
+            lag = next(s for s in sizes if s >= min(2 * self.w0, total))
+            widest = total if self.suffix else max(lag, self.max_window if self.trigger else lag)
+            first = next((s for s in sizes if s >= p_max + widest), total)
+            shapes = {PlanShape(s, 0, min(s, gen_len + shift)) for s in sizes if s <= min(first, total)}
+            for c in range(max(p_max - shift, 0), total):
+                shapes |= {PlanShape(min(s, total - c), c, min(s, total - c)) for s in sizes if s <= widest}
+            return shapes
         if not self.sliding:
             ends = [p_max + (u + 1) * self.block_len for u in range(self.units(gen_len))]
             shapes = {PlanShape(total if self.suffix else end, 0, self.block_len) for end in ends}

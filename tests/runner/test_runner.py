@@ -211,3 +211,27 @@ def test_cli_export_then_run_never_loads_jax(tmp_path):
     errors = [line for line in gpu.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "accelerator 'gpu' is not available" in errors[0], gpu.stderr[-2000:]
     assert "Traceback" not in gpu.stderr
+
+
+@pytest.mark.slow
+def test_a_bundle_exported_for_llada_cpp_holds_every_bucket_it_needs(tmp_path):
+    """Speculative windows and the CPU refresh path take many window and cache sizes; a bundle
+    exported for the preset holds them all (`complete` plan shapes), and decodes as JAX does."""
+    from tflite_export.bundle import buckets_for_prompts
+
+    jax_model = dlm_jax.load(ROOT / "models" / "llada-tiny")
+    prompts = [jax_model.encode(ex.prompt) for t in TASKS for ex in make_split(TASKS[t], 3, split="heldout")]
+    cfgs = [dlm_jax.preset("llada-cpp", gen_len=64, theta_stable=0.99),
+            dlm_jax.preset("llada-cpp", gen_len=64, revisit="remask", sliding=False)]
+    keys = set()
+    for cfg in cfgs:
+        keys |= set(buckets_for_prompts(jax_model.config, cfg, max_prompt=max(map(len, prompts))))
+    out = tmp_path / "bundle"
+    export_bundle(ROOT / "models" / "llada-tiny", out, keys=sorted(keys), decode=cfgs[0], latency_repeats=0)
+    runner = load_bundle(out)
+    for cfg in cfgs:
+        for p in prompts:
+            want = jax_model.decoder.decode([p], cfg)
+            got = runner.decoder.decode([p], cfg)
+            np.testing.assert_array_equal(got.sequences[0], want.sequences[0])
+            assert got.stats.nfe == want.stats.nfe
