@@ -44,6 +44,16 @@ class TrainConfig:
     # a random init, e.g. an autoregressive model adapted to diffusion (Dream, LLaDA 2.0). Its
     # parameter shapes must match [model]; attention and logit shift come from [model].
     init_from: str = ""
+    # masked_diffusion's clean-position term (training.objectives): with clean_loss_weight > 0,
+    # corrupt_prob of the visible response tokens become random regular tokens and
+    # clean_loss_weight x the mean cross-entropy of the true token at every visible response
+    # position is added to the loss. 0 (the default): off, the plain LLaDA loss.
+    clean_loss_weight: float = 0.0
+    corrupt_prob: float = 0.0
+
+    def objective_options(self) -> dict[str, float]:
+        """The [train] keys passed on to the objective (training.objectives.get_objective)."""
+        return {"clean_loss_weight": self.clean_loss_weight, "corrupt_prob": self.corrupt_prob}
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -57,6 +67,9 @@ class TrainConfig:
                               f"min_lr_ratio={self.min_lr_ratio} in [0, 1]")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"[train] compute_dtype={self.compute_dtype!r} is not float32 or bfloat16")
+        if self.clean_loss_weight < 0 or not 0.0 <= self.corrupt_prob < 1.0:
+            raise ConfigError(f"[train] clean_loss_weight={self.clean_loss_weight} must be >= 0 and "
+                              f"corrupt_prob={self.corrupt_prob} in [0, 1)")
         if not 0.0 <= self.long_tail_prob <= 1.0:
             raise ConfigError(f"[train] long_tail_prob={self.long_tail_prob} must be in [0, 1]")
         b = list(self.length_buckets)
@@ -127,7 +140,7 @@ class RunConfig:
 
         m, t = self.model, self.train
         try:
-            get_objective(t.objective, m)
+            get_objective(t.objective, m, **t.objective_options())
         except ConfigError as e:
             raise ConfigError(f"{self.source}: [train] {e}") from None
         from dlm_jax._tokenizer import ByteTokenizer

@@ -289,7 +289,7 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
     out_dir.mkdir(parents=True, exist_ok=True)
     tc = run.train
     tok = ByteTokenizer()
-    objective = get_objective(tc.objective, run.model)
+    objective = get_objective(tc.objective, run.model, **tc.objective_options())
     train_cfg = run.model.replace(dtype=tc.compute_dtype, param_dtype="float32")
     mesh = build_mesh(tc.mesh_data, tc.mesh_model)
     if tc.batch_size % mesh.shape["data"]:

@@ -7,7 +7,12 @@ of (model, batch, rng), so it jits and shards like any JAX function.
 
 - `masked_diffusion` (LLaDA): t ~ U(eps, 1) per row, each response token masked with prob t,
   cross-entropy on masked positions weighted 1/t, normalised per row by its response length
-  (LLaDA's SFT loss); bidirectional attention.
+  (LLaDA's SFT loss); bidirectional attention. Optional clean-position term
+  (`clean_loss_weight` > 0): a fraction `corrupt_prob` of the response tokens left visible is
+  replaced by random regular tokens (never the mask id or another special, never the true
+  token), and `clean_loss_weight` x the mean cross-entropy of the true token over every visible
+  response position (corrupted or not) is added, so the model's distribution at a filled
+  position says how likely the token there is right (in-place confidence for remasking).
 - `block_diffusion` (BD3-LM / SDAR): input [x_noisy ; x_clean]; noisy block k attends
   bidirectionally within itself and to clean blocks < k; the clean half is block-causal;
   loss on masked noisy positions weighted 1/t.
@@ -20,6 +25,7 @@ of (model, batch, rng), so it jits and shards like any JAX function.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -46,19 +52,53 @@ def _mask_id(model: Transformer) -> int:
     return model.config.mask_token_id
 
 
-def masked_diffusion(model: Transformer, batch: Batch, rng: jax.Array):
+# Regular (non-special) token ids: training encodes with dlm_jax.ByteTokenizer, whose ids
+# 0..255 are bytes and 256.. its specials (pad, bos, eos, mask, chat markers).
+REGULAR_VOCAB = 256
+
+
+def corrupt_visible(tokens: jax.Array, visible: jax.Array, corrupt_prob: float, rng: jax.Array, *,
+                    regular_vocab: int = REGULAR_VOCAB) -> tuple[jax.Array, jax.Array]:
+    """Replace each `visible` token with prob `corrupt_prob` by a uniformly drawn regular id in
+    [0, regular_vocab) other than the token itself. Returns (new tokens, corrupted [B, T] bool)."""
+    k_c, k_r = jax.random.split(rng)
+    corrupted = (jax.random.uniform(k_c, tokens.shape) < corrupt_prob) & visible
+    # Draw from regular_vocab - 1 values and skip the true token (a special true token, e.g. an
+    # EOS of the fill, can never be drawn, so the shift only matters for regular ones).
+    r = jax.random.randint(k_r, tokens.shape, 0, regular_vocab - 1, dtype=tokens.dtype)
+    r = jnp.where((tokens < regular_vocab) & (r >= tokens), r + 1, r)
+    return jnp.where(corrupted, r, tokens), corrupted
+
+
+def masked_diffusion(model: Transformer, batch: Batch, rng: jax.Array, *, clean_loss_weight: float = 0.0,
+                     corrupt_prob: float = 0.0, regular_vocab: int = REGULAR_VOCAB):
     tokens, response = batch["tokens"], ~batch["prompt_mask"]
     b, t_len = tokens.shape
     k_t, k_m = jax.random.split(rng)
     t = jax.random.uniform(k_t, (b, 1), minval=EPS, maxval=1.0)
     masked = (jax.random.uniform(k_m, (b, t_len)) < t) & response
     noisy = jnp.where(masked, _mask_id(model), tokens)
+    clean_term = clean_loss_weight > 0
+    if clean_term:
+        visible = response & ~masked
+        noisy, corrupted = corrupt_visible(noisy, visible, corrupt_prob, jax.random.fold_in(rng, 1),
+                                           regular_vocab=regular_vocab)
     logits = model(noisy).logits
-    ce = _token_ce(logits, tokens) * masked / t
+    token_ce = _token_ce(logits, tokens)
+    ce = token_ce * masked / t
     answer_len = jnp.maximum(response.sum(axis=1, keepdims=True), 1)
     loss = jnp.sum(ce / answer_len) / b
-    acc = jnp.sum((logits.argmax(-1) == tokens) & masked) / jnp.maximum(masked.sum(), 1)
-    return loss, {"loss": loss, "masked_acc": acc}
+    hit = logits.argmax(-1) == tokens
+    acc = jnp.sum(hit & masked) / jnp.maximum(masked.sum(), 1)
+    if not clean_term:
+        return loss, {"loss": loss, "masked_acc": acc}
+    clean_ce = jnp.sum(token_ce * visible) / jnp.maximum(visible.sum(), 1)
+    intact = visible & ~corrupted
+    metrics = {"md_loss": loss, "clean_ce": clean_ce, "masked_acc": acc,
+               "clean_acc": jnp.sum(hit & intact) / jnp.maximum(intact.sum(), 1),
+               "corrupt_acc": jnp.sum(hit & corrupted) / jnp.maximum(corrupted.sum(), 1)}
+    loss = loss + clean_loss_weight * clean_ce
+    return loss, {"loss": loss, **metrics}
 
 
 def two_stream_mask(length: int, block: int, *, noisy_causal: bool, clean_causal: bool) -> np.ndarray:
@@ -148,12 +188,29 @@ REQUIREMENTS: dict[str, dict[str, object]] = {
 }
 
 
-def get_objective(name: str, model_config) -> Objective:
-    """The objective `name`, after checking the model is configured for it."""
+# Objective options ([train] keys passed on to the objective) and the objectives taking them.
+OPTIONS: dict[str, tuple[str, ...]] = {"masked_diffusion": ("clean_loss_weight", "corrupt_prob")}
+
+
+def get_objective(name: str, model_config, **options: float) -> Objective:
+    """The objective `name`, after checking the model is configured for it, with `options`
+    (e.g. masked_diffusion's clean_loss_weight, corrupt_prob) bound. An option left at 0 is
+    off and accepted by every objective; a non-zero one the objective lacks is refused."""
     if name not in OBJECTIVES:
         raise ConfigError(f"unknown objective {name!r}; known: {sorted(OBJECTIVES)}")
     for field, value in REQUIREMENTS[name].items():
         if getattr(model_config, field) != value:
             raise ConfigError(f"objective {name!r} needs model {field}={value!r}, "
                               f"got {getattr(model_config, field)!r}")
-    return OBJECTIVES[name]
+    known = OPTIONS.get(name, ())
+    bad = sorted(k for k, v in options.items() if v and k not in known)
+    if bad:
+        raise ConfigError(f"objective {name!r} has no option(s) {bad}"
+                          + (f" (it takes {list(known)})" if known else ""))
+    bound = {k: v for k, v in options.items() if k in known}
+    if name == "masked_diffusion" and bound.get("clean_loss_weight", 0) > 0:
+        if not 0 < bound.get("corrupt_prob", 0) < 1:
+            raise ConfigError(f"objective {name!r}: clean_loss_weight > 0 needs corrupt_prob in (0, 1), got "
+                              f"{bound.get('corrupt_prob', 0)} (with no corrupted tokens the clean term "
+                              f"only teaches copying the visible token)")
+    return functools.partial(OBJECTIVES[name], **bound) if bound else OBJECTIVES[name]

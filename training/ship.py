@@ -4,6 +4,8 @@ accuracy measured here.
 
     .venv/bin/python -m training.ship --run runs/llada-tiny \
         --config examples/configs/llada-tiny.toml --dest models/llada-tiny
+    .venv/bin/python -m training.ship --run runs/llada-12m --config examples/configs/llada-12m.toml \
+        --dest models/llada-12m --weights-dtype bfloat16 --max-mb 26 --trained-on "one NVIDIA H100 GPU"
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 import dlm_jax
@@ -24,7 +27,9 @@ from training.data import TASKS, task_settings
 from training.evaluate import chance_accuracy, evaluate
 from training.loop import prompt_format
 
-MAX_MB = 10.0
+MAX_MB = 10.0  # default size limit of a shipped model (--max-mb raises it per model)
+CPU_MACHINE = "a 2-core CPU machine"
+STORAGE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
 def card_decoders(gen_len: int) -> dict[str, DecodeConfig]:
@@ -37,31 +42,48 @@ def card_decoders(gen_len: int) -> dict[str, DecodeConfig]:
             "prefix + frechet 0.25 (Fast-dLLM++)": decode_config(gen_len=gen_len, block_len=32, rule="frechet")}
 
 
-def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> dict:
+def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int, max_mb: float = MAX_MB,
+         weights_dtype: str = "float32", trained_on: str = CPU_MACHINE, stopped_at: int | None = None) -> dict:
+    """Copy the run's model to `dest` (floating tensors stored as `weights_dtype`; the model
+    still loads as its config's float32), evaluate the copy with the card's decoders and write
+    the card, eval.json and manifest.
+
+    `stopped_at`: the run was stopped (with a checkpoint) at this step, before its configured
+    `steps`, and its model exported from that checkpoint; the card says so. Without it a run
+    must have finished."""
     run = RunConfig.load(config)
+    if weights_dtype not in STORAGE_DTYPES:
+        raise SystemExit(f"weights dtype {weights_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = metrics[-1]
-    if last["step"] != run.train.steps:
+    if stopped_at is None and last["step"] != run.train.steps:
         raise SystemExit(f"{run_dir}: run stopped at step {last['step']} of {run.train.steps}")
+    if stopped_at is not None and not last["step"] <= stopped_at < run.train.steps:
+        raise SystemExit(f"{run_dir}: stopped_at={stopped_at} must be in [last logged step {last['step']}, "
+                         f"steps={run.train.steps})")
     params = dlm_jax.get_params(dlm_jax.load_pretrained(run_dir / "model"))
     bad = [name for name, v in params.items() if not np.isfinite(v).all()]
     if bad:  # a diverged run is never shipped, however it came to write its model
         raise SystemExit(f"{run_dir / 'model'}: tensor {bad[0]} has non-finite values (NaN or inf); not shipping it")
-    handle = dlm_jax.load(run_dir / "model", executor="jax")  # the card reports the JAX executor's speed
-    results = {name: {t: evaluate(handle, t, cfg, n=n, keep=2) for t in TASKS}
-               for name, cfg in card_decoders(gen_len).items()}
-    size_mb = sum(f.stat().st_size for f in (run_dir / "model").iterdir()) / 2**20
-    if size_mb > MAX_MB:
-        raise SystemExit(f"{run_dir / 'model'} is {size_mb:.1f} MB, over the {MAX_MB} MB limit")
-    train_seconds = _wall_seconds(run_dir, run, metrics)
-    chance = {t: chance_accuracy(t, n=n) for t in TASKS}
-    card = _card(dest.name, run, config, metrics, results, chance, size_mb, train_seconds, n, gen_len)
     from dlm_jax._integrity import replace_dir
 
     dest.parent.mkdir(parents=True, exist_ok=True)  # stage beside dest: the rename stays atomic
     tmp = make_temp_dir(dest.parent, f".{dest.name}.")
     try:
         shutil.copytree(run_dir / "model", tmp, dirs_exist_ok=True)
+        _store_weights(tmp, weights_dtype)
+        size_mb = sum(f.stat().st_size for f in tmp.iterdir() if f.name != "manifest.json") / 2**20
+        if size_mb > max_mb:
+            raise SystemExit(f"{run_dir / 'model'} is {size_mb:.1f} MB as {weights_dtype}, over the {max_mb} MB limit")
+        write_manifest(tmp)
+        # The card reports what ships: the stored weights, through the JAX executor.
+        handle = dlm_jax.load(tmp, executor="jax")
+        results = {name: {t: evaluate(handle, t, cfg, n=n, keep=2) for t in TASKS}
+                   for name, cfg in card_decoders(gen_len).items()}
+        train_seconds = _wall_seconds(run_dir, run, metrics)
+        chance = {t: chance_accuracy(t, n=n) for t in TASKS}
+        card = _card(dest.name, run, config, metrics, results, chance, size_mb, train_seconds, n, gen_len,
+                     weights_dtype=weights_dtype, trained_on=trained_on, stopped_at=stopped_at)
         (tmp / "README.md").write_text(card)
         (tmp / "eval.json").write_text(json.dumps({"n_per_task": n, "gen_len": gen_len, "results": results,
                                                   "chance": chance,
@@ -72,6 +94,20 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int) -> di
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return results
+
+
+def _store_weights(directory: Path, dtype: str) -> None:
+    """Rewrite the safetensors files in `directory` with every floating tensor as `dtype`."""
+    from dlm_jax.checkpoint._safetensors import load_file, read_header, save_file
+
+    target = STORAGE_DTYPES[dtype]
+    for file in sorted(directory.glob("*.safetensors")):
+        _, metadata = read_header(file)
+        tensors = load_file(file)
+        if all(t.dtype == target or t.dtype.kind != "f" for t in tensors.values()):
+            continue
+        save_file({k: t.astype(target) if t.dtype.kind == "f" else t for k, t in tensors.items()}, file,
+                  metadata=metadata or None)
 
 
 def _wall_seconds(run_dir: Path, run: RunConfig, metrics: list[dict]) -> float:
@@ -95,13 +131,20 @@ PROMPT_FORMAT_NOTE = ("Prompts: chat format, as in training (`\"prompt_format\":
 LOSS_WINDOW = 10  # logged steps averaged for the card's final loss: single batches are noisy
 
 
-def _final_loss(metrics: list[dict]) -> float:
-    """Mean loss of the last LOSS_WINDOW logged steps."""
+def _final_loss(metrics: list[dict], key: str = "loss") -> float:
+    """Mean `key` (the loss) of the last LOSS_WINDOW logged steps."""
     tail = metrics[-LOSS_WINDOW:]
-    return sum(m["loss"] for m in tail) / len(tail)
+    return sum(m[key] for m in tail) / len(tail)
 
 
-def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_len) -> str:
+def _lr_at(t, step: int) -> float:
+    from training.loop import make_optimizer
+
+    return float(make_optimizer(t)[1](step))
+
+
+def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_len, *,
+          weights_dtype: str = "float32", trained_on: str = CPU_MACHINE, stopped_at: int | None = None) -> str:
     m, t = run.model, run.train
     lines = [f"# {name}", "",
              f"A {dlm_jax.param_count(m):,}-parameter {m.attention} transformer "
@@ -110,15 +153,24 @@ def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_
              f"`{t.objective}` objective on the task mix {dict(run.data.tasks)} (byte-level tokenizer).", "",
              *([PROMPT_FORMAT_NOTE, ""] if prompt_format(run) == "chat" else []),
              "## How it was trained", "", "```", f"dlm-jax train --config {config}", "```", "",
-             f"- steps: {t.steps}, batch {t.batch_size} x {t.seq_len} tokens, AdamW lr {t.learning_rate} "
+             f"- steps: {t.steps if stopped_at is None else stopped_at}"
+             + (f" of the configured {t.steps}: the run was stopped at step {stopped_at} (a checkpoint) by the "
+                f"machine's time limit, with the cosine schedule at lr {_lr_at(t, stopped_at):.2g}, and this model "
+                f"is that checkpoint (`training.loop.export_checkpoint`)" if stopped_at is not None else "")
+             + f", batch {t.batch_size} x {t.seq_len} tokens, AdamW lr {t.learning_rate} "
              f"(warm-up {t.warmup_steps}, cosine to {t.min_lr_ratio}x), weight decay {t.weight_decay}, "
              f"clip {t.grad_clip}, {t.compute_dtype}",
              *([f"- initial weights: `{t.init_from}` (`[train] init_from`; its wall time not counted "
                 f"here), with this config's attention and logit shift"] if t.init_from else []),
-             f"- wall time: {seconds / 60:.1f} min of training steps on a 2-core CPU machine",
+             *([f"- objective options: clean-position term, weight {t.clean_loss_weight}, "
+                f"{t.corrupt_prob:.0%} of the visible response tokens corrupted"] if t.clean_loss_weight else []),
+             f"- wall time: {seconds / 60:.1f} min of training steps on {trained_on}",
              f"- final training loss: {_final_loss(metrics):.4f} (mean of the last {min(len(metrics), LOSS_WINDOW)} "
-             f"logged steps, up to step {metrics[-1]['step']}; single batches are noisy)",
-             f"- size: {size_mb:.1f} MB (safetensors, float32)", "",
+             f"logged steps, up to step {metrics[-1]['step']}; single batches are noisy"
+             + (f"; masked-diffusion part {_final_loss(metrics, 'md_loss'):.4f}, clean-position cross-entropy "
+                f"{_final_loss(metrics, 'clean_ce'):.4f}" if "md_loss" in metrics[-1] else "") + ")",
+             f"- size: {size_mb:.1f} MB (safetensors, {weights_dtype}"
+             + (f" storage; loads into a {m.param_dtype} model" if weights_dtype != m.param_dtype else "") + ")", "",
              "## Tasks", "", "Held-out prompts of the task generators in `training/data.py`, with these sizes:", "",
              *[f"- `{sizes}`" for sizes in task_settings().values()], "",
              f"## Held-out accuracy ({n} prompts per task, generation length {gen_len}, block 32 unless named)", "",
@@ -140,8 +192,16 @@ def main() -> None:
     p.add_argument("--dest", type=Path, required=True)
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--max-mb", type=float, default=MAX_MB, help="size limit of the shipped files (MB)")
+    p.add_argument("--weights-dtype", choices=sorted(STORAGE_DTYPES), default="float32",
+                   help="storage dtype of the floating tensors (the model still loads as its config's dtype)")
+    p.add_argument("--trained-on", default=CPU_MACHINE, help="the machine the card names for the wall time")
+    p.add_argument("--stopped-at", type=int, default=None,
+                   help="the run was stopped with a checkpoint at this step (before [train] steps) and its model "
+                        "exported from it; the card says so")
     args = p.parse_args()
-    results = ship(args.run, args.config, args.dest, n=args.n, gen_len=args.gen)
+    results = ship(args.run, args.config, args.dest, n=args.n, gen_len=args.gen, max_mb=args.max_mb,
+                   weights_dtype=args.weights_dtype, trained_on=args.trained_on, stopped_at=args.stopped_at)
     print(json.dumps({d: {t: r["accuracy"] for t, r in per.items()} for d, per in results.items()}, indent=2))
 
 

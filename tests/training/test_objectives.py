@@ -112,3 +112,94 @@ def test_objective_checks_the_model():
         get_objective("introspective", cfg)
     with pytest.raises(ConfigError, match="unknown objective 'gan'"):
         get_objective("gan", cfg)
+
+
+def _md_batch(seed=3, rows=4, length=24, prompt_len=6):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 14, (rows, length)).astype(np.int32)
+    tokens[:, -5:] = 14  # an EOS-like fill: a special id of this toy vocabulary
+    prompt = np.zeros((rows, length), bool)
+    prompt[:, :prompt_len] = True
+    return {"tokens": jnp.asarray(tokens), "prompt_mask": jnp.asarray(prompt)}
+
+
+def test_clean_term_off_is_exactly_the_llada_loss():
+    rng = np.random.default_rng(4)
+    batch, key = _md_batch(), jax.random.key(11)
+    old = FixedLogits(rng.normal(size=(24, V)))
+    new = FixedLogits(np.asarray(old.logits))
+    loss0, m0 = masked_diffusion(old, batch, key)
+    loss1, m1 = get_objective("masked_diffusion", new.config, clean_loss_weight=0.0, corrupt_prob=0.2)(
+        new, batch, key)
+    assert float(loss0) == float(loss1) and set(m1) == {"loss", "masked_acc"}
+    np.testing.assert_array_equal(old.calls[0][0], new.calls[0][0])  # same inputs: nothing corrupted
+
+
+def test_clean_term_corrupts_only_visible_response_tokens():
+    batch, key = _md_batch(rows=16, length=64), jax.random.key(5)
+    tokens, prompt = np.asarray(batch["tokens"]), np.asarray(batch["prompt_mask"])
+    model = FixedLogits(np.zeros((64, V)))
+    regular = 14  # ids 14 (EOS fill) and 15 (mask) are specials here
+    loss, m = masked_diffusion(model, batch, key, clean_loss_weight=0.5, corrupt_prob=0.3, regular_vocab=regular)
+    noisy = model.calls[0][0]
+    masked = noisy == MASK
+    changed = (noisy != tokens) & ~masked
+    assert not (masked & prompt).any() and not (changed & prompt).any()  # the prompt is never touched
+    assert changed.sum() > 20  # ~30% of the visible response tokens
+    assert (noisy[changed] < regular).all()  # random regular ids: never the mask id or a special
+    assert (noisy[changed] != tokens[changed]).all()  # a corrupted position never holds its true token
+    visible = ~prompt & ~masked
+    assert 0.15 < changed.sum() / visible.sum() < 0.45
+    # Uniform logits: every CE is log V, so clean_ce = log V and loss = md_loss + 0.5 log V.
+    assert float(m["clean_ce"]) == pytest.approx(np.log(V), rel=1e-5)
+    assert float(loss) == pytest.approx(float(m["md_loss"]) + 0.5 * np.log(V), rel=1e-5)
+    assert {"clean_acc", "corrupt_acc", "md_loss", "clean_ce"} <= set(m)
+
+
+def test_clean_term_weights_visible_cross_entropy():
+    """With a weight > 0 the loss is md_loss + w * mean CE(true token) over visible response
+    positions (corrupted ones included), and the accuracies split corrupted from intact."""
+    rng = np.random.default_rng(6)
+    batch, key = _md_batch(rows=6, length=32), jax.random.key(9)
+    tokens, prompt = np.asarray(batch["tokens"]), np.asarray(batch["prompt_mask"])
+    model = FixedLogits(rng.normal(size=(32, V)) * 3)
+    loss, m = masked_diffusion(model, batch, key, clean_loss_weight=2.0, corrupt_prob=0.25, regular_vocab=14)
+    noisy = model.calls[0][0]
+    visible = ~prompt & (noisy != MASK)
+    corrupted = visible & (noisy != tokens)
+    logp = _log_softmax(model.logits)
+    ce = -logp[np.arange(32)[None], tokens]
+    assert float(m["clean_ce"]) == pytest.approx(ce[visible].mean(), rel=1e-5)
+    assert float(loss) == pytest.approx(float(m["md_loss"]) + 2.0 * ce[visible].mean(), rel=1e-5)
+    hit = np.asarray(model.logits).argmax(-1)[None] == tokens
+    assert float(m["corrupt_acc"]) == pytest.approx(hit[corrupted].mean(), abs=1e-6)
+    assert float(m["clean_acc"]) == pytest.approx(hit[visible & ~corrupted].mean(), abs=1e-6)
+
+
+def test_clean_term_options_are_checked():
+    cfg = tiny_config(vocab_size=V, mask_token_id=MASK, eos_token_id=None)
+    with pytest.raises(ConfigError, match="corrupt_prob in"):
+        get_objective("masked_diffusion", cfg, clean_loss_weight=1.0, corrupt_prob=0.0)
+    causal = tiny_config(vocab_size=V, mask_token_id=MASK, eos_token_id=None, attention="causal", logit_shift=True)
+    with pytest.raises(ConfigError, match="has no option"):
+        get_objective("autoregressive", causal, clean_loss_weight=1.0, corrupt_prob=0.1)
+    assert get_objective("autoregressive", causal, clean_loss_weight=0.0, corrupt_prob=0.0) is autoregressive
+
+
+def test_clean_term_is_a_train_key_of_masked_diffusion_only():
+    from training.config import RunConfig
+
+    model = {"vocab_size": 264, "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64,
+             "max_seq_len": 64, "mask_token_id": 259, "eos_token_id": 258}
+    train = {"steps": 10, "batch_size": 2, "seq_len": 64, "warmup_steps": 1, "clean_loss_weight": 0.5,
+             "corrupt_prob": 0.15}
+    run = RunConfig.from_dict({"model": {**model, "attention": "bidirectional"},
+                               "train": {**train, "objective": "masked_diffusion"}, "data": {"tasks": {"addition": 1}}})
+    assert run.train.objective_options() == {"clean_loss_weight": 0.5, "corrupt_prob": 0.15}
+    with pytest.raises(ConfigError, match=r"\[train\] objective 'autoregressive' has no option"):
+        RunConfig.from_dict({"model": {**model, "attention": "causal", "logit_shift": True},
+                             "train": {**train, "objective": "autoregressive"}, "data": {"tasks": {"addition": 1}}})
+    with pytest.raises(ConfigError, match="corrupt_prob=1.0 in"):
+        RunConfig.from_dict({"model": {**model, "attention": "bidirectional"},
+                             "train": {**train, "objective": "masked_diffusion", "corrupt_prob": 1.0},
+                             "data": {"tasks": {"addition": 1}}})

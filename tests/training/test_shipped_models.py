@@ -17,13 +17,20 @@ from training.ship import MAX_MB
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
 
-@pytest.mark.parametrize("name, attention", [("llada-tiny", "bidirectional"), ("idlm-tiny", "causal")])
+# Size limits above training.ship's default (`--max-mb`): llada-12m ships bfloat16 weights.
+SIZE_LIMIT_MB = {"llada-12m": 26.0}
+
+
+@pytest.mark.parametrize("name, attention", [("llada-tiny", "bidirectional"), ("idlm-tiny", "causal"),
+                                             ("llada-12m", "bidirectional")])
 def test_shipped_checkpoint_loads_and_has_a_card(name, attention):
     path = MODELS / name
     model = dlm_jax.load_pretrained(path)
     assert model.config.attention == attention
     assert model.config.logit_shift == (attention == "causal")
-    assert sum(f.stat().st_size for f in path.iterdir()) <= MAX_MB * 2**20
+    assert model.config.param_dtype == "float32"  # whatever the storage dtype, it loads as float32
+    assert all(v.dtype == "float32" for v in dlm_jax.get_params(model).values())
+    assert sum(f.stat().st_size for f in path.iterdir()) <= SIZE_LIMIT_MB.get(name, MAX_MB) * 2**20
     card = (path / "README.md").read_text()
     for needle in ("dlm-jax train --config examples/configs/", "steps:", "wall time:", "final training loss:",
                    "Held-out accuracy"):
@@ -44,6 +51,7 @@ IN_ORDER = decode_config(gen_len=64, block_len=1, cache="none", rule="topk")  # 
 @pytest.mark.parametrize("name, task, cfg, floor", [
     ("llada-tiny", "addition", FAST, 0.75), ("llada-tiny", "sorting", FAST, 0.75),
     ("llada-tiny", "gsm_lite", FAST, 0.25),  # 34% on the card's 100 prompts
+    ("llada-12m", "sorting", FAST, 0.75),
     ("idlm-tiny", "addition", VANILLA, 0.75),
     ("idlm-tiny", "gsm_lite", IN_ORDER, 0.4),  # 74% on the card's 100 prompts
 ])
