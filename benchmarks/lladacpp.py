@@ -50,6 +50,7 @@ from training.data import TASKS, make_split  # noqa: E402
 NPU, CPU = PhoneCostModel.npu(), PhoneCostModel.cpu()
 CPU_ROWS = PhoneCostModel.cpu(tile=1)  # a CPU has no tile: a refresh of n rows costs n rows
 BASELINES = ("CPU vanilla", "+ prefix KV reuse")
+PASSES = ("calibration", "accuracy", "latency", "sweeps")
 
 
 def breakdown(gen: int, revisit: str) -> dict[str, dict]:
@@ -99,6 +100,93 @@ def simulated_ms(name: str, stats: dict) -> dict[str, float]:
         refresh = c["refresh_steps"] * max(0.0, per - NPU.step_ms(32))
     phone = cpu if name in BASELINES else npu + refresh
     return {"phone_ms": phone, "npu_ms": npu + refresh, "cpu_ms": cpu, "refresh_exposed_ms": refresh}
+
+
+def _auroc(pos: np.ndarray, neg: np.ndarray) -> float | None:
+    """P(a random `pos` score > a random `neg` one), ties half; None without both kinds."""
+    if not len(pos) or not len(neg):
+        return None
+    pos, neg = np.asarray(pos)[:, None], np.asarray(neg)[None, :]
+    return float(((pos > neg).sum() + 0.5 * (pos == neg).sum()) / max(pos.size * neg.size, 1))
+
+
+def calibration(handle, tasks: list[str], n: int, *, corrupt: float = 0.2, seed: int = 0) -> dict:
+    """How well a filled token's score tells a right token from a wrong one, before trusting
+    revision on it. Two kinds of filled answers after each held-out prompt: `random`, the
+    reference answer (+ EOS) with a fraction `corrupt` of its tokens replaced by random bytes;
+    `own`, the model's own answer from an over-parallel decoder (prefix cache, threshold 0.5,
+    generation 64), a token counted right where it equals the reference (+ EOS tail) at its
+    offset. Each filled slot is scored in place (one forward, the token visible: the
+    probability the model gives it) and leave-one-out (the slot alone masked: `remask`).
+    Reports the AUROC of each score for right vs wrong tokens (0.5: no signal) and the mean
+    scores."""
+    rng = np.random.default_rng(seed)
+    mask_id, eos = handle.config.mask_token_id, handle.config.eos_ids[0]
+    aggressive = dlm_jax.decode_config(cache="prefix", threshold=0.5, gen_len=64, block_len=32,
+                                       stop_on_eos_block=False)
+    scores = {(fill, kind): ([], []) for fill in ("random", "own") for kind in ("in_place", "remask")}
+    for task in tasks:
+        examples = make_split(TASKS[task], n, split="heldout", seed=0)
+        prompts = [handle.encode(ex.prompt) for ex in examples]
+        own = handle.decoder.decode(prompts, aggressive).sequences if len(prompts) <= 8 else [
+            s for i in range(0, len(prompts), 8) for s in handle.decoder.decode(prompts[i:i + 8], aggressive).sequences]
+        for ex, prompt, mine in zip(examples, prompts, own):
+            ref = (handle.tokenizer.encode(ex.answer) + [eos] * 64)[:64]
+            answer = np.array(ref[:len(handle.tokenizer.encode(ex.answer)) + 1])
+            wrong = rng.random(len(answer)) < corrupt
+            random_fill = answer.copy()
+            random_fill[wrong] = (random_fill[wrong] + rng.integers(1, 255, wrong.sum())) % 256
+            for fill, tokens, bad in (("random", random_fill, wrong),
+                                      ("own", np.asarray(mine), np.asarray(mine) != np.array(ref))):
+                place, loo = _filled_scores(handle, prompt, tokens, mask_id)
+                for kind, v in (("in_place", place), ("remask", loo)):
+                    scores[fill, kind][0].extend(v[~bad])
+                    scores[fill, kind][1].extend(v[bad])
+    out = {}
+    for (fill, kind), (right, bad) in scores.items():
+        out.setdefault(fill, {})[kind] = {
+            "auroc": _auroc(np.array(right), np.array(bad)), "mean_right": float(np.mean(right)),
+            "mean_wrong": float(np.mean(bad)) if bad else None, "right": len(right), "wrong": len(bad)}
+    return out
+
+
+def _filled_scores(handle, prompt: list[int], filled: np.ndarray, mask_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(in place, leave-one-out) probability of each filled token after `prompt`. Sequences
+    are padded to multiples of 64 slots (hidden from every real slot) and the leave-one-out
+    batch to 64 rows, so one compiled forward serves many examples."""
+    seq = np.array(prompt + [int(t) for t in filled], np.int32)
+    n, length = len(filled), len(seq)
+    size = -(-length // 64) * 64
+    at = len(prompt) + np.arange(n)
+    rows = -(-(n + 1) // 64) * 64
+    batch = np.full((rows, size), mask_id, np.int32)
+    batch[:, :length] = seq
+    batch[1 + np.arange(n), at] = mask_id  # row 0: in place; row 1 + i: slot i masked
+    logp = _forward(handle)(batch, length)
+    place = np.exp(logp[0, at, filled])
+    loo = np.exp(logp[1 + np.arange(n), at, filled])
+    return place, loo
+
+
+def _forward(handle):
+    """A jitted full-sequence forward returning log-probabilities, real slots [0, length)."""
+    if getattr(handle, "_lladacpp_forward", None) is None:
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        graphdef, state = nnx.split(handle.model)
+
+        @jax.jit
+        def fwd(state, tokens, length):
+            model = nnx.merge(graphdef, state)
+            valid = jnp.arange(tokens.shape[1]) < length
+            mask = jnp.broadcast_to(valid[None, None, :] | jnp.eye(tokens.shape[1], dtype=bool)[None],
+                                    (tokens.shape[0], tokens.shape[1], tokens.shape[1]))
+            return jax.nn.log_softmax(model(tokens, mask=mask).logits.astype(jnp.float32), axis=-1)
+
+        handle._lladacpp_forward = lambda tokens, length: np.asarray(fwd(state, tokens, length))
+    return handle._lladacpp_forward
 
 
 def accuracy_pass(handle, settings: dict[str, dict], gen: int, tasks: list[str], n: int, batch: int) -> dict:
@@ -162,24 +250,49 @@ def latency_pass(handles: dict, settings: dict[str, dict], gen: int, tasks: list
 
 
 def run(model: str, gens: list[int], tasks: list[str], n: int, cases: int, repeats: int, executors: list[str],
-        revisit: str, sweep_gen: int | None, batch: int) -> dict:
+        revisit: str, sweep_gen: int | None, batch: int, passes: set[str], save=lambda result: None) -> dict:
+    """One model's passes; `save(result)` is called with the result so far after each part
+    (a long run that is stopped keeps what it measured)."""
     handles = {ex: dlm_jax.load(model, executor=ex) for ex in executors}
     acc_handle = handles.get("jax") or next(iter(handles.values()))
     result = {"model": model, "parameters": int(sum(v.size for v in dlm_jax.get_params(
         dlm_jax.load_pretrained(model)).values())), "revisit": revisit, "n": n, "tasks": tasks, "gens": {}}
+    if "calibration" in passes:
+        print(f"{model}: calibration", file=sys.stderr, flush=True)
+        result["calibration"] = calibration(acc_handle, tasks, min(n, 50))
     for gen in gens:
         settings = {**breakdown(gen, revisit), **comparisons()}
         print(f"{model}: gen {gen}", file=sys.stderr, flush=True)
-        acc = accuracy_pass(acc_handle, settings, gen, tasks, n, batch)
-        lat = latency_pass(handles, settings, gen, tasks, cases, repeats)
-        result["gens"][gen] = {name: {**acc[name], **lat[name]} for name in settings}
-    if sweep_gen:
+        acc = accuracy_pass(acc_handle, settings, gen, tasks, n, batch) if "accuracy" in passes else {}
+        lat = latency_pass(handles, settings, gen, tasks, cases, repeats) if "latency" in passes else {}
+        result["gens"][str(gen)] = {name: {**acc.get(name, {}), **lat.get(name, {})} for name in settings}
+        save(result)
+    if sweep_gen and "sweeps" in passes:
         print(f"{model}: sweeps at gen {sweep_gen}", file=sys.stderr, flush=True)
         sw = sweeps(revisit)
         acc = accuracy_pass(acc_handle, sw, sweep_gen, tasks, n, batch)
         lat = latency_pass({"jax": acc_handle}, sw, sweep_gen, tasks, max(1, cases // 2), 1)
         result["sweeps"] = {"gen_len": sweep_gen, "settings": {k: {**acc[k], **lat[k]} for k in sw}}
+        save(result)
     return result
+
+
+def merge(a: dict, b: dict) -> dict:
+    """`b` laid over `a`, dictionaries merged key by key (results of passes run apart)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def combine(paths: list[Path]) -> list[dict]:
+    """Results of several runs (for example the accuracy pass run on an accelerator and the
+    latency pass on this CPU), merged per model."""
+    by_model: dict[str, dict] = {}
+    for path in paths:
+        for res in json.loads(path.read_text())["results"]:
+            by_model[res["model"]] = merge(by_model.get(res["model"], {}), res)
+    return list(by_model.values())
 
 
 def targets(res: dict) -> list[dict]:
@@ -188,6 +301,8 @@ def targets(res: dict) -> list[dict]:
     for gen, rows in res["gens"].items():
         van, full = rows["CPU vanilla"], rows["+ sparse CPU refresh"]
         thr = rows["Fast-dLLM threshold 0.9"]
+        if "accuracy" not in van or "phone_ms" not in van:
+            continue
         wall = {k[:-2]: van[k] / full[k] for k in van if k.endswith("_s") and full.get(k)}
         out.append({"model": res["model"], "gen_len": int(gen),
                     "phone_speedup": van["phone_ms"] / full["phone_ms"], "phone_target": 17.0,
@@ -203,7 +318,19 @@ def markdown(results: list[dict]) -> str:
     for res in results:
         lines += [f"## {res['model']} ({res['parameters'] / 1e6:.2f}M parameters, revisit={res['revisit']}, "
                   f"{res['n']} prompts per task: {', '.join(res['tasks'])})", ""]
+        if "calibration" in res:
+            lines += ["In-place vs leave-one-out (remask) scores of filled tokens, AUROC for right vs wrong "
+                      "tokens (0.5 = no signal) and mean probability of right / wrong tokens:", "",
+                      "| filled with | in place | remask |", "|---|---|---|"]
+            for fill, kinds in res["calibration"].items():
+                cells = [f"{'-' if k['auroc'] is None else format(k['auroc'], '.3f')} ({k['mean_right']:.2f} / "
+                         f"{'-' if k['mean_wrong'] is None else format(k['mean_wrong'], '.2f')})"
+                         for k in (kinds["in_place"], kinds["remask"])]
+                lines.append(f"| {fill} | {cells[0]} | {cells[1]} |")
+            lines.append("")
         for gen, rows in res["gens"].items():
+            if not all("accuracy" in r and "phone_ms" in r for r in rows.values()):
+                continue
             exs = sorted({k[:-2] for r in rows.values() for k in r if k.endswith("_s") and k != "seconds"})
             head = ("| setting | accuracy | forwards | useful rows / forward | logit rows / forward | "
                     + " | ".join(f"wall s ({e})" for e in exs) + " | phone ms (sim) | vs vanilla (phone) |")
@@ -246,6 +373,8 @@ def plot(results: list[dict], path: Path) -> None:
     for res in results:
         label = Path(res["model"]).name
         for gen, rows in res["gens"].items():
+            if not all("accuracy" in r and "phone_ms" in r for r in rows.values()):
+                continue
             names = list(rows)
             van = rows["CPU vanilla"]["phone_ms"]
             axes[0].plot(range(len(names)), [van / rows[n]["phone_ms"] for n in names], marker="o",
@@ -255,8 +384,8 @@ def plot(results: list[dict], path: Path) -> None:
             for n in names:
                 axes[1].annotate(n.replace("+ ", ""), (rows[n]["mean_nfe"], 100 * rows[n]["accuracy"]),
                                  fontsize=6)
-        axes[0].set_xticks(range(len(names)), [n.replace("+ ", "+") for n in names], rotation=35, ha="right",
-                           fontsize=7)
+            axes[0].set_xticks(range(len(names)), [n.replace("+ ", "+") for n in names], rotation=35,
+                               ha="right", fontsize=7)
     axes[0].set_yscale("log")
     axes[0].set_ylabel("simulated phone speed-up over CPU vanilla")
     axes[0].axhline(17, ls="--", c="gray", lw=0.8)
@@ -274,7 +403,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", action="append", required=True, help="a model directory (repeatable)")
+    ap.add_argument("--model", action="append", default=[], help="a model directory (repeatable)")
     ap.add_argument("--gens", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--tasks", nargs="+", default=sorted(TASKS), choices=sorted(TASKS))
     ap.add_argument("--n", type=int, default=200, help="held-out prompts per task (accuracy pass)")
@@ -285,13 +414,27 @@ def main() -> None:
     ap.add_argument("--revisit", action="append", choices=["in_place", "remask"],
                     help="per --model: how filled tokens are scored (default in_place)")
     ap.add_argument("--sweep-gen", type=int, default=128, help="generation length of the sweeps (0: none)")
+    ap.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES,
+                    help="what to run (the accuracy pass may run elsewhere; --combine merges)")
+    ap.add_argument("--combine", type=Path, nargs="+", help="merge these result files instead of running")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    revisits = args.revisit or ["in_place"] * len(args.model)
-    if len(revisits) != len(args.model):
-        ap.error("give --revisit once per --model, or not at all")
-    results = [run(m, args.gens, args.tasks, args.n, args.cases, args.repeats, args.executors, rv,
-                   args.sweep_gen or None, args.batch) for m, rv in zip(args.model, revisits)]
+    if args.combine:
+        results = combine(args.combine)
+    else:
+        if not args.model:
+            ap.error("give --model (or --combine)")
+        revisits = args.revisit or ["in_place"] * len(args.model)
+        if len(revisits) != len(args.model):
+            ap.error("give --revisit once per --model, or not at all")
+        results = []
+        partial = args.out.with_suffix(".partial.json")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        for m, rv in zip(args.model, revisits):
+            results.append(run(m, args.gens, args.tasks, args.n, args.cases, args.repeats, args.executors, rv,
+                               args.sweep_gen or None, args.batch, set(args.passes),
+                               save=lambda r: atomic_write_json(partial, {"results": results + [r]})))
+        partial.unlink(missing_ok=True)
     doc = {"results": results, "targets": [t for r in results for t in targets(r)],
            "cost_model": {"npu": NPU.__dict__, "cpu": CPU.__dict__}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -29,16 +29,31 @@ def test_simulated_latency_prices_each_forward_by_its_bucket():
     assert lladacpp.simulated_ms("+ sparse CPU refresh", stats)["phone_ms"] == pytest.approx(npu + extra)
 
 
-def test_the_benchmark_runs(tmp_path):
+def test_the_benchmark_runs_its_passes_apart_and_combines_them(tmp_path):
+    def bench(*args):
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lladacpp.py"), *args], check=True, cwd=ROOT,
+                       capture_output=True)
+
+    common = ["--model", str(ROOT / "models" / "llada-tiny"), "--gens", "32", "--n", "2", "--tasks", "addition",
+              "--cases", "1", "--repeats", "1", "--executors", "jax", "--sweep-gen", "0"]
+    bench(*common, "--passes", "accuracy", "--out", str(tmp_path / "acc"))
+    bench(*common, "--passes", "latency", "--out", str(tmp_path / "lat"))
     out = tmp_path / "lc"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lladacpp.py"), "--model", str(ROOT / "models" / "llada-tiny"),
-                    "--gens", "32", "--n", "2", "--tasks", "addition", "--cases", "1", "--repeats", "1",
-                    "--executors", "jax", "--sweep-gen", "0", "--out", str(out)], check=True, cwd=ROOT,
-                   capture_output=True)
+    bench("--combine", str(tmp_path / "acc.json"), str(tmp_path / "lat.json"), "--out", str(out))
     doc = json.loads(out.with_suffix(".json").read_text())
     rows = doc["results"][0]["gens"]["32"]
     assert list(rows)[:6] == list(lladacpp.breakdown(32, "in_place"))
     assert rows["CPU vanilla"]["mean_nfe"] == 32  # one token per step
-    assert rows["+ sparse CPU refresh"]["mean_nfe"] < 32
+    assert rows["+ sparse CPU refresh"]["mean_nfe"] < 32 and rows["+ sparse CPU refresh"]["phone_ms"] > 0
     assert doc["targets"][0]["gen_len"] == 32
     assert out.with_suffix(".png").stat().st_size > 0 and "CPU vanilla" in out.with_suffix(".md").read_text()
+
+
+def test_calibration_tells_right_from_replaced_tokens():
+    import dlm_jax
+
+    handle = dlm_jax.load(ROOT / "models" / "llada-tiny", executor="jax")
+    cal = lladacpp.calibration(handle, ["addition"], 4)
+    for kind in ("in_place", "remask"):
+        assert cal["random"][kind]["auroc"] > 0.9  # random bytes are easy to spot
+        assert cal["random"][kind]["right"] > 0 and cal["own"][kind]["right"] > 0
