@@ -6,9 +6,11 @@ weights; the main executor itself, run in turn, when it cannot fork) whose queri
 selected visible slots at their positions, fed their current tokens, over every stored K/V
 entry except those slots' own (they are recomputed). With `revisit="remask"` each slot also
 gets a duplicate query fed the mask, which sees neither the slot's entry nor its token row:
-its prediction is the leave-one-out score. Outputs: a new top token and probability per slot
-(-> promote, revise) and the slots' K/V, computed from the tokens fed (-> the store; a slot
-whose token the refresh replaced keeps a stale entry and is refreshed first next time).
+its prediction is the leave-one-out score. Since window forwards then do not re-score visible
+slots, the remask CPU path also picks those still inside the window (scored only: their K/V
+come from the window). Outputs: a new top token and probability per slot (-> promote, revise)
+and the K/V of the slots left of the window, computed from the tokens fed (-> the store; a
+slot whose token the refresh replaced keeps a stale entry and is refreshed first next time).
 
 Axes: B batch rows, n refreshed slots, W window bucket, P cache bucket.
 """
@@ -34,6 +36,7 @@ class _Job:
     slots: np.ndarray  # [n]
     fed: np.ndarray  # [B, n] the tokens fed (the slots' identities at submission)
     scored: np.ndarray  # [B, n] bool, (row, slot) pairs that were visible at submission
+    left: np.ndarray  # [n] bool, slots left of the main window at submission (their K/V are written)
     result: concurrent.futures.Future | StepOutputs
 
 
@@ -51,8 +54,9 @@ class Refresher:
         self.calls: list[StepInputs] = []  # every refresh step's inputs (for tests and traces)
 
     def select(self, state: DecodeState, before: int) -> np.ndarray:
-        """Up to `refresh_rows` tracked visible slots left of `before` (the main window):
-        stale K/V first, then the lowest last confidence, then the lowest position."""
+        """Up to `refresh_rows` tracked visible slots left of `before` (the main window's
+        start; its end with `revisit="remask"`): stale K/V first, then the lowest last
+        confidence, then the lowest position."""
         run = state.active
         vis = (state.status[:, :before] == _VISIBLE) & run[:, None]
         slots = np.flatnonzero(vis.any(axis=0))
@@ -65,7 +69,8 @@ class Refresher:
 
     def submit(self, state: DecodeState, store: KVStore, plan) -> None:
         """Start a refresh from the state as it is now (before the main step)."""
-        slots = self.select(state, int(plan.window[0]))
+        start = int(plan.window[0])
+        slots = self.select(state, int(plan.window.max()) + 1 if self.policy.revisit == "remask" else start)
         if not len(slots):
             return
         inputs = self._inputs(state, store, slots)
@@ -75,7 +80,7 @@ class Refresher:
         state.count("refresh_steps")
         state.count("refresh_rows", len(slots))
         result = self._pool.submit(self.executor.step, inputs) if self._pool else self.executor.step(inputs)
-        self._job = _Job(slots, fed, scored, result)
+        self._job = _Job(slots, fed, scored, slots < start, result)
 
     def _inputs(self, state: DecodeState, store: KVStore, slots: np.ndarray) -> StepInputs:
         n, b = len(slots), state.batch
@@ -124,7 +129,7 @@ class Refresher:
         top, prob = out.top_token[:, q:q + n], out.top_prob[:, q:q + n].astype(np.float64)
         unchanged = job.scored & (state.status[:, slots] == _VISIBLE) & (state.tokens[:, slots] == job.fed)
         promoted, revised = self.policy.rescore(state, slots, unchanged, top, prob, counter="refresh")
-        write = unchanged  # K/V computed from the token fed; a revised slot stays stale
+        write = unchanged & job.left[None, :]  # K/V computed from the token fed; a revised slot stays stale
         if write.any():
             store.write(slots, out.k_new[:, :, :n], out.v_new[:, :, :n], stable=promoted & ~revised, rows=write)
             state.stored(slots, job.fed, write)

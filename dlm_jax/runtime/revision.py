@@ -31,7 +31,7 @@ Revisiting V slots:
 the mask and which cannot see the slot itself (leave-one-out): for models whose clean
 positions were never trained (a masked-diffusion loss alone), whose in-place confidence says
 little. Then window forwards do not re-score V slots; the CPU path does, with the duplicate
-rows.
+rows, for V slots inside the window as well as those left behind.
 """
 
 from __future__ import annotations

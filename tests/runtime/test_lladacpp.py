@@ -251,6 +251,48 @@ def test_cpu_refresh_is_merged_at_the_step_boundary(monkeypatch):
     np.testing.assert_array_equal(out.sequences[0], answer[3:35])
 
 
+def test_remask_refresh_scores_visible_slots_inside_the_window_without_writing_their_kv(monkeypatch):
+    """With leave-one-out scoring the window forwards do not re-score visible slots, so the
+    CPU path picks them inside the window too; their K/V stay the window's."""
+    from dlm_jax.runtime import refresh
+    from dlm_jax.runtime.kvstore import KVStore
+
+    jobs, written, merging = [], [], []
+    submit, merge, write = refresh.Refresher.submit, refresh.Refresher.merge, KVStore.write
+
+    def spy_submit(self, state, store, plan):
+        submit(self, state, store, plan)
+        if self._job is not None:
+            jobs.append((self._job.slots.copy(), int(plan.window[0])))
+
+    def spy_merge(self, state, store):
+        merging.append(True)
+        try:
+            return merge(self, state, store)
+        finally:
+            merging.pop()
+
+    def spy_write(self, slots, k, v, **kw):
+        if merging:
+            written.append((np.asarray(slots).copy(), np.asarray(kw["rows"]).copy(), jobs[-1][1]))
+        return write(self, slots, k, v, **kw)
+
+    monkeypatch.setattr(refresh.Refresher, "submit", spy_submit)
+    monkeypatch.setattr(refresh.Refresher, "merge", spy_merge)
+    monkeypatch.setattr(KVStore, "write", spy_write)
+    cfg = tiny_config()
+    answer = np.arange(96) % 50
+    exe = Forking(cfg, answer=answer, confidence=np.full(96, 0.8))  # commits stay visible (< 0.9)
+    out = Decoder(exe, cfg).decode([[1, 2, 3]], decode_config(
+        cache="mbsd", gen_len=32, block_len=8, threshold=0.7, revision="dppr", refresh_rows=4, trigger=0,
+        revisit="remask", stop_on_eos_block=False))
+    assert any((slots >= start).any() for slots, start in jobs), "no visible slot refreshed inside the window"
+    assert out.stats.counters["refresh_promoted"] > 0
+    for slots, rows, start in written:  # only slots left of the window at submission get the CPU path's K/V
+        assert not rows[:, slots >= start].any()
+    np.testing.assert_array_equal(out.sequences[0], answer[3:35])
+
+
 def test_the_preset_and_its_switches():
     cfg = preset("llada-cpp", gen_len=64)
     opts = cfg.options()
