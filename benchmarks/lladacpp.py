@@ -272,11 +272,10 @@ def run(model: str, gens: list[int], tasks: list[str], n: int, cases: int, repea
         save(result)
     if sweep_gen and "sweeps" in passes:
         print(f"{model}: sweeps at gen {sweep_gen}", file=sys.stderr, flush=True)
-        sw = sweeps(revisit)
-        acc = accuracy_pass(acc_handle, sw, sweep_gen, tasks, sweep_n or n, batch)
+        sw, sweep_n = sweeps(revisit), sweep_n or n
+        acc = accuracy_pass(acc_handle, sw, sweep_gen, tasks, sweep_n, batch)
         lat = latency_pass({"jax": acc_handle}, sw, sweep_gen, tasks, max(1, cases // 2), 1)
-        result["sweeps"] = {"gen_len": sweep_gen, "n": sweep_n or n,
-                            "settings": {k: {**acc[k], **lat[k]} for k in sw}}
+        result["sweeps"] = {"gen_len": sweep_gen, "n": sweep_n, "settings": {k: {**acc[k], **lat[k]} for k in sw}}
         save(result)
     return result
 
@@ -351,22 +350,24 @@ def markdown(results: list[dict]) -> str:
                              f"{r['phone_ms']:.0f} | {van['phone_ms'] / r['phone_ms']:.1f}x | {r['npu_ms']:.0f} |")
             lines.append("")
         if "sweeps" in res:
-            lines += [f"### sensitivity (generation {res['sweeps']['gen_len']}, full stack, "
-                      f"{res['sweeps'].get('n', res['n'])} prompts per task)", "",
+            sweep_n = res["sweeps"].get("n", res["n"])
+            lines += [f"### sensitivity (generation {res['sweeps']['gen_len']}, full stack, {sweep_n} prompts per task)",
+                      "",
                       "| setting | accuracy | forwards | visible at block end / request | phone ms (sim) |",
                       "|---|---|---|---|---|"]
-            per = len(res["tasks"]) * res["sweeps"].get("n", res["n"])
+            per = len(res["tasks"]) * sweep_n
             for name, r in res["sweeps"]["settings"].items():
                 lines.append(f"| {name} | {100 * r['accuracy']:.1f}% | {r['mean_nfe']:.1f} | "
                              f"{r['counters'].get('visible_at_block_end', 0) / per:.2f} | {r['phone_ms']:.0f} |")
             lines.append("")
     lines += ["## Targets (ratios from this run)", "", "| model | gen | phone speed-up (>= 17x) | "
-              "same speed-up, vanilla on the NPU too | wall speed-up (>= 10x) | accuracy drop vs vanilla (<= 1 pt) | forwards vs threshold 0.9 (< 1) | "
-              "accuracy vs threshold 0.9 (>= 0) |", "|---|---|---|---|---|---|---|---|"]
+              "same speed-up, vanilla on the NPU too | wall speed-up (>= 10x) | accuracy drop vs vanilla (<= 1 pt) | "
+              "forwards vs threshold 0.9 (< 1) | accuracy vs threshold 0.9 (>= 0) |", "|---|---|---|---|---|---|---|---|"]
     for res in results:
         for t in targets(res):
             wall = ", ".join(f"{k} {v:.1f}x" for k, v in t["wall_speedup"].items())
-            lines.append(f"| {t['model']} | {t['gen_len']} | {t['phone_speedup']:.1f}x | {t['npu_speedup']:.1f}x | {wall} | "
+            lines.append(f"| {t['model']} | {t['gen_len']} | {t['phone_speedup']:.1f}x | {t['npu_speedup']:.1f}x | "
+                         f"{wall} | "
                          f"{t['accuracy_drop_points']:+.1f} | {t['nfe_vs_threshold']:.2f} | "
                          f"{t['accuracy_vs_threshold_points']:+.1f} |")
     return "\n".join(lines) + "\n"
