@@ -173,6 +173,8 @@ class Decoder:
         shapes = set(cfg.scheduler.plan_shapes(prompt_lens, cfg.gen_len, shift=self.shift, complete=complete))
         if hasattr(cfg.revision, "plan_shapes"):
             shapes |= cfg.revision.plan_shapes(prompt_lens, cfg.gen_len, shift=self.shift, complete=complete)
+        if complete and hasattr(cfg.revision, "probe_shapes"):
+            shapes |= cfg.revision.probe_shapes(shapes)
         return sorted({caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes})
 
     def warmup(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> int:
@@ -216,9 +218,13 @@ class Decoder:
         start = time.perf_counter()
         settle = getattr(scheduler, "settle", None)
         refresher = revision.refresher(self) if hasattr(revision, "refresher") else None
+        probe = getattr(revision, "probe", None)
         try:
             while (plan := scheduler.plan(state)) is not None:
                 t0 = time.perf_counter()
+                probed = None
+                if probe is not None:
+                    plan, probed = probe(state, plan)  # leave-one-out rows after the window
                 targets = plan.target_index
                 if plan.step == 0:
                     rule = cfg.rule.begin(state.undecided(plan.unit_index), units=units)
@@ -229,7 +235,10 @@ class Decoder:
                 state.count("useful_rows", int((_USEFUL[state.status[:, plan.window_index]]
                                                 & state.active[:, None]).sum(axis=1).max()))
                 state.count("window_rows", len(plan.window))
-                state.count("logit_rows", len(plan.rows))
+                d = 0 if plan.probes is None else len(plan.probes)
+                state.count("logit_rows", len(plan.rows) + d)
+                if d:
+                    state.count("probe_rows", d)
                 t1 = time.perf_counter()
                 out = self.executor.step(inputs)
                 t2 = time.perf_counter()
@@ -248,6 +257,9 @@ class Decoder:
                     committed = committed | settle(state, plan, proposal)
                 state.commit(targets, committed, proposal.tokens)
                 revision.after_step(state, plan, proposal, committed)
+                if probed is not None:
+                    r = len(plan.rows)
+                    revision.after_probes(state, plan, probed, out.top_token[:, r:r + d], out.top_prob[:, r:r + d])
                 if refresher is not None:
                     store = refresher.merge(state, store)  # the step boundary: delayed merge
                 steps = plan.step + 1

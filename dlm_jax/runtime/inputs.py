@@ -38,9 +38,13 @@ class StepInputBuilder:
     def build(self, plan: StepPlan, state: DecodeState, store: KVStore | None,
               want: OutputRequest) -> StepInputs:
         key = self.key(plan, state.batch, want)
-        tokens = pad_axis(state.fed_tokens(plan.window_index), key.window, axis=1, value=state.mask_id)
+        tokens = state.fed_tokens(plan.window_index)
+        if plan.probes is not None and len(plan.probes):
+            tokens = np.concatenate([tokens, self._probe_tokens(plan, state, tokens)], axis=1)
+        tokens = pad_axis(tokens, key.window, axis=1, value=state.mask_id)
         # The state (held, so compared by identity) fixes positions and padding.
-        static_key = (state, key, plan.window.tobytes(), plan.cached.tobytes(), plan.rows.tobytes())
+        probes = b"" if plan.probes is None else plan.probes.tobytes()
+        static_key = (state, key, plan.window.tobytes(), plan.cached.tobytes(), plan.rows.tobytes(), probes)
         if self._static is None or self._static[0] != static_key:
             self._static = (static_key, self._static_inputs(plan, state, key))
         positions, visibility, logit_rows = self._static[1]
@@ -53,16 +57,42 @@ class StepInputBuilder:
         return StepInputs(tokens=tokens, positions=positions, visibility=visibility, k_cache=k_cache,
                           v_cache=v_cache, logit_rows=logit_rows, want=want)
 
+    @staticmethod
+    def _window_rows(plan: StepPlan, slots: np.ndarray) -> np.ndarray:
+        """The window row of each slot (-1: not in the window)."""
+        order = np.argsort(plan.window, kind="stable")
+        i = np.minimum(np.searchsorted(plan.window, slots, sorter=order), len(order) - 1)
+        return np.where(plan.window[order[i]] == slots, order[i], -1)
+
+    def _probe_rows(self, plan: StepPlan, state: DecodeState) -> np.ndarray:
+        """[D] the window rows whose queries the probes duplicate."""
+        return self._window_rows(plan, plan.probes - state.shift)
+
+    def _probe_tokens(self, plan: StepPlan, state: DecodeState, fed: np.ndarray) -> np.ndarray:
+        if state.shift:  # the predicting row keeps its own token; only the probed slot is hidden
+            return fed[:, self._probe_rows(plan, state)]
+        return np.full((state.batch, len(plan.probes)), state.mask_id, fed.dtype)
+
     def _static_inputs(self, plan: StepPlan, state: DecodeState, key: BucketKey):
         cfg = self.config
         win, cached = plan.window, plan.cached
-        positions = pad_axis(state.positions[:, win], key.window, axis=1)
-        q_valid = pad_axis(state.valid[:, win], key.window, axis=1, value=False)
+        w, d = len(win), 0 if plan.probes is None else len(plan.probes)
+        src = self._probe_rows(plan, state) if d else np.zeros(0, int)
+        q_slots = np.concatenate([win, win[src]])
+        positions = pad_axis(state.positions[:, q_slots], key.window, axis=1)
+        q_valid = pad_axis(state.valid[:, q_slots], key.window, axis=1, value=False)
         k_pos = np.concatenate([pad_axis(state.positions[:, cached], key.cache, axis=1), positions], axis=1)
         k_valid = np.concatenate([pad_axis(state.valid[:, cached], key.cache, axis=1, value=False), q_valid],
                                  axis=1)
         visibility = visibility_from_positions(cfg.attention, positions, k_pos, k_valid, block_size=cfg.block_size)
-        rows = pad_axis(plan.rows, key.rows, axis=0)
+        if d:
+            p, probe = key.cache, np.arange(w, w + d)
+            visibility[:, :, p + probe] = False  # no row sees a probe ...
+            visibility[:, probe, p + probe] = q_valid[:, probe]  # ... but itself
+            own = self._window_rows(plan, plan.probes)
+            inside = own >= 0
+            visibility[:, probe[inside], p + own[inside]] = False  # a probe never sees its slot
+        rows = pad_axis(np.concatenate([plan.rows, np.arange(w, w + d)]), key.rows, axis=0)
         logit_rows = np.ascontiguousarray(np.broadcast_to(rows, (state.batch, key.rows)).astype(np.int32))
         return positions, visibility, logit_rows
 

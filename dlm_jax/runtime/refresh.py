@@ -6,9 +6,9 @@ weights; the main executor itself, run in turn, when it cannot fork) whose queri
 selected visible slots at their positions, fed their current tokens, over every stored K/V
 entry except those slots' own (they are recomputed). With `revisit="remask"` each slot also
 gets a duplicate query fed the mask, which sees neither the slot's entry nor its token row:
-its prediction is the leave-one-out score. Since window forwards then do not re-score visible
-slots, the remask CPU path also picks those still inside the window (scored only: their K/V
-come from the window). Outputs: a new top token and probability per slot (-> promote, revise)
+its prediction is the leave-one-out score. The remask CPU path also picks visible slots still
+inside the window that the window's own probe rows leave out (scored only: their K/V come from
+the window). Outputs: a new top token and probability per slot (-> promote, revise)
 and the K/V of the slots left of the window, computed from the tokens fed (-> the store; a
 slot whose token the refresh replaced keeps a stale entry and is refreshed first next time).
 
@@ -53,12 +53,14 @@ class Refresher:
         self._job: _Job | None = None
         self.calls: list[StepInputs] = []  # every refresh step's inputs (for tests and traces)
 
-    def select(self, state: DecodeState, before: int) -> np.ndarray:
+    def select(self, state: DecodeState, before: int, skip: np.ndarray | None = None) -> np.ndarray:
         """Up to `refresh_rows` tracked visible slots left of `before` (the main window's
-        start; its end with `revisit="remask"`): stale K/V first, then the lowest last
-        confidence, then the lowest position."""
+        start; its end with `revisit="remask"`), but not `skip` (slots the window probes):
+        stale K/V first, then the lowest last confidence, then the lowest position."""
         run = state.active
         vis = (state.status[:, :before] == _VISIBLE) & run[:, None]
+        if skip is not None and len(skip):
+            vis[:, skip[skip < before]] = False
         slots = np.flatnonzero(vis.any(axis=0))
         if not len(slots):
             return slots
@@ -70,7 +72,8 @@ class Refresher:
     def submit(self, state: DecodeState, store: KVStore, plan) -> None:
         """Start a refresh from the state as it is now (before the main step)."""
         start = int(plan.window[0])
-        slots = self.select(state, int(plan.window.max()) + 1 if self.policy.revisit == "remask" else start)
+        slots = self.select(state, int(plan.window.max()) + 1 if self.policy.revisit == "remask" else start,
+                            plan.probes)
         if not len(slots):
             return
         inputs = self._inputs(state, store, slots)

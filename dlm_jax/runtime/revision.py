@@ -30,8 +30,10 @@ Revisiting V slots:
 `revisit="remask"` scores a filled slot from a duplicate query at its position whose input is
 the mask and which cannot see the slot itself (leave-one-out): for models whose clean
 positions were never trained (a masked-diffusion loss alone), whose in-place confidence says
-little. Then window forwards do not re-score V slots; the CPU path does, with the duplicate
-rows, for V slots inside the window as well as those left behind.
+little. With `revise`, each window forward appends such a probe row (`StepPlan.probes`) for up
+to `window_probes` of the V slots it predicts (lowest confidence first) and applies the same
+rules to their predictions; the CPU path re-scores, with duplicate rows of its own, the V
+slots left behind and those inside the window that got no probe.
 """
 
 from __future__ import annotations
@@ -86,13 +88,17 @@ class ProgressiveRevision:
         default=8, metadata={"help": "visible tokens the CPU path refreshes per step (0: off)"})
     revisit: str = dataclasses.field(
         default="in_place", metadata={"help": "how a filled token is scored", "choices": REVISITS})
+    window_probes: int = dataclasses.field(
+        default=32, metadata={"help": "visible tokens a window forward re-scores by leave-one-out probe rows "
+                                      "(remask only; 0: the CPU path alone re-scores them)"})
 
     def __post_init__(self) -> None:
         _unit("theta_stable", self.theta_stable)
         _unit("theta_visible", self.theta_visible)
-        r = self.refresh_rows
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise ConfigError(f"refresh_rows={r!r} must be an integer >= 0")
+        for name in ("refresh_rows", "window_probes"):
+            r = getattr(self, name)
+            if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+                raise ConfigError(f"{name}={r!r} must be an integer >= 0")
         if self.revisit not in REVISITS:
             raise ConfigError(f"revisit={self.revisit!r} is not one of {REVISITS}")
 
@@ -108,6 +114,42 @@ class ProgressiveRevision:
             v = (state.status[:, tgt] == _VISIBLE) & ~committed & state.active[:, None]
             if v.any():
                 self.rescore(state, tgt, v, tokens, conf, counter="window")
+
+    @property
+    def probing(self) -> bool:
+        """Whether window forwards carry leave-one-out probe rows."""
+        return self.revisit == "remask" and self.revise and self.window_probes > 0
+
+    def probe(self, state: DecodeState, plan: StepPlan) -> tuple[StepPlan, np.ndarray | None]:
+        """The plan with probe rows for up to `window_probes` of the V slots it predicts
+        (lowest confidence first), and [B, D] which (row, probe) pairs are visible now."""
+        if not self.probing:
+            return plan, None
+        tgt = plan.targets
+        vis = (state.status[:, tgt] == _VISIBLE) & state.active[:, None]
+        cols = np.flatnonzero(vis.any(axis=0))
+        if not len(cols):
+            return plan, None
+        if len(cols) > self.window_probes:
+            conf = np.where(vis[:, cols], np.nan_to_num(state.confidence[:, tgt][:, cols], nan=0.0), np.inf)
+            cols = np.sort(cols[np.lexsort((cols, conf.min(axis=0)))[:self.window_probes]])
+        return dataclasses.replace(plan, probes=tgt[cols]), vis[:, cols]
+
+    def after_probes(self, state: DecodeState, plan: StepPlan, probed: np.ndarray, top: np.ndarray,
+                     prob: np.ndarray) -> None:
+        """Apply the probes' predictions ([B, D]) to the slots that were visible when the
+        step was planned and still are."""
+        scored = probed & (state.status[:, plan.probes] == _VISIBLE)
+        self.rescore(state, plan.probes, scored, top, prob.astype(np.float64), counter="probe")
+
+    def probe_shapes(self, shapes: set) -> set:
+        """Every shape of `shapes` widened by 1 to `window_probes` probe rows (for a fixed
+        bundle), when probing."""
+        from dlm_jax.runtime.scheduler import PlanShape
+
+        if not self.probing:
+            return set()
+        return {PlanShape(w + d, c, r + d) for w, c, r in shapes for d in range(1, self.window_probes + 1)}
 
     def rescore(self, state: DecodeState, slots, scored: np.ndarray, top: np.ndarray, prob: np.ndarray,
                 *, counter: str) -> tuple[np.ndarray, np.ndarray]:

@@ -58,6 +58,10 @@ class StepPlan:
       others are look-ahead rows (drafts), which the rule never commits.
     unit_slots: the slots of the current commit unit (None: the targets); a rule begins
       and finishes the unit over these.
+    probes: [D] targets also scored leave-one-out (None: none): each gets a query row after
+      the window, at the position of the row that predicts it, fed the mask (the row's token
+      under a logit shift), that sees what that row sees except the probed slot and that no
+      other row sees. Its prediction is requested after the `rows`'; its K/V are never stored.
     """
 
     window: np.ndarray
@@ -71,10 +75,12 @@ class StepPlan:
     store_rows: np.ndarray | None = None
     current: np.ndarray | None = None
     unit_slots: np.ndarray | None = None
+    probes: np.ndarray | None = None
 
     @property
     def shape(self) -> PlanShape:
-        return PlanShape(len(self.window), len(self.cached), len(self.rows))
+        d = 0 if self.probes is None else len(self.probes)
+        return PlanShape(len(self.window) + d, len(self.cached), len(self.rows) + d)
 
     @functools.cached_property
     def target_index(self) -> slice | np.ndarray:

@@ -252,8 +252,8 @@ def test_cpu_refresh_is_merged_at_the_step_boundary(monkeypatch):
 
 
 def test_remask_refresh_scores_visible_slots_inside_the_window_without_writing_their_kv(monkeypatch):
-    """With leave-one-out scoring the window forwards do not re-score visible slots, so the
-    CPU path picks them inside the window too; their K/V stay the window's."""
+    """With leave-one-out scoring and no probe rows in the window forwards, the CPU path picks
+    visible slots inside the window too; their K/V stay the window's."""
     from dlm_jax.runtime import refresh
     from dlm_jax.runtime.kvstore import KVStore
 
@@ -285,12 +285,98 @@ def test_remask_refresh_scores_visible_slots_inside_the_window_without_writing_t
     exe = Forking(cfg, answer=answer, confidence=np.full(96, 0.8))  # commits stay visible (< 0.9)
     out = Decoder(exe, cfg).decode([[1, 2, 3]], decode_config(
         cache="mbsd", gen_len=32, block_len=8, threshold=0.7, revision="dppr", refresh_rows=4, trigger=0,
-        revisit="remask", stop_on_eos_block=False))
+        revisit="remask", window_probes=0, stop_on_eos_block=False))
     assert any((slots >= start).any() for slots, start in jobs), "no visible slot refreshed inside the window"
     assert out.stats.counters["refresh_promoted"] > 0
     for slots, rows, start in written:  # only slots left of the window at submission get the CPU path's K/V
         assert not rows[:, slots >= start].any()
     np.testing.assert_array_equal(out.sequences[0], answer[3:35])
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_window_probes_are_leave_one_out_rows_that_no_other_row_sees(layers):
+    """A probe row changes nothing the window's own rows compute, and (one layer, where the
+    other slots' keys do not depend on the probed token) predicts exactly what the slot's own
+    row predicts when the slot is fed the mask and hidden from every other row."""
+    from dlm_jax.runtime.inputs import StepInputBuilder
+    from dlm_jax.runtime.scheduler import StepPlan
+    from dlm_jax.runtime.state import DecodeState
+    from dlm_jax.runtime.step import OutputRequest
+
+    model = sharp_model(n_layers=layers)
+    cfg, exe = model.config, JaxExecutor(model)
+    state = DecodeState.create([PROMPTS[0]], gen_len=16, batch=1, mask_id=cfg.mask_token_id,
+                               vocab_size=cfg.vocab_size)
+    g = state.gen_start
+    filled = g + np.array([0, 1, 2, 5])
+    state.tokens[:, filled] = [11, 12, 13, 14]
+    state.status[:, filled] = S.VISIBLE
+    window, targets = np.arange(state.total), np.arange(g, state.total)
+    plan = StepPlan(window=window, cached=np.arange(0), rows=targets, targets=targets, unit=0, step=0)
+    probes = filled[[1, 3]]
+    want = OutputRequest(kv=True, logits=False)
+    base_in = StepInputBuilder(cfg, exe.capabilities).build(plan, state, None, want)
+    base = exe.step(base_in)
+    out = exe.step(StepInputBuilder(cfg, exe.capabilities).build(dataclasses.replace(plan, probes=probes), state,
+                                                                   None, want))
+    r, w = len(targets), len(window)
+    np.testing.assert_array_equal(out.top_token[:, :r], base.top_token[:, :r])
+    np.testing.assert_allclose(out.top_prob[:, :r], base.top_prob[:, :r], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.k_new[:, :, :w], base.k_new[:, :, :w], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(out.top_prob[:, r:r + 2], base.top_prob[:, probes - g], atol=1e-3), \
+        "the probes predict what the in-place rows predict: they see their slot"
+    if layers > 1:
+        return
+    p = base_in.k_cache.shape[2]
+    for i, slot in enumerate(probes):
+        tokens, vis = base_in.tokens.copy(), base_in.visibility.copy()
+        tokens[:, slot] = cfg.mask_token_id
+        vis[:, :, p + slot] = False
+        vis[:, slot, p + slot] = True
+        ref = exe.step(dataclasses.replace(base_in, tokens=tokens, visibility=vis))
+        assert out.top_token[0, r + i] == ref.top_token[0, slot - g]
+        np.testing.assert_allclose(out.top_prob[0, r + i], ref.top_prob[0, slot - g], rtol=1e-5, atol=1e-6)
+
+
+def test_window_probes_re_score_visible_slots_and_the_cpu_path_takes_the_rest(monkeypatch):
+    """With `revisit="remask"` each window forward probes the visible slots it predicts, up
+    to `window_probes` (the least confident), and the CPU path never picks a slot the same
+    step probes. A slot's second prediction is the confident one, so probing promotes."""
+    from dlm_jax.runtime import refresh
+
+    jobs = []
+    submit = refresh.Refresher.submit
+
+    def spy(self, state, store, plan):
+        submit(self, state, store, plan)
+        if self._job is not None:
+            jobs.append((self._job.slots.copy(), plan.probes))
+
+    monkeypatch.setattr(refresh.Refresher, "submit", spy)
+    cfg = tiny_config()
+    answer = np.arange(96) % 50
+    seen = set()
+
+    def confidence(inputs, predicted):  # a position's first prediction 0.8 (-> visible), later ones 0.95
+        conf = np.array([[0.95 if int(q) in seen else 0.8 for q in row] for row in predicted])
+        seen.update(int(q) for q in predicted.ravel())
+        return conf
+
+    counts = {}
+    for probes in (0, 1, 32):
+        seen.clear()
+        jobs.clear()
+        exe = Forking(cfg, answer=answer, confidence=confidence)
+        out = Decoder(exe, cfg).decode([[1, 2, 3]], decode_config(
+            cache="mbsd", gen_len=32, block_len=8, threshold=0.7, revision="dppr", refresh_rows=2, trigger=0,
+            revisit="remask", window_probes=probes, stop_on_eos_block=False))
+        np.testing.assert_array_equal(out.sequences[0], answer[3:35])
+        counts[probes] = out.stats.counters
+        for slots, probed in jobs:
+            assert probed is None or not np.isin(slots, probed).any(), "the CPU path refreshed a probed slot"
+    assert "probe_rows" not in counts[0] and counts[32]["probe_promoted"] > 0
+    assert counts[1]["probe_rows"] < counts[32]["probe_rows"]
+    assert counts[32].get("refresh_rows", 0) < counts[0]["refresh_rows"]
 
 
 def test_the_preset_and_its_switches():
