@@ -26,8 +26,8 @@ Fig. 13: trigger in {2, 4, 6, 8} and theta_visible x theta_stable (`--sweep-n` p
 task, default `--n`).
 
 Writes <out>.json, <out>.md and <out>.png, and reports the issue's targets as ratios from
-this one run. `--revisit` picks how filled tokens are scored (in place, or leave-one-out
-`remask` rows for models whose clean positions were never trained).
+this one run. `--revisit` picks how filled tokens are scored: leave-one-out `remask` probe
+rows (the default, as in the preset) or `in_place`.
 """
 
 from __future__ import annotations
@@ -281,10 +281,12 @@ def run(model: str, gens: list[int], tasks: list[str], n: int, cases: int, repea
 
 
 def merge(a: dict, b: dict) -> dict:
-    """`b` laid over `a`, dictionaries merged key by key (results of passes run apart)."""
+    """`b` laid over `a`, dictionaries merged key by key (results of passes run apart); a
+    setting's `counters` come from one accuracy pass, so `b`'s replace `a`'s whole."""
     out = dict(a)
     for k, v in b.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        deep = isinstance(v, dict) and isinstance(out.get(k), dict) and k != "counters"
+        out[k] = merge(out[k], v) if deep else v
     return out
 
 
@@ -422,7 +424,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--executors", nargs="+", default=["jax", "litert"], choices=["jax", "litert"])
     ap.add_argument("--revisit", action="append", choices=["in_place", "remask"],
-                    help="per --model: how filled tokens are scored (default in_place)")
+                    help="per --model: how filled tokens are scored (default remask, as the preset)")
     ap.add_argument("--sweep-gen", type=int, default=128, help="generation length of the sweeps (0: none)")
     ap.add_argument("--sweep-n", type=int, help="held-out prompts per task in the sweeps (default --n)")
     ap.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES,
@@ -435,7 +437,7 @@ def main() -> None:
     else:
         if not args.model:
             ap.error("give --model (or --combine)")
-        revisits = args.revisit or ["in_place"] * len(args.model)
+        revisits = args.revisit or ["remask"] * len(args.model)
         if len(revisits) != len(args.model):
             ap.error("give --revisit once per --model, or not at all")
         results = []

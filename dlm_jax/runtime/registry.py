@@ -73,7 +73,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # tokens visible at 0.7 (the threshold rule) and stable at 0.9, CPU-path refresh of 8
     # visible tokens per step, stable slots request no logits.
     "llada-cpp": {"cache": "mbsd", "rule": "threshold", "threshold": 0.7, "draft_threshold": 0.7,
-                  "revision": "dppr", "theta_stable": 0.9, "theta_visible": 0.7, "block_len": 32},
+                  "revision": "dppr", "theta_stable": 0.9, "theta_visible": 0.7, "revisit": "remask",
+                  "block_len": 32},
 }
 
 # Short flags the command line has always used.

@@ -57,3 +57,11 @@ def test_calibration_tells_right_from_replaced_tokens():
     for kind in ("in_place", "remask"):
         assert cal["random"][kind]["auroc"] > 0.9  # random bytes are easy to spot
         assert cal["random"][kind]["right"] > 0 and cal["own"][kind]["right"] > 0
+
+
+def test_a_later_pass_replaces_a_settings_counters_whole():
+    old = {"acc": {"accuracy": 0.5, "counters": {"a": 1, "b": 2}, "per_task": {"x": 0.5}}, "lat": {"jax_s": 1.0}}
+    new = {"acc": {"accuracy": 0.7, "counters": {"a": 3}, "per_task": {"x": 0.7}}}
+    merged = lladacpp.merge({"gens": old}, {"gens": new})["gens"]
+    assert merged["acc"] == {"accuracy": 0.7, "counters": {"a": 3}, "per_task": {"x": 0.7}}
+    assert merged["lat"] == {"jax_s": 1.0}

@@ -222,7 +222,7 @@ def test_a_bundle_exported_for_llada_cpp_holds_every_bucket_it_needs(tmp_path):
     jax_model = dlm_jax.load(ROOT / "models" / "llada-tiny")
     prompts = [jax_model.encode(ex.prompt) for t in TASKS for ex in make_split(TASKS[t], 3, split="heldout")]
     cfgs = [dlm_jax.preset("llada-cpp", gen_len=64, theta_stable=0.99),
-            dlm_jax.preset("llada-cpp", gen_len=64, revisit="remask", sliding=False)]
+            dlm_jax.preset("llada-cpp", gen_len=64, revisit="in_place", sliding=False)]
     keys = set()
     for cfg in cfgs:
         keys |= set(buckets_for_prompts(jax_model.config, cfg, max_prompt=max(map(len, prompts))))

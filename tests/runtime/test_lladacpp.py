@@ -384,6 +384,7 @@ def test_the_preset_and_its_switches():
     opts = cfg.options()
     assert (opts["cache"], opts["revision"], opts["threshold"], opts["theta_stable"]) == ("mbsd", "dppr", 0.7, 0.9)
     assert opts["trigger"] == 4 and opts["skip_stable"] and opts["refresh_rows"] == 8
+    assert opts["revisit"] == "remask" and opts["window_probes"] == 32
     for bad, match in [(dict(trigger=-1), r"trigger=-1 must be an integer >= 0"),
                        (dict(draft_input="maybe"), r"draft_input='maybe' is not one of"),
                        (dict(sliding=True, suffix=True), r"suffix=True needs sliding=False"),
