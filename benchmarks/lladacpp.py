@@ -19,7 +19,8 @@ Two passes per model, on the held-out prompts of every task, block 32:
 Settings, in llada.cpp's breakdown order (Table 6): CPU vanilla (LLaDA: no cache, one token
 per step) -> + prefix KV reuse (Fast-dLLM's prefix cache, still one token per step) ->
 + MBSD (sliding speculative windows, look-ahead at 4, threshold 0.9) -> + staged
-stabilization (DPPR states: visible at 0.7, stable at 0.9) -> + selective logits skipping ->
+stabilization (DPPR states: visible at 0.7, stable at 0.9; visible slots in the window
+re-scored every forward, by probe rows with `remask`) -> + selective logits skipping ->
 + sparse CPU refresh (8 rows; the `llada-cpp` preset). Then Fast-dLLM (prefix + threshold
 0.9) and Fast-dLLM++ (prefix + Frechet 0.25) for comparison, and the sensitivity sweeps of
 Fig. 13: trigger in {2, 4, 6, 8} and theta_visible x theta_stable (`--sweep-n` prompts per
