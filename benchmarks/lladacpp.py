@@ -348,9 +348,11 @@ def markdown(results: list[dict]) -> str:
             van = rows["CPU vanilla"]
             for name, r in rows.items():
                 walls = " | ".join(f"{r[e + '_s']:.3f}" for e in exs)
-                lines.append(f"| {name} | {100 * r['accuracy']:.1f}% | {r['mean_nfe']:.1f} | "
+                mark = " *" if "source" in r else ""
+                lines.append(f"| {name}{mark} | {100 * r['accuracy']:.1f}% | {r['mean_nfe']:.1f} | "
                              f"{r['useful_rows_per_forward']:.1f} | {r['logit_rows_per_forward']:.1f} | {walls} | "
                              f"{r['phone_ms']:.0f} | {van['phone_ms'] / r['phone_ms']:.1f}x | {r['npu_ms']:.0f} |")
+            lines += [""] + [f"\\* {name}: {r['source']}." for name, r in rows.items() if "source" in r]
             lines.append("")
         if "sweeps" in res:
             sweep_n = res["sweeps"].get("n", res["n"])
