@@ -25,6 +25,17 @@ def _mode_rule(mode: str, q_pos: np.ndarray, k_pos: np.ndarray, block_size: int)
     raise ConfigError(f"attention mode {mode!r} is not one of {ATTENTION_MODES}")
 
 
+def leave_one_out(visibility: np.ndarray, probes: np.ndarray, hidden: np.ndarray, *, k_offset: int) -> None:
+    """Make queries `probes` [D] of a [B, Q, k_offset + Q] step mask leave-one-out probes, in
+    place: no other query sees a probe's key, a probe sees its own, and probe i never sees key
+    column `hidden[i]` (the slot it scores; -1: none)."""
+    cols = k_offset + probes
+    visibility[:, :, cols] = False
+    visibility[:, probes, cols] = True
+    inside = hidden >= 0
+    visibility[:, probes[inside], hidden[inside]] = False
+
+
 def attention_mask(mode: str, length: int, *, block_size: int = 32) -> np.ndarray:
     """[length, length] mask of `mode` over positions 0..length-1."""
     pos = np.arange(length)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from dlm_jax._config import ModelConfig
-from dlm_jax._masks import visibility_from_positions
+from dlm_jax._masks import leave_one_out, visibility_from_positions
 from dlm_jax.runtime.buckets import BucketKey, pad_axis
 from dlm_jax.runtime.kvstore import KVStore
 from dlm_jax.runtime.scheduler import StepPlan
@@ -86,12 +86,9 @@ class StepInputBuilder:
                                  axis=1)
         visibility = visibility_from_positions(cfg.attention, positions, k_pos, k_valid, block_size=cfg.block_size)
         if d:
-            p, probe = key.cache, np.arange(w, w + d)
-            visibility[:, :, p + probe] = False  # no row sees a probe ...
-            visibility[:, probe, p + probe] = q_valid[:, probe]  # ... but itself
             own = self._window_rows(plan, plan.probes)
-            inside = own >= 0
-            visibility[:, probe[inside], p + own[inside]] = False  # a probe never sees its slot
+            leave_one_out(visibility, np.arange(w, w + d), np.where(own >= 0, key.cache + own, -1),
+                          k_offset=key.cache)
         rows = pad_axis(np.concatenate([plan.rows, np.arange(w, w + d)]), key.rows, axis=0)
         logit_rows = np.ascontiguousarray(np.broadcast_to(rows, (state.batch, key.rows)).astype(np.int32))
         return positions, visibility, logit_rows

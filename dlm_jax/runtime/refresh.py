@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from dlm_jax._masks import visibility_from_positions
+from dlm_jax._masks import leave_one_out, visibility_from_positions
 from dlm_jax.runtime.buckets import pad_axis
 from dlm_jax.runtime.kvstore import KVStore
 from dlm_jax.runtime.state import DecodeState, TokenState
@@ -105,12 +105,7 @@ class Refresher:
         vis = visibility_from_positions(self.config.attention, positions, k_pos, np.concatenate([k_valid, q_valid], 1),
                                         block_size=self.config.block_size)
         if remask:  # mask row n + i sees neither slot i's token row nor (above) its cache entry
-            own = np.arange(n)
-            vis[:, n + own, key.cache + own] = False
-            vis[:, :n, key.cache + n:key.cache + 2 * n] = False  # token rows never see the duplicates
-            dup = np.zeros((n, n), bool)
-            np.fill_diagonal(dup, True)
-            vis[:, n:2 * n, key.cache + n:key.cache + 2 * n] = dup  # a duplicate sees itself only
+            leave_one_out(vis, np.arange(n, 2 * n), key.cache + np.arange(n), k_offset=key.cache)
         pad_q = np.arange(key.window) >= rows
         vis[:, pad_q, :] = False
         vis[:, pad_q, key.cache + np.flatnonzero(pad_q)] = True  # padding queries see themselves
