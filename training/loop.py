@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -42,7 +43,7 @@ from dlm_jax._tokenizer import ByteTokenizer
 from dlm_jax.checkpoint._io import load_pretrained, save_pretrained
 from dlm_jax.models._params import init_model, model_from_params
 from training.config import RunConfig
-from training.objectives import get_objective
+from training.objectives import Batch, Objective, get_objective
 
 # Megatron-style rules: column-parallel in-projections, row-parallel out-projections.
 PARTITION_RULES: tuple[tuple[str, P], ...] = (
@@ -94,6 +95,54 @@ def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
                      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                                  mask=decay_mask))
     return tx, schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShardings:
+    """Where the train step's arrays live on a mesh: parameters by PARTITION_RULES, optimizer
+    state like the parameters it tracks (Adam's moments) or replicated (step counts), batch rows
+    [B, T] split over the data axis, the rng key, metrics and scalars replicated."""
+
+    params: Any
+    opt_state: Any
+    batch: NamedSharding
+    replicated: NamedSharding
+
+    @classmethod
+    def for_mesh(cls, mesh: Mesh, tx: optax.GradientTransformation, params: Any) -> StepShardings:
+        p_shard, rep = param_sharding(params, mesh), NamedSharding(mesh, P())
+        o_shard = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), p_shard,
+                                        transform_non_params=lambda _: rep)
+        return cls(p_shard, o_shard, NamedSharding(mesh, P("data")), rep)
+
+
+def train_step(params: nnx.State, opt_state: optax.OptState, batch: Batch, rng: jax.Array, *,
+               graphdef: nnx.GraphDef, objective: Objective, tx: optax.GradientTransformation,
+               ) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array], jax.Array]:
+    """One optimizer step of `objective` on `batch` ([B, T] arrays) with key `rng`. Returns the
+    updated parameters and optimizer state, the objective's metrics plus `grad_norm` (before
+    clipping), and whether the loss and every updated parameter are finite (a bool scalar)."""
+
+    def loss_fn(p, batch, rng):
+        return objective(nnx.merge(graphdef, p), batch, rng)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
+    return params, opt_state, {**metrics, "grad_norm": optax.tree.norm(grads)}, finite
+
+
+def make_train_step(*, graphdef: nnx.GraphDef, objective: Objective, tx: optax.GradientTransformation,
+                    shardings: StepShardings) -> Callable[..., Any]:
+    """`train_step` jitted with `shardings` as its in and out shardings, donating the parameters
+    and optimizer state (arguments 0 and 1): the update is written over them, so the accelerator
+    holds one copy of each, and the arrays passed in are deleted by the call."""
+    s = shardings
+    return jax.jit(functools.partial(train_step, graphdef=graphdef, objective=objective, tx=tx),
+                   in_shardings=(s.params, s.opt_state, s.batch, s.replicated),
+                   out_shardings=(s.params, s.opt_state, s.replicated, s.replicated),
+                   donate_argnums=(0, 1))
 
 
 @dataclasses.dataclass
@@ -228,6 +277,19 @@ def _checkpoint_manager(directory: Path, keep: int, *, cleanup: bool = False):
         max_to_keep=keep, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=cleanup))
 
 
+def _savable(good: tuple) -> bool:
+    """Whether the state `good` of `train` can be saved: the step that made it gave finite
+    values (waiting for it), and its arrays were not donated to a step since (a KeyboardInterrupt
+    between a step's call and `good` taking its outputs, where `_ctrl_c_after` cannot hold it)."""
+    if any(x.is_deleted() for x in jax.tree.leaves((good[1], good[2]))):
+        print(f"the state of step {good[0]} was donated to the next step; not saved", file=sys.stderr)
+        return False
+    if not bool(good[4]):
+        print(f"step {good[0]} gave non-finite values; not saved", file=sys.stderr)
+        return False
+    return True
+
+
 def _initial_params(path: str, params: Any) -> Any:
     """The weights of the HF-layout checkpoint at `path` ([train] init_from), in the tree and
     dtypes of `params`."""
@@ -313,10 +375,9 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
     if tc.init_from and not resuming:  # a resumed run restores its own weights below
         params = _initial_params(tc.init_from, params)
     tx, schedule = make_optimizer(tc)
-    p_shard = param_sharding(params, mesh)
-    params = jax.device_put(params, p_shard)
-    with jax.set_mesh(mesh):  # the step counts get the mesh's sharding too: one compile, not two
-        opt_state = tx.init(params)
+    shardings = StepShardings.for_mesh(mesh, tx, params)
+    params = jax.device_put(params, shardings.params)
+    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
     start = 0
     if resuming:
         start = manager.latest_step()
@@ -327,25 +388,15 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
         state = restored["meta"]["data"]
         batches = (batches.restore(state) if tc.length_buckets
                    else Batches.restore(arrays, tc.batch_size, state))
-    b_shard = NamedSharding(mesh, P("data"))
     # Every check passed: record the run (allowed changes such as a longer `steps` included)
     # and drop metrics logged past the checkpoint it continues from.
     atomic_write(out_dir / RUN_CONFIG, json.dumps(_config_json(run), indent=2) + "\n")
     _truncate_metrics(out_dir / "metrics.jsonl", start)
 
-    def loss_fn(p, batch, rng):
-        return objective(nnx.merge(graphdef, p), batch, rng)
-
-    @jax.jit
-    def step_fn(p, o, batch, rng):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, batch, rng)
-        updates, o = tx.update(grads, o, p)
-        p = optax.apply_updates(p, updates)
-        finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(p)]))
-        return p, o, {**metrics, "grad_norm": optax.tree.norm(grads)}, finite
+    step_fn = make_train_step(graphdef=graphdef, objective=objective, tx=tx, shardings=shardings)
 
     def save(good) -> None:
-        done, p, o, data_state = good
+        done, p, o, data_state, _ = good
         manager.save(done, args=ocp.args.Composite(
             state=ocp.args.StandardSave({"params": p, "opt_state": o}),
             meta=ocp.args.JsonSave({"step": done, "data": data_state})))
@@ -355,9 +406,11 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     tokens_per_step = tc.batch_size * tc.seq_len
     last_loss, saved = float("nan"), start
-    # (steps done, params, optimizer state, data position), replaced as one value after each
-    # step, so Ctrl-C at any instant finds a consistent state to save.
-    good = (start, params, opt_state, batches.state())
+    # (steps done, params, optimizer state, data position, finite), replaced as one value by
+    # each step, so Ctrl-C at any instant finds a consistent state. The step donates the arrays
+    # of the state before it (they are deleted), so `good` takes its outputs at once and holds
+    # `finite` with them: a state is saved only once `finite` says it is.
+    good = (start, params, opt_state, batches.state(), True)
     metrics_file = open(out_dir / "metrics.jsonl", "a")
     bar = tqdm(total=tc.steps, initial=start, desc=f"train {tc.objective}", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
@@ -366,9 +419,11 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
     try:
         with jax.set_mesh(mesh):
             for step in range(start, end):
-                batch = {k: jax.device_put(jnp.asarray(v), b_shard) for k, v in next(batches).items()}
-                p, o, metrics, finite = step_fn(good[1], good[2], batch, jax.random.fold_in(base_key, step))
-                done = step + 1
+                batch = {k: jax.device_put(jnp.asarray(v), shardings.batch) for k, v in next(batches).items()}
+                done, data_state = step + 1, batches.state()
+                with _ctrl_c_after():  # the call deletes good's arrays: no Ctrl-C until good holds its outputs
+                    p, o, metrics, finite = step_fn(good[1], good[2], batch, jax.random.fold_in(base_key, step))
+                    good = (done, p, o, data_state, finite)
                 # One scalar a step: a diverged step is named exactly and never saved or shipped.
                 if not bool(finite):
                     m = jax.device_get(metrics)
@@ -379,7 +434,6 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
                         f"step {done}: {' and '.join(what) or 'the updated parameters hold NaN or inf'}; training "
                         f"stopped without saving this step ({kept} in {out_dir / 'checkpoints'}). Lower [train] "
                         f"learning_rate or raise warmup_steps, then start again with --replace")
-                good = (done, p, o, batches.state())
                 window_steps += 1
                 if done % tc.log_every == 0 or done == end:
                     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -401,8 +455,9 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
         if good[0] > saved:
             try:
                 with _ctrl_c_after():
-                    save(good)
-                    saved = good[0]
+                    if _savable(good):
+                        save(good)
+                        saved = good[0]
             except KeyboardInterrupt:
                 pass  # pressed again while saving: the save finished first, stop now
             except Exception as e:  # the last checkpoint stays the one to resume from
