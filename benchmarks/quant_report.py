@@ -83,6 +83,7 @@ def decode_tasks(handle: Any, tasks: Sequence[str], n: int, cfg: Any) -> tuple[d
 def report_model(path: str, schemes: Sequence[str], tasks: Sequence[str], n: int, cfg: Any) -> dict:
     """fp32 and every scheme's row for one checkpoint."""
     import dlm_jax
+    from dlm_jax.api import jax_executor
 
     handle = dlm_jax.load(ROOT / path if not Path(path).is_absolute() else path)
     params = dlm_jax.get_params(handle.model)
@@ -94,7 +95,8 @@ def report_model(path: str, schemes: Sequence[str], tasks: Sequence[str], n: int
                                          "max_abs": 0.0, "bits_per_weight": 32.0}
         else:
             qparams, err = quantize_params(params, scheme)
-            model_handle = dlm_jax.Model(dlm_jax.model_from_params(handle.config, qparams), handle.tokenizer)
+            qmodel = dlm_jax.model_from_params(handle.config, qparams)
+            model_handle = dlm_jax.Model(qmodel, handle.tokenizer, executor=jax_executor(qmodel, source=path))
         acc, texts = decode_tasks(model_handle, tasks, n, cfg)
         if scheme == "fp32":
             reference = texts

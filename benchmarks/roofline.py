@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _hardware import gemm_peak, machine, memory_bandwidth  # noqa: E402
 from _models import MODELS, model_path, prompts_for  # noqa: E402
 
+from dlm_jax.runtime.step import Executor  # noqa: E402
+
 PHASES = ("prep", "h2d", "compute", "d2h", "decide")
 MODES = ("none", "prefix", "dual")
 _T0 = time.perf_counter()
@@ -49,7 +51,7 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:6.0f}s] {msg}", file=sys.stderr, flush=True)
 
 
-class TimingExecutor:
+class TimingExecutor(Executor):
     """Wraps an executor that accepts `step(inputs, timings)`; records per step the bucket,
     the live window / cache sizes (read off the visibility mask: padded query rows see
     nothing, padded cache slots are seen by no row) and the phase timings."""
@@ -65,8 +67,8 @@ class TimingExecutor:
     def warmup(self, keys):
         return self.inner.warmup(keys)
 
-    def step(self, inputs):
-        timings: dict[str, float] = {}
+    def step(self, inputs, *, timings=None):
+        timings = {} if timings is None else timings
         out = self.inner.step(inputs, timings=timings)
         vis = inputs.visibility
         p = inputs.k_cache.shape[2]
@@ -78,7 +80,8 @@ class TimingExecutor:
 
 def step_cost(config: Any, key: Any, kv_out: bool) -> dict[str, int]:
     """Matmul FLOPs and bytes moved (weights once, K/V cache in, window K/V out) of one step."""
-    from lowering.graph import MATMUL_OPS, analytic_graph, op_flops
+    from lowering._analytic import analytic_graph
+    from lowering.graph import MATMUL_OPS, op_flops
 
     graph = analytic_graph(config, key)
     itemsize = np.dtype(config.dtype).itemsize

@@ -265,7 +265,8 @@ def gemm_peak_gflops(n: int = 1024, repeats: int = 10) -> dict[str, float]:
 def step_matmul_flops(config: Any, bucket: str) -> int:
     """Matmul FLOPs of one step of `bucket` (projections, attention, FFN, LM head over its
     rows), from the analytic step graph."""
-    from lowering.graph import MATMUL_OPS, analytic_graph, op_flops
+    from lowering._analytic import analytic_graph
+    from lowering.graph import MATMUL_OPS, op_flops
     from tflite_export.bundle import parse_bucket
 
     graph = analytic_graph(config, parse_bucket(bucket))

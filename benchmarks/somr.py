@@ -34,7 +34,8 @@ from dlm_jax import ModelConfig  # noqa: E402
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey  # noqa: E402
 from lowering.costs import MB, CostModel  # noqa: E402
-from lowering.graph import StepGraph, analytic_graph, read_tflite_graph  # noqa: E402
+from lowering._analytic import analytic_graph  # noqa: E402
+from lowering.graph import StepGraph, read_tflite_graph  # noqa: E402
 from lowering.memory import DEFAULT_STAGING_BYTES, check_plan, plan_memory  # noqa: E402
 from lowering.paging import paging_only  # noqa: E402
 from lowering.partition import partition  # noqa: E402

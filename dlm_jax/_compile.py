@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -74,15 +75,18 @@ class CompiledBuckets:
         self._build = build
         self._executables: dict[BucketKey, jax.stages.Compiled] = {}
         self.compile_count = 0
+        self.compile_seconds = 0.0
         XlaCompileCounter.install()
 
     def get(self, key: BucketKey) -> jax.stages.Compiled:
         exe = self._executables.get(key)
         if exe is None:
+            t0 = time.perf_counter()
             fn, specs = self._build(key)
             exe = jax.jit(fn).lower(*specs).compile()
             self._executables[key] = exe
             self.compile_count += 1
+            self.compile_seconds += time.perf_counter() - t0
         return exe
 
     def warmup(self, keys: Iterable[BucketKey]) -> int:

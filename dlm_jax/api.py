@@ -1,162 +1,74 @@
-"""The Python decode API: `dlm_jax.load(path).generate(prompts, dlm_jax.preset(...))`."""
+"""The Python decode API: `dlm_jax.load(path).generate(prompts, dlm_jax.preset(...))`.
+
+`load` reads a checkpoint and builds its executor from `EXECUTORS`, the one table of
+executor names (`"auto"` picks one of them per machine); the `Model` it returns
+(`dlm_jax._model`) sits below this module and below every executor.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import operator
 import os
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dlm_jax._config import ModelConfig
-from dlm_jax._errors import CheckpointError, ConfigError, InputError
-from dlm_jax._tokenizer import NoTokenizerError, Tokenizer, load_tokenizer
-from dlm_jax.runtime.config import DecodeConfig
-from dlm_jax.runtime.decoder import DecodeStats, Decoder
+from dlm_jax._errors import ConfigError
+from dlm_jax._model import GenerateResult, MissingTokenizer, Model, Prompt  # noqa: F401 (re-exported)
+from dlm_jax._tokenizer import NoTokenizerError, load_tokenizer
 from dlm_jax.runtime.step import Executor
 
 if TYPE_CHECKING:
     from dlm_jax.models._transformer import Transformer
 
-Prompt = str | Sequence[int]
+class ExecutorFactory(Protocol):
+    """Builds the executor of a loaded checkpoint: `model`, read from `source`."""
+
+    def __call__(self, model: Transformer, *, source: str | os.PathLike) -> Executor: ...
 
 
-@dataclasses.dataclass
-class GenerateResult:
-    texts: list[str] | None  # decoded completions, cut at the first EOS (None: no tokenizer)
-    token_ids: list[list[int]]  # completion ids, cut at the first EOS id
-    stats: DecodeStats
+def jax_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
+    """The JAX executor over `model` (`dlm_jax.program.JaxExecutor`: compiled per bucket)."""
+    from dlm_jax.program import JaxExecutor
+
+    return JaxExecutor(model)
 
 
-class MissingTokenizer:
-    """The tokenizer of a checkpoint that ships none: token-id prompts decode, and anything
-    that needs text fails with the directory named."""
+def litert_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
+    """The LiteRT runner over the bundle cache of `model` (`tflite_export.cache`), whose
+    entry is named after `source`, its checkpoint directory: the first decode that needs a
+    bucket exports it, once per model and machine."""
+    from tflite_export.cache import BundleCacheExecutor
 
-    vocab_size = 0
-    mask_id = eos_id = pad_id = bos_id = None
-    prompt_format = "raw"
-
-    def __init__(self, directory: str | os.PathLike):
-        self.directory = Path(directory)
-
-    def _fail(self, what: str):
-        raise CheckpointError(f"{self.directory}: no tokenizer files (tokenizer.json or a dlm-jax "
-                              f"tokenizer_config.json), so text cannot be {what}: pass prompts as token ids")
-
-    def encode(self, text: str) -> list[int]:
-        self._fail("encoded")
-
-    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
-        self._fail("decoded")
-
-    def apply_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
-        self._fail("encoded")
-
-    def save(self, directory: str | os.PathLike) -> None:
-        pass
+    return BundleCacheExecutor(model, source=source)
 
 
-class Model:
-    """A model, its tokenizer and a decoder over an executor: the JAX executor over `model`
-    by default, or any `Executor` (a LiteRT runner, `dlm_jax.testing.MockExecutor`) with
-    `model=None` and the model's `config`."""
-
-    def __init__(self, model: Transformer | None, tokenizer: Tokenizer, *, executor: Executor | None = None,
-                 config: ModelConfig | None = None):
-        if model is None and (executor is None or config is None):
-            raise ValueError("Model(None, ...) needs an executor and the model config")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.config = config or model.config
-        if executor is None:
-            from dlm_jax.program import JaxExecutor
-
-            executor = JaxExecutor(model)
-        self.executor = executor
-        self.decoder = Decoder(self.executor, self.config)
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return not isinstance(self.tokenizer, MissingTokenizer)
-
-    @property
-    def prompt_format(self) -> str:
-        """How the model was trained to be prompted: `chat` (the tokenizer's chat template
-        wraps a text prompt) or `raw`; recorded in the checkpoint's tokenizer config."""
-        return getattr(self.tokenizer, "prompt_format", "raw")
-
-    def encode(self, prompt: Prompt, *, chat: bool | None = None) -> list[int]:
-        """Token ids of a prompt: text is wrapped in the chat template when `chat` is True, or
-        when it is None (the default) and the model's prompt format is `chat`; ids pass as
-        they are."""
-        if not isinstance(prompt, str):
-            try:
-                return [operator.index(t) for t in prompt]
-            except TypeError:
-                raise InputError(f"a prompt must be text or a sequence of integer token ids, got "
-                                 f"{type(prompt).__name__} {prompt!r:.60}") from None
-        if chat is None:
-            chat = self.prompt_format == "chat"
-        if chat:
-            return self.tokenizer.apply_chat([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
-
-    def generate(self, prompts: Prompt | Sequence[Prompt], config: DecodeConfig | None = None, *,
-                 chat: bool | None = None, seeds: Sequence[int] | None = None,
-                 on_block: Callable[[int, list[str]], None] | None = None) -> GenerateResult:
-        """Decode a completion for each prompt (text or token ids).
-
-        `chat`: wrap text prompts in the chat template (None: as the model was trained, see
-        `prompt_format`; False: the raw text). `on_block(i, texts)` receives the committed text
-        of every request after block i.
-        """
-        config = config or DecodeConfig()
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
-        batch = [prompts] if single else list(prompts)
-        ids = [self.encode(p, chat=chat) for p in batch]
-        self.decoder.check_prompts(ids, seeds)
-        callback = None
-        if on_block is not None:
-            callback = lambda i, seqs: on_block(i, [self._text(s) for s in seqs])  # noqa: E731
-        # Compile every bucket this decode needs first, so stats time decoding, not compilation.
-        self.decoder.warmup([len(i) for i in ids], config)
-        out = self.decoder.decode(ids, config, seeds=seeds, on_block=callback)
-        trimmed = [self._trim(s) for s in out.sequences]
-        texts = [self.tokenizer.decode(t) for t in trimmed] if self.has_tokenizer else None
-        return GenerateResult(texts, trimmed, out.stats)
-
-    def _trim(self, seq: np.ndarray) -> list[int]:
-        ids = [int(t) for t in seq]
-        eos = set(self.config.eos_ids)
-        cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
-        return ids[:cut]
-
-    def _text(self, seq: np.ndarray) -> str:
-        mask = self.config.mask_token_id
-        return self.tokenizer.decode([t for t in self._trim(seq) if t != mask])
-
-
-EXECUTORS = ("auto", "jax", "litert")
+EXECUTORS: dict[str, ExecutorFactory] = {"jax": jax_executor, "litert": litert_executor}
+AUTO = "auto"
+EXECUTOR_CHOICES = (AUTO, *EXECUTORS)  # what `load(executor=...)` and `--executor` accept
 EXECUTOR_ENV = "DLM_JAX_EXECUTOR"
 
 
-def resolve_executor(name: str | None, config: ModelConfig) -> str:
-    """"jax" or "litert" for `load(executor=name)`. None takes `$DLM_JAX_EXECUTOR`, else "auto".
-    "auto" is the faster one here: the LiteRT runner over the bundle cache on a CPU-only JAX
+def _check_executor(name: str) -> None:
+    if name not in EXECUTOR_CHOICES:
+        raise ConfigError(f"unknown executor {name!r}; known: {', '.join(EXECUTOR_CHOICES)}")
+
+
+def auto_executor(config: ModelConfig) -> str:
+    """The faster executor here: the LiteRT runner over the bundle cache on a CPU-only JAX
     for a float32 model (it decodes faster there: `benchmarks/results/peer.md`), the JAX
     executor on an accelerator (GPU/TPU) or for another dtype."""
-    name = name or os.environ.get(EXECUTOR_ENV) or "auto"
-    if name not in EXECUTORS:
-        raise ConfigError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
-    if name != "auto":
-        return name
     import jax
 
     float32 = config.dtype == "float32" and config.param_dtype == "float32"
     return "litert" if jax.default_backend() == "cpu" and float32 else "jax"
+
+
+def resolve_executor(name: str | None, config: ModelConfig) -> str:
+    """The key of `EXECUTORS` that `load(executor=name)` uses. None takes `$DLM_JAX_EXECUTOR`,
+    else "auto" (`auto_executor`)."""
+    name = name or os.environ.get(EXECUTOR_ENV) or AUTO
+    _check_executor(name)
+    return auto_executor(config) if name == AUTO else name
 
 
 def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, executor: str | None = None,
@@ -166,10 +78,11 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
     Args:
       strict: refuse config.json keys this loader does not know (default: warn once).
       verify: check the files against the checkpoint's manifest (size and sha256) if it has one.
-      executor: "auto" (default, or `$DLM_JAX_EXECUTOR`), "jax" or "litert" (`resolve_executor`).
-        "litert" decodes with the LiteRT runner over a bundle cache
-        (`tflite_export.cache.BundleCacheExecutor`): the first decode that needs a bucket
-        exports it, once per model and machine. `model.model` is the Flax model either way.
+      executor: a name of `EXECUTOR_CHOICES`: "auto" (default, or `$DLM_JAX_EXECUTOR`;
+        `resolve_executor`), "jax" or "litert". "litert" decodes with the LiteRT runner over
+        a bundle cache (`tflite_export.cache.BundleCacheExecutor`): the first decode that
+        needs a bucket exports it, once per model and machine. `model.model` is the Flax
+        model either way.
       overrides: `ModelConfig` fields to change (`mask_token_id=N` for a checkpoint that
         declares none, `attention=...`, `dtype=...`).
 
@@ -178,15 +91,12 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
     from dlm_jax.checkpoint._io import load_pretrained
 
     path = Path(path)
-    if executor is not None and executor not in EXECUTORS:  # before the weights load
-        raise ConfigError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
+    if executor is not None:  # before the weights load
+        _check_executor(executor)
     model = load_pretrained(path, strict=strict, verify=verify, **overrides)
     try:
         tokenizer = load_tokenizer(path)
     except NoTokenizerError:  # corrupt tokenizer files still raise
         tokenizer = MissingTokenizer(path)
-    if resolve_executor(executor, model.config) == "litert":
-        from tflite_export.cache import BundleCacheExecutor
-
-        return Model(model, tokenizer, executor=BundleCacheExecutor(model, source=path))
-    return Model(model, tokenizer)
+    factory = EXECUTORS[resolve_executor(executor, model.config)]
+    return Model(model, tokenizer, executor=factory(model, source=path))

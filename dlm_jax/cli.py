@@ -57,9 +57,8 @@ def _load(args: argparse.Namespace, path: str | Path):
     overrides = {} if args.mask_token_id is None else {"mask_token_id": args.mask_token_id}
     handle = dlm_jax.load(path, strict=args.strict, verify=args.verify, executor=getattr(args, "executor", None),
                           **overrides)
-    if hasattr(handle.executor, "prepare"):  # the bundle cache: show its exports, hush LiteRT's teardown
-        handle.executor.progress = _export_progress()
-        args.keep_alive = handle
+    handle.executor.set_progress(_export_progress())  # the bundle cache draws its exports
+    args.keep_alive = handle  # hushes LiteRT's teardown at exit
     return handle
 
 
@@ -274,8 +273,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _check_prompts(args.prompt or [])
     bundle = Bundle.open(args.bundle, verify=args.verify)
     if args.accelerator is None:
-        target = bundle.meta.get("target", "cpu")
-        args.accelerator = target if target in ("cpu", "gpu", "npu") else "npu"
+        args.accelerator = bundle.accelerator
     given = {name: getattr(args, name) for name in options() if getattr(args, name, None) is not None}
     cfg = build(given, base=PRESETS[args.preset] if args.preset else bundle.meta.get("decode", {}))
     handle = _load_bundle(args, args.bundle)
@@ -414,7 +412,9 @@ def _add_format_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_executor_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--executor", choices=["auto", "jax", "litert"],
+    from dlm_jax.api import EXECUTOR_CHOICES
+
+    p.add_argument("--executor", choices=EXECUTOR_CHOICES,
                    help="what runs the decode steps: auto (default, or $DLM_JAX_EXECUTOR) is the LiteRT runner "
                         "on a CPU, exporting each bucket to a bundle cache the first time a decode needs it "
                         "(~/.cache/dlm-jax/bundles, or $DLM_JAX_BUNDLE_CACHE), and JAX on a GPU/TPU; jax: the "
@@ -434,6 +434,8 @@ def _add_model_options(p: argparse.ArgumentParser, *, verify: bool = True, mask:
 
 def build_parser() -> argparse.ArgumentParser:
     from dlm_jax.checkpoint._families import FAMILIES
+    from dlm_jax.runner import ACCELERATORS
+    from tflite_export.bundle import QUANT_MODES, TARGETS
 
     parser = _Parser(prog="dlm-jax", description="Diffusion LMs from training to phones.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -464,10 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="every bucket the decode options need for prompts of up to N tokens (default 64)")
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1],
                    help="batch sizes to export buckets for (with --for-prompts; default 1)")
-    p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+    p.add_argument("--quant", default="none", choices=list(QUANT_MODES),
                    help="weight quantisation with LiteRT's quantised kernels (default none: float32)")
-    p.add_argument("--target", default="cpu",
-                   choices=["cpu", "gpu", "npu", "qualcomm-sm8650", "qualcomm-sm8750", "qualcomm-sm8850"],
+    p.add_argument("--target", default="cpu", choices=list(TARGETS),
                    help="the runner's default accelerator; qualcomm-* compiles ahead of time (needs the vendor SDK)")
     p.add_argument("--add", action="store_true", help="add the buckets to the bundle already at --out")
     p.add_argument("--overwrite", action="store_true", help="replace the bundle already at --out")
@@ -478,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="decode prompts with an exported bundle through LiteRT (no JAX), streaming text")
     p.add_argument("bundle", help="bundle directory (dlm-jax export)")
     _add_prompt_options(p, required=True, help_="prompt text", ids=True)
-    p.add_argument("--accelerator", choices=["cpu", "gpu", "npu"],
+    p.add_argument("--accelerator", choices=ACCELERATORS,
                    help="LiteRT accelerator (default: the bundle's target; cpu is XNNPACK)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2; 0: LiteRT decides)")
     p.add_argument("--cpu-fallback", action="store_true",

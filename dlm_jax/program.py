@@ -21,7 +21,8 @@ from flax import nnx
 from dlm_jax._compile import CompiledBuckets
 from dlm_jax.models._transformer import Transformer
 from dlm_jax.runtime.buckets import BucketKey
-from dlm_jax.runtime.step import Capabilities, StepInputs, StepOutputs, input_specs, output_names
+from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, StepInputs, StepOutputs, input_specs,
+                                  output_names)
 
 
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
@@ -70,7 +71,7 @@ def abstract_inputs(config, key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
     return tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in input_specs(config, key))
 
 
-class JaxExecutor:
+class JaxExecutor(Executor):
     """Executor over AOT-compiled `decode_step`s, one per bucket key, compiled on first use
     (or ahead of time by `warmup`). `compile_count` counts its compilations. It runs every
     bucket of `capabilities` (default: `Capabilities.for_length(max_seq_len)`)."""
@@ -115,6 +116,9 @@ class JaxExecutor:
     def compile_count(self) -> int:
         return self._programs.compile_count
 
+    def build_counts(self) -> BuildCounts:
+        return BuildCounts(compiles=self._programs.compile_count, compile_seconds=self._programs.compile_seconds)
+
     @property
     def compiled_keys(self) -> list[BucketKey]:
         return self._programs.keys
@@ -122,7 +126,7 @@ class JaxExecutor:
     def warmup(self, keys: Sequence[BucketKey]) -> int:
         return self._programs.warmup(keys)
 
-    def step(self, inputs: StepInputs, timings: dict[str, float] | None = None) -> StepOutputs:
+    def step(self, inputs: StepInputs, *, timings: dict[str, float] | None = None) -> StepOutputs:
         """Run one step. With `timings`, the transfer in, the compiled compute and the
         transfer out are each waited for and timed (seconds, under "h2d", "compute", "d2h");
         without, JAX overlaps them as it likes."""

@@ -12,7 +12,7 @@ what ships next to a phone app. A bundle (written by `dlm-jax export`, see
     plan.json         the lowering plan: partition and memory plan per signature
     manifest.json     size and sha256 of every file above, checked when the bundle is opened
 
-    model = dlm_jax.runner.load_bundle("bundles/llada-tiny")       # a dlm_jax.api.Model
+    model = dlm_jax.runner.load_bundle("bundles/llada-tiny")       # a BundleModel (a dlm_jax.Model)
     print(model.generate("564+894=", model.decode_defaults).texts[0])
 
 `LiteRTExecutor` implements the step contract (`dlm_jax.runtime.step`) over LiteRT's
@@ -39,9 +39,12 @@ import numpy as np
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import CheckpointError, ConfigError
+from dlm_jax._model import MissingTokenizer, Model
+from dlm_jax._tokenizer import NoTokenizerError, Tokenizer, load_tokenizer
 from dlm_jax.runtime.buckets import BucketKey
-from dlm_jax.runtime.step import (Capabilities, OutputRequest, StepInputs, StepOutputs, input_specs,
-                                  output_specs, signature_inputs, signature_name)
+from dlm_jax.runtime.config import DecodeConfig
+from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, OutputRequest, StepInputs, StepOutputs,
+                                  input_specs, output_specs, signature_inputs, signature_name)
 
 BUNDLE_FORMAT = "dlm-jax-bundle"
 BUNDLE_VERSION = 1
@@ -109,10 +112,17 @@ class Bundle:
         return self.meta.get("quant", {}).get("mode", "none")
 
     @property
+    def accelerator(self) -> str:
+        """The accelerator of `ACCELERATORS` the bundle was exported for: its target's, a
+        vendor NPU target (`qualcomm-*`) counting as "npu"."""
+        target = self.meta.get("target", "cpu")
+        return target if target in ACCELERATORS else "npu"
+
+    @property
     def model_path(self) -> Path:
         return self.path / self.meta.get("model", MODEL_FILE)
 
-    def decode_defaults(self):
+    def decode_defaults(self) -> DecodeConfig:
         """The decode options recorded at export, as a `DecodeConfig`."""
         from dlm_jax.runtime.registry import build
 
@@ -215,7 +225,7 @@ class _Signature:
         return StepOutputs.from_named(named)
 
 
-class LiteRTExecutor:
+class LiteRTExecutor(Executor):
     """Executor over a bundle's `.tflite`: one signature per bucket, run by LiteRT's
     `CompiledModel` on `accelerator` (cpu: XNNPACK with `threads` threads; gpu; npu).
 
@@ -260,6 +270,7 @@ class LiteRTExecutor:
                 f"options you run with")
         self._capabilities = dataclasses.replace(Capabilities.from_keys(keys), missing_hint=hint)
         self._signatures: dict[BucketKey, _Signature] = {}
+        self._setup_seconds = 0.0
         self._lock = threading.Lock()
 
     @property
@@ -273,8 +284,10 @@ class LiteRTExecutor:
             if stored not in self._capabilities.keys:
                 raise ConfigError(f"no signature {signature_name(key)} in {self.bundle.path} "
                                   f"({len(self._capabilities.keys)} buckets)")
+            t0 = time.perf_counter()
             sig = _Signature(self._model, self.config, stored)
             self._signatures[key] = sig
+            self._setup_seconds += time.perf_counter() - t0
         return sig
 
     def warmup(self, keys: Sequence[BucketKey]) -> int:
@@ -293,7 +306,11 @@ class LiteRTExecutor:
             self._model = None
             gc.collect()
 
-    def step(self, inputs: StepInputs, timings: dict[str, float] | None = None) -> StepOutputs:
+    def build_counts(self) -> BuildCounts:
+        """Signatures set up so far (their buffers created; XNNPACK packs on the first run)."""
+        return BuildCounts(compiles=len(self._signatures), compile_seconds=self._setup_seconds)
+
+    def step(self, inputs: StepInputs, *, timings: dict[str, float] | None = None) -> StepOutputs:
         """Run one step; with `timings`, the seconds spent writing the input buffers ("h2d"),
         running the signature ("compute") and reading the outputs ("d2h")."""
         key = inputs.key
@@ -323,25 +340,31 @@ def zero_inputs(config: ModelConfig, key: BucketKey) -> StepInputs:
     return StepInputs(**arrays, want=OutputRequest(kv=True, logits=key.full_logits))
 
 
-def load_bundle(path: str | os.PathLike, *, accelerator: str = "cpu", threads: int = 2,
-                cpu_fallback: bool = False, verify: bool = True):
-    """Open a bundle and return a `dlm_jax.api.Model` that decodes with LiteRT: `generate`,
-    `encode`, `prompt_format` as for a checkpoint, plus `decode_defaults` (the decode options
-    recorded at export) and `bundle`."""
-    from dlm_jax._tokenizer import NoTokenizerError, load_tokenizer
-    from dlm_jax.api import MissingTokenizer, Model
+class BundleModel(Model):
+    """A `Model` that decodes from a bundle with LiteRT: `generate`, `encode`,
+    `prompt_format` as for a checkpoint, plus the opened `bundle`, its `decode_defaults` (the
+    decode options recorded at export) and `accelerator_note` (set when the accelerator runs
+    only part of the model and the rest falls back to the CPU; else None)."""
 
+    def __init__(self, bundle: Bundle, tokenizer: Tokenizer, *, executor: LiteRTExecutor,
+                 decode_defaults: DecodeConfig, accelerator_note: str | None = None):
+        super().__init__(None, tokenizer, executor=executor, config=bundle.config)
+        self.bundle = bundle
+        self.decode_defaults = decode_defaults
+        self.accelerator_note = accelerator_note
+
+
+def load_bundle(path: str | os.PathLike, *, accelerator: str = "cpu", threads: int = 2,
+                cpu_fallback: bool = False, verify: bool = True) -> BundleModel:
+    """Open a bundle and return a `BundleModel` that decodes it with LiteRT on `accelerator`."""
     bundle = Bundle.open(path, verify=verify)
     try:
         tokenizer = load_tokenizer(bundle.path)
     except NoTokenizerError:
         tokenizer = MissingTokenizer(bundle.path)
     executor = LiteRTExecutor(bundle, accelerator=accelerator, threads=threads, cpu_fallback=cpu_fallback)
-    model = Model(None, tokenizer, executor=executor, config=bundle.config)
-    model.bundle = bundle
-    model.decode_defaults = bundle.decode_defaults()
-    model.accelerator_note = None
+    note = None
     if accelerator != "cpu" and not executor.fully_accelerated:
-        model.accelerator_note = (f"the {accelerator} runs only part of {bundle.model_path.name}; "
-                                  f"the remaining ops fall back to the CPU")
-    return model
+        note = f"the {accelerator} runs only part of {bundle.model_path.name}; the remaining ops fall back to the CPU"
+    return BundleModel(bundle, tokenizer, executor=executor, decode_defaults=bundle.decode_defaults(),
+                       accelerator_note=note)

@@ -22,7 +22,7 @@ import numpy as np
 from dlm_jax._config import ModelConfig
 from dlm_jax._tokenizer import ByteTokenizer, Tokenizer
 from dlm_jax.runtime.buckets import BucketKey
-from dlm_jax.runtime.step import Capabilities, StepInputs, StepOutputs
+from dlm_jax.runtime.step import Capabilities, Executor, StepInputs, StepOutputs
 
 MASK, EOS = 63, 62  # the tiny config's special ids
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, block_size=8,
@@ -74,7 +74,7 @@ def tiny_checkpoint(path: str | os.PathLike, *, seed: int = 0, **overrides: Any)
 Script = np.ndarray | Sequence[float] | Callable[[StepInputs, np.ndarray], np.ndarray]
 
 
-class MockExecutor:
+class MockExecutor(Executor):
     """An `Executor` whose predictions are a script, by the position each row predicts.
 
     A requested row whose query sits at position q predicts position p = q (+1 for a
@@ -110,7 +110,7 @@ class MockExecutor:
         table = np.asarray(script)
         return table[np.clip(predicted, 0, len(table) - 1)]
 
-    def step(self, inputs: StepInputs) -> StepOutputs:
+    def step(self, inputs: StepInputs, *, timings: dict[str, float] | None = None) -> StepOutputs:
         cfg = self.config
         self.calls.append(inputs)
         q = np.take_along_axis(inputs.positions, inputs.logit_rows, axis=1)

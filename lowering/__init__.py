@@ -16,7 +16,8 @@ _EXPORTS.update({name: "lowering.quant" for name in (
     "salience", "weight_error")})
 # graph: the lowered step as data, read from a .tflite signature or built from a ModelConfig
 _EXPORTS.update({name: "lowering.graph" for name in (
-    "Op", "StepGraph", "Tensor", "analytic_graph", "op_flops", "read_tflite_graph", "signatures")})
+    "Op", "StepGraph", "Tensor", "op_flops", "read_tflite_graph", "signatures")})
+_EXPORTS["analytic_graph"] = "lowering._analytic"
 # partition: NPU/CPU assignment per bucket (the function is `lowering.partition.partition`: a package
 # attribute of that name would be shadowed by the submodule once it is imported)
 _EXPORTS.update({name: "lowering.partition" for name in ("Partition", "find_lm_head")})

@@ -206,3 +206,11 @@ def _head(s: _Step, x: int, logit_rows: int) -> tuple[int, ...]:
     entropy = b.tensor("entropy", (bsz, r), "float32", bsz * r * 4, "output")
     b.op("ENTROPY", (probs, logp), (entropy,))
     return (top_token, top_prob, second, entropy) + ((logits,) if full else ())
+
+
+def analytic_graph(config, key, *, weight_bytes_per_param: float | None = None,
+                   vector_bytes_per_param: float | None = None, activation_bytes: int | None = None) -> StepGraph:
+    """The decode step of bucket `key` built from `config` alone (no weights, no conversion):
+    see this module's notes for the op list and byte accounting."""
+    return build_step_graph(config, key, weight_bytes_per_param=weight_bytes_per_param,
+                            vector_bytes_per_param=vector_bytes_per_param, activation_bytes=activation_bytes)

@@ -3,7 +3,7 @@
 Partitioning (`lowering.partition`) and the memory planner (`lowering.memory`) read only this
 structure, so both work the same on a graph read from an exported `.tflite` signature
 (`read_tflite_graph`) and on one built analytically from a `ModelConfig`
-(`analytic_graph`, for models too large to convert here, e.g. LLaDA-8B).
+(`lowering._analytic.analytic_graph`, for models too large to convert here, e.g. LLaDA-8B).
 
 Tensor kinds: `weight` (a constant buffer), `kv` (the `k_cache`/`v_cache` inputs and the
 `k_new`/`v_new` outputs), `input`, `output` (the rest of the step contract) and `activation`.
@@ -243,13 +243,3 @@ def _read_tensor(model, t, index: int, type_names: dict[int, str], io_kind: dict
         return Tensor(index, t.Name().decode(), shape, dtype, int(stored), "weight", int(t.Buffer()))
     nbytes = math.ceil(math.prod(shape) * _ITEMSIZE.get(dtype, 4))
     return Tensor(index, t.Name().decode(), shape, dtype, nbytes, io_kind.get(index, "activation"))
-
-
-def analytic_graph(config, key, *, weight_bytes_per_param: float | None = None,
-                   vector_bytes_per_param: float | None = None, activation_bytes: int | None = None) -> StepGraph:
-    """The decode step of bucket `key` built from `config` alone (no weights, no conversion):
-    see `lowering._analytic` for the op list and byte accounting."""
-    from lowering._analytic import build_step_graph
-
-    return build_step_graph(config, key, weight_bytes_per_param=weight_bytes_per_param,
-                            vector_bytes_per_param=vector_bytes_per_param, activation_bytes=activation_bytes)

@@ -18,7 +18,9 @@ SDK package; without it the export stops before writing anything, naming the pac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -26,13 +28,18 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dlm_jax._errors import CheckpointError, ConfigError
-from dlm_jax.runner import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, MODEL_FILE, Bundle, key_to_dict)
+from dlm_jax.runner import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, MODEL_FILE, Bundle, LiteRTExecutor, key_to_dict,
+                            native_stderr_captured, zero_inputs)
 from dlm_jax.runtime.buckets import BucketKey
+
+if TYPE_CHECKING:
+    from dlm_jax._tokenizer import Tokenizer
+    from dlm_jax.models._transformer import Transformer
 
 QUANT_MODES: dict[str, str] = {
     "none": "float32 weights and activations",
@@ -87,7 +94,7 @@ def buckets_for_prompts(config, decode, *, max_prompt: int, batches: Sequence[in
     keys: set[BucketKey] = set()
     for batch in batches:
         for n in range(1, max_prompt + 1):
-            keys.update(decoder.bucket_keys([n] * batch, decode, complete=True))
+            keys.update(decoder.bucket_keys([n] * batch, decode))
     return sorted(keys)
 
 
@@ -106,11 +113,6 @@ def quantize_tflite(content: bytes, mode: str) -> bytes:
         manager.add_dynamic_config(regex=".*", operation_name=qtyping.TFLOperationName.ALL_SUPPORTED, num_bits=4,
                                    granularity=qtyping.QuantGranularity.BLOCKWISE_32)
         rcp = manager.get_quantization_recipe()
-    from dlm_jax.runner import native_stderr_captured
-
-    import contextlib
-    import io
-
     # The quantizer prints a size summary and progress bars; the exporter shows its own.
     with native_stderr_captured(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return bytes(quantizer.Quantizer(content, rcp).quantize().quantized_model)
@@ -168,11 +170,8 @@ def _versions() -> dict[str, str]:
 
 def _measure_latency(bundle_dir: Path, keys: Sequence[BucketKey], repeats: int) -> dict[str, Any]:
     """Median step latency of every bucket with the runner on this CPU (XNNPACK, 2 threads)."""
-    import platform
-
     import gc
-
-    from dlm_jax.runner import LiteRTExecutor, zero_inputs, native_stderr_captured
+    import platform
 
     executor = LiteRTExecutor(Bundle.open(bundle_dir, verify=False), accelerator="cpu", threads=2)
     entries = []
@@ -216,6 +215,19 @@ def _lowering_plan(content: bytes, config, keys: Sequence[BucketKey], quant: str
     return plan
 
 
+def load_checkpoint(model_dir: str | os.PathLike, *, strict: bool = False,
+                    verify: bool = True) -> tuple[Transformer, Tokenizer | None]:
+    """The Flax model and the tokenizer (None: the checkpoint ships none) of a checkpoint."""
+    from dlm_jax._tokenizer import NoTokenizerError, load_tokenizer
+    from dlm_jax.checkpoint._io import load_pretrained
+
+    model = load_pretrained(model_dir, strict=strict, verify=verify)
+    try:
+        return model, load_tokenizer(model_dir)
+    except NoTokenizerError:  # corrupt tokenizer files still raise
+        return model, None
+
+
 @dataclasses.dataclass
 class ExportResult:
     path: Path
@@ -228,8 +240,8 @@ class ExportResult:
 def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys: Iterable[BucketKey],
                   decode, quant: str = "none", target: str = "cpu", add: bool = False, overwrite: bool = False,
                   latency_repeats: int = 5, verify: bool = True, strict: bool = False,
-                  progress: Callable[[str, int, int], None] | None = None, handle=None,
-                  plan: bool = True) -> ExportResult:
+                  progress: Callable[[str, int, int], None] | None = None, model: Transformer | None = None,
+                  tokenizer: Tokenizer | None = None, plan: bool = True) -> ExportResult:
     """Export the checkpoint at `model_dir` as a bundle at `out`.
 
     Args:
@@ -242,7 +254,8 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
       overwrite: replace whatever bundle `out` holds.
       progress: `progress(stage, done, total)` as signatures convert.
       verify, strict: as for `dlm_jax.load` (manifest check; refuse unknown config keys).
-      handle: the checkpoint already loaded (`dlm_jax.load(model_dir)`): exported as it is.
+      model: the checkpoint's Flax model already loaded, exported as it is with `tokenizer`
+        (None: the bundle holds no tokenizer files); None (default) loads both from `model_dir`.
       plan: write `plan.json` (lowering plan and NPU mixed precision); latency_repeats=0
         leaves `latency.json` out. The bundle cache (`tflite_export.cache`) skips both.
 
@@ -250,8 +263,8 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
       ConfigError: an unknown quantisation or target, a missing vendor SDK, an existing bundle
         at `out` without `add` / `overwrite`, or one of another model or quantisation.
     """
-    import dlm_jax
     from dlm_jax._integrity import make_temp_dir, replace_dir, write_manifest
+    from dlm_jax.models._params import get_params, param_count
     from flax import nnx
 
     from tflite_export._convert import convert_signatures, decode_signature
@@ -266,14 +279,14 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     keys = sorted(set(keys))
     if not keys:
         raise ConfigError("no buckets to export")
-    if handle is None:
-        handle = dlm_jax.load(model_dir, strict=strict, verify=verify)
-    config = handle.config
+    if model is None:
+        model, tokenizer = load_checkpoint(model_dir, strict=strict, verify=verify)
+    config = model.config
     existing = _existing_keys(out, config, quant, target, add=add, overwrite=overwrite)
     added = [k for k in keys if k not in existing]
     keys = sorted(set(keys) | set(existing))
 
-    graphdef, state = nnx.split(handle.model)
+    graphdef, state = nnx.split(model)
     done = [0]
 
     def tick(name: str) -> None:
@@ -293,15 +306,15 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     tmp = make_temp_dir(out.parent, f".{out.name}.tmp-")
     try:
         (tmp / MODEL_FILE).write_bytes(content)
-        if handle.has_tokenizer:
-            handle.tokenizer.save(tmp)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
         meta = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "model": MODEL_FILE,
                 "source": str(model_dir), "config": config.to_dict(),
                 "buckets": [key_to_dict(k) for k in keys],
                 "quant": {"mode": quant, "method": QUANT_MODES[quant]}, "target": target,
-                "decode": decode.options(), "prompt_format": handle.prompt_format,
+                "decode": decode.options(), "prompt_format": getattr(tokenizer, "prompt_format", "raw"),
                 "bytes": {"model": len(content), "float_model": float_bytes,
-                          "weights_float32": int(4 * dlm_jax.param_count(config))},
+                          "weights_float32": int(4 * param_count(config))},
                 "files": {**({"latency": LATENCY_FILE} if soc is None and latency_repeats > 0 else {}),
                           **({"plan": PLAN_FILE} if plan else {})},
                 "versions": _versions()}
@@ -309,7 +322,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
         if plan:
             if progress is not None:
                 progress("lowering plan", 0, 1)
-            lowering = _lowering_plan(content, config, keys, quant, dlm_jax.get_params(handle.model))
+            lowering = _lowering_plan(content, config, keys, quant, get_params(model))
             (tmp / PLAN_FILE).write_text(json.dumps(lowering, indent=1) + "\n")
         if soc is None and latency_repeats > 0:
             if progress is not None:

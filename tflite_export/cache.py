@@ -29,25 +29,24 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import importlib
 import inspect
 import json
 import os
 import shutil
-import types
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from dlm_jax._errors import CheckpointError
+from dlm_jax.runner import Bundle, LiteRTExecutor, native_stderr_captured
 from dlm_jax.runtime.buckets import BucketKey
-from dlm_jax.runtime.step import Capabilities, StepInputs, StepOutputs
+from dlm_jax.runtime.config import DecodeConfig
+from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, Progress, StepInputs, StepOutputs,
+                                  signature_name)
 
 CACHE_ENV = "DLM_JAX_BUNDLE_CACHE"
-# The modules whose source defines the exported graph: a change to any of them is a new entry.
-_GRAPH_MODULES = ("dlm_jax.program", "dlm_jax.models._transformer", "dlm_jax.runtime.step",
-                  "tflite_export._convert", "tflite_export.bundle")
 
 
 def cache_root() -> Path:
@@ -58,13 +57,17 @@ def cache_root() -> Path:
 def model_fingerprint(model) -> str:
     """A 16-hex-digit key of what a cached bundle holds: the model's config and parameters,
     the package versions and the source of the graph-defining modules."""
+    from dlm_jax import program
+    from dlm_jax.models import _transformer
     from dlm_jax.models._params import get_params
-    from tflite_export.bundle import _versions
+    from dlm_jax.runtime import step
+    from tflite_export import _convert, bundle
 
     h = hashlib.sha256()
-    h.update(json.dumps({"config": model.config.to_dict(), "versions": _versions()}, sort_keys=True).encode())
-    for name in _GRAPH_MODULES:
-        h.update(inspect.getsource(importlib.import_module(name)).encode())
+    h.update(json.dumps({"config": model.config.to_dict(), "versions": bundle._versions()}, sort_keys=True).encode())
+    # The modules whose source defines the exported graph: a change to any of them is a new entry.
+    for module in (program, _transformer, step, _convert, bundle):
+        h.update(inspect.getsource(module).encode())
     for name, value in sorted(get_params(model).items()):
         value = np.ascontiguousarray(value)
         h.update(f"{name}:{value.dtype}:{value.shape}".encode())
@@ -88,7 +91,7 @@ def _covers(keys: Sequence[BucketKey], key: BucketKey) -> bool:
     return key in keys or dataclasses.replace(key, full_logits=True) in keys
 
 
-class BundleCacheExecutor:
+class BundleCacheExecutor(Executor):
     """The LiteRT runner over a cached bundle of `model` (a Flax `Transformer`; `source`, its
     checkpoint directory, names the cache entry), exporting the buckets it
     lacks when they are first needed. Offers the JAX executor's buckets
@@ -96,6 +99,8 @@ class BundleCacheExecutor:
 
     `progress(stage, done, total)` reports an export as it converts (the CLI draws a bar);
     `exported` lists the buckets this executor added to the cache."""
+
+    prepares_ahead = True  # one export converts many buckets: take those of nearby prompt lengths too
 
     def __init__(self, model, *, source: str | os.PathLike = "", root: str | os.PathLike | None = None,
                  threads: int = 2, progress: Callable[[str, int, int], None] | None = None):
@@ -108,8 +113,9 @@ class BundleCacheExecutor:
         self._capabilities = Capabilities.for_length(self.config.max_seq_len)
         self._path: Path | None = None
         self.exported: list[BucketKey] = []
-        self._runners: dict[Path, object] = {}  # part directory -> its LiteRTExecutor
-        self._route: dict[BucketKey, object] = {}  # bucket -> the runner that runs it
+        self.export_seconds = 0.0
+        self._runners: dict[Path, LiteRTExecutor] = {}  # part directory -> its runner
+        self._route: dict[BucketKey, LiteRTExecutor] = {}  # bucket -> the runner that runs it
 
     @property
     def path(self) -> Path:
@@ -135,8 +141,6 @@ class BundleCacheExecutor:
     def _scan(self) -> dict[Path, list[BucketKey]]:
         """The readable parts of the entry and their buckets (from `bundle.json`; the files are
         checked when a part is opened)."""
-        from dlm_jax.runner import Bundle
-
         parts = {}
         for d in sorted(self.path.glob("part-*")):
             try:
@@ -146,9 +150,6 @@ class BundleCacheExecutor:
         return parts
 
     def _export(self, missing: list[BucketKey]) -> None:
-        from dlm_jax.runner import native_stderr_captured
-        from dlm_jax.runtime.config import DecodeConfig
-        from dlm_jax.runtime.step import signature_name
         from tflite_export.bundle import export_bundle
 
         with native_stderr_captured():  # the converter logs its start-up to the native stderr
@@ -157,11 +158,11 @@ class BundleCacheExecutor:
         part = self.path / f"part-{hashlib.sha256(names.encode()).hexdigest()[:12]}"
         if part.exists():  # an unreadable part of that name: replace it
             shutil.rmtree(part)
-        handle = types.SimpleNamespace(config=self.config, model=self._model, has_tokenizer=False,
-                                       prompt_format=None)
-        export_bundle(self._source, part, keys=missing, decode=DecodeConfig(), handle=handle,
+        t0 = time.perf_counter()
+        export_bundle(self._source, part, keys=missing, decode=DecodeConfig(), model=self._model,
                       latency_repeats=0, plan=False, progress=self.progress)
         self.exported.extend(missing)
+        self.export_seconds += time.perf_counter() - t0
 
     def _export_missing(self, keys: Sequence[BucketKey]) -> dict[Path, list[BucketKey]]:
         """Export, as one new part, the buckets of `keys` no part holds; the parts after it."""
@@ -181,8 +182,6 @@ class BundleCacheExecutor:
     def _ensure(self, keys: Sequence[BucketKey], *, retry: bool = True) -> None:
         """Route every bucket of `keys` to an open part, exporting the ones no part holds (as a
         new part: a cached bundle is never rewritten, so an export converts only what is new)."""
-        from dlm_jax.runner import Bundle, LiteRTExecutor
-
         need = [k for k in dict.fromkeys(keys) if k not in self._route]
         if not need:
             return
@@ -223,12 +222,20 @@ class BundleCacheExecutor:
         self._ensure(keys)
         return sum(self._route[k].warmup([k]) for k in dict.fromkeys(keys))
 
-    def step(self, inputs: StepInputs, timings: dict[str, float] | None = None) -> StepOutputs:
+    def step(self, inputs: StepInputs, *, timings: dict[str, float] | None = None) -> StepOutputs:
         runner = self._route.get(inputs.key)
         if runner is None:
             self._ensure([inputs.key])
             runner = self._route[inputs.key]
-        return runner.step(inputs, timings)
+        return runner.step(inputs, timings=timings)
+
+    def set_progress(self, progress: Progress | None) -> None:
+        self.progress = progress
+
+    def build_counts(self) -> BuildCounts:
+        """Buckets this executor exported (and their seconds), signatures its runners set up."""
+        runners = sum((r.build_counts() for r in self._runners.values()), BuildCounts())
+        return dataclasses.replace(runners, exports=len(self.exported), export_seconds=self.export_seconds)
 
     def close(self) -> None:
         for runner in self._runners.values():

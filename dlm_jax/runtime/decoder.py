@@ -1,6 +1,23 @@
 """The decode loop (NumPy only): state -> scheduler -> executor -> proposer -> commit rule ->
 revision -> state, until the scheduler has nothing left to plan.
 
+Every strategy hook is declared, with a default, by its base class (`Scheduler`,
+`RevisionPolicy`, `PlacementPolicy`, `Executor`) and called here directly, in this order:
+
+  before the decode  scheduler.start; revision.cpu_path (executor.fork, once per decoder);
+                     placement.begin
+  each step          scheduler.plan -> revision.probe -> [commit rule.begin at a unit's first
+                     step] -> cpu_path.submit -> inputs built -> placement.before_step ->
+                     executor.step -> K/V stored -> proposer.propose -> rule.select ->
+                     scheduler.settle -> revision.commit -> revision.after_step ->
+                     revision.after_probes (if the plan had probes) -> cpu_path.merge ->
+                     placement.after_step -> rule.finished -> scheduler.advance
+  after the decode   cpu_path.close; placement.end
+Warm-up (`warmup`) calls executor.prepare and executor.warmup (and the fork's warmup for a CPU
+path's buckets) with the buckets of scheduler.plan_shapes, revision.plan_shapes and
+revision.cpu_shapes; `DecodeStats` counts what the executors compiled or exported during the
+decode (`executor.build_counts`), which is zero after a warm-up.
+
 The loop names no cache mode and no rule. Each step the scheduler plans the slots to compute,
 read and predict; the input builder pads them to a bucket the executor can run; the
 executor returns predictions (and the window's K/V only when the plan stores them); the
@@ -27,11 +44,12 @@ from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
 from dlm_jax.runtime.kvstore import KVStore
+from dlm_jax.runtime.refresh import CpuExecutor
 from dlm_jax.runtime.state import DecodeState, TokenState
+from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, OutputRequest
 
 _USEFUL = np.zeros(max(TokenState) + 1, bool)
 _USEFUL[[TokenState.MASK, TokenState.CANDIDATE, TokenState.DRAFT]] = True
-from dlm_jax.runtime.step import Capabilities, Executor, OutputRequest
 
 
 @dataclasses.dataclass
@@ -48,6 +66,10 @@ class DecodeStats:
     peak_rss_mb: float = 0.0
     buckets: dict[str, int] = dataclasses.field(default_factory=dict)  # bucket key -> steps run in it
     counters: dict[str, int] = dataclasses.field(default_factory=dict)  # events of schedulers and policies
+    compiles: int = 0  # programs compiled (or signatures set up) during the decode, CPU path included
+    compile_seconds: float = 0.0
+    exports: int = 0  # buckets exported during the decode (the bundle cache)
+    export_seconds: float = 0.0
 
     def record_step(self, candidates: np.ndarray, committed: np.ndarray, key: BucketKey, step_seconds: float,
                     host_seconds: float, prep_seconds: float = 0.0) -> None:
@@ -84,7 +106,9 @@ class DecodeStats:
                 "median_step_seconds": float(np.median(self.step_seconds)) if self.step_seconds else 0.0,
                 "median_host_seconds": float(np.median(self.host_seconds)) if self.host_seconds else 0.0,
                 "peak_rss_mb": round(self.peak_rss_mb, 1), "buckets": dict(sorted(self.buckets.items())),
-                "counters": self.counters}
+                "counters": self.counters, "compiles": self.compiles,
+                "compile_seconds": round(self.compile_seconds, 3), "exports": self.exports,
+                "export_seconds": round(self.export_seconds, 3)}
 
 
 @dataclasses.dataclass
@@ -103,20 +127,29 @@ class Decoder:
                               "dlm_jax.load(path, mask_token_id=N) or --mask-token-id N")
         self.executor = executor
         self.model_config = model_config
+        self._cpu: CpuExecutor | None = None
+        self._warm: set[BucketKey] = set()  # buckets warmed for the main executor
+        self._keys: dict[tuple, tuple[BucketKey, ...]] = {}  # bucket_keys memo
 
     @property
     def capabilities(self) -> Capabilities:
         return self.executor.capabilities
 
-    @property
-    def refresh_executor(self) -> Executor:
+    def cpu_executor(self) -> CpuExecutor:
         """The executor of a revision policy's CPU path: the main executor's `fork()` (the
         same weights, programs of its own, for a thread of its own), made once; the main
-        executor itself when it cannot fork."""
-        if not hasattr(self, "_refresh_executor"):
-            fork = getattr(self.executor, "fork", None)
-            self._refresh_executor = fork() if fork is not None else self.executor
-        return self._refresh_executor
+        executor itself, run in turn, when it cannot fork."""
+        if self._cpu is None:
+            fork = self.executor.fork()
+            self._cpu = CpuExecutor(fork, threaded=fork is not self.executor)
+        return self._cpu
+
+    def build_counts(self) -> BuildCounts:
+        """What the main executor and the CPU path's fork have compiled or exported so far."""
+        counts = self.executor.build_counts()
+        if self._cpu is not None and self._cpu.threaded:
+            counts = counts + self._cpu.executor.build_counts()
+        return counts
 
     @property
     def max_tokens(self) -> int:
@@ -158,10 +191,10 @@ class Decoder:
             if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
                 raise InputError(f"seed {s!r} must be an integer >= 0")
 
-    def bucket_keys(self, prompt_lens: Sequence[int], cfg: DecodeConfig, *, complete: bool = False) -> list[BucketKey]:
-        """The buckets a decode of one batch with these prompt lengths uses: the scheduler's
-        (and a revision policy's CPU path's) plan shapes, each in the bucket the executor
-        would run it in; with `complete`, every one it can use (for a fixed bundle). Raises a
+    def bucket_keys(self, prompt_lens: Sequence[int], cfg: DecodeConfig, *, cpu_path: bool = True) -> list[BucketKey]:
+        """Every bucket a decode of one batch with these prompt lengths can use: the
+        scheduler's and the revision policy's plan shapes (and, with `cpu_path`, those of the
+        policy's CPU path), each in the bucket the executor would run it in. Raises a
         ConfigError naming a bucket the executor lacks."""
         self._check(prompt_lens, cfg)
         caps = self.capabilities
@@ -169,27 +202,62 @@ class Decoder:
             batch = caps.batches.select(len(prompt_lens))
         except ConfigError as e:
             raise caps.refusal(str(e)) from None
+        # The shapes depend on the longest prompt, the batch bucket and the config alone.
+        memo = (max(prompt_lens), batch, cfg, cpu_path)
+        try:
+            return list(self._keys[memo])
+        except KeyError:
+            pass
+        except TypeError:  # a config that cannot be hashed
+            memo = None
         logits = cfg.proposer.needs_logits
-        shapes = set(cfg.scheduler.plan_shapes(prompt_lens, cfg.gen_len, shift=self.shift, complete=complete))
-        if hasattr(cfg.revision, "plan_shapes"):
-            shapes |= cfg.revision.plan_shapes(prompt_lens, cfg.gen_len, shift=self.shift, complete=complete)
-        if complete and hasattr(cfg.revision, "probe_shapes"):
-            shapes |= cfg.revision.probe_shapes(shapes)
-        return sorted({caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes})
+        shift, gen = self.shift, cfg.gen_len
+        shapes = set(cfg.scheduler.plan_shapes(prompt_lens, gen, shift=shift))
+        keys = {caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes}
+        extra = cfg.revision.plan_shapes(prompt_lens, gen, shift=shift, window_shapes=shapes)
+        if cpu_path:
+            extra |= cfg.revision.cpu_shapes(prompt_lens, gen)
+        for w, p, r in extra - shapes:  # a step widened past every bucket is refused when planned: none to warm
+            if w <= caps.windows.largest and r <= caps.rows.largest:
+                keys.add(caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits))
+        keys = sorted(keys)
+        if memo is not None:
+            self._keys[memo] = tuple(keys)
+        return keys
+
+    def _cpu_keys(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> list[BucketKey]:
+        shapes = cfg.revision.cpu_shapes(prompt_lens, cfg.gen_len)
+        if not shapes:
+            return []
+        caps = self.capabilities
+        batch = caps.batches.select(len(prompt_lens))
+        return sorted({caps.select(batch=batch, window=w, cache=p, rows=r) for w, p, r in shapes})
 
     def warmup(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> int:
-        """Prepare, ahead of time, every bucket such a decode needs; returns how many were new.
+        """Prepare, ahead of time, every bucket such a decode can reach (on the CPU path's
+        fork too); returns how many were new. A decode after it compiles and exports nothing
+        (`DecodeStats.compiles` / `exports`).
 
-        An executor that makes buckets in batches (`prepare`: the bundle cache, which exports
-        each batch as a bundle of its own) is first asked for every bucket of prompts up to the
-        next multiple of 64 tokens, so that later prompts of other lengths find theirs ready."""
-        keys = self.bucket_keys(prompt_lens, cfg)
-        prepare = getattr(self.executor, "prepare", None)
-        if prepare is not None:
+        The executor is first asked to `prepare` them; one that `prepares_ahead` (the bundle
+        cache, which exports them as one part) also every bucket of prompts up to the next
+        multiple of 64 tokens, so that later prompts of other lengths find theirs ready."""
+        main = self.bucket_keys(prompt_lens, cfg, cpu_path=False)
+        cpu = self._cpu_keys(prompt_lens, cfg)
+        ahead: set[BucketKey] = set()
+        if self.executor.prepares_ahead:
             span = min(-(-max(prompt_lens) // 64) * 64, self.max_tokens - cfg.gen_len)
-            batch = len(prompt_lens)
-            prepare(sorted({k for n in range(1, span + 1) for k in self.bucket_keys([n] * batch, cfg)} | set(keys)))
-        return self.executor.warmup(keys)
+            ahead = {k for n in range(1, span + 1) for k in self.bucket_keys([n] * len(prompt_lens), cfg)}
+        self.executor.prepare(sorted(ahead | set(main) | set(cpu)))
+        new = self.executor.warmup(main)
+        self._warm |= set(main)
+        if cpu:
+            fork = self.cpu_executor()
+            if fork.threaded:
+                new += fork.executor.warmup(cpu)
+            else:
+                new += self.executor.warmup(cpu)
+                self._warm |= set(cpu)
+        return new
 
     def decode(self, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, *,
                seeds: Sequence[int] | None = None,
@@ -208,28 +276,29 @@ class Decoder:
         state = DecodeState.create(prompts, gen_len=cfg.gen_len, batch=self.capabilities.batches.select(n),
                                    mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_ids=mc.eos_ids,
                                    shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n)
-        builder = StepInputBuilder(mc, self.capabilities)
+        builder = StepInputBuilder(mc, self.capabilities, prefer=self._warm)
         store: KVStore | None = None
-        scheduler, proposer, revision = cfg.scheduler, cfg.proposer, cfg.revision
+        scheduler, proposer, revision, placement = cfg.scheduler, cfg.proposer, cfg.revision, cfg.placement
         units = cfg.units
         stats = DecodeStats(request_nfe=[0] * n)
         wants = {kv: OutputRequest(kv=kv, logits=proposer.needs_logits) for kv in (False, True)}
         rule = cfg.rule
         start = time.perf_counter()
-        settle = getattr(scheduler, "settle", None)
-        refresher = revision.refresher(self) if hasattr(revision, "refresher") else None
-        probe = getattr(revision, "probe", None)
+        built = self.build_counts()
+        cursor = scheduler.start(state)
+        cpu = revision.cpu_path(self.cpu_executor, mc)
+        if cpu is not None:
+            built = self.build_counts()  # the fork is made now; count what it builds from here
+        placement.begin(state)
         try:
-            while (plan := scheduler.plan(state)) is not None:
+            while (plan := scheduler.plan(state, cursor)) is not None:
                 t0 = time.perf_counter()
-                probed = None
-                if probe is not None:
-                    plan, probed = probe(state, plan)  # leave-one-out rows after the window
+                plan, probed = revision.probe(state, plan)  # leave-one-out rows after the window
                 targets = plan.target_index
                 if plan.step == 0:
                     rule = cfg.rule.begin(state.undecided(plan.unit_index), units=units)
-                if refresher is not None and store is not None:
-                    refresher.submit(state, store, plan)  # runs beside this step; merged after it
+                if cpu is not None and store is not None:
+                    cpu.submit(state, store, plan)  # runs beside this step; merged after it
                 inputs = builder.build(plan, state, store, wants[plan.store is not None])
                 # Rows of the step still to decide (mask, invisible or draft), of the widest request.
                 state.count("useful_rows", int((_USEFUL[state.status[:, plan.window_index]]
@@ -239,6 +308,7 @@ class Decoder:
                 state.count("logit_rows", len(plan.rows) + d)
                 if d:
                     state.count("probe_rows", d)
+                placement.before_step(state, plan)
                 t1 = time.perf_counter()
                 out = self.executor.step(inputs)
                 t2 = time.perf_counter()
@@ -253,15 +323,18 @@ class Decoder:
                 proposal = proposer.propose(out, scored, state)
                 state.record(targets, ~state.is_final(targets) & state.active[:, None], proposal.confidence)
                 committed = rule.select(proposal.confidence, candidates, step=plan.step)
-                if settle is not None and plan.current is not None:
-                    committed = committed | settle(state, plan, proposal)
-                state.commit(targets, committed, proposal.tokens)
+                accepted = scheduler.settle(state, plan, proposal)
+                if accepted is not None:
+                    committed = committed | accepted
+                revision.commit(state, plan, proposal, committed)
                 revision.after_step(state, plan, proposal, committed)
                 if probed is not None:
                     r = len(plan.rows)
-                    revision.after_probes(state, plan, probed, out.top_token[:, r:r + d], out.top_prob[:, r:r + d])
-                if refresher is not None:
-                    store = refresher.merge(state, store)  # the step boundary: delayed merge
+                    revision.after_probes(state, plan, probed, top=out.top_token[:, r:r + d],
+                                          prob=out.top_prob[:, r:r + d])
+                if cpu is not None:
+                    store = cpu.merge(state, store)  # the step boundary: delayed merge
+                placement.after_step(state, plan, out)
                 steps = plan.step + 1
                 unit_done = rule.finished(steps, state.undecided(plan.unit_index))
                 width = len(plan.targets) if plan.unit_slots is None else len(plan.unit_slots)
@@ -269,15 +342,19 @@ class Decoder:
                     raise RuntimeError(f"commit rule {rule!r} left unit {plan.unit} unfinished after {steps} steps")
                 stats.record_step(candidates, committed, inputs.key, t2 - t1,
                                   (t1 - t0) + (time.perf_counter() - t2), t1 - t0)
-                scheduler.advance(state, unit_done)
+                scheduler.advance(state, cursor, unit_done)
                 if unit_done:
                     if stats.first_block_seconds is None:
                         stats.first_block_seconds = time.perf_counter() - start
                     if on_block is not None:
                         on_block(plan.unit, state.sequences())
         finally:
-            if refresher is not None:
-                refresher.close()
+            if cpu is not None:
+                cpu.close()
+        placement.end(state)
+        grown = self.build_counts() - built
+        stats.compiles, stats.compile_seconds = grown.compiles, grown.compile_seconds
+        stats.exports, stats.export_seconds = grown.exports, grown.export_seconds
         stats.counters = dict(sorted(state.counters.items()))
         stats.seconds = time.perf_counter() - start
         stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

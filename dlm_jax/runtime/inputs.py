@@ -11,6 +11,8 @@ Axes: B batch rows, W window bucket, P cache bucket, R row bucket.
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 import numpy as np
 
 from dlm_jax._config import ModelConfig
@@ -23,17 +25,35 @@ from dlm_jax.runtime.step import Capabilities, OutputRequest, StepInputs
 
 
 class StepInputBuilder:
-    """Builds the padded `StepInputs` of each plan of one decode."""
+    """Builds the padded `StepInputs` of each plan of one decode.
 
-    def __init__(self, config: ModelConfig, capabilities: Capabilities):
+    `prefer`: buckets already prepared (warmed). A step runs in the cheapest of them that
+    holds it and has the bucket's window and cache size the executor would pick, even where
+    its rows bucket is larger than the step needs (the extra rows are padding), so that a
+    warmed decode never waits for a build; otherwise in the bucket the executor picks."""
+
+    def __init__(self, config: ModelConfig, capabilities: Capabilities, *, prefer: Set[BucketKey] = frozenset()):
         self.config = config
         self.capabilities = capabilities
         self._static: tuple | None = None  # (key, (positions, visibility, logit_rows))
         self._empty: dict[tuple, np.ndarray] = {}
+        self._by_size: dict[tuple, list[BucketKey]] = {}  # (batch, window, cache, logits) -> preferred keys
+        for k in prefer:
+            self._by_size.setdefault((k.batch, k.window, k.cache, k.full_logits), []).append(k)
+        for keys in self._by_size.values():
+            keys.sort(key=lambda k: k.rows)
+        self._memo: dict[tuple, BucketKey] = {}
 
     def key(self, plan: StepPlan, batch: int, want: OutputRequest) -> BucketKey:
-        w, p, r = plan.shape
-        return self.capabilities.select(batch=batch, window=w, cache=p, rows=r, logits=want.logits)
+        shape = (batch, *plan.shape, want.logits)
+        key = self._memo.get(shape)
+        if key is None:
+            _, w, p, r, logits = shape
+            key = self.capabilities.select(batch=batch, window=w, cache=p, rows=r, logits=logits)
+            held = self._by_size.get((key.batch, key.window, key.cache, key.full_logits), ())
+            key = next((k for k in held if k.rows >= r), key)
+            self._memo[shape] = key
+        return key
 
     def build(self, plan: StepPlan, state: DecodeState, store: KVStore | None,
               want: OutputRequest) -> StepInputs:

@@ -57,21 +57,25 @@ def confidence_scores(
     if kind not in CONFIDENCE_KINDS:
         raise ConfigError(f"confidence kind={kind!r} is not one of {CONFIDENCE_KINDS}")
     top1 = np.asarray(top1_prob, dtype=np.float64)
-    if kind == "prob":
-        return top1.copy()
-    if kind == "margin":
-        if top2_prob is None:
-            raise ValueError("confidence kind='margin' needs top2_prob")
-        top2 = np.asarray(top2_prob, dtype=np.float64)
-        if top2.shape != top1.shape:
-            raise ValueError(f"top2_prob shape {top2.shape} != top1_prob shape {top1.shape}")
-        return top1 - top2
-    if entropy is None:
-        raise ValueError("confidence kind='entropy' needs entropy")
-    ent = np.asarray(entropy, dtype=np.float64)
-    if ent.shape != top1.shape:
-        raise ValueError(f"entropy shape {ent.shape} != top1_prob shape {top1.shape}")
-    return -ent
+    return _CONFIDENCE[kind](top1, top2_prob, entropy)
+
+
+def _operand(name: str, kind: str, x: np.ndarray | None, top1: np.ndarray) -> np.ndarray:
+    if x is None:
+        raise ValueError(f"confidence kind={kind!r} needs {name}")
+    x = np.asarray(x, dtype=np.float64)
+    if x.shape != top1.shape:
+        raise ValueError(f"{name} shape {x.shape} != top1_prob shape {top1.shape}")
+    return x
+
+
+_CONFIDENCE = {  # kind -> (top1, top2, entropy) -> confidence
+    "prob": lambda top1, top2, ent: top1.copy(),
+    "margin": lambda top1, top2, ent: top1 - _operand("top2_prob", "margin", top2, top1),
+    "entropy": lambda top1, top2, ent: -_operand("entropy", "entropy", ent, top1),
+}
+# The lowest score a proposal can have, by kind and vocabulary size (deferred EOS).
+_FLOOR = {"prob": lambda vocab: 0.0, "margin": lambda vocab: 0.0, "entropy": lambda vocab: -math.log(vocab)}
 
 
 class Proposal(NamedTuple):
@@ -124,7 +128,7 @@ class Proposer:
                     conf[r] = rng.random(k)
         if self.defer_eos and state.eos_ids:
             # The lowest score a proposal can have: 0, or minus the largest entropy, log V.
-            floor = -math.log(state.vocab_size) if self.confidence == "entropy" else 0.0
+            floor = _FLOOR[self.confidence](state.vocab_size)
             conf = np.where(state.is_eos(x0), floor, conf)
         return Proposal(x0.astype(np.int32), conf)
 

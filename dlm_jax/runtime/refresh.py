@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
+from dlm_jax._config import ModelConfig
 from dlm_jax._masks import leave_one_out, visibility_from_positions
 from dlm_jax.runtime.buckets import pad_axis
+from dlm_jax.runtime.hooks import HookBase
 from dlm_jax.runtime.kvstore import KVStore
+from dlm_jax.runtime.scheduler import StepPlan
 from dlm_jax.runtime.state import DecodeState, TokenState
-from dlm_jax.runtime.step import OutputRequest, StepInputs, StepOutputs
+from dlm_jax.runtime.step import Executor, OutputRequest, StepInputs, StepOutputs
 
 _VISIBLE = int(TokenState.VISIBLE)
 
@@ -40,18 +44,46 @@ class _Job:
     result: concurrent.futures.Future | StepOutputs
 
 
-class Refresher:
-    """The CPU path of one decode: `submit` before a main step, `merge` after it."""
+class CpuExecutor(NamedTuple):
+    """The executor a CPU path runs on, and whether it may run beside the main step (a fork
+    of the main executor) or must run in turn (the main executor itself)."""
 
-    def __init__(self, policy, decoder):
+    executor: Executor
+    threaded: bool
+
+
+class CpuPath(HookBase):
+    """Work a revision policy runs beside the main steps (llada.cpp's CPU path): `submit`
+    before a main step reads the state as it is, `merge` applies the result at the step
+    boundary, `close` ends it after the decode."""
+
+    HOOKS = ("submit", "merge", "close")
+
+    def submit(self, state: DecodeState, store: KVStore, plan: StepPlan) -> None:
+        raise NotImplementedError
+
+    def merge(self, state: DecodeState, store: KVStore | None) -> KVStore | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
+
+
+class Refresher(CpuPath):
+    """The CPU path of one decode: `submit` before a main step, `merge` after it. It keeps
+    no step inputs past the step that used them.
+
+    `cpu.executor` runs the refresh steps: on a thread of its own when `cpu.threaded`, in
+    turn otherwise."""
+
+    def __init__(self, policy, config: ModelConfig, cpu: CpuExecutor):
         self.policy = policy
-        self.config = decoder.model_config
-        self.executor = decoder.refresh_executor
-        self.capabilities = self.executor.capabilities
-        forked = self.executor is not decoder.executor
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "dlm-refresh") if forked else None
+        self.scoring = policy.scoring
+        self.config = config
+        self.executor = cpu.executor
+        self.capabilities = cpu.executor.capabilities
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "dlm-refresh") if cpu.threaded else None
         self._job: _Job | None = None
-        self.calls: list[StepInputs] = []  # every refresh step's inputs (for tests and traces)
 
     def select(self, state: DecodeState, before: int, skip: np.ndarray | None = None) -> np.ndarray:
         """Up to `refresh_rows` tracked visible slots left of `before` (the main window's
@@ -72,14 +104,12 @@ class Refresher:
     def submit(self, state: DecodeState, store: KVStore, plan) -> None:
         """Start a refresh from the state as it is now (before the main step)."""
         start = int(plan.window[0])
-        slots = self.select(state, int(plan.window.max()) + 1 if self.policy.revisit == "remask" else start,
-                            plan.probes)
+        slots = self.select(state, self.scoring.refresh_end(plan), plan.probes)
         if not len(slots):
             return
         inputs = self._inputs(state, store, slots)
         scored = (state.status[:, slots] == _VISIBLE) & state.active[:, None]
         fed = state.tokens[:, slots].copy()
-        self.calls.append(inputs)
         state.count("refresh_steps")
         state.count("refresh_rows", len(slots))
         result = self._pool.submit(self.executor.step, inputs) if self._pool else self.executor.step(inputs)
@@ -87,16 +117,14 @@ class Refresher:
 
     def _inputs(self, state: DecodeState, store: KVStore, slots: np.ndarray) -> StepInputs:
         n, b = len(slots), state.batch
-        remask = self.policy.revisit == "remask"
-        rows = 2 * n if remask else n
+        copies = self.scoring.refresh_copies  # 2: a duplicate mask row per slot scores it
+        rows = copies * n
         written = state.kv_token >= 0
         cached = np.flatnonzero(written.any(axis=0))
         key = self.capabilities.select(batch=b, window=rows, cache=len(cached), rows=rows)
         tokens = state.tokens[:, slots]
-        if remask:
-            tokens = np.concatenate([tokens, np.full_like(tokens, state.mask_id)], axis=1)
-        pos = state.positions[:, slots]
-        pos = np.concatenate([pos, pos], axis=1) if remask else pos
+        tokens = np.concatenate([tokens] + [np.full_like(tokens, state.mask_id)] * (copies - 1), axis=1)
+        pos = np.tile(state.positions[:, slots], (1, copies))
         positions = pad_axis(pos, key.window, axis=1)
         k_valid = pad_axis((written & state.valid)[:, cached] & ~np.isin(cached, slots)[None, :], key.cache,
                            axis=1, value=False)
@@ -104,7 +132,7 @@ class Refresher:
         k_pos = np.concatenate([pad_axis(state.positions[:, cached], key.cache, axis=1), positions], axis=1)
         vis = visibility_from_positions(self.config.attention, positions, k_pos, np.concatenate([k_valid, q_valid], 1),
                                         block_size=self.config.block_size)
-        if remask:  # mask row n + i sees neither slot i's token row nor (above) its cache entry
+        if copies > 1:  # mask row n + i sees neither slot i's token row nor (above) its cache entry
             leave_one_out(vis, np.arange(n, 2 * n), key.cache + np.arange(n), k_offset=key.cache)
         pad_q = np.arange(key.window) >= rows
         vis[:, pad_q, :] = False
@@ -123,10 +151,10 @@ class Refresher:
             return store
         out = job.result.result() if isinstance(job.result, concurrent.futures.Future) else job.result
         n, slots = len(job.slots), job.slots
-        q = n if self.policy.revisit == "remask" else 0  # the rows that score
+        q = n * (self.scoring.refresh_copies - 1)  # the rows that score
         top, prob = out.top_token[:, q:q + n], out.top_prob[:, q:q + n].astype(np.float64)
         unchanged = job.scored & (state.status[:, slots] == _VISIBLE) & (state.tokens[:, slots] == job.fed)
-        promoted, revised = self.policy.rescore(state, slots, unchanged, top, prob, counter="refresh")
+        promoted, revised = self.policy.rescore(state, slots, unchanged, top=top, prob=prob, counter="refresh")
         write = unchanged & job.left[None, :]  # K/V computed from the token fed; a revised slot stays stale
         if write.any():
             store.write(slots, out.k_new[:, :, :n], out.v_new[:, :, :n], stable=promoted & ~revised, rows=write)

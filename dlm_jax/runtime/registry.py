@@ -15,17 +15,62 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 import typing
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.runtime.commit import FactorRule, FrechetRule, PaperFactorRule, ThresholdRule, TopKSchedule
-from dlm_jax.runtime.config import DecodeConfig
+from dlm_jax.runtime.commit import CommitRule, FactorRule, FrechetRule, PaperFactorRule, ThresholdRule, TopKSchedule
+from dlm_jax.runtime.placement import NoPlacement, PlacementPolicy
 from dlm_jax.runtime.proposer import Proposer
-from dlm_jax.runtime.revision import NoRevision, ProgressiveRevision
-from dlm_jax.runtime.scheduler import DualCache, NoCache, PrefixCache
+from dlm_jax.runtime.revision import NoRevision, ProgressiveRevision, RevisionPolicy
+from dlm_jax.runtime.scheduler import DualCache, NoCache, PrefixCache, Scheduler
 from dlm_jax.runtime.speculative import SpeculativeWindow
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    """Attributes:
+      gen_len: tokens to generate per request.
+      scheduler: block schedule and cache mode (default Fast-dLLM's prefix cache, block 32).
+      rule: commit rule (default Fast-dLLM's threshold 0.9).
+      proposer: greedy or sampled proposals, confidence kind, EOS deferral.
+      revision: revision policy (default none).
+      placement: expert / neuron placement policy (default none).
+    """
+
+    gen_len: int = 128
+    scheduler: Scheduler = PrefixCache()
+    rule: CommitRule = ThresholdRule()
+    proposer: Proposer = Proposer()
+    revision: RevisionPolicy = NoRevision()
+    placement: PlacementPolicy = NoPlacement()
+
+    def __post_init__(self) -> None:
+        g = self.gen_len
+        if not isinstance(g, numbers.Integral) or isinstance(g, bool) or g <= 0:
+            raise ConfigError(f"gen_len={g!r} must be a positive integer")
+        for name, kind in (("scheduler", Scheduler), ("rule", CommitRule), ("proposer", Proposer),
+                           ("revision", RevisionPolicy), ("placement", PlacementPolicy)):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"DecodeConfig.{name}={getattr(self, name)!r} is not a {kind.__name__}")
+        self.rule.check(units=self.units, gen_len=self.gen_len)
+
+    @property
+    def units(self) -> int:
+        """Commit units (blocks) in the generation."""
+        return self.scheduler.units(self.gen_len)
+
+    def options(self) -> dict[str, Any]:
+        """The flat option names and values that describe this config (as the CLI spells
+        them); `decode_config(**cfg.options())` rebuilds it for registered strategies."""
+        return describe(self)
+
+    def replace(self, **options: Any) -> DecodeConfig:
+        """A copy with some options changed, by flat name (`temperature=1.0`, `cache="dual"`)
+        or by object (`rule=FrechetRule(0.1)`); untouched strategies are kept as they are."""
+        return build(options, base=self)
+
 
 SCHEDULERS: dict[str, type] = {
     "none": NoCache,  # LLaDA: the whole sequence every step
@@ -44,6 +89,9 @@ REVISIONS: dict[str, type] = {
     "none": NoRevision,
     "dppr": ProgressiveRevision,  # llada.cpp dual-path progressive revision
 }
+PLACEMENTS: dict[str, type] = {
+    "none": NoPlacement,  # TIDE's expert refresh and PowerInfer-2's neuron placement plug in here
+}
 
 
 class Selector(NamedTuple):
@@ -58,6 +106,7 @@ SELECTORS: tuple[Selector, ...] = (
     Selector("cache", "scheduler", SCHEDULERS, "prefix", "cache mode / block schedule"),
     Selector("rule", "rule", RULES, "threshold", "commit rule"),
     Selector("revision", "revision", REVISIONS, "none", "revision policy"),
+    Selector("placement", "placement", PLACEMENTS, "none", "expert / neuron placement policy"),
 )
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -40,34 +40,70 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
+from dlm_jax.runtime.hooks import HookBase
+from dlm_jax.runtime.refresh import CpuExecutor, CpuPath, Refresher
+from dlm_jax.runtime.scheduler import PlanShape, StepPlan
 from dlm_jax.runtime.state import DecodeState, TokenState
 
 if TYPE_CHECKING:
     from dlm_jax.runtime.proposer import Proposal
-    from dlm_jax.runtime.scheduler import StepPlan
 
-REVISITS = ("in_place", "remask")
 _VISIBLE, _STABLE = int(TokenState.VISIBLE), int(TokenState.STABLE)
 
 
-@runtime_checkable
-class RevisionPolicy(Protocol):
+class RevisionPolicy(HookBase):
+    """Revisits earlier decisions. The decoder calls, per decode: `cpu_path` (once, before
+    the first step) and `plan_shapes` (warm-up); per step: `probe` (may add probe rows to
+    the plan), then after the executor and the rule: `commit` (applies the rule's choices),
+    `after_step`, `after_probes` (when the plan had probes). Defaults: commits are final,
+    nothing else happens."""
+
+    HOOKS = ("commit", "probe", "after_step", "after_probes", "plan_shapes", "cpu_shapes", "cpu_path")
+
+    def commit(self, state: DecodeState, plan: StepPlan, proposal: Proposal, committed: np.ndarray) -> None:
+        """Apply the rule's choices (`committed` [B, R] over `plan.targets`); default: final."""
+        state.commit(plan.target_index, committed, proposal.tokens)
+
+    def probe(self, state: DecodeState, plan: StepPlan) -> tuple[StepPlan, np.ndarray | None]:
+        """The plan with extra rows for this policy, and what `after_probes` needs to read
+        their predictions (None: no probes; the default)."""
+        return plan, None
+
     def after_step(self, state: DecodeState, plan: StepPlan, proposal: Proposal, committed: np.ndarray) -> None:
-        """Called once per step after the commits (`committed` [B, R] over `plan.targets`)."""
-        ...
+        """After the commits (`committed` [B, R] over `plan.targets`); default nothing."""
+        return None
+
+    def after_probes(self, state: DecodeState, plan: StepPlan, probed: np.ndarray, *, top: np.ndarray,
+                     prob: np.ndarray) -> None:
+        """The probe rows' predictions (`top`, `prob` [B, D]) for what `probe` returned."""
+        return None
+
+    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int,
+                    window_shapes: set[PlanShape]) -> set[PlanShape]:
+        """Shapes this policy adds to the scheduler's `window_shapes` (probe rows, the CPU
+        path's steps); default none."""
+        return set()
+
+    def cpu_shapes(self, prompt_lens: Sequence[int], gen_len: int) -> set[PlanShape]:
+        """The shapes of the CPU path's steps (run on its own executor); default none."""
+        return set()
+
+    def cpu_path(self, executor: Callable[[], CpuExecutor], config: ModelConfig) -> CpuPath | None:
+        """The CPU path of one decode (default: none). `executor()` returns the executor it
+        runs on (the main one's fork, made once per decoder, or the main one)."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
-class NoRevision:
+class NoRevision(RevisionPolicy):
     """Committed tokens are final."""
-
-    def after_step(self, state: DecodeState, plan: StepPlan, proposal: Proposal, committed: np.ndarray) -> None:
-        return None
 
 
 def _unit(name: str, value: float, *, closed_low: bool = False) -> None:
@@ -76,8 +112,43 @@ def _unit(name: str, value: float, *, closed_low: bool = False) -> None:
         raise ConfigError(f"{name}={value!r} must be in {'[0' if closed_low else '(0'}, 1]")
 
 
+class Scoring:
+    """How a filled (visible) slot is scored: the decisions that differ between scoring a
+    slot in place and leave-one-out."""
+
+    in_window: bool  # window forwards score the visible slots they predict from their own rows
+    probes: bool  # window forwards carry leave-one-out probe rows
+    refresh_copies: int  # CPU-path query rows per refreshed slot (the last copy's prediction scores)
+
+    def refresh_end(self, plan: StepPlan) -> int:
+        """The CPU path refreshes visible slots left of this slot."""
+        raise NotImplementedError
+
+
+class InPlace(Scoring):
+    """A slot's own row, fed its token, scores it."""
+
+    in_window, probes, refresh_copies = True, False, 1
+
+    def refresh_end(self, plan: StepPlan) -> int:
+        return int(plan.window[0])  # the window scores its own
+
+
+class LeaveOneOut(Scoring):
+    """A duplicate query at the slot's position, fed the mask and blind to the slot, scores
+    it (`revisit="remask"`)."""
+
+    in_window, probes, refresh_copies = False, True, 2
+
+    def refresh_end(self, plan: StepPlan) -> int:
+        return int(plan.window.max()) + 1  # also what the window's probes leave out
+
+
+SCORINGS: dict[str, Scoring] = {"in_place": InPlace(), "remask": LeaveOneOut()}
+
+
 @dataclasses.dataclass(frozen=True)
-class ProgressiveRevision:
+class ProgressiveRevision(RevisionPolicy):
     theta_stable: float = dataclasses.field(
         default=0.9, metadata={"help": "confidence that makes a committed token stable (DPPR)"})
     theta_visible: float = dataclasses.field(
@@ -87,7 +158,7 @@ class ProgressiveRevision:
     refresh_rows: int = dataclasses.field(
         default=8, metadata={"help": "visible tokens the CPU path refreshes per step (0: off)"})
     revisit: str = dataclasses.field(
-        default="in_place", metadata={"help": "how a filled token is scored", "choices": REVISITS})
+        default="in_place", metadata={"help": "how a filled token is scored", "choices": tuple(SCORINGS)})
     window_probes: int = dataclasses.field(
         default=32, metadata={"help": "visible tokens a window forward re-scores by leave-one-out probe rows "
                                       "(remask only; 0: the CPU path alone re-scores them)"})
@@ -99,26 +170,35 @@ class ProgressiveRevision:
             r = getattr(self, name)
             if not isinstance(r, int) or isinstance(r, bool) or r < 0:
                 raise ConfigError(f"{name}={r!r} must be an integer >= 0")
-        if self.revisit not in REVISITS:
-            raise ConfigError(f"revisit={self.revisit!r} is not one of {REVISITS}")
+        if self.revisit not in SCORINGS:
+            raise ConfigError(f"revisit={self.revisit!r} is not one of {tuple(SCORINGS)}")
+
+    @property
+    def scoring(self) -> Scoring:
+        return SCORINGS[self.revisit]
+
+    def commit(self, state: DecodeState, plan: StepPlan, proposal: Proposal, committed: np.ndarray) -> None:
+        """IV -> S at `theta_stable`, else IV -> V."""
+        if not committed.any():
+            return
+        tgt, conf = plan.target_index, proposal.confidence
+        low = committed & (conf < self.theta_stable)
+        state.count("visible_made", int(low.sum()))
+        state.count("stable_made", int((committed & ~low).sum()))
+        state.commit(tgt, committed & ~low, proposal.tokens)
+        state.make_visible(tgt, low, proposal.tokens)
 
     def after_step(self, state: DecodeState, plan: StepPlan, proposal: Proposal, committed: np.ndarray) -> None:
-        tgt = plan.target_index
-        conf, tokens = proposal.confidence, proposal.tokens
-        if committed.any():
-            low = committed & (conf < self.theta_stable)
-            state.count("visible_made", int(low.sum()))
-            state.count("stable_made", int((committed & ~low).sum()))
-            state.status[:, tgt] = np.where(low, _VISIBLE, state.status[:, tgt])
-        if self.revise and self.revisit == "in_place":
+        if self.revise and self.scoring.in_window:
+            tgt = plan.target_index
             v = (state.status[:, tgt] == _VISIBLE) & ~committed & state.active[:, None]
             if v.any():
-                self.rescore(state, tgt, v, tokens, conf, counter="window")
+                self.rescore(state, tgt, v, top=proposal.tokens, prob=proposal.confidence, counter="window")
 
     @property
     def probing(self) -> bool:
         """Whether window forwards carry leave-one-out probe rows."""
-        return self.revisit == "remask" and self.revise and self.window_probes > 0
+        return self.scoring.probes and self.revise and self.window_probes > 0
 
     def probe(self, state: DecodeState, plan: StepPlan) -> tuple[StepPlan, np.ndarray | None]:
         """The plan with probe rows for up to `window_probes` of the V slots it predicts
@@ -135,54 +215,48 @@ class ProgressiveRevision:
             cols = np.sort(cols[np.lexsort((cols, conf.min(axis=0)))[:self.window_probes]])
         return dataclasses.replace(plan, probes=tgt[cols]), vis[:, cols]
 
-    def after_probes(self, state: DecodeState, plan: StepPlan, probed: np.ndarray, top: np.ndarray,
+    def after_probes(self, state: DecodeState, plan: StepPlan, probed: np.ndarray, *, top: np.ndarray,
                      prob: np.ndarray) -> None:
         """Apply the probes' predictions ([B, D]) to the slots that were visible when the
         step was planned and still are."""
         scored = probed & (state.status[:, plan.probes] == _VISIBLE)
-        self.rescore(state, plan.probes, scored, top, prob.astype(np.float64), counter="probe")
+        self.rescore(state, plan.probes, scored, top=top, prob=prob.astype(np.float64), counter="probe")
 
-    def probe_shapes(self, shapes: set) -> set:
-        """Every shape of `shapes` widened by 1 to `window_probes` probe rows (for a fixed
-        bundle), when probing."""
-        from dlm_jax.runtime.scheduler import PlanShape
-
-        if not self.probing:
-            return set()
-        return {PlanShape(w + d, c, r + d) for w, c, r in shapes for d in range(1, self.window_probes + 1)}
-
-    def rescore(self, state: DecodeState, slots, scored: np.ndarray, top: np.ndarray, prob: np.ndarray,
-                *, counter: str) -> tuple[np.ndarray, np.ndarray]:
+    def rescore(self, state: DecodeState, slots, scored: np.ndarray, *, top: np.ndarray, prob: np.ndarray,
+                counter: str) -> tuple[np.ndarray, np.ndarray]:
         """Apply a new prediction (`top`, `prob` [B, n]) to the `scored` visible slots:
         the same token at >= theta_stable -> S; another token at >= theta_visible replaces
         it. Returns ([B, n] promoted, [B, n] revised)."""
         same = top == state.tokens[:, slots]
         promote = scored & same & (prob >= self.theta_stable)
         revise = scored & ~same & (prob >= self.theta_visible)
-        state.confidence[:, slots] = np.where(scored, np.where(same, prob, 1.0 - prob), state.confidence[:, slots])
+        state.record(slots, scored, np.where(same, prob, 1.0 - prob))
         if promote.any():
-            state.status[:, slots] = np.where(promote, _STABLE, state.status[:, slots])
+            state.promote(slots, promote)
             state.count(f"{counter}_promoted", int(promote.sum()))
         if revise.any():
-            state.tokens[:, slots] = np.where(revise, top, state.tokens[:, slots])
+            state.revise(slots, revise, top)
             state.count(f"{counter}_revised", int(revise.sum()))
         return promote, revise
 
-    def plan_shapes(self, prompt_lens, gen_len: int, *, shift: int, complete: bool = False) -> set:
-        """The CPU path's step shapes (refresh rows over every cache size), when `complete`;
-        otherwise none (compiled or exported on first use)."""
-        from dlm_jax.runtime.scheduler import PlanShape
-
-        if not complete or not self.refresh_rows:
+    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int,
+                    window_shapes: set[PlanShape]) -> set[PlanShape]:
+        """Every window shape widened by 1 to `window_probes` probe rows, when probing."""
+        if not self.probing:
             return set()
-        rows = self.refresh_rows * (2 if self.revisit == "remask" else 1)
-        total = max(prompt_lens) + gen_len
-        return {PlanShape(rows, c, rows) for c in range(0, total + 1, 32)} | {PlanShape(rows, total, rows)}
+        return {PlanShape(w + d, c, r + d) for w, c, r in window_shapes for d in range(1, self.window_probes + 1)}
 
-    def refresher(self, decoder):
+    def cpu_shapes(self, prompt_lens: Sequence[int], gen_len: int) -> set[PlanShape]:
+        """The refresh steps: 1 to `refresh_rows` slots (times the scoring's copies) over
+        every cache size."""
+        if not self.refresh_rows:
+            return set()
+        copies = self.scoring.refresh_copies
+        return {PlanShape(copies * n, c, copies * n) for n in range(1, self.refresh_rows + 1)
+                for c in range(0, max(prompt_lens) + gen_len + 1)}
+
+    def cpu_path(self, executor: Callable[[], CpuExecutor], config: ModelConfig) -> CpuPath | None:
         """The CPU path of one decode (None when refresh is off)."""
         if not self.refresh_rows:
             return None
-        from dlm_jax.runtime.refresh import Refresher
-
-        return Refresher(self, decoder)
+        return Refresher(self, config, executor())

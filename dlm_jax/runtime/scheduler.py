@@ -14,9 +14,10 @@ Today's schedules are block-wise (Fast-dLLM's semi-autoregressive blocks):
   DualCache    Fast-dLLM dual cache: as PrefixCache, but later steps compute the block only,
                over the cached prefix and suffix.
 
-Writing a new scheduler: implement `units`, `plan`, `advance` and `plan_shapes` (the
-`Scheduler` protocol). `plan` must only name slots of the state's grid; `advance` is told
-whether the commit rule finished the unit and moves `state.unit` / `state.unit_step`.
+Writing a new scheduler: subclass `Scheduler` and implement `units`, `plan`, `advance` and
+`plan_shapes`; `start` and `settle` have defaults. `plan` must only name slots of the state's
+grid; `advance` is told whether the commit rule finished the unit and moves the decode's
+`Cursor` (the scheduler's own state, made by `start`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from dlm_jax._errors import ConfigError
+from dlm_jax.runtime.hooks import HookBase
 from dlm_jax.runtime.state import DecodeState, TokenState, as_index
+
+if TYPE_CHECKING:
+    from dlm_jax.runtime.proposer import Proposal
 
 
 class PlanShape(NamedTuple):
@@ -97,29 +102,54 @@ class StepPlan:
         return self.target_index if self.unit_slots is None else as_index(self.unit_slots)
 
 
-@runtime_checkable
-class Scheduler(Protocol):
+@dataclasses.dataclass
+class Cursor:
+    """Where one decode is: the scheduler's own state, made by `Scheduler.start` and moved by
+    its `advance` (a scheduler object is shared by decodes; its cursor is not)."""
+
+    unit: int = 0  # the current commit unit (block)
+    step: int = 0  # steps taken in it
+    window_start: int = 0  # a sliding scheduler: the first slot its window may hold
+
+
+class Scheduler(HookBase):
+    """Which slots each step computes, reads, predicts and stores. The decoder calls, per
+    decode: `start`; then per step `plan`, (after the rule's choice) `settle`, and `advance`;
+    `units` and `plan_shapes` before it (checks and warm-up)."""
+
+    HOOKS = ("units", "start", "plan", "settle", "advance", "plan_shapes")
+
     def units(self, gen_len: int) -> int:
         """Commit units in a generation of `gen_len` (raises ConfigError if it cannot split it)."""
-        ...
+        raise NotImplementedError
 
-    def plan(self, state: DecodeState) -> StepPlan | None:
+    def start(self, state: DecodeState) -> Cursor:
+        """The cursor of a new decode (default: unit 0, step 0)."""
+        return Cursor()
+
+    def plan(self, state: DecodeState, cursor: Cursor) -> StepPlan | None:
         """The next step, or None when no request is left to decode."""
-        ...
+        raise NotImplementedError
 
-    def advance(self, state: DecodeState, unit_done: bool) -> None:
+    def settle(self, state: DecodeState, plan: StepPlan, proposal: Proposal) -> np.ndarray | None:
+        """After a step's proposals, before its commits: look-ahead bookkeeping (drafts).
+        Returns [B, R] bool, extra slots of the current unit to commit with the rule's
+        (accepted drafts), or None (default)."""
+        return None
+
+    def advance(self, state: DecodeState, cursor: Cursor, unit_done: bool) -> None:
         """After a step: move the cursor, end requests (EOS), mark the last unit done."""
-        ...
+        raise NotImplementedError
 
-    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int,
-                    complete: bool = False) -> set[PlanShape]:
-        """The plan shapes a decode of a batch with these prompt lengths produces: every one
-        with `complete` (what a fixed bundle must hold), else those worth compiling ahead."""
-        ...
+    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int) -> set[PlanShape]:
+        """Every plan shape a decode of a batch with these prompt lengths can produce, each with
+        the most rows it can predict at that window and cache size (warm-up prepares a bucket
+        for each; a fixed bundle holds them)."""
+        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockScheduler:
+class BlockScheduler(Scheduler):
     """Semi-autoregressive blocks of `block_len` slots, decoded left to right; the window of
     each step comes from `window` (one subclass per cache mode).
 
@@ -168,30 +198,28 @@ class BlockScheduler:
                 a.flags.writeable = False
         return arrays
 
-    def plan(self, state: DecodeState) -> StepPlan | None:
-        if state.unit >= self.units(state.gen_len) or not state.active.any():
+    def plan(self, state: DecodeState, cursor: Cursor) -> StepPlan | None:
+        if cursor.unit >= self.units(state.gen_len) or not state.active.any():
             return None
-        return self._plan(state.unit, state.unit_step, state.gen_start, state.total, state.shift, state)
+        return self._plan(cursor.unit, cursor.step, state.gen_start, state.total, state.shift, state)
 
-    def advance(self, state: DecodeState, unit_done: bool) -> None:
+    def advance(self, state: DecodeState, cursor: Cursor, unit_done: bool) -> None:
         if not unit_done:
-            state.unit_step += 1
+            cursor.step += 1
             return
-        lo = state.gen_start + state.unit * self.block_len
+        lo = state.gen_start + cursor.unit * self.block_len
         visible = int((state.status[state.active, lo:lo + self.block_len] == TokenState.VISIBLE).sum())
         if visible:  # tokens a block finished with below the stable bar (llada.cpp Fig. 13b)
             state.count("visible_at_block_end", visible)
         if self.stop_on_eos_block:
             state.stop_at_eos(np.arange(lo, lo + self.block_len))
-        state.unit += 1
-        state.unit_step = 0
-        if state.unit == self.units(state.gen_len):
+        cursor.unit += 1
+        cursor.step = 0
+        if cursor.unit == self.units(state.gen_len):
             state.finish()
 
-    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int,
-                    complete: bool = False) -> set[PlanShape]:
-        """Each block's first step and its later steps (all alike within a block): always
-        complete."""
+    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int) -> set[PlanShape]:
+        """Each block's first step and its later steps (all alike within a block)."""
         p_max = max(prompt_lens)
         return {self._plan(unit, step, p_max, p_max + gen_len, shift).shape
                 for unit in range(self.units(gen_len)) for step in (0, 1)}

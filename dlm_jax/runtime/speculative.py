@@ -56,23 +56,27 @@ from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.buckets import window_buckets
 from dlm_jax.runtime.latency import LatencyTable, PhoneCostModel
 from dlm_jax.runtime.proposer import Proposal
-from dlm_jax.runtime.scheduler import BlockScheduler, PlanShape, StepPlan
+from dlm_jax.runtime.scheduler import BlockScheduler, Cursor, PlanShape, StepPlan
 from dlm_jax.runtime.state import DecodeState, TokenState
 
-DRAFT_INPUTS = ("token", "mask")
+# How a draft is fed to later forwards -> whether it is visible (DRAFT) or not (CANDIDATE).
+DRAFT_INPUTS: dict[str, bool] = {"token": True, "mask": False}
+# Latency tables by name (anything else is a path to a profiled `latency.json`).
+LATENCY_MODELS = {"phone": PhoneCostModel.npu, "phone-npu": PhoneCostModel.npu, "phone-cpu": PhoneCostModel.cpu}
 _DRAFT, _CANDIDATE, _MASK = int(TokenState.DRAFT), int(TokenState.CANDIDATE), int(TokenState.MASK)
 _STABLE, _PROMPT = int(TokenState.STABLE), int(TokenState.PROMPT)
 _FEEDS_FINAL = np.array([True, False, False, False, True, True])  # prompt, visible, stable
+# Slots a look-ahead prediction may (re)draft, by whether drafts are visible: by TokenState value.
+_DRAFTABLE = {True: np.array([False, True, True, True, False, False]),  # MASK, DRAFT, CANDIDATE
+              False: np.array([False, True, False, True, False, False])}  # MASK, CANDIDATE
 
 
 @functools.lru_cache(maxsize=8)
 def latency_table(source: str) -> LatencyTable:
     """The table named by a scheduler's `latency` option: `phone` (the NPU cost model),
     `phone-cpu`, or a path to a profiled `latency.json`."""
-    if source in ("phone", "phone-npu"):
-        return PhoneCostModel.npu().table(window_buckets(4096).sizes)
-    if source == "phone-cpu":
-        return PhoneCostModel.cpu().table(window_buckets(4096).sizes)
+    if source in LATENCY_MODELS:
+        return LATENCY_MODELS[source]().table(window_buckets(4096).sizes)
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"latency={source!r} is neither 'phone', 'phone-cpu' nor a latency table file "
@@ -91,6 +95,8 @@ def price(table: LatencyTable, window: int, cache: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeWindow(BlockScheduler):
+    HOOKS = ("looked_ahead",)
+
     window_width: int = dataclasses.field(default=0, metadata={"help": "sliding window width (0: the block length)"})
     sliding: bool = dataclasses.field(default=True, metadata={"help": "slide the window past stored commits"})
     trigger: int = dataclasses.field(
@@ -103,7 +109,7 @@ class SpeculativeWindow(BlockScheduler):
     suffix: bool = dataclasses.field(default=False, metadata={"help": "also compute the masked suffix"})
     draft_input: str = dataclasses.field(
         default="token", metadata={"help": "feed drafts as their token or keep them masked",
-                                   "choices": DRAFT_INPUTS})
+                                   "choices": tuple(DRAFT_INPUTS)})
     draft_threshold: float = dataclasses.field(
         default=0.9, metadata={"help": "confidence a draft needs to be kept and accepted"})
     skip_stable: bool = dataclasses.field(
@@ -122,7 +128,7 @@ class SpeculativeWindow(BlockScheduler):
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t <= 1:
             raise ConfigError(f"draft_threshold={t!r} must be in (0, 1]")
         if self.draft_input not in DRAFT_INPUTS:
-            raise ConfigError(f"draft_input={self.draft_input!r} is not one of {DRAFT_INPUTS}")
+            raise ConfigError(f"draft_input={self.draft_input!r} is not one of {tuple(DRAFT_INPUTS)}")
         if self.sliding and self.suffix:
             raise ConfigError("suffix=True needs sliding=False (a sliding window computes the window only)")
         if self.trigger or self.sliding:
@@ -134,20 +140,20 @@ class SpeculativeWindow(BlockScheduler):
 
     # -- planning ---------------------------------------------------------------------------
 
-    def plan(self, state: DecodeState) -> StepPlan | None:
-        if state.unit >= self.units(state.gen_len) or not state.active.any():
+    def plan(self, state: DecodeState, cursor: Cursor) -> StepPlan | None:
+        if cursor.unit >= self.units(state.gen_len) or not state.active.any():
             return None
         run = state.active
-        lo = state.gen_start + state.unit * self.block_len
+        lo = state.gen_start + cursor.unit * self.block_len
         hi = lo + self.block_len
         total, shift = state.total, state.shift
-        first_step = state.unit_step == 0
+        first_step = cursor.step == 0
         if self.sliding:
             ready = state.kv_ready()[run]
             frontier = int(np.where(ready.all(axis=1), total, np.argmin(ready, axis=1)).min())
             todo = np.isin(state.status[run, lo:], (_MASK, _CANDIDATE, _DRAFT))
             g = lo + int(np.where(todo.any(axis=1), np.argmax(todo, axis=1), total - lo).min())  # commit frontier
-            start = max(state.window_start, frontier)
+            start = max(cursor.window_start, frontier)
             if g - start > self.w0:
                 # A visible token revised at every step never gets K/V of its own token:
                 # rather than grow the window, leave it to the cache (stale, for the refresh
@@ -156,7 +162,7 @@ class SpeculativeWindow(BlockScheduler):
                 unwritten = int(np.where(written.all(axis=1), total, np.argmin(written, axis=1)).min())
                 start = max(start, min(g - self.w0, unwritten))
                 state.count("window_forced")
-            state.window_start = start
+            cursor.window_start = start
             a = max(start, state.gen_start)  # the first slot the window predicts
             w_lo = min(start, a - shift)
             p_hi = min(total, max(a + self.w0, g + 1))  # the window keeps its width ...
@@ -185,8 +191,8 @@ class SpeculativeWindow(BlockScheduler):
             store = np.flatnonzero(keep)
             store_rows = _FEEDS_FINAL[status[:, store]] | (status[:, store] == _MASK)
             stable = np.isin(status[:, store], (_STABLE, _PROMPT))
-        return StepPlan(window=window, cached=np.arange(w_lo), rows=rows, targets=targets, unit=state.unit,
-                        step=state.unit_step, store=store, store_stable=stable, store_rows=store_rows,
+        return StepPlan(window=window, cached=np.arange(w_lo), rows=rows, targets=targets, unit=cursor.unit,
+                        step=cursor.step, store=store, store_stable=stable, store_rows=store_rows,
                         current=(targets >= lo) & (targets < hi), unit_slots=np.arange(lo, hi))
 
     def _affordable(self, state: DecodeState, w_lo: int, width: int) -> bool:
@@ -246,44 +252,39 @@ class SpeculativeWindow(BlockScheduler):
         failed = draft & ~passing
         if failed.any():
             state.count("drafts_reverted", int(failed.sum()))
-            state.unset(tgt, failed)
+            state.demote(tgt, failed)
         future = ~current & run & passing
-        if self.draft_input == "token":
-            new = future & np.isin(status, (_MASK, _CANDIDATE, _DRAFT))
-            state.count("drafts_made", int((new & (status != _DRAFT)).sum()))
-            state.commit(tgt, new, proposal.tokens, _DRAFT)
-        else:
-            new = future & np.isin(status, (_MASK, _CANDIDATE))
-            state.count("drafts_made", int((new & (status == _MASK)).sum()))
-            state.commit(tgt, new, proposal.tokens, _CANDIDATE)
+        visible = DRAFT_INPUTS[self.draft_input]
+        made = _DRAFT if visible else _CANDIDATE  # the state a draft is kept in
+        new = future & _DRAFTABLE[visible][status]
+        state.count("drafts_made", int((new & (status != made) & (status != _DRAFT)).sum()))
+        state.draft(tgt, new, proposal.tokens, visible=visible)
         return accepted
 
     # -- shapes -----------------------------------------------------------------------------
 
-    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int,
-                    complete: bool = False) -> set[PlanShape]:
-        """The usual shapes: the first window and a base window over each block's cache;
-        windows of other widths (look-ahead, sliding) are compiled or exported when a decode
-        first needs them. `complete`: every shape a decode can take, at bucket granularity
-        (what a fixed bundle must hold)."""
+    def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int) -> set[PlanShape]:
+        """Every shape a decode can take, at bucket granularity: windows of each bucket width up
+        to the widest (the lagging slide, or `max_window` with look-ahead) over every cache
+        size the window can start at, and the first windows over no cache. Not tight: some of
+        them a given decode never reaches, and warm-up prepares them all."""
         p_max = max(prompt_lens)
         total = p_max + gen_len
-        w = min(self.w0, gen_len)
-        if complete:
-            sizes = window_buckets(max(total, self.max_window)).sizes
-            lag = next(s for s in sizes if s >= min(2 * self.w0, total))
-            widest = total if self.suffix else max(lag, self.max_window if self.trigger else lag)
-            first = next((s for s in sizes if s >= p_max + widest), total)
-            shapes = {PlanShape(s, 0, min(s, gen_len + shift)) for s in sizes if s <= min(first, total)}
-            for c in range(max(p_max - shift, 0), total):
-                shapes |= {PlanShape(min(s, total - c), c, min(s, total - c)) for s in sizes if s <= widest}
+        sizes = window_buckets(max(total, self.max_window)).sizes
+        if not self.sliding:  # a full forward from slot 0 at each block start, then from the block
+            starts = {p_max + u * self.block_len - shift for u in range(self.units(gen_len))}
+            reach = next(s for s in sizes if s >= self.block_len + shift)
+            widest = max(reach, self.max_window if self.trigger else reach)
+            shapes = {PlanShape(s, 0, min(s, gen_len + shift)) for s in sizes if s < total} | {
+                PlanShape(total, 0, gen_len + shift)}
+            for c in starts:
+                top = total - c if self.suffix else min(widest, total - c)
+                shapes |= {PlanShape(min(s, top), c, min(s, top)) for s in sizes if s < top} | {PlanShape(top, c, top)}
             return shapes
-        if not self.sliding:
-            ends = [p_max + (u + 1) * self.block_len for u in range(self.units(gen_len))]
-            shapes = {PlanShape(total if self.suffix else end, 0, self.block_len) for end in ends}
-            shapes |= {PlanShape((total if self.suffix else end) - (end - self.block_len) + shift,
-                                 end - self.block_len - shift, self.block_len) for end in ends}
-            return shapes
-        shapes = {PlanShape(p_max + w, 0, w)}
-        shapes |= {PlanShape(w + shift, c - shift, w) for c in range(p_max, total, self.block_len)}
+        lag = next(s for s in sizes if s >= min(2 * self.w0, total))
+        widest = total if self.suffix else max(lag, self.max_window if self.trigger else lag)
+        first = next((s for s in sizes if s >= p_max + widest), total)
+        shapes = {PlanShape(s, 0, min(s, gen_len + shift)) for s in sizes if s <= min(first, total)}
+        for c in range(max(p_max - shift, 0), total):
+            shapes |= {PlanShape(min(s, total - c), c, min(s, total - c)) for s in sizes if s <= widest}
         return shapes

@@ -6,8 +6,22 @@ slot `gen_start`, then `gen_len` generated slots. Per slot the state keeps the t
 `TokenState`, the last confidence the decoder computed for it, its absolute position
 (counted over the row's real tokens, so a left-padded row decodes exactly as it would
 alone) and whether it is a real slot. Per request it keeps a `RequestStatus` and its
-sampling generator. `unit` / `unit_step` are the scheduler's cursor: the commit unit (block)
-being decoded and the steps taken in it.
+sampling generator. Where the decode is (the commit unit, the step in it, a window's start)
+is the scheduler's own cursor (`scheduler.Cursor`), not part of this state.
+
+The state owns its token-state transitions; every other module moves slots through them, and
+each checks that every slot it moves is in a state that move takes (`MOVES`), raising
+`StateError` otherwise and changing nothing:
+
+  draft(visible=True)   MASK / CANDIDATE / DRAFT -> DRAFT (a look-ahead token fed to later steps)
+  draft(visible=False)  MASK / CANDIDATE -> CANDIDATE (a look-ahead token kept invisible)
+  demote                DRAFT / CANDIDATE -> MASK (a draft that failed its re-evaluation)
+  commit                MASK / CANDIDATE / DRAFT -> STABLE (final)
+  make_visible          MASK / CANDIDATE / DRAFT -> VISIBLE (llada.cpp's IV -> V)
+  promote               VISIBLE -> STABLE (V -> S)
+  revise                VISIBLE -> VISIBLE with another token
+  stop_at_eos           any generated slot of a stopped request -> STABLE EOS
+So IV -> V -> S, or IV -> S; nothing returns from V or S to IV.
 
 Axes: B batch rows, S slots, n a list of slots. Slot lists may be index arrays or, for
 ascending runs, slices (`as_index`); both select the same slots.
@@ -40,6 +54,8 @@ _UNDECIDED = np.array([False, True, False, True, False, False])
 _FINAL = np.array([True, False, False, False, False, True])
 _FED_FINAL = np.array([True, False, False, False, True, True])  # prompt, visible, stable: cacheable
 _STABLE = int(TokenState.STABLE)  # plain ints on the hot path (enum attribute access is slow)
+_VISIBLE, _DRAFT, _CANDIDATE, _MASK = (int(TokenState.VISIBLE), int(TokenState.DRAFT), int(TokenState.CANDIDATE),
+                                       int(TokenState.MASK))
 
 
 Index = np.ndarray | slice  # a slot list, or an ascending run of slots as a slice
@@ -52,6 +68,23 @@ def as_index(slots: np.ndarray) -> Index:
     if n and int(slots[-1]) - int(slots[0]) == n - 1 and (n < 2 or bool((np.diff(slots) == 1).all())):
         return slice(int(slots[0]), int(slots[0]) + n)
     return slots
+
+
+class StateError(RuntimeError):
+    """A token-state move the state does not allow (a strategy's bug)."""
+
+
+_N = len(TokenState.__members__) - 1  # COMMITTED is an alias
+_IV = ("MASK", "CANDIDATE", "DRAFT")
+# Each transition method: (the states it moves from, the state it moves to).
+MOVES: dict[str, tuple[tuple[str, ...], str]] = {
+    "commit": (_IV, "STABLE"), "make_visible": (_IV, "VISIBLE"), "promote": (("VISIBLE",), "STABLE"),
+    "revise": (("VISIBLE",), "VISIBLE"), "draft": (_IV, "DRAFT"), "draft_invisible": (("MASK", "CANDIDATE"), "CANDIDATE"),
+    "demote": (("DRAFT", "CANDIDATE"), "MASK")}
+_FROM = {move: np.isin(np.arange(_N), [TokenState[a] for a in src]) for move, (src, _) in MOVES.items()}
+TRANSITIONS = np.zeros((_N, _N), bool)  # [from, to]: every move some transition method makes
+for _src, _to in MOVES.values():
+    TRANSITIONS[[TokenState[a] for a in _src], TokenState[_to]] = True
 
 
 class RequestStatus(enum.IntEnum):
@@ -78,9 +111,6 @@ class DecodeState:
     eos_ids: tuple[int, ...] = ()  # ids that end a generation (any of them)
     shift: int = 0  # 1 for logit-shift models: window row i predicts slot i + 1
     rngs: list = dataclasses.field(default_factory=list)  # per row: np.random.Generator or None
-    unit: int = 0  # the scheduler's cursor: current commit unit ...
-    unit_step: int = 0  # ... and the steps taken in it
-    window_start: int = 0  # a sliding scheduler's cursor: the first slot its window may hold
     kv_token: np.ndarray | None = None  # [B, S] int32, the id each stored K/V entry was computed from (-1: none)
     counters: dict = dataclasses.field(default_factory=dict)  # event counts of schedulers and policies
 
@@ -175,16 +205,47 @@ class DecodeState:
         """Keep `confidence` [B, n] as the last confidence of the `scored` [B, n] slots."""
         self.confidence[:, slots] = np.where(scored, confidence, self.confidence[:, slots])
 
-    def commit(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray, state: int = _STABLE) -> None:
-        """Give the `chosen` [B, n] slots their `tokens` [B, n] and the token `state`
-        (stable unless told)."""
-        self.tokens[:, slots] = np.where(chosen, tokens, self.tokens[:, slots])
-        self.status[:, slots] = np.where(chosen, state, self.status[:, slots])
+    def _move(self, slots: Index, chosen: np.ndarray, to: int, tokens: np.ndarray | None, move: str) -> None:
+        """Move the `chosen` [B, n] slots to state `to` (giving them `tokens` [B, n] when
+        given), after checking that each is in a state `move` takes (`MOVES`)."""
+        status = self.status[:, slots]
+        if not chosen.any():
+            return
+        allowed = _FROM[move][status]
+        if not allowed[chosen].all():
+            b, i = np.argwhere(chosen & ~allowed)[0]
+            slot = np.arange(self.total)[slots][i]
+            raise StateError(f"{move}: request {b} slot {slot} is {TokenState(status[b, i]).name}, which "
+                             f"cannot move to {TokenState(to).name}")
+        if tokens is not None:
+            self.tokens[:, slots] = np.where(chosen, tokens, self.tokens[:, slots])
+        self.status[:, slots] = np.where(chosen, to, status)
 
-    def unset(self, slots: Index, chosen: np.ndarray) -> None:
-        """Return the `chosen` [B, n] slots to MASK (a draft that failed its re-evaluation)."""
-        self.tokens[:, slots] = np.where(chosen, self.mask_id, self.tokens[:, slots])
-        self.status[:, slots] = np.where(chosen, int(TokenState.MASK), self.status[:, slots])
+    def commit(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray) -> None:
+        """Commit the `chosen` [B, n] undecided slots to their `tokens` [B, n]: final."""
+        self._move(slots, chosen, _STABLE, tokens, "commit")
+
+    def make_visible(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray) -> None:
+        """Commit the `chosen` [B, n] undecided slots to their `tokens`, still revisable
+        (fed to later steps as their token)."""
+        self._move(slots, chosen, _VISIBLE, tokens, "make_visible")
+
+    def promote(self, slots: Index, chosen: np.ndarray) -> None:
+        """Make the `chosen` [B, n] visible slots final."""
+        self._move(slots, chosen, _STABLE, None, "promote")
+
+    def revise(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray) -> None:
+        """Give the `chosen` [B, n] visible slots other `tokens`; they stay visible."""
+        self._move(slots, chosen, _VISIBLE, tokens, "revise")
+
+    def draft(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray, *, visible: bool) -> None:
+        """Give the `chosen` [B, n] slots a tentative token: a DRAFT fed to later steps
+        (`visible`), or a CANDIDATE still fed as the mask."""
+        self._move(slots, chosen, _DRAFT if visible else _CANDIDATE, tokens, "draft" if visible else "draft_invisible")
+
+    def demote(self, slots: Index, chosen: np.ndarray) -> None:
+        """Return the `chosen` [B, n] drafts to MASK."""
+        self._move(slots, chosen, _MASK, np.full(chosen.shape, self.mask_id, self.tokens.dtype), "demote")
 
     def stop_at_eos(self, slots: np.ndarray) -> np.ndarray:
         """End the running requests whose `slots` all hold an EOS id: every later slot becomes

@@ -14,8 +14,8 @@ is read off their shapes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.buckets import (DEFAULT_BATCH_BUCKETS, BucketKey, BucketSet, cache_buckets,
                                      window_buckets)
+from dlm_jax.runtime.hooks import HookBase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,19 +237,79 @@ class Capabilities:
                            f"{wanted}); nearest available: {nearest} ({len(self.keys)} buckets)")
 
 
-@runtime_checkable
-class Executor(Protocol):
-    """Runs one decode step of a bucket. The JAX executor (AOT per bucket) and the LiteRT
-    runner implement it; `dlm_jax.testing.MockExecutor` is a scripted one for tests."""
+@dataclasses.dataclass(frozen=True)
+class BuildCounts:
+    """What an executor has built so far (cumulative): programs compiled (JAX) or signatures
+    set up (LiteRT), buckets exported (the bundle cache), and the seconds each took.
+    `DecodeStats` records the difference over a decode."""
+
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    exports: int = 0
+    export_seconds: float = 0.0
+
+    def __add__(self, other: BuildCounts) -> BuildCounts:
+        return BuildCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def __sub__(self, other: BuildCounts) -> BuildCounts:
+        return BuildCounts(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+class Executor(HookBase):
+    """Runs one decode step of a bucket: the boundary between the host runtime and the
+    tensors. The JAX executor (AOT per bucket), the LiteRT runner and the bundle cache
+    implement it; `dlm_jax.testing.MockExecutor` is a scripted one for tests.
+
+    Subclasses implement `capabilities`, `step` and `warmup`. The other hooks have no-op
+    defaults here; the decoder calls each of them, in this order:
+
+      prepare(keys)      before warm-up: build buckets in batches ahead (the bundle cache
+                         exports them as one part); default nothing.
+      warmup(keys)       compile or load every bucket of a decode; returns how many were new.
+      fork()             once per decoder, for a CPU path (revision refresh): an executor over
+                         the same weights with programs of its own, safe to step from a second
+                         thread; default `self` (the CPU path then runs in turn).
+      step(inputs, timings=)  every step.
+      build_counts()     before and after a decode (`DecodeStats.compiles` / `exports`).
+      close()            release native resources now; default nothing.
+    `set_progress(progress)` hands it a `(stage, done, total)` callback for long builds."""
+
+    HOOKS = ("capabilities", "step", "warmup", "prepare", "fork", "close", "build_counts", "set_progress")
+    prepares_ahead: bool = False  # `prepare` builds in batches: give it the buckets of nearby prompt lengths too
 
     @property
-    def capabilities(self) -> Capabilities: ...
+    def capabilities(self) -> Capabilities:
+        raise NotImplementedError
 
-    def step(self, inputs: StepInputs) -> StepOutputs:
+    def step(self, inputs: StepInputs, *, timings: dict[str, float] | None = None) -> StepOutputs:
         """Outputs for every requested row; `k_new`/`v_new` only if `inputs.want.kv`,
-        `logits` only if `inputs.want.logits`."""
-        ...
+        `logits` only if `inputs.want.logits`. With `timings`, the seconds of the transfer in
+        ("h2d"), the compute ("compute") and the transfer out ("d2h"), each waited for."""
+        raise NotImplementedError
 
     def warmup(self, keys: Sequence[BucketKey]) -> int:
         """Prepare every bucket in `keys` (compile, load); returns how many were new."""
-        ...
+        raise NotImplementedError
+
+    def prepare(self, keys: Sequence[BucketKey]) -> None:
+        """Build the buckets of `keys` in one batch, ahead of their warm-up (default: nothing)."""
+        return None
+
+    def fork(self) -> Executor:
+        """An executor over the same weights for a second thread (default: this one)."""
+        return self
+
+    def close(self) -> None:
+        """Release native resources now (default: nothing)."""
+        return None
+
+    def build_counts(self) -> BuildCounts:
+        """Compiles and exports so far (default: none)."""
+        return BuildCounts()
+
+    def set_progress(self, progress: Progress | None) -> None:
+        """A callback for long builds (default: ignored)."""
+        return None

@@ -17,7 +17,8 @@ import pytest
 
 from dlm_jax import ModelConfig
 from dlm_jax.runtime.buckets import BucketKey
-from lowering.graph import (MATMUL_OPS, Op, StepGraph, Tensor, analytic_graph, op_flops, read_tflite_graph,
+from lowering._analytic import analytic_graph
+from lowering.graph import (MATMUL_OPS, Op, StepGraph, Tensor, op_flops, read_tflite_graph,
                             signatures)
 from tests.lowering._tiny_step import KEYS, tiny_step
 from tflite_export import decode_signature_name

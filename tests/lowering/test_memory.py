@@ -17,7 +17,8 @@ from dlm_jax import ModelConfig
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.buckets import BucketKey
 from lowering.costs import MB, CostModel
-from lowering.graph import StepGraph, analytic_graph, read_tflite_graph
+from lowering._analytic import analytic_graph
+from lowering.graph import StepGraph, read_tflite_graph
 from lowering.memory import MemoryPlan, PlanError, Staged, check_plan, plan_bundle, plan_memory, simulate
 from lowering.paging import paging_only
 from lowering.partition import partition

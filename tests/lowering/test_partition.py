@@ -11,7 +11,9 @@ import json
 
 import pytest
 
-from lowering.graph import MATMUL_OPS, StepGraph, analytic_graph, op_flops, read_tflite_graph
+from lowering._analytic import analytic_graph
+
+from lowering.graph import MATMUL_OPS, StepGraph, op_flops, read_tflite_graph
 from lowering.partition import CPU_ROLES, Partition, partition
 from tests.lowering._tiny_step import KEYS, tiny_step
 from tflite_export import decode_signature_name

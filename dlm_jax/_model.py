@@ -1,0 +1,145 @@
+"""`Model`: a tokenizer and a decoder over any executor, the object `dlm_jax.load` and
+`dlm_jax.runner.load_bundle` return.
+
+Sits below both (and below every executor): it imports the NumPy host runtime and the
+tokenizer, never JAX, `dlm_jax.api`, the runner or `tflite_export`. The executor comes in
+built: `dlm_jax.load` picks it from `dlm_jax.api.EXECUTORS`, the runner opens a bundle's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dlm_jax._config import ModelConfig
+from dlm_jax._errors import CheckpointError, InputError
+from dlm_jax._tokenizer import Tokenizer
+from dlm_jax.runtime.config import DecodeConfig
+from dlm_jax.runtime.decoder import DecodeStats, Decoder
+from dlm_jax.runtime.step import Executor
+
+if TYPE_CHECKING:
+    from dlm_jax.models._transformer import Transformer
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    texts: list[str] | None  # decoded completions, cut at the first EOS (None: no tokenizer)
+    token_ids: list[list[int]]  # completion ids, cut at the first EOS id
+    stats: DecodeStats
+
+
+class MissingTokenizer:
+    """The tokenizer of a checkpoint that ships none: token-id prompts decode, and anything
+    that needs text fails with the directory named."""
+
+    vocab_size = 0
+    mask_id = eos_id = pad_id = bos_id = None
+    prompt_format = "raw"
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+
+    def _fail(self, what: str):
+        raise CheckpointError(f"{self.directory}: no tokenizer files (tokenizer.json or a dlm-jax "
+                              f"tokenizer_config.json), so text cannot be {what}: pass prompts as token ids")
+
+    def encode(self, text: str) -> list[int]:
+        self._fail("encoded")
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        self._fail("decoded")
+
+    def apply_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
+        self._fail("encoded")
+
+    def save(self, directory: str | os.PathLike) -> None:
+        pass
+
+
+class Model:
+    """A model's tokenizer and a decoder over `executor` (the JAX executor, a LiteRT runner,
+    `dlm_jax.testing.MockExecutor`, ...).
+
+    `model` is the Flax `Transformer` the executor runs, or None where there is none (a
+    bundle, a mock); `config` defaults to `model.config`. `dlm_jax.load(path, executor=...)`
+    builds one from a checkpoint; for a Flax model in hand,
+    `Model(m, tokenizer, executor=dlm_jax.api.EXECUTORS["jax"](m, source=""))`."""
+
+    def __init__(self, model: Transformer | None, tokenizer: Tokenizer, *, executor: Executor,
+                 config: ModelConfig | None = None):
+        if config is None and model is None:
+            raise ValueError("Model(None, ...) needs the model config")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or model.config
+        self.executor = executor
+        self.decoder = Decoder(self.executor, self.config)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return not isinstance(self.tokenizer, MissingTokenizer)
+
+    @property
+    def prompt_format(self) -> str:
+        """How the model was trained to be prompted: `chat` (the tokenizer's chat template
+        wraps a text prompt) or `raw`; recorded in the checkpoint's tokenizer config."""
+        return getattr(self.tokenizer, "prompt_format", "raw")
+
+    def encode(self, prompt: Prompt, *, chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt: text is wrapped in the chat template when `chat` is True, or
+        when it is None (the default) and the model's prompt format is `chat`; ids pass as
+        they are."""
+        if not isinstance(prompt, str):
+            try:
+                return [operator.index(t) for t in prompt]
+            except TypeError:
+                raise InputError(f"a prompt must be text or a sequence of integer token ids, got "
+                                 f"{type(prompt).__name__} {prompt!r:.60}") from None
+        if chat is None:
+            chat = self.prompt_format == "chat"
+        if chat:
+            return self.tokenizer.apply_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], config: DecodeConfig | None = None, *,
+                 chat: bool | None = None, seeds: Sequence[int] | None = None,
+                 on_block: Callable[[int, list[str]], None] | None = None) -> GenerateResult:
+        """Decode a completion for each prompt (text or token ids).
+
+        `chat`: wrap text prompts in the chat template (None: as the model was trained, see
+        `prompt_format`; False: the raw text). `on_block(i, texts)` receives the committed text
+        of every request after block i.
+        """
+        config = config or DecodeConfig()
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+        batch = [prompts] if single else list(prompts)
+        ids = [self.encode(p, chat=chat) for p in batch]
+        self.decoder.check_prompts(ids, seeds)
+        callback = None
+        if on_block is not None:
+            callback = lambda i, seqs: on_block(i, [self._text(s) for s in seqs])  # noqa: E731
+        # Compile every bucket this decode needs first, so stats time decoding, not compilation.
+        self.decoder.warmup([len(i) for i in ids], config)
+        out = self.decoder.decode(ids, config, seeds=seeds, on_block=callback)
+        trimmed = [self._trim(s) for s in out.sequences]
+        texts = [self.tokenizer.decode(t) for t in trimmed] if self.has_tokenizer else None
+        return GenerateResult(texts, trimmed, out.stats)
+
+    def _trim(self, seq: np.ndarray) -> list[int]:
+        ids = [int(t) for t in seq]
+        eos = set(self.config.eos_ids)
+        cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
+        return ids[:cut]
+
+    def _text(self, seq: np.ndarray) -> str:
+        mask = self.config.mask_token_id
+        return self.tokenizer.decode([t for t in self._trim(seq) if t != mask])

@@ -1,0 +1,54 @@
+"""Placement policies: which parts of the model the executor keeps where its compiled step
+runs, decided between steps from what the steps report (NumPy only).
+
+This is where TIDE's interval expert refresh (hit counters from the router's choices, the
+resident experts refreshed every tau steps of a block, misses on a CPU path) and
+PowerInfer-2's neuron placement (hot neurons resident, cold ones through a neuron cache)
+plug in. A policy decides; the executor holds the tensors. Placement never changes what a
+step computes, only where, so tokens are the same under every policy.
+
+The decoder calls, per decode: `begin` (before the first step); per step: `before_step`
+(after the plan, before the executor runs it) and `after_step` (with the step's outputs);
+`end` after the last step. `outputs` names the optional step outputs the policy reads
+(`router_topk`, `ffn_active`, once the step contract has them). `NoPlacement`, the default,
+keeps everything where the executor put it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dlm_jax.runtime.hooks import HookBase
+from dlm_jax.runtime.scheduler import StepPlan
+from dlm_jax.runtime.state import DecodeState
+from dlm_jax.runtime.step import StepOutputs
+
+
+class PlacementPolicy(HookBase):
+    HOOKS = ("outputs", "begin", "before_step", "after_step", "end")
+
+    @property
+    def outputs(self) -> frozenset[str]:
+        """The optional step outputs this policy reads (default none)."""
+        return frozenset()
+
+    def begin(self, state: DecodeState) -> None:
+        """A decode starts (its requests and slots are in `state`)."""
+        return None
+
+    def before_step(self, state: DecodeState, plan: StepPlan) -> None:
+        """The step `plan` is about to run."""
+        return None
+
+    def after_step(self, state: DecodeState, plan: StepPlan, outputs: StepOutputs) -> None:
+        """The step ran; `outputs` holds what it returned."""
+        return None
+
+    def end(self, state: DecodeState) -> None:
+        """The decode is over."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class NoPlacement(PlacementPolicy):
+    """Everything stays where the executor put it."""

@@ -1,0 +1,231 @@
+"""The package graph: no import circle, and the on-device runner reaches neither JAX nor the API.
+
+A circle between modules imports only while function-local imports keep its edges apart, and
+breaks (a partially initialised module, an `ImportError` naming a half-made name) the day one
+of them moves to the top. So every import counts here, function-local ones included; only
+`if TYPE_CHECKING:` blocks are skipped (they never run). A name a package exports lazily
+(`dlm_jax.load` through `dlm_jax/__init__`'s table) counts as an import of the module that
+defines it, both as `from dlm_jax import load` and as `import dlm_jax` ... `dlm_jax.load(...)`:
+that is the module the access imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("dlm_jax", "tflite_export", "lowering", "buckets", "training")
+JAX = ("jax", "jaxlib", "flax", "optax", "orbax")  # external packages that are, or load, JAX
+
+
+class Graph:
+    """The import graph of `packages` under `root`: `edges[m]` are the modules of those
+    packages that module `m` imports (written imports, any scope); `external[m]` the top-level
+    names of the other packages it imports."""
+
+    def __init__(self, root: Path, packages: Iterable[str], lazy: Mapping[str, Mapping[str, str]] | None = None):
+        self.packages = tuple(packages)
+        self.paths: dict[str, Path] = {}
+        for package in self.packages:
+            for path in sorted((root / package).rglob("*.py")):
+                parts = path.relative_to(root).with_suffix("").parts
+                self.paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        self.lazy = lazy if lazy is not None else _lazy_tables(p for p in self.paths if self._is_package(p))
+        self.edges: dict[str, set[str]] = {}
+        self.external: dict[str, set[str]] = {}
+        for name in self.paths:
+            self.edges[name], self.external[name] = self._scan(name)
+
+    def _is_package(self, name: str) -> bool:
+        return self.paths[name].name == "__init__.py"
+
+    def _resolve(self, module: str, names: Iterable[str]) -> set[str]:
+        """The modules `from module import names` imports: a submodule by its name, a lazily
+        exported name by the module defining it, else `module` itself."""
+        out = set()
+        for name in names:
+            if f"{module}.{name}" in self.paths:
+                out.add(f"{module}.{name}")
+            elif name in self.lazy.get(module, {}):
+                out.add(self.lazy[module][name])
+            else:
+                out.add(module)
+        return out or {module}
+
+    def _scan(self, name: str) -> tuple[set[str], set[str]]:
+        tree = ast.parse(self.paths[name].read_text(encoding="utf-8"), filename=str(self.paths[name]))
+        package = name if self._is_package(name) else name.rpartition(".")[0]
+        edges: set[str] = set()
+        external: set[str] = set()
+        bound: dict[str, str] = {}  # a name an `import` statement binds -> the internal module it names
+        for node in _run_time_nodes(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in self.paths:
+                        edges.add(alias.name)
+                        bound[alias.asname or alias.name.partition(".")[0]] = (
+                            alias.name if alias.asname else alias.name.partition(".")[0])
+                    elif alias.name.partition(".")[0] not in self.packages:
+                        external.add(alias.name.partition(".")[0])
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                if module in self.paths:
+                    edges |= self._resolve(module, [a.name for a in node.names if a.name != "*"])
+                elif module.partition(".")[0] not in self.packages:
+                    external.add(module.partition(".")[0])
+        for node in ast.walk(tree):  # `pkg.name` after `import pkg`: the module that defines `name`
+            chain = _attribute_chain(node)
+            if chain and chain[0] in bound:
+                module = bound[chain[0]]
+                for part in chain[1:]:
+                    if f"{module}.{part}" in self.paths:
+                        module = f"{module}.{part}"
+                        continue
+                    module = self.lazy.get(module, {}).get(part, module)
+                    break
+                edges.add(module)
+        edges.discard(name)
+        return edges, external
+
+    def cycles(self) -> list[list[str]]:
+        """One import circle, as [a, b, ..., a], for each group of modules that import each
+        other (a strongly connected component, by Tarjan's depth-first search)."""
+        index: dict[str, int] = {}
+        low: dict[str, int] = {}
+        stack: list[str] = []
+        groups: list[set[str]] = []
+
+        def visit(node: str) -> None:
+            index[node] = low[node] = len(index)
+            stack.append(node)
+            for nxt in sorted(self.edges[node]):
+                if nxt not in index:
+                    visit(nxt)
+                    low[node] = min(low[node], low[nxt])
+                elif nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+            if low[node] == index[node]:
+                group = set()
+                while not group or member != node:
+                    member = stack.pop()
+                    group.add(member)
+                if len(group) > 1:
+                    groups.append(group)
+
+        for start in sorted(self.edges):
+            if start not in index:
+                visit(start)
+        return [self._circle(min(group), group) for group in groups]
+
+    def _circle(self, start: str, group: set[str]) -> list[str]:
+        """A shortest circle through `start` inside `group` (breadth-first)."""
+        chains = {start: [start]}
+        todo = [start]
+        while todo:
+            node = todo.pop(0)
+            for nxt in sorted(self.edges[node] & group):
+                if nxt == start:
+                    return chains[node] + [start]
+                if nxt not in chains:
+                    chains[nxt] = chains[node] + [nxt]
+                    todo.append(nxt)
+        raise AssertionError(f"{sorted(group)} is not a circle")
+
+    def reach(self, start: str) -> dict[str, list[str]]:
+        """Every module importing `start` imports, with the chain that leads to it. Importing a
+        module imports its parent packages first, so they count here (not as circles)."""
+        chains = {start: [start]}
+        todo = [start]
+        while todo:
+            node = todo.pop()
+            parents = [".".join(node.split(".")[:i]) for i in range(1, node.count(".") + 1)]
+            for nxt in sorted(self.edges[node] | {p for p in parents if p in self.paths}):
+                if nxt not in chains:
+                    chains[nxt] = chains[node] + [nxt]
+                    todo.append(nxt)
+        return chains
+
+
+def _lazy_tables(packages: Iterable[str]) -> dict[str, dict[str, str]]:
+    """Each package's lazy export table (`_EXPORTS`: name -> defining module). A package
+    `__init__` imports only `dlm_jax._lazy`, so reading them loads nothing else."""
+    return {p: dict(getattr(importlib.import_module(p), "_EXPORTS", {})) for p in packages}
+
+
+def _run_time_nodes(tree: ast.AST) -> Iterable[ast.AST]:
+    """Every node of `tree` but those only a type checker sees (`if TYPE_CHECKING:` bodies)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _attribute_chain(node: ast.AST) -> list[str] | None:
+    """`a.b.c` as ["a", "b", "c"] for an attribute access on a plain name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not parts or not isinstance(node, ast.Name):
+        return None
+    return [node.id, *reversed(parts)]
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    return Graph(ROOT, PACKAGES)
+
+
+def test_the_packages_import_no_circle(graph):
+    circles = graph.cycles()
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+@pytest.mark.parametrize("module, forbidden", [
+    # The on-device runner ships without JAX and sits below the API that chooses it.
+    ("dlm_jax.runner", ("dlm_jax.api",)),
+    # `Model` sits below both the API and every executor.
+    ("dlm_jax._model", ("dlm_jax.api", "dlm_jax.runner", "dlm_jax.program", "tflite_export")),
+])
+def test_module_reaches_no_jax_and_no_layer_above_it(graph, module, forbidden):
+    assert module in graph.paths, f"no module {module}"
+    chains = graph.reach(module)
+    bad = {m: chain for m, chain in chains.items() if m in forbidden or m.partition(".")[0] in forbidden}
+    bad.update({m: chain + [f"<{', '.join(sorted(set(JAX) & graph.external[m]))}>"]
+                for m, chain in chains.items() if set(JAX) & graph.external[m]})
+    assert not bad, f"{module} imports " + "; ".join(" -> ".join(c) for c in bad.values())
+
+
+def test_the_graph_sees_function_local_and_lazy_imports(tmp_path):
+    """The checker itself: a circle closed only by a function-local import, or by a lazily
+    exported name, is still a circle; `if TYPE_CHECKING:` imports are not edges."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('_EXPORTS = {"run": "pkg.b"}\n')
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n"
+                              "import pkg\n\ndef f():\n    return pkg.run()\n")
+    (pkg / "b.py").write_text("def run():\n    from .a import f\n    import numpy\n")
+    (pkg / "c.py").write_text("from pkg.a import f\n")
+    g = Graph(tmp_path, ["pkg"], lazy={"pkg": {"run": "pkg.b"}})
+    assert g.edges["pkg.a"] == {"pkg", "pkg.b"} and g.edges["pkg.b"] == {"pkg.a"}
+    assert g.external["pkg.b"] == {"numpy"}
+    assert g.cycles() == [["pkg.a", "pkg.b", "pkg.a"]]
+    assert set(g.reach("pkg.c")) == {"pkg.c", "pkg.a", "pkg.b", "pkg"}
