@@ -272,7 +272,7 @@ class Decoder:
         mc = self.model_config
         n = len(prompts)
         self.check_prompts(prompts, seeds)
-        self.bucket_keys([len(p) for p in prompts], cfg)  # every check before any work
+        self.bucket_keys([len(p) for p in prompts], cfg, cpu_path=False)  # every check before any work (memoised)
         state = DecodeState.create(prompts, gen_len=cfg.gen_len, batch=self.capabilities.batches.select(n),
                                    mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_ids=mc.eos_ids,
                                    shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n)
