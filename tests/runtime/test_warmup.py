@@ -20,8 +20,8 @@ PROMPT_SETS = [[[5, 17, 3, 44, 9, 21, 30], [8, 1], [40, 41, 42, 43, 2]], [[7] * 
 CONFIGS = {**{f"preset={name}": preset(name, gen_len=64) for name in sorted(dlm_jax.PRESETS)},
            **{f"cache={name}": decode_config(cache=name, gen_len=64, block_len=16) for name in sorted(SCHEDULERS)},
            "llada-cpp revision=none": preset("llada-cpp", gen_len=64, revision="none"),
-           "llada-cpp in_place": preset("llada-cpp", gen_len=64, revisit="in_place"),
-           "llada-cpp sampled": preset("llada-cpp", gen_len=32, temperature=0.7)}
+           "llada-cpp in_place": preset("llada-cpp", gen_len=64, revisit="in_place")}
+SLOW = {"llada-cpp sampled": preset("llada-cpp", gen_len=32, temperature=0.7)}  # every bucket again, with logits
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +30,9 @@ def decoder():
     return Decoder(JaxExecutor(model), model.config)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [*CONFIGS, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW)])
 def test_no_compile_after_warmup(decoder, name):
-    cfg = CONFIGS[name]
+    cfg = {**CONFIGS, **SLOW}[name]
     for prompts in PROMPT_SETS:
         decoder.warmup([len(p) for p in prompts], cfg)
         xla = XlaCompileCounter.count()
