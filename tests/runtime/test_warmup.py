@@ -69,7 +69,7 @@ def test_bundle_cache_exports_nothing_after_warmup(tmp_path, monkeypatch):
     monkeypatch.setenv("DLM_JAX_BUNDLE_CACHE", str(tmp_path))
     model = sharp_model()
     decoder = Decoder(BundleCacheExecutor(model, source="sharp"), model.config)
-    for name in ("preset=llada-cpp", "preset=fast-dllm-dual"):
+    for name in CONFIGS:
         cfg = CONFIGS[name].replace(gen_len=32)
         for prompts in PROMPT_SETS[:2]:
             decoder.warmup([len(p) for p in prompts], cfg)
