@@ -19,7 +19,7 @@ import numpy as np
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import CheckpointError, InputError
-from dlm_jax._tokenizer import Tokenizer
+from dlm_jax._tokenizer import NoTokenizerError, Tokenizer, load_tokenizer
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.decoder import DecodeStats, Decoder
 from dlm_jax.runtime.step import Executor
@@ -63,6 +63,15 @@ class MissingTokenizer:
 
     def save(self, directory: str | os.PathLike) -> None:
         pass
+
+
+def stored_tokenizer(directory: str | os.PathLike) -> Tokenizer | MissingTokenizer:
+    """The tokenizer stored in a checkpoint or bundle directory, or a `MissingTokenizer` when
+    it ships none (corrupt tokenizer files still raise)."""
+    try:
+        return load_tokenizer(directory)
+    except NoTokenizerError:
+        return MissingTokenizer(directory)
 
 
 class Model:

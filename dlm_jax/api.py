@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
-from dlm_jax._model import GenerateResult, MissingTokenizer, Model, Prompt  # noqa: F401 (re-exported)
-from dlm_jax._tokenizer import NoTokenizerError, load_tokenizer
+from dlm_jax._model import GenerateResult, MissingTokenizer, Model, Prompt, stored_tokenizer  # noqa: F401 (re-exported)
 from dlm_jax.runtime.step import Executor
 
 if TYPE_CHECKING:
@@ -94,9 +93,6 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
     if executor is not None:  # before the weights load
         _check_executor(executor)
     model = load_pretrained(path, strict=strict, verify=verify, **overrides)
-    try:
-        tokenizer = load_tokenizer(path)
-    except NoTokenizerError:  # corrupt tokenizer files still raise
-        tokenizer = MissingTokenizer(path)
+    tokenizer = stored_tokenizer(path)
     factory = EXECUTORS[resolve_executor(executor, model.config)]
     return Model(model, tokenizer, executor=factory(model, source=path))

@@ -39,8 +39,8 @@ import numpy as np
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import CheckpointError, ConfigError
-from dlm_jax._model import MissingTokenizer, Model
-from dlm_jax._tokenizer import NoTokenizerError, Tokenizer, load_tokenizer
+from dlm_jax._model import Model, stored_tokenizer
+from dlm_jax._tokenizer import Tokenizer
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, OutputRequest, StepInputs, StepOutputs,
@@ -358,10 +358,7 @@ def load_bundle(path: str | os.PathLike, *, accelerator: str = "cpu", threads: i
                 cpu_fallback: bool = False, verify: bool = True) -> BundleModel:
     """Open a bundle and return a `BundleModel` that decodes it with LiteRT on `accelerator`."""
     bundle = Bundle.open(path, verify=verify)
-    try:
-        tokenizer = load_tokenizer(bundle.path)
-    except NoTokenizerError:
-        tokenizer = MissingTokenizer(bundle.path)
+    tokenizer = stored_tokenizer(bundle.path)
     executor = LiteRTExecutor(bundle, accelerator=accelerator, threads=threads, cpu_fallback=cpu_fallback)
     note = None
     if accelerator != "cpu" and not executor.fully_accelerated:

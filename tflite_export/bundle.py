@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dlm_jax._errors import CheckpointError, ConfigError
+from dlm_jax._model import MissingTokenizer, stored_tokenizer
 from dlm_jax.runner import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, MODEL_FILE, Bundle, LiteRTExecutor, key_to_dict,
                             native_stderr_captured, zero_inputs)
 from dlm_jax.runtime.buckets import BucketKey
@@ -216,16 +217,12 @@ def _lowering_plan(content: bytes, config, keys: Sequence[BucketKey], quant: str
 
 
 def load_checkpoint(model_dir: str | os.PathLike, *, strict: bool = False,
-                    verify: bool = True) -> tuple[Transformer, Tokenizer | None]:
-    """The Flax model and the tokenizer (None: the checkpoint ships none) of a checkpoint."""
-    from dlm_jax._tokenizer import NoTokenizerError, load_tokenizer
+                    verify: bool = True) -> tuple[Transformer, Tokenizer | MissingTokenizer]:
+    """The Flax model and the tokenizer of a checkpoint (a `MissingTokenizer`, which saves
+    nothing, when it ships none)."""
     from dlm_jax.checkpoint._io import load_pretrained
 
-    model = load_pretrained(model_dir, strict=strict, verify=verify)
-    try:
-        return model, load_tokenizer(model_dir)
-    except NoTokenizerError:  # corrupt tokenizer files still raise
-        return model, None
+    return load_pretrained(model_dir, strict=strict, verify=verify), stored_tokenizer(model_dir)
 
 
 @dataclasses.dataclass

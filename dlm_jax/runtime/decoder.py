@@ -129,7 +129,7 @@ class Decoder:
         self.model_config = model_config
         self._cpu: CpuExecutor | None = None
         self._warm: set[BucketKey] = set()  # buckets warmed for the main executor
-        self._keys: dict[tuple, tuple[BucketKey, ...]] = {}  # bucket_keys memo
+        self._keys: dict[tuple, tuple[tuple[BucketKey, ...], ...]] = {}  # _keys_of memo
 
     @property
     def capabilities(self) -> Capabilities:
@@ -196,16 +196,21 @@ class Decoder:
         scheduler's and the revision policy's plan shapes (and, with `cpu_path`, those of the
         policy's CPU path), each in the bucket the executor would run it in. Raises a
         ConfigError naming a bucket the executor lacks."""
+        main, cpu = self._keys_of(prompt_lens, cfg)
+        return sorted(set(main) | set(cpu)) if cpu_path else list(main)
+
+    def _keys_of(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> tuple[tuple[BucketKey, ...], ...]:
+        """(the main executor's buckets, the CPU path's) of a decode, after its checks;
+        memoised, as they depend on the longest prompt, the batch bucket and the config alone."""
         self._check(prompt_lens, cfg)
         caps = self.capabilities
         try:
             batch = caps.batches.select(len(prompt_lens))
         except ConfigError as e:
             raise caps.refusal(str(e)) from None
-        # The shapes depend on the longest prompt, the batch bucket and the config alone.
-        memo = (max(prompt_lens), batch, cfg, cpu_path)
+        memo = (max(prompt_lens), batch, cfg)
         try:
-            return list(self._keys[memo])
+            return self._keys[memo]
         except KeyError:
             pass
         except TypeError:  # a config that cannot be hashed
@@ -213,25 +218,16 @@ class Decoder:
         logits = cfg.proposer.needs_logits
         shift, gen = self.shift, cfg.gen_len
         shapes = set(cfg.scheduler.plan_shapes(prompt_lens, gen, shift=shift))
-        keys = {caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes}
-        extra = cfg.revision.plan_shapes(prompt_lens, gen, shift=shift, window_shapes=shapes)
-        if cpu_path:
-            extra |= cfg.revision.cpu_shapes(prompt_lens, gen)
-        for w, p, r in extra - shapes:  # a step widened past every bucket is refused when planned: none to warm
-            if w <= caps.windows.largest and r <= caps.rows.largest:
-                keys.add(caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits))
-        keys = sorted(keys)
+        main = {caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes}
+        for w, p, r in cfg.revision.plan_shapes(prompt_lens, gen, shift=shift, window_shapes=shapes) - shapes:
+            if w <= caps.windows.largest and r <= caps.rows.largest:  # wider: refused when planned, none to warm
+                main.add(caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits))
+        # The CPU path asks for no logits.
+        cpu = {caps.select(batch=batch, window=w, cache=p, rows=r) for w, p, r in cfg.revision.cpu_shapes(prompt_lens, gen)}
+        keys = (tuple(sorted(main)), tuple(sorted(cpu)))
         if memo is not None:
-            self._keys[memo] = tuple(keys)
+            self._keys[memo] = keys
         return keys
-
-    def _cpu_keys(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> list[BucketKey]:
-        shapes = cfg.revision.cpu_shapes(prompt_lens, cfg.gen_len)
-        if not shapes:
-            return []
-        caps = self.capabilities
-        batch = caps.batches.select(len(prompt_lens))
-        return sorted({caps.select(batch=batch, window=w, cache=p, rows=r) for w, p, r in shapes})
 
     def warmup(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> int:
         """Prepare, ahead of time, every bucket such a decode can reach (on the CPU path's
@@ -241,8 +237,7 @@ class Decoder:
         The executor is first asked to `prepare` them; one that `prepares_ahead` (the bundle
         cache, which exports them as one part) also every bucket of prompts up to the next
         multiple of 64 tokens, so that later prompts of other lengths find theirs ready."""
-        main = self.bucket_keys(prompt_lens, cfg, cpu_path=False)
-        cpu = self._cpu_keys(prompt_lens, cfg)
+        main, cpu = self._keys_of(prompt_lens, cfg)
         ahead: set[BucketKey] = set()
         if self.executor.prepares_ahead:
             span = min(-(-max(prompt_lens) // 64) * 64, self.max_tokens - cfg.gen_len)
@@ -272,7 +267,7 @@ class Decoder:
         mc = self.model_config
         n = len(prompts)
         self.check_prompts(prompts, seeds)
-        self.bucket_keys([len(p) for p in prompts], cfg, cpu_path=False)  # every check before any work (memoised)
+        self._keys_of([len(p) for p in prompts], cfg)  # every check before any work (memoised)
         state = DecodeState.create(prompts, gen_len=cfg.gen_len, batch=self.capabilities.batches.select(n),
                                    mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_ids=mc.eos_ids,
                                    shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n)
@@ -284,11 +279,9 @@ class Decoder:
         wants = {kv: OutputRequest(kv=kv, logits=proposer.needs_logits) for kv in (False, True)}
         rule = cfg.rule
         start = time.perf_counter()
-        built = self.build_counts()
         cursor = scheduler.start(state)
         cpu = revision.cpu_path(self.cpu_executor, mc)
-        if cpu is not None:
-            built = self.build_counts()  # the fork is made now; count what it builds from here
+        built = self.build_counts()  # the fork, if any, exists now
         placement.begin(state)
         try:
             while (plan := scheduler.plan(state, cursor)) is not None:
