@@ -64,7 +64,7 @@ class TimingExecutor(Executor):
     def capabilities(self):
         return self.inner.capabilities
 
-    def warmup(self, keys):
+    def warmup(self, keys, *, slots=0, views=False):
         return self.inner.warmup(keys)
 
     def step(self, inputs, *, timings=None):

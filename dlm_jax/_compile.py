@@ -61,6 +61,18 @@ def enable_persistent_cache(directory: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def enable_default_cache() -> None:
+    """`enable_persistent_cache()` unless `DLM_JAX_CACHE_DIR=off` or the process already chose
+    a cache directory (`jax_compilation_cache_dir`): a second process then loads the compiled
+    buckets of the first instead of compiling them."""
+    if os.environ.get("DLM_JAX_CACHE_DIR", "").lower() == "off" or jax.config.jax_compilation_cache_dir:
+        return
+    try:
+        enable_persistent_cache()
+    except OSError:
+        pass
+
+
 Build = Callable[[BucketKey], tuple[Callable[..., Any], tuple[Any, ...]]]
 
 
@@ -68,7 +80,8 @@ class CompiledBuckets:
     """One AOT-compiled executable per bucket key.
 
     `build(key)` returns the function to compile for that bucket and the abstract arguments
-    (`jax.ShapeDtypeStruct`s or concrete arrays) to lower it with.
+    (`jax.ShapeDtypeStruct`s or concrete arrays) to lower it with, and optionally the
+    `jax.jit` keywords (`donate_argnums`). A key is any hashable, sortable value.
     """
 
     def __init__(self, build: Build):
@@ -82,8 +95,8 @@ class CompiledBuckets:
         exe = self._executables.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            fn, specs = self._build(key)
-            exe = jax.jit(fn).lower(*specs).compile()
+            fn, specs, *options = self._build(key)  # options: jax.jit keywords (donation)
+            exe = jax.jit(fn, **(options[0] if options else {})).lower(*specs).compile()
             self._executables[key] = exe
             self.compile_count += 1
             self.compile_seconds += time.perf_counter() - t0

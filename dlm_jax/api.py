@@ -27,8 +27,10 @@ class ExecutorFactory(Protocol):
 
 def jax_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
     """The JAX executor over `model` (`dlm_jax.program.JaxExecutor`: compiled per bucket)."""
+    from dlm_jax._compile import enable_default_cache
     from dlm_jax.program import JaxExecutor
 
+    enable_default_cache()  # compiled buckets persist across processes
     return JaxExecutor(model)
 
 

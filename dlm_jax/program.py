@@ -1,11 +1,18 @@
 """The decode program (one pure function per static bucket) and the JAX executor over it.
 
-`decode_step` follows the step contract of `dlm_jax.runtime.step`: window tokens, positions,
-a visibility mask over cache + window slots, an external K/V cache and the rows whose
-predictions are wanted go in; per-row top-1 token and probability, the runner-up
+`decode_step` follows the dense step contract of `dlm_jax.runtime.step`: window tokens,
+positions, a visibility mask over cache + window slots, an external K/V cache and the rows
+whose predictions are wanted go in; per-row top-1 token and probability, the runner-up
 probability, the entropy, optionally the rows' logits, and the window's K/V come out, named
 as the contract names them. It is model-agnostic: logit shift is the host's business (it asks
 for row i - 1 to predict slot i).
+
+A decode does not feed it from the host: `JaxExecutor.open` makes a `DeviceKVCache`, the
+decode's K/V as device arrays [L, B, S, Hkv, Dh] (S: the decode's slots, bucketed), and each
+step is one program (`resident_step`) that gathers the read slots on the device, builds the
+visibility there from the slot positions uploaded once, runs `decode_step` and scatters the
+window rows' K/V into the cache, whose buffers it donates. Per step the host sends the
+`SlotStep` (ids, positions, flags, slot indices) and reads back the rows' predictions.
 """
 
 from __future__ import annotations
@@ -19,10 +26,15 @@ import numpy as np
 from flax import nnx
 
 from dlm_jax._compile import CompiledBuckets
+from dlm_jax._config import ModelConfig
+from dlm_jax._masks import _mode_rule
 from dlm_jax.models._transformer import Transformer
-from dlm_jax.runtime.buckets import BucketKey
+from dlm_jax.runtime.buckets import BucketKey, pad_axis
+from dlm_jax.runtime.kvcache import KVCache, SlotStep, Transfers
 from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, StepInputs, StepOutputs, input_specs,
                                   output_names)
+
+_PREDICTIONS = ("top_token", "top_prob", "second_prob", "entropy")
 
 
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
@@ -71,6 +83,129 @@ def abstract_inputs(config, key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
     return tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in input_specs(config, key))
 
 
+def gather_view(k_res, v_res, pos, valid, written, read, *, written_only: bool):
+    """The read slots of a resident cache: K/V [L, B, P, Hkv, Dh] (zeros where `read` is -1),
+    their positions and whether each batch row may see them, [B, P]."""
+    ok = read >= 0
+    idx = jnp.where(ok, read, 0)
+    keep = ok[None, None, :, None, None]
+    k = jnp.where(keep, jnp.take(k_res, idx, axis=2), 0)
+    v = jnp.where(keep, jnp.take(v_res, idx, axis=2), 0)
+    k_pos = jnp.where(ok[None, :], jnp.take(pos, idx, axis=1), 0)
+    k_ok = ok[None, :] & jnp.take(valid, idx, axis=1)
+    if written_only:
+        k_ok = k_ok & jnp.take(written, idx, axis=1)
+    return k, v, k_pos, k_ok
+
+
+def device_visibility(config: ModelConfig, positions, q_valid, k_pos, k_ok, probes, hide):
+    """[B, W, P+W] bool, `dlm_jax.runtime.kvcache.slot_visibility` on the device."""
+    p, w = k_pos.shape[1], positions.shape[1]
+    keys = jnp.concatenate([k_pos, positions], axis=1)
+    vis = _mode_rule(config.attention, positions[:, :, None], keys[:, None, :], config.block_size)
+    vis = vis & jnp.concatenate([k_ok, q_valid], axis=1)[:, None, :]
+    col = jnp.arange(p + w)
+    probe_col = jnp.concatenate([jnp.zeros(p, bool), probes])
+    own = col[None, :] == (p + jnp.arange(w))[:, None]  # [W, P+W]
+    vis = jnp.where(probe_col[None, None, :], own[None], vis)
+    return vis & ~(col[None, :] == hide[:, None])[None]
+
+
+def scatter_rows(k_res, v_res, written, k_new, v_new, write, write_rows):
+    """Store window rows' K/V at their slots (`write` [W], -1: none) in the batch rows
+    `write_rows` [B, W]; the rest of the cache is untouched (in place when donated)."""
+    b, s = written.shape
+    target = jnp.where((write >= 0)[None, :] & write_rows, write[None, :], s)  # s: dropped
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
+    k_res = k_res.at[:, rows, target].set(k_new.astype(k_res.dtype), mode="drop")
+    v_res = v_res.at[:, rows, target].set(v_new.astype(v_res.dtype), mode="drop")
+    return k_res, v_res, written.at[rows, target].set(True, mode="drop")
+
+
+_REQUEST = ("tokens", "positions", "q_valid", "read", "probes", "hide", "write", "write_rows", "logit_rows")
+
+
+def request_specs(key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The `SlotStep` arrays of a bucket, in `_REQUEST` order."""
+    b, w, p, r = key.batch, key.window, key.cache, key.rows
+    shapes = {"tokens": ((b, w), jnp.int32), "positions": ((b, w), jnp.int32), "q_valid": ((b, w), bool),
+              "read": ((p,), jnp.int32), "probes": ((w,), bool), "hide": ((w,), jnp.int32),
+              "write": ((w,), jnp.int32), "write_rows": ((b, w), bool), "logit_rows": ((b, r), jnp.int32)}
+    return tuple(jax.ShapeDtypeStruct(*shapes[n]) for n in _REQUEST)
+
+
+class DeviceKVCache(KVCache):
+    """The K/V of one decode on the JAX executor's device: [L, B, S, Hkv, Dh] keys and values,
+    the slots' positions, validity and whether each (row, slot) holds K/V, all device arrays.
+    A step sends its `SlotStep` and reads back the rows' predictions; its K/V are written in
+    place (the cache's buffers are donated to the step)."""
+
+    def __init__(self, executor: JaxExecutor, positions: np.ndarray, valid: np.ndarray):
+        cfg = executor.config
+        self.executor = executor
+        b, s = positions.shape
+        self.slots = executor.capacity(s)
+        self.k, self.v, self.written = executor._allocs.get((b, self.slots))()  # made on the device, nothing sent
+        pos = pad_axis(np.asarray(positions, np.int32), self.slots, axis=1)
+        ok = pad_axis(np.asarray(valid, bool), self.slots, axis=1, value=False)
+        self.pos, self.valid = jax.device_put(pos), jax.device_put(ok)
+        self.transfers = Transfers(opened=pos.nbytes + ok.nbytes)
+        self._writer: JaxExecutor = executor  # whose scatter programs `write` uses
+
+    def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
+        ex = self.executor
+        program = ex._resident.get((req.key, self.slots))
+        arrays = [req.arrays()[n] for n in _REQUEST]
+        names = [n for n in output_names(req.key) if n not in ("k_new", "v_new")]
+        if timings is None:
+            named, self.k, self.v, self.written = program(ex._leaves, self.k, self.v, self.written, self.pos,
+                                                          self.valid, *arrays)
+            fetched = jax.device_get({n: named[n] for n in names})
+        else:
+            t0 = time.perf_counter()
+            args = jax.block_until_ready(jax.device_put(arrays))
+            t1 = time.perf_counter()
+            named, self.k, self.v, self.written = jax.block_until_ready(
+                program(ex._leaves, self.k, self.v, self.written, self.pos, self.valid, *args))
+            t2 = time.perf_counter()
+            fetched = jax.device_get({n: named[n] for n in names})
+            timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
+        out = {n: np.asarray(v) for n, v in fetched.items()}
+        self.transfers.add(req.nbytes, sum(v.nbytes for v in out.values()))
+        return StepOutputs.from_named(out)
+
+    def snapshot(self, req: SlotStep, executor) -> callable:
+        """Gather the read slots now (a device copy, dispatched before the main step donates
+        the cache); the returned callable runs the step over them on `executor`'s programs."""
+        key = req.key
+        gather = executor._gathers.get((key.batch, key.cache, self.slots, req.written_only))
+        view = gather(self.k, self.v, self.pos, self.valid, self.written, req.read)
+        self._writer = executor
+        arrays = [req.arrays()[n] for n in ("tokens", "positions", "q_valid", "probes", "hide", "logit_rows")]
+        names = [n for n in output_names(key) if n not in ("k_new", "v_new")]
+        transfers = self.transfers
+
+        def run() -> StepOutputs:
+            named = executor._views.get(key)(executor._leaves, *view, *arrays)
+            out = {n: np.asarray(v) for n, v in jax.device_get({n: named[n] for n in names}).items()}
+            transfers.add(req.read.nbytes + sum(a.nbytes for a in arrays), sum(v.nbytes for v in out.values()))
+            return StepOutputs(**out, kv=(named["k_new"], named["v_new"]))
+
+        return run
+
+    def write(self, kv, slots: np.ndarray, rows: np.ndarray) -> None:
+        k_new, v_new = kv
+        width = k_new.shape[2]
+        write = pad_axis(np.asarray(slots, np.int32), width, axis=0, value=-1)
+        write_rows = pad_axis(np.asarray(rows, bool), width, axis=1, value=False)
+        scatter = self._writer._scatters.get((write_rows.shape[0], width, self.slots))
+        self.k, self.v, self.written = scatter(self.k, self.v, self.written, k_new, v_new, write, write_rows)
+        self.transfers.add(write.nbytes + write_rows.nbytes, 0)
+
+    def close(self) -> None:
+        self.k = self.v = self.written = None
+
+
 class JaxExecutor(Executor):
     """Executor over AOT-compiled `decode_step`s, one per bucket key, compiled on first use
     (or ahead of time by `warmup`). `compile_count` counts its compilations. It runs every
@@ -85,9 +220,105 @@ class JaxExecutor(Executor):
         # Linear kernels are held [d_out, d_in] and transposed back inside the program, where
         # XLA folds the transpose into the dot: its CPU GEMM runs that layout up to twice as
         # fast at 32 rows (benchmarks/roofline.py).
-        self._transposed = tuple(_is_kernel(path, leaf) for path, leaf in paths)
+        # Elsewhere (GPU) the kernels stay as stored: no second copy of the weights.
+        cpu = jax.default_backend() == "cpu"
+        self._transposed = tuple(cpu and _is_kernel(path, leaf) for path, leaf in paths)
         self._leaves = [jnp.asarray(leaf.T) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
-        self._programs = CompiledBuckets(self._build)
+        self._new_programs()
+
+    def _new_programs(self) -> None:
+        self._programs = CompiledBuckets(self._build)  # the dense step (the contract, bundles' reference)
+        self._resident = CompiledBuckets(self._build_resident)  # (key, slots): a decode's step
+        self._views = CompiledBuckets(self._build_view)  # key: a CPU path's step over gathered slots
+        self._gathers = CompiledBuckets(self._build_gather)  # (batch, read, slots, written_only)
+        self._scatters = CompiledBuckets(self._build_scatter)  # (batch, rows, slots)
+        self._allocs = CompiledBuckets(self._build_alloc)  # (batch, slots): a decode's empty cache
+
+    @property
+    def _all_programs(self) -> tuple[CompiledBuckets, ...]:
+        return self._programs, self._resident, self._views, self._gathers, self._scatters, self._allocs
+
+    def capacity(self, slots: int) -> int:
+        """The slot count a decode's cache is allocated with: a power of two from 256 that holds
+        `slots` (capped at the largest cache bucket), so that decodes of nearby lengths share
+        their compiled steps; a step reads only its slots, so the spare ones cost memory only."""
+        top = self._capabilities.caches.largest
+        size = max(256, 1 << max(slots - 1, 0).bit_length())
+        return size if size <= top else max(top, slots)
+
+    def open(self, config: ModelConfig, positions: np.ndarray, valid: np.ndarray) -> DeviceKVCache:
+        """The decode's K/V on this executor's device."""
+        return DeviceKVCache(self, positions, valid)
+
+    def _state(self, leaves):
+        leaves = [leaf.T if t else leaf for leaf, t in zip(leaves, self._transposed)]
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    def _cache_specs(self, batch: int, slots: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        cfg = self.config
+        shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+        return (jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)), jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)),
+                jax.ShapeDtypeStruct((batch, slots), bool), jax.ShapeDtypeStruct((batch, slots), jnp.int32),
+                jax.ShapeDtypeStruct((batch, slots), bool))
+
+    def _view_fn(self, key: BucketKey):
+        cfg, graphdef = self.config, self._graphdef
+
+        def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows):
+            vis = device_visibility(cfg, positions, q_valid, k_pos, k_ok, probes, hide)
+            return decode_step(graphdef, self._state(leaves), tokens, positions, vis, k, v, logit_rows,
+                               full_logits=key.full_logits, mask_id=cfg.mask_token_id)
+
+        return view
+
+    def _build_resident(self, key_slots: tuple[BucketKey, int]):
+        key, slots = key_slots
+        view = self._view_fn(key)
+
+        def program(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, probes, hide,
+                    write, write_rows, logit_rows):
+            k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, written_only=False)
+            named = view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows)
+            k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"),
+                                                 write, write_rows)
+            return named, k_res, v_res, written
+
+        return program, (self._leaves, *self._cache_specs(key.batch, slots), *request_specs(key)), {
+            "donate_argnums": (1, 2, 3)}
+
+    def _build_view(self, key: BucketKey):
+        cfg = self.config
+        kv = jax.ShapeDtypeStruct((cfg.n_layers, key.batch, key.cache, cfg.n_kv_heads, cfg.head_dim),
+                                  jnp.dtype(cfg.dtype))
+        view_inputs = [s for n, s in zip(_REQUEST, request_specs(key)) if n not in ("read", "write", "write_rows")]
+        return self._view_fn(key), (self._leaves, kv, kv, jax.ShapeDtypeStruct((key.batch, key.cache), jnp.int32),
+                                    jax.ShapeDtypeStruct((key.batch, key.cache), bool), *view_inputs)
+
+    def _build_gather(self, spec: tuple[int, int, int, bool]):
+        batch, read, slots, written_only = spec
+
+        def gather(k_res, v_res, pos, valid, written, read_slots):
+            return gather_view(k_res, v_res, pos, valid, written, read_slots, written_only=written_only)
+
+        k, v, written, pos, valid = self._cache_specs(batch, slots)
+        return gather, (k, v, pos, valid, written, jax.ShapeDtypeStruct((read,), jnp.int32))
+
+    def _build_alloc(self, spec: tuple[int, int]):
+        batch, slots = spec
+        k, v, written, _, _ = self._cache_specs(batch, slots)
+
+        def alloc():
+            return jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), jnp.zeros(written.shape, bool)
+
+        return alloc, ()
+
+    def _build_scatter(self, spec: tuple[int, int, int]):
+        batch, width, slots = spec
+        cfg = self.config
+        k, v, written, _, _ = self._cache_specs(batch, slots)
+        new = jax.ShapeDtypeStruct((cfg.n_layers, batch, width, cfg.n_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
+        return scatter_rows, (k, v, written, new, new, jax.ShapeDtypeStruct((width,), jnp.int32),
+                              jax.ShapeDtypeStruct((batch, width), bool)), {"donate_argnums": (0, 1, 2)}
 
     @property
     def capabilities(self) -> Capabilities:
@@ -109,22 +340,35 @@ class JaxExecutor(Executor):
         second thread (the CPU refresh path of progressive revision)."""
         twin = object.__new__(JaxExecutor)
         twin.__dict__.update(self.__dict__)
-        twin._programs = CompiledBuckets(twin._build)
+        twin._new_programs()
         return twin
 
     @property
     def compile_count(self) -> int:
-        return self._programs.compile_count
+        return sum(p.compile_count for p in self._all_programs)
 
     def build_counts(self) -> BuildCounts:
-        return BuildCounts(compiles=self._programs.compile_count, compile_seconds=self._programs.compile_seconds)
+        return BuildCounts(compiles=self.compile_count,
+                           compile_seconds=sum(p.compile_seconds for p in self._all_programs))
 
     @property
     def compiled_keys(self) -> list[BucketKey]:
-        return self._programs.keys
+        """The buckets compiled, as dense steps or as a decode's resident steps."""
+        return sorted(set(self._programs.keys) | {k for k, _ in self._resident.keys})
 
-    def warmup(self, keys: Sequence[BucketKey]) -> int:
-        return self._programs.warmup(keys)
+    def warmup(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> int:
+        """Compile every bucket of `keys`: with `slots`, as the resident steps of a decode of
+        that many slots (or, with `views`, as a CPU path's gather, step and write); without,
+        as dense steps. Returns how many programs were compiled."""
+        if not slots:
+            return self._programs.warmup(keys)
+        cap = self.capacity(slots)
+        if not views:
+            self._allocs.warmup({(k.batch, cap) for k in keys})  # not a bucket: counted in build_counts only
+            return self._resident.warmup([(k, cap) for k in keys])
+        new = self._views.warmup(keys)
+        new += self._gathers.warmup({(k.batch, k.cache, cap, True) for k in keys})
+        return new + self._scatters.warmup({(k.batch, k.window, cap) for k in keys})
 
     def step(self, inputs: StepInputs, *, timings: dict[str, float] | None = None) -> StepOutputs:
         """Run one step. With `timings`, the transfer in, the compiled compute and the

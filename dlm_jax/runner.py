@@ -290,7 +290,7 @@ class LiteRTExecutor(Executor):
             self._setup_seconds += time.perf_counter() - t0
         return sig
 
-    def warmup(self, keys: Sequence[BucketKey]) -> int:
+    def warmup(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> int:
         """Create the buffers of every bucket in `keys` and run each once; returns how many were new."""
         new = [k for k in dict.fromkeys(keys) if k not in self._signatures]
         for key in new:

@@ -99,7 +99,7 @@ class MockExecutor(Executor):
     def capabilities(self) -> Capabilities:
         return self._capabilities
 
-    def warmup(self, keys: Sequence[BucketKey]) -> int:
+    def warmup(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> int:
         new = set(keys) - self.warmed
         self.warmed |= new
         return len(new)

@@ -216,7 +216,7 @@ class BundleCacheExecutor(Executor):
         """Export the buckets of `keys` the cache lacks, in one export."""
         self._export_missing(keys)
 
-    def warmup(self, keys: Sequence[BucketKey]) -> int:
+    def warmup(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> int:
         """Export the buckets of `keys` the cache lacks (all in one export), then prepare each
         in its runner; returns how many were not prepared yet."""
         self._ensure(keys)

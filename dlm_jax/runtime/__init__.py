@@ -2,10 +2,12 @@
 bundle on a device.
 
     state      DecodeState (per-slot tokens, TokenState, confidence, positions), RequestStatus
-    kvstore    KVStore (per-slot K/V with versions, stable vs revisable entries)
+    kvstore    KVStore (NumPy per-slot K/V with versions: what a HostKVCache holds)
+    kvcache    KVCache protocol (the decode's K/V, held by the executor), SlotStep (a step as
+               indices), HostKVCache (NumPy K/V fed to a dense step), slot_visibility
     scheduler  Scheduler protocol, StepPlan; NoCache / PrefixCache / DualCache block schedules
     step       the step contract (tensor specs, StepInputs / StepOutputs), Executor, Capabilities
-    inputs     StepInputBuilder (plans -> padded bucket inputs)
+    inputs     StepInputBuilder (plans -> SlotSteps padded to a bucket)
     proposer   Proposer (greedy / Gumbel sampling, confidence kinds, random order, deferred EOS)
     commit     commit rules (top-k schedule, threshold, factor, Frechet) and their unit life
     revision   RevisionPolicy protocol, NoRevision
@@ -22,6 +24,9 @@ _EXPORTS = {
     "RequestStatus": "dlm_jax.runtime.state",
     "TokenState": "dlm_jax.runtime.state",
     "KVStore": "dlm_jax.runtime.kvstore",
+    "KVCache": "dlm_jax.runtime.kvcache",
+    "HostKVCache": "dlm_jax.runtime.kvcache",
+    "SlotStep": "dlm_jax.runtime.kvcache",
     "BlockScheduler": "dlm_jax.runtime.scheduler",
     "DualCache": "dlm_jax.runtime.scheduler",
     "NoCache": "dlm_jax.runtime.scheduler",

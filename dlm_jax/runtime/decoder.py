@@ -5,22 +5,23 @@ Every strategy hook is declared, with a default, by its base class (`Scheduler`,
 `RevisionPolicy`, `PlacementPolicy`, `Executor`) and called here directly, in this order:
 
   before the decode  scheduler.start; revision.cpu_path (executor.fork, once per decoder);
-                     placement.begin
+                     executor.open (the decode's KVCache); placement.begin
   each step          scheduler.plan -> revision.probe -> [commit rule.begin at a unit's first
-                     step] -> cpu_path.submit -> inputs built -> placement.before_step ->
-                     executor.step -> K/V stored -> proposer.propose -> rule.select ->
+                     step] -> cpu_path.submit -> request built -> placement.before_step ->
+                     cache.step (K/V stored where it runs) -> proposer.propose -> rule.select ->
                      scheduler.settle -> revision.commit -> revision.after_step ->
                      revision.after_probes (if the plan had probes) -> cpu_path.merge ->
                      placement.after_step -> rule.finished -> scheduler.advance
-  after the decode   cpu_path.close; placement.end
+  after the decode   cpu_path.close; cache.close; placement.end
 Warm-up (`warmup`) calls executor.prepare and executor.warmup (and the fork's warmup for a CPU
 path's buckets) with the buckets of scheduler.plan_shapes, revision.plan_shapes and
 revision.cpu_shapes; `DecodeStats` counts what the executors compiled or exported during the
 decode (`executor.build_counts`), which is zero after a warm-up.
 
-The loop names no cache mode and no rule. Each step the scheduler plans the slots to compute,
-read and predict; the input builder pads them to a bucket the executor can run; the
-executor returns predictions (and the window's K/V only when the plan stores them); the
+The loop names no cache mode and no rule, and holds no tensors. Each step the scheduler plans
+the slots to compute, read and predict; the request builder pads them, as indices, to a
+bucket the executor can run; the executor's cache reads the slots, runs the step, stores the
+window's K/V where the plan says, and returns predictions; the
 proposer turns them into tokens and confidences; the unit's commit rule picks what to keep;
 the revision policy may revisit; the rule says when the unit is done and the scheduler
 advances. Everything a decode needs compiled is known before its first step
@@ -43,7 +44,7 @@ from dlm_jax._errors import ConfigError, InputError
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
-from dlm_jax.runtime.kvstore import KVStore
+from dlm_jax.runtime.kvcache import HostKVCache
 from dlm_jax.runtime.refresh import CpuExecutor
 from dlm_jax.runtime.state import DecodeState, TokenState
 from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, OutputRequest
@@ -70,6 +71,11 @@ class DecodeStats:
     compile_seconds: float = 0.0
     exports: int = 0  # buckets exported during the decode (the bundle cache)
     export_seconds: float = 0.0
+    # Bytes between the host and where the step runs (`KVCache.transfers`): once when the
+    # decode's cache was made, then per step (the CPU path's steps included) in and out.
+    opened_bytes: int = 0
+    h2d_bytes: list[int] = dataclasses.field(default_factory=list)
+    d2h_bytes: list[int] = dataclasses.field(default_factory=list)
 
     def record_step(self, candidates: np.ndarray, committed: np.ndarray, key: BucketKey, step_seconds: float,
                     host_seconds: float, prep_seconds: float = 0.0) -> None:
@@ -108,7 +114,9 @@ class DecodeStats:
                 "peak_rss_mb": round(self.peak_rss_mb, 1), "buckets": dict(sorted(self.buckets.items())),
                 "counters": self.counters, "compiles": self.compiles,
                 "compile_seconds": round(self.compile_seconds, 3), "exports": self.exports,
-                "export_seconds": round(self.export_seconds, 3)}
+                "export_seconds": round(self.export_seconds, 3), "opened_bytes": self.opened_bytes,
+                "h2d_bytes": int(sum(self.h2d_bytes)), "d2h_bytes": int(sum(self.d2h_bytes)),
+                "max_step_h2d_bytes": max(self.h2d_bytes, default=0)}
 
 
 @dataclasses.dataclass
@@ -243,15 +251,11 @@ class Decoder:
             span = min(-(-max(prompt_lens) // 64) * 64, self.max_tokens - cfg.gen_len)
             ahead = {k for n in range(1, span + 1) for k in self.bucket_keys([n] * len(prompt_lens), cfg)}
         self.executor.prepare(sorted(ahead | set(main) | set(cpu)))
-        new = self.executor.warmup(main)
+        slots = max(prompt_lens) + cfg.gen_len  # the decode's slot grid (`DecodeState.total`)
+        new = self.executor.warmup(main, slots=slots)
         self._warm |= set(main)
-        if cpu:
-            fork = self.cpu_executor()
-            if fork.threaded:
-                new += fork.executor.warmup(cpu)
-            else:
-                new += self.executor.warmup(cpu)
-                self._warm |= set(cpu)
+        if cpu:  # the CPU path's steps run as cache snapshots on the fork (or this executor)
+            new += self.cpu_executor().executor.warmup(cpu, slots=slots, views=True)
         return new
 
     def decode(self, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, *,
@@ -272,16 +276,19 @@ class Decoder:
                                    mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_ids=mc.eos_ids,
                                    shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n)
         builder = StepInputBuilder(mc, self.capabilities, prefer=self._warm)
-        store: KVStore | None = None
         scheduler, proposer, revision, placement = cfg.scheduler, cfg.proposer, cfg.revision, cfg.placement
         units = cfg.units
         stats = DecodeStats(request_nfe=[0] * n)
-        wants = {kv: OutputRequest(kv=kv, logits=proposer.needs_logits) for kv in (False, True)}
+        want = OutputRequest(kv=False, logits=proposer.needs_logits)
         rule = cfg.rule
         start = time.perf_counter()
         cursor = scheduler.start(state)
         cpu = revision.cpu_path(self.cpu_executor, mc)
         built = self.build_counts()  # the fork, if any, exists now
+        # The decode's K/V, held by the executor (or in NumPy beside one that takes them densely).
+        cache = self.executor.open(mc, state.positions, state.valid) or HostKVCache(self.executor, mc, state.positions,
+                                                                                    state.valid)
+        stored = False
         placement.begin(state)
         try:
             while (plan := scheduler.plan(state, cursor)) is not None:
@@ -290,9 +297,11 @@ class Decoder:
                 targets = plan.target_index
                 if plan.step == 0:
                     rule = cfg.rule.begin(state.undecided(plan.unit_index), units=units)
-                if cpu is not None and store is not None:
-                    cpu.submit(state, store, plan)  # runs beside this step; merged after it
-                inputs = builder.build(plan, state, store, wants[plan.store is not None])
+                if len(plan.cached) and not stored:
+                    raise RuntimeError("the plan reads cached K/V but nothing has been stored yet")
+                if cpu is not None and stored:
+                    cpu.submit(state, cache, plan)  # runs beside this step; merged after it
+                req = builder.build(plan, state, want)
                 # Rows of the step still to decide (mask, invisible or draft), of the widest request.
                 state.count("useful_rows", int((_USEFUL[state.status[:, plan.window_index]]
                                                 & state.active[:, None]).sum(axis=1).max()))
@@ -303,14 +312,11 @@ class Decoder:
                     state.count("probe_rows", d)
                 placement.before_step(state, plan)
                 t1 = time.perf_counter()
-                out = self.executor.step(inputs)
+                out = cache.step(req)  # stores the plan's K/V where the step runs
                 t2 = time.perf_counter()
                 if plan.store is not None:
-                    store = store or KVStore.for_model(mc, state.batch, state.total)
-                    slots = plan.window[plan.store]
-                    store.write(slots, out.k_new[:, :, plan.store], out.v_new[:, :, plan.store],
-                                stable=plan.store_stable, rows=plan.store_rows)
-                    state.stored(slots, inputs.tokens[:, plan.store], plan.store_rows)
+                    state.stored(plan.window[plan.store], req.tokens[:, plan.store], plan.store_rows)
+                    stored = True
                 scored = state.undecided(targets)
                 candidates = scored if plan.current is None else scored & plan.current
                 proposal = proposer.propose(out, scored, state)
@@ -326,14 +332,14 @@ class Decoder:
                     revision.after_probes(state, plan, probed, top=out.top_token[:, r:r + d],
                                           prob=out.top_prob[:, r:r + d])
                 if cpu is not None:
-                    store = cpu.merge(state, store)  # the step boundary: delayed merge
+                    cpu.merge(state, cache)  # the step boundary: delayed merge
                 placement.after_step(state, plan, out)
                 steps = plan.step + 1
                 unit_done = rule.finished(steps, state.undecided(plan.unit_index))
                 width = len(plan.targets) if plan.unit_slots is None else len(plan.unit_slots)
                 if not unit_done and steps >= rule.max_steps(width):
                     raise RuntimeError(f"commit rule {rule!r} left unit {plan.unit} unfinished after {steps} steps")
-                stats.record_step(candidates, committed, inputs.key, t2 - t1,
+                stats.record_step(candidates, committed, req.key, t2 - t1,
                                   (t1 - t0) + (time.perf_counter() - t2), t1 - t0)
                 scheduler.advance(state, cursor, unit_done)
                 if unit_done:
@@ -344,7 +350,10 @@ class Decoder:
         finally:
             if cpu is not None:
                 cpu.close()
+            cache.close()
         placement.end(state)
+        stats.opened_bytes = cache.transfers.opened
+        stats.h2d_bytes, stats.d2h_bytes = list(cache.transfers.h2d), list(cache.transfers.d2h)
         grown = self.build_counts() - built
         stats.compiles, stats.compile_seconds = grown.compiles, grown.compile_seconds
         stats.exports, stats.export_seconds = grown.exports, grown.export_seconds

@@ -1,27 +1,32 @@
-"""Step inputs from a plan: the plan's slots padded to the executor's bucket (NumPy only).
+"""Step requests from a plan: the plan's slots as indices, padded to the executor's bucket
+(NumPy only).
 
-Tokens are rebuilt every step. Positions, visibility and logit rows depend only on the
-decode's state (its positions and padding never change) and the plan's slot lists, so they
-are reused while the state and the window, cached and row lists are exactly the same. The
-cached K/V come from the store, which reuses its gather while the slots and their versions
-are unchanged. Nothing is keyed on a range's endpoints.
+Tokens and the write targets are rebuilt every step. Positions, validity, the read slots,
+leave-one-out rows and logit rows depend only on the decode's state (its positions and
+padding never change) and the plan's slot lists, so they are reused, under one `geometry`
+number, while the state and the window, cached and row lists are exactly the same. No K/V
+pass through here: the executor's `KVCache` holds them. Nothing is keyed on a range's
+endpoints.
 
 Axes: B batch rows, W window bucket, P cache bucket, R row bucket.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Set
 
 import numpy as np
 
 from dlm_jax._config import ModelConfig
-from dlm_jax._masks import leave_one_out, visibility_from_positions
 from dlm_jax.runtime.buckets import BucketKey, pad_axis
-from dlm_jax.runtime.kvstore import KVStore
+from dlm_jax.runtime.kvcache import SlotStep
 from dlm_jax.runtime.scheduler import StepPlan
 from dlm_jax.runtime.state import DecodeState
-from dlm_jax.runtime.step import Capabilities, OutputRequest, StepInputs
+from dlm_jax.runtime.step import Capabilities, OutputRequest
+
+
+_GEOMETRY = itertools.count(1)  # unique across builders: a cache never mistakes one for another
 
 
 class StepInputBuilder:
@@ -36,7 +41,7 @@ class StepInputBuilder:
         self.config = config
         self.capabilities = capabilities
         self._static: tuple | None = None  # (key, (positions, visibility, logit_rows))
-        self._empty: dict[tuple, np.ndarray] = {}
+        self._empty: dict = {}
         self._by_size: dict[tuple, list[BucketKey]] = {}  # (batch, window, cache, logits) -> preferred keys
         for k in prefer:
             self._by_size.setdefault((k.batch, k.window, k.cache, k.full_logits), []).append(k)
@@ -55,27 +60,30 @@ class StepInputBuilder:
             self._memo[shape] = key
         return key
 
-    def build(self, plan: StepPlan, state: DecodeState, store: KVStore | None,
-              want: OutputRequest) -> StepInputs:
+    def build(self, plan: StepPlan, state: DecodeState, want: OutputRequest) -> SlotStep:
+        """The step of `plan` as indices, padded to its bucket: window tokens and positions,
+        the read slots, where the stored rows go (`plan.store`, `plan.store_rows`)."""
         key = self.key(plan, state.batch, want)
         tokens = state.fed_tokens(plan.window_index)
         if plan.probes is not None and len(plan.probes):
             tokens = np.concatenate([tokens, self._probe_tokens(plan, state, tokens)], axis=1)
-        tokens = pad_axis(tokens, key.window, axis=1, value=state.mask_id)
+        tokens = pad_axis(tokens.astype(np.int32, copy=False), key.window, axis=1, value=state.mask_id)
         # The state (held, so compared by identity) fixes positions and padding.
         probes = b"" if plan.probes is None else plan.probes.tobytes()
         static_key = (state, key, plan.window.tobytes(), plan.cached.tobytes(), plan.rows.tobytes(), probes)
         if self._static is None or self._static[0] != static_key:
-            self._static = (static_key, self._static_inputs(plan, state, key))
-        positions, visibility, logit_rows = self._static[1]
-        if len(plan.cached) and store is None:
-            raise RuntimeError("the plan reads cached K/V but nothing has been stored yet")
-        if store is not None:
-            k_cache, v_cache = store.gather(plan.cached, key.cache)
-        else:
-            k_cache = v_cache = self._zeros(state.batch, key.cache)
-        return StepInputs(tokens=tokens, positions=positions, visibility=visibility, k_cache=k_cache,
-                          v_cache=v_cache, logit_rows=logit_rows, want=want)
+            self._static = (static_key, self._static_inputs(plan, state, key), next(_GEOMETRY))
+        (positions, q_valid, read, is_probe, hide, logit_rows), geometry = self._static[1], self._static[2]
+        write = self._no_write(key.window)
+        write_rows = self._no_rows(state.batch, key.window)
+        if plan.store is not None and len(plan.store):
+            write = write.copy()
+            write[plan.store] = plan.window[plan.store]
+            write_rows = write_rows.copy()
+            write_rows[:, plan.store] = True if plan.store_rows is None else plan.store_rows
+        return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read, probes=is_probe,
+                        hide=hide, write=write, write_rows=write_rows, logit_rows=logit_rows,
+                        want=OutputRequest(kv=False, logits=want.logits), geometry=geometry)
 
     @staticmethod
     def _window_rows(plan: StepPlan, slots: np.ndarray) -> np.ndarray:
@@ -94,28 +102,29 @@ class StepInputBuilder:
         return np.full((state.batch, len(plan.probes)), state.mask_id, fed.dtype)
 
     def _static_inputs(self, plan: StepPlan, state: DecodeState, key: BucketKey):
-        cfg = self.config
         win, cached = plan.window, plan.cached
         w, d = len(win), 0 if plan.probes is None else len(plan.probes)
         src = self._probe_rows(plan, state) if d else np.zeros(0, int)
         q_slots = np.concatenate([win, win[src]])
-        positions = pad_axis(state.positions[:, q_slots], key.window, axis=1)
+        positions = pad_axis(state.positions[:, q_slots], key.window, axis=1).astype(np.int32, copy=False)
         q_valid = pad_axis(state.valid[:, q_slots], key.window, axis=1, value=False)
-        k_pos = np.concatenate([pad_axis(state.positions[:, cached], key.cache, axis=1), positions], axis=1)
-        k_valid = np.concatenate([pad_axis(state.valid[:, cached], key.cache, axis=1, value=False), q_valid],
-                                 axis=1)
-        visibility = visibility_from_positions(cfg.attention, positions, k_pos, k_valid, block_size=cfg.block_size)
+        read = pad_axis(cached.astype(np.int32), key.cache, axis=0, value=-1)
+        is_probe = np.zeros(key.window, bool)
+        hide = np.full(key.window, -1, np.int32)
         if d:
+            is_probe[w:w + d] = True
             own = self._window_rows(plan, plan.probes)
-            leave_one_out(visibility, np.arange(w, w + d), np.where(own >= 0, key.cache + own, -1),
-                          k_offset=key.cache)
+            hide[w:w + d] = np.where(own >= 0, key.cache + own, -1)
         rows = pad_axis(np.concatenate([plan.rows, np.arange(w, w + d)]), key.rows, axis=0)
         logit_rows = np.ascontiguousarray(np.broadcast_to(rows, (state.batch, key.rows)).astype(np.int32))
-        return positions, visibility, logit_rows
+        return positions, q_valid, read, is_probe, hide, logit_rows
 
-    def _zeros(self, batch: int, size: int) -> np.ndarray:
-        cfg = self.config
-        shape = (cfg.n_layers, batch, size, cfg.n_kv_heads, cfg.head_dim)
-        if shape not in self._empty:
-            self._empty[shape] = np.zeros(shape, cfg.dtype)
-        return self._empty[shape]
+    def _no_write(self, width: int) -> np.ndarray:
+        if width not in self._empty:
+            self._empty[width] = np.full(width, -1, np.int32)
+        return self._empty[width]
+
+    def _no_rows(self, batch: int, width: int) -> np.ndarray:
+        if (batch, width) not in self._empty:
+            self._empty[(batch, width)] = np.zeros((batch, width), bool)
+        return self._empty[(batch, width)]

@@ -24,13 +24,12 @@ from typing import NamedTuple
 import numpy as np
 
 from dlm_jax._config import ModelConfig
-from dlm_jax._masks import leave_one_out, visibility_from_positions
 from dlm_jax.runtime.buckets import pad_axis
 from dlm_jax.runtime.hooks import HookBase
-from dlm_jax.runtime.kvstore import KVStore
+from dlm_jax.runtime.kvcache import KVCache, SlotStep
 from dlm_jax.runtime.scheduler import StepPlan
 from dlm_jax.runtime.state import DecodeState, TokenState
-from dlm_jax.runtime.step import Executor, OutputRequest, StepInputs, StepOutputs
+from dlm_jax.runtime.step import Executor, OutputRequest, StepOutputs
 
 _VISIBLE = int(TokenState.VISIBLE)
 
@@ -41,7 +40,7 @@ class _Job:
     fed: np.ndarray  # [B, n] the tokens fed (the slots' identities at submission)
     scored: np.ndarray  # [B, n] bool, (row, slot) pairs that were visible at submission
     left: np.ndarray  # [n] bool, slots left of the main window at submission (their K/V are written)
-    result: concurrent.futures.Future | StepOutputs
+    result: concurrent.futures.Future | StepOutputs  # with the rows' K/V kept where the step ran (`kv`)
 
 
 class CpuExecutor(NamedTuple):
@@ -54,15 +53,15 @@ class CpuExecutor(NamedTuple):
 
 class CpuPath(HookBase):
     """Work a revision policy runs beside the main steps (llada.cpp's CPU path): `submit`
-    before a main step reads the state as it is, `merge` applies the result at the step
-    boundary, `close` ends it after the decode."""
+    before a main step reads the state and the decode's K/V (`cache`) as they are, `merge`
+    applies the result at the step boundary, `close` ends it after the decode."""
 
     HOOKS = ("submit", "merge", "close")
 
-    def submit(self, state: DecodeState, store: KVStore, plan: StepPlan) -> None:
+    def submit(self, state: DecodeState, cache: KVCache, plan: StepPlan) -> None:
         raise NotImplementedError
 
-    def merge(self, state: DecodeState, store: KVStore | None) -> KVStore | None:
+    def merge(self, state: DecodeState, cache: KVCache) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -101,65 +100,61 @@ class Refresher(CpuPath):
         order = np.lexsort((slots, conf, ~stale))
         return np.sort(slots[order[:self.policy.refresh_rows]])
 
-    def submit(self, state: DecodeState, store: KVStore, plan) -> None:
-        """Start a refresh from the state as it is now (before the main step)."""
+    def submit(self, state: DecodeState, cache: KVCache, plan) -> None:
+        """Start a refresh from the state and K/V as they are now (before the main step)."""
         start = int(plan.window[0])
         slots = self.select(state, self.scoring.refresh_end(plan), plan.probes)
         if not len(slots):
             return
-        inputs = self._inputs(state, store, slots)
+        run = cache.snapshot(self._request(state, slots), self.executor)
         scored = (state.status[:, slots] == _VISIBLE) & state.active[:, None]
         fed = state.tokens[:, slots].copy()
         state.count("refresh_steps")
         state.count("refresh_rows", len(slots))
-        result = self._pool.submit(self.executor.step, inputs) if self._pool else self.executor.step(inputs)
+        result = self._pool.submit(run) if self._pool else run()
         self._job = _Job(slots, fed, scored, slots < start, result)
 
-    def _inputs(self, state: DecodeState, store: KVStore, slots: np.ndarray) -> StepInputs:
+    def _request(self, state: DecodeState, slots: np.ndarray) -> SlotStep:
+        """Queries at `slots` fed their tokens (and, with remask, a mask row per slot that
+        does not see the slot's own token row), over every stored entry but the slots' own."""
         n, b = len(slots), state.batch
         copies = self.scoring.refresh_copies  # 2: a duplicate mask row per slot scores it
         rows = copies * n
-        written = state.kv_token >= 0
-        cached = np.flatnonzero(written.any(axis=0))
+        cached = np.flatnonzero((state.kv_token >= 0).any(axis=0))
         key = self.capabilities.select(batch=b, window=rows, cache=len(cached), rows=rows)
         tokens = state.tokens[:, slots]
         tokens = np.concatenate([tokens] + [np.full_like(tokens, state.mask_id)] * (copies - 1), axis=1)
-        pos = np.tile(state.positions[:, slots], (1, copies))
-        positions = pad_axis(pos, key.window, axis=1)
-        k_valid = pad_axis((written & state.valid)[:, cached] & ~np.isin(cached, slots)[None, :], key.cache,
-                           axis=1, value=False)
-        q_valid = pad_axis(np.ones((b, rows), bool), key.window, axis=1, value=False)
-        k_pos = np.concatenate([pad_axis(state.positions[:, cached], key.cache, axis=1), positions], axis=1)
-        vis = visibility_from_positions(self.config.attention, positions, k_pos, np.concatenate([k_valid, q_valid], 1),
-                                        block_size=self.config.block_size)
-        if copies > 1:  # mask row n + i sees neither slot i's token row nor (above) its cache entry
-            leave_one_out(vis, np.arange(n, 2 * n), key.cache + np.arange(n), k_offset=key.cache)
-        pad_q = np.arange(key.window) >= rows
-        vis[:, pad_q, :] = False
-        vis[:, pad_q, key.cache + np.flatnonzero(pad_q)] = True  # padding queries see themselves
-        k_cache, v_cache = store.gather(cached, key.cache)
+        read = pad_axis(np.where(np.isin(cached, slots), -1, cached).astype(np.int32), key.cache, axis=0, value=-1)
+        probes = np.zeros(key.window, bool)
+        hide = np.full(key.window, -1, np.int32)
+        if copies > 1:  # mask row n + i sees neither slot i's token row nor (above) its entry
+            probes[n:2 * n] = True
+            hide[n:2 * n] = key.cache + np.arange(n)
         logit_rows = np.broadcast_to(pad_axis(np.arange(rows), key.rows, axis=0), (b, key.rows)).astype(np.int32)
-        return StepInputs(tokens=pad_axis(tokens.astype(np.int32), key.window, axis=1, value=state.mask_id),
-                          positions=positions.astype(np.int32), visibility=vis, k_cache=k_cache, v_cache=v_cache,
-                          logit_rows=np.ascontiguousarray(logit_rows), want=OutputRequest(kv=True, logits=False))
+        return SlotStep(key=key, tokens=pad_axis(tokens.astype(np.int32), key.window, axis=1, value=state.mask_id),
+                        positions=pad_axis(np.tile(state.positions[:, slots], (1, copies)), key.window,
+                                           axis=1).astype(np.int32),
+                        q_valid=pad_axis(np.ones((b, rows), bool), key.window, axis=1, value=False), read=read,
+                        probes=probes, hide=hide, write=np.full(key.window, -1, np.int32),
+                        write_rows=np.zeros((b, key.window), bool), logit_rows=np.ascontiguousarray(logit_rows),
+                        want=OutputRequest(kv=True, logits=False), written_only=True)
 
-    def merge(self, state: DecodeState, store: KVStore | None) -> KVStore | None:
+    def merge(self, state: DecodeState, cache: KVCache) -> None:
         """Apply the pending refresh (the step boundary). Slots whose token or state changed
         since the refresh started are left alone."""
         job, self._job = self._job, None
         if job is None:
-            return store
+            return
         out = job.result.result() if isinstance(job.result, concurrent.futures.Future) else job.result
         n, slots = len(job.slots), job.slots
         q = n * (self.scoring.refresh_copies - 1)  # the rows that score
         top, prob = out.top_token[:, q:q + n], out.top_prob[:, q:q + n].astype(np.float64)
         unchanged = job.scored & (state.status[:, slots] == _VISIBLE) & (state.tokens[:, slots] == job.fed)
-        promoted, revised = self.policy.rescore(state, slots, unchanged, top=top, prob=prob, counter="refresh")
+        self.policy.rescore(state, slots, unchanged, top=top, prob=prob, counter="refresh")
         write = unchanged & job.left[None, :]  # K/V computed from the token fed; a revised slot stays stale
         if write.any():
-            store.write(slots, out.k_new[:, :, :n], out.v_new[:, :, :n], stable=promoted & ~revised, rows=write)
+            cache.write(out.kv, slots, write)
             state.stored(slots, job.fed, write)
-        return store
 
     def close(self) -> None:
         if self._pool is not None:

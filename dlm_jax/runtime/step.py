@@ -147,6 +147,7 @@ class StepOutputs:
     k_new: np.ndarray | None = None  # [L, B, W, Hkv, Dh] when asked (`want.kv`)
     v_new: np.ndarray | None = None
     logits: np.ndarray | None = None  # [B, R, V] float32 when asked (`want.logits`)
+    kv: Any = None  # a KV cache's snapshot step: the rows' K/V, where the step ran, for `KVCache.write`
 
     @classmethod
     def from_named(cls, named: Mapping[str, Any]) -> StepOutputs:
@@ -259,25 +260,31 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 class Executor(HookBase):
-    """Runs one decode step of a bucket: the boundary between the host runtime and the
-    tensors. The JAX executor (AOT per bucket), the LiteRT runner and the bundle cache
-    implement it; `dlm_jax.testing.MockExecutor` is a scripted one for tests.
+    """Runs the decode steps of a bucket and holds the decode's K/V: the boundary between the
+    host runtime, which decides, and the tensors. The JAX executor (AOT per bucket, K/V on its
+    device), the LiteRT runner and the bundle cache implement it;
+    `dlm_jax.testing.MockExecutor` is a scripted one for tests.
 
-    Subclasses implement `capabilities`, `step` and `warmup`. The other hooks have no-op
-    defaults here; the decoder calls each of them, in this order:
+    Subclasses implement `capabilities`, `step` and `warmup`. The other hooks have defaults
+    here; the decoder calls each of them, in this order:
 
       prepare(keys)      before warm-up: build buckets in batches ahead (the bundle cache
                          exports them as one part); default nothing.
-      warmup(keys)       compile or load every bucket of a decode; returns how many were new.
+      warmup(keys, slots=, views=)  compile or load every bucket of a decode; returns how
+                         many were new.
       fork()             once per decoder, for a CPU path (revision refresh): an executor over
                          the same weights with programs of its own, safe to step from a second
                          thread; default `self` (the CPU path then runs in turn).
-      step(inputs, timings=)  every step.
+      open(config, positions, valid)  once per decode: the `KVCache` that holds its K/V
+                         (`dlm_jax.runtime.kvcache`); default a `HostKVCache`, NumPy K/V fed
+                         to `step` as dense inputs.
+      [the cache's step every step; `step` itself is the dense contract a `HostKVCache`
+       and benchmarks call]
       build_counts()     before and after a decode (`DecodeStats.compiles` / `exports`).
       close()            release native resources now; default nothing.
     `set_progress(progress)` hands it a `(stage, done, total)` callback for long builds."""
 
-    HOOKS = ("capabilities", "step", "warmup", "prepare", "fork", "close", "build_counts", "set_progress")
+    HOOKS = ("capabilities", "step", "warmup", "prepare", "fork", "open", "close", "build_counts", "set_progress")
     prepares_ahead: bool = False  # `prepare` builds in batches: give it the buckets of nearby prompt lengths too
 
     @property
@@ -290,8 +297,10 @@ class Executor(HookBase):
         ("h2d"), the compute ("compute") and the transfer out ("d2h"), each waited for."""
         raise NotImplementedError
 
-    def warmup(self, keys: Sequence[BucketKey]) -> int:
-        """Prepare every bucket in `keys` (compile, load); returns how many were new."""
+    def warmup(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> int:
+        """Prepare every bucket in `keys` (compile, load); returns how many were new.
+        `slots`: the decode's slot count (prompt + generation), for an executor whose cache
+        programs depend on it; `views`: the buckets are a CPU path's (`KVCache.snapshot`)."""
         raise NotImplementedError
 
     def prepare(self, keys: Sequence[BucketKey]) -> None:
@@ -301,6 +310,12 @@ class Executor(HookBase):
     def fork(self) -> Executor:
         """An executor over the same weights for a second thread (default: this one)."""
         return self
+
+    def open(self, config: ModelConfig, positions: np.ndarray, valid: np.ndarray):
+        """The `KVCache` of one decode over slots with these `positions` / `valid` [B, S];
+        default None: the decoder then holds them in a `HostKVCache` beside this executor,
+        which feeds `step` dense inputs."""
+        return None
 
     def close(self) -> None:
         """Release native resources now (default: nothing)."""

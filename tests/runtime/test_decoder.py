@@ -83,22 +83,36 @@ def test_mask_token_is_never_proposed():
     assert MASK not in out.sequences[0].tolist()
 
 
-def test_kv_leaves_the_device_only_on_storing_steps():
-    """The JAX executor copies the window K/V back only when asked: a prefix-cache decode
-    fetches them at each block's first step and never on the steps in between."""
+def test_kv_leave_the_device_never_and_densely_only_on_storing_steps():
+    """The JAX executor's decode keeps the K/V on its device: the dense step (which returns
+    them) is never called, and what comes back each step is the rows' predictions. Fed
+    densely (`HostKVCache`, the LiteRT path), the window K/V come back only on the steps that
+    store them: a prefix-cache decode fetches them at each block's first step."""
+    from dlm_jax.runtime.kvcache import HostKVCache
+
     model = sharp_model()
+    cfg = decode_config(gen_len=16, block_len=8, threshold=0.99)
     executor = JaxExecutor(model)
+    dense_calls = []
+    real = executor.step
+    executor.step = lambda inputs, **kw: dense_calls.append(inputs) or real(inputs, **kw)
+    out = Decoder(executor, model.config).decode([PROMPTS[0]], cfg)
+    assert out.stats.nfe > 2 and not dense_calls
+    rows = max(int(k.split("_r")[1].split("_")[0]) for k in out.stats.buckets)
+    assert max(out.stats.d2h_bytes) <= 16 * rows  # four [1, R] predictions of 4 bytes
+
+    executor = JaxExecutor(model)
+    executor.open = lambda config, positions, valid: HostKVCache(executor, config, positions, valid)
     fetched = []
     real_step = executor.step
 
-    def spy(inputs):
+    def spy(inputs, *, timings=None):
         out = real_step(inputs)
         fetched.append((inputs.want.kv, out.k_new is not None))
         return out
 
     executor.step = spy
-    out = Decoder(executor, model.config).decode([PROMPTS[0]], decode_config(gen_len=16, block_len=8,
-                                                                             threshold=0.99))
+    out = Decoder(executor, model.config).decode([PROMPTS[0]], cfg)
     assert out.stats.nfe > 2
     assert [kv for kv, _ in fetched] == [got for _, got in fetched]
     assert sum(kv for kv, _ in fetched) == 2  # one per block

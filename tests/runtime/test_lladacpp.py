@@ -299,6 +299,7 @@ def test_window_probes_are_leave_one_out_rows_that_no_other_row_sees(layers):
     other slots' keys do not depend on the probed token) predicts exactly what the slot's own
     row predicts when the slot is fed the mask and hidden from every other row."""
     from dlm_jax.runtime.inputs import StepInputBuilder
+    from dlm_jax.runtime.kvcache import HostKVCache
     from dlm_jax.runtime.scheduler import StepPlan
     from dlm_jax.runtime.state import DecodeState
     from dlm_jax.runtime.step import OutputRequest
@@ -315,10 +316,14 @@ def test_window_probes_are_leave_one_out_rows_that_no_other_row_sees(layers):
     plan = StepPlan(window=window, cached=np.arange(0), rows=targets, targets=targets, unit=0, step=0)
     probes = filled[[1, 3]]
     want = OutputRequest(kv=True, logits=False)
-    base_in = StepInputBuilder(cfg, exe.capabilities).build(plan, state, None, want)
+    cache = HostKVCache(exe, cfg, state.positions, state.valid)
+
+    def dense(plan):  # the step's dense inputs, as a LiteRT bundle receives them
+        return cache._inputs(StepInputBuilder(cfg, exe.capabilities).build(plan, state, want), kv=True)
+
+    base_in = dense(plan)
     base = exe.step(base_in)
-    out = exe.step(StepInputBuilder(cfg, exe.capabilities).build(dataclasses.replace(plan, probes=probes), state,
-                                                                   None, want))
+    out = exe.step(dense(dataclasses.replace(plan, probes=probes)))
     r, w = len(targets), len(window)
     np.testing.assert_array_equal(out.top_token[:, :r], base.top_token[:, :r])
     np.testing.assert_allclose(out.top_prob[:, :r], base.top_prob[:, :r], rtol=1e-5, atol=1e-6)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dlm_jax import ConfigError
+from dlm_jax.runtime.kvcache import HostKVCache
 from dlm_jax.runtime import (BucketKey, Capabilities, DecodeState, Decoder, KVStore, OutputRequest, Proposer,
                              RequestStatus, StepInputBuilder, StepOutputs, StepPlan, TokenState, confidence_scores,
                              decode_config)
@@ -158,23 +159,27 @@ def test_inputs_are_never_reused_across_plans_with_equal_endpoints():
     would feed one plan's positions, visibility and cache to another plan with the same
     endpoints but other slots inside: plausible tokens, wrong model, no error."""
     state = DecodeState.create([list(range(1, 9))], gen_len=8, batch=1, mask_id=63, vocab_size=64)
-    store = KVStore.for_model(CFG, 1, state.total)
+    cache = HostKVCache(None, CFG, state.positions, state.valid)
+    store = cache.store
     kv = np.random.default_rng(0).normal(size=(CFG.n_layers, 1, 16, CFG.n_kv_heads, CFG.head_dim)).astype(np.float32)
     store.write(np.arange(16), kv, kv, stable=True)
     builder = StepInputBuilder(CFG, Capabilities.for_length(CFG.max_seq_len))
     window, rows, targets = np.arange(8, 16), np.arange(8), np.arange(8, 16)
     a = StepPlan(window, np.array([0, 1, 2, 3, 7]), rows, targets, unit=0, step=1)
     b = StepPlan(window, np.array([0, 4, 5, 6, 7]), rows, targets, unit=0, step=1)  # same ends and count
-    ia = builder.build(a, state, store, OutputRequest(kv=False))
-    ib = builder.build(b, state, store, OutputRequest(kv=False))
+
+    def inputs(plan):
+        return cache._inputs(builder.build(plan, state, OutputRequest(kv=False)), kv=False)
+
+    ia, ib = inputs(a), inputs(b)
     assert not np.array_equal(ia.k_cache, ib.k_cache)
     np.testing.assert_array_equal(ib.k_cache[:, :, :5], kv[:, :, [0, 4, 5, 6, 7]])
     # A write to a cached slot between two steps of one plan reaches the second step.
     store.write(np.array([4]), kv[:, :, :1] + 1, kv[:, :, :1], stable=True)
-    ib2 = builder.build(b, state, store, OutputRequest(kv=False))
+    ib2 = inputs(b)
     np.testing.assert_array_equal(ib2.k_cache[:, :, 1], kv[:, :, 0] + 1)
     # Same slots, same versions: the padded inputs are reused, not rebuilt.
-    assert builder.build(b, state, store, OutputRequest(kv=False)).visibility is ib2.visibility
+    assert inputs(b).visibility is ib2.visibility
 
 
 def test_fixed_bucket_sets_are_honoured_and_a_missing_bucket_is_named():
