@@ -13,11 +13,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.buckets import BucketKey
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -75,6 +77,31 @@ def enable_default_cache() -> None:
 
 Build = Callable[[BucketKey], tuple[Callable[..., Any], tuple[Any, ...]]]
 
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def background_workers() -> int:
+    """Threads that compile ahead of use (`CompiledBuckets.prefetch`): `DLM_JAX_COMPILE_THREADS`,
+    else a quarter of the cores, at most 4 (XLA's compiler is mostly single-threaded; the
+    decode keeps the rest). None under 4 cores: there a compile beside the decode only slows
+    both, and each bucket compiles when first used."""
+    given = os.environ.get("DLM_JAX_COMPILE_THREADS")
+    if given is not None:
+        try:
+            return max(0, int(given))
+        except ValueError:
+            raise ConfigError(f"DLM_JAX_COMPILE_THREADS={given!r} must be a whole number") from None
+    return min(4, (os.cpu_count() or 1) // 4)
+
+
+def _pool() -> ThreadPoolExecutor | None:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None and (workers := background_workers()):
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="dlm-jax-compile")
+        return _POOL
+
 
 class CompiledBuckets:
     """One AOT-compiled executable per bucket key.
@@ -82,32 +109,86 @@ class CompiledBuckets:
     `build(key)` returns the function to compile for that bucket and the abstract arguments
     (`jax.ShapeDtypeStruct`s or concrete arrays) to lower it with, and optionally the
     `jax.jit` keywords (`donate_argnums`). A key is any hashable, sortable value.
+
+    `prefetch(keys)` compiles keys in the background, in the order given; `get(key)` waits for
+    its own key only (one not started yet is taken off the queue and compiled at once), and
+    `wait_seconds` adds up how long callers waited. Thread-safe.
     """
 
     def __init__(self, build: Build):
         self._build = build
         self._executables: dict[BucketKey, jax.stages.Compiled] = {}
+        self._pending: dict[BucketKey, Future] = {}  # queued or compiling
+        self._lock = threading.Lock()
         self.compile_count = 0
         self.compile_seconds = 0.0
+        self.wait_seconds = 0.0
         XlaCompileCounter.install()
 
-    def get(self, key: BucketKey) -> jax.stages.Compiled:
-        exe = self._executables.get(key)
-        if exe is None:
-            t0 = time.perf_counter()
+    def _compile(self, key: BucketKey) -> jax.stages.Compiled:
+        t0 = time.perf_counter()
+        try:
             fn, specs, *options = self._build(key)  # options: jax.jit keywords (donation)
             exe = jax.jit(fn, **(options[0] if options else {})).lower(*specs).compile()
+        except BaseException:
+            with self._lock:
+                self._pending.pop(key, None)  # a later get tries again (and raises there)
+            raise
+        with self._lock:
             self._executables[key] = exe
+            self._pending.pop(key, None)
             self.compile_count += 1
             self.compile_seconds += time.perf_counter() - t0
         return exe
 
+    def get(self, key: BucketKey) -> jax.stages.Compiled:
+        exe = self._executables.get(key)
+        if exe is not None:
+            return exe
+        t0 = time.perf_counter()
+        with self._lock:
+            exe = self._executables.get(key)
+            queued = self._pending.get(key) if exe is None else None
+            mine = exe is None and (queued is None or queued.cancel())  # not started: compile it here
+            if mine:
+                queued = self._pending[key] = Future()  # other threads wait for this compile
+        if mine:
+            try:
+                exe = self._compile(key)
+            except BaseException as e:
+                queued.set_exception(e)
+                raise
+            queued.set_result(exe)
+        elif exe is None:
+            exe = queued.result()
+        with self._lock:
+            self.wait_seconds += time.perf_counter() - t0
+        return exe
+
+    def prefetch(self, keys: Iterable[BucketKey]) -> None:
+        """Queue every key neither compiled nor queued, in order, on the background threads."""
+        pool = _pool()
+        if pool is None:
+            return
+        with self._lock:
+            for key in keys:
+                if key not in self._executables and key not in self._pending:
+                    self._pending[key] = pool.submit(self._compile, key)
+
+    def cancel(self) -> None:
+        """Drop the queued keys not started yet (those compiling finish)."""
+        with self._lock:
+            for key, fut in list(self._pending.items()):
+                if fut.cancel():
+                    del self._pending[key]
+
     def warmup(self, keys: Iterable[BucketKey]) -> int:
         """Compile every key not compiled yet; returns how many were compiled."""
-        before = self.compile_count
+        keys = list(dict.fromkeys(keys))
+        new = sum(key not in self._executables for key in keys)
         for key in keys:
             self.get(key)
-        return self.compile_count - before
+        return new
 
     def __contains__(self, key: BucketKey) -> bool:
         return key in self._executables

@@ -349,26 +349,47 @@ class JaxExecutor(Executor):
 
     def build_counts(self) -> BuildCounts:
         return BuildCounts(compiles=self.compile_count,
-                           compile_seconds=sum(p.compile_seconds for p in self._all_programs))
+                           compile_seconds=sum(p.compile_seconds for p in self._all_programs),
+                           compile_wait_seconds=sum(p.wait_seconds for p in self._all_programs))
 
     @property
     def compiled_keys(self) -> list[BucketKey]:
         """The buckets compiled, as dense steps or as a decode's resident steps."""
         return sorted(set(self._programs.keys) | {k for k, _ in self._resident.keys})
 
+    def _program_keys(self, keys: Sequence[BucketKey], slots: int, views: bool):
+        """(programs, their keys in order) that run the buckets `keys` as `warmup` describes."""
+        if not slots:
+            return [(self._programs, list(keys))]
+        cap = self.capacity(slots)
+        if not views:
+            return [(self._allocs, list(dict.fromkeys((k.batch, cap) for k in keys))),
+                    (self._resident, [(k, cap) for k in keys])]
+        return [(self._gathers, list(dict.fromkeys((k.batch, k.cache, cap, True) for k in keys))),
+                (self._views, list(keys)), (self._scatters, list(dict.fromkeys((k.batch, k.window, cap) for k in keys)))]
+
     def warmup(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> int:
         """Compile every bucket of `keys`: with `slots`, as the resident steps of a decode of
         that many slots (or, with `views`, as a CPU path's gather, step and write); without,
-        as dense steps. Returns how many programs were compiled."""
-        if not slots:
-            return self._programs.warmup(keys)
-        cap = self.capacity(slots)
-        if not views:
-            self._allocs.warmup({(k.batch, cap) for k in keys})  # not a bucket: counted in build_counts only
-            return self._resident.warmup([(k, cap) for k in keys])
-        new = self._views.warmup(keys)
-        new += self._gathers.warmup({(k.batch, k.cache, cap, True) for k in keys})
-        return new + self._scatters.warmup({(k.batch, k.window, cap) for k in keys})
+        as dense steps. Returns how many programs were compiled (the cache allocations, not
+        buckets, are counted in `build_counts` only)."""
+        new = 0
+        for programs, ks in self._program_keys(keys, slots, views):
+            n = programs.warmup(ks)
+            new += 0 if programs is self._allocs else n
+        return new
+
+    def prefetch(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False):
+        """Compile the programs of `keys` (as `warmup` would) on background threads, in order."""
+        groups = self._program_keys(keys, slots, views)
+        for programs, ks in groups:
+            programs.prefetch(ks)
+
+        def cancel() -> None:
+            for programs, _ in groups:
+                programs.cancel()
+
+        return cancel
 
     def step(self, inputs: StepInputs, *, timings: dict[str, float] | None = None) -> StepOutputs:
         """Run one step. With `timings`, the transfer in, the compiled compute and the

@@ -18,6 +18,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # (auto: the LiteRT runner over the bundle cache on a CPU) is tested where a test clears this
 # (tests/tflite_export/test_cache.py, the README's commands). Its cache is private to the tests.
 os.environ.setdefault("DLM_JAX_EXECUTOR", "jax")
+# No compiles ahead of use in the background: a compile still running after a test would be
+# counted by the next one's compile count. tests/runtime/test_prefetch.py turns them on.
+os.environ.setdefault("DLM_JAX_COMPILE_THREADS", "0")
 os.environ.setdefault("DLM_JAX_BUNDLE_CACHE", os.path.join(tempfile.gettempdir(), f"dlm-jax-tests-bundles-{os.getuid()}"))
 
 import pytest  # noqa: E402

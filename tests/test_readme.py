@@ -183,3 +183,35 @@ def test_training_commands_then_eval_of_the_run(scratch, monkeypatch, capsys):
         args = shlex.split(command)[1:] + ["--n", "2"]
         assert main(args) == 0, command
         assert json.loads(capsys.readouterr().out)["n"] == 2
+
+
+def gpu_commands() -> list[str]:
+    """The lines of the ```bash block in "On a GPU" (commands for a GPU machine)."""
+    section = README.split("\n## On a GPU\n", 1)[1].split("\n## ", 1)[0]
+    found = [body for info, body in FENCE.findall(section) if info == "bash"]
+    assert len(found) == 1, "the GPU section shows one bash block"
+    return [line for line in found[0].splitlines() if line.strip()]
+
+
+def test_gpu_commands_install_extras_that_exist_and_parse():
+    """What a CPU can check of the GPU section: the install names extras pyproject.toml has
+    (the `cuda` one at the JAX version of the CPU install), and each benchmark command parses.
+    Its `--small` command runs on a GPU in tests/benchmarks/test_gpu.py (`--device`)."""
+    import tomllib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu
+
+    install, *bench = gpu_commands()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = re.fullmatch(r"\.venv/bin/pip install -e '\.\[([\w,]+)\]'", install).group(1).split(",")
+    assert set(extras) <= set(project["optional-dependencies"])
+    jax_pin = next(d for d in project["dependencies"] if d.startswith("jax=="))
+    assert project["optional-dependencies"]["cuda"] == [jax_pin.replace("jax", "jax[cuda12]", 1)]
+    assert len(bench) == 2
+    for line in bench:
+        argv = shlex.split(line.replace("PATH/TO/Fast-dLLM", "/src"))
+        assert argv[:2] == [".venv/bin/python", "benchmarks/gpu.py"]
+        args = gpu.parse_args(argv[2:])
+        assert args.peer_src == Path("/src")
+    assert gpu.parse_args(shlex.split(bench[0])[2:]).mode == "small"

@@ -29,7 +29,7 @@ import numpy as np
 from dlm_jax import _integrity
 from dlm_jax._config import ConfigError, ModelConfig
 from dlm_jax._tokenizer import declared_mask_token_id
-from dlm_jax.checkpoint import _names
+from dlm_jax.checkpoint import _names, _stream
 from dlm_jax.checkpoint._families import Family, family_for, get_family
 from dlm_jax._errors import CheckpointError
 from dlm_jax.checkpoint._safetensors import TensorInfo, read_header, save_file
@@ -143,6 +143,10 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
       overrides: `ModelConfig` fields to change after parsing (attention, logit_shift,
         mask_token_id, dtype, param_dtype, block_size, ...).
 
+    Every tensor is checked (names, shapes) before any is read; then each goes straight from
+    its file onto the default JAX device in its stored dtype and is transposed and cast to
+    `param_dtype` there (`_stream`): no float32 detour, and never a second copy of the model.
+
     Raises:
       CheckpointError: missing/corrupt files (a file that differs from the manifest is named),
         missing, unexpected or mis-shaped tensors.
@@ -152,8 +156,16 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
     if verify and path.is_dir():
         _integrity.verify_manifest(path)
     cfg, family = load_config(path, strict=strict, **overrides)
+    specs = param_shapes(cfg)
+    plan = _plan(path, cfg, family, {name: tuple(s.shape) for name, s in specs.items()})
+    params = _stream.load_params(plan, {name: s.dtype for name, s in specs.items()})
+    return model_from_params(cfg, params)
+
+
+def _plan(path: Path, cfg: ModelConfig, family: Family,
+          shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[TensorInfo]]:
+    """Parameter name -> its checkpoint tensors, every header, name and shape checked."""
     infos = _tensor_index(path)
-    shapes = {name: tuple(s.shape) for name, s in param_shapes(cfg).items()}
     used: set[str] = set()
     missing: list[str] = []
     plan: dict[str, list[TensorInfo]] = {}
@@ -180,9 +192,7 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
         raise CheckpointError(f"{path}: unexpected tensors {unexpected[:8]}"
                               + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
                               + f" for family {family.name!r} with this config")
-    params = {name: _names.from_checkpoint(name, [i.read() for i in found])
-              for name, found in plan.items()}
-    return model_from_params(cfg, params)
+    return plan
 
 
 def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterator, Mapping
+from typing import TypeVar
 
 import numpy as np
+
+ArrayT = TypeVar("ArrayT")
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 EXPERT_KEYS = ("ffn.gate", "ffn.up", "ffn.down")
@@ -68,13 +71,31 @@ def to_checkpoint(name: str, value: np.ndarray) -> list[np.ndarray]:
     return [value]
 
 
+# How the checkpoint tensors of a parameter become its array (`layout`, `from_layout`).
+EXPERTS, KERNEL, PLAIN = "experts", "kernel", "plain"
+
+
+def layout(name: str) -> str:
+    """EXPERTS: one [out, in] tensor per expert, stacked then transposed to [E, in, out];
+    KERNEL: one [out, in] tensor, transposed; PLAIN: one tensor, as stored."""
+    if _is_expert(name):
+        return EXPERTS
+    return KERNEL if name.endswith(".kernel") else PLAIN
+
+
+def from_layout(kind: str, x: ArrayT) -> ArrayT:
+    """The parameter from its checkpoint tensors `x` ([E, out, in] stacked for EXPERTS, else
+    the one tensor); a NumPy view or a traced JAX array alike (no copy made here)."""
+    if kind == EXPERTS:
+        return x.swapaxes(1, 2)
+    return x.T if kind == KERNEL else x
+
+
 def from_checkpoint(name: str, tensors: list[np.ndarray]) -> np.ndarray:
     """The checkpoint tensors of one parameter (in `sources` order) -> the dlm-jax array."""
-    if _is_expert(name):
-        return np.stack([t.T for t in tensors])
-    if name.endswith(".kernel"):
-        return np.ascontiguousarray(tensors[0].T)
-    return tensors[0]
+    kind = layout(name)
+    stacked = np.stack(tensors) if kind == EXPERTS else tensors[0]
+    return stacked if kind == PLAIN else np.ascontiguousarray(from_layout(kind, stacked))
 
 
 def checkpoint_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -40,13 +40,27 @@ class TensorInfo:
         self.path, self.name, self.dtype, self.shape = path, name, dtype, shape
         self.begin, self.end = begin, end
 
-    def read(self) -> np.ndarray:
-        with open(self.path, "rb") as f:
-            f.seek(self.begin)
-            buf = f.read(self.end - self.begin)
-        if len(buf) != self.end - self.begin:
-            raise CheckpointError(f"{self.path}: tensor {self.name!r} is truncated")
-        return np.frombuffer(buf, dtype=self.dtype).reshape(self.shape).copy()
+    def read(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor in its stored dtype, read straight from the file into `out` (a C-contiguous
+        array of its dtype and shape, which is returned) or a new array: one copy, no decoding."""
+        if out is None:
+            out = np.empty(self.shape, self.dtype)
+        elif out.dtype != self.dtype or out.shape != self.shape or not out.flags.c_contiguous:
+            raise ValueError(f"tensor {self.name!r} is {self.shape} {self.dtype}; cannot read it into "
+                             f"a{'' if out.flags.c_contiguous else ' non-contiguous'} {out.shape} {out.dtype} array")
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(self.begin)
+                done = 0
+                while done < len(view):
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise CheckpointError(f"{self.path}: tensor {self.name!r} is truncated")
+                    done += n
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot read tensor {self.name!r} ({e.strerror})") from None
+        return out
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:

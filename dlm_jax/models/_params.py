@@ -6,6 +6,7 @@ families, exporters and tests.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -26,10 +27,30 @@ def _path_name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+class _ShapeOnlyRngs:
+    """Stands in for `nnx.Rngs` while a model is built under `nnx.eval_shape`: every stream
+    (`rngs.params()`, ...) gives the same key. Only shapes come out of that build, and a real
+    `Rngs` bumps a traced counter per draw, which makes JAX re-scan the whole trace so far each
+    time (quadratic: seconds at 8B parameters, for nothing)."""
+
+    def __getattr__(self, stream: str) -> _ShapeOnlyRngs:
+        if stream.startswith("_"):
+            raise AttributeError(stream)
+        return self
+
+    def __call__(self) -> jax.Array:
+        return jax.random.key(0)
+
+
+@functools.lru_cache(maxsize=4)
+def _abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model of `cfg` with `jax.ShapeDtypeStruct`s for arrays (read, never mutated)."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=_ShapeOnlyRngs()))
+
+
 def param_shapes(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
     """Name -> shape/dtype of every parameter, without allocating any."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
+    state = nnx.state(_abstract_model(cfg), nnx.Param)
     return {_path_name(p): v.get_value() for p, v in nnx.to_flat_state(state)}
 
 
@@ -39,13 +60,14 @@ def get_params(model: Transformer) -> dict[str, np.ndarray]:
     return {_path_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
 
 
-def model_from_params(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> Transformer:
+def model_from_params(cfg: ModelConfig, params: Mapping[str, np.ndarray | jax.Array]) -> Transformer:
     """Build a model whose parameters are exactly `params` (names and shapes must match).
 
-    No random initialisation runs: the module graph is built abstractly and filled in.
+    No random initialisation runs: the module graph is built abstractly and filled in. A
+    device array already in the parameter's dtype is used as it is (no copy); anything else is
+    converted once (`jnp.asarray`).
     """
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(_abstract_model(cfg))
     flat = []
     expected = set()
     for path, var in nnx.to_flat_state(state):
@@ -54,9 +76,9 @@ def model_from_params(cfg: ModelConfig, params: Mapping[str, np.ndarray]) -> Tra
         if name not in params:
             raise KeyError(f"parameter {name!r} is missing")
         spec = var.get_value()
-        value = np.asarray(params[name])
-        if tuple(value.shape) != tuple(spec.shape):
-            raise ValueError(f"parameter {name!r} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
+        value = params[name]
+        if tuple(np.shape(value)) != tuple(spec.shape):
+            raise ValueError(f"parameter {name!r} has shape {tuple(np.shape(value))}, expected {tuple(spec.shape)}")
         flat.append((path, var.replace(jnp.asarray(value, dtype=spec.dtype))))
     extra = sorted(set(params) - expected)
     if extra:

@@ -69,6 +69,7 @@ class DecodeStats:
     counters: dict[str, int] = dataclasses.field(default_factory=dict)  # events of schedulers and policies
     compiles: int = 0  # programs compiled (or signatures set up) during the decode, CPU path included
     compile_seconds: float = 0.0
+    compile_wait_seconds: float = 0.0  # of which the decode waited for (the rest ran beside its steps)
     exports: int = 0  # buckets exported during the decode (the bundle cache)
     export_seconds: float = 0.0
     # Bytes between the host and where the step runs (`KVCache.transfers`): once when the
@@ -113,7 +114,8 @@ class DecodeStats:
                 "median_host_seconds": float(np.median(self.host_seconds)) if self.host_seconds else 0.0,
                 "peak_rss_mb": round(self.peak_rss_mb, 1), "buckets": dict(sorted(self.buckets.items())),
                 "counters": self.counters, "compiles": self.compiles,
-                "compile_seconds": round(self.compile_seconds, 3), "exports": self.exports,
+                "compile_seconds": round(self.compile_seconds, 3),
+                "compile_wait_seconds": round(self.compile_wait_seconds, 3), "exports": self.exports,
                 "export_seconds": round(self.export_seconds, 3), "opened_bytes": self.opened_bytes,
                 "h2d_bytes": int(sum(self.h2d_bytes)), "d2h_bytes": int(sum(self.d2h_bytes)),
                 "max_step_h2d_bytes": max(self.h2d_bytes, default=0)}
@@ -123,6 +125,12 @@ class DecodeStats:
 class DecodeOutput:
     sequences: list[np.ndarray]  # per request: the gen_len generated ids (EOS-filled after a stop)
     stats: DecodeStats
+
+
+def _use_order(keys: Sequence[BucketKey]) -> list[BucketKey]:
+    """A decode's buckets in the order its steps likely reach them: the cache grows as blocks
+    are committed (a decode starts with nothing cached) and the window shrinks."""
+    return sorted(keys, key=lambda k: (k.cache, -k.window, -k.rows))
 
 
 class Decoder:
@@ -271,7 +279,7 @@ class Decoder:
         mc = self.model_config
         n = len(prompts)
         self.check_prompts(prompts, seeds)
-        self._keys_of([len(p) for p in prompts], cfg)  # every check before any work (memoised)
+        main_keys, cpu_keys = self._keys_of([len(p) for p in prompts], cfg)  # every check first (memoised)
         state = DecodeState.create(prompts, gen_len=cfg.gen_len, batch=self.capabilities.batches.select(n),
                                    mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_ids=mc.eos_ids,
                                    shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n)
@@ -286,6 +294,11 @@ class Decoder:
         cpu = revision.cpu_path(self.cpu_executor, mc)
         built = self.build_counts()  # the fork, if any, exists now
         # The decode's K/V, held by the executor (or in NumPy beside one that takes them densely).
+        # Buckets not built yet compile in the background, first needed first; a step waits for its own.
+        slots = max(len(p) for p in prompts) + cfg.gen_len
+        cancels = [self.executor.prefetch(_use_order(main_keys), slots=slots)]
+        if cpu is not None and cpu_keys:
+            cancels.append(self.cpu_executor().executor.prefetch(_use_order(cpu_keys), slots=slots, views=True))
         cache = self.executor.open(mc, state.positions, state.valid) or HostKVCache(self.executor, mc, state.positions,
                                                                                     state.valid)
         stored = False
@@ -348,6 +361,8 @@ class Decoder:
                     if on_block is not None:
                         on_block(plan.unit, state.sequences())
         finally:
+            for cancel in cancels:  # buckets this decode did not reach are not built for it
+                cancel()
             if cpu is not None:
                 cpu.close()
             cache.close()
@@ -356,6 +371,7 @@ class Decoder:
         stats.h2d_bytes, stats.d2h_bytes = list(cache.transfers.h2d), list(cache.transfers.d2h)
         grown = self.build_counts() - built
         stats.compiles, stats.compile_seconds = grown.compiles, grown.compile_seconds
+        stats.compile_wait_seconds = grown.compile_wait_seconds
         stats.exports, stats.export_seconds = grown.exports, grown.export_seconds
         stats.counters = dict(sorted(state.counters.items()))
         stats.seconds = time.perf_counter() - start

@@ -241,13 +241,15 @@ class Capabilities:
 @dataclasses.dataclass(frozen=True)
 class BuildCounts:
     """What an executor has built so far (cumulative): programs compiled (JAX) or signatures
-    set up (LiteRT), buckets exported (the bundle cache), and the seconds each took.
-    `DecodeStats` records the difference over a decode."""
+    set up (LiteRT), buckets exported (the bundle cache), and the seconds each took; and the
+    seconds its callers waited for compiles (less than `compile_seconds` where they ran in the
+    background, `Executor.prefetch`). `DecodeStats` records the difference over a decode."""
 
     compiles: int = 0
     compile_seconds: float = 0.0
     exports: int = 0
     export_seconds: float = 0.0
+    compile_wait_seconds: float = 0.0
 
     def __add__(self, other: BuildCounts) -> BuildCounts:
         return BuildCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -257,6 +259,10 @@ class BuildCounts:
 
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def _nothing() -> None:
+    return None
 
 
 class Executor(HookBase):
@@ -284,7 +290,8 @@ class Executor(HookBase):
       close()            release native resources now; default nothing.
     `set_progress(progress)` hands it a `(stage, done, total)` callback for long builds."""
 
-    HOOKS = ("capabilities", "step", "warmup", "prepare", "fork", "open", "close", "build_counts", "set_progress")
+    HOOKS = ("capabilities", "step", "warmup", "prefetch", "prepare", "fork", "open", "close", "build_counts",
+             "set_progress")
     prepares_ahead: bool = False  # `prepare` builds in batches: give it the buckets of nearby prompt lengths too
 
     @property
@@ -302,6 +309,13 @@ class Executor(HookBase):
         `slots`: the decode's slot count (prompt + generation), for an executor whose cache
         programs depend on it; `views`: the buckets are a CPU path's (`KVCache.snapshot`)."""
         raise NotImplementedError
+
+    def prefetch(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> Callable[[], None]:
+        """Start building `keys` in the background, in the order given (the decode's likely order
+        of use), as `warmup` would (same `slots` / `views`); a step then waits only for its own
+        bucket. Returns a callable that drops those not started (a decode calls it when it
+        ends). Default: nothing is built ahead; steps build on first use."""
+        return _nothing
 
     def prepare(self, keys: Sequence[BucketKey]) -> None:
         """Build the buckets of `keys` in one batch, ahead of their warm-up (default: nothing)."""

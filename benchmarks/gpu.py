@@ -1,0 +1,1035 @@
+"""dlm-jax against Fast-dLLM's released LLaDA generators, on the same weights and the same GPU.
+
+    .venv/bin/python benchmarks/gpu.py --peer-src ~/src/Fast-dLLM --checkpoint ~/ckpt/llada-8b-peaked
+    .venv/bin/python benchmarks/gpu.py --small --peer-src ~/src/Fast-dLLM      (the correctness half; a CPU will do)
+
+The checkpoint is a random LLaDA-8B-shaped model (d 4096, 32 layers, 32 heads without GQA,
+MLP 12288, vocab 126464, mask id 126336, bf16) built and saved by Fast-dLLM's own modeling code
+(`LLaDAModelLM(config, init_params=True)`, seeded, `save_pretrained(safe_serialization=True)`),
+then reused. Its head is peaked so that threshold 0.9 commits several tokens per step, as a
+trained model does: the output projection is rescaled to logits of standard deviation
+`--logit-std`, and the query/key and residual-branch output projections are scaled
+(`--qk-scale`, `--branch-scale`) so that masked positions see different contexts and predict
+different tokens (without them every mask predicts the same token).
+
+Both sides decode the same prompts (`--prompt-len` seeded random ids below the mask id),
+generation 256, block 32, threshold 0.9, temperature 0, with the prefix and the dual cache at
+batch 1, 8 and 32. Each side runs in its own process (so neither holds GPU memory while the
+other runs): Fast-dLLM's `generate_with_prefix_cache` / `generate_with_dual_cache` imported from
+`--peer-src` (cloned into ~/.cache/dlm-jax/peers when not given), loaded with their
+`LLaDAModelLM.from_pretrained(path, torch_dtype=...)`; dlm-jax through `dlm_jax.load(path,
+executor="jax")` and `Model.decoder.decode`. Per case: one untimed decode (for dlm-jax its first
+decode, without a warm-up: the compiles it waits for included), then the median of `--reps`
+timed ones. A second dlm-jax process times its first decodes over the persistent compilation
+cache the first one filled.
+
+Fast-dLLM's code is never edited; what this script changes in memory is listed in the report
+(`peer.shims`): the per-row `replace_position` fix of their dual cache (it indexes the cache
+with the positions of all rows at once, which fails past batch 1), a batched `x` where their
+generators build one row, and small compatibility shims for transformers 5.
+
+`--small`: a tiny float32 twin (d 256, 2 layers, vocab 1024) at batch 1 and 2, prompt 32,
+generation 64, which must give token-identical answers with equal NFE on both sides (exit
+status 1 otherwise). Writes <out>.json, <out>.md and <out>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PEER_URL = "https://github.com/NVlabs/Fast-dLLM"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dlm-jax"
+MARKER = "dlm_jax_benchmark.json"  # the recipe a checkpoint was written with
+SIDES = ("fast_dllm", "dlm_jax")
+CACHES = ("prefix", "dual")
+
+# LLaDA-8B-Instruct's architecture (its config.json) and the tiny twin of `--small`.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llada-8b": dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
+                     vocab_size=126464, embedding_size=126464, mask_token_id=126336, eos_token_id=126081,
+                     pad_token_id=126081, max_sequence_length=4096),
+    "small": dict(d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=768, vocab_size=1024,
+                  embedding_size=1024, mask_token_id=1000, eos_token_id=1001, pad_token_id=1001,
+                  max_sequence_length=512),
+}
+# The rest of LLaDA-8B's config.json: what dlm-jax's `llada` family reader accepts.
+LLADA_KEYS: dict[str, Any] = dict(
+    activation_type="silu", block_type="llama", rope=True, rope_theta=500000.0, layer_norm_type="rms",
+    rms_norm_eps=1e-5, weight_tying=False, include_bias=False, include_qkv_bias=False, scale_logits=False,
+    input_emb_norm=False, attention_layer_norm=False, alibi=False, flash_attention=False, bias_for_layer_norm=False,
+    block_group_size=1, init_fn="mitchell", init_std=0.02, attention_dropout=0.0, embedding_dropout=0.0,
+    residual_dropout=0.0, multi_query_attention=None, init_device="cpu")
+# Mode defaults; a flag given on the command line wins.
+MODE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "full": dict(shape="llada-8b", dtype="bfloat16", batches=[1, 8, 32], reps=3, prompt_len=128, gen_len=256,
+                 checkpoint=CACHE / "bench" / "llada-8b-peaked", out=ROOT / "benchmarks" / "results" / "gpu"),
+    "small": dict(shape="small", dtype="float32", batches=[1, 2], reps=1, prompt_len=32, gen_len=64,
+                  checkpoint=CACHE / "bench" / "llada-small-peaked",
+                  out=Path(tempfile.gettempdir()) / "dlm-jax-gpu-small" / "gpu"),
+}
+# HBM bandwidth (TB/s) and dense bf16 tensor-core peak (TFLOP/s) by device name, most specific first.
+DEVICES: tuple[tuple[str, float, float], ...] = (
+    ("H200", 4.8, 989.0), ("H100 NVL", 3.9, 835.0), ("H100 PCIe", 2.0, 756.0), ("H100", 3.35, 989.0),
+    ("A100-SXM4-80GB", 2.039, 312.0), ("A100 80GB PCIe", 1.935, 312.0), ("A100", 1.555, 312.0),
+    ("L40S", 0.864, 362.0))
+TARGETS = dict(ratio_b1=5.0, ratio_b8=3.0, step_over_weight_read=1.5, load_over_torch=2.0,
+               first_decode_s=15.0, second_process_s=5.0)
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--small", action="store_true", help="the correctness half: a tiny float32 model, batch 1 and 2")
+    p.add_argument("--peer-src", type=Path, help="a checkout of NVlabs/Fast-dLLM (default: clone it into "
+                   f"{CACHE / 'peers'})")
+    p.add_argument("--checkpoint", type=Path, help="where the random checkpoint is written, or reused if present")
+    p.add_argument("--out", type=Path, help="report path without suffix (writes .json, .md, .png)")
+    p.add_argument("--batches", type=int, nargs="+")
+    p.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
+    p.add_argument("--reps", type=int, help="timed decodes per case and side (after one untimed)")
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--gen-len", type=int)
+    p.add_argument("--block-len", type=int, default=32)
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"))
+    p.add_argument("--seed", type=int, default=0, help="of the weights and the prompts")
+    p.add_argument("--logit-std", type=float, default=20.0, help="standard deviation of the peaked head's logits")
+    p.add_argument("--qk-scale", type=float, default=4.0, help="factor on the query and key projections")
+    p.add_argument("--branch-scale", type=float, default=8.0, help="factor on attn_out and ff_out of each block")
+    p.add_argument("--tie-tol", type=float, help="answers that part after a decision this close in logits (default "
+                   "0.01 in float32, 1.0 in bfloat16) count as agreeing: a numerical near tie, not a difference")
+    p.add_argument("--hbm-tbps", type=float, help="HBM bandwidth in TB/s (default: by device name)")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak in TFLOP/s (default: by device name)")
+    p.add_argument("--xla-cache", type=Path, help="persistent compilation cache (default: a fresh one, removed after)")
+    p.add_argument("--no-second-process", action="store_true", help="skip the warm-cache dlm-jax process")
+    p.add_argument("--worker", choices=("write", *SIDES), help=argparse.SUPPRESS)
+    p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and fill the mode's defaults (`MODE_DEFAULTS`) for every flag not given."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    args.mode = "small" if args.small else "full"
+    for key, value in MODE_DEFAULTS[args.mode].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    for name in ("prompt_len", "gen_len", "block_len", "reps"):
+        if getattr(args, name) < (0 if name == "reps" else 1):
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} is too small")
+    if args.gen_len % args.block_len:
+        p.error(f"--block-len={args.block_len} must divide --gen-len={args.gen_len}")
+    if args.tie_tol is None:
+        args.tie_tol = 0.01 if args.dtype == "float32" else 1.0
+    if min(args.batches) < 1:
+        p.error(f"--batches {args.batches}: each must be at least 1")
+    if not 0 < args.threshold <= 1:
+        p.error(f"--threshold={args.threshold} must be in (0, 1]")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast-dLLM's sources: found or cloned, loaded, patched in memory (never edited)
+
+
+def peer_source(given: Path | None, *, cache: Path = CACHE / "peers") -> tuple[Path, bool]:
+    """The Fast-dLLM checkout to import from, and whether it was cloned now. Without `given`,
+    clones NVlabs/Fast-dLLM into `cache` once; exits with one line naming --peer-src if it can't."""
+    def check(src: Path) -> Path:
+        if not (src / "llada" / "generate.py").is_file() or not (src / "llada" / "model" / "modeling_llada.py").is_file():
+            raise SystemExit(f"error: --peer-src {src} is not a Fast-dLLM checkout (no llada/generate.py or "
+                             f"llada/model/modeling_llada.py)")
+        return src.resolve()
+
+    if given is not None:
+        return check(given.expanduser()), False
+    dest = cache / "Fast-dLLM"
+    if (dest / "llada" / "generate.py").is_file():
+        return check(dest), False
+    log(f"cloning {PEER_URL} into {dest}")
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".clone-", dir=cache))
+    try:
+        proc = subprocess.run(["git", "clone", "--quiet", "--depth", "1", PEER_URL, str(tmp / "repo")],
+                              capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        proc = subprocess.CompletedProcess([], 1, "", str(e))
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = (proc.stderr.strip().splitlines() or ["git clone failed"])[-1]
+        raise SystemExit(f"error: could not clone {PEER_URL} ({reason}); pass --peer-src PATH, a checkout of it")
+    (tmp / "repo").rename(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return check(dest), True
+
+
+def peer_identity(src: Path) -> dict[str, Any]:
+    """The commit of a checkout (when it is a git work tree) and the sha256 of the two files used."""
+    commit = None
+    try:  # a checkout of its own, not a copy inside some other work tree
+        proc = subprocess.run(["git", "-C", str(src), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                              text=True, timeout=30)
+        top, head = (proc.stdout.split() + ["", ""])[:2]
+        if proc.returncode == 0 and Path(top).resolve() == src.resolve():
+            commit = head
+    except OSError:
+        pass
+    files = ("llada/generate.py", "llada/model/modeling_llada.py", "llada/model/configuration_llada.py")
+    return {"src": str(src), "commit": commit,
+            "sha256": {f: hashlib.sha256((src / f).read_bytes()).hexdigest()[:16] for f in files}}
+
+
+def scatter_rows(past, new, cols):
+    """Fast-dLLM's dual-cache write, one row at a time: `past` [B, H, L, D] takes `new`
+    [B, H, S, D] at row b's S positions, where `cols` [B*S] holds the positions of every row in
+    row-major order (`replace_position.nonzero(as_tuple=True)[1]`, what their code computes).
+    Their `past[:, :, cols] = new` writes all B*S positions into every row and raises for B > 1.
+    In place; returns `past`. At B = 1 it is their indexing exactly."""
+    import torch
+
+    b, h, s, d = new.shape
+    if cols.numel() != b * s:
+        raise ValueError(f"replace_position marks {cols.numel()} positions, expected {b} rows x {s}")
+    if b == 1:
+        past[:, :, cols] = new
+        return past
+    rows = torch.arange(b, device=cols.device).repeat_interleave(s)
+    past[rows, :, cols] = new.permute(0, 2, 1, 3).reshape(b * s, h, d)
+    return past
+
+
+@dataclasses.dataclass(frozen=True)
+class SourcePatch:
+    """A text substitution in one function of Fast-dLLM, compiled in memory in the function's
+    own module namespace. `missing` says what it means when `old` is not in the source."""
+
+    name: str
+    target: str  # "generate.<function>" or "modeling.<Class>.<method>"
+    old: str
+    new: str
+    why: str
+    missing: str
+
+
+PATCHES: tuple[SourcePatch, ...] = (
+    SourcePatch("per-row replace_position (key)", "modeling.LLaDABlock.attention",
+                "past_key[:, :, replace_indices] = k", "past_key = _dlm_jax_scatter_rows(past_key, k, replace_indices)",
+                "the dual cache indexes the cache with the positions of all rows at once: fails for batch > 1",
+                "not found: this version writes the dual cache another way"),
+    SourcePatch("per-row replace_position (value)", "modeling.LLaDABlock.attention",
+                "past_value[:, :, replace_indices] = v",
+                "past_value = _dlm_jax_scatter_rows(past_value, v, replace_indices)",
+                "as for the key", "not found: this version writes the dual cache another way"),
+    *(SourcePatch(f"batched x ({fn})", f"generate.{fn}", "torch.full((1, prompt.shape[1] + gen_length)",
+                  "torch.full((prompt.shape[0], prompt.shape[1] + gen_length)",
+                  "this version builds the canvas with one row whatever the batch",
+                  "not needed: this version builds one row per prompt")
+      for fn in ("generate_with_prefix_cache", "generate_with_dual_cache")),
+)
+
+
+def _patch_function(fn: Callable, edits: Sequence[SourcePatch]) -> tuple[Callable, list[bool]]:
+    """`fn` recompiled with each edit whose `old` text it holds; and which ones applied."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    if "self.__" in src:  # name mangling would differ outside the class body
+        raise RuntimeError(f"cannot patch {fn.__qualname__}: it uses a private attribute")
+    applied = []
+    for e in edits:
+        applied.append(src.count(e.old) == 1)
+        src = src.replace(e.old, e.new) if applied[-1] else src
+    if not any(applied):
+        return fn, applied
+    scope: dict[str, Any] = {}
+    exec(compile(src, f"<{fn.__module__}.{fn.__qualname__}, patched by benchmarks/gpu.py>", "exec"),
+         sys.modules[fn.__module__].__dict__, scope)  # (a decorated function's __globals__ are its wrapper's)
+    return scope[fn.__name__], applied
+
+
+@dataclasses.dataclass
+class Peer:
+    """Fast-dLLM's LLaDA code, loaded: the generators, the model and config classes, and every
+    shim and patch applied (`shims`, for the report)."""
+
+    generate: Any  # the llada/generate.py module
+    modeling: Any  # llada/model/modeling_llada.py
+    shims: list[dict[str, Any]]
+
+    @property
+    def model_class(self):
+        return self.modeling.LLaDAModelLM
+
+    @property
+    def config_class(self):
+        return self.modeling.LLaDAConfig
+
+    def generator(self, cache: str) -> Callable:
+        return getattr(self.generate, f"generate_with_{cache}_cache")
+
+
+def load_peer(src: Path, *, device: str) -> Peer:
+    """Import Fast-dLLM's `llada/generate.py` from `src` (both its import styles: the released
+    `from model.modeling_llada import ...` and the later package-relative one), apply `PATCHES`
+    and the compatibility shims this environment needs, and return them."""
+    import importlib
+
+    import torch
+    import transformers
+
+    for path in (src / "llada", src):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    generate = importlib.import_module("llada.generate")
+    modeling = sys.modules[generate.LLaDAModelLM.__module__]
+    modeling._dlm_jax_scatter_rows = scatter_rows
+    shims: list[dict[str, Any]] = []
+    by_target: dict[str, list[SourcePatch]] = {}
+    for patch in PATCHES:
+        by_target.setdefault(patch.target, []).append(patch)
+    for target, edits in by_target.items():
+        module_name, *path = target.split(".")
+        owner = generate if module_name == "generate" else modeling
+        for attr in path[:-1]:
+            owner = getattr(owner, attr)
+        new, applied = _patch_function(getattr(owner, path[-1]), edits)
+        setattr(owner, path[-1], new)
+        for e, ok in zip(edits, applied):
+            shims.append({"name": e.name, "kind": "source patch", "target": target, "applied": ok,
+                          "why": e.why, "old": e.old, "new": e.new, **({} if ok else {"note": e.missing})})
+
+    cls = modeling.LLaDAModelLM
+    major = int(transformers.__version__.split(".")[0])
+    if major >= 5:
+        # transformers 5 sets `all_tied_weights_keys` in `post_init`, which the class never calls;
+        # it has no tied keys (with weight tying it reads wte directly, no tied parameter).
+        init = cls.__init__
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            if not hasattr(self, "all_tied_weights_keys"):
+                self.all_tied_weights_keys = {}
+
+        cls.__init__ = __init__
+        tie = cls.tie_weights
+        cls.tie_weights = lambda self, *args, **kwargs: tie(self)
+        shims += [
+            {"name": "all_tied_weights_keys", "kind": "compatibility", "target": "modeling.LLaDAModelLM.__init__",
+             "applied": True, "why": f"transformers {transformers.__version__} reads it in from_pretrained; "
+             "it is set by post_init(), which LLaDAModelLM never calls: set to {} (no tied parameters)"},
+            {"name": "tie_weights(**kwargs)", "kind": "compatibility", "target": "modeling.LLaDAModelLM.tie_weights",
+             "applied": True, "why": "transformers 5 calls tie_weights(missing_keys=..., recompute_mapping=...); "
+             "their override takes no arguments: called without them"},
+            {"name": "config.use_cache", "kind": "compatibility", "target": "loaded model's config",
+             "applied": True, "why": "transformers 5's PretrainedConfig drops the use_cache argument LLaDAConfig "
+             "passes; LLaDAModelLM.forward reads it when not given: set to False, LLaDAConfig's default"}]
+    if device == "cpu":
+        # Their `@torch.compile()` around scaled_dot_product_attention: inductor builds C++ for
+        # every new shape on a CPU (seconds each); eager runs the same function.
+        torch._dynamo.config.disable = True
+        shims.append({"name": "torch.compile off on CPU", "kind": "compatibility",
+                      "target": "modeling.scaled_dot_product_attention", "applied": True,
+                      "why": "their @torch.compile() wrapper compiles C++ per shape on a CPU; eager runs the same "
+                      "F.scaled_dot_product_attention (a GPU keeps it compiled)"})
+    return Peer(generate, modeling, shims)
+
+
+def loaded(peer: Peer, model) -> Any:
+    """A model from `from_pretrained`, with the config shim applied."""
+    if not hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return model.eval()
+
+
+class ForwardProbe:
+    """Wraps a model's `forward` (on the instance) to watch Fast-dLLM decode.
+
+    While `active` (the untimed decode: the probe syncs with the device), it counts forward
+    passes, the idle ones (cached calls whose block has no mask left: Fast-dLLM as released in
+    June 2025 checks for a finished block only after a cached step, later versions check first),
+    and per pass and row the decision margin in logits: how far the pass's decisions were from
+    flipping (the top-2 logit gap of every slot it commits, the distance of every other masked
+    slot's confidence to the threshold, and the choice of the forced slot), with the pass at
+    which each generated slot was committed. Two frameworks whose logits differ by less than a
+    pass's margin make the same decisions in it (`first_divergence`)."""
+
+    def __init__(self, model, *, mask_id: int, block_len: int, prompt_len: int, threshold: float):
+        self.active = True
+        self.mask_id, self.block_len, self.prompt_len, self.threshold = mask_id, block_len, prompt_len, threshold
+        self.reset()
+        inner = model.forward
+
+        def forward(input_ids=None, *args: Any, **kwargs: Any):
+            out = inner(input_ids, *args, **kwargs)
+            if self.active:
+                self._watch(input_ids, out.logits, cached=kwargs.get("past_key_values") is not None)
+            return out
+
+        model.forward = forward
+
+    def reset(self) -> None:
+        self.calls = self.idle = 0
+        self.margins: list[list[float]] = []  # [pass][row]
+        self.commit_pass: dict[tuple[int, int], int] = {}  # (row, generated slot) -> pass
+        self._start = 0
+
+    def _watch(self, ids, logits, *, cached: bool) -> None:
+        import torch
+
+        if not cached:  # a full forward opens the first block with a mask left
+            gen = (ids[0, self.prompt_len:] == self.mask_id).nonzero()
+            self._start = self.prompt_len + (int(gen[0, 0]) // self.block_len) * self.block_len if len(gen) else 0
+        lo = 0 if cached else self._start
+        ids, logits = ids[:, lo:lo + self.block_len], logits[:, lo:lo + self.block_len].float()
+        masked = ids == self.mask_id
+        self.calls += 1
+        self.idle += cached and not bool(masked.any())
+        top2 = logits.topk(2, dim=-1).values
+        gap = top2[..., 0] - top2[..., 1]
+        log_odds = top2[..., 0] - torch.logsumexp(logits, -1)
+        log_odds = log_odds - torch.log1p(-log_odds.exp().clamp(max=1 - 1e-12))  # log(p / (1 - p))
+        cut = math.log(self.threshold / (1 - self.threshold)) if self.threshold < 1 else math.inf
+        row_margins = []
+        for r in range(ids.shape[0]):
+            m = masked[r]
+            if not bool(m.any()):
+                row_margins.append(math.inf)
+                continue
+            lo_r = torch.where(m, log_odds[r], torch.tensor(-math.inf, device=ids.device))
+            forced = int(lo_r.argmax())
+            commit = m & (lo_r >= cut)
+            commit[forced] = True
+            margins = [float(gap[r][commit].min()), float((lo_r[m & ~commit] - cut).abs().min() / 2)
+                       if bool((m & ~commit).any()) else math.inf]
+            if float(lo_r[forced]) < cut and int(m.sum()) > 1:  # which slot is forced
+                margins.append(float(lo_r[forced] - lo_r[m].topk(2).values[1]) / 2)
+            row_margins.append(min(margins))
+            for j in commit.nonzero()[:, 0].tolist():
+                self.commit_pass.setdefault((r, self._start + j - self.prompt_len), len(self.margins))
+        self.margins.append(row_margins)
+
+
+def first_divergence(a: list[list[int]], b: list[list[int]], *, margins: list[list[float]],
+                     commit_pass: dict[str, int]) -> dict[str, Any] | None:
+    """Where answers `a` (Fast-dLLM, probed) and `b` first part, and whether a near tie explains
+    it: decisions can first differ at pass t only if t's margin is below the logit difference of
+    the two sides, and a slot committed at pass s with no differing decision up to s holds the
+    same token. Returns None for equal answers, else the earliest pass committing a differing
+    slot and the smallest margin up to it, per differing row (the smallest over rows)."""
+    worst = None
+    for r, (ra, rb) in enumerate(zip(a, b)):
+        diff = [i for i, (x, y) in enumerate(zip(ra, rb)) if x != y]
+        if not diff:
+            continue
+        s = min(commit_pass.get(f"{r},{i}", len(margins) - 1) for i in diff)
+        m = min(step[r] for step in margins[:s + 1])
+        if worst is None or m < worst["min_margin"] or math.isinf(worst["min_margin"]):
+            worst = {"row": r, "slot": min(diff), "pass": s, "min_margin": m}
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint
+
+
+def recipe(args: argparse.Namespace) -> dict[str, Any]:
+    return {"shape": args.shape, **SHAPES[args.shape], "dtype": args.dtype, "seed": args.seed,
+            "logit_std": args.logit_std, "qk_scale": args.qk_scale, "branch_scale": args.branch_scale}
+
+
+def checkpoint_state(path: Path, want: dict[str, Any]) -> str:
+    """"reuse" (written with this recipe), "write" (absent) or "foreign" (a checkpoint this
+    script did not write: used as it is). Exits on one written with another recipe."""
+    if not (path / "config.json").exists():
+        return "write"
+    if not (path / MARKER).exists():
+        return "foreign"
+    have = json.loads((path / MARKER).read_text())["recipe"]
+    if have != want:
+        diff = {k: (have.get(k), want.get(k)) for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k)}
+        raise SystemExit(f"error: {path} was written with another recipe {diff} (have, want); "
+                         f"remove it or pass another --checkpoint")
+    return "reuse"
+
+
+def write_checkpoint(peer: Peer, path: Path, rec: dict[str, Any]) -> dict[str, Any]:
+    """Build the model with Fast-dLLM's code and init (seeded), peak it, save it."""
+    import torch
+
+    shape = {k: rec[k] for k in SHAPES[rec["shape"]]}
+    torch.manual_seed(rec["seed"])
+    t0 = time.perf_counter()
+    config = peer.config_class(**LLADA_KEYS, **shape)
+    model = peer.model_class(config, init_params=True).eval()
+    tr = model.model.transformer
+    with torch.no_grad():
+        for block in tr.blocks:
+            for lin in (block.q_proj, block.k_proj):
+                lin.weight.mul_(rec["qk_scale"])
+            for lin in (block.attn_out, block.ff_out):
+                lin.weight.mul_(rec["branch_scale"])
+        # Logits ~ N(0, logit_std^2): the final RMSNorm leaves unit-RMS features.
+        head = tr.ff_out.weight
+        head.mul_(rec["logit_std"] / (head.float().std().item() * math.sqrt(shape["d_model"])))
+    model.to(getattr(torch, rec["dtype"]))
+    params = sum(p.numel() for p in model.parameters())
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / MARKER).write_text(json.dumps({"recipe": rec, "params": params, "written_by": "benchmarks/gpu.py"}, indent=1))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return {"params": params, "write_seconds": round(time.perf_counter() - t0, 1)}
+
+
+def make_prompts(n: int, length: int, *, vocab_below: int, avoid: Sequence[int], seed: int) -> list[list[int]]:
+    """`n` prompts of `length` random ids in [0, vocab_below) (below the mask id), none in `avoid`."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab_below, (n, length))
+    for bad in avoid:
+        while (hit := ids == bad).any():
+            ids[hit] = rng.integers(0, vocab_below, int(hit.sum()))
+    return ids.tolist()
+
+
+def warm_page_cache(path: Path) -> None:
+    """Read every file once, so that both sides' load times start from the page cache."""
+    for f in sorted(path.iterdir()):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                while fh.read(1 << 26):
+                    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers (one process each)
+
+
+def _torch_sync(torch, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def fast_dllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Fast-dLLM's side: load with their from_pretrained, then per case one untimed and `reps`
+    timed decodes with their generator."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 (torch's default, made sure)
+    if spec["require_gpu"] and device != "cuda":
+        raise SystemExit("error: torch sees no CUDA device; install a CUDA build of torch (the test extra)")
+    peer = load_peer(Path(spec["peer_src"]), device=device)
+    path, dtype = Path(spec["checkpoint"]), getattr(torch, spec["dtype"])
+    warm_page_cache(path)
+    t0 = time.perf_counter()
+    model = loaded(peer, peer.model_class.from_pretrained(path, torch_dtype=dtype).to(device))
+    _torch_sync(torch, device)
+    load_s = time.perf_counter() - t0
+    probe = ForwardProbe(model, mask_id=spec["mask_id"], block_len=spec["block_len"], prompt_len=spec["prompt_len"],
+                         threshold=spec["threshold"])
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                           "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                           "load_seconds": round(load_s, 3), "shims": peer.shims,
+                           "params": sum(p.numel() for p in model.parameters()), "cases": {}}
+    log(f"fast-dllm: loaded in {load_s:.1f} s on {out['device']}")
+    for case in spec["cases"]:
+        batch, cache = case["batch"], case["cache"]
+        prompt = torch.tensor(spec["prompts"][:batch], dtype=torch.long, device=device)
+        fn = peer.generator(cache)
+        gen = spec["gen_len"]
+
+        def run() -> tuple[Any, int, float]:
+            t = time.perf_counter()
+            x, nfe = fn(model, prompt, steps=gen, gen_length=gen, block_length=spec["block_len"], temperature=0.0,
+                        remasking="low_confidence", mask_id=spec["mask_id"], threshold=spec["threshold"])
+            _torch_sync(torch, device)
+            return x, nfe, time.perf_counter() - t
+
+        key = f"{cache} b{batch}"
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        probe.reset()
+        probe.active = True
+        try:
+            x, nfe, first = run()
+        except Exception as e:  # noqa: BLE001 - one failing case is reported, the rest still run
+            out["cases"][key] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"fast-dllm {key}: FAILED {type(e).__name__}: {e}")
+            continue
+        tokens = x[:, spec["prompt_len"]:].tolist()
+        seconds, same = [], True
+        probe.active = False
+        for _ in range(spec["reps"]):
+            x2, _, s = run()
+            seconds.append(s)
+            same &= x2[:, spec["prompt_len"]:].tolist() == tokens
+        out["cases"][key] = {
+            "nfe": int(nfe), "forward_calls": probe.calls, "idle_forwards": probe.idle,
+            "first_seconds": round(first, 4), "seconds": [round(s, 4) for s in seconds], "deterministic": same,
+            "tokens": tokens, "margins": probe.margins,
+            "commit_pass": {f"{r},{i}": p for (r, i), p in probe.commit_pass.items()},
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None}
+        log(f"fast-dllm {key}: NFE {nfe} ({probe.idle} idle), first {first:.2f} s (probed), "
+            f"timed {[round(s, 3) for s in seconds]}")
+    return out
+
+
+def dlm_jax_worker(spec: dict[str, Any], *, second: bool) -> dict[str, Any]:
+    """dlm-jax's side. First process: load, then per case the first decode (warm-up compiles
+    included) and `reps` timed decodes. Second process (`second`): only each case's first
+    decode, over the persistent compilation cache the first process filled."""
+    import jax
+    from flax import nnx
+
+    import dlm_jax
+    from dlm_jax._compile import XlaCompileCounter, enable_persistent_cache
+
+    enable_persistent_cache(spec["xla_cache"])
+    hits = [0]  # executables the persistent cache served (XlaCompileCounter counts those too)
+    jax.monitoring.register_event_listener(
+        lambda event, **_: hits.__setitem__(0, hits[0] + (event == "/jax/compilation_cache/cache_hits")))
+    if spec["dtype"] == "float32":  # XLA may run float32 dots in TF32 on a GPU by default
+        jax.config.update("jax_default_matmul_precision", "highest")
+    dev = jax.devices()[0]
+    if spec["require_gpu"] and dev.platform != "gpu":
+        raise SystemExit(f"error: JAX sees no GPU ({dev}); install the cuda extra: pip install -e '.[cuda]'")
+    path = Path(spec["checkpoint"])
+    warm_page_cache(path)
+    t0 = time.perf_counter()
+    m = dlm_jax.load(path, executor="jax", dtype=spec["dtype"], param_dtype=spec["dtype"])
+    jax.block_until_ready([v.get_value() for _, v in nnx.to_flat_state(nnx.state(m.model, nnx.Param))])
+    load_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"device": f"{dev.platform}: {dev.device_kind}", "jax": jax.__version__,
+                           "load_seconds": round(load_s, 3), "params": dlm_jax.param_count(m.config),
+                           "config": m.config.to_dict(), "cases": {}}
+    log(f"dlm-jax{' (second process)' if second else ''}: loaded in {load_s:.1f} s on {out['device']}")
+    for case in spec["cases"]:
+        batch, cache = case["batch"], case["cache"]
+        key = f"{cache} b{batch}"
+        ids = spec["prompts"][:batch]
+        cfg = dlm_jax.decode_config(gen_len=spec["gen_len"], block_len=spec["block_len"], cache=cache,
+                                    rule="threshold", threshold=spec["threshold"])
+        compiles, hit0 = XlaCompileCounter.count(), hits[0]
+        t = time.perf_counter()
+        res = m.decoder.decode(ids, cfg)  # no warm-up: it compiles what it reaches, ahead where it can
+        first = time.perf_counter() - t
+        s1 = res.stats
+        entry: dict[str, Any] = {"first_seconds": round(first, 4), "first_compiles": s1.compiles,
+                                 "first_compile_seconds": round(s1.compile_seconds, 3),
+                                 "first_compile_wait_seconds": round(s1.compile_wait_seconds, 3),
+                                 "xla_programs": XlaCompileCounter.count() - compiles,
+                                 "xla_cache_hits": hits[0] - hit0}
+        tokens = [s.tolist() for s in res.sequences]
+        if not second:
+            seconds, same = [], True
+            for _ in range(spec["reps"]):
+                t = time.perf_counter()
+                res = m.decoder.decode(ids, cfg)
+                seconds.append(time.perf_counter() - t)
+                same &= [s.tolist() for s in res.sequences] == tokens
+            stats = res.stats.to_dict()
+            steps = res.stats.step_seconds
+            entry.update(
+                seconds=[round(s, 4) for s in seconds], deterministic=same, tokens=tokens, nfe=stats["nfe"],
+                request_nfe=stats["request_nfe"], compiles_during_decode=stats["compiles"],
+                median_step_seconds=stats["median_step_seconds"],
+                mean_step_seconds=sum(steps) / len(steps) if steps else None,
+                median_host_seconds=stats.get("median_host_seconds"), buckets=stats["buckets"],
+                h2d_bytes=stats.get("h2d_bytes"), d2h_bytes=stats.get("d2h_bytes"))
+        out["cases"][key] = entry
+        log(f"dlm-jax {key}: first decode {first:.2f} s ({entry['xla_programs']} XLA programs, "
+            f"{entry['xla_cache_hits']} from the persistent cache)"
+            + ("" if second else f", NFE {entry['nfe']}, timed {entry['seconds']}"))
+    mem = dev.memory_stats() or {}
+    out["peak_memory_bytes"] = mem.get("peak_bytes_in_use")
+    return out
+
+
+def write_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    peer = load_peer(Path(spec["peer_src"]), device="cpu" if not torch.cuda.is_available() else "cuda")
+    return write_checkpoint(peer, Path(spec["checkpoint"]), spec["recipe"])
+
+
+def run_worker(kind: str, spec_path: Path, result: Path, *, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """Run one worker in a fresh process (its log goes to our stderr) and read its result."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec_path), *extra]
+    rc = subprocess.run(cmd, stdout=sys.stderr).returncode
+    if rc != 0:
+        raise SystemExit(f"error: the {kind} process failed with exit status {rc} (its log is above)")
+    return json.loads(result.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparison, limits, targets
+
+
+def device_limits(name: str, *, hbm_tbps: float | None = None, peak_tflops: float | None = None) -> dict[str, Any]:
+    """HBM bandwidth and bf16 peak for a device name (e.g. "NVIDIA H100 80GB HBM3"), flags first."""
+    row = next((r for r in DEVICES if r[0].lower() in name.lower()), None)
+    return {"hbm_tbps": hbm_tbps or (row[1] if row else None),
+            "peak_tflops": peak_tflops or (row[2] if row else None),
+            "source": "flags" if hbm_tbps or peak_tflops else (f"table ({row[0]})" if row else "unknown device")}
+
+
+def step_cost(bucket: str, cfg: dict[str, Any], itemsize: int) -> tuple[float, float]:
+    """(FLOPs, bytes read) of one step in a dlm-jax bucket ("b{B}_w{W}_p{P}_r{R}"): the matmuls
+    of the window, attention over cache + window, the head on the logit rows; every weight but
+    the embedding table, and the cached K/V."""
+    b, w, p, r = (int(v) for v in re.match(r"b(\d+)_w(\d+)_p(\d+)_r(\d+)", bucket).groups())
+    d, layers, heads, kv, dh = cfg["d_model"], cfg["n_layers"], cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
+    per_layer = d * heads * dh * 2 + d * kv * dh * 2 + 3 * d * cfg["ffn_hidden"]
+    flops = 2 * b * w * layers * per_layer + 4 * b * w * (p + w) * layers * heads * dh + 2 * b * r * d * cfg["vocab_size"]
+    weights = layers * per_layer + cfg["vocab_size"] * d
+    return float(flops), float((weights + b * p * layers * 2 * kv * dh) * itemsize)
+
+
+def case_limits(buckets: dict[str, int], cfg: dict[str, Any], *, itemsize: int, limits: dict[str, Any]) -> dict[str, Any]:
+    """Per-step limits of a decode: the weight read alone, and the mean roofline over its steps."""
+    if not limits["hbm_tbps"] or not limits["peak_tflops"]:
+        return {}
+    bw, peak = limits["hbm_tbps"] * 1e12, limits["peak_tflops"] * 1e12
+    weights = step_cost("b1_w1_p0_r0", cfg, itemsize)[1]
+    steps = sum(buckets.values())
+    flop_s = roof_s = 0.0
+    for key, n in buckets.items():
+        flops, nbytes = step_cost(key, cfg, itemsize)
+        flop_s += n * flops / peak
+        roof_s += n * max(flops / peak, nbytes / bw)
+    return {"weight_read_s": weights / bw, "flop_s": flop_s / steps, "roofline_s": roof_s / steps}
+
+
+def compare(spec: dict[str, Any], fd: dict[str, Any], dj: dict[str, Any], dj2: dict[str, Any] | None,
+            limits: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per case: both sides' times, NFE, tokens compared, ratio, dlm-jax's limits."""
+    rows = []
+    itemsize = 2 if spec["dtype"] == "bfloat16" else 4
+    gen = spec["gen_len"]
+    for case in spec["cases"]:
+        key = f"{case['cache']} b{case['batch']}"
+        f, j = fd["cases"].get(key, {}), dj["cases"].get(key, {})
+        row: dict[str, Any] = {"case": key, **case}
+        for side, r in (("fast_dllm", f), ("dlm_jax", j)):
+            med = statistics.median(r["seconds"]) if r.get("seconds") else None
+            row[side] = {**{k: v for k, v in r.items() if k not in ("tokens", "seconds")},
+                         "all_seconds": r.get("seconds"), "seconds": med,
+                         "per_answer_s": med / case["batch"] if med else None,
+                         "tokens_per_s": case["batch"] * gen / med if med else None}
+        if dj2 is not None and key in dj2["cases"]:
+            row["dlm_jax"]["second_process_first_seconds"] = dj2["cases"][key]["first_seconds"]
+            row["dlm_jax"]["second_process_xla_cache_hits"] = dj2["cases"][key]["xla_cache_hits"]
+        row["fast_dllm"].pop("margins", None)
+        row["fast_dllm"].pop("commit_pass", None)
+        row["same_tokens"] = row["token_agreement"] = row["nfe_equal"] = row["divergence"] = None
+        row["agrees"] = False
+        if "tokens" in f and "tokens" in j:
+            a, b = f["tokens"], j["tokens"]
+            agree = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+            row["same_tokens"] = a == b
+            row["token_agreement"] = agree / sum(len(r) for r in a)
+            # NFE as dlm-jax counts it: Fast-dLLM's forward passes less the idle ones.
+            row["nfe_equal"] = f["forward_calls"] - f["idle_forwards"] == j["nfe"]
+            div = first_divergence(a, b, margins=f["margins"], commit_pass=f["commit_pass"])
+            if div is not None:
+                div["near_tie"] = div["min_margin"] < spec["tie_tol"]
+            row["divergence"] = div
+            # Equal answers and NFE, or answers that part after a near tie (a numerical difference).
+            row["agrees"] = (row["same_tokens"] and row["nfe_equal"]) or bool(div and div["near_tie"])
+        fs, js = row["fast_dllm"]["seconds"], row["dlm_jax"]["seconds"]
+        row["ratio"] = fs / js if fs and js else None
+        if j.get("buckets"):
+            lim = case_limits(j["buckets"], dj["config"], itemsize=itemsize, limits=limits)
+            if lim and j.get("median_step_seconds"):
+                lim["median_step_over_weight_read"] = j["median_step_seconds"] / lim["weight_read_s"]
+            row["limits"] = lim
+        rows.append(row)
+    return rows
+
+
+def targets(rows: list[dict[str, Any]], load: dict[str, float | None]) -> list[dict[str, Any]]:
+    """The issue's targets, each {target, value, limit, pass}; pass is None where not measured."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, limit: float, *, at_least: bool) -> None:
+        ok = None if value is None else (value >= limit if at_least else value <= limit)
+        out.append({"target": name, "value": None if value is None else round(value, 3), "limit": limit, "pass": ok})
+
+    def pick(batch: int, cache: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["batch"] == batch and r["cache"] == cache), None)
+
+    for batch, limit in ((1, TARGETS["ratio_b1"]), (8, TARGETS["ratio_b8"])):
+        for cache in CACHES:
+            r = pick(batch, cache)
+            add(f"Fast-dLLM s / dlm-jax s, {cache} b{batch}", r and r["ratio"], limit, at_least=True)
+    for cache in CACHES:
+        r = pick(1, cache)
+        lim = (r or {}).get("limits") or {}
+        add(f"dlm-jax median step / weight-read limit, {cache} b1", lim.get("median_step_over_weight_read"),
+            TARGETS["step_over_weight_read"], at_least=False)
+    fd, dj = load.get("fast_dllm"), load.get("dlm_jax")
+    add("dlm-jax load s / Fast-dLLM load s", dj / fd if fd and dj else None, TARGETS["load_over_torch"], at_least=False)
+    firsts = [r["dlm_jax"].get("first_seconds") for r in rows if r["dlm_jax"].get("first_seconds") is not None]
+    add("dlm-jax first decode s (cold cache, worst case)", max(firsts) if firsts else None,
+        TARGETS["first_decode_s"], at_least=False)
+    seconds = [r["dlm_jax"].get("second_process_first_seconds") for r in rows]
+    seconds = [s for s in seconds if s is not None]
+    add("dlm-jax first decode s, second process (worst case)", max(seconds) if seconds else None,
+        TARGETS["second_process_s"], at_least=False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def _f(v: Any, fmt: str = ".3f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, int):
+        return str(v)
+    return format(v, fmt) if isinstance(v, float) else str(v)
+
+
+def verdict(row: dict[str, Any]) -> str:
+    """How a case's answers compare, in a few words."""
+    if row["same_tokens"] is None:
+        return "not compared"
+    if row["same_tokens"] and row["nfe_equal"]:
+        return "identical"
+    div = row["divergence"]
+    if div is None:
+        return "same tokens, NFE DIFFER"
+    where = f"row {div['row']} pass {div['pass']}, margin {div['min_margin']:.2g}"
+    return f"part after a near tie ({where})" if div["near_tie"] else f"DIFFER ({where})"
+
+
+def _gib(v: int | None) -> str:
+    return "-" if v is None else f"{v / 2**30:.2f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s, dev = report["settings"], report["device"]
+    lines = [f"# dlm-jax against Fast-dLLM on {dev['jax']}" + (" (--small)" if report["mode"] == "small" else ""), "",
+             f"Checkpoint: random LLaDA `{report['checkpoint']['recipe'].get('shape')}` shape, "
+             f"{report['checkpoint'].get('params', 0) / 1e9:.3f}B parameters, {s['dtype']}, peaked head (recipe in the "
+             f"JSON). Prompt {s['prompt_len']}, generation {s['gen_len']}, block {s['block_len']}, threshold "
+             f"{s['threshold']}, temperature 0. Median of {s['reps']} timed decodes after one untimed.", "",
+             f"Devices: dlm-jax {dev['jax']}, Fast-dLLM {dev['torch']}; jax {report['versions']['jax']}, torch "
+             f"{report['versions']['torch']}, transformers {report['versions']['transformers']}. Fast-dLLM "
+             f"{report['peer']['commit'] or report['peer']['sha256']}.", "",
+             "| case | Fast-dLLM s | dlm-jax s | ratio | s/answer FD / DJ | tok/s FD / DJ | NFE FD (idle) / DJ | "
+             "answers | token agreement | DJ step ms | weight-read ms | roofline ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["cases"]:
+        fd, dj, lim = r["fast_dllm"], r["dlm_jax"], r.get("limits") or {}
+        ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+        lines.append(
+            f"| {r['case']} | {_f(fd['seconds'])} | {_f(dj['seconds'])} | {_f(r['ratio'], '.2f')} | "
+            f"{_f(fd['per_answer_s'])} / {_f(dj['per_answer_s'])} | {_f(fd['tokens_per_s'], '.0f')} / "
+            f"{_f(dj['tokens_per_s'], '.0f')} | {_f(fd.get('nfe'))} ({_f(fd.get('idle_forwards'))}) / {_f(dj.get('nfe'))} | "
+            f"{verdict(r)} | {_f(r['token_agreement'], '.3f')} | {_f(ms(dj.get('median_step_seconds')), '.2f')} | "
+            f"{_f(ms(lim.get('weight_read_s')), '.2f')} | {_f(ms(lim.get('roofline_s')), '.2f')} |")
+    lines += ["", "| case | DJ first decode s (cold) | DJ first decode s (2nd process) | FD first run s | "
+              "peak GiB FD | errors |", "|---|---|---|---|---|---|"]
+    for r in report["cases"]:
+        fd, dj = r["fast_dllm"], r["dlm_jax"]
+        err = "; ".join(f"{side}: {r[side]['error']}" for side in SIDES if r[side].get("error")) or ""
+        lines.append(f"| {r['case']} | {_f(dj.get('first_seconds'), '.2f')} | "
+                     f"{_f(dj.get('second_process_first_seconds'), '.2f')} | {_f(fd.get('first_seconds'), '.2f')} | "
+                     f"{_gib(fd.get('peak_memory_bytes'))} | {err} |")
+    load, mem = report["load_seconds"], report["peak_memory_bytes"]
+    lines += ["", f"Load: dlm-jax {_f(load['dlm_jax'], '.1f')} s, Fast-dLLM {_f(load['fast_dllm'], '.1f')} s (files in the "
+              f"page cache). Peak GPU memory: dlm-jax {_gib(mem['dlm_jax'])} GiB (whole process), Fast-dLLM "
+              f"{_gib(mem['fast_dllm'])} GiB (largest case).", "",
+              "| target | value | limit | pass |", "|---|---|---|---|"]
+    mark = {True: "PASS", False: "FAIL", None: "not measured"}
+    lines += [f"| {t['target']} | {_f(t['value'])} | {t['limit']} | {mark[t['pass']]} |" for t in report["targets"]]
+    applied = [sh for sh in report["peer"]["shims"] if sh["applied"]]
+    lines += ["", "What this script changes in Fast-dLLM's code, in memory (their files are not edited):", ""]
+    lines += [f"- {sh['name']} ({sh['target']}): {sh['why']}" for sh in applied]
+    lines += [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["cases"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for side, style in (("dlm_jax", "-o"), ("fast_dllm", "--s")):
+        for cache in CACHES:
+            pts = sorted((r["batch"], r[side]["tokens_per_s"]) for r in rows
+                         if r["cache"] == cache and r[side].get("tokens_per_s"))
+            if pts:
+                ax1.plot(*zip(*pts), style, label=f"{side.replace('_', '-')} {cache}")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("batch")
+    ax1.set_ylabel("generated tokens / s")
+    ax1.set_title("throughput")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    labels = [r["case"] for r in rows]
+    x = range(len(rows))
+    step = [1e3 * (r["dlm_jax"].get("median_step_seconds") or float("nan")) for r in rows]
+    ax2.bar([i - 0.2 for i in x], step, 0.4, label="dlm-jax median step")
+    for key, style, name in (("weight_read_s", "k_", "weight-read limit"), ("roofline_s", "r_", "roofline (mean)")):
+        vals = [1e3 * ((r.get("limits") or {}).get(key) or float("nan")) for r in rows]
+        ax2.plot([i + 0.2 for i in x], vals, style, markersize=14, label=name)
+    ax2.set_xticks(list(x))
+    ax2.set_xticklabels(labels, rotation=45, fontsize=8)
+    ax2.set_ylabel("ms per step")
+    ax2.set_title("dlm-jax step time against its limits")
+    ax2.grid(axis="y", alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"dlm-jax vs Fast-dLLM, {report['device']['jax']}, {report['settings']['dtype']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    src, cloned = peer_source(args.peer_src)
+    rec = recipe(args)
+    shape = SHAPES[args.shape]
+    ckpt = args.checkpoint.expanduser()
+    work = Path(tempfile.mkdtemp(prefix="dlm-jax-gpu-"))
+    xla_cache = args.xla_cache or work / "xla"
+    cases = [{"batch": b, "cache": c} for b in args.batches for c in args.caches]
+    spec = {"peer_src": str(src), "checkpoint": str(ckpt), "recipe": rec, "dtype": args.dtype,
+            "require_gpu": args.mode == "full", "mask_id": shape["mask_token_id"], "prompt_len": args.prompt_len,
+            "gen_len": args.gen_len, "block_len": args.block_len, "threshold": args.threshold, "reps": args.reps,
+            "xla_cache": str(xla_cache), "cases": cases, "tie_tol": args.tie_tol,
+            "prompts": make_prompts(max(args.batches), args.prompt_len, vocab_below=shape["mask_token_id"],
+                                    avoid=[shape["eos_token_id"]], seed=args.seed)}
+    try:
+        state = checkpoint_state(ckpt, rec)
+        written: dict[str, Any] = {}
+        if state == "write":
+            log(f"writing the checkpoint to {ckpt} with Fast-dLLM's code")
+            written = _worker(spec, work, "write")
+        elif state == "foreign":
+            log(f"{ckpt} was not written by this script: used as it is")
+        fd = _worker(spec, work, "fast_dllm")
+        dj = _worker(spec, work, "dlm_jax")
+        dj2 = None if args.no_second_process else _worker(spec, work, "dlm_jax", second=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    limits = device_limits(dj["device"], hbm_tbps=args.hbm_tbps, peak_tflops=args.peak_tflops)
+    if args.dtype != "bfloat16" and not (args.hbm_tbps and args.peak_tflops):
+        limits = {**limits, "hbm_tbps": None, "peak_tflops": None, "source": "not computed for float32"}
+    rows = compare(spec, fd, dj, dj2, limits)
+    load = {"fast_dllm": fd["load_seconds"], "dlm_jax": dj["load_seconds"]}
+    fd_mem = [r["fast_dllm"].get("peak_memory_bytes") for r in rows if r["fast_dllm"].get("peak_memory_bytes")]
+    notes = []
+    if any(r["fast_dllm"].get("idle_forwards") for r in rows):
+        notes.append("Fast-dLLM's NFE counts idle forwards (a cached step after a block its full forward already "
+                     "finished: this version checks for a finished block after a cached step); NFE is compared "
+                     "without them.")
+    if fd["params"] != dj["params"]:
+        notes.append(f"parameter counts differ: Fast-dLLM {fd['params']}, dlm-jax {dj['params']}")
+    correct = all(r["agrees"] for r in rows)
+    report = {
+        "benchmark": "benchmarks/gpu.py", "mode": args.mode,
+        "settings": {k: spec[k] for k in ("prompt_len", "gen_len", "block_len", "threshold", "reps", "dtype")}
+        | {"temperature": 0.0, "batches": args.batches, "caches": args.caches, "seed": args.seed,
+           "untimed_runs": 1, "xla_cache": "given" if args.xla_cache else "fresh (removed after)"},
+        "checkpoint": {"path": str(ckpt), "state": state, "recipe": rec if state != "foreign" else {},
+                       "params": dj["params"], **written},
+        "device": {"jax": dj["device"], "torch": fd["device"], **limits},
+        "versions": {"jax": dj["jax"], "torch": fd["torch"], "transformers": fd["transformers"],
+                     "python": platform.python_version()},
+        "peer": {**peer_identity(src), "cloned_now": cloned, "shims": fd["shims"]},
+        "load_seconds": load,
+        "peak_memory_bytes": {"dlm_jax": dj.get("peak_memory_bytes"), "fast_dllm": max(fd_mem) if fd_mem else None},
+        "cases": rows, "targets": targets(rows, load), "correct": correct, "notes": notes}
+    return report
+
+
+def _worker(spec: dict[str, Any], work: Path, kind: str, *, second: bool = False) -> dict[str, Any]:
+    name = kind + ("2" if second else "")
+    spec_path, result = work / f"{name}.spec.json", work / f"{name}.json"
+    spec_path.write_text(json.dumps({**spec, "result": str(result), "second": second}))
+    return run_worker(kind, spec_path, result)
+
+
+def worker_main(kind: str, spec_path: Path) -> None:
+    spec = json.loads(spec_path.read_text())
+    if kind == "write":
+        out = write_worker(spec)
+    elif kind == "fast_dllm":
+        out = fast_dllm_worker(spec)
+    else:
+        out = dlm_jax_worker(spec, second=spec["second"])
+    Path(spec["result"]).write_text(json.dumps(out))
+
+
+def print_targets(report: dict[str, Any]) -> None:
+    for t in report["targets"]:
+        mark = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
+        print(f"{mark}  {t['target']}: {_f(t['value'])} (limit {t['limit']})")
+    for r in report["cases"]:
+        print(f"{r['case']}: NFE Fast-dLLM {r['fast_dllm'].get('nfe')} (idle {r['fast_dllm'].get('idle_forwards')}), "
+              f"dlm-jax {r['dlm_jax'].get('nfe')}; answers {verdict(r)}, token agreement "
+              f"{_f(r['token_agreement'])}, ratio {_f(r['ratio'], '.2f')}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, args.spec)
+        return 0
+    report = run(args)
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    plot(report, out.with_suffix(".png"))
+    print_targets(report)
+    print(f"wrote {out}.json, .md, .png; answers {'agree' if report['correct'] else 'DIFFER'}")
+    return 0 if report["correct"] or args.mode == "full" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

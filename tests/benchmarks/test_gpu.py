@@ -1,0 +1,225 @@
+"""`benchmarks/gpu.py`, dlm-jax against Fast-dLLM's released generators.
+
+The correctness half (`--small`) guards against a comparison that times different work: a
+benchmark whose two sides decode different answers, or the same answers in a different number
+of forward passes, reports ratios that mean nothing. It needs Fast-dLLM's sources
+(`DLM_JAX_PEER_SRC`, a checkout of NVlabs/Fast-dLLM); the helpers below it need none."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu  # noqa: E402
+
+PEER_ENV = "DLM_JAX_PEER_SRC"
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: no peer code, no model
+
+
+def test_arguments_take_each_modes_defaults_and_the_flags_given():
+    full = gpu.parse_args([])
+    assert (full.mode, full.batches, full.dtype, full.reps, full.prompt_len, full.gen_len) == (
+        "full", [1, 8, 32], "bfloat16", 3, 128, 256)
+    assert (full.block_len, full.threshold, full.caches, full.tie_tol) == (32, 0.9, ["prefix", "dual"], 1.0)
+    assert full.out == ROOT / "benchmarks" / "results" / "gpu"
+    small = gpu.parse_args(["--small", "--batches", "4", "--peer-src", "/x"])
+    assert (small.mode, small.batches, small.dtype, small.gen_len, small.tie_tol) == ("small", [4], "float32", 64, 0.01)
+    assert small.peer_src == Path("/x") and small.checkpoint != full.checkpoint
+
+
+@pytest.mark.parametrize("argv", [["--block-len", "48"], ["--batches", "0"], ["--threshold", "1.5"],
+                                  ["--caches", "none"]])
+def test_arguments_refuse_what_cannot_run(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu.parse_args(argv)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_per_row_scatter_writes_each_row_its_own_block():
+    """Fast-dLLM's dual cache writes the block's K/V with `past[:, :, cols] = k`, where cols
+    holds the positions of every row: batch 2 fails; the patch writes each row its own."""
+    torch = pytest.importorskip("torch")
+    b, h, length, s, d = 2, 3, 7, 2, 4
+    replace = torch.zeros(b, length, dtype=torch.bool)
+    replace[:, 3:5] = True
+    cols = replace.nonzero(as_tuple=True)[1]
+    new = torch.arange(b * h * s * d, dtype=torch.float32).reshape(b, h, s, d) + 1
+    with pytest.raises(RuntimeError):
+        torch.zeros(b, h, length, d)[:, :, cols] = new  # their indexing, batch 2
+    past = gpu.scatter_rows(torch.zeros(b, h, length, d), new, cols)
+    assert torch.equal(past[:, :, 3:5], new)
+    assert not past[:, :, :3].any() and not past[:, :, 5:].any()
+    one = torch.zeros(1, h, length, d)
+    one[:, :, cols[:s]] = new[:1]
+    assert torch.equal(gpu.scatter_rows(torch.zeros(1, h, length, d), new[:1], cols[:s]), one)
+    with pytest.raises(ValueError, match="expected 2 rows x 2"):
+        gpu.scatter_rows(torch.zeros(b, h, length, d), new, cols[:3])
+
+
+def attention_write(past_key, past_value, k, v, replace_position):
+    # The dual-cache write of Fast-dLLM's LLaDABlock.attention, as released.
+    replace_indices = replace_position.nonzero(as_tuple=True)[1]  # [selected_length]
+    past_key[:, :, replace_indices] = k
+    k = past_key
+    past_value[:, :, replace_indices] = v
+    v = past_value
+    return k, v
+
+
+def test_source_patch_makes_the_released_write_per_row(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setitem(globals(), "_dlm_jax_scatter_rows", gpu.scatter_rows)
+    edits = [p for p in gpu.PATCHES if p.target == "modeling.LLaDABlock.attention"]
+    patched, applied = gpu._patch_function(attention_write, edits)
+    assert applied == [True, True] and patched is not attention_write
+    replace = torch.zeros(2, 6, dtype=torch.bool)
+    replace[:, 2:4] = True
+    k, v = torch.randn(2, 1, 2, 3), torch.randn(2, 1, 2, 3)
+    pk, pv = patched(torch.zeros(2, 1, 6, 3), torch.zeros(2, 1, 6, 3), k, v, replace)
+    assert torch.equal(pk[:, :, 2:4], k) and torch.equal(pv[:, :, 2:4], v)
+    same, applied = gpu._patch_function(gpu.make_prompts, edits)  # nothing to patch: the function itself
+    assert applied == [False, False] and same is gpu.make_prompts
+
+
+def test_device_limits_by_name_and_by_flag():
+    assert gpu.device_limits("NVIDIA H100 80GB HBM3")["hbm_tbps"] == 3.35
+    assert gpu.device_limits("NVIDIA H200")["hbm_tbps"] == 4.8
+    assert gpu.device_limits("gpu: NVIDIA H100 PCIe")["hbm_tbps"] == 2.0
+    assert gpu.device_limits("NVIDIA H100 80GB HBM3", hbm_tbps=3.0)["hbm_tbps"] == 3.0
+    assert gpu.device_limits("cpu")["hbm_tbps"] is None
+
+
+def test_weight_read_limit_of_llada_8b():
+    """15.0 GB of bf16 weights besides the embedding table: 4.5 ms a step at 3.35 TB/s."""
+    s = gpu.SHAPES["llada-8b"]
+    cfg = dict(d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"],
+               head_dim=s["d_model"] // s["n_heads"], ffn_hidden=s["mlp_hidden_size"], vocab_size=s["vocab_size"])
+    lim = gpu.case_limits({"b1_w32_p384_r32": 10}, cfg, itemsize=2, limits=gpu.device_limits("NVIDIA H100"))
+    assert lim["weight_read_s"] == pytest.approx(15.0e9 / 3.35e12, rel=0.01)
+    assert lim["weight_read_s"] < lim["roofline_s"] < 1.1 * lim["weight_read_s"]  # batch 1 reads weights
+    assert lim["flop_s"] < 0.2 * lim["weight_read_s"]
+
+
+def test_prompts_avoid_the_mask_and_eos_ids():
+    p = gpu.make_prompts(4, 300, vocab_below=20, avoid=[7], seed=1)
+    assert p == gpu.make_prompts(4, 300, vocab_below=20, avoid=[7], seed=1)
+    flat = {t for row in p for t in row}
+    assert len(p) == 4 and all(len(r) == 300 for r in p) and 7 not in flat and max(flat) < 20
+
+
+def test_first_divergence_tells_a_near_tie_from_a_difference():
+    margins = [[5.0, 5.0], [0.001, 4.0], [3.0, 3.0]]
+    commit = {"0,0": 0, "0,1": 2, "1,0": 0, "1,1": 2}
+    assert gpu.first_divergence([[1, 2], [3, 4]], [[1, 2], [3, 4]], margins=margins, commit_pass=commit) is None
+    tie = gpu.first_divergence([[1, 2], [3, 4]], [[1, 9], [3, 4]], margins=margins, commit_pass=commit)
+    assert tie == {"row": 0, "slot": 1, "pass": 2, "min_margin": 0.001}
+    real = gpu.first_divergence([[1, 2], [3, 4]], [[1, 2], [3, 9]], margins=margins, commit_pass=commit)
+    assert real["min_margin"] == 3.0  # row 1 never came close: a real difference
+
+
+def fake_results() -> tuple[dict, dict, dict, dict]:
+    spec = {"gen_len": 256, "dtype": "bfloat16", "tie_tol": 1.0,
+            "cases": [{"batch": 1, "cache": "prefix"}, {"batch": 8, "cache": "dual"}]}
+    tokens = [[5] * 256]
+    fd = {"load_seconds": 10.0, "cases": {
+        "prefix b1": {"nfe": 40, "forward_calls": 40, "idle_forwards": 0, "seconds": [1.0, 1.2, 1.1],
+                      "first_seconds": 9.0, "tokens": tokens, "margins": [[9.0]] * 40, "commit_pass": {}},
+        "dual b8": {"error": "RuntimeError: shape mismatch"}}}
+    dj = {"load_seconds": 12.0, "config": {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32,
+                                           "head_dim": 128, "ffn_hidden": 12288, "vocab_size": 126464},
+          "cases": {"prefix b1": {"nfe": 40, "seconds": [0.2, 0.25, 0.2], "tokens": tokens, "first_seconds": 20.0,
+                                  "median_step_seconds": 0.008, "buckets": {"b1_w256_p128_r32": 8,
+                                                                            "b1_w32_p352_r32": 32}},
+                    "dual b8": {"nfe": 50, "seconds": [1.0], "tokens": [[5] * 256] * 8, "first_seconds": 3.0}}}
+    dj2 = {"cases": {"prefix b1": {"first_seconds": 2.0, "xla_cache_hits": 7}}}
+    return spec, fd, dj, dj2
+
+
+def test_targets_table_passes_fails_and_leaves_unmeasured_open():
+    spec, fd, dj, dj2 = fake_results()
+    rows = gpu.compare(spec, fd, dj, dj2, gpu.device_limits("NVIDIA H100 80GB HBM3"))
+    assert rows[0]["ratio"] == pytest.approx(1.1 / 0.2) and rows[0]["agrees"] and rows[1]["ratio"] is None
+    assert rows[0]["dlm_jax"]["tokens_per_s"] == pytest.approx(256 / 0.2)
+    table = {t["target"]: t for t in gpu.targets(rows, {"fast_dllm": 10.0, "dlm_jax": 12.0})}
+    assert table["Fast-dLLM s / dlm-jax s, prefix b1"]["pass"] is True
+    assert table["Fast-dLLM s / dlm-jax s, dual b1"]["pass"] is None  # not run
+    assert table["Fast-dLLM s / dlm-jax s, dual b8"]["pass"] is None  # Fast-dLLM failed
+    assert table["dlm-jax median step / weight-read limit, prefix b1"]["pass"] is False  # 8 ms / 4.5 ms
+    assert table["dlm-jax load s / Fast-dLLM load s"]["pass"] is True
+    assert table["dlm-jax first decode s (cold cache, worst case)"]["pass"] is False  # 20 s
+    assert table["dlm-jax first decode s, second process (worst case)"]["pass"] is True
+
+
+def test_report_renders_with_cases_missing_and_failed(tmp_path):
+    spec, fd, dj, dj2 = fake_results()
+    rows = gpu.compare(spec, fd, dj, dj2, gpu.device_limits("NVIDIA H100 80GB HBM3"))
+    load = {"fast_dllm": 10.0, "dlm_jax": 12.0}
+    report = {"mode": "full", "settings": {"dtype": "bfloat16", "prompt_len": 128, "gen_len": 256, "block_len": 32,
+                                           "threshold": 0.9, "reps": 3},
+              "checkpoint": {"recipe": {"shape": "llada-8b"}, "params": 8_000_000_000},
+              "device": {"jax": "gpu: NVIDIA H100 80GB HBM3", "torch": "NVIDIA H100 80GB HBM3"},
+              "versions": {"jax": "0.10.2", "torch": "2.13.0", "transformers": "5.23.0"},
+              "peer": {"commit": None, "sha256": {}, "shims": [{"name": "x", "target": "y", "why": "z", "applied": True}]},
+              "load_seconds": load, "peak_memory_bytes": {"dlm_jax": 2**34, "fast_dllm": None}, "cases": rows,
+              "targets": gpu.targets(rows, load), "notes": []}
+    md = gpu.markdown(report)
+    assert "| prefix b1 | 1.100 | 0.200 | 5.50 |" in md and "shape mismatch" in md and "not measured" in md
+    gpu.plot(report, tmp_path / "gpu.png")
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_peer_source_errors_name_the_flag(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match="not a Fast-dLLM checkout"):
+        gpu.peer_source(tmp_path)
+    monkeypatch.setattr(gpu, "PEER_URL", str(tmp_path / "no-such-repo"))  # what no network looks like
+    with pytest.raises(SystemExit, match="pass --peer-src PATH") as e:
+        gpu.peer_source(None, cache=tmp_path / "peers")
+    assert "\n" not in str(e.value.code)
+
+
+# ---------------------------------------------------------------------------------------------
+# The correctness half, with Fast-dLLM's sources
+
+
+def run_small(tmp_path: Path, env: dict[str, str]) -> dict:
+    src = os.environ[PEER_ENV]
+    out = tmp_path / "gpu"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--small", "--peer-src", src,
+                           "--checkpoint", str(tmp_path / "ckpt"), "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["correct"] and len(report["cases"]) == 4
+    for case in report["cases"]:
+        assert case["agrees"], case["case"]
+        assert case["fast_dllm"]["nfe"] < report["settings"]["gen_len"] / 2  # the peaked head commits several a step
+    patches = {s["name"]: s for s in report["peer"]["shims"]}
+    assert patches["per-row replace_position (key)"]["applied"]  # batch 2's dual cache needed it
+    assert out.with_suffix(".png").stat().st_size > 0 and "| dual b2 |" in out.with_suffix(".md").read_text()
+    return report
+
+
+@pytest.mark.skipif(PEER_ENV not in os.environ, reason=f"{PEER_ENV} is not set: the correctness half needs a "
+                    "checkout of NVlabs/Fast-dLLM, and CI has no network and no copy")
+def test_small_answers_equal_fast_dllm_on_cpu(tmp_path):
+    run_small(tmp_path, dict(os.environ))
+
+
+@pytest.mark.device
+def test_small_answers_equal_fast_dllm_on_gpu(tmp_path):
+    if PEER_ENV not in os.environ:
+        pytest.skip(f"{PEER_ENV} is not set: point it at a checkout of NVlabs/Fast-dLLM")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # conftest pins the CPU
+    report = run_small(tmp_path, env)
+    assert report["device"]["jax"].startswith("gpu") and report["device"]["torch"] != "cpu", report["device"]

@@ -1,0 +1,123 @@
+"""Compiles ahead of use (`CompiledBuckets.prefetch`, `Executor.prefetch`): background threads
+build a decode's buckets in the order given, a caller waits for its own bucket only (one not
+started yet is compiled at once on the caller's thread), queued ones are dropped when the
+decode ends, and a decode with them gives the tokens of one without."""
+
+from __future__ import annotations
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlm_jax import _compile
+from dlm_jax._compile import CompiledBuckets, background_workers
+from dlm_jax._errors import ConfigError
+from dlm_jax.program import JaxExecutor
+from dlm_jax.runtime import Decoder, preset
+from dlm_jax.runtime.step import Executor
+from dlm_jax.testing import sharp_model
+
+
+@pytest.fixture
+def threads(monkeypatch):
+    """One background compile thread, in a pool of this test's own."""
+    monkeypatch.setenv("DLM_JAX_COMPILE_THREADS", "1")
+    monkeypatch.setattr(_compile, "_POOL", None)
+    yield
+    if _compile._POOL is not None:
+        _compile._POOL.shutdown(wait=True)
+
+
+class Builds:
+    """A build function that records which thread built each key; key 1 waits for `release`."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.by: dict[int, str] = {}
+        self.fail: set[int] = set()
+
+    def __call__(self, key: int):
+        if key == 1:
+            self.started.set()
+            assert self.release.wait(30)
+        self.by[key] = threading.current_thread().name
+        if key in self.fail:
+            raise RuntimeError(f"no program for {key}")
+        return (lambda x: x * key), (jnp.zeros(3),)
+
+
+def test_a_caller_waits_only_for_its_own_key(threads):
+    builds = Builds()
+    programs = CompiledBuckets(builds)
+    programs.prefetch([1, 2, 3])
+    assert builds.started.wait(30)  # the one thread is busy with key 1
+    assert float(programs.get(3)(jnp.ones(3))[0]) == 3.0  # not started: taken off the queue
+    assert builds.by == {3: threading.current_thread().name}
+    builds.release.set()
+    assert float(programs.get(1)(jnp.ones(3))[0]) == 1.0  # started: waited for
+    programs.get(2)
+    assert builds.by[1].startswith("dlm-jax-compile") and builds.by[2].startswith("dlm-jax-compile")
+    assert programs.compile_count == 3 and programs.keys == [1, 2, 3]
+    assert 0 < programs.wait_seconds
+
+
+def test_cancel_drops_what_has_not_started(threads):
+    builds = Builds()
+    programs = CompiledBuckets(builds)
+    programs.prefetch([1, 2, 3])
+    assert builds.started.wait(30)
+    programs.cancel()
+    builds.release.set()
+    programs.get(1)  # was compiling: finishes
+    _compile._POOL.shutdown(wait=True)
+    assert programs.keys == [1] and set(builds.by) == {1}
+
+
+def test_a_failed_background_compile_raises_where_its_key_is_needed(threads):
+    builds = Builds()
+    builds.release.set()
+    builds.fail.add(2)
+    programs = CompiledBuckets(builds)
+    programs.prefetch([2])
+    with pytest.raises(RuntimeError, match="no program for 2"):
+        programs.get(2)
+    builds.fail.clear()
+    programs.get(2)  # tried again
+    assert programs.keys == [2]
+
+
+def test_no_threads_no_prefetch(monkeypatch):
+    monkeypatch.setattr(_compile, "_POOL", None)
+    monkeypatch.setenv("DLM_JAX_COMPILE_THREADS", "0")
+    programs = CompiledBuckets(Builds())
+    programs.prefetch([2, 3])
+    assert programs.keys == [] and _compile._POOL is None
+    monkeypatch.delenv("DLM_JAX_COMPILE_THREADS")
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert background_workers() == 0  # two cores: compiles wait for their first use
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert background_workers() == 4
+    monkeypatch.setenv("DLM_JAX_COMPILE_THREADS", "two")
+    with pytest.raises(ConfigError, match="DLM_JAX_COMPILE_THREADS='two' must be a whole number"):
+        background_workers()
+
+
+@pytest.mark.parametrize("name", ["fast-dllm", "llada-cpp"])
+def test_a_decode_with_background_compiles_gives_the_same_tokens(threads, name):
+    cfg = preset(name, gen_len=32)
+    prompts = [[5, 17, 3, 44, 9], [8, 1]]
+    model = sharp_model(seed=5)
+    plain = JaxExecutor(model)
+    plain.prefetch = Executor.prefetch.__get__(plain)  # the default: compile on first use
+    lazy = Decoder(plain, model.config).decode(prompts, cfg)
+    assert lazy.stats.compile_wait_seconds == pytest.approx(lazy.stats.compile_seconds, rel=0.05)
+    ahead = Decoder(JaxExecutor(model), model.config).decode(prompts, cfg)
+    for a, b in zip(lazy.sequences, ahead.sequences):
+        np.testing.assert_array_equal(a, b)
+    assert ahead.stats.counters == lazy.stats.counters and ahead.stats.nfe == lazy.stats.nfe
+    stats = ahead.stats.to_dict()
+    assert stats["compiles"] >= len(ahead.stats.buckets)
+    assert 0 < stats["compile_wait_seconds"] <= stats["compile_seconds"] + 1e-3
