@@ -205,6 +205,14 @@ class _Signature:
                                   f"{sorted(self.out_specs)})")
 
     def run(self, model, inputs: StepInputs, timings: dict[str, float] | None = None) -> StepOutputs:
+        """Copy the inputs into the buffers, run, read back the outputs asked for.
+
+        Writing `k_cache`/`v_cache` is a second host copy of the K/V the cache gathered, every
+        step: ai_edge_litert 2.3.0 has no way to hand LiteRT caller memory for them. Its
+        `TensorBuffer.create_from_host_memory` (read in place) takes no shape, so the buffer is
+        rank 1 ([num_elements]), which LiteRT refuses for these static 5-D inputs ("Cannot
+        auto-resize tensor k_cache: no dims_signature exists"); and a `TensorBuffer` offers no
+        view of its own memory (no lock or host-memory access in Python; `read` copies)."""
         t0 = time.perf_counter()
         for name, buffer in zip(self.input_names, self.inputs):
             buffer.write(getattr(inputs, name))

@@ -244,6 +244,19 @@ class Transformer(nnx.Module):
         Returns:
           ModelOutput(logits [B, R or T, V] float32, k, v [L, B, T, Hkv, Dh]).
         """
+        x, cos, sin, mask = self.layer_inputs(tokens, positions, mask, k_cache, v_cache)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            kc = None if k_cache is None else k_cache[i]
+            vc = None if v_cache is None else v_cache[i]
+            x, k, v = layer(x, cos, sin, mask, kc, vc)
+            ks.append(k)
+            vs.append(v)
+        return ModelOutput(self.output(x, logit_rows), jnp.stack(ks), jnp.stack(vs))
+
+    def layer_inputs(self, tokens, positions, mask, k_cache, v_cache):
+        """(embedded tokens, RoPE cos, sin, [B, T, P+T] mask): what every layer takes, with the
+        defaults and checks of `__call__`."""
         cfg = self.config
         b, t = tokens.shape
         if positions is None:
@@ -257,18 +270,14 @@ class Transformer(nnx.Module):
         if (k_cache is None) != (v_cache is None):
             raise ValueError("k_cache and v_cache must be given together")
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-        x = self.embed(tokens)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            kc = None if k_cache is None else k_cache[i]
-            vc = None if v_cache is None else v_cache[i]
-            x, k, v = layer(x, cos, sin, mask, kc, vc)
-            ks.append(k)
-            vs.append(v)
+        return self.embed(tokens), cos, sin, mask
+
+    def output(self, x: jax.Array, logit_rows: jax.Array | None) -> jax.Array:
+        """Logits of the last layer's hidden states `x`, at `logit_rows` (default all rows)."""
         x = self.final_norm(x)
         if logit_rows is not None:
             x = jnp.take_along_axis(x, logit_rows[:, :, None].astype(jnp.int32), axis=1)
-        return ModelOutput(self.head(x), jnp.stack(ks), jnp.stack(vs))
+        return self.head(x)
 
     def head(self, x: jax.Array) -> jax.Array:
         """Output logits [..., V] in float32 from final hidden states [..., D].
