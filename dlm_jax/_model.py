@@ -136,8 +136,12 @@ class Model:
         callback = None
         if on_block is not None:
             callback = lambda i, seqs: on_block(i, [self._text(s) for s in seqs])  # noqa: E731
-        # Compile every bucket this decode needs first, so stats time decoding, not compilation.
-        self.decoder.warmup([len(i) for i in ids], config)
+        # An executor that builds in batches (the bundle cache exports the buckets of nearby
+        # prompt lengths as one part) prepares every reachable bucket first. Others build only
+        # what the decode reaches, when it first does (ahead of use on spare cores,
+        # `Executor.prefetch`): the stats count those compiles and the seconds waited for them.
+        if self.decoder.executor.prepares_ahead:
+            self.decoder.warmup([len(i) for i in ids], config)
         out = self.decoder.decode(ids, config, seeds=seeds, on_block=callback)
         trimmed = [self._trim(s) for s in out.sequences]
         texts = [self.tokenizer.decode(t) for t in trimmed] if self.has_tokenizer else None

@@ -29,6 +29,7 @@ def test_simulated_latency_prices_each_forward_by_its_bucket():
     assert lladacpp.simulated_ms("+ sparse CPU refresh", stats)["phone_ms"] == pytest.approx(npu + extra)
 
 
+@pytest.mark.slow  # a minute of cold compiles of llada-cpp's buckets
 def test_the_benchmark_runs_its_passes_apart_and_combines_them(tmp_path):
     def bench(*args):
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lladacpp.py"), *args], check=True, cwd=ROOT,

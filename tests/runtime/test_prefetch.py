@@ -113,11 +113,11 @@ def test_a_decode_with_background_compiles_gives_the_same_tokens(threads, name):
     plain = JaxExecutor(model)
     plain.prefetch = Executor.prefetch.__get__(plain)  # the default: compile on first use
     lazy = Decoder(plain, model.config).decode(prompts, cfg)
-    assert lazy.stats.compile_wait_seconds == pytest.approx(lazy.stats.compile_seconds, rel=0.05)
+    assert lazy.stats.compile_wait_seconds >= lazy.stats.compile_seconds  # every compile waited for
     ahead = Decoder(JaxExecutor(model), model.config).decode(prompts, cfg)
     for a, b in zip(lazy.sequences, ahead.sequences):
         np.testing.assert_array_equal(a, b)
     assert ahead.stats.counters == lazy.stats.counters and ahead.stats.nfe == lazy.stats.nfe
     stats = ahead.stats.to_dict()
     assert stats["compiles"] >= len(ahead.stats.buckets)
-    assert 0 < stats["compile_wait_seconds"] <= stats["compile_seconds"] + 1e-3
+    assert 0 < stats["compile_wait_seconds"] <= 1.1 * stats["compile_seconds"] + 0.05  # (and its overhead)
