@@ -1,5 +1,6 @@
 """This CPU's limits, measured in the run that uses them: fp32 GEMM throughput and memory
-bandwidth (both noisy on a shared machine: each is the best of several repeats)."""
+bandwidth (both noisy on a shared machine: each is the best of several repeats); and
+`warm_page_cache`, so that load timings start from files in memory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,3 +59,14 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+def warm_page_cache(path: Path, pattern: str = "*") -> int:
+    """Read every file of `path` matching `pattern` once; returns the bytes read."""
+    total = 0
+    for file in sorted(path.glob(pattern)):
+        if file.is_file():
+            with open(file, "rb") as f:
+                while chunk := f.read(64 << 20):
+                    total += len(chunk)
+    return total

@@ -55,6 +55,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from _hardware import warm_page_cache  # both sides' load times start from the page cache
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEER_URL = "https://github.com/NVlabs/Fast-dLLM"
@@ -521,15 +523,6 @@ def make_prompts(n: int, length: int, *, vocab_below: int, avoid: Sequence[int],
         while (hit := ids == bad).any():
             ids[hit] = rng.integers(0, vocab_below, int(hit.sum()))
     return ids.tolist()
-
-
-def warm_page_cache(path: Path) -> None:
-    """Read every file once, so that both sides' load times start from the page cache."""
-    for f in sorted(path.iterdir()):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                while fh.read(1 << 26):
-                    pass
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from _hardware import warm_page_cache  # noqa: E402
+
 # LLaMA shapes (multi-head attention, SwiGLU, untied head), as transformers' LlamaConfig names them.
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -81,15 +83,6 @@ def write_checkpoint(path: Path, size: str, *, shard_size: str = "2GB", seed: in
                 p.normal_(0.0, 0.02, generator=gen)
     model.save_pretrained(path, max_shard_size=shard_size)
     return path
-
-
-def _warm_page_cache(path: Path) -> int:
-    total = 0
-    for file in sorted(path.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            while chunk := f.read(64 << 20):
-                total += len(chunk)
-    return total
 
 
 # -- the loader of main before streaming loads (dlm_jax/checkpoint/_io.py at 7d12a36) ------------
@@ -245,7 +238,7 @@ def run(*, size: str = "1b", repeats: int = 3, baseline: bool = False, directory
             t0 = time.perf_counter()
             write_checkpoint(path, size, shard_size=shard_size)
             print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        nbytes = _warm_page_cache(path)
+        nbytes = warm_page_cache(path, "*.safetensors")
         import dlm_jax
 
         params = dlm_jax.param_count(dlm_jax.load_config(path)[0])

@@ -295,10 +295,9 @@ class Decoder:
         built = self.build_counts()  # the fork, if any, exists now
         # The decode's K/V, held by the executor (or in NumPy beside one that takes them densely).
         # Buckets not built yet compile in the background, first needed first; a step waits for its own.
-        slots = max(len(p) for p in prompts) + cfg.gen_len
-        cancels = [self.executor.prefetch(_use_order(main_keys), slots=slots)]
+        cancels = [self.executor.prefetch(_use_order(main_keys), slots=state.total)]
         if cpu is not None and cpu_keys:
-            cancels.append(self.cpu_executor().executor.prefetch(_use_order(cpu_keys), slots=slots, views=True))
+            cancels.append(self.cpu_executor().executor.prefetch(_use_order(cpu_keys), slots=state.total, views=True))
         cache = self.executor.open(mc, state.positions, state.valid) or HostKVCache(self.executor, mc, state.positions,
                                                                                     state.valid)
         stored = False

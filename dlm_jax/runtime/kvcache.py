@@ -15,9 +15,11 @@ positions, flags, slot indices); what comes back is what the proposer reads.
                  (store a snapshot's K/V at the step boundary), `close`.
   HostKVCache    the cache of any executor with a dense step (`Executor.step(StepInputs)`:
                  the LiteRT runner, the bundle cache, test mocks): NumPy K/V gathered into the
-                 step's `k_cache`/`v_cache` inputs. That per-step copy of the read slots is the
-                 one transfer this design leaves (counted in `Transfers.h2d_bytes`); the JAX
-                 executor's cache (`dlm_jax.program.DeviceKVCache`) has none.
+                 step's `k_cache`/`v_cache` inputs, which the executor then copies into its own
+                 buffers (LiteRT: `dlm_jax.runner._Signature.run` says why). Those per-step
+                 copies of the read slots are what this design leaves (the bytes handed over
+                 are counted in `Transfers.h2d`); the JAX executor's cache
+                 (`dlm_jax.program.DeviceKVCache`) has neither.
   slot_visibility  the attention mask of a `SlotStep` (the JAX executor builds the same one
                  on the device).
 
@@ -34,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from dlm_jax._config import ModelConfig
-from dlm_jax._masks import _mode_rule
+from dlm_jax._masks import leave_one_out, visibility_from_positions
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.hooks import HookBase
 from dlm_jax.runtime.kvstore import KVStore
@@ -102,16 +104,11 @@ def slot_visibility(config: ModelConfig, req: SlotStep, positions: np.ndarray, v
     if req.written_only:
         k_ok = k_ok & written[:, idx]
     k_ok = np.concatenate([k_ok, req.q_valid], axis=1)
-    vis = _mode_rule(config.attention, req.positions[:, :, None], k_pos[:, None, :], config.block_size)
-    vis = vis & k_ok[:, None, :]
-    p = len(read)
+    vis = visibility_from_positions(config.attention, req.positions, k_pos, k_ok, block_size=config.block_size)
     probes = np.flatnonzero(req.probes)
-    if len(probes):
-        vis[:, :, p + probes] = False
-        vis[:, probes, p + probes] = True
-    rows = np.flatnonzero(req.hide >= 0)
-    if len(rows):
-        vis[:, rows, req.hide[rows]] = False
+    leave_one_out(vis, probes, req.hide[probes], k_offset=len(read))
+    rows = np.flatnonzero((req.hide >= 0) & ~req.probes)  # a hidden column on a row that is no probe
+    vis[:, rows, req.hide[rows]] = False
     return vis
 
 
