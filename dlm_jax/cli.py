@@ -55,7 +55,7 @@ def _load(args: argparse.Namespace, path: str | Path):
         _persistent_compile_cache()
 
     overrides = {} if args.mask_token_id is None else {"mask_token_id": args.mask_token_id}
-    handle = dlm_jax.load(path, strict=args.strict, verify=args.verify, executor=getattr(args, "executor", None),
+    handle = dlm_jax.load(path, strict=args.strict, verify=args.verify_manifest, executor=getattr(args, "executor", None),
                           **overrides)
     handle.executor.set_progress(_export_progress())  # the bundle cache draws its exports
     args.keep_alive = handle  # hushes LiteRT's teardown at exit
@@ -141,6 +141,12 @@ def shipped_model(name: str = "llada-tiny") -> Path:
 def _label(cfg) -> str:
     """A decoder's name from its options, e.g. `prefix cache + threshold 0.9, block 32, gen 64`."""
     o = cfg.options()
+    if o["cache"] == "ar":
+        return f"left to right, gen {cfg.gen_len}"
+    if o["cache"] == "isd":
+        extra = "".join(f", {k} {o[k]}" for k, d in (("verify", "exact"), ("proposal", "argmax"), ("relax", 0.0))
+                        if o[k] != d)
+        return f"isd stride {o['stride']}{extra}, gen {cfg.gen_len}"
     rule = o["rule"]
     if rule == "topk":
         rule += f", {o['steps'] or cfg.gen_len} steps"
@@ -153,11 +159,18 @@ def _label(cfg) -> str:
 def demo_decoders(args: argparse.Namespace) -> dict:
     """The demo's two decoders: the one the decode flags describe (default: Fast-dLLM's prefix
     cache + threshold 0.9, block 32, generation 64), and LLaDA's vanilla decoder (no cache,
-    top-k, one step per token) with the same block, length and sampling options."""
+    top-k, one step per token) with the same block, length and sampling options; for ISD (a
+    causal model), left-to-right decoding with the same length and sampling options."""
     if args.gen_len is None:
         args.gen_len = 64
     chosen = decode_config(args)
-    vanilla = chosen.replace(cache="none", rule="topk", steps=chosen.gen_len)
+    if chosen.options()["cache"] in ("isd", "ar"):
+        sampling = {k: v for k, v in chosen.options().items() if k in ("temperature", "top_k", "top_p", "seed")}
+        from dlm_jax.runtime.registry import preset
+
+        vanilla = preset("ar", gen_len=chosen.gen_len, **sampling)
+    else:
+        vanilla = chosen.replace(cache="none", rule="topk", steps=chosen.gen_len)
     return {_label(chosen): chosen, f"vanilla: {_label(vanilla)}": vanilla}
 
 
@@ -259,7 +272,7 @@ def _load_bundle(args: argparse.Namespace, path: str | Path):
 
     handle = load_bundle(path, accelerator=getattr(args, "accelerator", None) or "cpu",
                          threads=getattr(args, "threads", 2), cpu_fallback=getattr(args, "cpu_fallback", False),
-                         verify=getattr(args, "verify", True))
+                         verify=getattr(args, "verify_manifest", True))
     args.keep_alive = handle  # LiteRT logs its teardown: let it happen after main hushes stderr
     return handle
 
@@ -271,7 +284,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dlm_jax.runtime.registry import PRESETS, build, options
 
     _check_prompts(args.prompt or [])
-    bundle = Bundle.open(args.bundle, verify=args.verify)
+    bundle = Bundle.open(args.bundle, verify=args.verify_manifest)
     if args.accelerator is None:
         args.accelerator = bundle.accelerator
     given = {name: getattr(args, name) for name in options() if getattr(args, name, None) is not None}
@@ -307,7 +320,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         result = export_bundle(args.model, args.out, keys=keys, decode=cfg, quant=args.quant, target=args.target,
-                               add=args.add, overwrite=args.overwrite, verify=args.verify, strict=args.strict,
+                               add=args.add, overwrite=args.overwrite, verify=args.verify_manifest, strict=args.strict,
                                progress=progress,
                                latency_repeats=args.latency_repeats)
     finally:
@@ -331,7 +344,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from dlm_jax.checkpoint import convert_checkpoint
 
     convert_checkpoint(args.model, args.out, family=args.family, overwrite=args.overwrite, strict=args.strict,
-                       verify=args.verify)
+                       verify=args.verify_manifest)
     print(f"wrote {args.out} ({args.family})")
     return 0
 
@@ -425,7 +438,7 @@ def _add_model_options(p: argparse.ArgumentParser, *, verify: bool = True, mask:
     p.add_argument("--strict", action="store_true",
                    help="refuse config.json keys this loader does not know (default: warn and ignore them)")
     if verify:
-        p.add_argument("--no-verify", dest="verify", action="store_false",
+        p.add_argument("--no-verify", dest="verify_manifest", action="store_false",
                        help="skip checking the files against the checkpoint's manifest (size and sha256)")
     if mask:
         p.add_argument("--mask-token-id", type=int, metavar="ID",
@@ -484,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2; 0: LiteRT decides)")
     p.add_argument("--cpu-fallback", action="store_true",
                    help="let ops the GPU/NPU cannot run fall back to the CPU instead of refusing the bundle")
-    p.add_argument("--no-verify", dest="verify", action="store_false",
+    p.add_argument("--no-verify", dest="verify_manifest", action="store_false",
                    help="skip checking the bundle's files against its manifest")
     _add_decode_options(p)
     p.set_defaults(func=cmd_run, preset=None)

@@ -83,16 +83,17 @@ def abstract_inputs(config, key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
     return tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in input_specs(config, key))
 
 
-def gather_view(k_res, v_res, pos, valid, written, read, *, written_only: bool):
+def gather_view(k_res, v_res, pos, valid, written, read, read_len, *, written_only: bool):
     """The read slots of a resident cache: K/V [L, B, P, Hkv, Dh] (zeros where `read` is -1),
-    their positions and whether each batch row may see them, [B, P]."""
+    their positions and whether each batch row may see them, [B, P] (a row sees its first
+    `read_len` [B] columns)."""
     ok = read >= 0
     idx = jnp.where(ok, read, 0)
     keep = ok[None, None, :, None, None]
     k = jnp.where(keep, jnp.take(k_res, idx, axis=2), 0)
     v = jnp.where(keep, jnp.take(v_res, idx, axis=2), 0)
     k_pos = jnp.where(ok[None, :], jnp.take(pos, idx, axis=1), 0)
-    k_ok = ok[None, :] & jnp.take(valid, idx, axis=1)
+    k_ok = ok[None, :] & jnp.take(valid, idx, axis=1) & (jnp.arange(read.shape[0])[None, :] < read_len[:, None])
     if written_only:
         k_ok = k_ok & jnp.take(written, idx, axis=1)
     return k, v, k_pos, k_ok
@@ -111,26 +112,26 @@ def device_visibility(config: ModelConfig, positions, q_valid, k_pos, k_ok, prob
     return vis & ~(col[None, :] == hide[:, None])[None]
 
 
-def scatter_rows(k_res, v_res, written, k_new, v_new, write, write_rows):
-    """Store window rows' K/V at their slots (`write` [W], -1: none) in the batch rows
-    `write_rows` [B, W]; the rest of the cache is untouched (in place when donated)."""
+def scatter_rows(k_res, v_res, written, k_new, v_new, write):
+    """Store window rows' K/V at their slots, per batch row (`write` [B, W], -1: none); the
+    rest of the cache is untouched (in place when donated)."""
     b, s = written.shape
-    target = jnp.where((write >= 0)[None, :] & write_rows, write[None, :], s)  # s: dropped
+    target = jnp.where(write >= 0, write, s)  # s: dropped
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
     k_res = k_res.at[:, rows, target].set(k_new.astype(k_res.dtype), mode="drop")
     v_res = v_res.at[:, rows, target].set(v_new.astype(v_res.dtype), mode="drop")
     return k_res, v_res, written.at[rows, target].set(True, mode="drop")
 
 
-_REQUEST = ("tokens", "positions", "q_valid", "read", "probes", "hide", "write", "write_rows", "logit_rows")
+_REQUEST = ("tokens", "positions", "q_valid", "read", "read_len", "probes", "hide", "write", "logit_rows")
 
 
 def request_specs(key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The `SlotStep` arrays of a bucket, in `_REQUEST` order."""
     b, w, p, r = key.batch, key.window, key.cache, key.rows
     shapes = {"tokens": ((b, w), jnp.int32), "positions": ((b, w), jnp.int32), "q_valid": ((b, w), bool),
-              "read": ((p,), jnp.int32), "probes": ((w,), bool), "hide": ((w,), jnp.int32),
-              "write": ((w,), jnp.int32), "write_rows": ((b, w), bool), "logit_rows": ((b, r), jnp.int32)}
+              "read": ((p,), jnp.int32), "read_len": ((b,), jnp.int32), "probes": ((w,), bool),
+              "hide": ((w,), jnp.int32), "write": ((b, w), jnp.int32), "logit_rows": ((b, r), jnp.int32)}
     return tuple(jax.ShapeDtypeStruct(*shapes[n]) for n in _REQUEST)
 
 
@@ -179,7 +180,7 @@ class DeviceKVCache(KVCache):
         the cache); the returned callable runs the step over them on `executor`'s programs."""
         key = req.key
         gather = executor._gathers.get((key.batch, key.cache, self.slots, req.written_only))
-        view = gather(self.k, self.v, self.pos, self.valid, self.written, req.read)
+        view = gather(self.k, self.v, self.pos, self.valid, self.written, req.read, req.lengths())
         self._writer = executor
         arrays = [req.arrays()[n] for n in ("tokens", "positions", "q_valid", "probes", "hide", "logit_rows")]
         names = [n for n in output_names(key) if n not in ("k_new", "v_new")]
@@ -188,7 +189,8 @@ class DeviceKVCache(KVCache):
         def run() -> StepOutputs:
             named = executor._views.get(key)(executor._leaves, *view, *arrays)
             out = {n: np.asarray(v) for n, v in jax.device_get({n: named[n] for n in names}).items()}
-            transfers.add(req.read.nbytes + sum(a.nbytes for a in arrays), sum(v.nbytes for v in out.values()))
+            transfers.add(req.read.nbytes + req.lengths().nbytes + sum(a.nbytes for a in arrays),
+                          sum(v.nbytes for v in out.values()))
             return StepOutputs(**out, kv=(named["k_new"], named["v_new"]))
 
         return run
@@ -196,11 +198,12 @@ class DeviceKVCache(KVCache):
     def write(self, kv, slots: np.ndarray, rows: np.ndarray) -> None:
         k_new, v_new = kv
         width = k_new.shape[2]
-        write = pad_axis(np.asarray(slots, np.int32), width, axis=0, value=-1)
-        write_rows = pad_axis(np.asarray(rows, bool), width, axis=1, value=False)
-        scatter = self._writer._scatters.get((write_rows.shape[0], width, self.slots))
-        self.k, self.v, self.written = scatter(self.k, self.v, self.written, k_new, v_new, write, write_rows)
-        self.transfers.add(write.nbytes + write_rows.nbytes, 0)
+        rows = np.asarray(rows, bool)
+        write = pad_axis(np.where(rows, np.asarray(slots, np.int32)[None, :], -1).astype(np.int32), width, axis=1,
+                         value=-1)
+        scatter = self._writer._scatters.get((write.shape[0], width, self.slots))
+        self.k, self.v, self.written = scatter(self.k, self.v, self.written, k_new, v_new, write)
+        self.transfers.add(write.nbytes, 0)
 
     def close(self) -> None:
         self.k = self.v = self.written = None
@@ -275,12 +278,11 @@ class JaxExecutor(Executor):
         key, slots = key_slots
         view = self._view_fn(key)
 
-        def program(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, probes, hide,
-                    write, write_rows, logit_rows):
-            k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, written_only=False)
+        def program(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, read_len, probes,
+                    hide, write, logit_rows):
+            k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, read_len, written_only=False)
             named = view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows)
-            k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"),
-                                                 write, write_rows)
+            k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"), write)
             return named, k_res, v_res, written
 
         return program, (self._leaves, *self._cache_specs(key.batch, slots), *request_specs(key)), {
@@ -290,18 +292,19 @@ class JaxExecutor(Executor):
         cfg = self.config
         kv = jax.ShapeDtypeStruct((cfg.n_layers, key.batch, key.cache, cfg.n_kv_heads, cfg.head_dim),
                                   jnp.dtype(cfg.dtype))
-        view_inputs = [s for n, s in zip(_REQUEST, request_specs(key)) if n not in ("read", "write", "write_rows")]
+        view_inputs = [s for n, s in zip(_REQUEST, request_specs(key)) if n not in ("read", "read_len", "write")]
         return self._view_fn(key), (self._leaves, kv, kv, jax.ShapeDtypeStruct((key.batch, key.cache), jnp.int32),
                                     jax.ShapeDtypeStruct((key.batch, key.cache), bool), *view_inputs)
 
     def _build_gather(self, spec: tuple[int, int, int, bool]):
         batch, read, slots, written_only = spec
 
-        def gather(k_res, v_res, pos, valid, written, read_slots):
-            return gather_view(k_res, v_res, pos, valid, written, read_slots, written_only=written_only)
+        def gather(k_res, v_res, pos, valid, written, read_slots, read_len):
+            return gather_view(k_res, v_res, pos, valid, written, read_slots, read_len, written_only=written_only)
 
         k, v, written, pos, valid = self._cache_specs(batch, slots)
-        return gather, (k, v, pos, valid, written, jax.ShapeDtypeStruct((read,), jnp.int32))
+        return gather, (k, v, pos, valid, written, jax.ShapeDtypeStruct((read,), jnp.int32),
+                        jax.ShapeDtypeStruct((batch,), jnp.int32))
 
     def _build_alloc(self, spec: tuple[int, int]):
         batch, slots = spec
@@ -317,8 +320,8 @@ class JaxExecutor(Executor):
         cfg = self.config
         k, v, written, _, _ = self._cache_specs(batch, slots)
         new = jax.ShapeDtypeStruct((cfg.n_layers, batch, width, cfg.n_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
-        return scatter_rows, (k, v, written, new, new, jax.ShapeDtypeStruct((width,), jnp.int32),
-                              jax.ShapeDtypeStruct((batch, width), bool)), {"donate_argnums": (0, 1, 2)}
+        return scatter_rows, (k, v, written, new, new, jax.ShapeDtypeStruct((batch, width), jnp.int32)), {
+            "donate_argnums": (0, 1, 2)}
 
     @property
     def capabilities(self) -> Capabilities:

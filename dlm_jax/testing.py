@@ -146,3 +146,58 @@ def mock_model(*, answer: Script, confidence: Script, tokenizer: Tokenizer | Non
     cfg = tiny_config(tokenizer=tok, **overrides)
     return Model(None, tok, config=cfg,
                  executor=MockExecutor(cfg, answer=answer, confidence=confidence, capabilities=capabilities))
+
+
+class ToyCausalExecutor(MockExecutor):
+    """A causal toy language model over tokens 0..n-1 (no JAX), for tests about decoding rules
+    that need a model whose predictions depend on what it sees (ISD's exactness).
+
+    The window K/V echo what was fed (as `MockExecutor`: token id in `k`, position in `v`), and
+    each requested row reads its context back through the step's visibility, so cache reads,
+    padding and masks behave as a model's would. A row fed a token x predicts the next token
+    from `clean[x]` (logits [n]); a row fed the mask predicts from `mask[y, d]`, y the last
+    token it sees and d its distance from it (clipped to the table). Tokens >= n get -inf."""
+
+    def __init__(self, config: ModelConfig, *, clean: np.ndarray, mask: np.ndarray,
+                 capabilities: Capabilities | None = None):
+        super().__init__(config, answer=[0], confidence=[1.0], capabilities=capabilities)
+        self.clean = np.asarray(clean, np.float64)
+        self.mask = np.asarray(mask, np.float64)
+
+    def step(self, inputs: StepInputs, *, timings: dict[str, float] | None = None) -> StepOutputs:
+        cfg = self.config
+        self.calls.append(inputs)
+        b, w = inputs.tokens.shape
+        p = inputs.k_cache.shape[2]
+        key_tok = np.concatenate([inputs.k_cache[0, :, :, 0, 0], inputs.tokens], axis=1).astype(np.int64)
+        key_pos = np.concatenate([inputs.v_cache[0, :, :, 0, 0], inputs.positions], axis=1).astype(np.int64)
+        n = self.clean.shape[0]
+        logits = np.full((b, inputs.logit_rows.shape[1], cfg.vocab_size), -np.inf)
+        for r in range(b):
+            for j, row in enumerate(inputs.logit_rows[r]):
+                seen = inputs.visibility[r, row]
+                tok, pos = inputs.tokens[r, row], inputs.positions[r, row]
+                if tok != cfg.mask_token_id:
+                    logits[r, j, :n] = self.clean[min(int(tok), n - 1)]
+                    continue
+                clean = seen & (key_tok[r] != cfg.mask_token_id) & (key_pos[r] < pos)
+                cols = np.flatnonzero(clean)
+                last = cols[np.argmax(key_pos[r, cols])] if len(cols) else -1
+                y = min(int(key_tok[r, last]), n - 1) if last >= 0 else 0
+                d = int(pos - key_pos[r, last]) if last >= 0 else 1
+                logits[r, j, :n] = self.mask[y, min(d, self.mask.shape[1]) - 1]
+        z = np.exp(logits - logits.max(-1, keepdims=True))
+        probs = z / z.sum(-1, keepdims=True)
+        top = probs.argmax(-1)
+        srt = np.sort(probs, -1)
+        ent = -(probs * np.log(np.maximum(probs, 1e-300))).sum(-1)
+        out: dict[str, np.ndarray] = {"top_token": top.astype(np.int32), "top_prob": srt[..., -1].astype(np.float32),
+                                      "second_prob": srt[..., -2].astype(np.float32), "entropy": ent.astype(np.float32)}
+        if inputs.want.kv:
+            shape = (cfg.n_layers, b, w, cfg.n_kv_heads, cfg.head_dim)
+            out["k_new"] = np.broadcast_to(inputs.tokens[None, :, :, None, None], shape).astype(cfg.dtype)
+            out["v_new"] = np.broadcast_to(inputs.positions[None, :, :, None, None], shape).astype(cfg.dtype)
+        if inputs.want.logits:
+            out["logits"] = logits.astype(np.float32)
+        del p
+        return StepOutputs.from_named(out)

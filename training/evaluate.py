@@ -21,7 +21,9 @@ def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_s
     unless `chat` says otherwise.
 
     Returns accuracy, mean NFE per request, tokens/s (committed tokens over decode time, after
-    warm-up), and the first `keep` (prompt, completion, correct) triples.
+    warm-up), the first `keep` (prompt, completion, correct) triples, and for a speculative
+    schedule (ISD) its rates over all prompts (`speculation`: TPF, alpha_i, accepted-length
+    histogram, IAR when measured, query rows per token).
     """
     from tqdm import tqdm
 
@@ -31,7 +33,9 @@ def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_s
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
     examples = make_split(TASKS[task], n, split="heldout", seed=seed)
-    correct, nfe, tokens, seconds, samples = [], [], 0, 0.0, []
+    from dlm_jax.runtime.decoder import merge_speculation, speculation_summary
+
+    correct, nfe, tokens, seconds, samples, spec = [], [], 0, 0.0, [], {}
     for i in tqdm(range(0, n, batch_size), desc=f"eval {task}", disable=not progress, file=sys.stderr):
         chunk = examples[i:i + batch_size]
         prompts = [handle.encode(ex.prompt, chat=chat) for ex in chunk]
@@ -41,13 +45,15 @@ def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_s
         seconds += time.perf_counter() - t0
         nfe += res.stats.request_nfe
         tokens += res.stats.tokens_committed
+        spec = merge_speculation(spec, res.stats.speculation)
         for ex, text in zip(chunk, res.texts):
             ok = TASKS[task].score(text, ex)
             correct.append(ok)
             if len(samples) < keep:
                 samples.append({"prompt": ex.prompt, "completion": text, "answer": ex.answer, "correct": ok})
     return {"task": task, "n": n, "accuracy": float(np.mean(correct)), "mean_nfe": float(np.mean(nfe)),
-            "tokens_per_second": tokens / seconds if seconds else 0.0, "seconds": seconds, "samples": samples}
+            "tokens_per_second": tokens / seconds if seconds else 0.0, "seconds": seconds, "samples": samples,
+            **({"speculation": speculation_summary(spec)} if spec else {})}
 
 
 def chance_accuracy(task: str, *, n: int = 200, seed: int = 0) -> float:

@@ -27,6 +27,7 @@ Rules:
   FactorRule     Fast-dLLM's factor rule as released (`get_transfer_index_dynamic`).
   PaperFactorRule  the factor rule as the paper states it, (n + 1) * (1 - c_(n)) < factor.
   FrechetRule    Fast-dLLM++'s Frechet lower bound rule, G_n > delta.
+  NoCommit       nothing: the schedule accepts its own proposals (ISD, left to right).
 
 NumPy only: this module is part of the host runtime and must not import JAX.
 """
@@ -46,6 +47,7 @@ __all__ = [
     "CommitRule",
     "FactorRule",
     "FrechetRule",
+    "NoCommit",
     "PaperFactorRule",
     "PerStepRule",
     "ThresholdRule",
@@ -276,6 +278,15 @@ class TopKSchedule:
 
     def max_steps(self, width: int) -> int:
         return width if self.steps is None else self.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCommit(PerStepRule):
+    """Commits nothing itself: for a schedule that accepts its own proposals in `settle` (ISD,
+    left to right), whose plans name no slot the rule could take."""
+
+    def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
+        return np.zeros(np.shape(candidates), bool)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
 from dlm_jax.runtime.kvcache import HostKVCache
 from dlm_jax.runtime.refresh import CpuExecutor
-from dlm_jax.runtime.state import DecodeState, TokenState
+from dlm_jax.runtime.state import DecodeState, TokenState, take
 from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, OutputRequest
 
 _USEFUL = np.zeros(max(TokenState) + 1, bool)
@@ -77,6 +77,10 @@ class DecodeStats:
     opened_bytes: int = 0
     h2d_bytes: list[int] = dataclasses.field(default_factory=list)
     d2h_bytes: list[int] = dataclasses.field(default_factory=list)
+    # What a speculative schedule measured (`Scheduler.report`; ISD and left to right): counts
+    # summed over requests, merged across decodes by `merge_speculation`. See `tpf`, `alpha`,
+    # `iar`, `overhead`.
+    speculation: dict = dataclasses.field(default_factory=dict)
 
     def record_step(self, candidates: np.ndarray, committed: np.ndarray, key: BucketKey, step_seconds: float,
                     host_seconds: float, prep_seconds: float = 0.0) -> None:
@@ -100,6 +104,27 @@ class DecodeStats:
         return self.tokens_committed / max(self.nfe, 1)
 
     @property
+    def tpf(self) -> float | None:
+        """Tokens per forward of a request, over a speculative schedule's steps after the
+        prompt's (ISD's TPF; None for other schedules)."""
+        return speculation_summary(self.speculation).get("tpf")
+
+    @property
+    def alpha(self) -> list[float] | None:
+        """Per draft position i, the share of verified drafts accepted (alpha_i)."""
+        return speculation_summary(self.speculation).get("alpha")
+
+    @property
+    def iar(self) -> float | None:
+        """The introspective acceptance rate (SPECS 2.2) over verified drafts, when measured."""
+        return speculation_summary(self.speculation).get("iar")
+
+    @property
+    def overhead(self) -> float | None:
+        """Query rows computed per emitted token (OH of SPECS 2.6)."""
+        return speculation_summary(self.speculation).get("overhead")
+
+    @property
     def tokens_per_second(self) -> float:
         return self.tokens_committed / self.seconds if self.seconds > 0 else 0.0
 
@@ -118,13 +143,54 @@ class DecodeStats:
                 "compile_wait_seconds": round(self.compile_wait_seconds, 3), "exports": self.exports,
                 "export_seconds": round(self.export_seconds, 3), "opened_bytes": self.opened_bytes,
                 "h2d_bytes": int(sum(self.h2d_bytes)), "d2h_bytes": int(sum(self.d2h_bytes)),
-                "max_step_h2d_bytes": max(self.h2d_bytes, default=0)}
+                "max_step_h2d_bytes": max(self.h2d_bytes, default=0),
+                **({"speculation": speculation_summary(self.speculation)} if self.speculation else {})}
+
+
+def merge_speculation(a: dict, b: dict) -> dict:
+    """Two `DecodeStats.speculation` counts summed (decodes of one setting)."""
+    if not a or not b:
+        return dict(a or b)
+    out = dict(a)
+    for k, v in b.items():
+        if k == "stride":
+            continue
+        if isinstance(v, dict):
+            out[k] = {j: a.get(k, {}).get(j, 0) + v.get(j, 0) for j in sorted(set(a.get(k, {})) | set(v))}
+        elif isinstance(v, list):
+            out[k] = [x + y for x, y in zip(a.get(k, [0] * len(v)), v)]
+        else:
+            out[k] = a.get(k, 0) + v
+    return out
+
+
+def speculation_summary(spec: dict) -> dict:
+    """The rates of `DecodeStats.speculation` counts: tpf, alpha, iar, overhead, the accepted
+    length histogram (empty for a schedule that reports none)."""
+    if not spec:
+        return {}
+    steps, tokens = spec.get("steps", 0), spec.get("tokens", 0)
+    verified, accepted = spec.get("verified", []), spec.get("accepted", [])
+    iar_n = spec.get("iar_count", 0)
+    emitted = spec.get("emitted", tokens)
+    return {"stride": spec.get("stride"), "steps": steps, "tokens": tokens, "emitted": emitted,
+            "tpf": round(tokens / steps, 4) if steps else None,
+            "emitted_tpf": round(emitted / steps, 4) if steps else None,
+            "overhead": round(spec.get("query_rows", 0) / tokens, 4) if tokens else None,
+            "alpha": [round(a / v, 4) if v else None for a, v in zip(accepted, verified)],
+            "verified": list(verified), "accept_histogram": dict(sorted(spec.get("accept_histogram", {}).items())),
+            "iar": round(spec.get("iar_sum", 0.0) / iar_n, 4) if iar_n else None}
 
 
 @dataclasses.dataclass
 class DecodeOutput:
     sequences: list[np.ndarray]  # per request: the gen_len generated ids (EOS-filled after a stop)
     stats: DecodeStats
+
+
+def _wants_logits(cfg: DecodeConfig) -> bool:
+    """Whether a decode's steps return the rows' logits (sampling, or a schedule that reads them)."""
+    return cfg.proposer.needs_logits or cfg.scheduler.wants_logits()
 
 
 def _use_order(keys: Sequence[BucketKey]) -> list[BucketKey]:
@@ -182,9 +248,12 @@ class Decoder:
             raise ConfigError("no prompts given")
         if min(lens) == 0:
             raise ConfigError(f"prompt {list(lens).index(0)} is empty")
-        total = max(lens) + cfg.gen_len
+        cfg.scheduler.validate(cfg, self.model_config)
+        total = max(lens) + cfg.gen_len + cfg.scheduler.overhang()
         if total > self.max_tokens:
-            raise self.capabilities.refusal(f"prompt ({max(lens)} tokens) + gen_len ({cfg.gen_len}) = {total} "
+            over = cfg.scheduler.overhang()
+            raise self.capabilities.refusal(f"prompt ({max(lens)} tokens) + gen_len ({cfg.gen_len})"
+                                            + (f" + look-ahead ({over})" if over else "") + f" = {total} "
                                             f"tokens exceeds the limit of {self.max_tokens} (largest cache bucket "
                                             f"/ max_seq_len)")
 
@@ -231,7 +300,7 @@ class Decoder:
             pass
         except TypeError:  # a config that cannot be hashed
             memo = None
-        logits = cfg.proposer.needs_logits
+        logits = _wants_logits(cfg)
         shift, gen = self.shift, cfg.gen_len
         shapes = set(cfg.scheduler.plan_shapes(prompt_lens, gen, shift=shift))
         main = {caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes}
@@ -259,7 +328,7 @@ class Decoder:
             span = min(-(-max(prompt_lens) // 64) * 64, self.max_tokens - cfg.gen_len)
             ahead = {k for n in range(1, span + 1) for k in self.bucket_keys([n] * len(prompt_lens), cfg)}
         self.executor.prepare(sorted(ahead | set(main) | set(cpu)))
-        slots = max(prompt_lens) + cfg.gen_len  # the decode's slot grid (`DecodeState.total`)
+        slots = max(prompt_lens) + cfg.gen_len + cfg.scheduler.overhang()  # the slot grid (`DecodeState.total`)
         new = self.executor.warmup(main, slots=slots)
         self._warm |= set(main)
         if cpu:  # the CPU path's steps run as cache snapshots on the fork (or this executor)
@@ -282,12 +351,13 @@ class Decoder:
         main_keys, cpu_keys = self._keys_of([len(p) for p in prompts], cfg)  # every check first (memoised)
         state = DecodeState.create(prompts, gen_len=cfg.gen_len, batch=self.capabilities.batches.select(n),
                                    mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_ids=mc.eos_ids,
-                                   shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n)
+                                   shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n,
+                                   tail=cfg.scheduler.overhang())
         builder = StepInputBuilder(mc, self.capabilities, prefer=self._warm)
         scheduler, proposer, revision, placement = cfg.scheduler, cfg.proposer, cfg.revision, cfg.placement
         units = cfg.units
         stats = DecodeStats(request_nfe=[0] * n)
-        want = OutputRequest(kv=False, logits=proposer.needs_logits)
+        want = OutputRequest(kv=False, logits=_wants_logits(cfg))
         rule = cfg.rule
         start = time.perf_counter()
         cursor = scheduler.start(state)
@@ -315,7 +385,7 @@ class Decoder:
                     cpu.submit(state, cache, plan)  # runs beside this step; merged after it
                 req = builder.build(plan, state, want)
                 # Rows of the step still to decide (mask, invisible or draft), of the widest request.
-                state.count("useful_rows", int((_USEFUL[state.status[:, plan.window_index]]
+                state.count("useful_rows", int((_USEFUL[take(state.status, plan.window_index)]
                                                 & state.active[:, None]).sum(axis=1).max()))
                 state.count("window_rows", len(plan.window))
                 d = 0 if plan.probes is None else len(plan.probes)
@@ -327,14 +397,14 @@ class Decoder:
                 out = cache.step(req)  # stores the plan's K/V where the step runs
                 t2 = time.perf_counter()
                 if plan.store is not None:
-                    state.stored(plan.window[plan.store], req.tokens[:, plan.store], plan.store_rows)
+                    state.stored(plan.slots(plan.window[plan.store]), req.tokens[:, plan.store], plan.store_rows)
                     stored = True
                 scored = state.undecided(targets)
                 candidates = scored if plan.current is None else scored & plan.current
                 proposal = proposer.propose(out, scored, state)
                 state.record(targets, ~state.is_final(targets) & state.active[:, None], proposal.confidence)
                 committed = rule.select(proposal.confidence, candidates, step=plan.step)
-                accepted = scheduler.settle(state, plan, proposal)
+                accepted = scheduler.settle(state, plan, proposal, cursor)
                 if accepted is not None:
                     committed = committed | accepted
                 revision.commit(state, plan, proposal, committed)
@@ -351,7 +421,7 @@ class Decoder:
                 width = len(plan.targets) if plan.unit_slots is None else len(plan.unit_slots)
                 if not unit_done and steps >= rule.max_steps(width):
                     raise RuntimeError(f"commit rule {rule!r} left unit {plan.unit} unfinished after {steps} steps")
-                stats.record_step(candidates, committed, req.key, t2 - t1,
+                stats.record_step(candidates | committed, committed, req.key, t2 - t1,
                                   (t1 - t0) + (time.perf_counter() - t2), t1 - t0)
                 scheduler.advance(state, cursor, unit_done)
                 if unit_done:
@@ -373,6 +443,7 @@ class Decoder:
         stats.compile_wait_seconds = grown.compile_wait_seconds
         stats.exports, stats.export_seconds = grown.exports, grown.export_seconds
         stats.counters = dict(sorted(state.counters.items()))
+        stats.speculation = scheduler.report(cursor)
         stats.seconds = time.perf_counter() - start
         stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return DecodeOutput(state.sequences(), stats)

@@ -64,6 +64,8 @@ class StepInputBuilder:
         """The step of `plan` as indices, padded to its bucket: window tokens and positions,
         the read slots, where the stored rows go (`plan.store`, `plan.store_rows`)."""
         key = self.key(plan, state.batch, want)
+        if plan.offset is not None:
+            return self._build_ragged(plan, state, key, want)
         tokens = state.fed_tokens(plan.window_index)
         if plan.probes is not None and len(plan.probes):
             tokens = np.concatenate([tokens, self._probe_tokens(plan, state, tokens)], axis=1)
@@ -74,16 +76,41 @@ class StepInputBuilder:
         if self._static is None or self._static[0] != static_key:
             self._static = (static_key, self._static_inputs(plan, state, key), next(_GEOMETRY))
         (positions, q_valid, read, is_probe, hide, logit_rows), geometry = self._static[1], self._static[2]
-        write = self._no_write(key.window)
-        write_rows = self._no_rows(state.batch, key.window)
+        write = self._no_write(state.batch, key.window)
         if plan.store is not None and len(plan.store):
             write = write.copy()
-            write[plan.store] = plan.window[plan.store]
-            write_rows = write_rows.copy()
-            write_rows[:, plan.store] = True if plan.store_rows is None else plan.store_rows
+            write[:, plan.store] = plan.window[plan.store]
+            if plan.store_rows is not None:
+                write[:, plan.store] = np.where(plan.store_rows, write[:, plan.store], -1)
         return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read, probes=is_probe,
-                        hide=hide, write=write, write_rows=write_rows, logit_rows=logit_rows,
-                        want=OutputRequest(kv=False, logits=want.logits), geometry=geometry)
+                        hide=hide, write=write, logit_rows=logit_rows,
+                        want=OutputRequest(kv=False, logits=want.logits), geometry=geometry,
+                        read_len=self._lengths(plan))
+
+    @staticmethod
+    def _lengths(plan: StepPlan) -> np.ndarray | None:
+        return None if plan.cache_len is None else np.asarray(plan.cache_len, np.int32)
+
+    def _build_ragged(self, plan: StepPlan, state: DecodeState, key: BucketKey, want: OutputRequest) -> SlotStep:
+        """A plan whose batch rows sit at their own `offset`s: every per-row array is gathered
+        along its row; nothing is reused between steps (the offsets move every step)."""
+        if plan.probes is not None and len(plan.probes):
+            raise ValueError("a plan with per-row offsets cannot carry leave-one-out probes")
+        slots = plan.window_index  # [B, w]
+        tokens = pad_axis(state.fed_tokens(slots), key.window, axis=1, value=state.mask_id)
+        positions = pad_axis(np.take_along_axis(state.positions, slots, axis=1), key.window, axis=1).astype(np.int32)
+        q_valid = pad_axis(np.take_along_axis(state.valid, slots, axis=1), key.window, axis=1, value=False)
+        read = pad_axis(plan.cached.astype(np.int32), key.cache, axis=0, value=-1)
+        write = np.full((state.batch, key.window), -1, np.int32)
+        if plan.store is not None and len(plan.store):
+            stored = slots[:, plan.store]
+            write[:, plan.store] = stored if plan.store_rows is None else np.where(plan.store_rows, stored, -1)
+        rows = pad_axis(plan.rows, key.rows, axis=0)
+        logit_rows = np.ascontiguousarray(np.broadcast_to(rows, (state.batch, key.rows)).astype(np.int32))
+        return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read,
+                        probes=np.zeros(key.window, bool), hide=np.full(key.window, -1, np.int32), write=write,
+                        logit_rows=logit_rows, want=OutputRequest(kv=False, logits=want.logits),
+                        read_len=self._lengths(plan))
 
     @staticmethod
     def _window_rows(plan: StepPlan, slots: np.ndarray) -> np.ndarray:
@@ -119,12 +146,7 @@ class StepInputBuilder:
         logit_rows = np.ascontiguousarray(np.broadcast_to(rows, (state.batch, key.rows)).astype(np.int32))
         return positions, q_valid, read, is_probe, hide, logit_rows
 
-    def _no_write(self, width: int) -> np.ndarray:
-        if width not in self._empty:
-            self._empty[width] = np.full(width, -1, np.int32)
-        return self._empty[width]
-
-    def _no_rows(self, batch: int, width: int) -> np.ndarray:
+    def _no_write(self, batch: int, width: int) -> np.ndarray:
         if (batch, width) not in self._empty:
-            self._empty[(batch, width)] = np.zeros((batch, width), bool)
+            self._empty[(batch, width)] = np.full((batch, width), -1, np.int32)
         return self._empty[(batch, width)]

@@ -50,17 +50,19 @@ class SlotStep:
     tokens, positions: [B, W] the window rows' inputs (padding rows: anything).
     q_valid: [B, W] bool, rows that are real (not bucket padding, not left padding).
     read: [P] int32 slots whose stored K/V the step reads, in order (-1: none, padding).
+    read_len: [B] int32, how many of `read`'s columns each batch row reads (a row's cache
+      length when rows hold caches of different lengths, ISD); None: all of them.
     probes: [W] bool, leave-one-out rows: no other row sees their keys.
     hide: [W] int32 key column (0..P+W, cache columns first) a row may not see (-1: none).
-    write: [W] int32 the slot each row's K/V are stored to (-1: not stored) ...
-    write_rows: [B, W] bool ... in these batch rows.
+    write: [B, W] int32 the slot each window row's K/V are stored to, per batch row (-1: not
+      stored).
     logit_rows: [B, R] int32 rows whose predictions are returned.
     want: `logits` asks for the rows' logits; `kv` keeps the rows' K/V (`StepOutputs.kv`) for
       a later `KVCache.write` instead of storing them now.
     written_only: read slots count only in the batch rows that have stored them (the CPU
       path); otherwise wherever the row is valid.
-    geometry: equal numbers mark steps of one decode whose arrays other than tokens, write
-      and write_rows are identical (a cache may reuse what it built from them); None: no reuse.
+    geometry: equal numbers mark steps of one decode whose arrays other than tokens and write
+      are identical (a cache may reuse what it built from them); None: no reuse.
     """
 
     key: BucketKey
@@ -71,16 +73,22 @@ class SlotStep:
     probes: np.ndarray
     hide: np.ndarray
     write: np.ndarray
-    write_rows: np.ndarray
     logit_rows: np.ndarray
     want: OutputRequest = OutputRequest(kv=False)
     written_only: bool = False
     geometry: int | None = None
+    read_len: np.ndarray | None = None
+
+    def lengths(self) -> np.ndarray:
+        """[B] int32 `read_len`, all of `read` where it is None."""
+        if self.read_len is not None:
+            return self.read_len
+        return np.full(self.tokens.shape[0], len(self.read), np.int32)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-step arrays a device receives, by name."""
         return {"tokens": self.tokens, "positions": self.positions, "q_valid": self.q_valid, "read": self.read,
-                "probes": self.probes, "hide": self.hide, "write": self.write, "write_rows": self.write_rows,
+                "read_len": self.lengths(), "probes": self.probes, "hide": self.hide, "write": self.write,
                 "logit_rows": self.logit_rows}
 
     @property
@@ -101,6 +109,8 @@ def slot_visibility(config: ModelConfig, req: SlotStep, positions: np.ndarray, v
     idx = np.where(ok, read, 0)
     k_pos = np.concatenate([np.where(ok, positions[:, idx], 0), req.positions], axis=1)
     k_ok = ok & valid[:, idx]
+    if req.read_len is not None:
+        k_ok = k_ok & (np.arange(len(read))[None, :] < req.read_len[:, None])
     if req.written_only:
         k_ok = k_ok & written[:, idx]
     k_ok = np.concatenate([k_ok, req.q_valid], axis=1)
@@ -208,10 +218,8 @@ class HostKVCache(KVCache):
         inputs = self._inputs(req, kv=bool(writes.any()))
         out = self.executor.step(inputs) if timings is None else self.executor.step(inputs, timings=timings)
         if writes.any():
-            rows = np.flatnonzero(writes)
-            slots = req.write[rows]
-            self.store.write(slots, out.k_new[:, :, rows], out.v_new[:, :, rows], stable=False,
-                             rows=req.write_rows[:, rows])
+            rows = np.flatnonzero(writes.any(axis=0))
+            self.store.write_at(req.write[:, rows], out.k_new[:, :, rows], out.v_new[:, :, rows])
         self.transfers.add(sum(a.nbytes for a in inputs.arrays()), _nbytes(out))
         return dataclasses.replace(out, k_new=None, v_new=None)
 

@@ -57,6 +57,19 @@ class KVStore:
         self.v[:, :, slots] = v[:, :, :n]
         self.writes += 1
 
+    def write_at(self, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store k, v [L, B, n, Hkv, Dh] at per-row `slots` [B, n] (-1: not stored), as
+        revisable entries. Rows that store nothing are untouched."""
+        b, j = np.nonzero(slots >= 0)
+        if not len(b):
+            return
+        s = slots[b, j]
+        self.k[:, b, s] = k[:, b, j]
+        self.v[:, b, s] = v[:, b, j]
+        self.version[b, s] += 1
+        self.stable[b, s] = False
+        self.writes += 1
+
     def gather(self, slots: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
         """(k, v) [L, B, size, Hkv, Dh] of `slots` [n], zero-padded to `size` >= n. The last
         result is reused when the slots and their versions are unchanged; do not write into

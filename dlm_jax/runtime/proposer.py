@@ -81,6 +81,48 @@ _FLOOR = {"prob": lambda vocab: 0.0, "margin": lambda vocab: 0.0, "entropy": lam
 class Proposal(NamedTuple):
     tokens: np.ndarray  # [B, R] int32
     confidence: np.ndarray  # [B, R] float64
+    logits: np.ndarray | None = None  # [B, R, V] float32, the rows' logits when the step returned them
+    sampler: Proposer | None = None  # who drew `tokens` (temperature, top-k, top-p)
+
+
+def sampling_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """The distribution a sampler draws from, float64 [..., V]: softmax(logits / temperature)
+    restricted to the `top_k` most likely tokens (0: all), then to the smallest set of the most
+    likely whose mass reaches `top_p` (1: all), renormalised; one-hot at the argmax for
+    temperature 0. Ties rank by the lower token id. This is the filter `Proposer` samples from
+    (left-to-right and ISD alike)."""
+    logits = np.asarray(logits, np.float64)
+    if temperature == 0:
+        out = np.zeros(logits.shape)
+        np.put_along_axis(out, logits.argmax(-1)[..., None], 1.0, axis=-1)
+        return out
+    keep = sampling_keep(logits, temperature, top_k, top_p)
+    z = np.where(keep, logits / temperature, -np.inf)
+    z = np.exp(z - z.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+
+def sampling_keep(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """[..., V] bool, the tokens the top-k / top-p filter keeps (all where both are off)."""
+    logits = np.asarray(logits, np.float64)
+    finite = np.isfinite(logits)
+    if not top_k and top_p >= 1.0:
+        return finite
+    order = np.argsort(-logits, axis=-1, kind="stable")  # most likely first, ties by lower id
+    ranked = np.take_along_axis(logits, order, -1)
+    keep = np.isfinite(ranked)
+    if top_k:
+        keep[..., top_k:] = False
+    if top_p < 1.0:
+        z = np.where(keep, ranked / temperature, -np.inf)
+        z = np.exp(z - z[..., :1])
+        mass = np.cumsum(z / z.sum(-1, keepdims=True), axis=-1)
+        before = mass - z / z.sum(-1, keepdims=True)  # the mass ranked above each token
+        keep &= before < top_p
+        keep[..., 0] = True
+    out = np.zeros(logits.shape, bool)
+    np.put_along_axis(out, order, keep, axis=-1)
+    return out & finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +137,9 @@ class Proposer:
     defer_eos: bool = dataclasses.field(
         default=False, metadata={"help": "EOS proposals get the lowest confidence (commit last)"})
     seed: int = dataclasses.field(default=0, metadata={"help": "sampling / random-remasking seed per request"})
+    top_k: int = dataclasses.field(default=0, metadata={"help": "sample among the k most likely tokens (0: all)"})
+    top_p: float = dataclasses.field(
+        default=1.0, metadata={"help": "sample among the most likely tokens holding this mass (1: all)"})
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -106,6 +151,11 @@ class Proposer:
             raise ConfigError(f"confidence={self.confidence!r} is not one of {CONFIDENCE_KINDS}")
         if self.remasking not in REMASKING:
             raise ConfigError(f"remasking={self.remasking!r} is not one of {REMASKING}")
+        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 0 (0: off)")
+        p = self.top_p
+        if not isinstance(p, numbers.Real) or isinstance(p, bool) or not 0 < p <= 1:
+            raise ConfigError(f"top_p={p!r} must be in (0, 1] (1: off)")
 
     @property
     def needs_logits(self) -> bool:
@@ -116,7 +166,8 @@ class Proposer:
         the rows a rule may commit; only they draw noise)."""
         k = candidates.shape[1]
         if self.temperature > 0:
-            x0, top1, top2, ent = _sample(out.logits[:, :k], candidates, self.temperature, state.rngs)
+            x0, top1, top2, ent = _sample(out.logits[:, :k], candidates, self.temperature, state.rngs,
+                                          self.top_k, self.top_p)
         else:
             x0, top1, top2, ent = out.top_token[:, :k], out.top_prob[:, :k], out.second_prob[:, :k], out.entropy[:, :k]
         conf = confidence_scores(self.confidence, top1.astype(np.float64), top2.astype(np.float64),
@@ -130,21 +181,25 @@ class Proposer:
             # The lowest score a proposal can have: 0, or minus the largest entropy, log V.
             floor = _FLOOR[self.confidence](state.vocab_size)
             conf = np.where(state.is_eos(x0), floor, conf)
-        return Proposal(x0.astype(np.int32), conf)
+        return Proposal(x0.astype(np.int32), conf, None if out.logits is None else out.logits[:, :k], self)
 
 
-def _sample(logits: np.ndarray, cand: np.ndarray, temperature: float, rngs: list):
+def _sample(logits: np.ndarray, cand: np.ndarray, temperature: float, rngs: list, top_k: int = 0,
+            top_p: float = 1.0):
     """LLaDA's Gumbel-max in float64: x0 = argmax(exp(logits) / (-log u)^T), confidence = the
     softmax probability of x0. Noise is drawn per request from its own generator, only while
-    it has candidates."""
+    it has candidates. With top-k / top-p, tokens outside the filter (`sampling_keep`) are never
+    drawn."""
     logits = logits.astype(np.float64)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     x0 = logits.argmax(-1)
+    drawn = logits if not top_k and top_p >= 1.0 else np.where(sampling_keep(logits, temperature, top_k, top_p),
+                                                               logits, -np.inf)
     for r, rng in enumerate(rngs):
         if rng is not None and cand[r].any():
             gumbel = (-np.log(rng.random(logits[r].shape))) ** temperature
-            x0[r] = np.argmax(np.exp(logits[r]) / gumbel, axis=-1)
+            x0[r] = np.argmax(np.exp(drawn[r]) / gumbel, axis=-1)
     top1 = np.take_along_axis(probs, x0[..., None], -1)[..., 0]
     top2 = np.sort(probs, axis=-1)[..., -2]
     ent = -(probs * np.log(np.maximum(probs, 1e-300))).sum(-1)

@@ -135,8 +135,8 @@ class Refresher(CpuPath):
                         positions=pad_axis(np.tile(state.positions[:, slots], (1, copies)), key.window,
                                            axis=1).astype(np.int32),
                         q_valid=pad_axis(np.ones((b, rows), bool), key.window, axis=1, value=False), read=read,
-                        probes=probes, hide=hide, write=np.full(key.window, -1, np.int32),
-                        write_rows=np.zeros((b, key.window), bool), logit_rows=np.ascontiguousarray(logit_rows),
+                        probes=probes, hide=hide, write=np.full((b, key.window), -1, np.int32),
+                        logit_rows=np.ascontiguousarray(logit_rows),
                         want=OutputRequest(kv=True, logits=False), written_only=True)
 
     def merge(self, state: DecodeState, cache: KVCache) -> None:

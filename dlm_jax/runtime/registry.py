@@ -21,7 +21,9 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.runtime.commit import CommitRule, FactorRule, FrechetRule, PaperFactorRule, ThresholdRule, TopKSchedule
+from dlm_jax.runtime.commit import (CommitRule, FactorRule, FrechetRule, NoCommit, PaperFactorRule, ThresholdRule,
+                                    TopKSchedule)
+from dlm_jax.runtime.isd import LeftToRight, Strided
 from dlm_jax.runtime.placement import NoPlacement, PlacementPolicy
 from dlm_jax.runtime.proposer import Proposer
 from dlm_jax.runtime.revision import NoRevision, ProgressiveRevision, RevisionPolicy
@@ -55,6 +57,10 @@ class DecodeConfig:
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"DecodeConfig.{name}={getattr(self, name)!r} is not a {kind.__name__}")
         self.rule.check(units=self.units, gen_len=self.gen_len)
+        needs = self.scheduler.commit_rule
+        if needs is not None and _name_of(self.rule, RULES) != needs:
+            raise ConfigError(f"cache={_name_of(self.scheduler, SCHEDULERS)!r} accepts its own proposals and takes "
+                              f"rule={needs!r}, not rule={_name_of(self.rule, RULES)!r}")
 
     @property
     def units(self) -> int:
@@ -77,6 +83,8 @@ SCHEDULERS: dict[str, type] = {
     "prefix": PrefixCache,  # Fast-dLLM prefix cache
     "dual": DualCache,  # Fast-dLLM dual cache
     "mbsd": SpeculativeWindow,  # llada.cpp multi-block speculative windows
+    "isd": Strided,  # I-DLM introspective strided decoding (causal, logit-shift models)
+    "ar": LeftToRight,  # left to right, one token per forward (causal, logit-shift models)
 }
 RULES: dict[str, type] = {
     "topk": TopKSchedule,  # LLaDA low-confidence remasking, fixed steps
@@ -84,6 +92,7 @@ RULES: dict[str, type] = {
     "factor": FactorRule,  # Fast-dLLM, as released
     "factor_paper": PaperFactorRule,  # Fast-dLLM, as the paper states it
     "frechet": FrechetRule,  # Fast-dLLM++
+    "none": NoCommit,  # the schedule accepts its own proposals (isd, ar)
 }
 REVISIONS: dict[str, type] = {
     "none": NoRevision,
@@ -124,6 +133,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llada-cpp": {"cache": "mbsd", "rule": "threshold", "threshold": 0.7, "draft_threshold": 0.7,
                   "revision": "dppr", "theta_stable": 0.9, "theta_visible": 0.7, "revisit": "remask",
                   "block_len": 32},
+    # I-DLM: introspective strided decoding, stride 4, lossless acceptance (causal, logit-shift models).
+    "isd": {"cache": "isd", "stride": 4},
+    # Left to right: one token per forward over the K/V cache (causal, logit-shift models).
+    "ar": {"cache": "ar"},
 }
 
 # Short flags the command line has always used.
@@ -200,7 +213,10 @@ def build(changes: Mapping[str, Any], *, base: DecodeConfig | Mapping[str, Any] 
     used = {"gen_len"} | {sel.option for sel in SELECTORS}
     parts: dict[str, Any] = {}
     for sel in SELECTORS:
-        choice = merged.get(sel.option, sel.default)
+        default = sel.default
+        if sel.field == "rule" and type(parts["scheduler"]).commit_rule is not None:
+            default = type(parts["scheduler"]).commit_rule  # a schedule that accepts its own proposals
+        choice = merged.get(sel.option, default)
         if not isinstance(choice, str):  # an object
             parts[sel.field] = choice
             continue

@@ -25,13 +25,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
+from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.hooks import HookBase
-from dlm_jax.runtime.state import DecodeState, TokenState, as_index
+from dlm_jax.runtime.state import DecodeState, Index, TokenState, as_index
 
 if TYPE_CHECKING:
     from dlm_jax.runtime.proposer import Proposal
@@ -67,6 +68,10 @@ class StepPlan:
       the window, at the position of the row that predicts it, fed the mask (the row's token
       under a logit shift), that sees what that row sees except the probed slot and that no
       other row sees. Its prediction is requested after the `rows`'; its K/V are never stored.
+    offset: [B] int, per batch row (None: 0): row b's window, targets, stored and unit slots
+      are the lists above plus offset[b], so requests of one batch can sit at different
+      places of their generations (ISD, left to right); `cached` is shared.
+    cache_len: [B] int (None: all): row b reads the first cache_len[b] slots of `cached`.
     """
 
     window: np.ndarray
@@ -81,6 +86,15 @@ class StepPlan:
     current: np.ndarray | None = None
     unit_slots: np.ndarray | None = None
     probes: np.ndarray | None = None
+    offset: np.ndarray | None = None
+    cache_len: np.ndarray | None = None
+
+    def slots(self, rel: np.ndarray) -> Index:
+        """The slots of a list of this plan's (window, target, unit) slots in every batch row:
+        the list itself (a slice when a run), or [B, n] with the rows' offsets added."""
+        if self.offset is None:
+            return as_index(rel)
+        return rel[None, :] + self.offset[:, None]
 
     @property
     def shape(self) -> PlanShape:
@@ -88,18 +102,19 @@ class StepPlan:
         return PlanShape(len(self.window) + d, len(self.cached), len(self.rows) + d)
 
     @functools.cached_property
-    def target_index(self) -> slice | np.ndarray:
-        """`targets` as a slice when they are a run of slots (faster state access)."""
-        return as_index(self.targets)
+    def target_index(self) -> Index:
+        """`targets` as a slice when they are a run of slots (faster state access); [B, R]
+        per batch row with an `offset`."""
+        return self.slots(self.targets)
 
     @functools.cached_property
-    def window_index(self) -> slice | np.ndarray:
-        return as_index(self.window)
+    def window_index(self) -> Index:
+        return self.slots(self.window)
 
     @functools.cached_property
-    def unit_index(self) -> slice | np.ndarray:
+    def unit_index(self) -> Index:
         """The current unit's slots (as a slice when a run)."""
-        return self.target_index if self.unit_slots is None else as_index(self.unit_slots)
+        return self.target_index if self.unit_slots is None else self.slots(self.unit_slots)
 
 
 @dataclasses.dataclass
@@ -117,7 +132,11 @@ class Scheduler(HookBase):
     decode: `start`; then per step `plan`, (after the rule's choice) `settle`, and `advance`;
     `units` and `plan_shapes` before it (checks and warm-up)."""
 
-    HOOKS = ("units", "start", "plan", "settle", "advance", "plan_shapes")
+    HOOKS = ("units", "start", "plan", "settle", "advance", "plan_shapes", "overhang", "validate", "wants_logits",
+             "report")
+    # The commit rule (a `registry.RULES` name) this schedule decides with, or None: any rule.
+    # A schedule that accepts its own proposals in `settle` (ISD) names "none".
+    commit_rule: ClassVar[str | None] = None
 
     def units(self, gen_len: int) -> int:
         """Commit units in a generation of `gen_len` (raises ConfigError if it cannot split it)."""
@@ -131,11 +150,30 @@ class Scheduler(HookBase):
         """The next step, or None when no request is left to decode."""
         raise NotImplementedError
 
-    def settle(self, state: DecodeState, plan: StepPlan, proposal: Proposal) -> np.ndarray | None:
+    def settle(self, state: DecodeState, plan: StepPlan, proposal: Proposal, cursor: Cursor) -> np.ndarray | None:
         """After a step's proposals, before its commits: look-ahead bookkeeping (drafts).
         Returns [B, R] bool, extra slots of the current unit to commit with the rule's
-        (accepted drafts), or None (default)."""
+        (accepted drafts), or None (default). A schedule that verifies its drafts (ISD) may
+        replace `proposal.tokens` where it commits a token it drew itself (a correction)."""
         return None
+
+    def overhang(self) -> int:
+        """Slots past the generation this schedule's windows may reach (look-ahead rows fed
+        as masks; nothing is emitted there); default 0."""
+        return 0
+
+    def validate(self, config: Any, model: ModelConfig) -> None:
+        """Raise ConfigError if this schedule cannot decode `model` with the other strategies of
+        `config` (a `DecodeConfig`); default: anything goes."""
+        return None
+
+    def wants_logits(self) -> bool:
+        """Whether steps must return the rows' logits whatever the proposer needs (default no)."""
+        return False
+
+    def report(self, cursor: Cursor) -> dict[str, Any]:
+        """What this schedule measured over a decode, for `DecodeStats` (default nothing)."""
+        return {}
 
     def advance(self, state: DecodeState, cursor: Cursor, unit_done: bool) -> None:
         """After a step: move the cursor, end requests (EOS), mark the last unit done."""

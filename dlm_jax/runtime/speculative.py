@@ -233,7 +233,7 @@ class SpeculativeWindow(BlockScheduler):
 
     # -- drafts -----------------------------------------------------------------------------
 
-    def settle(self, state: DecodeState, plan: StepPlan, proposal: Proposal) -> np.ndarray:
+    def settle(self, state: DecodeState, plan: StepPlan, proposal: Proposal, cursor: Cursor) -> np.ndarray:
         """Draft bookkeeping after a step, before the commits: future-block slots passing
         `draft_threshold` become drafts (or keep being ones), failing drafts return to MASK,
         and the current block's drafts are re-evaluated. Returns [B, R] bool, the accepted

@@ -24,7 +24,8 @@ each checks that every slot it moves is in a state that move takes (`MOVES`), ra
 So IV -> V -> S, or IV -> S; nothing returns from V or S to IV.
 
 Axes: B batch rows, S slots, n a list of slots. Slot lists may be index arrays or, for
-ascending runs, slices (`as_index`); both select the same slots.
+ascending runs, slices (`as_index`); both select the same slots in every batch row. A [B, n]
+index array is a list per batch row (requests at different places: ISD, left to right).
 """
 
 from __future__ import annotations
@@ -59,6 +60,21 @@ _VISIBLE, _DRAFT, _CANDIDATE, _MASK = (int(TokenState.VISIBLE), int(TokenState.D
 
 
 Index = np.ndarray | slice  # a slot list, or an ascending run of slots as a slice
+
+
+def take(x: np.ndarray, slots: Index) -> np.ndarray:
+    """`x[:, slots]` of a [B, S] array; `slots` may also be [B, n], a list per batch row."""
+    if isinstance(slots, np.ndarray) and slots.ndim == 2:
+        return np.take_along_axis(x, slots, axis=1)
+    return x[:, slots]
+
+
+def put(x: np.ndarray, slots: Index, values: np.ndarray) -> None:
+    """`x[:, slots] = values` of a [B, S] array; `slots` may also be [B, n]."""
+    if isinstance(slots, np.ndarray) and slots.ndim == 2:
+        np.put_along_axis(x, slots, np.broadcast_to(values, slots.shape), axis=1)
+    else:
+        x[:, slots] = values
 
 
 def as_index(slots: np.ndarray) -> Index:
@@ -112,6 +128,7 @@ class DecodeState:
     shift: int = 0  # 1 for logit-shift models: window row i predicts slot i + 1
     rngs: list = dataclasses.field(default_factory=list)  # per row: np.random.Generator or None
     kv_token: np.ndarray | None = None  # [B, S] int32, the id each stored K/V entry was computed from (-1: none)
+    tail: int = 0  # slots past the generation: a schedule's look-ahead rows sit there, nothing is emitted
     counters: dict = dataclasses.field(default_factory=dict)  # event counts of schedulers and policies
 
     def __post_init__(self) -> None:
@@ -121,7 +138,7 @@ class DecodeState:
     def stored(self, slots: Index, fed: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Note that the K/V store now holds, at `slots`, entries computed from the ids `fed`
         [B, n] (only where `rows` [B, n] is True, when given)."""
-        self.kv_token[:, slots] = fed if rows is None else np.where(rows, fed, self.kv_token[:, slots])
+        put(self.kv_token, slots, fed if rows is None else np.where(rows, fed, take(self.kv_token, slots)))
 
     def kv_ready(self) -> np.ndarray:
         """[B, S] bool: slots whose token is final or visible and whose stored K/V were
@@ -134,13 +151,15 @@ class DecodeState:
 
     @classmethod
     def create(cls, prompts: Sequence[Sequence[int]], *, gen_len: int, batch: int, mask_id: int,
-               vocab_size: int, eos_ids: Sequence[int] = (), shift: int = 0, seeds: Sequence[int] | None = None) -> DecodeState:
-        """Left-align `prompts` on a [batch, max prompt + gen_len] grid; rows past
-        `len(prompts)` are padding. `seeds` seed each request's generator (default 0)."""
+               vocab_size: int, eos_ids: Sequence[int] = (), shift: int = 0, seeds: Sequence[int] | None = None,
+               tail: int = 0) -> DecodeState:
+        """Left-align `prompts` on a [batch, max prompt + gen_len + tail] grid; rows past
+        `len(prompts)` are padding. `seeds` seed each request's generator (default 0). The
+        `tail` slots after the generation are masks a schedule may feed (`Scheduler.overhang`)."""
         n = len(prompts)
         lens = [len(p) for p in prompts]
         p_max = max(lens)
-        total = p_max + gen_len
+        total = p_max + gen_len + tail
         tokens = np.full((batch, total), mask_id, dtype=np.int32)
         valid = np.zeros((batch, total), dtype=bool)
         for r, prompt in enumerate(prompts):
@@ -157,7 +176,7 @@ class DecodeState:
         rngs = [np.random.default_rng(s) for s in seeds] + [None] * (batch - n)
         return cls(tokens=tokens, status=status, confidence=np.full((batch, total), np.nan),
                    positions=positions, valid=valid, request=request, gen_start=p_max,
-                   mask_id=mask_id, vocab_size=vocab_size, eos_ids=tuple(eos_ids), shift=shift, rngs=rngs)
+                   mask_id=mask_id, vocab_size=vocab_size, eos_ids=tuple(eos_ids), shift=shift, rngs=rngs, tail=tail)
 
     # -- shape ------------------------------------------------------------------------------
 
@@ -172,7 +191,12 @@ class DecodeState:
 
     @property
     def gen_len(self) -> int:
-        return self.total - self.gen_start
+        return self.total - self.gen_start - self.tail
+
+    @property
+    def gen_end(self) -> int:
+        """The slot after the last generated one (where the tail starts)."""
+        return self.total - self.tail
 
     @property
     def n_requests(self) -> int:
@@ -188,38 +212,39 @@ class DecodeState:
     def fed_tokens(self, slots: Index) -> np.ndarray:
         """[B, n] the ids a forward sees at `slots`: the token, or the mask id where the slot
         is undecided or invisible."""
-        return np.where(_FEEDS_TOKEN[self.status[:, slots]], self.tokens[:, slots], self.mask_id).astype(np.int32, copy=False)
+        return np.where(_FEEDS_TOKEN[take(self.status, slots)], take(self.tokens, slots),
+                        self.mask_id).astype(np.int32, copy=False)
 
     def undecided(self, slots: Index) -> np.ndarray:
         """[B, n] bool: MASK or CANDIDATE slots of running requests (what a commit rule may
         commit)."""
-        return _UNDECIDED[self.status[:, slots]] & self.active[:, None]
+        return _UNDECIDED[take(self.status, slots)] & self.active[:, None]
 
     def is_final(self, slots: Index) -> np.ndarray:
         """[B, n] bool: slots whose token will not change (prompt or stable)."""
-        return _FINAL[self.status[:, slots]]
+        return _FINAL[take(self.status, slots)]
 
     # -- updates ----------------------------------------------------------------------------
 
     def record(self, slots: Index, scored: np.ndarray, confidence: np.ndarray) -> None:
         """Keep `confidence` [B, n] as the last confidence of the `scored` [B, n] slots."""
-        self.confidence[:, slots] = np.where(scored, confidence, self.confidence[:, slots])
+        put(self.confidence, slots, np.where(scored, confidence, take(self.confidence, slots)))
 
     def _move(self, slots: Index, chosen: np.ndarray, to: int, tokens: np.ndarray | None, move: str) -> None:
         """Move the `chosen` [B, n] slots to state `to` (giving them `tokens` [B, n] when
         given), after checking that each is in a state `move` takes (`MOVES`)."""
-        status = self.status[:, slots]
+        status = take(self.status, slots)
         if not chosen.any():
             return
         allowed = _FROM[move][status]
         if not allowed[chosen].all():
             b, i = np.argwhere(chosen & ~allowed)[0]
-            slot = np.arange(self.total)[slots][i]
+            slot = slots[b, i] if isinstance(slots, np.ndarray) and slots.ndim == 2 else np.arange(self.total)[slots][i]
             raise StateError(f"{move}: request {b} slot {slot} is {TokenState(status[b, i]).name}, which "
                              f"cannot move to {TokenState(to).name}")
         if tokens is not None:
-            self.tokens[:, slots] = np.where(chosen, tokens, self.tokens[:, slots])
-        self.status[:, slots] = np.where(chosen, to, status)
+            put(self.tokens, slots, np.where(chosen, tokens, take(self.tokens, slots)))
+        put(self.status, slots, np.where(chosen, to, status))
 
     def commit(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray) -> None:
         """Commit the `chosen` [B, n] undecided slots to their `tokens` [B, n]: final."""
@@ -265,10 +290,20 @@ class DecodeState:
             return tokens == self.eos_ids[0]
         return np.isin(tokens, self.eos_ids)
 
-    def finish(self) -> None:
-        """Mark every running request done."""
-        self.request[self.active] = RequestStatus.DONE
+    def stop_after(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """End the running requests `rows` [B] bool whose last token sits at `slots` [B]: every
+        later generated slot becomes a stable EOS (the first id; the mask id without EOS ids)."""
+        fill = self.eos_ids[0] if self.eos_ids else self.mask_id
+        for b in np.flatnonzero(rows & self.active):
+            after = int(slots[b]) + 1
+            self.tokens[b, after:self.gen_end] = fill
+            self.status[b, after:self.gen_end] = TokenState.STABLE
+            self.request[b] = RequestStatus.STOPPED
+
+    def finish(self, rows: np.ndarray | None = None) -> None:
+        """Mark every running request done (or those of `rows` [B] bool)."""
+        self.request[self.active if rows is None else self.active & rows] = RequestStatus.DONE
 
     def sequences(self) -> list[np.ndarray]:
         """Per request, its `gen_len` generated ids (mask ids where undecided)."""
-        return [self.tokens[r, self.gen_start:].copy() for r in range(self.n_requests)]
+        return [self.tokens[r, self.gen_start:self.gen_end].copy() for r in range(self.n_requests)]

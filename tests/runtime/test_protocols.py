@@ -41,7 +41,7 @@ def test_a_misspelt_hook_is_refused_when_its_class_is_defined(base, name):
 def test_a_hook_with_renamed_or_extra_required_parameters_is_refused():
     with pytest.raises(HookError, match=r"settle .*missing \['state'\]"):
         class A(PrefixCache):
-            def settle(self, st, plan, proposal):
+            def settle(self, st, plan, proposal, cursor):
                 return None
     with pytest.raises(HookError, match=r"after_probes .*missing \['top'\]"):
         class B(NoRevision):
@@ -53,7 +53,7 @@ def test_a_hook_with_renamed_or_extra_required_parameters_is_refused():
                 return None
 
     class Fine(PrefixCache):  # the same parameters, a helper of its own: accepted
-        def settle(self, state, plan, proposal):
+        def settle(self, state, plan, proposal, cursor):
             return None
 
         def _settle_helper(self):
@@ -95,7 +95,7 @@ def _recording(log):
             log.append("scheduler.plan")
             return super().plan(state, cursor)
 
-        def settle(self, state, plan, proposal):
+        def settle(self, state, plan, proposal, cursor):
             log.append("scheduler.settle")
             return None
 

@@ -53,7 +53,7 @@ def test_replace_rebuilds_only_what_changes():
     (dict(rule="frechet", threshold=0.5), r"threshold=0.5 applies to rule='threshold' only"),
     (dict(rule="threshold", factor=2.0), r"factor=2.0 applies to rule='factor' or rule='factor_paper' only"),
     (dict(rule="fastest"), r"rule='fastest' is not one of \('topk', 'threshold', 'factor'"),
-    (dict(cache="triple"), r"cache='triple' is not one of \('none', 'prefix', 'dual', 'mbsd'\)"),
+    (dict(cache="triple"), r"cache='triple' is not one of \('none', 'prefix', 'dual', 'mbsd', 'isd', 'ar'\)"),
     (dict(speed=3), r"unknown decode option\(s\) \['speed'\]"),
     (dict(gen_len=16, block_len=5), r"block_len=5 must divide gen_len=16"),
     (dict(rule="topk", steps=6, gen_len=64, block_len=16), r"steps=6 must be a positive multiple of the number "
@@ -120,4 +120,4 @@ def test_adding_a_commit_rule_is_a_class_and_one_registry_line(monkeypatch):
 def test_top_level_names():
     assert dlm_jax.decode_config is decode_config and dlm_jax.preset is preset
     assert set(dlm_jax.PRESETS) == {"llada", "fast-dllm", "fast-dllm-dual", "fast-dllm-factor", "frechet",
-                                   "llada-cpp"}
+                                   "llada-cpp", "isd", "ar"}

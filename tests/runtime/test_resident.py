@@ -20,11 +20,15 @@ from dlm_jax.program import DeviceKVCache, JaxExecutor
 from dlm_jax.runtime import Decoder, decode_config, preset
 from dlm_jax.runtime.kvcache import HostKVCache
 from dlm_jax.runtime.registry import SCHEDULERS
+
+CAUSAL_ONLY = ("isd", "ar")  # causal, logit-shift schedules: tests/runtime/test_isd.py
 from dlm_jax.testing import sharp_model
 
 PROMPTS = [[5, 17, 3, 44, 9, 21, 30], [8, 1]]
-CONFIGS = {**{f"preset={name}": preset(name, gen_len=64) for name in sorted(dlm_jax.PRESETS)},
-           **{f"cache={name}": decode_config(cache=name, gen_len=64, block_len=16) for name in sorted(SCHEDULERS)},
+CONFIGS = {**{f"preset={name}": preset(name, gen_len=64) for name in sorted(dlm_jax.PRESETS)
+                 if name not in CAUSAL_ONLY},
+           **{f"cache={name}": decode_config(cache=name, gen_len=64, block_len=16) for name in sorted(SCHEDULERS)
+                 if name not in CAUSAL_ONLY},
            "llada-cpp in_place": preset("llada-cpp", gen_len=64, revisit="in_place"),
            "llada-cpp sampled": preset("llada-cpp", gen_len=32, temperature=0.7)}
 FAST = ("preset=fast-dllm-dual", "preset=llada-cpp")  # the default pass; every config with --runslow

@@ -13,12 +13,16 @@ from dlm_jax._compile import XlaCompileCounter
 from dlm_jax.program import JaxExecutor
 from dlm_jax.runtime import Decoder, decode_config, preset
 from dlm_jax.runtime.registry import SCHEDULERS
+
+CAUSAL_ONLY = ("isd", "ar")  # causal, logit-shift schedules: tests/runtime/test_isd.py
 from dlm_jax.testing import sharp_model
 
 # Prompt sets of several lengths and batch sizes; each is warmed, then decoded.
 PROMPT_SETS = [[[5, 17, 3, 44, 9, 21, 30], [8, 1], [40, 41, 42, 43, 2]], [[7] * 19], [[3, 4]]]
-CONFIGS = {**{f"preset={name}": preset(name, gen_len=64) for name in sorted(dlm_jax.PRESETS) if name != "llada-cpp"},
-           **{f"cache={name}": decode_config(cache=name, gen_len=64, block_len=16) for name in sorted(SCHEDULERS)},
+CONFIGS = {**{f"preset={name}": preset(name, gen_len=64) for name in sorted(dlm_jax.PRESETS)
+                 if name not in CAUSAL_ONLY if name != "llada-cpp"},
+           **{f"cache={name}": decode_config(cache=name, gen_len=64, block_len=16) for name in sorted(SCHEDULERS)
+                 if name not in CAUSAL_ONLY},
            "llada-cpp revision=none": preset("llada-cpp", gen_len=64, revision="none")}
 # llada-cpp with its CPU path: a minute of cold compiles each (the main and the CPU path's buckets).
 SLOW = {"preset=llada-cpp": preset("llada-cpp", gen_len=64),

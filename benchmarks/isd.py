@@ -1,0 +1,216 @@
+"""The ISD benchmark: introspective strided decoding against left-to-right decoding of the same
+causal model (SPECS 2.3-2.6, issue 28).
+
+    .venv/bin/python benchmarks/isd.py --model models/idlm-tiny --n 200 --out benchmarks/results/isd
+
+For strides 2, 3, 4, 5 at T = 0 and at T = 1 (top-k 50, top-p 0.95), over the held-out prompts
+of every task (`--n` per task, batches of 8): tokens per forward (TPF, over the steps after
+the prompt's), the TPF the renewal formula predicts from the measured per-position acceptance
+alpha_i (compared with the TPF of the acceptance mechanics: tokens cut at EOS or at the
+generation's end count as emitted), the accepted-length histogram, query rows per token
+(overhead), accuracy per task against left-to-right decoding of the same model, whether the
+tokens are identical (T = 0), forwards per answer and wall clock on the JAX executor and on
+LiteRT (the bundle cache); the relaxed-acceptance sweep (relax 0 / 0.1 / 0.2 / 0.5 / 1 at
+T = 1, stride 4); and the phone cost of each row from the phone cost model
+(`dlm_jax.runtime.latency.PhoneCostModel`: every ISD step is one bucket of 2N-1 rows, a cold
+start N). Writes <out>.json, <out>.md and <out>.png, and reports the targets as measured in
+this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+import dlm_jax  # noqa: E402
+from _hardware import machine  # noqa: E402
+from dlm_jax.runtime.decoder import merge_speculation, speculation_summary  # noqa: E402
+from dlm_jax.runtime.isd import renewal_tpf  # noqa: E402
+from dlm_jax.runtime.latency import PhoneCostModel  # noqa: E402
+from training.data import TASKS, make_split  # noqa: E402
+
+STRIDES = (2, 3, 4, 5)
+SAMPLED = {"temperature": 1.0, "top_k": 50, "top_p": 0.95}
+RELAX = (0.0, 0.1, 0.2, 0.5, 1.0)
+BATCH = 8
+
+
+def _examples(tasks: list[str], n: int) -> dict[str, list]:
+    return {t: make_split(TASKS[t], n, split="heldout", seed=0) for t in tasks}
+
+
+def decode_all(handle, examples: dict[str, list], cfg) -> dict:
+    """Every task's prompts in batches of 8 (seed = prompt index): accuracy per task, the ids,
+    forwards per answer, the speculation counts and the decode seconds (each batch's buckets
+    built first, untimed)."""
+    out = {"per_task": {}, "ids": {}, "seconds": 0.0, "forwards": 0, "answers": 0, "speculation": {}}
+    for task, exs in examples.items():
+        correct, ids = [], []
+        for i in range(0, len(exs), BATCH):
+            chunk = exs[i:i + BATCH]
+            prompts = [handle.encode(e.prompt) for e in chunk]
+            handle.decoder.warmup([len(p) for p in prompts], cfg)  # builds are not timed
+            t0 = time.perf_counter()
+            res = handle.generate(prompts, cfg, seeds=list(range(i, i + len(chunk))))
+            out["seconds"] += time.perf_counter() - t0
+            out["forwards"] += sum(res.stats.request_nfe)
+            out["answers"] += len(chunk)
+            out["speculation"] = merge_speculation(out["speculation"], res.stats.speculation)
+            ids += [list(s) for s in res.token_ids]
+            correct += [TASKS[task].score(text, ex) for text, ex in zip(res.texts, chunk)]
+        out["per_task"][task] = float(np.mean(correct))
+        out["ids"][task] = ids
+    return out
+
+
+def phone_ms_per_token(spec: dict, stride: int, cost: PhoneCostModel) -> float:
+    """Phone latency per token over the steps after the prompt's: verify steps run 2N-1 rows,
+    cold starts N (left to right: one row a step)."""
+    verify = sum(spec.get("accept_histogram", {}).values())
+    cold = spec["steps"] - verify
+    ms = verify * cost.step_ms(2 * stride - 1) + cold * cost.step_ms(stride)
+    return ms / max(spec["tokens"], 1)
+
+
+def row(name: str, executor: str, sampling: str, stride: int, res: dict, ref: dict | None, cost: PhoneCostModel,
+        relax: float = 0.0) -> dict:
+    spec = res["speculation"]
+    summary = speculation_summary(spec)
+    alpha = [a for a in summary["alpha"] if a is not None]
+    predicted = renewal_tpf(alpha) if stride > 1 and len(alpha) == stride - 1 else 1.0
+    out = {"setting": name, "executor": executor, "sampling": sampling, "stride": stride, "relax": relax,
+           "accuracy": res["per_task"], "mean_accuracy": float(np.mean(list(res["per_task"].values()))),
+           "tpf": summary["tpf"], "mechanics_tpf": summary["emitted_tpf"], "renewal_tpf": round(predicted, 4),
+           "renewal_error": round(abs(summary["emitted_tpf"] - predicted) / predicted, 4),
+           "emitted_tokens": summary["emitted"], "alpha": summary["alpha"],
+           "accept_histogram": summary["accept_histogram"], "overhead": summary["overhead"],
+           "forwards_per_answer": round(res["forwards"] / res["answers"], 3), "seconds": round(res["seconds"], 3),
+           "phone_ms_per_token": round(phone_ms_per_token(spec, stride, cost), 2)}
+    if ref is not None:
+        same = sum(a == b for t in res["ids"] for a, b in zip(res["ids"][t], ref["ids"][t]))
+        out["identical_to_left_to_right"] = f"{same}/{res['answers']}"
+        out["speedup_vs_left_to_right"] = round(ref["seconds"] / max(res["seconds"], 1e-9), 3)
+        out["phone_speedup"] = round(phone_ms_per_token(ref["speculation"], 1, cost) / out["phone_ms_per_token"], 3)
+    return out
+
+
+def run(model: str, n: int, tasks: list[str], executors: list[str]) -> list[dict]:
+    examples = _examples(tasks, n)
+    cost = PhoneCostModel.npu()
+    rows = []
+    for executor in executors:
+        handle = dlm_jax.load(model, executor=executor)
+        samplings = {"T=0": {}, "T=1 top-k 50 top-p 0.95": SAMPLED} if executor == "jax" else {"T=0": {}}
+        for label, sampling in samplings.items():
+            ref = decode_all(handle, examples, dlm_jax.preset("ar", gen_len=64, **sampling))
+            rows.append(row("left to right", executor, label, 1, ref, None, cost))
+            print(json.dumps({k: rows[-1][k] for k in ("setting", "executor", "sampling", "mean_accuracy",
+                                                       "seconds")}), file=sys.stderr)
+            for stride in STRIDES:
+                res = decode_all(handle, examples, dlm_jax.preset("isd", stride=stride, gen_len=64, **sampling))
+                rows.append(row(f"isd stride {stride}", executor, label, stride, res, ref, cost))
+                print(json.dumps({k: rows[-1][k] for k in ("setting", "executor", "sampling", "tpf", "renewal_tpf",
+                                                           "mean_accuracy", "speedup_vs_left_to_right")}),
+                      file=sys.stderr)
+            if executor == "jax" and sampling:
+                for relax in RELAX[1:]:
+                    res = decode_all(handle, examples, dlm_jax.preset("isd", stride=4, gen_len=64, relax=relax,
+                                                                      **sampling))
+                    rows.append(row(f"isd stride 4, relax {relax}", executor, label, 4, res, ref, cost, relax))
+                    print(json.dumps({k: rows[-1][k] for k in ("setting", "tpf", "mean_accuracy")}), file=sys.stderr)
+    return rows
+
+
+def targets(rows: list[dict]) -> dict:
+    """The issue's targets, as measured here."""
+    greedy = [r for r in rows if r["sampling"] == "T=0" and r["stride"] > 1]
+    s4 = next(r for r in rows if r["executor"] == "jax" and r["sampling"] == "T=0" and r["stride"] == 4)
+    ar = next(r for r in rows if r["executor"] == "jax" and r["sampling"] == "T=0" and r["stride"] == 1)
+    long_runs = [r for r in rows if r["stride"] > 1 and r["relax"] == 0 and r["emitted_tokens"] >= 2000]
+    out = {"greedy_identical_everywhere": all(r["identical_to_left_to_right"].split("/")[0]
+                                              == r["identical_to_left_to_right"].split("/")[1] for r in greedy),
+           "stride4_greedy_tpf": s4["tpf"], "stride4_tpf_at_least_2.5": s4["tpf"] >= 2.5,
+           "stride4_accuracy_vs_left_to_right": [s4["mean_accuracy"], ar["mean_accuracy"]],
+           "renewal_within_5pct": {f"{r['executor']} {r['sampling']} N={r['stride']}": r["renewal_error"]
+                                   for r in long_runs},
+           "wall_clock_speedup_stride4": {r["executor"]: r["speedup_vs_left_to_right"] for r in greedy
+                                          if r["stride"] == 4}}
+    out["renewal_all_within_5pct"] = all(v <= 0.05 for v in out["renewal_within_5pct"].values())
+    return out
+
+
+def markdown(rows: list[dict], tasks: list[str], meta: dict) -> str:
+    head = ("| setting | executor | sampling | " + " | ".join(tasks) + " | TPF | renewal TPF (mechanics TPF) | "
+            "alpha_i | rows/token | forwards/answer | identical to L2R | wall clock x L2R | phone ms/token (x L2R) |")
+    lines = [f"ISD on `{meta['model']}`, {meta['n']} held-out prompts per task, generation 64, batches of 8, "
+             f"{meta['machine'].get('cpu', 'CPU')} ({meta['machine'].get('cores', '?')} cores). TPF counts tokens per request-forward after the prompt's forward; the renewal "
+             f"formula (SPECS 2.6) is evaluated at the measured alpha_i and compared with the TPF of the "
+             f"acceptance mechanics (tokens cut at EOS count as emitted).", "", head,
+             "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        acc = " | ".join(f"{100 * r['accuracy'][t]:.1f}%" for t in tasks)
+        alpha = ", ".join("-" if a is None else f"{a:.3f}" for a in r["alpha"]) or "-"
+        lines.append(f"| {r['setting']} | {r['executor']} | {r['sampling']} | {acc} | {r['tpf']} | "
+                     f"{r['renewal_tpf']} ({r['mechanics_tpf']}) | {alpha} | {r['overhead']} | "
+                     f"{r['forwards_per_answer']} | {r.get('identical_to_left_to_right', '-')} | "
+                     f"{r.get('speedup_vs_left_to_right', '-')} | {r['phone_ms_per_token']} "
+                     f"({r.get('phone_speedup', '-')}) |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for sampling, marker in (("T=0", "o"), ("T=1 top-k 50 top-p 0.95", "s")):
+        sel = [r for r in rows if r["executor"] == "jax" and r["sampling"] == sampling and r["relax"] == 0]
+        if not sel:
+            continue
+        n = [r["stride"] for r in sel]
+        ax1.plot(n, [r["tpf"] for r in sel], marker=marker, label=f"measured TPF, {sampling}")
+        ax1.plot(n, [r["renewal_tpf"] for r in sel], marker=marker, linestyle="--", alpha=0.6,
+                 label=f"renewal formula at measured alpha, {sampling}")
+        ax2.plot(n, [100 * r["mean_accuracy"] for r in sel], marker=marker, label=sampling)
+    ax1.plot([1, 5], [1, 5], color="grey", linewidth=0.8, label="TPF = N")
+    ax1.set_xlabel("stride N")
+    ax1.set_ylabel("tokens per forward")
+    ax1.legend(fontsize=7)
+    ax2.set_xlabel("stride N (1 = left to right)")
+    ax2.set_ylabel("mean accuracy (%)")
+    ax2.legend(fontsize=8)
+    fig.suptitle("ISD on the shipped I-DLM model: TPF and accuracy by stride")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="models/idlm-tiny")
+    parser.add_argument("--n", type=int, default=200, help="held-out prompts per task")
+    parser.add_argument("--tasks", nargs="+", default=["addition", "sorting", "gsm_lite"])
+    parser.add_argument("--executors", nargs="+", default=["jax", "litert"])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/isd"))
+    args = parser.parse_args()
+    meta = {"model": args.model, "n": args.n, "machine": machine()}
+    rows = run(args.model, args.n, args.tasks, args.executors)
+    report = {"meta": meta, "targets": targets(rows), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(rows, args.tasks, meta))
+    plot(rows, args.out.with_suffix(".png"))
+    print(json.dumps(report["targets"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""Introspective strided decoding (ISD) and left-to-right decoding (SPECS 2.3, 2.4, 2.6, 2.9).
+
+The lossless claims are checked against references this file computes independently: a
+full forward of the model over the whole sequence per token (greedy left to right), and the
+exact joint distribution of a toy causal model (sampling)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dlm_jax
+from dlm_jax._errors import ConfigError
+from dlm_jax.runtime.commit import NoCommit
+from dlm_jax.runtime.config import DecodeConfig
+from dlm_jax.runtime.decoder import Decoder
+from dlm_jax.runtime.isd import Acceptance, Strided, renewal_tpf
+from dlm_jax.runtime.proposer import sampling_probs
+from dlm_jax.runtime.registry import decode_config, preset
+from dlm_jax.runtime.state import TokenState
+from dlm_jax.testing import ToyCausalExecutor, tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+IDLM = ROOT / "models" / "idlm-tiny"
+
+
+@pytest.fixture(scope="module")
+def idlm():
+    return dlm_jax.load(IDLM, executor="jax")
+
+
+def _prompts(handle, n: int = 6) -> list[list[int]]:
+    from training.data import TASKS, make_split
+
+    tasks = ["gsm_lite", "sorting", "addition"]
+    return [handle.encode(make_split(TASKS[t], n, split="heldout", seed=1)[i].prompt)
+            for i in range(n // len(tasks)) for t in tasks]
+
+
+def _full_forward_greedy(model, prompt: list[int], gen_len: int, eos: int, mask: int) -> list[int]:
+    """Greedy decoding by a causal forward over the whole sequence for every token (no cache,
+    no decode program): the reference left to right decoding must equal."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, params = nnx.split(model)
+    width = len(prompt) + gen_len  # causal: padding after the last token changes nothing before it
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t).logits[0])
+    ids, out = list(prompt), []
+    for _ in range(gen_len):
+        padded = jnp.asarray([ids + [0] * (width - len(ids))], jnp.int32)
+        logits = np.asarray(forward(params, padded)[len(ids) - 1], np.float64)
+        logits[mask] = -np.inf
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-5, "a near tie: the reference is ambiguous here"
+        nxt = int(np.argmax(logits))
+        out.append(nxt)
+        ids.append(nxt)
+        if nxt == eos:
+            break
+    return out + [eos] * (gen_len - len(out))
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_greedy_left_to_right_equals_a_full_forward_per_token(idlm):
+    cfg = idlm.config
+    prompts = _prompts(idlm, 3)
+    out = idlm.decoder.decode(prompts, preset("ar", gen_len=24))
+    for prompt, seq in zip(prompts, out.sequences):
+        ref = _full_forward_greedy(idlm.model, prompt, 24, cfg.eos_ids[0], cfg.mask_token_id)
+        assert seq.tolist() == ref
+    assert out.stats.tpf == 1.0
+
+
+@pytest.mark.parametrize("stride", [2, 3, 4])
+def test_greedy_isd_emits_left_to_right_tokens_in_fewer_forwards(idlm, stride):
+    prompts = _prompts(idlm)
+    ar = idlm.decoder.decode(prompts, preset("ar", gen_len=40))
+    isd = idlm.decoder.decode(prompts, preset("isd", stride=stride, gen_len=40))
+    assert _same(isd.sequences, ar.sequences)
+    spec = isd.stats.to_dict()["speculation"]
+    assert 1.0 <= spec["tpf"] <= stride and spec["tpf"] > 1.2
+    assert sum(isd.stats.request_nfe) < sum(ar.stats.request_nfe)
+    assert len(spec["alpha"]) == stride - 1 and all(0 <= a <= 1 for a in spec["alpha"])
+    assert sum(spec["accept_histogram"].values()) == spec["verified"][0]
+
+
+def test_requests_of_a_batch_advance_on_their_own(idlm):
+    """Each request of a batch (prompts of different lengths, different acceptance) decodes
+    exactly as it does alone."""
+    prompts = _prompts(idlm)
+    cfg = preset("isd", stride=4, gen_len=32)
+    batch = idlm.decoder.decode(prompts, cfg)
+    for prompt, seq in zip(prompts, batch.sequences):
+        assert np.array_equal(idlm.decoder.decode([prompt], cfg).sequences[0], seq)
+
+
+# --------------------------------------------------------------------------- a toy model
+
+V = 3  # the toy's tokens 0..2
+CLEAN = np.log(np.array([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6], [0.4, 0.5, 0.1]]))  # next token | token
+# The mask rows' proposals: far from the clean rows', so an inexact rule shows.
+MASK_ROWS = np.log(np.array([[[0.2, 0.7, 0.1], [0.1, 0.1, 0.8]], [[0.7, 0.2, 0.1], [0.3, 0.3, 0.4]],
+                              [[0.1, 0.1, 0.8], [0.6, 0.2, 0.2]]]))
+
+
+def _toy(clean=CLEAN, mask=MASK_ROWS, **overrides):
+    cfg = tiny_config(attention="causal", logit_shift=True, block_size=4, **overrides)
+    exe = ToyCausalExecutor(cfg, clean=clean, mask=mask)
+    return Decoder(exe, cfg), exe
+
+
+def _ar_joint(first: int, length: int, temperature=1.0, top_k=0, top_p=1.0) -> dict[tuple, float]:
+    """The exact distribution of the first `length` tokens after the prompt token `first`."""
+    step = sampling_probs(CLEAN, temperature, top_k, top_p)
+    joint = {}
+    for seq in itertools.product(range(V), repeat=length):
+        p, prev = 1.0, first
+        for t in seq:
+            p *= step[prev, t]
+            prev = t
+        joint[seq] = p
+    return joint
+
+
+def _tv(samples: list[tuple], exact: dict[tuple, float]) -> float:
+    counts: dict[tuple, int] = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    return 0.5 * sum(abs(counts.get(k, 0) / len(samples) - p) for k, p in exact.items())
+
+
+def _draws(decoder, cfg, n: int, batch: int = 8, length: int = 3) -> list[tuple]:
+    out = []
+    for start in range(0, n, batch):
+        res = decoder.decode([[1]] * batch, cfg, seeds=list(range(start, start + batch)))
+        out += [tuple(int(t) for t in s[:length]) for s in res.sequences]
+    return out
+
+
+@pytest.mark.parametrize("options, tol", [
+    ({"cache": "ar"}, 0.04),
+    ({"cache": "isd", "stride": 3}, 0.04),  # argmax drafts judged with q = one-hot
+    ({"cache": "isd", "stride": 3, "proposal": "sample"}, 0.04),  # drafts drawn from q, min(1, p/q)
+    ({"cache": "isd", "stride": 3, "top_k": 2, "temperature": 0.7}, 0.04),
+    ({"cache": "isd", "stride": 3, "top_p": 0.75}, 0.04),
+])
+def test_sampled_isd_draws_from_the_models_own_distribution(options, tol):
+    decoder, _ = _toy()
+    opts = {"temperature": 1.0, "gen_len": 3, **options}
+    cfg = decode_config(**opts)
+    exact = _ar_joint(1, 3, opts["temperature"], opts.get("top_k", 0), opts.get("top_p", 1.0))
+    tv = _tv(_draws(decoder, cfg, 2400), exact)
+    assert tv < tol, tv
+
+
+def test_softmax_q_verification_is_inexact():
+    """The released code's rule (argmax drafts, min(1, p/q) with q the proposing softmax)
+    visibly departs from the model's distribution on the toy; the exact rule does not."""
+    decoder, _ = _toy()
+    exact = _ar_joint(1, 3)
+    cfg = decode_config(cache="isd", stride=3, temperature=1.0, gen_len=3, verify="softmax_q")
+    assert _tv(_draws(decoder, cfg, 2400), exact) > 0.08
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_sampled_isd_total_variation_below_one_percent(proposal):
+    decoder, _ = _toy()
+    cfg = decode_config(cache="isd", stride=3, temperature=1.0, gen_len=3, proposal=proposal)
+    assert _tv(_draws(decoder, cfg, 80_000, batch=8, length=3), _ar_joint(1, 3)) < 0.01
+
+
+def test_relax_zero_is_the_strict_rule_and_relaxing_accepts_more():
+    decoder, _ = _toy()
+    seeds = list(range(8))
+    base = decode_config(cache="isd", stride=3, temperature=1.0, gen_len=24)
+    strict = decoder.decode([[1]] * 8, base, seeds=seeds)
+    zero = decoder.decode([[1]] * 8, base.replace(relax=0.0), seeds=seeds)
+    assert _same(strict.sequences, zero.sequences)
+    tpf = [decoder.decode([[1]] * 8, base.replace(relax=r), seeds=seeds).stats.tpf for r in (0.0, 0.5, 4.0)]
+    assert tpf[0] <= tpf[1] <= tpf[2] and tpf[2] > tpf[0]
+
+
+# --------------------------------------------------------------------------- step invariants
+
+
+def _visible_cache(call, b: int) -> int:
+    """How many cache columns row 0 of batch row b sees in a step."""
+    p = call.k_cache.shape[2]
+    return int(call.visibility[b, 0, :p].sum())
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_each_step_keeps_exactly_the_emitted_tokens_but_the_last(agree):
+    """Drafts that always pass (the mask rows propose what the clean rows predict) give N
+    tokens a verify step; drafts that always fail give one token a step. Either way the next
+    step reads the prompt and the emitted tokens but the last, and no mask row is stored."""
+    sharp = np.log(np.eye(V)[(np.arange(V) + 1) % V] + 1e-6)  # next token: 0 -> 1 -> 2 -> 0
+    # A mask row d tokens after a token y proposes y + d + 1 (right) or y + d + 2 (wrong).
+    mask = np.log(np.stack([[np.eye(V)[(y + d + (1 if agree else 2)) % V] for d in (1, 2)] for y in range(V)]) + 1e-6)
+    decoder, exe = _toy(clean=sharp, mask=mask)
+    n = 3
+    emitted_after: list[list[int]] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Recording(Strided):
+        def advance(self, state, cursor, unit_done):
+            super().advance(state, cursor, unit_done)
+            done = state.status[:, state.gen_start:state.gen_end] == TokenState.STABLE
+            emitted_after.append(done.sum(axis=1).tolist())
+
+    prompts = [[0, 1, 2], [2]]  # different lengths: left padding
+    res = decoder.decode(prompts, DecodeConfig(gen_len=12, scheduler=Recording(stride=n), rule=NoCommit()))
+    assert [s.tolist() for s in res.sequences] == [[0, 1, 2] * 4, [0, 1, 2] * 4]
+    steps, counts = exe.calls, emitted_after
+    for i, call in enumerate(steps[1:]):
+        for b, prompt in enumerate(prompts):
+            if counts[i][b] >= 12:
+                continue
+            assert _visible_cache(call, b) == len(prompt) + counts[i][b] - 1
+    per_step = np.diff(np.array([[0, 0]] + counts), axis=0)
+    assert per_step[0].tolist() == [1, 1]  # the prompt's step emits t0
+    if agree:
+        assert set(per_step[1:-1].ravel()) <= {n}  # full accepts (the last step is cut at the end)
+    else:
+        assert set(per_step[1:].ravel()) == {1}
+    # Mask rows (fed the mask id) are never written: the K/V the cache holds echo real tokens.
+    mask_id = decoder.model_config.mask_token_id
+    for call in steps[1:]:
+        assert not np.any(call.k_cache[0, :, :, 0, 0][call.visibility[:, 0, :call.k_cache.shape[2]]] == mask_id)
+
+
+def test_renewal_formula_matches_simulated_isd_mechanics():
+    rng = np.random.default_rng(0)
+    for alpha in ([0.9], [0.9, 0.8], [0.95, 0.9, 0.7], [0.5] * 4, [0.0, 0.0], [1.0, 1.0, 1.0]):
+        n, tokens, forwards, drafting = len(alpha) + 1, 0, 0, False
+        for _ in range(100_000):
+            forwards += 1
+            if not drafting:
+                tokens, drafting = tokens + 1, n > 1
+                continue
+            j = 0
+            while j < n - 1 and rng.random() < alpha[j]:
+                j += 1
+            tokens += n if j == n - 1 else j + 1
+            drafting = j == n - 1
+        assert renewal_tpf(alpha) == pytest.approx(tokens / forwards, abs=0.01)
+    assert renewal_tpf([0.889]) == pytest.approx(1.80, abs=0.005)  # SPECS 2.6, Tab. 4a at N = 2
+
+
+def test_acceptance_rule_options_are_checked():
+    with pytest.raises(ConfigError, match="relax=-0.1 must be"):
+        Acceptance(relax=-0.1)
+    with pytest.raises(ConfigError, match="verify='loose' is not one of"):
+        decode_config(cache="isd", verify="loose")
+    with pytest.raises(ConfigError, match="stride=0 must be an integer >= 1"):
+        decode_config(cache="isd", stride=0)
+    with pytest.raises(ConfigError, match="takes rule='none', not rule='threshold'"):
+        decode_config(cache="isd", rule="threshold")
+    assert Acceptance().exact and not Acceptance(verify="softmax_q").exact and not Acceptance(relax=0.1).exact
+
+
+def test_isd_refuses_models_it_cannot_decode():
+    bidirectional = Decoder(ToyCausalExecutor(tiny_config(), clean=CLEAN, mask=MASK_ROWS), tiny_config())
+    with pytest.raises(ConfigError, match="causal models with a logit shift.*bidirectional attention without a "
+                                          "logit shift"):
+        bidirectional.decode([[1]], preset("isd", gen_len=4))
+    decoder, _ = _toy()  # block_size 4: strides up to 5
+    with pytest.raises(ConfigError, match="stride 6 needs a model trained with noisy blocks of 5 masks; this model "
+                                          "was trained with 4 .*strides up to 5"):
+        decoder.decode([[1]], preset("isd", stride=6, gen_len=4))
+    decoder.decode([[1]], preset("isd", stride=5, gen_len=4))
+
+
+# --------------------------------------------------------------------------- executors
+
+
+@pytest.fixture(scope="module")
+def causal_model():
+    from dlm_jax.testing import sharp_model
+
+    return sharp_model(attention="causal", logit_shift=True, block_size=4)
+
+
+@pytest.mark.parametrize("options", [{"cache": "ar"}, {"cache": "isd", "stride": 4},
+                                     {"cache": "isd", "stride": 3, "temperature": 1.0, "top_k": 20},
+                                     {"cache": "isd", "stride": 2, "temperature": 0.8, "proposal": "sample"}])
+def test_device_cache_decodes_as_the_dense_host_cache_and_compiles_nothing_after_warmup(causal_model, options):
+    """The JAX executor's device-resident cache (per-row read lengths and writes in its one
+    program) gives the tokens of a host-held cache fed densely to the same programs, and a
+    warmed decode compiles nothing."""
+    from dlm_jax._compile import XlaCompileCounter
+    from dlm_jax.program import JaxExecutor
+    from dlm_jax.runtime.kvcache import HostKVCache
+
+    class Dense(JaxExecutor):
+        def open(self, config, positions, valid):
+            return HostKVCache(self, config, positions, valid)
+
+    cfg = decode_config(gen_len=40, **options)
+    prompts, seeds = [[5, 17, 3, 44, 9, 21, 30], [8, 1], [40, 41, 42]], [1, 2, 3]
+    device = Decoder(JaxExecutor(causal_model), causal_model.config)
+    device.warmup([len(p) for p in prompts], cfg)
+    xla = XlaCompileCounter.count()
+    a = device.decode(prompts, cfg, seeds=seeds)
+    assert XlaCompileCounter.count() == xla and a.stats.compiles == 0
+    b = Decoder(Dense(causal_model), causal_model.config).decode(prompts, cfg, seeds=seeds)
+    assert _same(a.sequences, b.sequences)
+    assert a.stats.speculation == b.stats.speculation
+
+
+def test_the_default_executor_decodes_isd_as_the_jax_executor(idlm):
+    """The shipped model's default executor on this machine (LiteRT over the bundle cache, or
+    JAX) gives the JAX executor's tokens."""
+    default = dlm_jax.load(IDLM)
+    prompts = _prompts(idlm, 3)
+    cfg = preset("isd", stride=4, gen_len=32)
+    assert _same(default.decoder.decode(prompts, cfg).sequences, idlm.decoder.decode(prompts, cfg).sequences)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+@pytest.mark.parametrize("model, argv, message", [
+    ("llada-tiny", ["--preset", "isd"], "error: cache='isd' decodes causal models with a logit shift (I-DLM, "
+                                         "autoregressive); this model has bidirectional attention without a logit "
+                                         "shift"),
+    ("llada-tiny", ["--preset", "ar"], "error: cache='ar' decodes causal models"),
+    ("idlm-tiny", ["--preset", "isd", "--stride", "6"], "error: stride 6 needs a model trained with noisy blocks "
+                                                        "of 5 masks; this model was trained with 4"),
+    ("idlm-tiny", ["--preset", "isd", "--relax", "-1"], "error: relax=-1.0 must be a finite number >= 0"),
+    ("idlm-tiny", ["--preset", "isd", "--rule", "frechet"], "error: cache='isd' accepts its own proposals and takes "
+                                                            "rule='none'"),
+    ("idlm-tiny", ["--preset", "isd", "--top-p", "0"], "error: top_p=0.0 must be in (0, 1]"),
+])
+def test_isd_mistakes_are_one_line_errors(model, argv, message, capsys):
+    from dlm_jax.cli import main
+
+    assert main(["generate", "--model", str(ROOT / "models" / model), "--prompt", "1+1=", "--gen", "8", *argv]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(message), err
