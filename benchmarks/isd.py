@@ -102,12 +102,39 @@ def row(name: str, executor: str, sampling: str, stride: int, res: dict, ref: di
     return out
 
 
-def run(model: str, n: int, tasks: list[str], executors: list[str]) -> list[dict]:
+def latency(handle, examples: dict[str, list], n: int, executor: str) -> list[dict]:
+    """Single-request latency: the first `n` prompts of every task decoded one at a time
+    (batch 1, T = 0), left to right and with ISD at each stride (buckets built first, untimed)."""
+    prompts = [handle.encode(e.prompt) for exs in examples.values() for e in exs[:n]]
+    out, ref = [], None
+    for stride in (1, *STRIDES):
+        cfg = dlm_jax.preset("ar", gen_len=64) if stride == 1 else dlm_jax.preset("isd", stride=stride, gen_len=64)
+        seconds, forwards, ids = 0.0, 0, []
+        for p in prompts:
+            handle.decoder.warmup([len(p)], cfg)
+            t0 = time.perf_counter()
+            res = handle.generate([p], cfg)
+            seconds += time.perf_counter() - t0
+            forwards += res.stats.nfe
+            ids.append(res.token_ids[0])
+        ref = ref or (seconds, ids)
+        out.append({"executor": executor, "stride": stride, "prompts": len(prompts),
+                    "ms_per_answer": round(1e3 * seconds / len(prompts), 2),
+                    "forwards_per_answer": round(forwards / len(prompts), 3),
+                    "speedup_vs_left_to_right": round(ref[0] / seconds, 3),
+                    "identical_to_left_to_right": f"{sum(a == b for a, b in zip(ids, ref[1]))}/{len(prompts)}"})
+        print(json.dumps(out[-1]), file=sys.stderr)
+    return out
+
+
+def run(model: str, n: int, tasks: list[str], executors: list[str], latency_n: int = 0) -> tuple[list, list]:
     examples = _examples(tasks, n)
     cost = PhoneCostModel.npu()
-    rows = []
+    rows, single = [], []
     for executor in executors:
         handle = dlm_jax.load(model, executor=executor)
+        if latency_n:
+            single += latency(handle, examples, latency_n, executor)
         samplings = {"T=0": {}, "T=1 top-k 50 top-p 0.95": SAMPLED} if executor == "jax" else {"T=0": {}}
         for label, sampling in samplings.items():
             ref = decode_all(handle, examples, dlm_jax.preset("ar", gen_len=64, **sampling))
@@ -126,10 +153,10 @@ def run(model: str, n: int, tasks: list[str], executors: list[str]) -> list[dict
                                                                       **sampling))
                     rows.append(row(f"isd stride 4, relax {relax}", executor, label, 4, res, ref, cost, relax))
                     print(json.dumps({k: rows[-1][k] for k in ("setting", "tpf", "mean_accuracy")}), file=sys.stderr)
-    return rows
+    return rows, single
 
 
-def targets(rows: list[dict]) -> dict:
+def targets(rows: list[dict], single: list[dict]) -> dict:
     """The issue's targets, as measured here."""
     greedy = [r for r in rows if r["sampling"] == "T=0" and r["stride"] > 1]
     s4 = next(r for r in rows if r["executor"] == "jax" and r["sampling"] == "T=0" and r["stride"] == 4)
@@ -144,10 +171,12 @@ def targets(rows: list[dict]) -> dict:
            "wall_clock_speedup_stride4": {r["executor"]: r["speedup_vs_left_to_right"] for r in greedy
                                           if r["stride"] == 4}}
     out["renewal_all_within_5pct"] = all(v <= 0.05 for v in out["renewal_within_5pct"].values())
+    out["single_request_speedup_stride4"] = {r["executor"]: r["speedup_vs_left_to_right"] for r in single
+                                             if r["stride"] == 4}
     return out
 
 
-def markdown(rows: list[dict], tasks: list[str], meta: dict) -> str:
+def markdown(rows: list[dict], tasks: list[str], meta: dict, single: list[dict]) -> str:
     head = ("| setting | executor | sampling | " + " | ".join(tasks) + " | TPF | renewal TPF (mechanics TPF) | "
             "alpha_i | rows/token | forwards/answer | identical to L2R | wall clock x L2R | phone ms/token (x L2R) |")
     lines = [f"ISD on `{meta['model']}`, {meta['n']} held-out prompts per task, generation 64, batches of 8, "
@@ -163,6 +192,13 @@ def markdown(rows: list[dict], tasks: list[str], meta: dict) -> str:
                      f"{r['forwards_per_answer']} | {r.get('identical_to_left_to_right', '-')} | "
                      f"{r.get('speedup_vs_left_to_right', '-')} | {r['phone_ms_per_token']} "
                      f"({r.get('phone_speedup', '-')}) |")
+    if single:
+        lines += ["", "Single requests (batch 1, T = 0, one prompt at a time):", "",
+                  "| executor | stride | prompts | ms per answer | forwards per answer | wall clock x L2R | "
+                  "identical to L2R |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['executor']} | {r['stride']} | {r['prompts']} | {r['ms_per_answer']} | "
+                  f"{r['forwards_per_answer']} | {r['speedup_vs_left_to_right']} | {r['identical_to_left_to_right']} |"
+                  for r in single]
     return "\n".join(lines) + "\n"
 
 
@@ -200,14 +236,15 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=200, help="held-out prompts per task")
     parser.add_argument("--tasks", nargs="+", default=["addition", "sorting", "gsm_lite"])
     parser.add_argument("--executors", nargs="+", default=["jax", "litert"])
+    parser.add_argument("--latency-n", type=int, default=30, help="prompts per task decoded one at a time")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/isd"))
     args = parser.parse_args()
     meta = {"model": args.model, "n": args.n, "machine": machine()}
-    rows = run(args.model, args.n, args.tasks, args.executors)
-    report = {"meta": meta, "targets": targets(rows), "rows": rows}
+    rows, single = run(args.model, args.n, args.tasks, args.executors, args.latency_n)
+    report = {"meta": meta, "targets": targets(rows, single), "rows": rows, "single_request": single}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(rows, args.tasks, meta))
+    args.out.with_suffix(".md").write_text(markdown(rows, args.tasks, meta, single))
     plot(rows, args.out.with_suffix(".png"))
     print(json.dumps(report["targets"], indent=2))
 

@@ -164,6 +164,15 @@ def manifest_name(path: str | os.PathLike) -> str:
     return f"{Path(path).stem}.manifest.json"
 
 
+def publish_dir(tmp: Path, dst: Path) -> None:
+    """Finish a directory written at the temporary `tmp`: umask permissions on everything in
+    it, a manifest, then `replace_dir` into `dst`."""
+    for file in tmp.rglob("*"):
+        apply_umask(file, directory=file.is_dir())
+    write_manifest(tmp)
+    replace_dir(tmp, dst)
+
+
 def replace_dir(src: Path, dst: Path) -> None:
     """Move the finished `src` to `dst`; an existing `dst` is swapped out, then removed."""
     if not dst.exists():

@@ -73,7 +73,7 @@ def resolve_executor(name: str | None, config: ModelConfig) -> str:
 
 
 def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, executor: str | None = None,
-         **overrides: Any) -> Model:
+         lora: str | os.PathLike | None = None, **overrides: Any) -> Model:
     """Load a checkpoint directory (model + tokenizer) ready to generate.
 
     Args:
@@ -84,6 +84,10 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
         a bundle cache (`tflite_export.cache.BundleCacheExecutor`): the first decode that
         needs a bucket exports it, once per model and machine. `model.model` is the Flax
         model either way.
+      lora: a directory of LoRA adapters made for this checkpoint (`adapter_config.json` +
+        `adapter_model.safetensors`, PEFT's layout; R-ISD): attached to the model, gated per
+        row by the step's `lora_gate` (1 on [MASK] rows). Adapters made for another base are
+        refused naming the file. They decode on the JAX executor.
       overrides: `ModelConfig` fields to change (`mask_token_id=N` for a checkpoint that
         declares none, `attention=...`, `dtype=...`).
 
@@ -96,5 +100,16 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
         _check_executor(executor)
     model = load_pretrained(path, strict=strict, verify=verify, **overrides)
     tokenizer = stored_tokenizer(path)
-    factory = EXECUTORS[resolve_executor(executor, model.config)]
+    name = resolve_executor(executor, model.config)
+    if lora is not None:
+        from dlm_jax.checkpoint._adapters import load_adapters
+
+        if executor in (None, AUTO):
+            name = "jax"
+        elif name != "jax":
+            raise ConfigError(f"LoRA adapters ({lora}) decode on the JAX executor or in a bundle exported with "
+                              f"them; the {name} executor (the bundle cache) does not carry adapters yet: pass "
+                              f"executor='jax' (--executor jax), or dlm-jax export --lora")
+        load_adapters(lora, model, base=path, verify=verify)
+    factory = EXECUTORS[name]
     return Model(model, tokenizer, executor=factory(model, source=path))

@@ -44,19 +44,23 @@ def _check_prompts(prompts: Sequence[str]) -> None:
 
 
 def _load(args: argparse.Namespace, path: str | Path):
-    """`dlm_jax.load` with the model flags (--strict, --no-verify, --mask-token-id); a bundle
-    (`dlm-jax export`) loads into the LiteRT runner instead."""
+    """`dlm_jax.load` with the model flags (--strict, --no-verify, --mask-token-id, --lora); a
+    bundle (`dlm-jax export`) loads into the LiteRT runner instead."""
     import dlm_jax
+    from dlm_jax._errors import ConfigError
     from dlm_jax.runner import BUNDLE_FILE
 
     if (Path(path) / BUNDLE_FILE).exists():
+        if getattr(args, "lora", None):
+            raise ConfigError(f"--lora {args.lora}: a bundle carries its adapters from its export "
+                              f"(dlm-jax export --lora); {path} is a bundle")
         return _load_bundle(args, path)
     if getattr(args, "entry_point", False):
         _persistent_compile_cache()
 
     overrides = {} if args.mask_token_id is None else {"mask_token_id": args.mask_token_id}
     handle = dlm_jax.load(path, strict=args.strict, verify=args.verify_manifest, executor=getattr(args, "executor", None),
-                          **overrides)
+                          lora=getattr(args, "lora", None), **overrides)
     handle.executor.set_progress(_export_progress())  # the bundle cache draws its exports
     args.keep_alive = handle  # hushes LiteRT's teardown at exit
     return handle
@@ -289,6 +293,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.accelerator = bundle.accelerator
     given = {name: getattr(args, name) for name in options() if getattr(args, name, None) is not None}
     cfg = build(given, base=PRESETS[args.preset] if args.preset else bundle.meta.get("decode", {}))
+    if args.lora and not bundle.gated:
+        from dlm_jax._errors import ConfigError
+
+        raise ConfigError(f"--lora {args.lora}: the bundle {args.bundle} has no adapters (its signatures take no "
+                          f"lora_gate input); export it with --lora {args.lora}")
     handle = _load_bundle(args, args.bundle)
     if handle.accelerator_note:
         print(f"warning: {handle.accelerator_note}", file=sys.stderr)
@@ -321,8 +330,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         result = export_bundle(args.model, args.out, keys=keys, decode=cfg, quant=args.quant, target=args.target,
                                add=args.add, overwrite=args.overwrite, verify=args.verify_manifest, strict=args.strict,
-                               progress=progress,
-                               latency_repeats=args.latency_repeats)
+                               progress=progress, latency_repeats=args.latency_repeats, lora=args.lora)
     finally:
         bar.close()
     print(json.dumps({"bundle": str(result.path), "buckets": len(result.keys), "added": len(result.added),
@@ -434,6 +442,11 @@ def _add_executor_option(p: argparse.ArgumentParser) -> None:
                         "JAX executor; litert: the LiteRT runner")
 
 
+def _add_lora_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", metavar="DIR", help="LoRA adapters made for this checkpoint (adapter_config.json + "
+                                                 "adapter_model.safetensors; R-ISD: on mask rows only)")
+
+
 def _add_model_options(p: argparse.ArgumentParser, *, verify: bool = True, mask: bool = True) -> None:
     p.add_argument("--strict", action="store_true",
                    help="refuse config.json keys this loader does not know (default: warn and ignore them)")
@@ -457,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-task", type=positive_int, default=3, help="held-out prompts per task")
     _add_prompt_options(p, required=False, help_="decode this text instead of the held-out task prompts")
     _add_model_options(p)
+    _add_lora_option(p)
     _add_executor_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_demo)
@@ -464,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
     _add_prompt_options(p, required=True, help_="prompt text", ids=True)
     _add_model_options(p)
+    _add_lora_option(p)
     _add_executor_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_generate)
@@ -487,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace the bundle already at --out")
     p.add_argument("--latency-repeats", type=positive_int, default=5, help="runs per bucket for the latency table")
     _add_model_options(p, mask=False)
+    _add_lora_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("run", help="decode prompts with an exported bundle through LiteRT (no JAX), streaming text")
@@ -499,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let ops the GPU/NPU cannot run fall back to the CPU instead of refusing the bundle")
     p.add_argument("--no-verify", dest="verify_manifest", action="store_false",
                    help="skip checking the bundle's files against its manifest")
+    _add_lora_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_run, preset=None)
     p = sub.add_parser("inspect", help="print a checkpoint's family, config and size")
@@ -532,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", type=int, default=3, help="sample completions to print")
     _add_format_options(p)
     _add_model_options(p)
+    _add_lora_option(p)
     _add_executor_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_eval)

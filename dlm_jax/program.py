@@ -17,6 +17,7 @@ window rows' K/V into the cache, whose buffers it donates. Per step the host sen
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -31,16 +32,17 @@ from dlm_jax._masks import _mode_rule
 from dlm_jax.models._transformer import Transformer
 from dlm_jax.runtime.buckets import BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, SlotStep, Transfers
-from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, StepInputs, StepOutputs, input_specs,
-                                  output_names)
+from dlm_jax.runtime.step import (INPUT_NAMES, BuildCounts, Capabilities, Executor, StepInputs, StepOutputs,
+                                  input_specs, output_names)
 
 _PREDICTIONS = ("top_token", "top_prob", "second_prob", "entropy")
 
 
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
-                full_logits: bool, mask_id: int | None = None) -> dict[str, jax.Array]:
+                full_logits: bool, mask_id: int | None = None, lora_gate=None) -> dict[str, jax.Array]:
     """One forward over the window; shapes as in `StepInputs`. Returns `{output name: array}`
-    for the names of `output_names` (logits only with `full_logits`).
+    for the names of `output_names` (logits only with `full_logits`). `lora_gate` [B, W]: the
+    rows whose LoRA adapters apply (a model with adapters; R-ISD).
 
     `mask_id` is never proposed: its logit is removed before the softmax, so a commit always
     unmasks (committing the mask token would leave the slot masked and stall the block)."""
@@ -48,7 +50,7 @@ def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache
     has_cache = k_cache.shape[2] > 0  # static: P == 0 means no cache input is used
     out = model(tokens, positions=positions, mask=visibility,
                 k_cache=k_cache if has_cache else None, v_cache=v_cache if has_cache else None,
-                logit_rows=logit_rows)
+                logit_rows=logit_rows, **({} if lora_gate is None else {"lora_gate": lora_gate}))
     logits = out.logits
     if mask_id is not None:  # a select, not a scatter: stays a TFLite builtin
         logits = jnp.where(jnp.arange(logits.shape[-1]) == mask_id, -jnp.inf, logits)
@@ -124,15 +126,22 @@ def scatter_rows(k_res, v_res, written, k_new, v_new, write):
 
 
 _REQUEST = ("tokens", "positions", "q_valid", "read", "read_len", "probes", "hide", "write", "logit_rows")
+_VIEW = ("tokens", "positions", "q_valid", "probes", "hide", "logit_rows")  # what a CPU path's view takes
 
 
-def request_specs(key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """The `SlotStep` arrays of a bucket, in `_REQUEST` order."""
+def request_names(gated: bool) -> tuple[str, ...]:
+    """The `SlotStep` arrays a device step takes, in order (`lora_gate` last, when gated)."""
+    return _REQUEST + (("lora_gate",) if gated else ())
+
+
+def request_specs(key: BucketKey, gated: bool = False) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The `SlotStep` arrays of a bucket, in `request_names` order."""
     b, w, p, r = key.batch, key.window, key.cache, key.rows
     shapes = {"tokens": ((b, w), jnp.int32), "positions": ((b, w), jnp.int32), "q_valid": ((b, w), bool),
               "read": ((p,), jnp.int32), "read_len": ((b,), jnp.int32), "probes": ((w,), bool),
-              "hide": ((w,), jnp.int32), "write": ((b, w), jnp.int32), "logit_rows": ((b, r), jnp.int32)}
-    return tuple(jax.ShapeDtypeStruct(*shapes[n]) for n in _REQUEST)
+              "hide": ((w,), jnp.int32), "write": ((b, w), jnp.int32), "logit_rows": ((b, r), jnp.int32),
+              "lora_gate": ((b, w), jnp.float32)}
+    return tuple(jax.ShapeDtypeStruct(*shapes[n]) for n in request_names(gated))
 
 
 class DeviceKVCache(KVCache):
@@ -156,7 +165,8 @@ class DeviceKVCache(KVCache):
     def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
         ex = self.executor
         program = ex._resident.get((req.key, self.slots))
-        arrays = [req.arrays()[n] for n in _REQUEST]
+        given = req.arrays()
+        arrays = [given[n] for n in request_names(ex.gated)]
         names = [n for n in output_names(req.key) if n not in ("k_new", "v_new")]
         if timings is None:
             named, self.k, self.v, self.written = program(ex._leaves, self.k, self.v, self.written, self.pos,
@@ -182,7 +192,8 @@ class DeviceKVCache(KVCache):
         gather = executor._gathers.get((key.batch, key.cache, self.slots, req.written_only))
         view = gather(self.k, self.v, self.pos, self.valid, self.written, req.read, req.lengths())
         self._writer = executor
-        arrays = [req.arrays()[n] for n in ("tokens", "positions", "q_valid", "probes", "hide", "logit_rows")]
+        given = req.arrays()
+        arrays = [given[n] for n in _VIEW + (("lora_gate",) if executor.gated else ())]
         names = [n for n in output_names(key) if n not in ("k_new", "v_new")]
         transfers = self.transfers
 
@@ -215,8 +226,14 @@ class JaxExecutor(Executor):
     bucket of `capabilities` (default: `Capabilities.for_length(max_seq_len)`)."""
 
     def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None):
+        from dlm_jax.models._lora import lora_spec
+
         self.config = model.config
+        self.gated = lora_spec(model) is not None  # adapters: every step takes a `lora_gate`
         self._capabilities = capabilities or Capabilities.for_length(self.config.max_seq_len)
+        if self.gated:
+            self._capabilities = dataclasses.replace(self._capabilities,
+                                                     inputs=self._capabilities.inputs | {"lora_gate"})
         self._graphdef, state = nnx.split(model)
         # Flattened once: the state pytree is not re-walked on every step.
         paths, self._treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -267,10 +284,10 @@ class JaxExecutor(Executor):
     def _view_fn(self, key: BucketKey):
         cfg, graphdef = self.config, self._graphdef
 
-        def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows):
+        def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, lora_gate=None):
             vis = device_visibility(cfg, positions, q_valid, k_pos, k_ok, probes, hide)
             return decode_step(graphdef, self._state(leaves), tokens, positions, vis, k, v, logit_rows,
-                               full_logits=key.full_logits, mask_id=cfg.mask_token_id)
+                               full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=lora_gate)
 
         return view
 
@@ -279,20 +296,21 @@ class JaxExecutor(Executor):
         view = self._view_fn(key)
 
         def program(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, read_len, probes,
-                    hide, write, logit_rows):
+                    hide, write, logit_rows, *gate):
             k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, read_len, written_only=False)
-            named = view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows)
+            named = view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate)
             k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"), write)
             return named, k_res, v_res, written
 
-        return program, (self._leaves, *self._cache_specs(key.batch, slots), *request_specs(key)), {
+        return program, (self._leaves, *self._cache_specs(key.batch, slots), *request_specs(key, self.gated)), {
             "donate_argnums": (1, 2, 3)}
 
     def _build_view(self, key: BucketKey):
         cfg = self.config
         kv = jax.ShapeDtypeStruct((cfg.n_layers, key.batch, key.cache, cfg.n_kv_heads, cfg.head_dim),
                                   jnp.dtype(cfg.dtype))
-        view_inputs = [s for n, s in zip(_REQUEST, request_specs(key)) if n not in ("read", "read_len", "write")]
+        view_inputs = [s for n, s in zip(request_names(self.gated), request_specs(key, self.gated))
+                       if n not in ("read", "read_len", "write")]
         return self._view_fn(key), (self._leaves, kv, kv, jax.ShapeDtypeStruct((key.batch, key.cache), jnp.int32),
                                     jax.ShapeDtypeStruct((key.batch, key.cache), bool), *view_inputs)
 
@@ -333,10 +351,12 @@ class JaxExecutor(Executor):
 
         def program(leaves, *inputs):
             leaves = [leaf.T if t else leaf for leaf, t in zip(leaves, transposed)]
-            return decode_step(graphdef, jax.tree.unflatten(treedef, leaves), *inputs,
-                               full_logits=key.full_logits, mask_id=cfg.mask_token_id)
+            gate = inputs[len(INPUT_NAMES)] if len(inputs) > len(INPUT_NAMES) else None
+            return decode_step(graphdef, jax.tree.unflatten(treedef, leaves), *inputs[:len(INPUT_NAMES)],
+                               full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=gate)
 
-        return program, (self._leaves, *abstract_inputs(cfg, key))
+        gate = (jax.ShapeDtypeStruct((key.batch, key.window), jnp.float32),) if self.gated else ()
+        return program, (self._leaves, *abstract_inputs(cfg, key), *gate)
 
     def fork(self) -> JaxExecutor:
         """A second executor over the same weights (no copy) with programs of its own, for a
@@ -403,12 +423,17 @@ class JaxExecutor(Executor):
         # Only what the host reads leaves the device: the window K/V stay behind on steps
         # that do not store them.
         names = [n for n in output_names(key) if inputs.want.kv or n not in ("k_new", "v_new")]
+        arrays = inputs.arrays()
+        if self.gated:
+            if inputs.lora_gate is None:
+                raise ValueError("this executor's model has LoRA adapters: every step needs a lora_gate")
+            arrays = (*arrays, inputs.lora_gate)
         if timings is None:
-            out = program(self._leaves, *inputs.arrays())
+            out = program(self._leaves, *arrays)
             fetched = jax.device_get({n: out[n] for n in names})
         else:
             t0 = time.perf_counter()
-            args = jax.block_until_ready(jax.device_put(inputs.arrays()))
+            args = jax.block_until_ready(jax.device_put(arrays))
             t1 = time.perf_counter()
             out = jax.block_until_ready(program(self._leaves, *args))
             t2 = time.perf_counter()

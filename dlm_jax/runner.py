@@ -122,6 +122,11 @@ class Bundle:
     def model_path(self) -> Path:
         return self.path / self.meta.get("model", MODEL_FILE)
 
+    @property
+    def gated(self) -> bool:
+        """Whether the bundle's model carries LoRA adapters: every signature takes `lora_gate`."""
+        return bool(self.meta.get("lora"))
+
     def decode_defaults(self) -> DecodeConfig:
         """The decode options recorded at export, as a `DecodeConfig`."""
         from dlm_jax.runtime.registry import build
@@ -188,7 +193,7 @@ def _reason(error: Exception, log: Sequence[str]) -> str:
 class _Signature:
     """One bucket's signature with its input and output buffers, made once and reused."""
 
-    def __init__(self, model, config: ModelConfig, key: BucketKey):
+    def __init__(self, model, config: ModelConfig, key: BucketKey, gated: bool = False):
         name = signature_name(key)
         self.name = name
         self.index = model.get_signature_index(name)
@@ -198,7 +203,7 @@ class _Signature:
         self.inputs = model.create_input_buffers(self.index)
         self.outputs = model.create_output_buffers(self.index)
         self.out_specs = {n: (shape, np.dtype(dtype)) for n, shape, dtype in output_specs(config, key)}
-        wanted = {n for n, _, _ in signature_inputs(config, key)}
+        wanted = {n for n, _, _ in signature_inputs(config, key, gated=gated)}
         if set(self.input_names) != wanted or set(self.output_names) != set(self.out_specs):
             raise CheckpointError(f"signature {name}: inputs {self.input_names} / outputs {self.output_names} do "
                                   f"not follow the step contract (expected {sorted(wanted)} / "
@@ -276,7 +281,8 @@ class LiteRTExecutor(Executor):
         hint = (f"the bundle {bundle.path} has no bucket for this decode: add buckets with dlm-jax export "
                 f"--model <checkpoint> --out {bundle.path} --add --for-prompts <prompt tokens> and the decode "
                 f"options you run with")
-        self._capabilities = dataclasses.replace(Capabilities.from_keys(keys), missing_hint=hint)
+        self._capabilities = dataclasses.replace(Capabilities.from_keys(keys), missing_hint=hint,
+                                                 inputs=frozenset({"lora_gate"} if bundle.gated else ()))
         self._signatures: dict[BucketKey, _Signature] = {}
         self._setup_seconds = 0.0
         self._lock = threading.Lock()
@@ -293,7 +299,7 @@ class LiteRTExecutor(Executor):
                 raise ConfigError(f"no signature {signature_name(key)} in {self.bundle.path} "
                                   f"({len(self._capabilities.keys)} buckets)")
             t0 = time.perf_counter()
-            sig = _Signature(self._model, self.config, stored)
+            sig = _Signature(self._model, self.config, stored, self.bundle.gated)
             self._signatures[key] = sig
             self._setup_seconds += time.perf_counter() - t0
         return sig
@@ -302,7 +308,7 @@ class LiteRTExecutor(Executor):
         """Create the buffers of every bucket in `keys` and run each once; returns how many were new."""
         new = [k for k in dict.fromkeys(keys) if k not in self._signatures]
         for key in new:
-            self.step(zero_inputs(self.config, key))
+            self.step(zero_inputs(self.config, key, gated=self.bundle.gated))
         return len(new)
 
     def close(self) -> None:
@@ -341,10 +347,13 @@ def quiet_native_exit() -> None:
     os.close(devnull)
 
 
-def zero_inputs(config: ModelConfig, key: BucketKey) -> StepInputs:
-    """A step of bucket `key` with zero inputs and every slot visible (warm-up, timing)."""
+def zero_inputs(config: ModelConfig, key: BucketKey, *, gated: bool = False) -> StepInputs:
+    """A step of bucket `key` with zero inputs and every slot visible (warm-up, timing); a
+    gated bundle's (LoRA adapters) with a zero `lora_gate`."""
     arrays = {name: np.zeros(shape, dtype) for name, shape, dtype in input_specs(config, key)}
     arrays["visibility"][...] = True
+    if gated:
+        arrays["lora_gate"] = np.zeros((key.batch, key.window), np.float32)
     return StepInputs(**arrays, want=OutputRequest(kv=True, logits=key.full_logits))
 
 

@@ -119,7 +119,7 @@ QUICK = [(c, e) for c, e in console_commands() if (c, e) not in TRAINING + RUNS_
 
 
 def test_the_readme_shows_commands_and_snippets():
-    assert len(QUICK) >= 5 and len(TRAINING) == 2 and len(python_snippets()) >= 1
+    assert len(QUICK) >= 5 and len(TRAINING) == 3 and len(python_snippets()) >= 1
     setup = blocks()[0][1]
     assert [line.split()[:2] for line in setup.splitlines()] == [["make", "demo"], ["make", "test"]]
 

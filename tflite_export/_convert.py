@@ -38,11 +38,12 @@ def decode_signature_name(key) -> str:
     return signature_name(key)
 
 
-def decode_signature(graphdef, state, config, key) -> Signature:
+def decode_signature(graphdef, state, config, key, *, gated: bool = False) -> Signature:
     """The decode program (`dlm_jax.program.decode_step`) of one bucket as a `Signature`,
     weights closed over; inputs and outputs named, shaped and ordered by the step contract
     (`dlm_jax.runtime.step`), so `logits` [B, R, V] is added when `key.full_logits`. A
-    cache-less bucket (P == 0) takes no cache inputs (`signature_inputs`)."""
+    cache-less bucket (P == 0) takes no cache inputs (`signature_inputs`); a model with LoRA
+    adapters (`gated`) takes `lora_gate` last."""
     import jax
     import jax.numpy as jnp
 
@@ -52,7 +53,7 @@ def decode_signature(graphdef, state, config, key) -> Signature:
     step = functools.partial(decode_step, graphdef, state, full_logits=key.full_logits,
                              mask_id=config.mask_token_id)
     outputs = output_names(key)
-    taken = signature_inputs(config, key)
+    taken = signature_inputs(config, key, gated=gated)
     names = [name for name, _, _ in taken]
     empty = {name: jnp.zeros(shape, dtype) for name, shape, dtype in input_specs(config, key) if name not in names}
 

@@ -177,7 +177,7 @@ def _measure_latency(bundle_dir: Path, keys: Sequence[BucketKey], repeats: int) 
     executor = LiteRTExecutor(Bundle.open(bundle_dir, verify=False), accelerator="cpu", threads=2)
     entries = []
     for key in keys:
-        inputs = zero_inputs(executor.config, key)
+        inputs = zero_inputs(executor.config, key, gated=executor.bundle.gated)
         executor.step(inputs)
         times = []
         for _ in range(repeats):
@@ -238,12 +238,15 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
                   decode, quant: str = "none", target: str = "cpu", add: bool = False, overwrite: bool = False,
                   latency_repeats: int = 5, verify: bool = True, strict: bool = False,
                   progress: Callable[[str, int, int], None] | None = None, model: Transformer | None = None,
-                  tokenizer: Tokenizer | None = None, plan: bool = True) -> ExportResult:
+                  tokenizer: Tokenizer | None = None, plan: bool = True,
+                  lora: str | os.PathLike | None = None) -> ExportResult:
     """Export the checkpoint at `model_dir` as a bundle at `out`.
 
     Args:
       keys: the buckets to export (`buckets_for_prompts`, `parse_bucket`).
       decode: the `DecodeConfig` recorded as the bundle's decode defaults.
+      lora: LoRA adapters made for the checkpoint (R-ISD): baked into the model, and every
+        signature takes a `lora_gate` input (1.0 on the rows they apply to).
       quant: "none", "int8" or "int4" (`QUANT_MODES`).
       target: "cpu", "gpu", "npu" (the runner's default accelerator; one portable `.tflite`)
         or "qualcomm-sm8650" / "sm8750" / "sm8850" (ahead-of-time compiled; needs the SDK).
@@ -278,8 +281,16 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
         raise ConfigError("no buckets to export")
     if model is None:
         model, tokenizer = load_checkpoint(model_dir, strict=strict, verify=verify)
+    adapters = None
+    if lora is not None:
+        from dlm_jax.checkpoint._adapters import load_adapters, read_adapter_config
+
+        load_adapters(lora, model, base=model_dir, verify=verify)
+        recorded = read_adapter_config(lora)
+        adapters = {"path": str(lora), "r": recorded["r"], "lora_alpha": recorded["lora_alpha"],
+                    "target_modules": recorded.get("target_modules")}
     config = model.config
-    existing = _existing_keys(out, config, quant, target, add=add, overwrite=overwrite)
+    existing = _existing_keys(out, config, quant, target, add=add, overwrite=overwrite, lora=adapters)
     added = [k for k in keys if k not in existing]
     keys = sorted(set(keys) | set(existing))
 
@@ -291,7 +302,8 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
         if progress is not None:
             progress(f"convert {name}", done[0], len(keys))
 
-    content = convert_signatures([decode_signature(graphdef, state, config, k) for k in keys], progress=tick)
+    content = convert_signatures([decode_signature(graphdef, state, config, k, gated=adapters is not None)
+                                  for k in keys], progress=tick)
     float_bytes = len(content)
     if progress is not None:
         progress(f"quantize ({quant})", 0, 1)
@@ -310,6 +322,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
                 "buckets": [key_to_dict(k) for k in keys],
                 "quant": {"mode": quant, "method": QUANT_MODES[quant]}, "target": target,
                 "decode": decode.options(), "prompt_format": getattr(tokenizer, "prompt_format", "raw"),
+                **({"lora": adapters} if adapters else {}),
                 "bytes": {"model": len(content), "float_model": float_bytes,
                           "weights_float32": int(4 * param_count(config))},
                 "files": {**({"latency": LATENCY_FILE} if soc is None and latency_repeats > 0 else {}),
@@ -335,7 +348,8 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     return ExportResult(out, keys, added, len(content), time.perf_counter() - t0)
 
 
-def _existing_keys(out: Path, config, quant: str, target: str, *, add: bool, overwrite: bool) -> list[BucketKey]:
+def _existing_keys(out: Path, config, quant: str, target: str, *, add: bool, overwrite: bool,
+                   lora: dict | None = None) -> list[BucketKey]:
     """The buckets of the bundle at `out` to keep (with `add`), after checking it may be replaced."""
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return []
@@ -356,4 +370,7 @@ def _existing_keys(out: Path, config, quant: str, target: str, *, add: bool, ove
     if old.quant != quant or old.meta.get("target") != target:
         raise ConfigError(f"cannot add to {out}: it is quant={old.quant} target={old.meta.get('target')}, "
                           f"this export quant={quant} target={target}")
+    if old.meta.get("lora") != lora:
+        raise ConfigError(f"cannot add to {out}: its LoRA adapters ({(old.meta.get('lora') or {}).get('path')}) "
+                          f"are not this export's ({(lora or {}).get('path')}); pass --overwrite to replace it")
     return old.keys

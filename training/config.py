@@ -1,4 +1,5 @@
-"""Training run configuration: one TOML file with [model], [train] and [data] tables.
+"""Training run configuration: one TOML file with [model], [train] and [data] tables, and an
+optional [lora] table (R-ISD: train gated LoRA adapters on a frozen `init_from` base).
 
 Every key is checked before anything is built: an unknown key, a missing required key or an
 impossible shape fails with the table and key named.
@@ -50,10 +51,28 @@ class TrainConfig:
     # position is added to the loss. 0 (the default): off, the plain LLaDA loss.
     clean_loss_weight: float = 0.0
     corrupt_prob: float = 0.0
+    # introspective's clean-stream scale: absent (or "auto"), the Eq. 2 auto-balance
+    # L = CE_mask + sg(CE_mask / CE_clean) CE_clean; a number, the fixed L = CE_mask + ce_alpha CE_clean
+    # (I-DLM's early curriculum stages use 0.2).
+    ce_alpha: float | None = None
+    # introspective's stride curriculum: [[steps, N], ...] stages run in order, stage N training
+    # noisy blocks of N - 1 masks (instead of [model] block_size) so the model supports strides
+    # <= N; the stages' steps add up to [train] steps. Empty: block_size masks throughout.
+    stride_curriculum: tuple[tuple[int, int], ...] = ()
 
-    def objective_options(self) -> dict[str, float]:
-        """The [train] keys passed on to the objective (training.objectives.get_objective)."""
-        return {"clean_loss_weight": self.clean_loss_weight, "corrupt_prob": self.corrupt_prob}
+    def objective_options(self) -> dict[str, float | None]:
+        """The [train] keys passed on to the objective (training.objectives.get_objective);
+        `ce_alpha` only when set (absent: introspective's auto-balance)."""
+        fixed = {} if self.ce_alpha is None else {"ce_alpha": self.ce_alpha}
+        return {"clean_loss_weight": self.clean_loss_weight, "corrupt_prob": self.corrupt_prob, **fixed}
+
+    def stride_at(self, step: int) -> int | None:
+        """The curriculum's stride N at `step` (0-based), None without a curriculum."""
+        for steps, stride in self.stride_curriculum:
+            if step < steps:
+                return stride
+            step -= steps
+        return self.stride_curriculum[-1][1] if self.stride_curriculum else None
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -72,6 +91,10 @@ class TrainConfig:
                               f"corrupt_prob={self.corrupt_prob} in [0, 1)")
         if not 0.0 <= self.long_tail_prob <= 1.0:
             raise ConfigError(f"[train] long_tail_prob={self.long_tail_prob} must be in [0, 1]")
+        if self.ce_alpha is not None and (isinstance(self.ce_alpha, bool) or not isinstance(self.ce_alpha, (int, float))
+                                          or not 0 <= self.ce_alpha < float("inf")):
+            raise ConfigError(f"[train] ce_alpha={self.ce_alpha!r} must be \"auto\" or a number >= 0")
+        self._check_curriculum()
         b = list(self.length_buckets)
         if b:
             if b != sorted(set(b)) or b[0] <= 0 or b[-1] != self.seq_len:
@@ -83,6 +106,19 @@ class TrainConfig:
                                   f"batch_size * seq_len = {self.batch_size * self.seq_len} tokens")
 
 
+    def _check_curriculum(self) -> None:
+        stages = self.stride_curriculum
+        for stage in stages:
+            if (not isinstance(stage, tuple) or len(stage) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in stage)
+                    or stage[0] <= 0 or stage[1] < 2):
+                raise ConfigError(f"[train] stride_curriculum entry {list(stage) if isinstance(stage, tuple) else stage!r} "
+                                  f"must be [steps > 0, stride N >= 2]")
+        if stages and sum(n for n, _ in stages) != self.steps:
+            raise ConfigError(f"[train] stride_curriculum stages add up to {sum(n for n, _ in stages)} steps, "
+                              f"not steps={self.steps}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     tasks: dict[str, float]  # task name -> mixture weight ("code" = the stdlib corpus)
@@ -92,35 +128,68 @@ class DataConfig:
     seed: int = 0
 
 
+def _lora_spec(**values: Any):
+    """[lora] rank, alpha, targets -> a LoraSpec (errors name the table)."""
+    from dlm_jax.models._lora import LoraSpec
+
+    try:
+        return LoraSpec(**values)
+    except ConfigError as e:
+        raise ConfigError(f"[lora] {e}") from None
+
+
+TABLES = ("model", "train", "data", "lora")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
     train: TrainConfig
     data: DataConfig
     source: str = "<dict>"
+    # [lora]: rank, alpha, targets of gated LoRA adapters (dlm_jax.models.LoraSpec). With it the
+    # run is R-ISD: the `init_from` base stays frozen, only the adapters train (gate 1 on [MASK]
+    # rows, 0 on clean rows) and the run writes them as a PEFT-layout adapter directory.
+    lora: Any = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "<dict>") -> RunConfig:
-        unknown = sorted(set(raw) - {"model", "train", "data"})
+        unknown = sorted(set(raw) - set(TABLES))
         if unknown:
-            raise ConfigError(f"{source}: unknown tables {unknown} (expected [model], [train], [data])")
+            raise ConfigError(f"{source}: unknown tables {unknown} (expected [model], [train], [data], [lora])")
         parts = {}
-        for table, kind in (("model", ModelConfig), ("train", TrainConfig), ("data", DataConfig)):
-            values = dict(raw.get(table, {}))
+        from dlm_jax.models._lora import LoraSpec
+
+        kinds = (("model", ModelConfig, ModelConfig), ("train", TrainConfig, TrainConfig),
+                 ("data", DataConfig, DataConfig), ("lora", LoraSpec, _lora_spec))
+        for table, kind, make in kinds:
+            if table == "lora" and table not in raw:
+                parts[table] = None
+                continue
+            values = raw.get(table, {})
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: [{table}] must be a table, got {values!r}")
+            values = dict(values)
             known = {f.name for f in dataclasses.fields(kind)}
             bad = sorted(set(values) - known)
             if bad:
                 raise ConfigError(f"{source}: unknown key(s) {bad} in [{table}]")
-            for key in ("dense_layers", "length_buckets"):
+            for key in ("dense_layers", "length_buckets", "targets"):
                 if key in values and isinstance(values[key], list):
                     values[key] = tuple(values[key])
+            if table == "train":
+                if values.get("ce_alpha") == "auto":
+                    values["ce_alpha"] = None
+                if isinstance(values.get("stride_curriculum"), list):
+                    values["stride_curriculum"] = tuple(tuple(x) if isinstance(x, list) else x
+                                                        for x in values["stride_curriculum"])
             try:
-                parts[table] = kind(**values)
+                parts[table] = make(**values)
             except TypeError as e:
                 raise ConfigError(f"{source}: [{table}] {e}") from None
             except ConfigError as e:
                 raise ConfigError(f"{source}: {e}") from None
-        cfg = cls(parts["model"], parts["train"], parts["data"], source)
+        cfg = cls(parts["model"], parts["train"], parts["data"], source, parts["lora"])
         cfg._check_shapes()
         return cfg
 
@@ -151,6 +220,15 @@ class RunConfig:
                               f"tokenizer's {ids} ids; set vocab_size >= {ids}")
         if t.seq_len > m.max_seq_len:
             raise ConfigError(f"{self.source}: [train] seq_len={t.seq_len} exceeds [model] max_seq_len={m.max_seq_len}")
+        if t.stride_curriculum and t.objective != "introspective":
+            raise ConfigError(f"{self.source}: [train] stride_curriculum is an option of the 'introspective' "
+                              f"objective, not {t.objective!r}")
+        if self.lora is not None:
+            if t.objective != "introspective":
+                raise ConfigError(f"{self.source}: [lora] trains R-ISD adapters with the 'introspective' objective, "
+                                  f"not [train] objective={t.objective!r}")
+            if not t.init_from:
+                raise ConfigError(f"{self.source}: [lora] needs [train] init_from, the frozen base model's directory")
         if t.objective in ("block_diffusion", "introspective"):
             for length in (t.seq_len, *t.length_buckets):
                 if length % m.block_size:
@@ -167,5 +245,8 @@ class RunConfig:
             raise ConfigError(f"{self.source}: [data] tasks needs at least one task with weight > 0")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
-                "data": dataclasses.asdict(self.data)}
+        out = {"model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
+               "data": dataclasses.asdict(self.data)}
+        if self.lora is not None:
+            out["lora"] = dataclasses.asdict(self.lora)
+        return out

@@ -41,6 +41,7 @@ from dlm_jax._errors import ConfigError
 from dlm_jax._integrity import atomic_write
 from dlm_jax._tokenizer import ByteTokenizer
 from dlm_jax.checkpoint._io import load_pretrained, save_pretrained
+from dlm_jax.models._lora import LoraParam, attach_lora
 from dlm_jax.models._params import init_model, model_from_params
 from training.config import RunConfig
 from training.objectives import Batch, Objective, get_objective
@@ -116,15 +117,19 @@ class StepShardings:
         return cls(p_shard, o_shard, NamedSharding(mesh, P("data")), rep)
 
 
-def train_step(params: nnx.State, opt_state: optax.OptState, batch: Batch, rng: jax.Array, *,
-               graphdef: nnx.GraphDef, objective: Objective, tx: optax.GradientTransformation,
+def train_step(params: nnx.State, opt_state: optax.OptState, batch: Batch, rng: jax.Array,
+               frozen: nnx.State | None = None, *, graphdef: nnx.GraphDef, objective: Objective,
+               tx: optax.GradientTransformation,
                ) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array], jax.Array]:
     """One optimizer step of `objective` on `batch` ([B, T] arrays) with key `rng`. Returns the
     updated parameters and optimizer state, the objective's metrics plus `grad_norm` (before
-    clipping), and whether the loss and every updated parameter are finite (a bool scalar)."""
+    clipping), and whether the loss and every updated parameter are finite (a bool scalar).
+    `frozen`: the rest of the model's state (an R-ISD run's base weights), an input of the step
+    that is neither differentiated nor updated."""
 
     def loss_fn(p, batch, rng):
-        return objective(nnx.merge(graphdef, p), batch, rng)
+        model = nnx.merge(graphdef, p) if frozen is None else nnx.merge(graphdef, p, frozen)
+        return objective(model, batch, rng)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -134,13 +139,15 @@ def train_step(params: nnx.State, opt_state: optax.OptState, batch: Batch, rng: 
 
 
 def make_train_step(*, graphdef: nnx.GraphDef, objective: Objective, tx: optax.GradientTransformation,
-                    shardings: StepShardings) -> Callable[..., Any]:
+                    shardings: StepShardings, frozen: Any = None) -> Callable[..., Any]:
     """`train_step` jitted with `shardings` as its in and out shardings, donating the parameters
     and optimizer state (arguments 0 and 1): the update is written over them, so the accelerator
-    holds one copy of each, and the arrays passed in are deleted by the call."""
+    holds one copy of each, and the arrays passed in are deleted by the call. `frozen`: the
+    shardings of a frozen state passed as a fifth argument (never donated)."""
     s = shardings
+    extra = () if frozen is None else (frozen,)
     return jax.jit(functools.partial(train_step, graphdef=graphdef, objective=objective, tx=tx),
-                   in_shardings=(s.params, s.opt_state, s.batch, s.replicated),
+                   in_shardings=(s.params, s.opt_state, s.batch, s.replicated, *extra),
                    out_shardings=(s.params, s.opt_state, s.replicated, s.replicated),
                    donate_argnums=(0, 1))
 
@@ -216,11 +223,14 @@ def _check_same_run(run: RunConfig, out_dir: Path) -> None:
     new = _config_json(run)
     missing = object()
     changes = []
-    for table in ("model", "train", "data"):
-        a, b = old.get(table, {}), new[table]
+    for table in ("model", "train", "data", "lora"):
+        if table not in old and table not in new:
+            continue
+        a, b = old.get(table, {}), new.get(table, {})
         # A key newer than the stored file reads as its default: runs outlive code changes.
-        defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(getattr(run, table))
-                                          if f.default is not dataclasses.MISSING}))
+        section = getattr(run, table)
+        defaults = {} if section is None or table not in old else json.loads(json.dumps(
+            {f.name: f.default for f in dataclasses.fields(section) if f.default is not dataclasses.MISSING}))
         for key in sorted(set(a) | set(b)):
             was, now = a.get(key, defaults.get(key, missing)), b.get(key, missing)
             if (table, key) not in RESUMABLE_KEYS and was != now:
@@ -305,11 +315,40 @@ def _initial_params(path: str, params: Any) -> Any:
     return jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), loaded, params)
 
 
+ADAPTERS_DIR = "adapters"  # where an R-ISD run ([lora]) writes its adapters, beside checkpoints/
+
+
+def _objectives(run: RunConfig) -> Callable[[int | None], Objective]:
+    """The run's objective for a curriculum stride (None: no curriculum), options bound: the
+    [train] ones, the stage's noisy block (N - 1 masks) and, for [lora], the R-ISD gate."""
+    tc = run.train
+    extra = {"lora_gate": True} if run.lora is not None else {}
+
+    def make(stride: int | None) -> Objective:
+        block = {} if stride is None else {"noisy_block": stride - 1}
+        return get_objective(tc.objective, run.model, **tc.objective_options(), **block, **extra)
+
+    make(None)  # a bad option fails here, before anything is built
+    return make
+
+
+def _split_model(run: RunConfig, train_cfg) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None]:
+    """(graphdef, trained state, frozen state or None): the whole model's parameters, or for
+    [lora] the adapters (trained) apart from the base weights (frozen)."""
+    model = init_model(train_cfg, seed=run.train.seed)
+    if run.lora is None:
+        graphdef, params = nnx.split(model)
+        return graphdef, params, None
+    attach_lora(model, run.lora, seed=run.train.seed)
+    return nnx.split(model, LoraParam, ...)
+
+
 def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: bool = False,
           stop_after: int | None = None, progress: bool = True, dataset: dict[str, np.ndarray] | None = None,
           on_step: Callable[[int], None] | None = None) -> TrainResult:
     """Train `run` into `out_dir` (run_config.json, checkpoints/, metrics.jsonl,
-    train_seconds.json, model/ in HF layout).
+    train_seconds.json, model/ in HF layout; for an R-ISD run ([lora]), adapters/ in PEFT
+    layout instead, for the base `init_from`, which is never written).
 
     Args:
       resume: continue the run in out_dir if there is one (its stored config must match `run`
@@ -351,7 +390,7 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
     out_dir.mkdir(parents=True, exist_ok=True)
     tc = run.train
     tok = ByteTokenizer()
-    objective = get_objective(tc.objective, run.model, **tc.objective_options())
+    objective_for = _objectives(run)
     train_cfg = run.model.replace(dtype=tc.compute_dtype, param_dtype="float32")
     mesh = build_mesh(tc.mesh_data, tc.mesh_model)
     if tc.batch_size % mesh.shape["data"]:
@@ -366,17 +405,22 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
     else:
         arrays = dataset if dataset is not None else build_dataset(run, tok)
         batches = Batches(arrays, tc.batch_size, seed=tc.seed)
-    graphdef, params = nnx.split(init_model(train_cfg, seed=tc.seed))
+    graphdef, params, frozen = _split_model(run, train_cfg)
     manager = _checkpoint_manager(out_dir / "checkpoints", tc.keep_checkpoints, cleanup=True)
     resuming = resume and manager.latest_step() is not None
     if resuming and manager.latest_step() > tc.steps:
         raise ConfigError(f"[train] steps={tc.steps} is below step {manager.latest_step()}, which the run in "
                           f"{out_dir} has reached; set steps >= {manager.latest_step()}")
-    if tc.init_from and not resuming:  # a resumed run restores its own weights below
+    if frozen is not None:  # R-ISD: the base is init_from's weights, on every start and resume
+        frozen = _initial_params(tc.init_from, frozen)
+    elif tc.init_from and not resuming:  # a resumed run restores its own weights below
         params = _initial_params(tc.init_from, params)
     tx, schedule = make_optimizer(tc)
     shardings = StepShardings.for_mesh(mesh, tx, params)
     params = jax.device_put(params, shardings.params)
+    frozen_shardings = None if frozen is None else param_sharding(frozen, mesh)
+    if frozen is not None:
+        frozen = jax.device_put(frozen, frozen_shardings)
     opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
     start = 0
     if resuming:
@@ -393,7 +437,14 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
     atomic_write(out_dir / RUN_CONFIG, json.dumps(_config_json(run), indent=2) + "\n")
     _truncate_metrics(out_dir / "metrics.jsonl", start)
 
-    step_fn = make_train_step(graphdef=graphdef, objective=objective, tx=tx, shardings=shardings)
+    step_fns: dict[int | None, Callable[..., Any]] = {}  # by curriculum stride: one compiled step each
+
+    def step_fn(step: int, *args):
+        stride = tc.stride_at(step)
+        if stride not in step_fns:
+            step_fns[stride] = make_train_step(graphdef=graphdef, objective=objective_for(stride), tx=tx,
+                                               shardings=shardings, frozen=frozen_shardings)
+        return step_fns[stride](*args, *(() if frozen is None else (frozen,)))
 
     def save(good) -> None:
         done, p, o, data_state, _ = good
@@ -422,7 +473,7 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
                 batch = {k: jax.device_put(jnp.asarray(v), shardings.batch) for k, v in next(batches).items()}
                 done, data_state = step + 1, batches.state()
                 with _ctrl_c_after():  # the call deletes good's arrays: no Ctrl-C until good holds its outputs
-                    p, o, metrics, finite = step_fn(good[1], good[2], batch, jax.random.fold_in(base_key, step))
+                    p, o, metrics, finite = step_fn(step, good[1], good[2], batch, jax.random.fold_in(base_key, step))
                     good = (done, p, o, data_state, finite)
                 # One scalar a step: a diverged step is named exactly and never saved or shipped.
                 if not bool(finite):
@@ -440,6 +491,8 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
                     now = time.perf_counter()
                     m.update(step=done, lr=float(schedule(step)),
                              tokens_per_second=window_steps * tokens_per_step / (now - window_t))
+                    if tc.stride_curriculum:
+                        m["stride"] = tc.stride_at(step)
                     window_t, window_steps, last_loss = now, 0, m["loss"]
                     metrics_file.write(json.dumps(m) + "\n")
                     metrics_file.flush()
@@ -471,9 +524,12 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
         total = seconds + (json.loads(info.read_text())["seconds"] if info.exists() else 0.0)
         atomic_write(info, json.dumps({"seconds": total}))
     params = good[1]
-    model_dir = out_dir / "model"
+    model_dir = out_dir / ("model" if frozen is None else ADAPTERS_DIR)
     if end == tc.steps:
-        _save_model(run, params, model_dir)
+        if frozen is None:
+            _save_model(run, params, model_dir)
+        else:
+            _save_adapters(run, graphdef, params, frozen, model_dir)
     return TrainResult(end, last_loss, seconds, (end - start) * tokens_per_step / max(seconds, 1e-9),
                        model_dir, start, replaced)
 
@@ -518,8 +574,8 @@ def build_dataset(run: RunConfig, tok: Any) -> dict[str, np.ndarray]:
 
 def export_checkpoint(run: RunConfig, out_dir: str | Path, dest: str | Path, *, step: int | None = None) -> int:
     """Write the parameters of checkpoint `step` (default: the latest) of the run in `out_dir`
-    as an HF-layout model at `dest`, e.g. to evaluate a run that is still training. Returns the
-    step exported."""
+    as an HF-layout model at `dest` (an R-ISD run: its adapters, in PEFT layout), e.g. to
+    evaluate a run that is still training. Returns the step exported."""
     import orbax.checkpoint as ocp
 
     manager = _checkpoint_manager(Path(out_dir) / "checkpoints", run.train.keep_checkpoints)
@@ -527,11 +583,14 @@ def export_checkpoint(run: RunConfig, out_dir: str | Path, dest: str | Path, *, 
     if step is None or step not in manager.all_steps():
         raise ConfigError(f"{out_dir}: no checkpoint at step {step} (have {sorted(manager.all_steps())})")
     train_cfg = run.model.replace(dtype=run.train.compute_dtype, param_dtype="float32")
-    _, params = nnx.split(init_model(train_cfg, seed=run.train.seed))
+    graphdef, params, frozen = _split_model(run, train_cfg)
     tx, _ = make_optimizer(run.train)
     abstract = {"params": params, "opt_state": tx.init(params)}
     restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    _save_model(run, restored["state"]["params"], dest)
+    if frozen is None:
+        _save_model(run, restored["state"]["params"], dest)
+    else:
+        _save_adapters(run, graphdef, restored["state"]["params"], _initial_params(run.train.init_from, frozen), dest)
     return step
 
 
@@ -546,6 +605,20 @@ def _save_model(run: RunConfig, params, dest: str | Path) -> None:
                             f"refusing to write a model to {dest}")
     save_pretrained(model_from_params(run.model, flat), dest, tokenizer=ByteTokenizer(prompt_format(run)),
                     overwrite=True)
+
+
+def _save_adapters(run: RunConfig, graphdef, params, frozen, dest: str | Path) -> None:
+    """An R-ISD run's adapters (with the frozen base they were trained on) as a PEFT-layout
+    adapter directory at `dest` for the base `init_from`; refused when one holds NaN or inf."""
+    from dlm_jax.checkpoint._adapters import save_adapters
+
+    model = nnx.merge(graphdef, jax.device_get(params), jax.device_get(frozen))
+    flat = {_name(path): np.asarray(v) for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    bad = [name for name, v in flat.items() if not np.isfinite(v).all()]
+    if bad:
+        raise TrainingError(f"adapter weight {bad[0]} has non-finite values (NaN or inf); refusing to write "
+                            f"adapters to {dest}")
+    save_adapters(model, dest, base=run.train.init_from, overwrite=True)
 
 
 def prompt_format(run: RunConfig) -> str:

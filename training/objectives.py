@@ -19,7 +19,10 @@ of (model, batch, rng), so it jits and shards like any JAX function.
 - `introspective` (I-DLM): input [x_masked ; x_clean] with every response token of the noisy
   half masked; strict causal attention inside each noisy block, noisy block k sees clean
   tokens before it, the clean half is causal; logit shift (row i predicts token i + 1);
-  loss = L_noisy + sg(L_noisy / L_clean) * L_clean (auto-balanced).
+  loss = L_noisy + sg(L_noisy / L_clean) * L_clean (auto-balanced, Eq. 2), or with `ce_alpha`
+  the fixed L_noisy + ce_alpha * L_clean. `noisy_block` overrides the noisy block size (a
+  stride-N curriculum stage trains N - 1 masks per block); `lora_gate` runs the model with the
+  R-ISD gate (1 on [MASK] rows, 0 elsewhere: clean rows use the base weights only).
 - `autoregressive`: causal next-token loss on response tokens (the lossless reference).
 """
 
@@ -119,11 +122,14 @@ def two_stream_mask(length: int, block: int, *, noisy_causal: bool, clean_causal
     return np.concatenate([top, bottom], axis=0)
 
 
-def _two_stream_forward(model: Transformer, noisy: jax.Array, clean: jax.Array, mask: np.ndarray):
+def _two_stream_forward(model: Transformer, noisy: jax.Array, clean: jax.Array, mask: np.ndarray, *,
+                        lora_gate: bool = False):
     b, t_len = clean.shape
     positions = jnp.broadcast_to(jnp.tile(jnp.arange(t_len, dtype=jnp.int32), 2), (b, 2 * t_len))
     full = jnp.broadcast_to(jnp.asarray(mask), (b, 2 * t_len, 2 * t_len))
-    logits = model(jnp.concatenate([noisy, clean], axis=1), positions=positions, mask=full).logits
+    tokens = jnp.concatenate([noisy, clean], axis=1)
+    kw = {"lora_gate": (tokens == _mask_id(model)).astype(jnp.float32)} if lora_gate else {}
+    logits = model(tokens, positions=positions, mask=full, **kw).logits
     return logits[:, :t_len], logits[:, t_len:]
 
 
@@ -143,23 +149,34 @@ def block_diffusion(model: Transformer, batch: Batch, rng: jax.Array):
     return loss, {"loss": loss, "masked_acc": acc}
 
 
-def introspective(model: Transformer, batch: Batch, rng: jax.Array):
+def introspective(model: Transformer, batch: Batch, rng: jax.Array, *, ce_alpha: float | None = None,
+                  noisy_block: int | None = None, lora_gate: bool = False):
+    """I-DLM's loss. `ce_alpha` None: Eq. 2's auto-balance (the clean term's weight is the
+    constant CE_mask / CE_clean of this batch: no gradient flows through it); a number: that
+    fixed weight. `noisy_block`: masks per noisy block (default `config.block_size`).
+    `lora_gate`: pass the R-ISD gate, 1.0 on [MASK] rows (masked response tokens of the noisy
+    stream), 0.0 on every other row (prompt tokens, the whole clean stream)."""
     del rng  # all-masked: nothing is random
     tokens, response = batch["tokens"], ~batch["prompt_mask"]
     t_len = tokens.shape[1]
     noisy = jnp.where(response, _mask_id(model), tokens)
-    mask = two_stream_mask(t_len, model.config.block_size, noisy_causal=True, clean_causal=True)
-    noisy_logits, clean_logits = _two_stream_forward(model, noisy, tokens, mask)
+    block = model.config.block_size if noisy_block is None else noisy_block
+    mask = two_stream_mask(t_len, block, noisy_causal=True, clean_causal=True)
+    noisy_logits, clean_logits = _two_stream_forward(model, noisy, tokens, mask, lora_gate=lora_gate)
     # Logit shift: row i predicts token i + 1; a target counts when it is a response token.
     targets = tokens[:, 1:]
     weight = response[:, 1:].astype(jnp.float32)
     n = jnp.maximum(weight.sum(), 1.0)
     noisy_ce = jnp.sum(_token_ce(noisy_logits[:, :-1], targets) * weight) / n
     clean_ce = jnp.sum(_token_ce(clean_logits[:, :-1], targets) * weight) / n
-    scale = jax.lax.stop_gradient(noisy_ce / jnp.maximum(clean_ce, 1e-6))
+    if ce_alpha is None:
+        scale = jax.lax.stop_gradient(noisy_ce / jnp.maximum(clean_ce, 1e-6))
+    else:
+        scale = jnp.float32(ce_alpha)
     loss = noisy_ce + scale * clean_ce
     acc = jnp.sum((noisy_logits[:, :-1].argmax(-1) == targets) * weight) / n
-    return loss, {"loss": loss, "noisy_ce": noisy_ce, "clean_ce": clean_ce, "masked_acc": acc}
+    return loss, {"loss": loss, "noisy_ce": noisy_ce, "clean_ce": clean_ce, "clean_scale": scale,
+                  "masked_acc": acc}
 
 
 def autoregressive(model: Transformer, batch: Batch, rng: jax.Array):
@@ -189,7 +206,9 @@ REQUIREMENTS: dict[str, dict[str, object]] = {
 
 
 # Objective options ([train] keys passed on to the objective) and the objectives taking them.
-OPTIONS: dict[str, tuple[str, ...]] = {"masked_diffusion": ("clean_loss_weight", "corrupt_prob")}
+# `noisy_block` and `lora_gate` come from the loop (a curriculum stage, a [lora] run), not [train].
+OPTIONS: dict[str, tuple[str, ...]] = {"masked_diffusion": ("clean_loss_weight", "corrupt_prob"),
+                                       "introspective": ("ce_alpha", "noisy_block", "lora_gate")}
 
 
 def get_objective(name: str, model_config, **options: float) -> Objective:
@@ -207,7 +226,9 @@ def get_objective(name: str, model_config, **options: float) -> Objective:
     if bad:
         raise ConfigError(f"objective {name!r} has no option(s) {bad}"
                           + (f" (it takes {list(known)})" if known else ""))
-    bound = {k: v for k, v in options.items() if k in known}
+    bound = {k: v for k, v in options.items() if k in known and v is not None}
+    if bound.get("noisy_block", 1) < 1:
+        raise ConfigError(f"objective {name!r}: noisy_block={bound['noisy_block']} must be >= 1")
     if name == "masked_diffusion" and bound.get("clean_loss_weight", 0) > 0:
         if not 0 < bound.get("corrupt_prob", 0) < 1:
             raise ConfigError(f"objective {name!r}: clean_loss_weight > 0 needs corrupt_prob in (0, 1), got "

@@ -3,7 +3,8 @@
 The safetensors reader/writer and the family tables import without JAX; `load_pretrained`,
 `save_pretrained` and `convert_checkpoint` import it on first use. `write_manifest(path)`
 (re)writes a checkpoint directory's manifest.json after its files were edited by hand;
-`verify_manifest(path)` checks the files against it.
+`verify_manifest(path)` checks the files against it. `save_adapters` / `load_adapters` /
+`load_adapted`: LoRA adapters in PEFT's layout beside a base checkpoint (`_adapters`).
 """
 
 from dlm_jax._lazy import lazy_exports
@@ -14,6 +15,10 @@ _EXPORTS = {
     "Family": "dlm_jax.checkpoint._families",
     "family_for": "dlm_jax.checkpoint._families",
     "get_family": "dlm_jax.checkpoint._families",
+    "load_adapted": "dlm_jax.checkpoint._adapters",
+    "load_adapters": "dlm_jax.checkpoint._adapters",
+    "read_adapter_config": "dlm_jax.checkpoint._adapters",
+    "save_adapters": "dlm_jax.checkpoint._adapters",
     "convert_checkpoint": "dlm_jax.checkpoint._io",
     "load_config": "dlm_jax.checkpoint._io",
     "load_pretrained": "dlm_jax.checkpoint._io",

@@ -262,10 +262,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
             tokenizer.save(tmp)
         for name, source in extra.items():
             (tmp / name).write_bytes(source if isinstance(source, bytes) else Path(source).read_bytes())
-        for file in tmp.rglob("*"):
-            _integrity.apply_umask(file, directory=file.is_dir())
-        _integrity.write_manifest(tmp)
-        _integrity.replace_dir(tmp, path)
+        _integrity.publish_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,4 +1,5 @@
-"""The shared transformer, its masks and parameter helpers (masks import without JAX)."""
+"""The shared transformer, its masks, parameter helpers and gated LoRA adapters (masks import
+without JAX)."""
 
 from dlm_jax._lazy import lazy_exports
 
@@ -11,6 +12,15 @@ _EXPORTS = {
     "model_from_params": "dlm_jax.models._params",
     "param_count": "dlm_jax.models._params",
     "param_shapes": "dlm_jax.models._params",
+    "LORA_TARGETS": "dlm_jax.models._lora",
+    "LoraParam": "dlm_jax.models._lora",
+    "LoraSpec": "dlm_jax.models._lora",
+    "attach_lora": "dlm_jax.models._lora",
+    "lora_params": "dlm_jax.models._lora",
+    "lora_spec": "dlm_jax.models._lora",
+    "mask_rows_gate": "dlm_jax.models._lora",
+    "remove_lora": "dlm_jax.models._lora",
+    "set_lora_params": "dlm_jax.models._lora",
     "ModelOutput": "dlm_jax.models._transformer",
     "Transformer": "dlm_jax.models._transformer",
     "apply_rope": "dlm_jax.models._transformer",

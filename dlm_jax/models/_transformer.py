@@ -7,6 +7,11 @@ V vocabulary, E experts, F FFN width.
 The forward pass serves training (full sequence, any mask, no cache) and decoding (explicit
 positions, a [B, T, P+T] visibility mask, an external prefix K/V cache in, the window's K/V
 out), which is the decode-step contract of DESIGN.md. Cached K is stored after RoPE.
+
+LoRA adapters (`dlm_jax.models._lora`, I-DLM R-ISD) hang off `Attention.lora` and
+`DenseFFN.lora` (None until `attach_lora`): with a `lora_gate` [B, T] a projection returns
+`W0 x + gate * delta(x)`; without a gate or adapters the computation is the base model's, op
+for op.
 """
 
 from __future__ import annotations
@@ -50,6 +55,16 @@ class RMSNorm(nnx.Module):
 def _linear(cfg: ModelConfig, d_in: int, d_out: int, *, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(d_in, d_out, use_bias=bias, dtype=_dtype(cfg.dtype),
                       param_dtype=_dtype(cfg.param_dtype), kernel_init=_init, rngs=rngs)
+
+
+def _project(linear: nnx.Linear, adapters, name: str, x: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """`linear(x)`, plus the gated LoRA delta `adapters[name](x, gate)` when there is a gate and
+    an adapter of that name. The base product is computed exactly as without adapters and the
+    delta added to it: a row whose gate is 0 adds (+-)0 and keeps the base output's bits."""
+    y = linear(x)
+    if gate is None or adapters is None or name not in adapters:
+        return y
+    return y + adapters[name](x, gate)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -99,12 +114,13 @@ class Attention(nnx.Module):
         pd = _dtype(cfg.param_dtype)
         self.q_norm = RMSNorm(dh, eps=cfg.norm_eps, param_dtype=pd) if cfg.qk_norm else None
         self.k_norm = RMSNorm(dh, eps=cfg.norm_eps, param_dtype=pd) if cfg.qk_norm else None
+        self.lora = nnx.data(None)  # {projection name: LoraAdapter} once adapters are attached
 
-    def __call__(self, x, cos, sin, mask, k_cache, v_cache):
+    def __call__(self, x, cos, sin, mask, k_cache, v_cache, lora_gate=None):
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
+        q = _project(self.q_proj, self.lora, "q_proj", x, lora_gate).reshape(b, t, self.n_heads, self.head_dim)
+        k = _project(self.k_proj, self.lora, "k_proj", x, lora_gate).reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = _project(self.v_proj, self.lora, "v_proj", x, lora_gate).reshape(b, t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -113,7 +129,7 @@ class Attention(nnx.Module):
             keys = jnp.concatenate([k_cache.astype(k.dtype), k], axis=1)
             values = jnp.concatenate([v_cache.astype(v.dtype), v], axis=1)
         out = attend(q, keys, values, mask)
-        return self.o_proj(out.reshape(b, t, -1)), k, v
+        return _project(self.o_proj, self.lora, "o_proj", out.reshape(b, t, -1), lora_gate), k, v
 
 
 class DenseFFN(nnx.Module):
@@ -123,11 +139,14 @@ class DenseFFN(nnx.Module):
         self.gate_proj = _linear(cfg, cfg.d_model, hidden, bias=False, rngs=rngs) if kind == "swiglu" else None
         self.up_proj = _linear(cfg, cfg.d_model, hidden, bias=False, rngs=rngs)
         self.down_proj = _linear(cfg, hidden, cfg.d_model, bias=False, rngs=rngs)
+        self.lora = nnx.data(None)  # {projection name: LoraAdapter} once adapters are attached
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_gate: jax.Array | None = None) -> jax.Array:
+        a, g = self.lora, lora_gate
         if self.gate_proj is None:
-            return self.down_proj(jax.nn.relu(self.up_proj(x)))
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            return _project(self.down_proj, a, "down_proj", jax.nn.relu(_project(self.up_proj, a, "up_proj", x, g)), g)
+        gate = jax.nn.silu(_project(self.gate_proj, a, "gate_proj", x, g))
+        return _project(self.down_proj, a, "down_proj", gate * _project(self.up_proj, a, "up_proj", x, g), g)
 
 
 def route(cfg: ModelConfig, logits: jax.Array, expert_bias: jax.Array | None) -> jax.Array:
@@ -182,7 +201,8 @@ class MoEFFN(nnx.Module):
         self.shared = (DenseFFN(cfg, cfg.n_shared_experts * f, kind="swiglu", rngs=rngs)
                        if cfg.n_shared_experts else None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_gate: jax.Array | None = None) -> jax.Array:
+        """`lora_gate` reaches the shared experts' adapters only (routed experts have none)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         logits = flat.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
@@ -193,7 +213,7 @@ class MoEFFN(nnx.Module):
         y = jnp.einsum("nef,efd->ned", jax.nn.silu(gate) * up, self.down[...].astype(x.dtype))
         out = jnp.einsum("ne,ned->nd", combine, y).reshape(b, t, d)
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self.shared(x, lora_gate)
         return out
 
 
@@ -209,10 +229,10 @@ class Block(nnx.Module):
             kind = "swiglu" if cfg.ffn == "moe" else cfg.ffn
             self.ffn = DenseFFN(cfg, cfg.ffn_hidden, kind=kind, rngs=rngs)
 
-    def __call__(self, x, cos, sin, mask, k_cache, v_cache):
-        attn_out, k, v = self.attn(self.attn_norm(x), cos, sin, mask, k_cache, v_cache)
+    def __call__(self, x, cos, sin, mask, k_cache, v_cache, lora_gate=None):
+        attn_out, k, v = self.attn(self.attn_norm(x), cos, sin, mask, k_cache, v_cache, lora_gate)
         h = x + attn_out
-        return h + self.ffn(self.ffn_norm(h)), k, v
+        return h + self.ffn(self.ffn_norm(h), lora_gate), k, v
 
 
 class Transformer(nnx.Module):
@@ -230,7 +250,8 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  mask: jax.Array | None = None, k_cache: jax.Array | None = None,
                  v_cache: jax.Array | None = None,
-                 logit_rows: jax.Array | None = None) -> ModelOutput:
+                 logit_rows: jax.Array | None = None,
+                 lora_gate: jax.Array | None = None) -> ModelOutput:
         """Forward pass.
 
         Args:
@@ -240,16 +261,21 @@ class Transformer(nnx.Module):
             slots; default the configured attention mode over `positions` (needs no cache).
           k_cache, v_cache: [L, B, P, Hkv, Dh] prefix keys/values (post-RoPE), or None.
           logit_rows: [B, R] rows of the window whose logits are wanted; default all rows.
+          lora_gate: [B, T] float32 per-row weight of the LoRA adapters (`attach_lora`): 1.0 on
+            [MASK] rows (base + adapters), 0.0 on clean rows (base weights only, bit for bit).
+            None, or a model without adapters: the base model, the same ops as without it.
 
         Returns:
           ModelOutput(logits [B, R or T, V] float32, k, v [L, B, T, Hkv, Dh]).
         """
         x, cos, sin, mask = self.layer_inputs(tokens, positions, mask, k_cache, v_cache)
+        if lora_gate is not None and tuple(lora_gate.shape) != tuple(tokens.shape):
+            raise ValueError(f"lora_gate has shape {tuple(lora_gate.shape)}, expected the tokens' {tuple(tokens.shape)}")
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             kc = None if k_cache is None else k_cache[i]
             vc = None if v_cache is None else v_cache[i]
-            x, k, v = layer(x, cos, sin, mask, kc, vc)
+            x, k, v = layer(x, cos, sin, mask, kc, vc, lora_gate)
             ks.append(k)
             vs.append(v)
         return ModelOutput(self.output(x, logit_rows), jnp.stack(ks), jnp.stack(vs))

@@ -85,7 +85,14 @@ class StepInputBuilder:
         return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read, probes=is_probe,
                         hide=hide, write=write, logit_rows=logit_rows,
                         want=OutputRequest(kv=False, logits=want.logits), geometry=geometry,
-                        read_len=self._lengths(plan))
+                        read_len=self._lengths(plan), lora_gate=self._gate(tokens, state))
+
+    def _gate(self, tokens: np.ndarray, state: DecodeState) -> np.ndarray | None:
+        """`lora_gate` for an executor that takes one: 1.0 on the rows fed the mask (R-ISD's
+        proposal rows, and padding), 0.0 on rows fed a token (base weights only)."""
+        if "lora_gate" not in self.capabilities.inputs:
+            return None
+        return (tokens == state.mask_id).astype(np.float32)
 
     @staticmethod
     def _lengths(plan: StepPlan) -> np.ndarray | None:
@@ -110,7 +117,7 @@ class StepInputBuilder:
         return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read,
                         probes=np.zeros(key.window, bool), hide=np.full(key.window, -1, np.int32), write=write,
                         logit_rows=logit_rows, want=OutputRequest(kv=False, logits=want.logits),
-                        read_len=self._lengths(plan))
+                        read_len=self._lengths(plan), lora_gate=self._gate(tokens, state))
 
     @staticmethod
     def _window_rows(plan: StepPlan, slots: np.ndarray) -> np.ndarray:

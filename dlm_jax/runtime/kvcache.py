@@ -78,6 +78,7 @@ class SlotStep:
     written_only: bool = False
     geometry: int | None = None
     read_len: np.ndarray | None = None
+    lora_gate: np.ndarray | None = None  # [B, W] float32 (`StepInputs.lora_gate`), for a gated executor
 
     def lengths(self) -> np.ndarray:
         """[B] int32 `read_len`, all of `read` where it is None."""
@@ -89,7 +90,7 @@ class SlotStep:
         """The per-step arrays a device receives, by name."""
         return {"tokens": self.tokens, "positions": self.positions, "q_valid": self.q_valid, "read": self.read,
                 "read_len": self.lengths(), "probes": self.probes, "hide": self.hide, "write": self.write,
-                "logit_rows": self.logit_rows}
+                "logit_rows": self.logit_rows, **({} if self.lora_gate is None else {"lora_gate": self.lora_gate})}
 
     @property
     def nbytes(self) -> int:
@@ -211,7 +212,7 @@ class HostKVCache(KVCache):
         k_cache, v_cache = self.store.gather(np.maximum(read[:n], 0), req.key.cache)
         return StepInputs(tokens=req.tokens, positions=req.positions, visibility=self._visibility(req),
                           k_cache=k_cache, v_cache=v_cache, logit_rows=req.logit_rows,
-                          want=OutputRequest(kv=kv, logits=req.want.logits))
+                          want=OutputRequest(kv=kv, logits=req.want.logits), lora_gate=req.lora_gate)
 
     def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
         writes = req.write >= 0

@@ -137,7 +137,9 @@ class Refresher(CpuPath):
                         q_valid=pad_axis(np.ones((b, rows), bool), key.window, axis=1, value=False), read=read,
                         probes=probes, hide=hide, write=np.full((b, key.window), -1, np.int32),
                         logit_rows=np.ascontiguousarray(logit_rows),
-                        want=OutputRequest(kv=True, logits=False), written_only=True)
+                        want=OutputRequest(kv=True, logits=False), written_only=True,
+                        lora_gate=None if "lora_gate" not in self.capabilities.inputs else
+                        pad_axis((tokens == state.mask_id).astype(np.float32), key.window, axis=1, value=1.0))
 
     def merge(self, state: DecodeState, cache: KVCache) -> None:
         """Apply the pending refresh (the step boundary). Slots whose token or state changed

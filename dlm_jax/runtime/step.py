@@ -93,11 +93,18 @@ def signature_name(key: BucketKey) -> str:
     return name + ("_full" if key.full_logits else "")
 
 
-def signature_inputs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[int, ...], str]]:
+def signature_inputs(config: ModelConfig, key: BucketKey, *, gated: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
     """The inputs an exported signature takes: `input_specs` less the cache inputs of a
     cache-less bucket (P == 0 makes them zero-size tensors, which LiteRT buffers cannot hold;
-    the program ignores them)."""
-    return [s for s in input_specs(config, key) if not (key.cache == 0 and s[0] in ("k_cache", "v_cache"))]
+    the program ignores them); with `gated` (a model with LoRA adapters), `lora_gate` [B, W]
+    float32 last."""
+    taken = [s for s in input_specs(config, key) if not (key.cache == 0 and s[0] in ("k_cache", "v_cache"))]
+    return taken + ([LORA_GATE_SPEC(key)] if gated else [])
+
+
+def LORA_GATE_SPEC(key: BucketKey) -> tuple[str, tuple[int, ...], str]:  # noqa: N802 (a spec, like INPUTS)
+    """`lora_gate`'s (name, shape, dtype) in bucket `key`: 1.0 on the rows whose adapters apply."""
+    return ("lora_gate", (key.batch, key.window), "float32")
 
 
 def output_names(key: BucketKey) -> tuple[str, ...]:
@@ -127,6 +134,9 @@ class StepInputs:
     v_cache: np.ndarray  # [L, B, P, Hkv, Dh]
     logit_rows: np.ndarray  # [B, R] int32
     want: OutputRequest = OutputRequest()
+    # [B, W] float32, 1.0 on [MASK] rows: the rows whose LoRA adapters apply (R-ISD), for an
+    # executor over a model with adapters (`Capabilities.inputs`); None otherwise.
+    lora_gate: np.ndarray | None = None
 
     @property
     def key(self) -> BucketKey:
@@ -170,6 +180,7 @@ class Capabilities:
     keys: frozenset[BucketKey] | None = None
     outputs: frozenset[str] = frozenset({"kv", "logits"})
     missing_hint: str = ""  # appended to the error for a step no bucket holds (how to get one)
+    inputs: frozenset[str] = frozenset()  # optional step inputs it takes: "lora_gate" (a model with adapters)
 
     @classmethod
     def for_length(cls, max_len: int, *, batches: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> Capabilities:

@@ -348,3 +348,118 @@ def test_isd_mistakes_are_one_line_errors(model, argv, message, capsys):
     assert main(["generate", "--model", str(ROOT / "models" / model), "--prompt", "1+1=", "--gen", "8", *argv]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith(message), err
+
+
+def test_a_bundle_exported_for_isd_decodes_as_the_jax_executor(idlm, tmp_path):
+    """`export --preset isd` writes the ISD buckets and records the decoder; the LiteRT runner
+    (no JAX) then decodes the bundle's default exactly as the JAX executor does."""
+    from dlm_jax.runner import load_bundle
+    from tflite_export.bundle import buckets_for_prompts, export_bundle
+
+    cfg = preset("isd", stride=3, gen_len=16)
+    keys = buckets_for_prompts(idlm.config, cfg, max_prompt=12, batches=(4,))
+    assert {k.window for k in keys if k.cache} == {8}  # verify (5 rows) and cold-start (3) steps
+    export_bundle(IDLM, tmp_path / "b", keys=keys, decode=cfg, latency_repeats=1, plan=False)
+    bundle = load_bundle(tmp_path / "b")
+    prompts = [idlm.encode(p, chat=False) for p in ("564+894=", "sort: 3 1 2", "66+76=")]
+    assert bundle.decode_defaults == cfg
+    got = bundle.generate(prompts, bundle.decode_defaults)
+    want = idlm.generate(prompts, cfg)
+    assert got.token_ids == want.token_ids and got.stats.speculation == want.stats.speculation
+
+
+# --------------------------------------------------------------------------- R-ISD
+
+
+def _kept_cache(decoder, prompts, cfg):
+    """Decode with the executor's programs fed densely from a host cache, and return the
+    outputs and that cache's K/V."""
+    from dlm_jax.runtime.kvcache import HostKVCache
+
+    caches = []
+
+    def open_(config, positions, valid):
+        caches.append(HostKVCache(decoder.executor, config, positions, valid))
+        return caches[-1]
+
+    decoder.executor.open = open_
+    out = decoder.decode(prompts, cfg)
+    return out, caches[-1].store
+
+
+def test_gated_lora_isd_is_the_frozen_base_models_greedy_decoding(idlm):
+    """R-ISD: adapters on mask rows only change the drafts, never the output. With random
+    (large) adapters, ISD's tokens are the frozen base's greedy left-to-right tokens, and the
+    K/V the cache keeps equal the base's (to float rounding: the steps are other programs)."""
+    from dlm_jax.models._lora import LoraSpec, attach_lora, lora_params, set_lora_params
+    from dlm_jax.program import JaxExecutor
+
+    base = dlm_jax.load(IDLM, executor="jax").model
+    adapted = attach_lora(dlm_jax.load(IDLM, executor="jax").model, LoraSpec(rank=4, alpha=8))
+    rng = np.random.default_rng(0)
+    set_lora_params(adapted, {k: rng.normal(0, 0.3, v.shape).astype(np.float32)
+                              for k, v in lora_params(adapted).items()})
+    prompts = _prompts(idlm)
+    ar, ar_kv = _kept_cache(Decoder(JaxExecutor(base), base.config), prompts, preset("ar", gen_len=32))
+    gated = Decoder(JaxExecutor(adapted), adapted.config)
+    assert "lora_gate" in gated.capabilities.inputs
+    risd, risd_kv = _kept_cache(gated, prompts, preset("isd", stride=4, gen_len=32))
+    plain = idlm.decoder.decode(prompts, preset("isd", stride=4, gen_len=32))
+    assert _same(risd.sequences, ar.sequences)
+    assert risd.stats.speculation != plain.stats.speculation  # the adapters did change the drafts
+    eos = idlm.config.eos_ids[0]
+    p_max = max(len(p) for p in prompts)
+    for b, (prompt, seq) in enumerate(zip(prompts, ar.sequences)):
+        emitted = int(np.argmax(seq == eos)) + 1 if (seq == eos).any() else len(seq)
+        kept = np.arange(p_max - len(prompt), p_max + emitted - 1)
+        np.testing.assert_allclose(risd_kv.k[:, b, kept], ar_kv.k[:, b, kept], atol=1e-6, rtol=1e-6)
+        np.testing.assert_allclose(risd_kv.v[:, b, kept], ar_kv.v[:, b, kept], atol=1e-6, rtol=1e-6)
+
+
+def test_adapters_for_another_base_are_refused_naming_the_file(tmp_path):
+    from dlm_jax.testing import tiny_checkpoint
+
+    other = tiny_checkpoint(tmp_path / "other", attention="causal", logit_shift=True, block_size=4)
+    with pytest.raises(ConfigError, match=r"risd/adapter_config.json: adapters made for another base model"):
+        dlm_jax.load(other, lora=IDLM / "risd")
+    with pytest.raises(ConfigError, match="the litert executor .the bundle cache. does not carry adapters yet"):
+        dlm_jax.load(IDLM, lora=IDLM / "risd", executor="litert")
+
+
+@pytest.mark.slow
+def test_a_bundle_with_adapters_takes_a_lora_gate_and_decodes_as_the_jax_executor(tmp_path):
+    """`export --lora` bakes the adapters in and every signature takes `lora_gate`; the runner
+    feeds it and decodes as the JAX executor over the same adapters."""
+    from dlm_jax.models._lora import LoraSpec, attach_lora, lora_params, set_lora_params
+    from dlm_jax.checkpoint._adapters import save_adapters
+    from dlm_jax.runner import load_bundle
+    from tflite_export.bundle import buckets_for_prompts, export_bundle
+
+    adapted = attach_lora(dlm_jax.load(IDLM, executor="jax").model, LoraSpec(rank=4, alpha=8))
+    rng = np.random.default_rng(1)
+    set_lora_params(adapted, {k: rng.normal(0, 0.3, v.shape).astype(np.float32) for k, v in lora_params(adapted).items()})
+    save_adapters(adapted, tmp_path / "lora", base=IDLM)
+    jax_model = dlm_jax.load(IDLM, lora=tmp_path / "lora")
+    cfg = preset("isd", stride=3, gen_len=16)
+    keys = buckets_for_prompts(jax_model.config, cfg, max_prompt=12, batches=(4,))
+    export_bundle(IDLM, tmp_path / "b", keys=keys, decode=cfg, latency_repeats=1, plan=False, lora=tmp_path / "lora")
+    bundle = load_bundle(tmp_path / "b")
+    assert bundle.bundle.gated and "lora_gate" in bundle.decoder.capabilities.inputs
+    prompts = [jax_model.encode(p, chat=False) for p in ("564+894=", "sort: 3 1 2", "66+76=")]
+    got, want = bundle.generate(prompts, cfg), jax_model.generate(prompts, cfg)
+    assert got.token_ids == want.token_ids and got.stats.speculation == want.stats.speculation
+    plain = dlm_jax.load(IDLM, executor="jax").generate(prompts, cfg)
+    assert got.token_ids == plain.token_ids  # lossless: the adapters only move the drafts
+
+
+def test_lora_asked_of_a_bundle_without_adapters_is_named(idlm, tmp_path, capsys):
+    from dlm_jax.cli import main
+    from tflite_export.bundle import buckets_for_prompts, export_bundle
+
+    cfg = preset("isd", stride=2, gen_len=8)
+    export_bundle(IDLM, tmp_path / "b", keys=buckets_for_prompts(idlm.config, cfg, max_prompt=8), decode=cfg,
+                  latency_repeats=1, plan=False)
+    assert main(["run", str(tmp_path / "b"), "--prompt", "1+1=", "--raw", "--lora", str(IDLM / "risd")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --lora {IDLM / 'risd'}: the bundle {tmp_path / 'b'} has no adapters (its signatures "
+                   f"take no lora_gate input); export it with --lora {IDLM / 'risd'}"]
