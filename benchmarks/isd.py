@@ -13,8 +13,10 @@ tokens are identical (T = 0), forwards per answer and wall clock on the JAX exec
 LiteRT (the bundle cache); the relaxed-acceptance sweep (relax 0 / 0.1 / 0.2 / 0.5 / 1 at
 T = 1, stride 4); and the phone cost of each row from the phone cost model
 (`dlm_jax.runtime.latency.PhoneCostModel`: every ISD step is one bucket of 2N-1 rows, a cold
-start N). Writes <out>.json, <out>.md and <out>.png, and reports the targets as measured in
-this one run.
+start N); single-request latency (batch 1) per stride; R-ISD: TPF of stride 4 with and
+without each model's gated LoRA adapters (`--lora MODEL:ADAPTERS`) and whether its tokens stay
+the base's left-to-right tokens. Writes <out>.json, <out>.md and <out>.png, and reports the
+targets as measured in this one run.
 """
 
 from __future__ import annotations
@@ -156,6 +158,28 @@ def run(model: str, n: int, tasks: list[str], executors: list[str], latency_n: i
     return rows, single
 
 
+def risd(pairs: list[tuple[str, str]], tasks: list[str], n: int) -> list[dict]:
+    """R-ISD: each base model decoded left to right, with ISD (stride 4, T = 0) and with ISD
+    over its gated LoRA adapters (JAX executor): TPF with and without the adapters, and whether
+    the tokens stay the base's left-to-right tokens."""
+    examples = _examples(tasks, n)
+    cost = PhoneCostModel.npu()
+    out = []
+    for model, adapters in pairs:
+        base = dlm_jax.load(model, executor="jax")
+        ref = decode_all(base, examples, dlm_jax.preset("ar", gen_len=64))
+        out.append(row(f"{model}: left to right", "jax", "T=0", 1, ref, None, cost))
+        plain = decode_all(base, examples, dlm_jax.preset("isd", stride=4, gen_len=64))
+        out.append(row(f"{model}: isd stride 4", "jax", "T=0", 4, plain, ref, cost))
+        gated = decode_all(dlm_jax.load(model, lora=adapters), examples, dlm_jax.preset("isd", stride=4, gen_len=64))
+        out.append(row(f"{model}: isd stride 4 + {adapters}", "jax", "T=0", 4, gated, ref, cost))
+        for r in out[-3:]:
+            r["model"], r["adapters"] = model, adapters if r["setting"].endswith(adapters) else None
+            print(json.dumps({k: r[k] for k in ("setting", "tpf", "mean_accuracy")}
+                             | {"identical": r.get("identical_to_left_to_right")}), file=sys.stderr)
+    return out
+
+
 def targets(rows: list[dict], single: list[dict]) -> dict:
     """The issue's targets, as measured here."""
     greedy = [r for r in rows if r["sampling"] == "T=0" and r["stride"] > 1]
@@ -237,14 +261,25 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["addition", "sorting", "gsm_lite"])
     parser.add_argument("--executors", nargs="+", default=["jax", "litert"])
     parser.add_argument("--latency-n", type=int, default=30, help="prompts per task decoded one at a time")
+    parser.add_argument("--lora", nargs="*", default=["models/idlm-tiny:models/idlm-tiny/risd",
+                                                      "models/ar-tiny:models/ar-tiny/risd"],
+                        help="MODEL:ADAPTERS pairs for the R-ISD rows (pairs whose adapters are missing are skipped)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/isd"))
     args = parser.parse_args()
     meta = {"model": args.model, "n": args.n, "machine": machine()}
     rows, single = run(args.model, args.n, args.tasks, args.executors, args.latency_n)
-    report = {"meta": meta, "targets": targets(rows, single), "rows": rows, "single_request": single}
+    pairs = [tuple(p.split(":", 1)) for p in args.lora if Path(p.split(":", 1)[1]).is_dir()]
+    lora_rows = risd(pairs, args.tasks, args.n)
+    report = {"meta": meta, "targets": targets(rows, single), "rows": rows, "single_request": single,
+              "risd": lora_rows}
+    report["targets"]["risd_identical_to_base_left_to_right"] = {
+        r["setting"]: r["identical_to_left_to_right"] for r in lora_rows if r.get("adapters")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(rows, args.tasks, meta, single))
+    args.out.with_suffix(".md").write_text(markdown(rows, args.tasks, meta, single)
+                                           + ("\nR-ISD (gated LoRA adapters on the mask rows; base anchors), JAX, T = 0, "
+                                              "stride 4:\n\n" + "\n".join(markdown(lora_rows, args.tasks, meta, [])
+                                                                        .splitlines()[2:]) + "\n" if lora_rows else ""))
     plot(rows, args.out.with_suffix(".png"))
     print(json.dumps(report["targets"], indent=2))
 

@@ -9,7 +9,9 @@ bundle on a device.
     step       the step contract (tensor specs, StepInputs / StepOutputs), Executor, Capabilities
     inputs     StepInputBuilder (plans -> SlotSteps padded to a bucket)
     proposer   Proposer (greedy / Gumbel sampling, confidence kinds, random order, deferred EOS)
-    commit     commit rules (top-k schedule, threshold, factor, Frechet) and their unit life
+    commit     commit rules (top-k schedule, threshold, factor, Frechet, none) and their unit life
+    isd        Strided (I-DLM's introspective strided decoding), LeftToRight, Acceptance (its rule),
+               renewal_tpf
     revision   RevisionPolicy protocol, NoRevision
     config     DecodeConfig (the strategy objects of one decode)
     registry   names -> strategies, presets, flat options, CLI flags
@@ -52,6 +54,11 @@ _EXPORTS = {
     "TopKSchedule": "dlm_jax.runtime.commit",
     "confidence_scores": "dlm_jax.runtime.proposer",
     "num_transfer_tokens": "dlm_jax.runtime.commit",
+    "NoCommit": "dlm_jax.runtime.commit",
+    "Strided": "dlm_jax.runtime.isd",
+    "LeftToRight": "dlm_jax.runtime.isd",
+    "Acceptance": "dlm_jax.runtime.isd",
+    "renewal_tpf": "dlm_jax.runtime.isd",
     "NoRevision": "dlm_jax.runtime.revision",
     "RevisionPolicy": "dlm_jax.runtime.revision",
     "DecodeConfig": "dlm_jax.runtime.config",

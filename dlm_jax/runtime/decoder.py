@@ -4,6 +4,8 @@ revision -> state, until the scheduler has nothing left to plan.
 Every strategy hook is declared, with a default, by its base class (`Scheduler`,
 `RevisionPolicy`, `PlacementPolicy`, `Executor`) and called here directly, in this order:
 
+  checks             scheduler.validate (the model and the other strategies), scheduler.overhang
+                     (slots past the generation its windows reach), scheduler.wants_logits
   before the decode  scheduler.start; revision.cpu_path (executor.fork, once per decoder);
                      executor.open (the decode's KVCache); placement.begin
   each step          scheduler.plan -> revision.probe -> [commit rule.begin at a unit's first
@@ -12,13 +14,16 @@ Every strategy hook is declared, with a default, by its base class (`Scheduler`,
                      scheduler.settle -> revision.commit -> revision.after_step ->
                      revision.after_probes (if the plan had probes) -> cpu_path.merge ->
                      placement.after_step -> rule.finished -> scheduler.advance
-  after the decode   cpu_path.close; cache.close; placement.end
+  after the decode   cpu_path.close; cache.close; placement.end; scheduler.report (DecodeStats.speculation)
 Warm-up (`warmup`) calls executor.prepare and executor.warmup (and the fork's warmup for a CPU
 path's buckets) with the buckets of scheduler.plan_shapes, revision.plan_shapes and
 revision.cpu_shapes; `DecodeStats` counts what the executors compiled or exported during the
 decode (`executor.build_counts`), which is zero after a warm-up.
 
-The loop names no cache mode and no rule, and holds no tensors. Each step the scheduler plans
+The loop names no cache mode and no rule, and holds no tensors. A plan may place each batch
+row's window at its own slot and give each row its own cache length (`StepPlan.offset`,
+`cache_len`): requests then advance at their own pace (ISD, left to right), and a schedule
+that verifies its own drafts commits in `settle` (with the `none` rule). Each step the scheduler plans
 the slots to compute, read and predict; the request builder pads them, as indices, to a
 bucket the executor can run; the executor's cache reads the slots, runs the step, stores the
 window's K/V where the plan says, and returns predictions; the
