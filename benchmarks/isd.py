@@ -238,14 +238,16 @@ def plot(rows: list[dict], path: Path) -> None:
         if not sel:
             continue
         n = [r["stride"] for r in sel]
-        ax1.plot(n, [r["tpf"] for r in sel], marker=marker, label=f"measured TPF, {sampling}")
-        ax1.plot(n, [r["renewal_tpf"] for r in sel], marker=marker, linestyle="--", alpha=0.6,
-                 label=f"renewal formula at measured alpha, {sampling}")
+        line = ax1.plot(n, [r["tpf"] for r in sel], marker=marker, label=f"TPF (tokens kept), {sampling}")[0]
+        ax1.plot(n, [r["mechanics_tpf"] for r in sel], marker=marker, linestyle=":", color=line.get_color(),
+                 label=f"TPF of the acceptance mechanics (EOS-cut tokens counted), {sampling}")
+        ax1.plot(n, [r["renewal_tpf"] for r in sel], linestyle="--", alpha=0.5, color="black",
+                 label="renewal formula at the measured alpha_i" if marker == "o" else None)
         ax2.plot(n, [100 * r["mean_accuracy"] for r in sel], marker=marker, label=sampling)
     ax1.plot([1, 5], [1, 5], color="grey", linewidth=0.8, label="TPF = N")
     ax1.set_xlabel("stride N")
     ax1.set_ylabel("tokens per forward")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=6, loc="lower right")
     ax2.set_xlabel("stride N (1 = left to right)")
     ax2.set_ylabel("mean accuracy (%)")
     ax2.legend(fontsize=8)
