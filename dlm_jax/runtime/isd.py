@@ -51,6 +51,7 @@ import numpy as np
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.proposer import Proposal, Proposer, sampling_probs
+from dlm_jax.runtime.revision import NoRevision
 from dlm_jax.runtime.scheduler import Cursor, PlanShape, Scheduler, StepPlan
 from dlm_jax.runtime.state import DecodeState, RequestStatus
 
@@ -221,7 +222,7 @@ class _Strided(Scheduler):
             raise ConfigError(f"stride {n} needs a model trained with noisy blocks of {n - 1} masks; this model "
                               f"was trained with {model.block_size} (block_size), so strides up to "
                               f"{model.block_size + 1}")
-        if type(config.revision).__name__ != "NoRevision":
+        if not isinstance(config.revision, NoRevision):
             raise ConfigError(f"cache={self.name!r} revises nothing: it takes revision='none'")
 
     def start(self, state: DecodeState) -> StridedCursor:

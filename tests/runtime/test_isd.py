@@ -477,3 +477,14 @@ def test_shipped_risd_adapters_raise_the_tpf_of_an_autoregressive_base_losslessl
     risd = adapted.decoder.decode(prompts, preset("isd", stride=4, gen_len=32))
     assert _same(plain.sequences, ar.sequences) and _same(risd.sequences, ar.sequences)
     assert risd.stats.tpf > plain.stats.tpf + 0.15, (risd.stats.tpf, plain.stats.tpf)
+
+
+def test_iar_is_min_one_p_over_q_of_the_verified_drafts():
+    """IAR (SPECS 2.2) over ISD's verified drafts, from the T = 1 distributions of the anchor
+    (p) and of the row that proposed the draft (q). On the toy: t0 = argmax clean[1] = 2, the
+    draft is argmax mask[1, d=1] = 0 with q = 0.7, and the anchor fed 2 gives p(0) = 0.4."""
+    decoder, _ = _toy()
+    out = decoder.decode([[1]], decode_config(cache="isd", stride=2, gen_len=2, iar=True))
+    assert out.sequences[0].tolist()[0] == 2
+    assert out.stats.iar == pytest.approx(0.4 / 0.7, abs=1e-4)
+    assert decoder.decode([[1]], decode_config(cache="isd", stride=2, gen_len=2)).stats.iar is None
