@@ -20,7 +20,7 @@ import numpy as np
 
 from dlm_jax._config import ModelConfig
 from dlm_jax.runtime.buckets import BucketKey, pad_axis
-from dlm_jax.runtime.kvcache import SlotStep
+from dlm_jax.runtime.kvcache import SlotStep, mask_rows_gate
 from dlm_jax.runtime.scheduler import StepPlan
 from dlm_jax.runtime.state import DecodeState
 from dlm_jax.runtime.step import Capabilities, OutputRequest
@@ -76,23 +76,24 @@ class StepInputBuilder:
         if self._static is None or self._static[0] != static_key:
             self._static = (static_key, self._static_inputs(plan, state, key), next(_GEOMETRY))
         (positions, q_valid, read, is_probe, hide, logit_rows), geometry = self._static[1], self._static[2]
-        write = self._no_write(state.batch, key.window)
-        if plan.store is not None and len(plan.store):
-            write = write.copy()
-            write[:, plan.store] = plan.window[plan.store]
-            if plan.store_rows is not None:
-                write[:, plan.store] = np.where(plan.store_rows, write[:, plan.store], -1)
         return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read, probes=is_probe,
-                        hide=hide, write=write, logit_rows=logit_rows,
+                        hide=hide, write=self._write(plan, state, key, plan.window), logit_rows=logit_rows,
                         want=OutputRequest(kv=False, logits=want.logits), geometry=geometry,
                         read_len=self._lengths(plan), lora_gate=self._gate(tokens, state))
 
+    def _write(self, plan: StepPlan, state: DecodeState, key: BucketKey, window: np.ndarray) -> np.ndarray:
+        """[B, W] the slot each stored window row's K/V go to (`plan.store`, `plan.store_rows`),
+        -1 elsewhere; `window` is the window's slots, [w] shared or [B, w] per batch row."""
+        if plan.store is None or not len(plan.store):
+            return self._no_write(state.batch, key.window)
+        write = self._no_write(state.batch, key.window).copy()
+        stored = np.broadcast_to(window[..., plan.store], (state.batch, len(plan.store)))
+        write[:, plan.store] = stored if plan.store_rows is None else np.where(plan.store_rows, stored, -1)
+        return write
+
     def _gate(self, tokens: np.ndarray, state: DecodeState) -> np.ndarray | None:
-        """`lora_gate` for an executor that takes one: 1.0 on the rows fed the mask (R-ISD's
-        proposal rows, and padding), 0.0 on rows fed a token (base weights only)."""
-        if "lora_gate" not in self.capabilities.inputs:
-            return None
-        return (tokens == state.mask_id).astype(np.float32)
+        """`lora_gate` for an executor that takes one (`mask_rows_gate`)."""
+        return mask_rows_gate(tokens, state.mask_id) if "lora_gate" in self.capabilities.inputs else None
 
     @staticmethod
     def _lengths(plan: StepPlan) -> np.ndarray | None:
@@ -108,14 +109,11 @@ class StepInputBuilder:
         positions = pad_axis(np.take_along_axis(state.positions, slots, axis=1), key.window, axis=1).astype(np.int32)
         q_valid = pad_axis(np.take_along_axis(state.valid, slots, axis=1), key.window, axis=1, value=False)
         read = pad_axis(plan.cached.astype(np.int32), key.cache, axis=0, value=-1)
-        write = np.full((state.batch, key.window), -1, np.int32)
-        if plan.store is not None and len(plan.store):
-            stored = slots[:, plan.store]
-            write[:, plan.store] = stored if plan.store_rows is None else np.where(plan.store_rows, stored, -1)
         rows = pad_axis(plan.rows, key.rows, axis=0)
         logit_rows = np.ascontiguousarray(np.broadcast_to(rows, (state.batch, key.rows)).astype(np.int32))
         return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read,
-                        probes=np.zeros(key.window, bool), hide=np.full(key.window, -1, np.int32), write=write,
+                        probes=np.zeros(key.window, bool), hide=np.full(key.window, -1, np.int32),
+                        write=self._write(plan, state, key, slots),
                         logit_rows=logit_rows, want=OutputRequest(kv=False, logits=want.logits),
                         read_len=self._lengths(plan), lora_gate=self._gate(tokens, state))
 

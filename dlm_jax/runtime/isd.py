@@ -61,10 +61,9 @@ _NONE = np.zeros(0, np.int64)
 _NONE.flags.writeable = False
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.asarray(logits, np.float64)
-    z = np.exp(z - z.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
+def _t1(logits: np.ndarray) -> np.ndarray:
+    """The untempered, unfiltered distribution (softmax) of `logits` [..., V]."""
+    return sampling_probs(logits, 1.0)
 
 
 def _draw(rng: np.random.Generator, probs: np.ndarray) -> int:
@@ -148,7 +147,7 @@ class Acceptance:
             # correction (a draw from p conditioned on not being the draft).
             near = None
             if t == 0 and self.relax > 0:
-                p1 = _softmax(p_logits[:k])
+                p1 = _t1(p_logits[:k])
                 near = (1 + self.relax) * p1[np.arange(k), drafts] >= p1[np.arange(k), anchors[:k]]
             for i in range(k):
                 if drafts[i] != anchors[i] and (near is None or not near[i]):
@@ -333,8 +332,8 @@ class _Strided(Scheduler):
         if self.measure_iar and logits is not None and q_logits is not None:
             reached = min(j + 1, k)
             idx = np.arange(reached)
-            p1 = _softmax(logits[b, :reached])[idx, drafts[:reached]]
-            q1 = _softmax(q_logits[:reached])[idx, drafts[:reached]]
+            p1 = _t1(logits[b, :reached])[idx, drafts[:reached]]
+            q1 = _t1(q_logits[:reached])[idx, drafts[:reached]]
             counts["iar_sum"] += float(np.minimum(1.0, p1 / np.maximum(q1, 1e-300)).sum())
             counts["iar_count"] += reached
 

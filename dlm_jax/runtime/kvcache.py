@@ -97,6 +97,12 @@ class SlotStep:
         return sum(a.nbytes for a in self.arrays().values())
 
 
+def mask_rows_gate(tokens: np.ndarray, mask_id: int) -> np.ndarray:
+    """`SlotStep.lora_gate` of window `tokens` [B, W]: 1.0 on rows fed the mask (R-ISD's
+    proposal rows, and bucket padding), 0.0 on rows fed a token (base weights only)."""
+    return (tokens == mask_id).astype(np.float32)
+
+
 def slot_visibility(config: ModelConfig, req: SlotStep, positions: np.ndarray, valid: np.ndarray,
                     written: np.ndarray | None = None) -> np.ndarray:
     """[B, W, P+W] bool: what each row of `req` may attend to, from the decode's slot

@@ -26,7 +26,7 @@ import numpy as np
 from dlm_jax._config import ModelConfig
 from dlm_jax.runtime.buckets import pad_axis
 from dlm_jax.runtime.hooks import HookBase
-from dlm_jax.runtime.kvcache import KVCache, SlotStep
+from dlm_jax.runtime.kvcache import KVCache, SlotStep, mask_rows_gate
 from dlm_jax.runtime.scheduler import StepPlan
 from dlm_jax.runtime.state import DecodeState, TokenState
 from dlm_jax.runtime.step import Executor, OutputRequest, StepOutputs
@@ -131,15 +131,16 @@ class Refresher(CpuPath):
             probes[n:2 * n] = True
             hide[n:2 * n] = key.cache + np.arange(n)
         logit_rows = np.broadcast_to(pad_axis(np.arange(rows), key.rows, axis=0), (b, key.rows)).astype(np.int32)
-        return SlotStep(key=key, tokens=pad_axis(tokens.astype(np.int32), key.window, axis=1, value=state.mask_id),
+        tokens = pad_axis(tokens.astype(np.int32), key.window, axis=1, value=state.mask_id)
+        return SlotStep(key=key, tokens=tokens,
                         positions=pad_axis(np.tile(state.positions[:, slots], (1, copies)), key.window,
                                            axis=1).astype(np.int32),
                         q_valid=pad_axis(np.ones((b, rows), bool), key.window, axis=1, value=False), read=read,
                         probes=probes, hide=hide, write=np.full((b, key.window), -1, np.int32),
                         logit_rows=np.ascontiguousarray(logit_rows),
                         want=OutputRequest(kv=True, logits=False), written_only=True,
-                        lora_gate=None if "lora_gate" not in self.capabilities.inputs else
-                        pad_axis((tokens == state.mask_id).astype(np.float32), key.window, axis=1, value=1.0))
+                        lora_gate=mask_rows_gate(tokens, state.mask_id) if "lora_gate" in self.capabilities.inputs
+                        else None)
 
     def merge(self, state: DecodeState, cache: KVCache) -> None:
         """Apply the pending refresh (the step boundary). Slots whose token or state changed

@@ -278,10 +278,7 @@ class DecodeState:
         if not self.eos_ids or len(slots) == 0:
             return np.zeros(self.batch, bool)
         done = self.active & self.is_eos(self.tokens[:, slots]).all(axis=1)
-        after = int(np.max(slots)) + 1
-        self.tokens[done, after:] = self.eos_ids[0]
-        self.status[done, after:] = TokenState.STABLE
-        self.request[done] = RequestStatus.STOPPED
+        self.stop_after(done, np.full(self.batch, np.max(slots)))
         return done
 
     def is_eos(self, tokens: np.ndarray) -> np.ndarray:
