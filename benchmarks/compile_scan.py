@@ -103,7 +103,7 @@ class ScannedTransformer(nnx.Module):
 
         def body(x, xs):
             params, kc, vc = xs
-            x, k, v = nnx.merge(graphdef, params)(x, cos, sin, mask, kc, vc)
+            x, k, v, _ = nnx.merge(graphdef, params)(x, cos, sin, mask, kc, vc)
             return x, (k, v)
 
         x, (ks, vs) = jax.lax.scan(body, x, (stacked, k_cache, v_cache))

@@ -42,6 +42,9 @@ class ModelConfig:
       block_size: block length of `block_causal` attention.
       logit_shift: row i of the logits predicts position i + 1 (Dream, I-DLM, AR models).
       rope_theta: RoPE base; rotate-half convention, computed in float32.
+      partial_rotary_factor: share of each head's features RoPE rotates: the first
+        `rotary_dim = int(head_dim * partial_rotary_factor)` (rotate-half within them, the base's
+        exponents over `rotary_dim`); the rest pass through (LLaDA2.0: 0.5).
       norm_eps: RMSNorm epsilon.
       qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3).
       qkv_bias: biases on the q, k and v projections (Qwen2 / Dream).
@@ -74,6 +77,7 @@ class ModelConfig:
     block_size: int = 32
     logit_shift: bool = False
     rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
     norm_eps: float = 1e-6
     qk_norm: bool = False
     qkv_bias: bool = False
@@ -133,6 +137,10 @@ class ModelConfig:
                 f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ConfigError(
+                f"ModelConfig.partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and "
+                f"rotate an even number >= 2 of the head_dim={self.head_dim} features (got {self.rotary_dim})")
         if self.embedding_rows < self.vocab_size:
             raise ConfigError(
                 f"ModelConfig.embedding_rows={self.embedding_rows} must be >= vocab_size={self.vocab_size}")
@@ -176,6 +184,11 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.ffn == "moe" and layer not in self.dense_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading features of each head that RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

@@ -142,10 +142,23 @@ class Model:
         # `Executor.prefetch`): the stats count those compiles and the seconds waited for them.
         if self.decoder.executor.prepares_ahead:
             self.decoder.warmup([len(i) for i in ids], config)
+        config = self._calibrated(config, ids, seeds)
         out = self.decoder.decode(ids, config, seeds=seeds, on_block=callback)
         trimmed = [self._trim(s) for s in out.sequences]
         texts = [self.tokenizer.decode(t) for t in trimmed] if self.has_tokenizer else None
         return GenerateResult(texts, trimmed, out.stats)
+
+    def _calibrated(self, config: DecodeConfig, ids: list[list[int]], seeds) -> DecodeConfig:
+        """`config` with its expert placement calibrated where it asks for it (`--tau auto`,
+        `--experts static`): from a decode of these prompts with every expert resident, whose
+        routing gives the static sets and the solved tau (`runtime.experts.calibrate`)."""
+        from dlm_jax.runtime.experts import ExpertPolicy, calibrate, needs_calibration
+
+        if not needs_calibration(config.placement):
+            return config
+        probe = self.decoder.decode(ids, config.replace(placement=ExpertPolicy(experts="all")), seeds=seeds)
+        placement, _ = calibrate(config.placement, probe.stats.placement["trace"], self.config)
+        return config.replace(placement=placement)
 
     def _trim(self, seq: np.ndarray) -> list[int]:
         ids = [int(t) for t in seq]

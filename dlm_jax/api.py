@@ -57,11 +57,12 @@ def _check_executor(name: str) -> None:
 def auto_executor(config: ModelConfig) -> str:
     """The faster executor here: the LiteRT runner over the bundle cache on a CPU-only JAX
     for a float32 model (it decodes faster there: `benchmarks/results/peer.md`), the JAX
-    executor on an accelerator (GPU/TPU) or for another dtype."""
+    executor on an accelerator (GPU/TPU), for another dtype, and for an MoE model (expert
+    placement reads the step output `router_topk`, which bundles do not carry)."""
     import jax
 
     float32 = config.dtype == "float32" and config.param_dtype == "float32"
-    return "litert" if jax.default_backend() == "cpu" and float32 else "jax"
+    return "litert" if jax.default_backend() == "cpu" and float32 and config.ffn != "moe" else "jax"
 
 
 def resolve_executor(name: str | None, config: ModelConfig) -> str:

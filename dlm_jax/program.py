@@ -39,9 +39,11 @@ _PREDICTIONS = ("top_token", "top_prob", "second_prob", "entropy")
 
 
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
-                full_logits: bool, mask_id: int | None = None, lora_gate=None) -> dict[str, jax.Array]:
+                full_logits: bool, mask_id: int | None = None, lora_gate=None,
+                router_topk: bool = False) -> dict[str, jax.Array]:
     """One forward over the window; shapes as in `StepInputs`. Returns `{output name: array}`
-    for the names of `output_names` (logits only with `full_logits`). `lora_gate` [B, W]: the
+    for the names of `output_names` (logits only with `full_logits`, the MoE layers' routed
+    experts only with `router_topk`). `lora_gate` [B, W]: the
     rows whose LoRA adapters apply (a model with adapters; R-ISD).
 
     `mask_id` is never proposed: its logit is removed before the softmax, so a commit always
@@ -50,7 +52,8 @@ def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache
     has_cache = k_cache.shape[2] > 0  # static: P == 0 means no cache input is used
     out = model(tokens, positions=positions, mask=visibility,
                 k_cache=k_cache if has_cache else None, v_cache=v_cache if has_cache else None,
-                logit_rows=logit_rows, **({} if lora_gate is None else {"lora_gate": lora_gate}))
+                logit_rows=logit_rows, **({} if lora_gate is None else {"lora_gate": lora_gate}),
+                **({"router_topk": True} if router_topk else {}))
     logits = out.logits
     if mask_id is not None:  # a select, not a scatter: stays a TFLite builtin
         logits = jnp.where(jnp.arange(logits.shape[-1]) == mask_id, -jnp.inf, logits)
@@ -62,6 +65,8 @@ def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache
              "entropy": entropy, "k_new": out.k, "v_new": out.v}
     if full_logits:
         named["logits"] = logits
+    if router_topk:
+        named["router_topk"] = out.router_topk
     return named
 
 
@@ -234,6 +239,9 @@ class JaxExecutor(Executor):
         if self.gated:
             self._capabilities = dataclasses.replace(self._capabilities,
                                                      inputs=self._capabilities.inputs | {"lora_gate"})
+        if self.config.ffn == "moe":
+            self._capabilities = dataclasses.replace(self._capabilities,
+                                                     outputs=self._capabilities.outputs | {"router_topk"})
         self._graphdef, state = nnx.split(model)
         # Flattened once: the state pytree is not re-walked on every step.
         paths, self._treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -287,7 +295,8 @@ class JaxExecutor(Executor):
         def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, lora_gate=None):
             vis = device_visibility(cfg, positions, q_valid, k_pos, k_ok, probes, hide)
             return decode_step(graphdef, self._state(leaves), tokens, positions, vis, k, v, logit_rows,
-                               full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=lora_gate)
+                               full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=lora_gate,
+                               router_topk=key.router_topk)
 
         return view
 
@@ -353,7 +362,8 @@ class JaxExecutor(Executor):
             leaves = [leaf.T if t else leaf for leaf, t in zip(leaves, transposed)]
             gate = inputs[len(INPUT_NAMES)] if len(inputs) > len(INPUT_NAMES) else None
             return decode_step(graphdef, jax.tree.unflatten(treedef, leaves), *inputs[:len(INPUT_NAMES)],
-                               full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=gate)
+                               full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=gate,
+                               router_topk=key.router_topk)
 
         gate = (jax.ShapeDtypeStruct((key.batch, key.window), jnp.float32),) if self.gated else ()
         return program, (self._leaves, *abstract_inputs(cfg, key), *gate)

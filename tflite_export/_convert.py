@@ -50,7 +50,7 @@ def decode_signature(graphdef, state, config, key, *, gated: bool = False) -> Si
     from dlm_jax.program import decode_step
     from dlm_jax.runtime.step import input_specs, output_names, signature_inputs, signature_name
 
-    step = functools.partial(decode_step, graphdef, state, full_logits=key.full_logits,
+    step = functools.partial(decode_step, graphdef, state, full_logits=key.full_logits, router_topk=key.router_topk,
                              mask_id=config.mask_token_id)
     outputs = output_names(key)
     taken = signature_inputs(config, key, gated=gated)
@@ -120,6 +120,8 @@ def convert_signatures(signatures: Iterable[Signature | tuple], *, config=None,
     from litert_converter import converter_api_ext
     from litert_converter.mlir import ir, passmanager
 
+    from dlm_jax.models._transformer import litert_lowering
+
     sigs = [Signature(*s) for s in signatures]
     if not sigs:
         raise ValueError("no signatures to convert")
@@ -133,7 +135,8 @@ def convert_signatures(signatures: Iterable[Signature | tuple], *, config=None,
     with ctx, ir.Location.unknown():
         modules = []
         for sig in sigs:
-            module = ir.Module.parse(lower_to_stablehlo(sig.fn, sig.specs))
+            with litert_lowering():
+                module = ir.Module.parse(lower_to_stablehlo(sig.fn, sig.specs))
             func = _main_func(module)
             _check_arity(func, sig)
             converter_api_ext.run_convert_to_tfl_passes(module, passmanager.PassManager(), config)

@@ -45,6 +45,9 @@ class TrainConfig:
     # a random init, e.g. an autoregressive model adapted to diffusion (Dream, LLaDA 2.0). Its
     # parameter shapes must match [model]; attention and logit shift come from [model].
     init_from: str = ""
+    # With init_from: take only the parameters whose names and shapes match [model] (e.g. the
+    # attention and embeddings of a dense model for an MoE one), the rest as initialised.
+    init_partial: bool = False
     # masked_diffusion's clean-position term (training.objectives): with clean_loss_weight > 0,
     # corrupt_prob of the visible response tokens become random regular tokens and
     # clean_loss_weight x the mean cross-entropy of the true token at every visible response
@@ -59,6 +62,10 @@ class TrainConfig:
     # noisy blocks of N - 1 masks (instead of [model] block_size) so the model supports strides
     # <= N; the stages' steps add up to [train] steps. Empty: block_size masks throughout.
     stride_curriculum: tuple[tuple[int, int], ...] = ()
+    # MoE load balancing without an auxiliary loss (LLaDA2.0, DeepSeek-V3): after each step every
+    # routed expert's selection bias moves by this much towards balance, up when the expert took
+    # fewer than the mean number of tokens, down when more ([model] router_bias). 0: off.
+    expert_bias_rate: float = 0.0
 
     def objective_options(self) -> dict[str, float | None]:
         """The [train] keys passed on to the objective (training.objectives.get_objective);
@@ -89,6 +96,8 @@ class TrainConfig:
         if self.clean_loss_weight < 0 or not 0.0 <= self.corrupt_prob < 1.0:
             raise ConfigError(f"[train] clean_loss_weight={self.clean_loss_weight} must be >= 0 and "
                               f"corrupt_prob={self.corrupt_prob} in [0, 1)")
+        if not 0.0 <= self.expert_bias_rate < float("inf"):
+            raise ConfigError(f"[train] expert_bias_rate={self.expert_bias_rate} must be >= 0")
         if not 0.0 <= self.long_tail_prob <= 1.0:
             raise ConfigError(f"[train] long_tail_prob={self.long_tail_prob} must be in [0, 1]")
         if self.ce_alpha is not None and (isinstance(self.ce_alpha, bool) or not isinstance(self.ce_alpha, (int, float))
@@ -220,6 +229,9 @@ class RunConfig:
                               f"tokenizer's {ids} ids; set vocab_size >= {ids}")
         if t.seq_len > m.max_seq_len:
             raise ConfigError(f"{self.source}: [train] seq_len={t.seq_len} exceeds [model] max_seq_len={m.max_seq_len}")
+        if t.expert_bias_rate and not m.router_bias:
+            raise ConfigError(f"{self.source}: [train] expert_bias_rate balances the experts through their "
+                              f"selection bias; it needs [model] ffn = \"moe\" with router_bias = true")
         if t.stride_curriculum and t.objective != "introspective":
             raise ConfigError(f"{self.source}: [train] stride_curriculum is an option of the 'introspective' "
                               f"objective, not {t.objective!r}")

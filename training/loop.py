@@ -119,34 +119,77 @@ class StepShardings:
 
 def train_step(params: nnx.State, opt_state: optax.OptState, batch: Batch, rng: jax.Array,
                frozen: nnx.State | None = None, *, graphdef: nnx.GraphDef, objective: Objective,
-               tx: optax.GradientTransformation,
+               tx: optax.GradientTransformation, expert_bias_rate: float = 0.0,
                ) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array], jax.Array]:
     """One optimizer step of `objective` on `batch` ([B, T] arrays) with key `rng`. Returns the
     updated parameters and optimizer state, the objective's metrics plus `grad_norm` (before
     clipping), and whether the loss and every updated parameter are finite (a bool scalar).
     `frozen`: the rest of the model's state (an R-ISD run's base weights), an input of the step
-    that is neither differentiated nor updated."""
+    that is neither differentiated nor updated. `expert_bias_rate` > 0: the MoE layers' expert
+    biases are not trained by the optimizer but moved towards balanced loads (`balance_experts`)."""
 
     def loss_fn(p, batch, rng):
         model = nnx.merge(graphdef, p) if frozen is None else nnx.merge(graphdef, p, frozen)
-        return objective(model, batch, rng)
+        if not expert_bias_rate:
+            return objective(model, batch, rng)
+        recorder = _LoadRecorder(model)
+        loss, metrics = objective(recorder, batch, rng)
+        return loss, {**metrics, "expert_loads": recorder.loads}
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    new_params = optax.apply_updates(params, updates)
+    if expert_bias_rate:
+        loads = metrics.pop("expert_loads")
+        new_params = balance_experts(params, new_params, loads, expert_bias_rate)
+        metrics["expert_max_load"] = (loads.max(-1) / loads.mean(-1)).mean()
+    params = new_params
     finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
     return params, opt_state, {**metrics, "grad_norm": optax.tree.norm(grads)}, finite
 
 
+class _LoadRecorder:
+    """The model, each call also asked for its routing: `loads` [Lm, E] sums the tokens each
+    MoE layer's experts received over the calls."""
+
+    def __init__(self, model: Any):
+        self._model, self.loads = model, None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._model(*args, router_topk=True, **kwargs)
+        loads = jax.nn.one_hot(out.router_topk, self._model.config.n_experts, dtype=jnp.float32).sum((1, 2, 3))
+        self.loads = loads if self.loads is None else self.loads + loads
+        return out
+
+
+def balance_experts(old: nnx.State, new: nnx.State, loads: jax.Array, rate: float) -> nnx.State:
+    """`new` with each MoE layer's expert bias set to its value in `old` plus `rate` times
+    sign(mean load - load) per expert (LLaDA2.0 / DeepSeek-V3 auxiliary-loss-free balancing; the
+    bias only selects experts, so the optimizer's update of it, weight decay alone, is dropped).
+    `loads` [Lm, E] in layer order."""
+    old_flat = dict(nnx.to_flat_state(old))
+    biased = sorted((path for path in old_flat if path[-1] == "expert_bias"), key=lambda p: p[1])
+    flat = dict(nnx.to_flat_state(new))
+    for path, load in zip(biased, loads):
+        bias = old_flat[path]
+        flat[path] = bias.replace(bias[...] + rate * jnp.sign(load.mean() - load))
+    return nnx.from_flat_state(flat)
+
+
 def make_train_step(*, graphdef: nnx.GraphDef, objective: Objective, tx: optax.GradientTransformation,
-                    shardings: StepShardings, frozen: Any = None) -> Callable[..., Any]:
+                    shardings: StepShardings, frozen: Any = None, expert_bias_rate: float = 0.0,
+                    ) -> Callable[..., Any]:
     """`train_step` jitted with `shardings` as its in and out shardings, donating the parameters
     and optimizer state (arguments 0 and 1): the update is written over them, so the accelerator
     holds one copy of each, and the arrays passed in are deleted by the call. `frozen`: the
     shardings of a frozen state passed as a fifth argument (never donated)."""
     s = shardings
     extra = () if frozen is None else (frozen,)
-    return jax.jit(functools.partial(train_step, graphdef=graphdef, objective=objective, tx=tx),
+    return jax.jit(functools.partial(train_step, graphdef=graphdef, objective=objective, tx=tx,
+                                     expert_bias_rate=expert_bias_rate),
                    in_shardings=(s.params, s.opt_state, s.batch, s.replicated, *extra),
                    out_shardings=(s.params, s.opt_state, s.replicated, s.replicated),
                    donate_argnums=(0, 1))
@@ -300,14 +343,20 @@ def _savable(good: tuple) -> bool:
     return True
 
 
-def _initial_params(path: str, params: Any) -> Any:
+def _initial_params(path: str, params: Any, *, partial: bool = False) -> Any:
     """The weights of the HF-layout checkpoint at `path` ([train] init_from), in the tree and
-    dtypes of `params`."""
+    dtypes of `params`; `partial`: only those whose name and shape match, the rest of `params`
+    as initialised."""
     if not Path(path).is_dir():
         raise ConfigError(f"[train] init_from={path!r} is not a model directory")
     _, loaded = nnx.split(load_pretrained(path))
     want = {k: v.shape for k, v in nnx.to_flat_state(params)}
     got = {k: v.shape for k, v in nnx.to_flat_state(loaded)}
+    if partial:
+        source = dict(nnx.to_flat_state(loaded))
+        flat = [(k, source[k].replace(jnp.asarray(source[k][...], v.dtype)) if got.get(k) == want[k] else v)
+                for k, v in nnx.to_flat_state(params)]
+        return nnx.from_flat_state(flat)
     if want != got:
         diff = sorted(set(want.items()) ^ set(got.items()))[:4]
         raise ConfigError(f"[train] init_from={path!r}: its parameters do not fit [model] "
@@ -414,7 +463,7 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
     if frozen is not None:  # R-ISD: the base is init_from's weights, on every start and resume
         frozen = _initial_params(tc.init_from, frozen)
     elif tc.init_from and not resuming:  # a resumed run restores its own weights below
-        params = _initial_params(tc.init_from, params)
+        params = _initial_params(tc.init_from, params, partial=tc.init_partial)
     tx, schedule = make_optimizer(tc)
     shardings = StepShardings.for_mesh(mesh, tx, params)
     params = jax.device_put(params, shardings.params)
@@ -443,7 +492,8 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
         stride = tc.stride_at(step)
         if stride not in step_fns:
             step_fns[stride] = make_train_step(graphdef=graphdef, objective=objective_for(stride), tx=tx,
-                                               shardings=shardings, frozen=frozen_shardings)
+                                               shardings=shardings, frozen=frozen_shardings,
+                                               expert_bias_rate=tc.expert_bias_rate)
         return step_fns[stride](*args, *(() if frozen is None else (frozen,)))
 
     def save(good) -> None:

@@ -80,6 +80,8 @@ def _module_names(cfg: ModelConfig, family: str) -> dict[str, str]:
     for name, spec in param_shapes(cfg).items():
         if name.endswith("_proj.kernel"):  # attention and dense/shared FFN projections
             hf = scheme.sources(name, tuple(spec.shape))[0]
+            if "#" in hf:  # a row block of a fused tensor (LLaDA2.0's q/k/v): no module of its own
+                continue
             out[name] = hf[: -len(".weight")] if hf.endswith(".weight") else hf
     return out
 
@@ -94,6 +96,7 @@ def save_adapters(model: Transformer, path: str | os.PathLike, *, base: str | os
     Raises:
       ValueError: the model has no adapters.
       ConfigError: `base` is not the model's base (shape fields differ).
+        Or an adapted projection is a part of a fused checkpoint tensor (LLaDA2.0's q/k/v).
       CheckpointError: `path` exists and not `overwrite`.
     """
     spec = lora_spec(model)
@@ -109,6 +112,10 @@ def save_adapters(model: Transformer, path: str | os.PathLike, *, base: str | os
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path}: already exists (pass overwrite=True to replace it)")
     modules = _module_names(model.config, family.name)
+    fused = sorted({kernel_name(n) for n in lora_params(model)} - modules.keys())
+    if fused:
+        raise ConfigError(f"family {family.name!r} stores {fused[0]} as part of a fused projection, which PEFT "
+                          f"adapts as one module; adapters on it cannot be saved for this base")
     tensors = {}
     for name, value in lora_params(model).items():
         kind = name.rsplit(".", 1)[1]

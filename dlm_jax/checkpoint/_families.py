@@ -1,10 +1,11 @@
 """Checkpoint families: how each HF `config.json` maps onto `ModelConfig`, and back.
 
 A family fixes what its format cannot express: the attention mode and logit shift a model of
-that kind was trained with (LLaDA: bidirectional, no shift; Dream: bidirectional, shift;
-Qwen2/Qwen3/Llama/MoE bases: causal, shift), and whether q/k carry norms or biases. Loading
-may override those (`load_pretrained(path, attention=...)`); saving into a family whose
-format cannot hold the model's settings fails with the field named (`dlm_jax` holds all).
+that kind was trained with (LLaDA: bidirectional, no shift; LLaDA2.0: block-causal, no shift;
+Dream: bidirectional, shift; Qwen2/Qwen3/Llama/MoE bases: causal, shift), and whether q/k
+carry norms or biases. Loading may override those (`load_pretrained(path, attention=...)`);
+saving into a family whose format cannot hold the model's settings fails with the field named
+(`dlm_jax` holds all).
 
 Config parsing follows transformers: keys this code does not use are ignored with one
 `UserWarning` per load that lists them and the file (`strict=True` refuses them instead). Keys
@@ -27,7 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from dlm_jax._config import ConfigError, ModelConfig
-from dlm_jax.checkpoint._names import HF_SCHEME, LLADA_SCHEME, NameScheme
+from dlm_jax.checkpoint._names import HF_SCHEME, LLADA2_SCHEME, LLADA_SCHEME, NameScheme
 
 FORMAT_VERSION = 1
 _UNSET = object()
@@ -233,6 +234,18 @@ def _parse_dots1(r: _Reader) -> dict[str, Any]:
                 dense_layers=tuple(range(r.get("first_k_dense_replace", 0) or 0)))
 
 
+def _ids_and_dtype(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF keys of the special token ids and the parameter dtype; `mask_token_id` and the
+    `block_size` extension only where they are set."""
+    out = {"bos_token_id": cfg.bos_token_id, "eos_token_id": _eos_json(cfg.eos_token_id),
+           "pad_token_id": cfg.pad_token_id, "dtype": cfg.param_dtype}
+    if cfg.mask_token_id is not None:
+        out["mask_token_id"] = cfg.mask_token_id
+    if cfg.block_size != _DEFAULT_BLOCK_SIZE:
+        out["block_size"] = cfg.block_size
+    return out
+
+
 def _render_hf(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
     if cfg.embedding_rows != cfg.vocab_size:
         raise ConfigError(f"family {fam.name!r} cannot store embedding_rows={cfg.embedding_rows} "
@@ -248,13 +261,8 @@ def _render_hf(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": cfg.max_seq_len,
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": _eos_json(cfg.eos_token_id),
-        "pad_token_id": cfg.pad_token_id, "dtype": cfg.param_dtype,
+        **_ids_and_dtype(cfg),
     }
-    if cfg.mask_token_id is not None:
-        out["mask_token_id"] = cfg.mask_token_id
-    if cfg.block_size != _DEFAULT_BLOCK_SIZE:
-        out["block_size"] = cfg.block_size
     if fam.name != "qwen2" and fam.name != "dream":
         out["attention_bias"] = False
     if fam.name == "qwen3_moe":
@@ -333,6 +341,114 @@ def _render_llada(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+# -- LLaDA2.0 (inclusionAI LLaDA2.0-mini / -flash, `llada2_moe`, remote code) ---------------
+#
+# config.json: the HF keys `vocab_size`, `hidden_size`, `num_hidden_layers`,
+# `num_attention_heads`, `num_key_value_heads`, `head_dim` (else hidden_size / heads),
+# `intermediate_size` (dense layers), `hidden_act` ("silu"), `rms_norm_eps` (every norm),
+# `rope_theta`, `rope_scaling` (null), `max_position_embeddings`, `tie_word_embeddings`; and its
+# own `partial_rotary_factor` (0.5; `rotary_dim` = head_dim * factor where present),
+# `use_qk_norm`, `use_qkv_bias`, `use_bias` (attention output bias), `num_experts`,
+# `num_experts_per_tok`, `moe_intermediate_size`, `num_shared_experts`, `n_group`, `topk_group`,
+# `routed_scaling_factor`, `first_k_dense_replace`, `score_function` ("sigmoid"),
+# `moe_router_enable_expert_bias`, `router_dtype`, `norm_topk_prob`, `norm_head`, `use_rmsnorm`,
+# `using_split_qkv_in_self_attention`. LLaDA2.0-mini: 20 layers, d 2048, 16 heads, 4 KV heads,
+# head_dim 128, 256 experts (top-8, 8 groups, top-4 groups), one shared expert, first layer
+# dense, scaling 2.5, theta 600000, vocab 157184; mask token `<|mask|>` 156895 (from the
+# tokenizer files; config.json has no `mask_token_id`), EOS 156892.
+#
+# Tensors: `model.word_embeddings.weight`, `model.norm.weight`, `lm_head.weight`; per layer i
+# under `model.layers.{i}.`: `input_layernorm`, `post_attention_layernorm`,
+# `attention.query_key_value` [(H + 2 Hkv) * Dh, D] (rows: q heads, then k heads, then v heads),
+# `attention.query_layernorm` / `key_layernorm` [Dh], `attention.dense` (output); dense layers
+# `mlp.{gate,up,down}_proj`; MoE layers `mlp.gate.weight` [E, D] (router), `mlp.gate.expert_bias`
+# [E], `mlp.experts.{e}.{gate,up,down}_proj`, `mlp.shared_experts.{gate,up,down}_proj`.
+#
+# Computation: Qwen3-MoE-like pre-norm blocks; q and k RMS-normed per head, then RoPE on the
+# first rotary_dim features of each head (rotate-half within them, exponents over rotary_dim),
+# the rest passed through; attention scaled by 1/sqrt(Dh). Layers >= first_k_dense_replace are
+# MoE: sigmoid scores; experts chosen by score + expert_bias, among the topk_group groups (of
+# n_group) with the largest sum of their two best biased scores; weights are the unbiased scores
+# of the chosen, divided by their sum (+1e-20; whenever num_experts_per_tok > 1, whatever
+# norm_topk_prob says), times routed_scaling_factor; plus the shared experts (one SwiGLU of
+# width num_shared_experts * moe_intermediate_size). Logits are not shifted (the mask predicts its
+# own position). LLaDA2.0 was trained and decodes with block diffusion: block-causal attention
+# over blocks of 32 aligned at position 0 (its generate()'s block_length), so the family implies
+# attention="block_causal" with dlm-jax's default block_size 32.
+
+def _parse_llada2(fam: Family, r: _Reader) -> dict[str, Any]:
+    n_heads = r.require("num_attention_heads")
+    head_dim = r.get("head_dim") or r.require("hidden_size") // n_heads
+    factor = float(r.get("partial_rotary_factor", 0.5))  # LLaDA2MoeConfig's default
+    rotary_dim = r.get("rotary_dim")
+    if rotary_dim is not None and rotary_dim != int(head_dim * factor):
+        raise ConfigError(f"{r.source}: rotary_dim={rotary_dim} disagrees with head_dim={head_dim} * "
+                          f"partial_rotary_factor={factor}")
+    # The modeling code always has q/k norms and the expert bias, and normalises the top-k
+    # weights whenever k > 1; a config saying otherwise describes another computation.
+    for key, allowed, absent in (
+            ("hidden_act", ["silu"], "silu"), ("use_qkv_bias", [False], False),
+            ("use_bias", [False], True), ("use_qk_norm", [True], True),
+            ("score_function", ["sigmoid"], "sigmoid"),
+            ("moe_router_enable_expert_bias", [True], True), ("norm_topk_prob", [True], True),
+            ("router_dtype", ["fp32", None], None), ("norm_head", [False], False),
+            ("use_rmsnorm", [True], True), ("using_split_qkv_in_self_attention", [False], False),
+            ("use_sliding_window", [False], False), ("pretraining_tp", [1], 1)):
+        r.expect(key, allowed, absent=absent)
+    n_layers = r.require("num_hidden_layers")
+    k = r.require("num_experts_per_tok")
+    if r.require("num_experts") is None:
+        raise ConfigError(f"{r.source}: num_experts=None (a dense LLaDA2) is not supported")
+    kw: dict[str, Any] = dict(
+        vocab_size=r.require("vocab_size"), d_model=r.require("hidden_size"), n_layers=n_layers,
+        n_heads=n_heads, n_kv_heads=r.require("num_key_value_heads"), head_dim=head_dim,
+        ffn_hidden=r.require("intermediate_size"), partial_rotary_factor=factor,
+        norm_eps=float(r.get("rms_norm_eps", 1e-5)), rope_theta=_rope_theta(r),
+        tie_embeddings=bool(r.get("tie_word_embeddings", False)),
+        max_seq_len=r.get("max_position_embeddings", 16384), param_dtype=_dtype_of(r),
+        bos_token_id=_first(r.get("bos_token_id")), eos_token_id=_eos(r.get("eos_token_id")),
+        pad_token_id=_first(r.get("pad_token_id")), mask_token_id=r.get("mask_token_id"),
+        ffn="moe", router="sigmoid", router_bias=True, n_experts=r.get("num_experts"),
+        n_experts_per_tok=k, moe_ffn_hidden=r.require("moe_intermediate_size"),
+        n_shared_experts=r.get("num_shared_experts") or 0,
+        n_expert_groups=r.get("n_group", 8), topk_groups=r.get("topk_group", 4),
+        routed_scaling=float(r.get("routed_scaling_factor", 2.5)), norm_topk_prob=k > 1,
+        dense_layers=tuple(range(min(r.get("first_k_dense_replace", 0) or 0, n_layers))),
+    )
+    if r.get("block_size") is not None:
+        kw["block_size"] = r.get("block_size")
+    return kw
+
+
+def _render_llada2(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
+    k = len(cfg.dense_layers)
+    if cfg.dense_layers != tuple(range(k)):
+        raise ConfigError(f"family 'llada2' stores only leading dense layers, not {cfg.dense_layers}")
+    if cfg.norm_topk_prob != (cfg.n_experts_per_tok > 1):
+        raise ConfigError(f"family 'llada2' normalises the top-k weights exactly when k > 1 "
+                          f"(got norm_topk_prob={cfg.norm_topk_prob}, k={cfg.n_experts_per_tok})")
+    if cfg.embedding_rows != cfg.vocab_size:
+        raise ConfigError(f"family 'llada2' cannot store embedding_rows={cfg.embedding_rows} "
+                          f"!= vocab_size={cfg.vocab_size}")
+    return {
+        "architectures": [fam.architecture], "model_type": fam.model_types[0],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_hidden, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "partial_rotary_factor": cfg.partial_rotary_factor, "rotary_dim": cfg.rotary_dim,
+        "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": cfg.max_seq_len,
+        "use_qkv_bias": False, "use_bias": False, "use_qk_norm": True, "use_rmsnorm": True,
+        "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.n_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_ffn_hidden, "num_shared_experts": cfg.n_shared_experts,
+        "n_group": cfg.n_expert_groups, "topk_group": cfg.topk_groups,
+        "routed_scaling_factor": cfg.routed_scaling, "first_k_dense_replace": k,
+        "score_function": "sigmoid", "moe_router_enable_expert_bias": True, "norm_topk_prob": True,
+        **_ids_and_dtype(cfg),
+    }
+
+
 # -- dlm-jax's own format: every ModelConfig field ------------------------------------------
 
 def _parse_native(fam: Family, r: _Reader) -> dict[str, Any]:
@@ -358,6 +474,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("llada", ("llada",), "LLaDAModelLM", LLADA_SCHEME, _parse_llada, _render_llada,
            irrelevant=_LLADA_IRRELEVANT,
            implied={"attention": "bidirectional", "logit_shift": False, "ffn": "swiglu"}),
+    Family("llada2", ("llada2_moe",), "LLaDA2MoeModelLM", LLADA2_SCHEME, _parse_llada2, _render_llada2,
+           irrelevant=_HF_IRRELEVANT | {"embedding_dropout", "output_dropout", "norm_softmax"},
+           implied={"attention": "block_causal", "logit_shift": False, "qkv_bias": False,
+                    "qk_norm": True, "ffn": "moe", "router": "sigmoid", "router_bias": True}),
     Family("dream", ("Dream", "dream"), "DreamModel", HF_SCHEME, _parse_hf, _render_hf,
            implied={"attention": "bidirectional", "logit_shift": True, "qkv_bias": True,
                     "qk_norm": False, "ffn": "swiglu"}),

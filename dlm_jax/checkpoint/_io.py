@@ -164,8 +164,9 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
 
 def _plan(path: Path, cfg: ModelConfig, family: Family,
           shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[TensorInfo]]:
-    """Parameter name -> its checkpoint tensors, every header, name and shape checked."""
-    infos = _tensor_index(path)
+    """Parameter name -> its checkpoint tensors, every header, name and shape checked (a fused
+    tensor's row blocks stand for its parts, see `NameScheme.split`)."""
+    infos = family.scheme.split(_tensor_index(path), shapes)
     used: set[str] = set()
     missing: list[str] = []
     plan: dict[str, list[TensorInfo]] = {}
@@ -174,7 +175,7 @@ def _plan(path: Path, cfg: ModelConfig, family: Family,
         found = []
         for src in sources:
             if src not in infos:
-                missing.append(src)
+                missing.append(src.split("#", 1)[0])  # a fused tensor's part: the fused tensor
                 continue
             if infos[src].shape != want:
                 raise CheckpointError(f"{infos[src].path}: tensor {src!r} has shape {infos[src].shape}, "
@@ -182,6 +183,7 @@ def _plan(path: Path, cfg: ModelConfig, family: Family,
             found.append(infos[src])
             used.add(src)
         plan[name] = found
+    missing = list(dict.fromkeys(missing))
     if missing:
         raise CheckpointError(f"{path}: missing tensors {missing[:8]}"
                               + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
@@ -216,7 +218,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
 
     Args:
       family: the layout to write: `dlm_jax` (every setting kept) or an HF family
-        (`llada`, `dream`, `qwen2`, `llama`, `qwen3`, `qwen3_moe`, `dots1`) when the model's
+        (`llada`, `llada2`, `dream`, `qwen2`, `llama`, `qwen3`, `qwen3_moe`, `dots1`) when the model's
         settings fit it.
       tokenizer: anything with `save(directory)`, written beside the weights.
       overwrite: replace an existing checkpoint at `path` (atomically).
@@ -240,6 +242,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
     for name, value in get_params(model).items():
         for src, arr in zip(fam.scheme.sources(name, value.shape), _names.to_checkpoint(name, value)):
             tensors[src] = arr
+    tensors = fam.scheme.join(tensors)  # fused tensors (LLaDA2.0's query_key_value) from their parts
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _integrity.make_temp_dir(path.parent, prefix=f".{path.name}.tmp-")
     try:

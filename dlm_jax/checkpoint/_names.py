@@ -3,7 +3,9 @@
 dlm-jax names (see `dlm_jax.models.get_params`) are dotted paths such as
 `layers.3.attn.q_proj.kernel`. Dense kernels are stored [in, out] here and [out, in] in HF
 checkpoints; stacked expert tensors `layers.i.ffn.{gate,up,down}` [E, in, out] are one tensor
-per expert there.
+per expert there. A fused checkpoint tensor (LLaDA2.0's `query_key_value`) stacks the [out, in]
+tensors of several parameters along `out`: its parts are named `{fused}#{k}` here and are row
+blocks of it, so each is a contiguous byte range of its file (`NameScheme.split` / `join`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
 import numpy as np
+
+from dlm_jax._errors import CheckpointError
+from dlm_jax.checkpoint._safetensors import TensorInfo
 
 ArrayT = TypeVar("ArrayT")
 
@@ -30,6 +35,7 @@ class NameScheme:
     layer: dlm-jax suffix (after `layers.i.`) -> checkpoint suffix.
     experts: stacked expert suffix -> per-expert checkpoint suffix with `{e}`.
     ignorable: regexes of checkpoint tensors that carry no parameter (e.g. RoPE buffers).
+    A `layer` value `{fused}#{k}` names row block k of the fused checkpoint tensor `{fused}`.
     """
 
     top: Mapping[str, str]
@@ -55,6 +61,53 @@ class NameScheme:
 
     def is_ignorable(self, tensor_name: str) -> bool:
         return any(re.fullmatch(p, tensor_name) for p in self.ignorable)
+
+    def _fused_parts(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+        """Fused checkpoint name -> [(part name, part checkpoint shape)] in row order, for the
+        parameters (dlm-jax name -> shape) of `shapes`."""
+        parts: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}
+        for name, shape in shapes.items():
+            m = _LAYER.fullmatch(name)
+            if m is None or "#" not in self.layer.get(m.group(2), ""):
+                continue
+            src = self.sources(name, shape)[0]
+            fused, k = src.rsplit("#", 1)
+            parts.setdefault(fused, []).append((int(k), src, checkpoint_shape(name, shape)))
+        return {f: [(src, shp) for _, src, shp in sorted(p)] for f, p in parts.items()}
+
+    def split(self, infos: Mapping[str, TensorInfo],
+              shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorInfo]:
+        """`infos` (checkpoint name -> location) with each fused tensor replaced by its parts,
+        each the byte range of its row block; part shapes from the parameters' `shapes`."""
+        out = dict(infos)
+        for fused, parts in self._fused_parts(shapes).items():
+            info = out.pop(fused, None)
+            if info is None:
+                continue  # reported missing, part by part
+            want = (sum(s[0] for _, s in parts), *parts[0][1][1:])
+            if info.shape != want:
+                raise CheckpointError(f"{info.path}: tensor {fused!r} has shape {info.shape}, "
+                                      f"expected {want} for this config")
+            begin = info.begin
+            for src, shape in parts:
+                nbytes = int(np.prod(shape)) * info.dtype.itemsize
+                out[src] = TensorInfo(info.path, src, info.dtype, shape, begin, begin + nbytes)
+                begin += nbytes
+        return out
+
+    def join(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Checkpoint tensors with the parts `{fused}#{k}` concatenated into their fused tensor."""
+        out: dict[str, np.ndarray] = {}
+        parts: dict[str, list[tuple[int, np.ndarray]]] = {}
+        for name, value in tensors.items():
+            if "#" in name:
+                fused, k = name.rsplit("#", 1)
+                parts.setdefault(fused, []).append((int(k), value))
+            else:
+                out[name] = value
+        for fused, blocks in parts.items():
+            out[fused] = np.concatenate([v for _, v in sorted(blocks, key=lambda b: b[0])])
+        return out
 
 
 def _is_expert(name: str) -> bool:
@@ -163,4 +216,30 @@ LLADA_SCHEME = NameScheme(
         "ffn.up_proj.kernel": "up_proj.weight",
         "ffn.down_proj.kernel": "ff_out.weight",
     },
+)
+
+# LLaDA2.0 (`llada2_moe`, see `_families`): q, k, v are row blocks of one fused projection.
+_QKV = "attention.query_key_value.weight"
+LLADA2_SCHEME = NameScheme(
+    top={"embed.embedding": "model.word_embeddings.weight", "final_norm.scale": "model.norm.weight",
+         "lm_head.kernel": "lm_head.weight"},
+    layer_prefix="model.layers.{i}.",
+    layer={
+        "attn_norm.scale": "input_layernorm.weight",
+        "attn.q_proj.kernel": f"{_QKV}#0", "attn.k_proj.kernel": f"{_QKV}#1",
+        "attn.v_proj.kernel": f"{_QKV}#2",
+        "attn.q_norm.scale": "attention.query_layernorm.weight",
+        "attn.k_norm.scale": "attention.key_layernorm.weight",
+        "attn.o_proj.kernel": "attention.dense.weight",
+        "ffn_norm.scale": "post_attention_layernorm.weight",
+        "ffn.gate_proj.kernel": "mlp.gate_proj.weight",
+        "ffn.up_proj.kernel": "mlp.up_proj.weight",
+        "ffn.down_proj.kernel": "mlp.down_proj.weight",
+        "ffn.router.kernel": "mlp.gate.weight",
+        "ffn.expert_bias": "mlp.gate.expert_bias",
+        "ffn.shared.gate_proj.kernel": "mlp.shared_experts.gate_proj.weight",
+        "ffn.shared.up_proj.kernel": "mlp.shared_experts.up_proj.weight",
+        "ffn.shared.down_proj.kernel": "mlp.shared_experts.down_proj.weight",
+    },
+    experts=HF_SCHEME.experts,
 )

@@ -16,6 +16,10 @@ for op.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
@@ -33,6 +37,7 @@ class ModelOutput(NamedTuple):
     logits: jax.Array  # [B, T or R, V] float32
     k: jax.Array  # [L, B, T, Hkv, Dh] the window's keys (post-RoPE)
     v: jax.Array  # [L, B, T, Hkv, Dh]
+    router_topk: jax.Array | None = None  # [Lm, B, T, k] int32 routed experts of the MoE layers
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -67,20 +72,26 @@ def _project(linear: nnx.Linear, adapters, name: str, x: jax.Array, gate: jax.Ar
     return y + adapters[name](x, gate)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape [B, T, 1, Dh] in float32 (rotate-half convention)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, T, 1, R] in float32 (rotate-half convention) for the R =
+    `rotary_dim` rotated features of a head (all Dh of them unless partial rotary)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     return jnp.cos(emb), jnp.sin(emb)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate [B, T, heads, Dh] by the tables; computed in float32, returned in x.dtype."""
+    """Rotate the first R features of [B, T, heads, Dh] by the [.., R] tables (rotate-half
+    within them), the other Dh - R unchanged; computed in float32, returned in x.dtype."""
+    r = cos.shape[-1]
     x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    rot = x32[..., :r]
+    rotated = jnp.concatenate([-rot[..., r // 2:], rot[..., : r // 2]], axis=-1)
+    out = rot * cos + rotated * sin
+    if r < x.shape[-1]:
+        out = jnp.concatenate([out, x32[..., r:]], axis=-1)
+    return out.astype(x.dtype)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -149,8 +160,14 @@ class DenseFFN(nnx.Module):
         return _project(self.down_proj, a, "down_proj", gate * _project(self.up_proj, a, "up_proj", x, g), g)
 
 
-def route(cfg: ModelConfig, logits: jax.Array, expert_bias: jax.Array | None) -> jax.Array:
-    """Dense combine weights [N, E] (zero for unselected experts) from router logits [N, E].
+class Routing(NamedTuple):
+    """A router's decision for N rows: each row's k experts and their combine weights."""
+    experts: jax.Array  # [N, k] int32 expert ids
+    weights: jax.Array  # [N, k] float32
+
+
+def route(cfg: ModelConfig, logits: jax.Array, expert_bias: jax.Array | None) -> Routing:
+    """Top-k experts and their combine weights from router logits [N, E].
 
     softmax (Qwen3-MoE): top-k of softmax probabilities, optionally renormalised.
     sigmoid (LLaDA2.0, DeepSeek-V3): select by sigmoid score + bias (group-limited when
@@ -167,26 +184,159 @@ def route(cfg: ModelConfig, logits: jax.Array, expert_bias: jax.Array | None) ->
         choice = scores if expert_bias is None else scores + expert_bias.astype(jnp.float32)
         if cfg.n_expert_groups > 1:
             grouped = choice.reshape(n, cfg.n_expert_groups, e // cfg.n_expert_groups)
-            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, groups]
-            _, top_groups = jax.lax.top_k(group_scores, cfg.topk_groups)
+            group_scores = jnp.take_along_axis(grouped, _top_k(grouped, 2), -1).sum(-1)  # [N, groups]
+            top_groups = _top_k(group_scores, cfg.topk_groups)
             keep = jax.nn.one_hot(top_groups, cfg.n_expert_groups, dtype=jnp.bool_).any(1)
             keep = jnp.repeat(keep, e // cfg.n_expert_groups, axis=1)
             choice = jnp.where(keep, choice, -jnp.inf)
-    _, idx = jax.lax.top_k(choice, k)  # [N, k]
+    idx = _top_k(choice, k)  # [N, k]
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.norm_topk_prob:
         denom = weights.sum(-1, keepdims=True)
         weights = weights / (denom + 1e-20 if cfg.router == "sigmoid" else denom)
-    weights = weights * cfg.routed_scaling
-    return jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(idx, e, dtype=weights.dtype))
+    return Routing(idx, weights * cfg.routed_scaling)
+
+
+def _swiglu_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """[E, C, D] rows through their own expert's SwiGLU -> [E, C, D]."""
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x, gate)) * jnp.einsum("ecd,edf->ecf", x, up)
+    return jnp.einsum("ecf,efd->ecd", h, down)
+
+
+def dense_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,
+                  down: jax.Array) -> jax.Array:
+    """Every expert on every row [N, D], combined with zero weight where unselected: the
+    reference form of `dispatch_experts`, at E/k times its FLOPs."""
+    e = gate.shape[0]
+    h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, gate)) * jnp.einsum("nd,edf->nef", x, up)
+    y = jnp.einsum("nef,efd->ned", h, down)
+    combine = jnp.einsum("nk,nke->ne", routing.weights.astype(x.dtype),
+                         jax.nn.one_hot(routing.experts, e, dtype=x.dtype))
+    return jnp.einsum("ne,ned->nd", combine, y)
+
+
+def expert_capacities(n_rows: int, k: int, n_experts: int) -> tuple[int, ...]:
+    """Rows per expert `dispatch_experts` may compile for N rows: from the mean load N*k/E up
+    by factors of 1.5 to N, the most any expert can receive (a row picks an expert once)."""
+    c = max(1, -(-n_rows * k // n_experts))
+    levels = []
+    while c < n_rows:
+        levels.append(c)
+        c = -(-c * 3 // 2)
+    return (*levels, n_rows)
+
+
+def expert_shapes(n_rows: int, k: int, n_experts: int) -> tuple[tuple[int, int], ...]:
+    """The computations `dispatch_experts` compiles for N rows, cheapest first, as (experts,
+    rows each): (U, N) for U a quarter or half of the E experts (every row through the U
+    experts the step uses), and (E, C) for each of `expert_capacities` (each expert's rows)."""
+    used = sorted({max(1, n_experts // 4), max(1, n_experts // 2)} - {n_experts})
+    shapes = [(u, n_rows) for u in used] + [(n_experts, c) for c in expert_capacities(n_rows, k, n_experts)]
+    return tuple(sorted(shapes, key=lambda uc: (uc[0] * uc[1], -uc[0])))
+
+
+def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,
+                     down: jax.Array) -> jax.Array:
+    """Each row [N, D] through its k experts only; the same result as `dense_experts`.
+
+    Two forms, one branch per shape of `expert_shapes`, the cheapest that holds the step
+    picked at run time (`_switch`), so no assignment is ever dropped and the FLOPs follow the
+    step's routing:
+    - few experts used (a decode window of [MASK] rows sends most rows to a few): the U used
+      experts' weights are gathered and every row goes through them as two matmuls, the
+      unselected (row, expert) pairs weighted zero;
+    - many used (a varied batch): the N*k assignments are ordered by expert and packed into
+      an [E, C, D] buffer, C the busiest expert's rows rounded up to a capacity level.
+    """
+    n, d = x.shape
+    e, k = gate.shape[0], routing.experts.shape[1]
+    f = gate.shape[-1]
+    a = n * k
+    flat = routing.experts.reshape(a)
+    onehot = (flat[:, None] == jnp.arange(e, dtype=flat.dtype)).astype(jnp.int32)  # [A, E]
+    counts = onehot.sum(0)
+    weights = routing.weights.astype(x.dtype)
+    used = (counts > 0).astype(jnp.int32)
+    slot = jnp.cumsum(used) - 1  # a used expert's place among the used ones
+
+    def few(u: int) -> jax.Array:
+        experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
+        g, v, o = (jnp.take(w, experts, axis=0) for w in (gate, up, down))  # [U, D, F], [U, F, D]
+        combine = jnp.einsum("nk,nku->nu", weights, jax.nn.one_hot(slot[routing.experts], u, dtype=x.dtype))
+        h = (jax.nn.silu(x @ g.transpose(1, 0, 2).reshape(d, u * f)) * (x @ v.transpose(1, 0, 2).reshape(d, u * f)))
+        return (h.reshape(n, u, f) * combine[..., None]).reshape(n, u * f) @ o.reshape(u * f, d)
+
+    def packed(c: int) -> jax.Array:
+        starts = jnp.cumsum(counts) - counts
+        rank = (jnp.cumsum(onehot, 0) * onehot).sum(1) - 1  # each assignment's place in its expert
+        order = _inverse_permutation(starts[flat] + rank)  # expert-ordered place -> assignment
+        rows = jnp.take(x, order // k, axis=0)  # [A, D]
+        take = starts[:, None] + jnp.arange(c, dtype=starts.dtype)[None, :]  # [E, C]
+        buf = jnp.take(rows, jnp.minimum(take, a - 1).reshape(e * c), axis=0).reshape(e, c, d)
+        buf = jnp.where((jnp.arange(c) < counts[:, None])[..., None], buf, 0).astype(x.dtype)
+        y = _swiglu_experts(buf, gate, up, down).reshape(e * c, d)
+        y = jnp.take(y, flat * c + jnp.minimum(rank, c - 1), axis=0).reshape(n, k, d)  # by assignment
+        return jnp.einsum("nk,nkd->nd", weights, y)
+
+    shapes = expert_shapes(n, k, e)
+    fits = jnp.stack([used.sum() <= u if u < e else counts.max() <= c for u, c in shapes])
+    return _switch(jnp.argmax(fits), [functools.partial(few, u) if u < e else functools.partial(packed, c)
+                                      for u, c in shapes])
+
+
+# Above this many assignments `_inverse_permutation` sorts (training); at or below it, it
+# compares (decode buckets: LiteRT has no kernel for STABLEHLO_SORT).
+_SORT_FREE_MAX = 4096
+
+
+def _inverse_permutation(perm: jax.Array) -> jax.Array:
+    a = perm.shape[0]
+    if a > _SORT_FREE_MAX:
+        return jnp.argsort(perm).astype(perm.dtype)
+    ids = jnp.arange(a, dtype=perm.dtype)
+    return ((perm[None, :] == ids[:, None]) * ids[None, :]).sum(1)
+
+
+_LITERT = contextvars.ContextVar("dlm_jax_litert_lowering", default=False)
+
+
+@contextlib.contextmanager
+def litert_lowering() -> Iterator[None]:
+    """Trace the model for TFLite inside this context (`tflite_export` does): its multi-way
+    control flow becomes ops LiteRT runs (`_switch`)."""
+    token = _LITERT.set(True)
+    try:
+        yield
+    finally:
+        _LITERT.reset(token)
+
+
+def _switch(index: jax.Array, branches: list) -> jax.Array:
+    """`lax.switch` over branches of one output shape. Under `litert_lowering`: one top-level
+    two-way `lax.cond` per branch, the others giving zeros, which the sum leaves exact (TFLite
+    runs IF but not STABLEHLO_CASE, and LiteRT 2.3 mis-feeds captured tensors to IFs nested in
+    IFs)."""
+    if not _LITERT.get():
+        return jax.lax.switch(index, branches)
+    spec = jax.eval_shape(branches[0])
+    zeros = lambda: jnp.zeros(spec.shape, spec.dtype)  # noqa: E731
+    return sum(jax.lax.cond(index == i, branch, zeros) for i, branch in enumerate(branches))
+
+
+def _top_k(x: jax.Array, k: int) -> jax.Array:
+    """Indices [..., k] of the k largest entries of the last axis, ties to the lower index
+    (`lax.top_k`'s order) by k rounds of argmax: lax.top_k does not convert to TFLite."""
+    picked = []
+    for _ in range(k):
+        i = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        picked.append(i)
+        x = jnp.where(jax.nn.one_hot(i, x.shape[-1], dtype=jnp.bool_), -jnp.inf, x)
+    return jnp.stack(picked, axis=-1)
 
 
 class MoEFFN(nnx.Module):
-    """Routed SwiGLU experts plus optional shared experts.
-
-    Every expert is evaluated densely and combined with zero weights for unselected experts:
-    static shapes and exact, at E/k times the FLOPs of a gathered implementation.
-    """
+    """Routed SwiGLU experts plus optional shared experts; each row runs its top-k experts only
+    (`dispatch_experts`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         e, d, f = cfg.n_experts, cfg.d_model, cfg.moe_ffn_hidden
@@ -201,20 +351,24 @@ class MoEFFN(nnx.Module):
         self.shared = (DenseFFN(cfg, cfg.n_shared_experts * f, kind="swiglu", rngs=rngs)
                        if cfg.n_shared_experts else None)
 
-    def __call__(self, x: jax.Array, lora_gate: jax.Array | None = None) -> jax.Array:
-        """`lora_gate` reaches the shared experts' adapters only (routed experts have none)."""
+    def routing(self, flat: jax.Array) -> Routing:
+        logits = flat.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
+        return route(self.cfg, logits, None if self.expert_bias is None else self.expert_bias[...])
+
+    def __call__(self, x: jax.Array, lora_gate: jax.Array | None = None, *,
+                 experts=dispatch_experts) -> tuple[jax.Array, Routing]:
+        """(output, routing). `lora_gate` reaches the shared experts' adapters only (routed
+        experts have none); `experts` computes the routed part (`dense_experts` is the
+        reference form)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
-        logits = flat.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
-        bias = None if self.expert_bias is None else self.expert_bias[...]
-        combine = route(self.cfg, logits, bias).astype(x.dtype)  # [N, E]
-        gate = jnp.einsum("nd,edf->nef", flat, self.gate[...].astype(x.dtype))
-        up = jnp.einsum("nd,edf->nef", flat, self.up[...].astype(x.dtype))
-        y = jnp.einsum("nef,efd->ned", jax.nn.silu(gate) * up, self.down[...].astype(x.dtype))
-        out = jnp.einsum("ne,ned->nd", combine, y).reshape(b, t, d)
+        dt = x.dtype
+        routing = self.routing(flat)
+        out = experts(flat, routing, self.gate[...].astype(dt), self.up[...].astype(dt),
+                      self.down[...].astype(dt)).reshape(b, t, d)
         if self.shared is not None:
             out = out + self.shared(x, lora_gate)
-        return out
+        return out, routing
 
 
 class Block(nnx.Module):
@@ -230,9 +384,13 @@ class Block(nnx.Module):
             self.ffn = DenseFFN(cfg, cfg.ffn_hidden, kind=kind, rngs=rngs)
 
     def __call__(self, x, cos, sin, mask, k_cache, v_cache, lora_gate=None):
+        """(output, window K, window V, the MoE FFN's `Routing` or None)."""
         attn_out, k, v = self.attn(self.attn_norm(x), cos, sin, mask, k_cache, v_cache, lora_gate)
         h = x + attn_out
-        return h + self.ffn(self.ffn_norm(h), lora_gate), k, v
+        y, routing = self.ffn(self.ffn_norm(h), lora_gate), None
+        if isinstance(self.ffn, MoEFFN):
+            y, routing = y
+        return h + y, k, v, routing
 
 
 class Transformer(nnx.Module):
@@ -251,7 +409,7 @@ class Transformer(nnx.Module):
                  mask: jax.Array | None = None, k_cache: jax.Array | None = None,
                  v_cache: jax.Array | None = None,
                  logit_rows: jax.Array | None = None,
-                 lora_gate: jax.Array | None = None) -> ModelOutput:
+                 lora_gate: jax.Array | None = None, router_topk: bool = False) -> ModelOutput:
         """Forward pass.
 
         Args:
@@ -264,21 +422,26 @@ class Transformer(nnx.Module):
           lora_gate: [B, T] float32 per-row weight of the LoRA adapters (`attach_lora`): 1.0 on
             [MASK] rows (base + adapters), 0.0 on clean rows (base weights only, bit for bit).
             None, or a model without adapters: the base model, the same ops as without it.
+          router_topk: also return each MoE layer's routed experts (None without MoE layers).
 
         Returns:
-          ModelOutput(logits [B, R or T, V] float32, k, v [L, B, T, Hkv, Dh]).
+          ModelOutput(logits [B, R or T, V] float32, k, v [L, B, T, Hkv, Dh],
+          router_topk [Lm, B, T, k] int32 or None).
         """
         x, cos, sin, mask = self.layer_inputs(tokens, positions, mask, k_cache, v_cache)
         if lora_gate is not None and tuple(lora_gate.shape) != tuple(tokens.shape):
             raise ValueError(f"lora_gate has shape {tuple(lora_gate.shape)}, expected the tokens' {tuple(tokens.shape)}")
-        ks, vs = [], []
+        ks, vs, topk = [], [], []
         for i, layer in enumerate(self.layers):
             kc = None if k_cache is None else k_cache[i]
             vc = None if v_cache is None else v_cache[i]
-            x, k, v = layer(x, cos, sin, mask, kc, vc, lora_gate)
+            x, k, v, routing = layer(x, cos, sin, mask, kc, vc, lora_gate)
             ks.append(k)
             vs.append(v)
-        return ModelOutput(self.output(x, logit_rows), jnp.stack(ks), jnp.stack(vs))
+            if routing is not None:
+                topk.append(routing.experts.reshape(*tokens.shape, -1))
+        return ModelOutput(self.output(x, logit_rows), jnp.stack(ks), jnp.stack(vs),
+                           jnp.stack(topk) if router_topk and topk else None)
 
     def layer_inputs(self, tokens, positions, mask, k_cache, v_cache):
         """(embedded tokens, RoPE cos, sin, [B, T, P+T] mask): what every layer takes, with the
@@ -295,7 +458,7 @@ class Transformer(nnx.Module):
             mask = jnp.broadcast_to(mask, (b, t, t))
         if (k_cache is None) != (v_cache is None):
             raise ValueError("k_cache and v_cache must be given together")
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
         return self.embed(tokens), cos, sin, mask
 
     def output(self, x: jax.Array, logit_rows: jax.Array | None) -> jax.Array:

@@ -78,16 +78,19 @@ def cache_buckets(max_len: int) -> BucketSet:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class BucketKey:
-    """One compiled step program: batch, window, cache capacity, logit rows, full logits."""
+    """One compiled step program: batch, window, cache capacity, logit rows, full logits,
+    routed experts (`router_topk`, an MoE model's)."""
 
     batch: int
     window: int
     cache: int
     rows: int
     full_logits: bool = False
+    router_topk: bool = False
 
     def __str__(self) -> str:
-        return f"b{self.batch}_w{self.window}_p{self.cache}_r{self.rows}" + ("_full" if self.full_logits else "")
+        return (f"b{self.batch}_w{self.window}_p{self.cache}_r{self.rows}" + ("_full" if self.full_logits else "")
+                + ("_topk" if self.router_topk else ""))
 
 
 def pad_axis(x: np.ndarray, size: int, *, axis: int, value=0) -> np.ndarray:

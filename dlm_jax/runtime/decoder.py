@@ -86,6 +86,9 @@ class DecodeStats:
     # summed over requests, merged across decodes by `merge_speculation`. See `tpf`, `alpha`,
     # `iar`, `overhead`.
     speculation: dict = dataclasses.field(default_factory=dict)
+    # What the placement policy reports (`PlacementPolicy.end`; expert placement's accounting and
+    # its routing trace, which `to_dict` leaves out).
+    placement: dict = dataclasses.field(default_factory=dict)
 
     def record_step(self, candidates: np.ndarray, committed: np.ndarray, key: BucketKey, step_seconds: float,
                     host_seconds: float, prep_seconds: float = 0.0) -> None:
@@ -149,7 +152,8 @@ class DecodeStats:
                 "export_seconds": round(self.export_seconds, 3), "opened_bytes": self.opened_bytes,
                 "h2d_bytes": int(sum(self.h2d_bytes)), "d2h_bytes": int(sum(self.d2h_bytes)),
                 "max_step_h2d_bytes": max(self.h2d_bytes, default=0),
-                **({"speculation": speculation_summary(self.speculation)} if self.speculation else {})}
+                **({"speculation": speculation_summary(self.speculation)} if self.speculation else {}),
+                **({"placement": {k: v for k, v in self.placement.items() if k != "trace"}} if self.placement else {})}
 
 
 def merge_speculation(a: dict, b: dict) -> dict:
@@ -196,6 +200,11 @@ class DecodeOutput:
 def _wants_logits(cfg: DecodeConfig) -> bool:
     """Whether a decode's steps return the rows' logits (sampling, or a schedule that reads them)."""
     return cfg.proposer.needs_logits or cfg.scheduler.wants_logits()
+
+
+def _wants_topk(cfg: DecodeConfig) -> bool:
+    """Whether a decode's steps return the MoE layers' routed experts (expert placement)."""
+    return "router_topk" in cfg.placement.outputs
 
 
 def _use_order(keys: Sequence[BucketKey]) -> list[BucketKey]:
@@ -254,6 +263,7 @@ class Decoder:
         if min(lens) == 0:
             raise ConfigError(f"prompt {list(lens).index(0)} is empty")
         cfg.scheduler.validate(cfg, self.model_config)
+        cfg.placement.validate(self.model_config)
         total = max(lens) + cfg.gen_len + cfg.scheduler.overhang()
         if total > self.max_tokens:
             over = cfg.scheduler.overhang()
@@ -305,13 +315,14 @@ class Decoder:
             pass
         except TypeError:  # a config that cannot be hashed
             memo = None
-        logits = _wants_logits(cfg)
+        logits, topk = _wants_logits(cfg), _wants_topk(cfg)
         shift, gen = self.shift, cfg.gen_len
         shapes = set(cfg.scheduler.plan_shapes(prompt_lens, gen, shift=shift))
-        main = {caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits) for w, p, r in shapes}
+        main = {caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits, router_topk=topk)
+                for w, p, r in shapes}
         for w, p, r in cfg.revision.plan_shapes(prompt_lens, gen, shift=shift, window_shapes=shapes) - shapes:
             if w <= caps.windows.largest and r <= caps.rows.largest:  # wider: refused when planned, none to warm
-                main.add(caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits))
+                main.add(caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits, router_topk=topk))
         # The CPU path asks for no logits.
         cpu = {caps.select(batch=batch, window=w, cache=p, rows=r) for w, p, r in cfg.revision.cpu_shapes(prompt_lens, gen)}
         keys = (tuple(sorted(main)), tuple(sorted(cpu)))
@@ -362,7 +373,7 @@ class Decoder:
         scheduler, proposer, revision, placement = cfg.scheduler, cfg.proposer, cfg.revision, cfg.placement
         units = cfg.units
         stats = DecodeStats(request_nfe=[0] * n)
-        want = OutputRequest(kv=False, logits=_wants_logits(cfg))
+        want = OutputRequest(kv=False, logits=_wants_logits(cfg), router_topk=_wants_topk(cfg))
         rule = cfg.rule
         start = time.perf_counter()
         cursor = scheduler.start(state)
@@ -376,7 +387,7 @@ class Decoder:
         cache = self.executor.open(mc, state.positions, state.valid) or HostKVCache(self.executor, mc, state.positions,
                                                                                     state.valid)
         stored = False
-        placement.begin(state)
+        placed = placement.begin(state, mc)
         try:
             while (plan := scheduler.plan(state, cursor)) is not None:
                 t0 = time.perf_counter()
@@ -397,7 +408,7 @@ class Decoder:
                 state.count("logit_rows", len(plan.rows) + d)
                 if d:
                     state.count("probe_rows", d)
-                placement.before_step(state, plan)
+                placement.before_step(placed, state, plan)
                 t1 = time.perf_counter()
                 out = cache.step(req)  # stores the plan's K/V where the step runs
                 t2 = time.perf_counter()
@@ -420,7 +431,7 @@ class Decoder:
                                           prob=out.top_prob[:, r:r + d])
                 if cpu is not None:
                     cpu.merge(state, cache)  # the step boundary: delayed merge
-                placement.after_step(state, plan, out)
+                placement.after_step(placed, state, plan, out)
                 steps = plan.step + 1
                 unit_done = rule.finished(steps, state.undecided(plan.unit_index))
                 width = len(plan.targets) if plan.unit_slots is None else len(plan.unit_slots)
@@ -440,7 +451,7 @@ class Decoder:
             if cpu is not None:
                 cpu.close()
             cache.close()
-        placement.end(state)
+        stats.placement = placement.end(placed, state)
         stats.opened_bytes = cache.transfers.opened
         stats.h2d_bytes, stats.d2h_bytes = list(cache.transfers.h2d), list(cache.transfers.d2h)
         grown = self.build_counts() - built

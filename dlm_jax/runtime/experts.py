@@ -30,7 +30,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
+from dlm_jax.runtime.placement import PlacementPolicy
+from dlm_jax.runtime.scheduler import StepPlan
+from dlm_jax.runtime.state import DecodeState
+from dlm_jax.runtime.step import StepOutputs
 
 HITS_MODES = ("current_step", "previous_step")
 
@@ -280,3 +285,224 @@ def solve_tau(T: int, B: int, d: float, f: np.ndarray, c_io: float, c_cpu: float
     cpu = cpu_cost(taus, T, B, f, c_cpu)
     total = io + cpu
     return int(taus[np.argmin(total)]), CostTable(taus, io, cpu, total)
+
+
+# --------------------------------------------------------------------------- the loop's policy
+
+EXPERT_MODES = ("tide", "per-step", "static", "random", "all")
+
+
+def static_sets(traces: Trace, n_layers: int, budget: int) -> tuple[tuple[int, ...], ...]:
+    """The static (Fiddler-like) placement: each layer's top-B experts by hits over a whole
+    calibration trace (ties to the lower id), as `ExpertPolicy.static_sets`."""
+    steps = [_check_topk(s, n_layers, None, what="trace step") for block in traces for s in block]
+    top = max((int(s.max()) for s in steps if s.size), default=-1)
+    n_experts = max(top + 1, budget)
+    hits = sum((_counts(s, n_experts) for s in steps), np.zeros((n_layers, n_experts), np.int64))
+    chosen = _top_b(hits, np.zeros(hits.shape, bool), budget)
+    return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in chosen)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertPolicy(PlacementPolicy):
+    """TIDE's interval expert refresh as the decode loop's placement policy, with its baselines
+    as settings: per MoE layer, `expert_budget` experts resident (the shared ones included,
+    always resident), refreshed to the top by hits at steps t % tau == 0 of each block.
+
+    Placement is accounting here: the compiled step computes every expert (placement never
+    changes routing, so tokens are those of `experts="all"`), and the policy counts what a
+    split execution would move and miss (`DecodeStats.placement`). It reads the step output
+    `router_topk` of the rows the step decodes (bucket padding and finished requests excluded).
+
+    Fields (flat decode options):
+      experts: "tide" (refresh every `tau` steps), "per-step" (tau = 1, Mixtral-offload-like),
+        "static" (`static_sets`, never migrates; Fiddler-like), "random" (each block a tau drawn
+        uniformly from 2..T-1, T its block length, seeded by `expert_seed`), "all" (every
+        expert resident: no misses, no migrations).
+      expert_budget: B resident experts per MoE layer, shared ones included (0: the shared ones
+        plus a quarter of the routed ones).
+      tau: "auto" (solved from a calibration decode, `dlm_jax.api`) or an interval >= 1 (tide).
+      hits: "current_step" or "previous_step" (`ExpertPlacement`).
+      static_sets: [M][B - shared] resident routed experts of each MoE layer for "static".
+    """
+
+    experts: str = dataclasses.field(default="tide", metadata={
+        "help": "expert placement: tide (refresh every tau steps), per-step, static, random tau, all resident",
+        "choices": EXPERT_MODES})
+    expert_budget: int = dataclasses.field(default=0, metadata={
+        "help": "resident experts per MoE layer, shared included (0: shared + E/4)"})
+    tau: str = dataclasses.field(default="auto", metadata={
+        "help": "TIDE refresh interval in steps of a block, or auto (solved by the cost model)"})
+    hits: str = dataclasses.field(default="current_step", metadata={
+        "help": "hit counts ranking experts at a refresh: the refresh step's own or the previous step's",
+        "choices": HITS_MODES})
+    expert_seed: int = dataclasses.field(default=0, metadata={"help": "seed of the random-tau baseline"})
+    static_sets: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, metadata={"option": False})
+
+    def __post_init__(self) -> None:
+        if self.experts not in EXPERT_MODES:
+            raise ConfigError(f"experts={self.experts!r} must be one of {EXPERT_MODES}")
+        if self.hits not in HITS_MODES:
+            raise ConfigError(f"hits={self.hits!r} must be one of {HITS_MODES}")
+        _int("expert_budget", self.expert_budget, 0)
+        if str(self.tau) != "auto":
+            try:
+                value = int(str(self.tau))
+            except ValueError:
+                raise ConfigError(f"tau={self.tau!r} must be 'auto' or an integer >= 1") from None
+            _int("tau", value, 1)
+            object.__setattr__(self, "tau", str(value))
+
+    @property
+    def outputs(self) -> frozenset[str]:
+        return frozenset({"router_topk"})
+
+    def budget(self, model: ModelConfig) -> int:
+        """Resident routed experts per MoE layer (the budget less the shared experts)."""
+        b = self.expert_budget or model.n_shared_experts + max(1, model.n_experts // 4)
+        return model.n_experts if self.experts == "all" else b - model.n_shared_experts
+
+    def validate(self, model: ModelConfig) -> None:
+        if model.ffn != "moe":
+            raise ConfigError(f"experts={self.experts!r}: the model has no MoE layers (ffn={model.ffn!r}); "
+                              f"expert placement needs a mixture-of-experts model")
+        b, shared = self.expert_budget, model.n_shared_experts
+        if b and not shared < b <= model.n_experts:
+            raise ConfigError(f"expert_budget={b} must be in [{shared + 1}, {model.n_experts}]: above the "
+                              f"{shared} shared expert(s), always resident, and at most the {model.n_experts} experts")
+        if self.experts == "tide" and self.tau == "auto":
+            raise ConfigError("tau='auto' is solved from a calibration decode (dlm_jax.load(...).generate or the "
+                              "CLI do it); a DecodeConfig run directly needs an integer tau")
+        if self.experts == "static":
+            sets = self.static_sets
+            layers = sum(map(model.is_moe_layer, range(model.n_layers)))
+            if sets is None or len(sets) != layers or any(len(s) != self.budget(model) for s in sets):
+                raise ConfigError(f"experts='static' needs static_sets: {layers} layers of {self.budget(model)} "
+                                  f"expert ids (calibration; the CLI and dlm_jax.load(...).generate make them)")
+
+    def begin(self, state: DecodeState, model: ModelConfig) -> _ExpertRecord:
+        layers = sum(map(model.is_moe_layer, range(model.n_layers)))
+        tau = {"tide": None if self.tau == "auto" else int(self.tau), "per-step": 1}.get(self.experts)
+        initial = None if self.static_sets is None else np.asarray(self.static_sets)
+        placement = ExpertPlacement(layers, model.n_experts, self.budget(model), tau, self.hits,
+                                    shared=model.n_shared_experts, initial=initial)
+        return _ExpertRecord(placement, np.random.default_rng(self.expert_seed))
+
+    def after_step(self, record: _ExpertRecord, state: DecodeState, plan: StepPlan, outputs: StepOutputs) -> None:
+        topk = np.array(outputs.router_topk)  # [M, B, W, K]
+        topk[:, :, len(plan.window):] = -1  # bucket padding
+        topk[:, ~state.active] = -1  # finished requests and padding rows of the batch
+        topk = topk.reshape(topk.shape[0], -1, topk.shape[-1])
+        if plan.step == 0:
+            record.trace.append([])
+            if self.experts == "random":
+                width = len(plan.targets) if plan.unit_slots is None else len(plan.unit_slots)
+                record.placement.tau = int(record.rng.integers(2, max(width, 3)))
+        record.trace[-1].append(topk)
+        record.steps.append(record.placement.step(plan.step, topk))
+
+    def end(self, record: _ExpertRecord, state: DecodeState) -> dict:
+        p = record.placement
+        return {"experts": self.experts, "budget": p.budget + p.shared, "tau": p.tau, "hits": self.hits,
+                "steps": p.steps, "refreshes": p.refreshes, "migrations": int(p.migrations.sum()),
+                "misses": int(p.misses.sum()), "assignments": int((p.misses + p.hits).sum()),
+                "unique_per_step": float(np.mean([r.unique.mean() for r in record.steps])),
+                "trace": record.trace}
+
+
+@dataclasses.dataclass
+class _ExpertRecord:
+    """One decode's placement, random-tau generator, routing trace and step records."""
+
+    placement: ExpertPlacement
+    rng: np.random.Generator
+    trace: list[list[np.ndarray]] = dataclasses.field(default_factory=list)
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertCosts:
+    """Eq. 5 and 6's constants: `c_io` seconds to move one routed expert's weights to where the
+    compiled step runs, `c_cpu` seconds for one token-expert assignment on the CPU path.
+    `profile` measures them on this machine; for a target device, give them directly or use
+    `link` (the expert's bytes over a link's bandwidth: a PCIe GPU, a phone's flash)."""
+
+    c_io: float
+    c_cpu: float
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.c_io < float("inf") and 0 <= self.c_cpu < float("inf")):
+            raise ConfigError(f"c_io={self.c_io!r} and c_cpu={self.c_cpu!r} must be finite and >= 0")
+
+    @staticmethod
+    def expert_bytes(model: ModelConfig) -> int:
+        """One routed SwiGLU expert's weights (gate, up, down) in the parameter dtype."""
+        return 3 * model.d_model * model.moe_ffn_hidden * np.dtype(model.param_dtype).itemsize
+
+    @classmethod
+    def link(cls, model: ModelConfig, bandwidth: float, c_cpu: float, name: str = "link") -> ExpertCosts:
+        """c_io = one expert's bytes / `bandwidth` (bytes/s)."""
+        return cls(cls.expert_bytes(model) / bandwidth, c_cpu, name)
+
+    @classmethod
+    def profile(cls, model: ModelConfig, *, repeats: int = 20) -> ExpertCosts:
+        """Measured here: c_io from copying experts' bytes between host buffers (the best of
+        `repeats` copies of 16 experts), c_cpu from NumPy's SwiGLU of 32 rows through one
+        expert (best of `repeats`) / 32."""
+        import time
+
+        d, f = model.d_model, model.moe_ffn_hidden
+        dtype = np.float32
+        size = 16 * cls.expert_bytes(model)
+        src, dst = np.ones(size, np.uint8), np.empty(size, np.uint8)
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((32, d)).astype(dtype)
+        gate, up = (rng.standard_normal((d, f)).astype(dtype) for _ in range(2))
+        down = rng.standard_normal((f, d)).astype(dtype)
+        copy = gemm = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            t1 = time.perf_counter()
+            g = x @ gate
+            (g / (1 + np.exp(-g)) * (x @ up)) @ down
+            t2 = time.perf_counter()
+            copy, gemm = min(copy, t1 - t0), min(gemm, t2 - t1)
+        return cls(copy / 16, gemm / 32, "profiled on this machine (host memcpy, NumPy SwiGLU)")
+
+
+def calibrate(policy: ExpertPolicy, trace: Trace, model: ModelConfig,
+              costs: ExpertCosts | None = None) -> tuple[ExpertPolicy, dict]:
+    """`policy` made ready from a calibration decode's routing `trace` (all experts resident):
+    static sets for "static" without them (`static_sets`); for "tide" with tau="auto", the tau
+    of Eq. 7 (`solve_tau`) with T the trace's mean steps per block, d = `drift`, f =
+    `miss_curve`, and `costs` (default `ExpertCosts.profile`), the CPU term priced per missed
+    assignment (C_CPU x mean assignments per step / B). Returns the policy and what was
+    estimated."""
+    layers = sum(map(model.is_moe_layer, range(model.n_layers)))
+    b = policy.budget(model)
+    info: dict[str, Any] = {}
+    if policy.experts == "static" and policy.static_sets is None:
+        policy = dataclasses.replace(policy, static_sets=static_sets(trace, layers, b))
+    if policy.experts == "tide" and policy.tau == "auto":
+        lengths = [len(block) for block in trace if block]
+        T = round(float(np.mean(lengths)))
+        if T < 2:
+            info.update(T=T, tau=1, note="blocks of one step: nothing to refresh between")
+            return dataclasses.replace(policy, tau="1"), info
+        costs = costs or ExpertCosts.profile(model)
+        d = drift(trace, b)
+        f = miss_curve(trace, b, max(lengths))
+        assignments = float(np.mean([(s >= 0).sum() / s.shape[0] for block in trace for s in block]))
+        tau, table = solve_tau(T, b, d, f, costs.c_io, costs.c_cpu * assignments / b)
+        info.update(T=T, d=d, f=f[1:T].tolist(), tau=tau, c_io=costs.c_io, c_cpu=costs.c_cpu,
+                    costs=costs.source, assignments_per_step=assignments, cost=table.total.tolist())
+        policy = dataclasses.replace(policy, tau=str(tau))
+    return policy, info
+
+
+def needs_calibration(policy: Any) -> bool:
+    """Whether `policy` needs `calibrate` before a decode (tau="auto", or static without sets)."""
+    return isinstance(policy, ExpertPolicy) and (
+        (policy.experts == "tide" and policy.tau == "auto") or (policy.experts == "static" and policy.static_sets is None))

@@ -13,6 +13,8 @@ Axes: B batch rows, W window bucket, P cache bucket, R row bucket.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from collections.abc import Set
 
@@ -50,11 +52,11 @@ class StepInputBuilder:
         self._memo: dict[tuple, BucketKey] = {}
 
     def key(self, plan: StepPlan, batch: int, want: OutputRequest) -> BucketKey:
-        shape = (batch, *plan.shape, want.logits)
+        shape = (batch, *plan.shape, want.logits, want.router_topk)
         key = self._memo.get(shape)
         if key is None:
-            _, w, p, r, logits = shape
-            key = self.capabilities.select(batch=batch, window=w, cache=p, rows=r, logits=logits)
+            _, w, p, r, logits, topk = shape
+            key = self.capabilities.select(batch=batch, window=w, cache=p, rows=r, logits=logits, router_topk=topk)
             held = self._by_size.get((key.batch, key.window, key.cache, key.full_logits), ())
             key = next((k for k in held if k.rows >= r), key)
             self._memo[shape] = key
@@ -78,7 +80,7 @@ class StepInputBuilder:
         (positions, q_valid, read, is_probe, hide, logit_rows), geometry = self._static[1], self._static[2]
         return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read, probes=is_probe,
                         hide=hide, write=self._write(plan, state, key, plan.window), logit_rows=logit_rows,
-                        want=OutputRequest(kv=False, logits=want.logits), geometry=geometry,
+                        want=dataclasses.replace(want, kv=False), geometry=geometry,
                         read_len=self._lengths(plan), lora_gate=self._gate(tokens, state))
 
     def _write(self, plan: StepPlan, state: DecodeState, key: BucketKey, window: np.ndarray) -> np.ndarray:
@@ -114,7 +116,7 @@ class StepInputBuilder:
         return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read,
                         probes=np.zeros(key.window, bool), hide=np.full(key.window, -1, np.int32),
                         write=self._write(plan, state, key, slots),
-                        logit_rows=logit_rows, want=OutputRequest(kv=False, logits=want.logits),
+                        logit_rows=logit_rows, want=dataclasses.replace(want, kv=False),
                         read_len=self._lengths(plan), lora_gate=self._gate(tokens, state))
 
     @staticmethod

@@ -218,7 +218,7 @@ class HostKVCache(KVCache):
         k_cache, v_cache = self.store.gather(np.maximum(read[:n], 0), req.key.cache)
         return StepInputs(tokens=req.tokens, positions=req.positions, visibility=self._visibility(req),
                           k_cache=k_cache, v_cache=v_cache, logit_rows=req.logit_rows,
-                          want=OutputRequest(kv=kv, logits=req.want.logits), lora_gate=req.lora_gate)
+                          want=dataclasses.replace(req.want, kv=kv), lora_gate=req.lora_gate)
 
     def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
         writes = req.write >= 0

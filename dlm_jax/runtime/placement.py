@@ -7,17 +7,21 @@ PowerInfer-2's neuron placement (hot neurons resident, cold ones through a neuro
 plug in. A policy decides; the executor holds the tensors. Placement never changes what a
 step computes, only where, so tokens are the same under every policy.
 
-The decoder calls, per decode: `begin` (before the first step); per step: `before_step`
-(after the plan, before the executor runs it) and `after_step` (with the step's outputs);
-`end` after the last step. `outputs` names the optional step outputs the policy reads
-(`router_topk`, `ffn_active`, once the step contract has them). `NoPlacement`, the default,
+The decoder calls `validate` (the model's config, before anything runs), then per decode:
+`begin` (before the first step), which returns the decode's own placement record (policies
+are frozen configs shared by decodes; the record holds what one decode changes); per step:
+`before_step` (after the plan, before the executor runs it) and `after_step` (with the step's
+outputs); `end` after the last step, whose dict goes to `DecodeStats.placement`. `outputs`
+names the optional step outputs the policy reads (`router_topk`). `NoPlacement`, the default,
 keeps everything where the executor put it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+from dlm_jax._config import ModelConfig
 from dlm_jax.runtime.hooks import HookBase
 from dlm_jax.runtime.scheduler import StepPlan
 from dlm_jax.runtime.state import DecodeState
@@ -25,28 +29,32 @@ from dlm_jax.runtime.step import StepOutputs
 
 
 class PlacementPolicy(HookBase):
-    HOOKS = ("outputs", "begin", "before_step", "after_step", "end")
+    HOOKS = ("outputs", "validate", "begin", "before_step", "after_step", "end")
 
     @property
     def outputs(self) -> frozenset[str]:
         """The optional step outputs this policy reads (default none)."""
         return frozenset()
 
-    def begin(self, state: DecodeState) -> None:
-        """A decode starts (its requests and slots are in `state`)."""
+    def validate(self, model: ModelConfig) -> None:
+        """Raise ConfigError (one line) if this policy cannot place `model`'s parts."""
         return None
 
-    def before_step(self, state: DecodeState, plan: StepPlan) -> None:
+    def begin(self, state: DecodeState, model: ModelConfig) -> Any:
+        """A decode of `model` starts (its requests and slots are in `state`); returns its record."""
+        return None
+
+    def before_step(self, record: Any, state: DecodeState, plan: StepPlan) -> None:
         """The step `plan` is about to run."""
         return None
 
-    def after_step(self, state: DecodeState, plan: StepPlan, outputs: StepOutputs) -> None:
+    def after_step(self, record: Any, state: DecodeState, plan: StepPlan, outputs: StepOutputs) -> None:
         """The step ran; `outputs` holds what it returned."""
         return None
 
-    def end(self, state: DecodeState) -> None:
-        """The decode is over."""
-        return None
+    def end(self, record: Any, state: DecodeState) -> dict:
+        """The decode is over: what it reports (`DecodeStats.placement`)."""
+        return {}
 
 
 @dataclasses.dataclass(frozen=True)

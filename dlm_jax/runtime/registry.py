@@ -24,6 +24,7 @@ from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.commit import (CommitRule, FactorRule, FrechetRule, NoCommit, PaperFactorRule, ThresholdRule,
                                     TopKSchedule)
 from dlm_jax.runtime.isd import LeftToRight, Strided
+from dlm_jax.runtime.experts import ExpertPolicy
 from dlm_jax.runtime.placement import NoPlacement, PlacementPolicy
 from dlm_jax.runtime.proposer import Proposer
 from dlm_jax.runtime.revision import NoRevision, ProgressiveRevision, RevisionPolicy
@@ -99,7 +100,8 @@ REVISIONS: dict[str, type] = {
     "dppr": ProgressiveRevision,  # llada.cpp dual-path progressive revision
 }
 PLACEMENTS: dict[str, type] = {
-    "none": NoPlacement,  # TIDE's expert refresh and PowerInfer-2's neuron placement plug in here
+    "none": NoPlacement,  # PowerInfer-2's neuron placement plugs in here
+    "experts": ExpertPolicy,  # TIDE's interval expert refresh and its baselines (MoE models)
 }
 
 
@@ -109,13 +111,15 @@ class Selector(NamedTuple):
     table: dict[str, type]
     default: str
     help: str
+    implied_by: tuple[tuple[str, str], ...] = ()  # (option, name): giving the option, selector unset, picks name
 
 
 SELECTORS: tuple[Selector, ...] = (
     Selector("cache", "scheduler", SCHEDULERS, "prefix", "cache mode / block schedule"),
     Selector("rule", "rule", RULES, "threshold", "commit rule"),
     Selector("revision", "revision", REVISIONS, "none", "revision policy"),
-    Selector("placement", "placement", PLACEMENTS, "none", "expert / neuron placement policy"),
+    Selector("placement", "placement", PLACEMENTS, "none", "expert / neuron placement policy",
+             implied_by=(("experts", "experts"),)),
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -154,7 +158,9 @@ class Option:
 
 
 def _fields(cls: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(cls) if f.init]
+    """A class's flat options: its init fields but those marked `metadata={"option": False}`
+    (values made by code, such as calibrated expert sets, kept with the object)."""
+    return [f for f in dataclasses.fields(cls) if f.init and f.metadata.get("option", True)]
 
 
 def _field_type(cls: type, name: str) -> type:
@@ -216,7 +222,7 @@ def build(changes: Mapping[str, Any], *, base: DecodeConfig | Mapping[str, Any] 
         default = sel.default
         if sel.field == "rule" and type(parts["scheduler"]).commit_rule is not None:
             default = type(parts["scheduler"]).commit_rule  # a schedule that accepts its own proposals
-        choice = merged.get(sel.option, default)
+        choice = merged.get(sel.option, next((name for option, name in sel.implied_by if option in merged), default))
         if not isinstance(choice, str):  # an object
             parts[sel.field] = choice
             continue

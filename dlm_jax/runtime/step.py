@@ -7,7 +7,7 @@ signature tensors from `INPUTS` / `output_specs`, and an on-device runner checks
 against them.
 
 Axes: B batch, W window bucket, P cache bucket, R logit-row bucket, L layers, Hkv key/value
-heads, Dh head width, V vocabulary. Inputs are padded to their bucket sizes; the bucket key
+heads, Dh head width, V vocabulary, M MoE layers, K experts per token. Inputs are padded to their bucket sizes; the bucket key
 is read off their shapes.
 """
 
@@ -57,13 +57,16 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("k_new", ("L", "B", "W", "Hkv", "Dh"), "model", output="kv"),  # window keys, post-RoPE
     TensorSpec("v_new", ("L", "B", "W", "Hkv", "Dh"), "model", output="kv"),
     TensorSpec("logits", ("B", "R", "V"), "float32", output="logits"),  # rows' logits (sampling, ISD)
+    # each MoE layer's routed experts per window row (expert placement, TIDE)
+    TensorSpec("router_topk", ("M", "B", "W", "K"), "int32", output="router_topk"),
 )
 INPUT_NAMES: tuple[str, ...] = tuple(s.name for s in INPUTS)
 
 
 def axis_sizes(config: ModelConfig, key: BucketKey) -> dict[str, int]:
     return {"B": key.batch, "W": key.window, "P": key.cache, "R": key.rows, "L": config.n_layers,
-            "Hkv": config.n_kv_heads, "Dh": config.head_dim, "V": config.vocab_size}
+            "Hkv": config.n_kv_heads, "Dh": config.head_dim, "V": config.vocab_size,
+            "M": sum(map(config.is_moe_layer, range(config.n_layers))), "K": config.n_experts_per_tok}
 
 
 def _dtype(spec: TensorSpec, config: ModelConfig) -> str:
@@ -78,19 +81,20 @@ def input_specs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[in
 
 def output_specs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of every output a program of bucket `key` returns, in order. A
-    compiled program always returns the window K/V; it returns logits only when the key asks
-    (`key.full_logits`), so that flag is part of the bucket."""
+    compiled program always returns the window K/V; it returns logits and routed experts only
+    when the key asks (`key.full_logits`, `key.router_topk`), so those flags are part of the
+    bucket and other buckets pay nothing for them."""
     sizes = axis_sizes(config, key)
     return [(s.name, s.shape(sizes), _dtype(s, config)) for s in _outputs(key)]
 
 
 def signature_name(key: BucketKey) -> str:
     """Stable name of a bucket's exported signature: `step_w8_p8_r8` (`_b2` appended for
-    batch 2, `_full` when rows' logits are returned)."""
+    batch 2, `_full` when rows' logits are returned, `_topk` when routed experts are)."""
     name = f"step_w{key.window}_p{key.cache}_r{key.rows}"
     if key.batch != 1:
         name += f"_b{key.batch}"
-    return name + ("_full" if key.full_logits else "")
+    return name + ("_full" if key.full_logits else "") + ("_topk" if key.router_topk else "")
 
 
 def signature_inputs(config: ModelConfig, key: BucketKey, *, gated: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
@@ -112,17 +116,19 @@ def output_names(key: BucketKey) -> tuple[str, ...]:
 
 
 def _outputs(key: BucketKey) -> list[TensorSpec]:
-    return [s for s in OUTPUTS if s.output != "logits" or key.full_logits]
+    asked = {"kv": True, None: True, "logits": key.full_logits, "router_topk": key.router_topk}
+    return [s for s in OUTPUTS if asked[s.output]]
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputRequest:
     """Which optional outputs a step needs on the host. `kv`: the window's K/V (only on steps
-    that store them, so other steps copy nothing back); `logits`: the rows' logits (selects
-    a program that computes them)."""
+    that store them, so other steps copy nothing back); `logits`: the rows' logits,
+    `router_topk`: the MoE layers' routed experts (each selects a program that returns them)."""
 
     kv: bool = True
     logits: bool = False
+    router_topk: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +147,8 @@ class StepInputs:
     @property
     def key(self) -> BucketKey:
         b, w = self.tokens.shape
-        return BucketKey(b, w, self.k_cache.shape[2], self.logit_rows.shape[1], self.want.logits)
+        return BucketKey(b, w, self.k_cache.shape[2], self.logit_rows.shape[1], self.want.logits,
+                         self.want.router_topk)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The inputs in `INPUTS` order."""
@@ -157,6 +164,7 @@ class StepOutputs:
     k_new: np.ndarray | None = None  # [L, B, W, Hkv, Dh] when asked (`want.kv`)
     v_new: np.ndarray | None = None
     logits: np.ndarray | None = None  # [B, R, V] float32 when asked (`want.logits`)
+    router_topk: np.ndarray | None = None  # [M, B, W, K] int32 when asked (`want.router_topk`)
     kv: Any = None  # a KV cache's snapshot step: the rows' K/V, where the step ran, for `KVCache.write`
 
     @classmethod
@@ -171,7 +179,7 @@ class Capabilities:
     """What an executor can run. `keys` is a fixed set of buckets (a LiteRT bundle has one
     signature per bucket); None means any combination of the four size sets (the JAX
     executor compiles a bucket on first use). `outputs` lists the optional outputs it can
-    produce (`kv`, `logits`)."""
+    produce (`kv`, `logits`, `router_topk`)."""
 
     batches: BucketSet
     windows: BucketSet
@@ -196,7 +204,8 @@ class Capabilities:
         keys = frozenset(keys)
         if not keys:
             raise ConfigError("an executor with a fixed bucket set needs at least one bucket")
-        outputs = {"kv"} | ({"logits"} if any(k.full_logits for k in keys) else set())
+        outputs = ({"kv"} | ({"logits"} if any(k.full_logits for k in keys) else set())
+                   | ({"router_topk"} if any(k.router_topk for k in keys) else set()))
 
         def sizes(field: str, name: str) -> BucketSet:
             return BucketSet(tuple(sorted({getattr(k, field) for k in keys})), name)
@@ -218,7 +227,8 @@ class Capabilities:
             return max(k.window + k.cache for k in self.keys)
         return min(self.windows.largest, self.caches.largest)
 
-    def select(self, *, batch: int, window: int, cache: int, rows: int, logits: bool = False) -> BucketKey:
+    def select(self, *, batch: int, window: int, cache: int, rows: int, logits: bool = False,
+               router_topk: bool = False) -> BucketKey:
         """The cheapest bucket that holds a step of these live sizes.
 
         Raises:
@@ -227,12 +237,15 @@ class Capabilities:
         """
         if logits and "logits" not in self.outputs:
             raise ConfigError("this executor cannot return logits (needed for sampling, temperature > 0)")
+        if router_topk and "router_topk" not in self.outputs:
+            raise ConfigError("this executor cannot return the routed experts (router_topk; needed for "
+                              "expert placement, --experts): use an MoE model on the JAX executor")
         if self.keys is None:
             return BucketKey(self.batches.select(batch), self.windows.select(window),
-                             self.caches.select(cache), self.rows.select(rows), logits)
+                             self.caches.select(cache), self.rows.select(rows), logits, router_topk)
         need = (batch, window, cache, rows)
         # A bucket that returns logits also serves a step that does not read them.
-        fits = [k for k in self.keys if k.full_logits >= logits
+        fits = [k for k in self.keys if k.full_logits >= logits and k.router_topk >= router_topk
                 and all(h >= n for h, n in zip((k.batch, k.window, k.cache, k.rows), need))]
         if fits:
             return min(fits, key=lambda k: (k.window + k.cache, k.rows, k.batch, k.full_logits, k.window))

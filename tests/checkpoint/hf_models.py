@@ -26,6 +26,12 @@ BUILDERS = {
     "dots1": lambda: (T.Dots1Config, T.Dots1ForCausalLM,
                       dict(head_dim=8, n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
                            first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5, **MOE)),
+    # LLaDA2.0's computation (see test_llada2): head_dim != hidden / heads, half the head rotated.
+    "glm4_moe": lambda: (T.Glm4MoeConfig, T.Glm4MoeForCausalLM,
+                         dict(head_dim=16, n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2,
+                              first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                              use_qk_norm=True, rope_parameters={"rope_type": "default", "rope_theta": 600000.0,
+                                                                 "partial_rotary_factor": 0.5}, **MOE)),
 }
 
 
@@ -125,3 +131,34 @@ def qwen2_to_dream(src: Path, dst: Path, *, mask_token_id: int) -> None:
     cfg.update(model_type="Dream", architectures=["DreamModel"], mask_token_id=mask_token_id,
                auto_map={"AutoModel": "modeling_dream.DreamModel"})
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def glm4_moe_to_llada2(model: torch.nn.Module, dst: Path, config: dict) -> None:
+    """Write a Glm4Moe model's weights in LLaDA2.0's layout (dlm_jax.checkpoint._families) with
+    `config` as config.json: q/k/v fused into `query_key_value` (rows q, k, v), the experts'
+    fused gate_up split per expert, LLaDA2.0's tensor names."""
+    rename = {"self_attn.o_proj": "attention.dense", "self_attn.q_norm": "attention.query_layernorm",
+              "self_attn.k_norm": "attention.key_layernorm"}
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out = {"model.word_embeddings.weight": state.pop("model.embed_tokens.weight"),
+           "model.norm.weight": state.pop("model.norm.weight"), "lm_head.weight": state.pop("lm_head.weight")}
+    for i in range(model.config.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        out[pre + "attention.query_key_value.weight"] = np.concatenate(
+            [state.pop(f"{pre}self_attn.{p}_proj.weight") for p in "qkv"])
+        if pre + "mlp.experts.gate_up_proj" in state:
+            gate_up, down = state.pop(pre + "mlp.experts.gate_up_proj"), state.pop(pre + "mlp.experts.down_proj")
+            f = gate_up.shape[1] // 2
+            for e in range(gate_up.shape[0]):
+                out[f"{pre}mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :f]
+                out[f"{pre}mlp.experts.{e}.up_proj.weight"] = gate_up[e, f:]
+                out[f"{pre}mlp.experts.{e}.down_proj.weight"] = down[e]
+            out[pre + "mlp.gate.expert_bias"] = state.pop(pre + "mlp.gate.e_score_correction_bias")
+    for name, value in state.items():
+        module, leaf = name.rsplit(".", 1)
+        for old, new in rename.items():
+            module = module.replace(old, new)
+        out[f"{module}.{leaf}"] = value
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, dst / "model.safetensors")

@@ -122,17 +122,20 @@ def _recording(log):
 
     @dataclasses.dataclass(frozen=True)
     class Place(PlacementPolicy):
-        def begin(self, state):
+        def begin(self, state, model):
             log.append("placement.begin")
+            return "record"
 
-        def before_step(self, state, plan):
+        def before_step(self, record, state, plan):
+            assert record == "record"
             log.append("placement.before_step")
 
-        def after_step(self, state, plan, outputs):
+        def after_step(self, record, state, plan, outputs):
             log.append("placement.after_step")
 
-        def end(self, state):
+        def end(self, record, state):
             log.append("placement.end")
+            return {}
 
     class Exe(MockExecutor):
         def step(self, inputs, *, timings=None):

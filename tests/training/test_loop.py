@@ -18,9 +18,9 @@ MODEL = dict(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ff
              mask_token_id=259, eos_token_id=258, max_seq_len=64)
 
 
-def run_config(**train):
+def run_config(model=MODEL, **train):
     return RunConfig.from_dict({
-        "model": MODEL,
+        "model": model,
         "train": {"objective": "masked_diffusion", "steps": 8, "batch_size": 4, "seq_len": 32,
                   "warmup_steps": 2, "log_every": 2, "checkpoint_every": 4, **train},
         "data": {"tasks": {"addition": 1.0}, "train_examples": 64},
