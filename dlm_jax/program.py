@@ -75,6 +75,32 @@ def _is_kernel(path, leaf) -> bool:
     return getattr(leaf, "ndim", 0) == 2 and any(getattr(k, "key", None) == "kernel" for k in path)
 
 
+@dataclasses.dataclass
+class _SplitLayer:
+    """Where a split MoE layer's slots sit among the executor's leaves, and what they hold."""
+
+    weights: tuple[int, int, int]  # leaf indices of the gate, up and down slot buffers
+    slot_map: int  # leaf index of its ExpertSlotMap
+    cpu: object  # its CpuExperts (host weights, the CPU path)
+    resident: np.ndarray  # [S] the expert in each slot
+
+
+def _split_layers(model: Transformer, paths) -> dict[int, _SplitLayer]:
+    """The split MoE layers of `model` (`split_experts`), by layer index."""
+    index = {tuple(getattr(k, "key", getattr(k, "name", None)) for k in path): i for i, (path, _) in enumerate(paths)}
+    out = {}
+    for i, block in enumerate(model.layers):
+        ffn = block.ffn
+        if getattr(ffn, "slot_of", None) is None:
+            continue
+        at = lambda name: index[("layers", i, "ffn", name, "value")]  # noqa: E731
+        slot_of = np.asarray(ffn.slot_of[...])
+        resident = np.empty(ffn.gate[...].shape[0], np.int64)
+        resident[slot_of[slot_of >= 0]] = np.flatnonzero(slot_of >= 0)
+        out[i] = _SplitLayer((at("gate"), at("up"), at("down")), at("slot_of"), ffn.cpu_experts, resident)
+    return out
+
+
 def top2(probs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(argmax, max, runner-up) over the last axis, as `jax.lax.top_k(probs, 2)` gives them
     (ties: the lower index first; a tied runner-up equals the max), from two max reductions:
@@ -252,6 +278,10 @@ class JaxExecutor(Executor):
         cpu = jax.default_backend() == "cpu"
         self._transposed = tuple(cpu and _is_kernel(path, leaf) for path, leaf in paths)
         self._leaves = [jnp.asarray(leaf.T) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
+        self._slots = _split_layers(model, paths)
+        if self._slots:
+            s = next(iter(self._slots.values())).resident.size
+            self._capabilities = dataclasses.replace(self._capabilities, expert_slots=s)
         self._new_programs()
 
     def _new_programs(self) -> None:
@@ -265,6 +295,31 @@ class JaxExecutor(Executor):
     @property
     def _all_programs(self) -> tuple[CompiledBuckets, ...]:
         return self._programs, self._resident, self._views, self._gathers, self._scatters, self._allocs
+
+    def place(self, resident) -> int:
+        """Move experts into the slots of the split layers (`dlm_jax.models.split_experts`):
+        experts already resident keep their slot, each incoming one takes the slot of one that
+        leaves; the slot buffers and maps are updated on the device between steps. Returns the
+        bytes moved."""
+        moved = 0
+        for layer, want in resident.items():
+            held = self._slots.get(layer)
+            if held is None:
+                continue
+            incoming = np.setdiff1d(want, held.resident)
+            if not len(incoming):
+                continue
+            free = np.flatnonzero(~np.isin(held.resident, want))[:len(incoming)]
+            held.resident[free] = incoming
+            cpu = held.cpu
+            for index, host in zip(held.weights, (cpu.gate, cpu.up, cpu.down)):
+                self._leaves[index] = self._leaves[index].at[free].set(jnp.asarray(host[incoming],
+                                                                                     self._leaves[index].dtype))
+            slot_of = np.full(len(cpu.gate), -1, np.int32)
+            slot_of[held.resident] = np.arange(len(held.resident), dtype=np.int32)
+            self._leaves[held.slot_map] = jnp.asarray(slot_of)
+            moved += len(incoming) * cpu.expert_bytes
+        return moved
 
     def capacity(self, slots: int) -> int:
         """The slot count a decode's cache is allocated with: a power of two from 256 that holds

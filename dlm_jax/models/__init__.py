@@ -21,6 +21,8 @@ _EXPORTS = {
     "mask_rows_gate": "dlm_jax.models._lora",
     "remove_lora": "dlm_jax.models._lora",
     "set_lora_params": "dlm_jax.models._lora",
+    "CpuExperts": "dlm_jax.models._split",
+    "split_experts": "dlm_jax.models._split",
     "ModelOutput": "dlm_jax.models._transformer",
     "Transformer": "dlm_jax.models._transformer",
     "apply_rope": "dlm_jax.models._transformer",

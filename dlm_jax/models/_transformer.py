@@ -239,7 +239,8 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
                      down: jax.Array) -> jax.Array:
     """Each row [N, D] through its k experts only; the same result as `dense_experts`.
 
-    Two forms, one branch per shape of `expert_shapes`, the cheapest that holds the step
+    An expert id of -1 marks an assignment computed elsewhere (split execution's misses): it
+    contributes nothing. Two forms, one branch per shape of `expert_shapes`, the cheapest that holds the step
     picked at run time (`_switch`), so no assignment is ever dropped and the FLOPs follow the
     step's routing:
     - few experts used (a decode window of [MASK] rows sends most rows to a few): the U used
@@ -253,6 +254,7 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
     f = gate.shape[-1]
     a = n * k
     flat = routing.experts.reshape(a)
+    valid = flat >= 0
     onehot = (flat[:, None] == jnp.arange(e, dtype=flat.dtype)).astype(jnp.int32)  # [A, E]
     counts = onehot.sum(0)
     weights = routing.weights.astype(x.dtype)
@@ -262,20 +264,23 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
     def few(u: int) -> jax.Array:
         experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
         g, v, o = (jnp.take(w, experts, axis=0) for w in (gate, up, down))  # [U, D, F], [U, F, D]
-        combine = jnp.einsum("nk,nku->nu", weights, jax.nn.one_hot(slot[routing.experts], u, dtype=x.dtype))
+        ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
+        combine = jnp.einsum("nk,nku->nu", weights, jax.nn.one_hot(ids, u, dtype=x.dtype))
         h = (jax.nn.silu(x @ g.transpose(1, 0, 2).reshape(d, u * f)) * (x @ v.transpose(1, 0, 2).reshape(d, u * f)))
         return (h.reshape(n, u, f) * combine[..., None]).reshape(n, u * f) @ o.reshape(u * f, d)
 
     def packed(c: int) -> jax.Array:
         starts = jnp.cumsum(counts) - counts
         rank = (jnp.cumsum(onehot, 0) * onehot).sum(1) - 1  # each assignment's place in its expert
-        order = _inverse_permutation(starts[flat] + rank)  # expert-ordered place -> assignment
+        place = jnp.where(valid, starts[flat] + rank, counts.sum() + jnp.cumsum(~valid) - 1)  # absent ones last
+        order = _inverse_permutation(place)  # expert-ordered place -> assignment
         rows = jnp.take(x, order // k, axis=0)  # [A, D]
         take = starts[:, None] + jnp.arange(c, dtype=starts.dtype)[None, :]  # [E, C]
         buf = jnp.take(rows, jnp.minimum(take, a - 1).reshape(e * c), axis=0).reshape(e, c, d)
         buf = jnp.where((jnp.arange(c) < counts[:, None])[..., None], buf, 0).astype(x.dtype)
         y = _swiglu_experts(buf, gate, up, down).reshape(e * c, d)
-        y = jnp.take(y, flat * c + jnp.minimum(rank, c - 1), axis=0).reshape(n, k, d)  # by assignment
+        y = jnp.take(y, jnp.maximum(flat, 0) * c + jnp.clip(rank, 0, c - 1), axis=0)  # by assignment
+        y = jnp.where(valid[:, None], y, 0).reshape(n, k, d)
         return jnp.einsum("nk,nkd->nd", weights, y)
 
     shapes = expert_shapes(n, k, e)
@@ -334,6 +339,10 @@ def _top_k(x: jax.Array, k: int) -> jax.Array:
     return jnp.stack(picked, axis=-1)
 
 
+class ExpertSlotMap(nnx.Variable):
+    """[E] int32: the slot of each routed expert in a split layer's slot buffers, -1 if none."""
+
+
 class MoEFFN(nnx.Module):
     """Routed SwiGLU experts plus optional shared experts; each row runs its top-k experts only
     (`dispatch_experts`)."""
@@ -350,6 +359,11 @@ class MoEFFN(nnx.Module):
         self.down = nnx.Param(_init(rngs.params(), (e, f, d), pd))
         self.shared = (DenseFFN(cfg, cfg.n_shared_experts * f, kind="swiglu", rngs=rngs)
                        if cfg.n_shared_experts else None)
+        # Split execution (`dlm_jax.models.split_experts`): gate/up/down hold S expert slots,
+        # `slot_of` [E] each expert's slot (-1: not resident) and `cpu_experts` computes the
+        # assignments to the others on the host.
+        self.slot_of: ExpertSlotMap | None = nnx.data(None)
+        self.cpu_experts = None
 
     def routing(self, flat: jax.Array) -> Routing:
         logits = flat.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
@@ -364,8 +378,15 @@ class MoEFFN(nnx.Module):
         flat = x.reshape(b * t, d)
         dt = x.dtype
         routing = self.routing(flat)
-        out = experts(flat, routing, self.gate[...].astype(dt), self.up[...].astype(dt),
-                      self.down[...].astype(dt)).reshape(b, t, d)
+        resident = routing
+        if self.slot_of is not None:
+            slot = self.slot_of[...][routing.experts]
+            resident = Routing(slot, jnp.where(slot >= 0, routing.weights, 0.0))
+        out = experts(flat, resident, self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
+        if self.slot_of is not None:  # the misses, on the host, added at the layer output
+            out = out + jax.pure_callback(self.cpu_experts, jax.ShapeDtypeStruct(flat.shape, dt), flat,
+                                          routing.experts, routing.weights, resident.experts < 0)
+        out = out.reshape(b, t, d)
         if self.shared is not None:
             out = out + self.shared(x, lora_gate)
         return out, routing

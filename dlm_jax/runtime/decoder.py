@@ -263,7 +263,7 @@ class Decoder:
         if min(lens) == 0:
             raise ConfigError(f"prompt {list(lens).index(0)} is empty")
         cfg.scheduler.validate(cfg, self.model_config)
-        cfg.placement.validate(self.model_config)
+        cfg.placement.validate(self.model_config, self.capabilities)
         total = max(lens) + cfg.gen_len + cfg.scheduler.overhang()
         if total > self.max_tokens:
             over = cfg.scheduler.overhang()
@@ -408,7 +408,9 @@ class Decoder:
                 state.count("logit_rows", len(plan.rows) + d)
                 if d:
                     state.count("probe_rows", d)
-                placement.before_step(placed, state, plan)
+                decision = placement.before_step(placed, state, plan)
+                if decision is not None:
+                    state.count("placement_bytes", self.executor.place(decision))
                 t1 = time.perf_counter()
                 out = cache.step(req)  # stores the plan's K/V where the step runs
                 t2 = time.perf_counter()

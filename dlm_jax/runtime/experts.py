@@ -35,7 +35,7 @@ from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.placement import PlacementPolicy
 from dlm_jax.runtime.scheduler import StepPlan
 from dlm_jax.runtime.state import DecodeState
-from dlm_jax.runtime.step import StepOutputs
+from dlm_jax.runtime.step import Capabilities, StepOutputs
 
 HITS_MODES = ("current_step", "previous_step")
 
@@ -158,6 +158,22 @@ class ExpertPlacement:
     def is_refresh(self, t: int) -> bool:
         """Whether step t of a block is a refresh step by the schedule (t % tau == 0)."""
         return self.tau is not None and t % self.tau == 0
+
+    @property
+    def known_ahead(self) -> bool:
+        """Whether a step's resident sets are known before it runs (`upcoming`): a refresh from
+        the previous step's hits, or no refresh at all."""
+        return self.tau is None or self.hits_mode == "previous_step"
+
+    def upcoming(self, t: int) -> np.ndarray:
+        """[L, B] the resident sets step t of a block will be accounted with by `step`, before it
+        runs; only where `known_ahead` (current-step hits need step t's own routing)."""
+        if not self.known_ahead:
+            raise ConfigError("resident sets refreshed from current-step hits are known only after the step")
+        resident = self._resident
+        if self.is_refresh(t) and self._previous is not None:
+            resident = _top_b(self._previous, self._resident, self.budget)
+        return np.nonzero(resident)[1].reshape(self.n_layers, self.budget)
 
     def step(self, t: int, topk: np.ndarray) -> StepRecord:
         """Account step t (within its block; t = 0 starts a block) whose tokens were routed to
@@ -362,7 +378,7 @@ class ExpertPolicy(PlacementPolicy):
         b = self.expert_budget or model.n_shared_experts + max(1, model.n_experts // 4)
         return model.n_experts if self.experts == "all" else b - model.n_shared_experts
 
-    def validate(self, model: ModelConfig) -> None:
+    def validate(self, model: ModelConfig, capabilities: Capabilities) -> None:
         if model.ffn != "moe":
             raise ConfigError(f"experts={self.experts!r}: the model has no MoE layers (ffn={model.ffn!r}); "
                               f"expert placement needs a mixture-of-experts model")
@@ -373,6 +389,13 @@ class ExpertPolicy(PlacementPolicy):
         if self.experts == "tide" and self.tau == "auto":
             raise ConfigError("tau='auto' is solved from a calibration decode (dlm_jax.load(...).generate or the "
                               "CLI do it); a DecodeConfig run directly needs an integer tau")
+        slots = capabilities.expert_slots
+        if slots and slots != self.budget(model):
+            raise ConfigError(f"expert_budget={self.budget(model) + model.n_shared_experts} does not fit the "
+                              f"executor's {slots} expert slots per split layer (+ {model.n_shared_experts} shared)")
+        if slots and self.experts in ("tide", "per-step", "random") and self.hits == "current_step":
+            raise ConfigError("split execution places a step's experts before it runs: use hits='previous_step' "
+                              "(current-step hits are known only after the step)")
         if self.experts == "static":
             sets = self.static_sets
             layers = sum(map(model.is_moe_layer, range(model.n_layers)))
@@ -386,7 +409,23 @@ class ExpertPolicy(PlacementPolicy):
         initial = None if self.static_sets is None else np.asarray(self.static_sets)
         placement = ExpertPlacement(layers, model.n_experts, self.budget(model), tau, self.hits,
                                     shared=model.n_shared_experts, initial=initial)
-        return _ExpertRecord(placement, np.random.default_rng(self.expert_seed))
+        return _ExpertRecord(placement, np.random.default_rng(self.expert_seed),
+                             tuple(i for i in range(model.n_layers) if model.is_moe_layer(i)))
+
+    def before_step(self, record: _ExpertRecord, state: DecodeState, plan: StepPlan) -> dict[int, np.ndarray] | None:
+        """The resident sets of the step (by model layer) when they changed and are known
+        ahead (`ExpertPlacement.upcoming`): an executor holding expert slots moves them in."""
+        p = record.placement
+        if plan.step == 0 and self.experts == "random":
+            width = len(plan.targets) if plan.unit_slots is None else len(plan.unit_slots)
+            p.tau = int(record.rng.integers(2, max(width, 3)))
+        if not p.known_ahead:
+            return None
+        resident = p.upcoming(plan.step)
+        if record.placed is not None and np.array_equal(resident, record.placed):
+            return None
+        record.placed = resident
+        return dict(zip(record.layers, resident))
 
     def after_step(self, record: _ExpertRecord, state: DecodeState, plan: StepPlan, outputs: StepOutputs) -> None:
         topk = np.array(outputs.router_topk)  # [M, B, W, K]
@@ -395,9 +434,6 @@ class ExpertPolicy(PlacementPolicy):
         topk = topk.reshape(topk.shape[0], -1, topk.shape[-1])
         if plan.step == 0:
             record.trace.append([])
-            if self.experts == "random":
-                width = len(plan.targets) if plan.unit_slots is None else len(plan.unit_slots)
-                record.placement.tau = int(record.rng.integers(2, max(width, 3)))
         record.trace[-1].append(topk)
         record.steps.append(record.placement.step(plan.step, topk))
 
@@ -416,6 +452,8 @@ class _ExpertRecord:
 
     placement: ExpertPlacement
     rng: np.random.Generator
+    layers: tuple[int, ...]  # the model's MoE layers, in the placement's order
+    placed: np.ndarray | None = None  # the resident sets last handed to the executor
     trace: list[list[np.ndarray]] = dataclasses.field(default_factory=list)
     steps: list[StepRecord] = dataclasses.field(default_factory=list)
 

@@ -7,11 +7,12 @@ PowerInfer-2's neuron placement (hot neurons resident, cold ones through a neuro
 plug in. A policy decides; the executor holds the tensors. Placement never changes what a
 step computes, only where, so tokens are the same under every policy.
 
-The decoder calls `validate` (the model's config, before anything runs), then per decode:
+The decoder calls `validate` (the model's config and the executor's capabilities, before
+anything runs), then per decode:
 `begin` (before the first step), which returns the decode's own placement record (policies
 are frozen configs shared by decodes; the record holds what one decode changes); per step:
-`before_step` (after the plan, before the executor runs it) and `after_step` (with the step's
-outputs); `end` after the last step, whose dict goes to `DecodeStats.placement`. `outputs`
+`before_step` (after the plan, before the executor runs it; what it returns, if not None, goes
+to `Executor.place`) and `after_step` (with the step's outputs); `end` after the last step, whose dict goes to `DecodeStats.placement`. `outputs`
 names the optional step outputs the policy reads (`router_topk`). `NoPlacement`, the default,
 keeps everything where the executor put it.
 """
@@ -25,7 +26,7 @@ from dlm_jax._config import ModelConfig
 from dlm_jax.runtime.hooks import HookBase
 from dlm_jax.runtime.scheduler import StepPlan
 from dlm_jax.runtime.state import DecodeState
-from dlm_jax.runtime.step import StepOutputs
+from dlm_jax.runtime.step import Capabilities, StepOutputs
 
 
 class PlacementPolicy(HookBase):
@@ -36,16 +37,18 @@ class PlacementPolicy(HookBase):
         """The optional step outputs this policy reads (default none)."""
         return frozenset()
 
-    def validate(self, model: ModelConfig) -> None:
-        """Raise ConfigError (one line) if this policy cannot place `model`'s parts."""
+    def validate(self, model: ModelConfig, capabilities: Capabilities) -> None:
+        """Raise ConfigError (one line) if this policy cannot place `model`'s parts on an
+        executor of these `capabilities`."""
         return None
 
     def begin(self, state: DecodeState, model: ModelConfig) -> Any:
         """A decode of `model` starts (its requests and slots are in `state`); returns its record."""
         return None
 
-    def before_step(self, record: Any, state: DecodeState, plan: StepPlan) -> None:
-        """The step `plan` is about to run."""
+    def before_step(self, record: Any, state: DecodeState, plan: StepPlan) -> Any:
+        """The step `plan` is about to run; what the executor should hold for it
+        (`Executor.place`), or None to keep what it holds."""
         return None
 
     def after_step(self, record: Any, state: DecodeState, plan: StepPlan, outputs: StepOutputs) -> None:

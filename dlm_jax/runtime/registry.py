@@ -111,7 +111,7 @@ class Selector(NamedTuple):
     table: dict[str, type]
     default: str
     help: str
-    implied_by: tuple[tuple[str, str], ...] = ()  # (option, name): giving the option, selector unset, picks name
+    implied_by: tuple[tuple[str, str], ...] = ()  # (option, name): changing the option, not the selector, picks name
 
 
 SELECTORS: tuple[Selector, ...] = (
@@ -222,7 +222,8 @@ def build(changes: Mapping[str, Any], *, base: DecodeConfig | Mapping[str, Any] 
         default = sel.default
         if sel.field == "rule" and type(parts["scheduler"]).commit_rule is not None:
             default = type(parts["scheduler"]).commit_rule  # a schedule that accepts its own proposals
-        choice = merged.get(sel.option, next((name for option, name in sel.implied_by if option in merged), default))
+        implied = next((name for option, name in sel.implied_by if option in changes), None)
+        choice = changes.get(sel.option, implied or merged.get(sel.option, default))
         if not isinstance(choice, str):  # an object
             parts[sel.field] = choice
             continue

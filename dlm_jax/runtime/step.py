@@ -189,6 +189,7 @@ class Capabilities:
     outputs: frozenset[str] = frozenset({"kv", "logits"})
     missing_hint: str = ""  # appended to the error for a step no bucket holds (how to get one)
     inputs: frozenset[str] = frozenset()  # optional step inputs it takes: "lora_gate" (a model with adapters)
+    expert_slots: int = 0  # resident experts per split MoE layer (`Executor.place`); 0: no split layers
 
     @classmethod
     def for_length(cls, max_len: int, *, batches: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> Capabilities:
@@ -315,7 +316,7 @@ class Executor(HookBase):
     `set_progress(progress)` hands it a `(stage, done, total)` callback for long builds."""
 
     HOOKS = ("capabilities", "step", "warmup", "prefetch", "prepare", "fork", "open", "close", "build_counts",
-             "set_progress")
+             "set_progress", "place")
     prepares_ahead: bool = False  # `prepare` builds in batches: give it the buckets of nearby prompt lengths too
 
     @property
@@ -358,6 +359,12 @@ class Executor(HookBase):
     def close(self) -> None:
         """Release native resources now (default: nothing)."""
         return None
+
+    def place(self, resident: Mapping[int, np.ndarray]) -> int:
+        """Hold experts `resident` ({layer: [S] expert ids}) in the expert slots of those
+        layers for the next steps (split execution); returns the bytes moved in (default: no
+        slots, nothing moved)."""
+        return 0
 
     def build_counts(self) -> BuildCounts:
         """Compiles and exports so far (default: none)."""

@@ -287,3 +287,18 @@ def test_no_jax_import():
     # The host runtime must run where only NumPy (and LiteRT) is installed.
     code = "import sys, dlm_jax.runtime.experts; assert 'jax' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_upcoming_is_the_set_the_step_then_runs_with():
+    """Previous-step hits and static placements know a step's resident sets before it runs
+    (split execution places them ahead); current-step hits do not."""
+    rng = np.random.default_rng(5)
+    for hits, tau in (("previous_step", 2), ("previous_step", 1), ("current_step", None)):
+        p = ExpertPlacement(2, 8, 3, tau, hits)
+        for block in range(3):
+            for t in range(5):
+                ahead = p.upcoming(t)
+                p.step(t, rng.integers(-1, 8, (2, 6, 2)))
+                np.testing.assert_array_equal(p.resident, ahead)
+    with pytest.raises(ConfigError, match="known only after the step"):
+        ExpertPlacement(2, 8, 3, 2, "current_step").upcoming(0)
