@@ -142,16 +142,18 @@ class Model:
         # `Executor.prefetch`): the stats count those compiles and the seconds waited for them.
         if self.decoder.executor.prepares_ahead:
             self.decoder.warmup([len(i) for i in ids], config)
-        config = self._calibrated(config, ids, seeds)
+        config = self.calibrated(config, ids, seeds=seeds)
         out = self.decoder.decode(ids, config, seeds=seeds, on_block=callback)
         trimmed = [self._trim(s) for s in out.sequences]
         texts = [self.tokenizer.decode(t) for t in trimmed] if self.has_tokenizer else None
         return GenerateResult(texts, trimmed, out.stats)
 
-    def _calibrated(self, config: DecodeConfig, ids: list[list[int]], seeds) -> DecodeConfig:
+    def calibrated(self, config: DecodeConfig, ids: list[list[int]], *, seeds=None) -> DecodeConfig:
         """`config` with its expert placement calibrated where it asks for it (`--tau auto`,
-        `--experts static`): from a decode of these prompts with every expert resident, whose
-        routing gives the static sets and the solved tau (`runtime.experts.calibrate`)."""
+        `--experts static`): from a decode of the prompts `ids` with every expert resident,
+        whose routing gives the static sets and the solved tau (`runtime.experts.calibrate`,
+        costs profiled on this machine). `generate` calls it on its own prompts; calling it
+        once first (on other prompts) fixes the placement for later calls."""
         from dlm_jax.runtime.experts import ExpertPolicy, calibrate, needs_calibration
 
         if not needs_calibration(config.placement):

@@ -34,8 +34,11 @@ def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_s
             raise ConfigError(f"{name}={value!r} must be a positive integer")
     examples = make_split(TASKS[task], n, split="heldout", seed=seed)
     from dlm_jax.runtime.decoder import merge_speculation, speculation_summary
+    from dlm_jax.runtime.experts import merge_placement
 
-    correct, nfe, tokens, seconds, samples, spec = [], [], 0, 0.0, [], {}
+    correct, nfe, tokens, seconds, samples, spec, placed = [], [], 0, 0.0, [], {}, {}
+    if hasattr(handle, "calibrated"):  # expert placement: calibrated once, on the first batch
+        cfg = handle.calibrated(cfg, [handle.encode(ex.prompt, chat=chat) for ex in examples[:batch_size]])
     for i in tqdm(range(0, n, batch_size), desc=f"eval {task}", disable=not progress, file=sys.stderr):
         chunk = examples[i:i + batch_size]
         prompts = [handle.encode(ex.prompt, chat=chat) for ex in chunk]
@@ -46,6 +49,7 @@ def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_s
         nfe += res.stats.request_nfe
         tokens += res.stats.tokens_committed
         spec = merge_speculation(spec, res.stats.speculation)
+        placed = merge_placement(placed, res.stats.placement)
         for ex, text in zip(chunk, res.texts):
             ok = TASKS[task].score(text, ex)
             correct.append(ok)
@@ -53,7 +57,8 @@ def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_s
                 samples.append({"prompt": ex.prompt, "completion": text, "answer": ex.answer, "correct": ok})
     return {"task": task, "n": n, "accuracy": float(np.mean(correct)), "mean_nfe": float(np.mean(nfe)),
             "tokens_per_second": tokens / seconds if seconds else 0.0, "seconds": seconds, "samples": samples,
-            **({"speculation": speculation_summary(spec)} if spec else {})}
+            **({"speculation": speculation_summary(spec)} if spec else {}),
+            **({"placement": placed} if placed else {})}
 
 
 def chance_accuracy(task: str, *, n: int = 200, seed: int = 0) -> float:

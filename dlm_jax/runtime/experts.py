@@ -386,9 +386,6 @@ class ExpertPolicy(PlacementPolicy):
         if b and not shared < b <= model.n_experts:
             raise ConfigError(f"expert_budget={b} must be in [{shared + 1}, {model.n_experts}]: above the "
                               f"{shared} shared expert(s), always resident, and at most the {model.n_experts} experts")
-        if self.experts == "tide" and self.tau == "auto":
-            raise ConfigError("tau='auto' is solved from a calibration decode (dlm_jax.load(...).generate or the "
-                              "CLI do it); a DecodeConfig run directly needs an integer tau")
         slots = capabilities.expert_slots
         if slots and slots != self.budget(model):
             raise ConfigError(f"expert_budget={self.budget(model) + model.n_shared_experts} does not fit the "
@@ -396,15 +393,18 @@ class ExpertPolicy(PlacementPolicy):
         if slots and self.experts in ("tide", "per-step", "random") and self.hits == "current_step":
             raise ConfigError("split execution places a step's experts before it runs: use hits='previous_step' "
                               "(current-step hits are known only after the step)")
-        if self.experts == "static":
-            sets = self.static_sets
-            layers = sum(map(model.is_moe_layer, range(model.n_layers)))
-            if sets is None or len(sets) != layers or any(len(s) != self.budget(model) for s in sets):
-                raise ConfigError(f"experts='static' needs static_sets: {layers} layers of {self.budget(model)} "
-                                  f"expert ids (calibration; the CLI and dlm_jax.load(...).generate make them)")
 
     def begin(self, state: DecodeState, model: ModelConfig) -> _ExpertRecord:
+        """Refuses a placement still to calibrate (`Model.calibrated` makes tau and static sets)."""
         layers = sum(map(model.is_moe_layer, range(model.n_layers)))
+        if self.experts == "tide" and self.tau == "auto":
+            raise ConfigError("tau='auto' is solved from a calibration decode (dlm_jax.load(...).generate and the "
+                              "CLI do it, `Model.calibrated`); a DecodeConfig run directly needs an integer tau")
+        sets = self.static_sets
+        if self.experts == "static" and (sets is None or len(sets) != layers
+                                         or any(len(s) != self.budget(model) for s in sets)):
+            raise ConfigError(f"experts='static' needs static_sets: {layers} layers of {self.budget(model)} expert "
+                              f"ids (calibration: dlm_jax.load(...).generate and the CLI make them, `Model.calibrated`)")
         tau = {"tide": None if self.tau == "auto" else int(self.tau), "per-step": 1}.get(self.experts)
         initial = None if self.static_sets is None else np.asarray(self.static_sets)
         placement = ExpertPlacement(layers, model.n_experts, self.budget(model), tau, self.hits,
@@ -538,6 +538,20 @@ def calibrate(policy: ExpertPolicy, trace: Trace, model: ModelConfig,
                     costs=costs.source, assignments_per_step=assignments, cost=table.total.tolist())
         policy = dataclasses.replace(policy, tau=str(tau))
     return policy, info
+
+
+_SUMMED = ("steps", "refreshes", "migrations", "misses", "assignments")
+
+
+def merge_placement(a: dict, b: dict) -> dict:
+    """Two decodes' `DecodeStats.placement` reports as one (counts summed, the mean unique
+    experts per step weighted by steps; no trace)."""
+    b = {k: v for k, v in b.items() if k != "trace"}
+    if not a or not b:
+        return dict(a or b)
+    out = {**a, **{k: a[k] + b[k] for k in _SUMMED}}
+    out["unique_per_step"] = (a["unique_per_step"] * a["steps"] + b["unique_per_step"] * b["steps"]) / out["steps"]
+    return out
 
 
 def needs_calibration(policy: Any) -> bool:

@@ -168,3 +168,15 @@ def test_cli_reports_the_placement(tmp_path):
     assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [
         "error: expert_budget=30 must be in [2, 8]: above the 1 shared expert(s), always resident, and at most "
         "the 8 experts"]
+
+
+def test_eval_calibrates_once_and_sums_the_placement(tmp_path):
+    from training.evaluate import evaluate
+
+    handle = dlm_jax.load(tiny_checkpoint(tmp_path / "moe", seed=1, vocab_size=264, **MOE))
+    report = evaluate(handle, "sorting", preset("fast-dllm", gen_len=16, block_len=8, experts="tide",
+                                                expert_budget=3), n=4, batch_size=2, progress=False)
+    placed = report["placement"]
+    assert isinstance(placed["tau"], int) and placed["experts"] == "tide" and "trace" not in placed
+    assert 0 < placed["misses"] <= placed["assignments"]
+    assert placed["steps"] >= 2 and placed["refreshes"] >= 1
