@@ -74,7 +74,7 @@ def resolve_executor(name: str | None, config: ModelConfig) -> str:
 
 
 def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, executor: str | None = None,
-         lora: str | os.PathLike | None = None, **overrides: Any) -> Model:
+         lora: str | os.PathLike | None = None, expert_slots: int | None = None, **overrides: Any) -> Model:
     """Load a checkpoint directory (model + tokenizer) ready to generate.
 
     Args:
@@ -89,6 +89,10 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
         `adapter_model.safetensors`, PEFT's layout; R-ISD): attached to the model, gated per
         row by the step's `lora_gate` (1 on [MASK] rows). Adapters made for another base are
         refused naming the file. They decode on the JAX executor.
+      expert_slots: split execution of an MoE model (`dlm_jax.models.split_experts`): every MoE
+        layer's compiled step holds this many routed experts in slots and computes the others'
+        assignments on a NumPy CPU path; an expert placement (`--experts`, previous-step hits,
+        budget = slots + shared experts) moves experts into the slots between steps. JAX only.
       overrides: `ModelConfig` fields to change (`mask_token_id=N` for a checkpoint that
         declares none, `attention=...`, `dtype=...`).
 
@@ -112,5 +116,14 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
                               f"them; the {name} executor (the bundle cache) does not carry adapters yet: pass "
                               f"executor='jax' (--executor jax), or dlm-jax export --lora")
         load_adapters(lora, model, base=path, verify=verify)
+    if expert_slots is not None:
+        from dlm_jax.models._split import split_experts
+
+        if model.config.ffn != "moe":
+            raise ConfigError(f"expert_slots={expert_slots}: the model has no MoE layers to split")
+        if executor not in (None, AUTO, "jax"):
+            raise ConfigError(f"split expert execution (expert_slots) runs on the JAX executor, not {executor!r}")
+        name = "jax"
+        split_experts(model, [i for i in range(model.config.n_layers) if model.config.is_moe_layer(i)], expert_slots)
     factory = EXECUTORS[name]
     return Model(model, tokenizer, executor=factory(model, source=path))

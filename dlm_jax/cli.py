@@ -60,7 +60,8 @@ def _load(args: argparse.Namespace, path: str | Path):
 
     overrides = {} if args.mask_token_id is None else {"mask_token_id": args.mask_token_id}
     handle = dlm_jax.load(path, strict=args.strict, verify=args.verify_manifest, executor=getattr(args, "executor", None),
-                          lora=getattr(args, "lora", None), **overrides)
+                          lora=getattr(args, "lora", None), expert_slots=getattr(args, "expert_slots", None),
+                          **overrides)
     handle.executor.set_progress(_export_progress())  # the bundle cache draws its exports
     args.keep_alive = handle  # hushes LiteRT's teardown at exit
     return handle
@@ -440,6 +441,9 @@ def _add_executor_option(p: argparse.ArgumentParser) -> None:
                         "on a CPU, exporting each bucket to a bundle cache the first time a decode needs it "
                         "(~/.cache/dlm-jax/bundles, or $DLM_JAX_BUNDLE_CACHE), and JAX on a GPU/TPU; jax: the "
                         "JAX executor; litert: the LiteRT runner")
+    p.add_argument("--expert-slots", type=int, metavar="S", help="split expert execution of an MoE model: S routed "
+                   "experts per layer in the compiled step, the rest on a NumPy CPU path; --experts moves them "
+                   "(previous-step hits, --expert-budget S + shared); JAX executor")
 
 
 def _add_lora_option(p: argparse.ArgumentParser) -> None:

@@ -386,7 +386,7 @@ class ExpertPolicy(PlacementPolicy):
         if b and not shared < b <= model.n_experts:
             raise ConfigError(f"expert_budget={b} must be in [{shared + 1}, {model.n_experts}]: above the "
                               f"{shared} shared expert(s), always resident, and at most the {model.n_experts} experts")
-        slots = capabilities.expert_slots
+        slots = 0 if self.experts == "all" else capabilities.expert_slots  # "all": accounting only
         if slots and slots != self.budget(model):
             raise ConfigError(f"expert_budget={self.budget(model) + model.n_shared_experts} does not fit the "
                               f"executor's {slots} expert slots per split layer (+ {model.n_shared_experts} shared)")
@@ -419,7 +419,7 @@ class ExpertPolicy(PlacementPolicy):
         if plan.step == 0 and self.experts == "random":
             width = len(plan.targets) if plan.unit_slots is None else len(plan.unit_slots)
             p.tau = int(record.rng.integers(2, max(width, 3)))
-        if not p.known_ahead:
+        if not p.known_ahead or self.experts == "all":  # "all": nothing to move
             return None
         resident = p.upcoming(plan.step)
         if record.placed is not None and np.array_equal(resident, record.placed):

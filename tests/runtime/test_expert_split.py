@@ -68,3 +68,26 @@ def test_split_execution_needs_matching_slots_and_previous_step_hits():
         decoder.decode(PROMPTS, cfg.replace(experts="per-step", expert_budget=4))
     with pytest.raises(ConfigError, match="layer 0 is not an MoE layer"):
         split_experts(sharp_model(seed=2, **MOE), (0,), 2)
+
+
+def test_load_splits_every_moe_layer_and_the_cli_decodes_with_it(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from dlm_jax.testing import tiny_checkpoint
+
+    path = tiny_checkpoint(tmp_path / "moe", seed=1, **MOE)
+    handle = dlm_jax.load(path, expert_slots=3)
+    assert handle.decoder.executor.capabilities.expert_slots == 3
+    assert [i for i, block in enumerate(handle.model.layers) if block.ffn.__dict__.get("cpu_experts")] == [1, 2]
+    with pytest.raises(ConfigError, match="runs on the JAX executor"):
+        dlm_jax.load(path, expert_slots=3, executor="litert")
+    cmd = [sys.executable, "-m", "dlm_jax.cli", "generate", "--model", str(path), "--prompt-ids", "5,6,7", "--gen",
+           "16", "--block", "8", "--expert-slots", "3", "--experts", "tide", "--tau", "2", "--expert-budget", "4",
+           "--hits", "previous_step"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    plain = subprocess.run(cmd[:cmd.index("--expert-slots")], capture_output=True, text=True, timeout=300)
+    assert done.stdout == plain.stdout  # the same tokens
+    assert json.loads(done.stderr.strip().splitlines()[-1])["placement"]["tau"] == 2

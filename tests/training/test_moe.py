@@ -52,6 +52,7 @@ def test_a_run_balances_its_experts_and_logs_the_load(tmp_path):
     assert '"expert_max_load"' in logged
 
 
+@pytest.mark.slow  # about 25 s: a one-step run
 def test_init_partial_takes_the_matching_weights_of_a_dense_model(tmp_path):
     from training.loop import train
 
