@@ -137,6 +137,16 @@ def _final_loss(metrics: list[dict], key: str = "loss") -> float:
     return sum(m[key] for m in tail) / len(tail)
 
 
+def _ffn(m) -> str:
+    """The card's words for the model's FFN."""
+    if m.ffn != "moe":
+        return f"SwiGLU {m.ffn_hidden}"
+    active = m.n_experts_per_tok + m.n_shared_experts
+    return (f"MoE: {m.n_experts} routed SwiGLU experts of width {m.moe_ffn_hidden}, top-{m.n_experts_per_tok}, "
+            f"{m.n_shared_experts} shared, {m.router} router{' with a selection bias' if m.router_bias else ''}; "
+            f"{active} x {m.moe_ffn_hidden} FFN width active per token")
+
+
 def _lr_at(t, step: int) -> float:
     from training.loop import make_optimizer
 
@@ -149,7 +159,7 @@ def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_
     lines = [f"# {name}", "",
              f"A {dlm_jax.param_count(m):,}-parameter {m.attention} transformer "
              f"({'logit shift, ' if m.logit_shift else ''}d_model {m.d_model}, {m.n_layers} layers, "
-             f"{m.n_heads} heads / {m.n_kv_heads} kv heads, SwiGLU {m.ffn_hidden}) trained by dlm-jax with the "
+             f"{m.n_heads} heads / {m.n_kv_heads} kv heads, {_ffn(m)}) trained by dlm-jax with the "
              f"`{t.objective}` objective on the task mix {dict(run.data.tasks)} (byte-level tokenizer).", "",
              *([PROMPT_FORMAT_NOTE, ""] if prompt_format(run) == "chat" else []),
              "## How it was trained", "", "```", f"dlm-jax train --config {config}", "```", "",
@@ -161,7 +171,13 @@ def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_
              f"(warm-up {t.warmup_steps}, cosine to {t.min_lr_ratio}x), weight decay {t.weight_decay}, "
              f"clip {t.grad_clip}, {t.compute_dtype}",
              *([f"- initial weights: `{t.init_from}` (`[train] init_from`; its wall time not counted "
-                f"here), with this config's attention and logit shift"] if t.init_from else []),
+                f"here), with this config's attention and logit shift"
+                + (": the parameters whose names and shapes match (`init_partial`), the others (experts, router) "
+                   "random" if t.init_partial else "")] if t.init_from else []),
+             *([f"- expert balancing without an auxiliary loss: each step every expert's selection bias moves "
+                f"{t.expert_bias_rate} towards the mean load (`expert_bias_rate`); busiest expert's load / mean at "
+                f"the end: {_final_loss(metrics, 'expert_max_load'):.2f} (per layer, averaged)"]
+               if t.expert_bias_rate else []),
              *([f"- objective options: clean-position term, weight {t.clean_loss_weight}, "
                 f"{t.corrupt_prob:.0%} of the visible response tokens corrupted"] if t.clean_loss_weight else []),
              f"- wall time: {seconds / 60:.1f} min of training steps on {trained_on}",

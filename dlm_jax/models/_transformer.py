@@ -240,9 +240,9 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
     """Each row [N, D] through its k experts only; the same result as `dense_experts`.
 
     An expert id of -1 marks an assignment computed elsewhere (split execution's misses): it
-    contributes nothing. Two forms, one branch per shape of `expert_shapes`, the cheapest that holds the step
-    picked at run time (`_switch`), so no assignment is ever dropped and the FLOPs follow the
-    step's routing:
+    contributes nothing. Two forms, one branch per shape of `expert_shapes`, the cheapest that
+    holds the step picked at run time (`_switch`), so no assignment is ever dropped and the
+    FLOPs follow the step's routing:
     - few experts used (a decode window of [MASK] rows sends most rows to a few): the U used
       experts' weights are gathered and every row goes through them as two matmuls, the
       unselected (row, expert) pairs weighted zero;

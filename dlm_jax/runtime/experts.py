@@ -15,10 +15,11 @@ placed), B resident experts per layer (the budget), N tokens of a step, k expert
 of blocks, each a sequence of one [L, N, k] array per step.
 
 - `ExpertPlacement`: the residency state machine and its counters.
-The `PlacementPolicy` that drives it from a decode's `router_topk` step output comes with that
-output (issue 29); until then it prices recorded routing traces.
 - `drift`, `miss_curve`: d (Eq. 4) and f(tau) (Eq. 6) estimated from traces.
 - `io_cost`, `cpu_cost`, `solve_tau`: Eq. 5, Eq. 6 and the exhaustive Eq. 7 search.
+- `ExpertPolicy`: the decode loop's placement policy (`--experts`), driving an
+  `ExpertPlacement` from each step's `router_topk` output; `static_sets`, `ExpertCosts` and
+  `calibrate` make its static sets and its tau from a calibration decode.
 """
 
 from __future__ import annotations
@@ -325,10 +326,13 @@ class ExpertPolicy(PlacementPolicy):
     as settings: per MoE layer, `expert_budget` experts resident (the shared ones included,
     always resident), refreshed to the top by hits at steps t % tau == 0 of each block.
 
-    Placement is accounting here: the compiled step computes every expert (placement never
-    changes routing, so tokens are those of `experts="all"`), and the policy counts what a
-    split execution would move and miss (`DecodeStats.placement`). It reads the step output
-    `router_topk` of the rows the step decodes (bucket padding and finished requests excluded).
+    It reads the step output `router_topk` of the rows a step decodes (bucket padding and
+    finished requests excluded) and counts refreshes, migrations and misses
+    (`DecodeStats.placement`). On an executor with expert slots (split execution,
+    `dlm_jax.models.split_experts`) it also hands each step's resident sets to the executor
+    before the step (`before_step`), which moves the experts; elsewhere the compiled step
+    computes every expert and the counts price what a split would do. Placement never
+    changes routing, so tokens are those of `experts="all"` either way.
 
     Fields (flat decode options):
       experts: "tide" (refresh every `tau` steps), "per-step" (tau = 1, Mixtral-offload-like),

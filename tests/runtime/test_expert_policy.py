@@ -180,3 +180,13 @@ def test_eval_calibrates_once_and_sums_the_placement(tmp_path):
     assert isinstance(placed["tau"], int) and placed["experts"] == "tide" and "trace" not in placed
     assert 0 < placed["misses"] <= placed["assignments"]
     assert placed["steps"] >= 2 and placed["refreshes"] >= 1
+
+
+def test_costs_for_a_target_link():
+    cfg = sharp_model(seed=0, **MOE).config
+    per_expert = 3 * cfg.d_model * cfg.moe_ffn_hidden * 4
+    assert ExpertCosts.expert_bytes(cfg) == per_expert
+    pcie = ExpertCosts.link(cfg, 25e9, 2e-6, "PCIe 4.0 x16")
+    assert pcie.c_io == pytest.approx(per_expert / 25e9) and pcie.c_cpu == 2e-6
+    with pytest.raises(ConfigError, match="must be finite and >= 0"):
+        ExpertCosts(-1.0, 0.0)
