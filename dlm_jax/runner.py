@@ -55,12 +55,12 @@ ACCELERATORS = ("cpu", "gpu", "npu")
 
 def key_to_dict(key: BucketKey) -> dict[str, Any]:
     return {"batch": key.batch, "window": key.window, "cache": key.cache, "rows": key.rows,
-            "logits": key.full_logits, "signature": signature_name(key)}
+            "logits": key.full_logits, "router_topk": key.router_topk, "signature": signature_name(key)}
 
 
 def key_from_dict(entry: dict[str, Any]) -> BucketKey:
     return BucketKey(int(entry["batch"]), int(entry["window"]), int(entry["cache"]), int(entry["rows"]),
-                     bool(entry.get("logits", False)))
+                     bool(entry.get("logits", False)), bool(entry.get("router_topk", False)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +294,10 @@ class LiteRTExecutor(Executor):
     def _signature(self, key: BucketKey) -> _Signature:
         sig = self._signatures.get(key)
         if sig is None:
-            stored = key if key in self._capabilities.keys else dataclasses.replace(key, full_logits=True)
+            # A bucket returning more (logits, routed experts) also serves a step not reading them.
+            wider = (dataclasses.replace(key, full_logits=key.full_logits or a, router_topk=key.router_topk or b)
+                     for a, b in ((False, False), (True, False), (False, True), (True, True)))
+            stored = next((k for k in wider if k in self._capabilities.keys), key)
             if stored not in self._capabilities.keys:
                 raise ConfigError(f"no signature {signature_name(key)} in {self.bundle.path} "
                                   f"({len(self._capabilities.keys)} buckets)")
@@ -354,7 +357,7 @@ def zero_inputs(config: ModelConfig, key: BucketKey, *, gated: bool = False) -> 
     arrays["visibility"][...] = True
     if gated:
         arrays["lora_gate"] = np.zeros((key.batch, key.window), np.float32)
-    return StepInputs(**arrays, want=OutputRequest(kv=True, logits=key.full_logits))
+    return StepInputs(**arrays, want=OutputRequest(kv=True, logits=key.full_logits, router_topk=key.router_topk))
 
 
 class BundleModel(Model):

@@ -75,9 +75,14 @@ class _Sizes:
     default bucket sets for the model's length."""
 
     def __init__(self, config):
+        import dataclasses
+
         from dlm_jax.runtime.step import Capabilities
 
-        self.capabilities = Capabilities.for_length(config.max_seq_len)
+        caps = Capabilities.for_length(config.max_seq_len)
+        if config.ffn == "moe":  # an MoE model's bundle can return the routed experts (`--experts`)
+            caps = dataclasses.replace(caps, outputs=caps.outputs | {"router_topk"})
+        self.capabilities = caps
 
 
 def buckets_for_prompts(config, decode, *, max_prompt: int, batches: Sequence[int] = (1,)) -> list[BucketKey]:

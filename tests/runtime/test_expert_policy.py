@@ -190,3 +190,23 @@ def test_costs_for_a_target_link():
     assert pcie.c_io == pytest.approx(per_expert / 25e9) and pcie.c_cpu == 2e-6
     with pytest.raises(ConfigError, match="must be finite and >= 0"):
         ExpertCosts(-1.0, 0.0)
+
+
+def test_a_bundle_exported_for_placement_runs_it_on_litert(tmp_path):
+    """`export --experts ...` adds the routed experts to every bucket's signature; `run
+    --experts ...` then places on LiteRT with the JAX executor's tokens and accounting."""
+    path = tiny_checkpoint(tmp_path / "moe", seed=1, vocab_size=264, **MOE)
+    flags = ["--gen", "16", "--block", "8", "--experts", "per-step", "--expert-budget", "3"]
+    cli = [sys.executable, "-m", "dlm_jax.cli"]
+    done = subprocess.run(cli + ["export", "--model", str(path), "--out", str(tmp_path / "bundle"), "--for-prompts", "4",
+                                 *flags], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    ran = subprocess.run(cli + ["run", str(tmp_path / "bundle"), "--prompt-ids", "5,6,7", *flags], capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    jax_run = subprocess.run(cli + ["generate", "--model", str(path), "--prompt-ids", "5,6,7", *flags],
+                             capture_output=True, text=True, timeout=300)
+    assert ran.stdout == jax_run.stdout
+    litert, jax_stats = (json.loads(r.stderr.strip().splitlines()[-1]) for r in (ran, jax_run))
+    assert all(k.endswith("_topk") for k in litert["buckets"])
+    assert litert["placement"] == jax_stats["placement"]
