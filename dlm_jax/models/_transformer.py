@@ -228,10 +228,11 @@ def expert_capacities(n_rows: int, k: int, n_experts: int) -> tuple[int, ...]:
 
 def expert_shapes(n_rows: int, k: int, n_experts: int) -> tuple[tuple[int, int], ...]:
     """The computations `dispatch_experts` compiles for N rows, cheapest first, as (experts,
-    rows each): (U, N) for U a quarter or half of the E experts (every row through the U
-    experts the step uses), and (E, C) for each of `expert_capacities` (each expert's rows)."""
-    used = sorted({max(1, n_experts // 4), max(1, n_experts // 2)} - {n_experts})
-    shapes = [(u, n_rows) for u in used] + [(n_experts, c) for c in expert_capacities(n_rows, k, n_experts)]
+    rows each): (U, N) for U a quarter, half or all of the E experts (every row through the U
+    experts the step uses), and (E, C) for each of `expert_capacities` below N (each expert's
+    rows only)."""
+    used = sorted({max(1, n_experts // 4), max(1, n_experts // 2), n_experts})
+    shapes = [(u, n_rows) for u in used] + [(n_experts, c) for c in expert_capacities(n_rows, k, n_experts)[:-1]]
     return tuple(sorted(shapes, key=lambda uc: (uc[0] * uc[1], -uc[0])))
 
 
@@ -243,11 +244,12 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
     contributes nothing. Two forms, one branch per shape of `expert_shapes`, the cheapest that
     holds the step picked at run time (`_switch`), so no assignment is ever dropped and the
     FLOPs follow the step's routing:
-    - few experts used (a decode window of [MASK] rows sends most rows to a few): the U used
-      experts' weights are gathered and every row goes through them as two matmuls, the
-      unselected (row, expert) pairs weighted zero;
-    - many used (a varied batch): the N*k assignments are ordered by expert and packed into
-      an [E, C, D] buffer, C the busiest expert's rows rounded up to a capacity level.
+    - every row through the U experts the step uses, as two matmuls, the unselected (row,
+      expert) pairs weighted zero (U < E: their weights gathered first); cheapest where rows
+      crowd onto a few experts, as a decode window of [MASK] rows does;
+    - many experts with few rows each (a varied batch): the N*k assignments are ordered by
+      expert and packed into an [E, C, D] buffer, C the busiest expert's rows rounded up to a
+      capacity level below N.
     """
     n, d = x.shape
     e, k = gate.shape[0], routing.experts.shape[1]
@@ -262,9 +264,11 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
     slot = jnp.cumsum(used) - 1  # a used expert's place among the used ones
 
     def few(u: int) -> jax.Array:
-        experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
-        g, v, o = (jnp.take(w, experts, axis=0) for w in (gate, up, down))  # [U, D, F], [U, F, D]
-        ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
+        g, v, o, ids = gate, up, down, routing.experts  # every expert, in place
+        if u < e:  # the used ones, gathered
+            experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
+            g, v, o = (jnp.take(w, experts, axis=0) for w in (gate, up, down))  # [U, D, F], [U, F, D]
+            ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
         combine = jnp.einsum("nk,nku->nu", weights, jax.nn.one_hot(ids, u, dtype=x.dtype))
         h = (jax.nn.silu(x @ g.transpose(1, 0, 2).reshape(d, u * f)) * (x @ v.transpose(1, 0, 2).reshape(d, u * f)))
         return (h.reshape(n, u, f) * combine[..., None]).reshape(n, u * f) @ o.reshape(u * f, d)
@@ -284,8 +288,8 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
         return jnp.einsum("nk,nkd->nd", weights, y)
 
     shapes = expert_shapes(n, k, e)
-    fits = jnp.stack([used.sum() <= u if u < e else counts.max() <= c for u, c in shapes])
-    return _switch(jnp.argmax(fits), [functools.partial(few, u) if u < e else functools.partial(packed, c)
+    fits = jnp.stack([used.sum() <= u if c == n else counts.max() <= c for u, c in shapes])
+    return _switch(jnp.argmax(fits), [functools.partial(few, u) if c == n else functools.partial(packed, c)
                                       for u, c in shapes])
 
 
