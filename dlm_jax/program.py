@@ -306,6 +306,8 @@ class JaxExecutor(Executor):
             held = self._slots.get(layer)
             if held is None:
                 continue
+            if len(set(np.asarray(want).tolist())) != held.resident.size:
+                raise ValueError(f"layer {layer} holds {held.resident.size} distinct experts, not {list(want)}")
             incoming = np.setdiff1d(want, held.resident)
             if not len(incoming):
                 continue
