@@ -244,8 +244,8 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
     contributes nothing. Two forms, one branch per shape of `expert_shapes`, the cheapest that
     holds the step picked at run time (`_switch`), so no assignment is ever dropped and the
     FLOPs follow the step's routing:
-    - every row through the U experts the step uses, as two matmuls, the unselected (row,
-      expert) pairs weighted zero (U < E: their weights gathered first); cheapest where rows
+    - every row through the U experts the step uses (their weights gathered), as two
+      matmuls, the unselected (row, expert) pairs weighted zero; cheapest where rows
       crowd onto a few experts, as a decode window of [MASK] rows does;
     - many experts with few rows each (a varied batch): the N*k assignments are ordered by
       expert and packed into an [E, C, D] buffer, C the busiest expert's rows rounded up to a
@@ -264,11 +264,11 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
     slot = jnp.cumsum(used) - 1  # a used expert's place among the used ones
 
     def few(u: int) -> jax.Array:
-        g, v, o, ids = gate, up, down, routing.experts  # every expert, in place
-        if u < e:  # the used ones, gathered
-            experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
-            g, v, o = (jnp.take(w, experts, axis=0) for w in (gate, up, down))  # [U, D, F], [U, F, D]
-            ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
+        # The used experts first, their weights gathered (at U = E too: LiteRT 2.3's compiled
+        # model refuses an IF branch that reads the captured weights directly).
+        experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
+        g, v, o = (jnp.take(w, experts, axis=0) for w in (gate, up, down))  # [U, D, F], [U, F, D]
+        ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
         combine = jnp.einsum("nk,nku->nu", weights, jax.nn.one_hot(ids, u, dtype=x.dtype))
         h = (jax.nn.silu(x @ g.transpose(1, 0, 2).reshape(d, u * f)) * (x @ v.transpose(1, 0, 2).reshape(d, u * f)))
         return (h.reshape(n, u, f) * combine[..., None]).reshape(n, u * f) @ o.reshape(u * f, d)

@@ -20,11 +20,12 @@ MODELS = Path(__file__).resolve().parents[2] / "models"
 
 
 # Size limits above training.ship's default (`--max-mb`): llada-12m ships bfloat16 weights.
-SIZE_LIMIT_MB = {"llada-12m": 26.0}
+SIZE_LIMIT_MB = {"llada-12m": 26.0, "moe-tiny": 20.0}
 
 
 @pytest.mark.parametrize("name, attention", [("llada-tiny", "bidirectional"), ("idlm-tiny", "causal"),
-                                             ("llada-12m", "bidirectional"), ("ar-tiny", "causal")])
+                                             ("llada-12m", "bidirectional"), ("ar-tiny", "causal"),
+                                             ("moe-tiny", "bidirectional")])
 def test_shipped_checkpoint_loads_and_has_a_card(name, attention):
     path = MODELS / name
     model = dlm_jax.load_pretrained(path)
@@ -56,6 +57,7 @@ IN_ORDER = decode_config(gen_len=64, block_len=1, cache="none", rule="topk")  # 
     ("llada-12m", "sorting", FAST, 0.75),
     ("idlm-tiny", "addition", VANILLA, 0.75),
     ("idlm-tiny", "gsm_lite", IN_ORDER, 0.4),  # 74% on the card's 100 prompts
+    ("moe-tiny", "addition", FAST, 0.75),  # 98% on the card's 50 prompts
 ])
 def test_shipped_model_answers_heldout_prompts(name, task, cfg, floor):
     report = evaluate(dlm_jax.load(MODELS / name), task, cfg, n=16, progress=False)
