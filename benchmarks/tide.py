@@ -309,9 +309,11 @@ def run(model_dir: str, n: int, n_cal: int, tasks: list[str], gen_len: int, gpu_
                 settings = settings_for(cal_trace, cfg, b, costs)
                 rows = evaluate(trace, settings, e, b, shared, costs, gpu_speedup, totals["answer_tokens"])
                 tide = settings["tide (current)"]["info"]
+                multi = max(lengths) >= 2  # d and f need a block of two steps or more
                 entry["budgets"].append({
-                    "routed_resident": b, "budget": b + shared, "d": drift(trace, b),
-                    "f": miss_curve(trace, b, max(lengths))[1:].tolist(), "tau_star": settings["tide (current)"]["tau"],
+                    "routed_resident": b, "budget": b + shared, "d": drift(trace, b) if multi else None,
+                    "f": miss_curve(trace, b, max(lengths))[1:].tolist() if multi else [],
+                    "tau_star": settings["tide (current)"]["tau"],
                     "tau_star_previous": settings["tide (previous)"]["tau"], "calibration": tide, "rows": rows})
             result["settings"].append(entry)
             print(f"block {block} threshold {threshold}: {totals['steps']} steps, "
@@ -388,7 +390,7 @@ def markdown(result: dict, meta: dict) -> str:
             one, static, rnd = r["tau=1 (per-step)"], r["static"], r["random tau"]
             lines.append(
                 f"| {s['block']} | {s['threshold']} | {b['routed_resident']} + {b['budget'] - b['routed_resident']} | "
-                f"{b['d']:.3f} | {b['tau_star']} / {b['tau_star_previous']} | {tide['tokens_per_second']:.0f} | "
+                f"{'-' if b['d'] is None else format(b['d'], '.3f')} | {b['tau_star']} / {b['tau_star_previous']} | {tide['tokens_per_second']:.0f} | "
                 f"{tide['tokens_per_second'] / one['tokens_per_second']:.2f}x | "
                 f"{tide['tokens_per_second'] / static['tokens_per_second']:.2f}x | "
                 f"{tide['tokens_per_second'] / rnd['tokens_per_second']:.2f}x | "
@@ -435,7 +437,7 @@ def plot(result: dict, path: Path) -> None:
     ax[0, 1].set(title="routing cosine by step lag", xlabel="lag (steps)", ylabel="cosine")
     ax[0, 1].legend(fontsize=7)
     for b in first["budgets"]:
-        ax[1, 0].plot(range(1, len(b["f"]) + 1), b["f"], label=f"B = {b['routed_resident']} (+shared), d = {b['d']:.2f}")
+        ax[1, 0].plot(range(1, len(b["f"]) + 1), b["f"], label=f"B = {b['routed_resident']} (+shared), d = {'-' if b['d'] is None else round(b['d'], 2)}")
     ax[1, 0].set(title="miss curve f(tau)", xlabel="tau", ylabel="miss rate")
     ax[1, 0].legend(fontsize=8)
     names = ["tide (current)", "tide (previous)", "tau=1 (per-step)", "random tau", "static"]

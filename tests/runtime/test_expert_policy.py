@@ -123,6 +123,7 @@ def test_calibration_makes_static_sets_and_solves_tau(decoder, model):
     assert ExpertCosts.profile(model.config, repeats=2).c_io > 0
 
 
+@pytest.mark.slow  # subprocesses / a training run: .ci/run runs the slow tests
 def test_generate_calibrates_tau_auto_and_static(tmp_path):
     path = tiny_checkpoint(tmp_path / "moe", seed=1, **MOE)
     handle = dlm_jax.load(path)
@@ -156,6 +157,7 @@ def test_expert_placement_needs_an_moe_model_and_router_outputs():
         dense_caps.select(batch=1, window=8, cache=0, rows=8, router_topk=True)
 
 
+@pytest.mark.slow  # subprocesses / a training run: .ci/run runs the slow tests
 def test_cli_reports_the_placement(tmp_path):
     path = tiny_checkpoint(tmp_path / "moe", seed=1, **MOE)
     cmd = [sys.executable, "-m", "dlm_jax.cli", "generate", "--model", str(path), "--prompt", "1+2=", "--gen", "16",
@@ -170,6 +172,7 @@ def test_cli_reports_the_placement(tmp_path):
         "the 8 experts"]
 
 
+@pytest.mark.slow  # subprocesses / a training run: .ci/run runs the slow tests
 def test_eval_calibrates_once_and_sums_the_placement(tmp_path):
     from training.evaluate import evaluate
 
@@ -192,6 +195,7 @@ def test_costs_for_a_target_link():
         ExpertCosts(-1.0, 0.0)
 
 
+@pytest.mark.slow  # subprocesses / a training run: .ci/run runs the slow tests
 def test_a_bundle_exported_for_placement_runs_it_on_litert(tmp_path):
     """`export --experts ...` adds the routed experts to every bucket's signature; `run
     --experts ...` then places on LiteRT with the JAX executor's tokens and accounting."""

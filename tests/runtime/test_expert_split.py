@@ -70,6 +70,7 @@ def test_split_execution_needs_matching_slots_and_previous_step_hits():
         split_experts(sharp_model(seed=2, **MOE), (0,), 2)
 
 
+@pytest.mark.slow  # subprocesses / a training run: .ci/run runs the slow tests
 def test_load_splits_every_moe_layer_and_the_cli_decodes_with_it(tmp_path):
     import json
     import subprocess

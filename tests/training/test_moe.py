@@ -38,6 +38,7 @@ def test_balance_moves_each_bias_by_the_rate_towards_the_mean_load():
                                np.asarray(dict(nnx.to_flat_state(old))[("layers", 0, "ffn", "gate")][...]) + 0.5)
 
 
+@pytest.mark.slow  # subprocesses / a training run: .ci/run runs the slow tests
 def test_a_run_balances_its_experts_and_logs_the_load(tmp_path):
     from training.loop import train
 
