@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import dlm_jax  # noqa: E402
 from _hardware import machine  # noqa: E402
 from dlm_jax.runtime.experts import (ExpertCosts, ExpertPlacement, ExpertPolicy, calibrate, drift,  # noqa: E402
-                                     miss_curve, static_sets)
+                                     expert_counts, miss_curve, static_sets)
 from training.data import TASKS, make_split  # noqa: E402
 
 BATCH = 8
@@ -69,11 +69,6 @@ def record(handle, prompts: list[list[int]], block: int, threshold: float, gen_l
     return trace, {"steps": steps, "blocks": len(trace), "answer_tokens": tokens, "decode_seconds": seconds}
 
 
-def _counts(step: np.ndarray, n_experts: int) -> np.ndarray:
-    """[M, N, k] ids (-1 padding) -> [M, E] token counts."""
-    return np.stack([np.bincount(layer[layer >= 0].ravel(), minlength=n_experts) for layer in step])
-
-
 def similarity(trace: list, n_experts: int, max_lag: int) -> dict:
     """Mean cosine between the per-expert count vectors of steps j apart in a block (per layer,
     averaged over layers and pairs), by lag, and the step-by-step matrix of the first steps."""
@@ -81,7 +76,7 @@ def similarity(trace: list, n_experts: int, max_lag: int) -> dict:
     size = max_lag + 1
     matrix, seen = np.zeros((size, size)), np.zeros((size, size))
     for block in trace:
-        c = np.stack([_counts(s, n_experts) for s in block]).astype(np.float64)  # [T, M, E]
+        c = np.stack([expert_counts(s, n_experts) for s in block]).astype(np.float64)  # [T, M, E]
         unit = c / np.maximum(np.linalg.norm(c, axis=-1, keepdims=True), 1e-12)
         cos = np.einsum("ime,jme->ijm", unit, unit).mean(-1)  # [T, T]
         for lag in range(1, min(max_lag, len(block) - 1) + 1):
@@ -99,7 +94,7 @@ def unique_by_step(trace: list, n_experts: int, max_steps: int) -> list[float | 
     acc = [[] for _ in range(max_steps)]
     for block in trace:
         for t, s in enumerate(block[:max_steps]):
-            acc[t].append(float((_counts(s, n_experts) > 0).sum(1).mean()))
+            acc[t].append(float((expert_counts(s, n_experts) > 0).sum(1).mean()))
     return [float(np.mean(a)) if a else None for a in acc]
 
 
@@ -221,7 +216,7 @@ def split_measured(model_dir: str, prompts: list[list[int]], cal_trace: list, b:
     whole = dlm_jax.load_pretrained(model_dir)
     cfg = whole.config
     base = dlm_jax.preset("fast-dllm", gen_len=gen_len, block_len=block, threshold=threshold)
-    layers = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+    layers = cfg.moe_layers
     budget = b + cfg.n_shared_experts
     tau_prev = calibrate(ExpertPolicy(experts="tide", expert_budget=budget, hits="previous_step"), cal_trace, cfg,
                          costs)[0].tau

@@ -186,6 +186,11 @@ class ModelConfig:
         return self.ffn == "moe" and layer not in self.dense_layers
 
     @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose FFN is MoE, in order (expert placement's layer order)."""
+        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
+
+    @property
     def rotary_dim(self) -> int:
         """Leading features of each head that RoPE rotates."""
         return int(self.head_dim * self.partial_rotary_factor)

@@ -124,6 +124,6 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
         if executor not in (None, AUTO, "jax"):
             raise ConfigError(f"split expert execution (expert_slots) runs on the JAX executor, not {executor!r}")
         name = "jax"
-        split_experts(model, [i for i in range(model.config.n_layers) if model.config.is_moe_layer(i)], expert_slots)
+        split_experts(model, model.config.moe_layers, expert_slots)
     factory = EXECUTORS[name]
     return Model(model, tokenizer, executor=factory(model, source=path))

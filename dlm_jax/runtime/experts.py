@@ -49,7 +49,7 @@ def _int(name: str, value: Any, lo: int) -> int:
     return int(value)
 
 
-def _counts(topk: np.ndarray, n_experts: int) -> np.ndarray:
+def expert_counts(topk: np.ndarray, n_experts: int) -> np.ndarray:
     """[L, N, k] expert ids (-1 ignored) -> [L, E] int64 assignments per expert."""
     n_layers = topk.shape[0]
     ids = topk.reshape(n_layers, -1).astype(np.int64)
@@ -182,7 +182,7 @@ class ExpertPlacement:
         refresh step, then counts misses and hits against the resulting placement."""
         t = _int("t", t, 0)
         topk = _check_topk(topk, self.n_layers, self.n_experts)
-        counts = _counts(topk, self.n_experts)  # [L, E]
+        counts = expert_counts(topk, self.n_experts)  # [L, E]
         ranking = counts if self.hits_mode == "current_step" else self._previous
         refresh = self.is_refresh(t) and ranking is not None
         migrations = np.zeros(self.n_layers, np.int64)
@@ -205,7 +205,7 @@ class ExpertPlacement:
 def _chain(block: Sequence[np.ndarray], budget: int, n_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """One block's steps -> ([T, L, E] assignments, [T, L, E] bool top-B of each step), the
     top-B chained as under tau = 1 with current-step hits (ties keep the previous step's)."""
-    counts = np.stack([_counts(s, n_experts) for s in block])
+    counts = np.stack([expert_counts(s, n_experts) for s in block])
     tops = np.zeros(counts.shape, bool)
     previous = np.zeros(counts.shape[1:], bool)
     for t, c in enumerate(counts):
@@ -315,7 +315,7 @@ def static_sets(traces: Trace, n_layers: int, budget: int) -> tuple[tuple[int, .
     steps = [_check_topk(s, n_layers, None, what="trace step") for block in traces for s in block]
     top = max((int(s.max()) for s in steps if s.size), default=-1)
     n_experts = max(top + 1, budget)
-    hits = sum((_counts(s, n_experts) for s in steps), np.zeros((n_layers, n_experts), np.int64))
+    hits = sum((expert_counts(s, n_experts) for s in steps), np.zeros((n_layers, n_experts), np.int64))
     chosen = _top_b(hits, np.zeros(hits.shape, bool), budget)
     return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in chosen)
 
@@ -400,7 +400,7 @@ class ExpertPolicy(PlacementPolicy):
 
     def begin(self, state: DecodeState, model: ModelConfig) -> _ExpertRecord:
         """Refuses a placement still to calibrate (`Model.calibrated` makes tau and static sets)."""
-        layers = sum(map(model.is_moe_layer, range(model.n_layers)))
+        layers = len(model.moe_layers)
         if self.experts == "tide" and self.tau == "auto":
             raise ConfigError("tau='auto' is solved from a calibration decode (dlm_jax.load(...).generate and the "
                               "CLI do it, `Model.calibrated`); a DecodeConfig run directly needs an integer tau")
@@ -414,7 +414,7 @@ class ExpertPolicy(PlacementPolicy):
         placement = ExpertPlacement(layers, model.n_experts, self.budget(model), tau, self.hits,
                                     shared=model.n_shared_experts, initial=initial)
         return _ExpertRecord(placement, np.random.default_rng(self.expert_seed),
-                             tuple(i for i in range(model.n_layers) if model.is_moe_layer(i)))
+                             model.moe_layers)
 
     def before_step(self, record: _ExpertRecord, state: DecodeState, plan: StepPlan) -> dict[int, np.ndarray] | None:
         """The resident sets of the step (by model layer) when they changed and are known
@@ -439,27 +439,27 @@ class ExpertPolicy(PlacementPolicy):
         if plan.step == 0:
             record.trace.append([])
         record.trace[-1].append(topk)
-        record.steps.append(record.placement.step(plan.step, topk))
+        record.unique += float(record.placement.step(plan.step, topk).unique.mean())
 
     def end(self, record: _ExpertRecord, state: DecodeState) -> dict:
         p = record.placement
         return {"experts": self.experts, "budget": p.budget + p.shared, "tau": p.tau, "hits": self.hits,
                 "steps": p.steps, "refreshes": p.refreshes, "migrations": int(p.migrations.sum()),
                 "misses": int(p.misses.sum()), "assignments": int((p.misses + p.hits).sum()),
-                "unique_per_step": float(np.mean([r.unique.mean() for r in record.steps])),
+                "unique_per_step": record.unique / max(p.steps, 1),
                 "trace": record.trace}
 
 
 @dataclasses.dataclass
 class _ExpertRecord:
-    """One decode's placement, random-tau generator, routing trace and step records."""
+    """One decode's placement, random-tau generator and routing trace."""
 
     placement: ExpertPlacement
     rng: np.random.Generator
     layers: tuple[int, ...]  # the model's MoE layers, in the placement's order
     placed: np.ndarray | None = None  # the resident sets last handed to the executor
     trace: list[list[np.ndarray]] = dataclasses.field(default_factory=list)
-    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+    unique: float = 0.0  # distinct experts per layer, summed over the steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,7 +522,7 @@ def calibrate(policy: ExpertPolicy, trace: Trace, model: ModelConfig,
     `miss_curve`, and `costs` (default `ExpertCosts.profile`), the CPU term priced per missed
     assignment (C_CPU x mean assignments per step / B). Returns the policy and what was
     estimated."""
-    layers = sum(map(model.is_moe_layer, range(model.n_layers)))
+    layers = len(model.moe_layers)
     b = policy.budget(model)
     info: dict[str, Any] = {}
     if policy.experts == "static" and policy.static_sets is None:

@@ -66,7 +66,7 @@ INPUT_NAMES: tuple[str, ...] = tuple(s.name for s in INPUTS)
 def axis_sizes(config: ModelConfig, key: BucketKey) -> dict[str, int]:
     return {"B": key.batch, "W": key.window, "P": key.cache, "R": key.rows, "L": config.n_layers,
             "Hkv": config.n_kv_heads, "Dh": config.head_dim, "V": config.vocab_size,
-            "M": sum(map(config.is_moe_layer, range(config.n_layers))), "K": config.n_experts_per_tok}
+            "M": len(config.moe_layers), "K": config.n_experts_per_tok}
 
 
 def _dtype(spec: TensorSpec, config: ModelConfig) -> str:
