@@ -15,11 +15,13 @@ from typing import Any, Literal
 from dlm_jax._errors import ConfigError
 
 AttentionMode = Literal["bidirectional", "block_causal", "causal"]
-FfnKind = Literal["swiglu", "relu", "moe"]
+FfnKind = Literal["swiglu", "relu", "reglu", "moe"]
 RouterKind = Literal["softmax", "sigmoid"]
 
 ATTENTION_MODES: tuple[str, ...] = ("bidirectional", "block_causal", "causal")
-FFN_KINDS: tuple[str, ...] = ("swiglu", "relu", "moe")
+FFN_KINDS: tuple[str, ...] = ("swiglu", "relu", "reglu", "moe")
+# FFNs whose neurons are exactly zero when inactive (ReLU family): what PowerInfer-2 sparsifies
+SPARSE_FFN_KINDS: tuple[str, ...] = ("relu", "reglu")
 ROUTER_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -36,7 +38,9 @@ class ModelConfig:
       n_kv_heads: key/value heads Hkv (GQA); defaults to `n_heads`.
       head_dim: per-head width Dh; defaults to `d_model // n_heads`.
       ffn_hidden: hidden width of a dense FFN (and of MoE layers listed in `dense_layers`).
-      ffn: `swiglu`, `relu` (activation-sparse, one up projection) or `moe`.
+      ffn: `swiglu`, `relu` (activation-sparse, one up projection), `reglu` (activation-sparse
+        gated: down(relu(gate(x)) * up(x)), PowerInfer-2's neuron = gate row, up row, down
+        column) or `moe`.
       attention: `bidirectional` (LLaDA, Dream), `block_causal` (block diffusion) or
         `causal` (autoregressive, I-DLM).
       block_size: block length of `block_causal` attention.

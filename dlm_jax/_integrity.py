@@ -10,12 +10,13 @@ files and directories get the permissions the user's umask gives (`tempfile` mak
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,14 +50,15 @@ def make_temp_dir(parent: str | os.PathLike, prefix: str) -> Path:
     return tmp
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Write `data` to `path` through a temporary sibling and a rename."""
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Any]:
+    """A binary file to write `path` through: a temporary sibling, synced and renamed into
+    place when the block ends, removed if it raises (nothing half-written)."""
     path = Path(path)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(payload)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         apply_umask(tmp)
@@ -64,7 +66,13 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Write `data` to `path` through a temporary sibling and a rename."""
+    with atomic_file(path) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)
 
 
 def atomic_write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 2) -> Path:

@@ -58,7 +58,8 @@ def _load(args: argparse.Namespace, path: str | Path):
     if getattr(args, "entry_point", False):
         _persistent_compile_cache()
 
-    overrides = {} if args.mask_token_id is None else {"mask_token_id": args.mask_token_id}
+    mask = getattr(args, "mask_token_id", None)
+    overrides = {} if mask is None else {"mask_token_id": mask}
     handle = dlm_jax.load(path, strict=args.strict, verify=args.verify_manifest, executor=getattr(args, "executor", None),
                           lora=getattr(args, "lora", None), expert_slots=getattr(args, "expert_slots", None),
                           **overrides)
@@ -277,7 +278,10 @@ def _load_bundle(args: argparse.Namespace, path: str | Path):
 
     handle = load_bundle(path, accelerator=getattr(args, "accelerator", None) or "cpu",
                          threads=getattr(args, "threads", 2), cpu_fallback=getattr(args, "cpu_fallback", False),
-                         verify=getattr(args, "verify_manifest", True))
+                         verify=getattr(args, "verify_manifest", True),
+                         **({"memory_budget_mb": args.memory_budget} if getattr(args, "memory_budget", None) else {}),
+                         **({"oracle": True} if getattr(args, "oracle", False) else {}),
+                         on_note=lambda note: print(f"note: {note}", file=sys.stderr))
     args.keep_alive = handle  # LiteRT logs its teardown: let it happen after main hushes stderr
     return handle
 
@@ -303,7 +307,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if handle.accelerator_note:
         print(f"warning: {handle.accelerator_note}", file=sys.stderr)
     report = _run_generate(handle, args.prompt or args.prompt_ids, cfg, chat=_chat(args), stream=True)
-    print(json.dumps({**report["stats"], "bundle": bundle.describe()}), file=sys.stderr)
+    cold = getattr(handle.executor, "cold", None)
+    extra = {"neurons": cold.counters.to_dict()} if cold is not None else {}
+    print(json.dumps({**report["stats"], "bundle": bundle.describe(), **extra}), file=sys.stderr)
     return 0
 
 
@@ -311,6 +317,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """A checkpoint -> a LiteRT bundle (one signature per bucket) with a progress bar."""
     from tqdm import tqdm
 
+    from dlm_jax._errors import ConfigError
     from tflite_export.bundle import buckets_for_prompts, export_bundle, parse_bucket
 
     cfg = decode_config(args)
@@ -321,21 +328,39 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         model_cfg, _ = dlm_jax.load_config(args.model, strict=args.strict)
         keys = buckets_for_prompts(model_cfg, cfg, max_prompt=args.for_prompts or 64, batches=args.batch)
-    bar = tqdm(total=len(keys), desc="export", unit="bucket", file=sys.stderr, disable=None)
+    if args.memory_budget is not None and not args.sparse:
+        raise ConfigError("--memory-budget plans a sparse bundle: pass --sparse with it")
+    sparse, report = None, None
+    if args.sparse:
+        from tflite_export.sparse import sparse_export
+
+        if args.memory_budget is None:
+            raise ConfigError("--sparse needs --memory-budget MB (what the bundle may keep in memory)")
+        args.executor = "jax"  # the calibration decodes read ffn_active
+        handle = _load(args, args.model)
+        print("calibrating the neuron plan (activation statistics, predictor)", file=sys.stderr)
+        sparse, report = sparse_export(handle, cfg, keys, budget_mb=args.memory_budget, cluster=args.cluster)
+    bar = tqdm(total=len(keys), desc="export", unit="program" if args.partition or sparse else "bucket",
+               file=sys.stderr, disable=None)
 
     def progress(stage: str, done: int, total: int) -> None:
         bar.set_postfix_str(stage)
         if stage.startswith("convert"):
+            bar.total = total
             bar.update(1)
 
     try:
         result = export_bundle(args.model, args.out, keys=keys, decode=cfg, quant=args.quant, target=args.target,
                                add=args.add, overwrite=args.overwrite, verify=args.verify_manifest, strict=args.strict,
-                               progress=progress, latency_repeats=args.latency_repeats, lora=args.lora)
+                               progress=progress, latency_repeats=args.latency_repeats, lora=args.lora,
+                               partition=args.partition, sparse=sparse)
     finally:
         bar.close()
     print(json.dumps({"bundle": str(result.path), "buckets": len(result.keys), "added": len(result.added),
                       "model_bytes": result.model_bytes, "quant": args.quant, "target": args.target,
+                      "partitioned": bool(args.partition or sparse),
+                      **({"predictor": {"recall": report.recall, "window_recall": report.window_recall}}
+                         if report else {}),
                       "seconds": round(result.seconds, 1)}))
     return 0
 
@@ -505,6 +530,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--add", action="store_true", help="add the buckets to the bundle already at --out")
     p.add_argument("--overwrite", action="store_true", help="replace the bundle already at --out")
     p.add_argument("--latency-repeats", type=positive_int, default=5, help="runs per bucket for the latency table")
+    p.add_argument("--partition", action="store_true",
+                   help="write the lowering's NPU/CPU partition as the programs that run: tile-aligned NPU bodies, "
+                        "a CPU head, the embedding as a CPU table")
+    p.add_argument("--sparse", action="store_true",
+                   help="a partitioned bundle of an activation-sparse (ReLU-family FFN) model: hot neurons on the "
+                        "NPU, cold ones on the CPU from a neuron-bundled flash file (PowerInfer-2); needs "
+                        "--memory-budget")
+    p.add_argument("--memory-budget", type=float, metavar="MB",
+                   help="with --sparse: the memory the bundle may use (hot neurons, programs, neuron cache)")
+    p.add_argument("--cluster", type=positive_int, default=128,
+                   help="with --sparse: neurons per hot cluster (hot counts are whole clusters; default 128)")
     _add_model_options(p, mask=False)
     _add_lora_option(p)
     _add_decode_options(p)
@@ -519,6 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let ops the GPU/NPU cannot run fall back to the CPU instead of refusing the bundle")
     p.add_argument("--no-verify", dest="verify_manifest", action="store_false",
                    help="skip checking the bundle's files against its manifest")
+    p.add_argument("--memory-budget", type=float, metavar="MB",
+                   help="a sparse bundle: keep at most this much in memory (the rest of the FFN is read from its "
+                        "flash file as needed); default: every neuron once read stays")
+    p.add_argument("--oracle", action="store_true",
+                   help="a sparse bundle: pick cold neurons by their true activations instead of the predictor "
+                        "(exact; reads every gate row: for measurements)")
     _add_lora_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_run, preset=None)

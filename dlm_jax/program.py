@@ -33,18 +33,19 @@ from dlm_jax.models._transformer import Transformer
 from dlm_jax.runtime.buckets import BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, SlotStep, Transfers
 from dlm_jax.runtime.step import (INPUT_NAMES, BuildCounts, Capabilities, Executor, StepInputs, StepOutputs,
-                                  input_specs, output_names)
+                                  input_specs, model_outputs, output_names)
 
 _PREDICTIONS = ("top_token", "top_prob", "second_prob", "entropy")
 
 
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
                 full_logits: bool, mask_id: int | None = None, lora_gate=None,
-                router_topk: bool = False) -> dict[str, jax.Array]:
+                router_topk: bool = False, ffn_active: bool = False) -> dict[str, jax.Array]:
     """One forward over the window; shapes as in `StepInputs`. Returns `{output name: array}`
     for the names of `output_names` (logits only with `full_logits`, the MoE layers' routed
-    experts only with `router_topk`). `lora_gate` [B, W]: the
-    rows whose LoRA adapters apply (a model with adapters; R-ISD).
+    experts only with `router_topk`, the FFN neurons each row activates, bit-packed, only
+    with `ffn_active`). `lora_gate` [B, W]: the rows whose LoRA adapters apply (a model with
+    adapters; R-ISD).
 
     `mask_id` is never proposed: its logit is removed before the softmax, so a commit always
     unmasks (committing the mask token would leave the slot masked and stall the block)."""
@@ -53,8 +54,19 @@ def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache
     out = model(tokens, positions=positions, mask=visibility,
                 k_cache=k_cache if has_cache else None, v_cache=v_cache if has_cache else None,
                 logit_rows=logit_rows, **({} if lora_gate is None else {"lora_gate": lora_gate}),
-                **({"router_topk": True} if router_topk else {}))
-    logits = out.logits
+                **({"router_topk": True} if router_topk else {}), **({"ffn_act": True} if ffn_active else {}))
+    named = {**predictions(out.logits, mask_id=mask_id, full_logits=full_logits), "k_new": out.k, "v_new": out.v}
+    if router_topk:
+        named["router_topk"] = out.router_topk
+    if ffn_active:
+        named["ffn_active"] = pack_bits(out.ffn_act > 0)
+    return named
+
+
+def predictions(logits: jax.Array, *, mask_id: int | None, full_logits: bool) -> dict[str, jax.Array]:
+    """The step's per-row predictions from the rows' logits: top token, its probability, the
+    runner-up's, the entropy (and the logits with `full_logits`). `mask_id` is never proposed:
+    its logit is removed before the softmax."""
     if mask_id is not None:  # a select, not a scatter: stays a TFLite builtin
         logits = jnp.where(jnp.arange(logits.shape[-1]) == mask_id, -jnp.inf, logits)
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -62,12 +74,23 @@ def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache
     top_token, top_prob, second_prob = top2(probs)
     entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
     named = {"top_token": top_token.astype(jnp.int32), "top_prob": top_prob, "second_prob": second_prob,
-             "entropy": entropy, "k_new": out.k, "v_new": out.v}
+             "entropy": entropy}
     if full_logits:
         named["logits"] = logits
-    if router_topk:
-        named["router_topk"] = out.router_topk
     return named
+
+
+def pack_bits(active: jax.Array) -> jax.Array:
+    """bool [..., F] -> int32 [..., ceil(F / 32)]: bit j of word w is element 32 w + j (the
+    layout of `runtime.neurons.unpack_active`). Distinct powers of two summed in int32 are
+    their bitwise OR, bit 31 landing on the sign, in ops every backend has (multiply by
+    constants, sum: TFLite has no builtin shift)."""
+    f = active.shape[-1]
+    words = -(-f // 32)
+    bits = jnp.pad(active, [(0, 0)] * (active.ndim - 1) + [(0, 32 * words - f)]).astype(jnp.int32)
+    bits = bits.reshape(*active.shape[:-1], words, 32)
+    powers = jnp.asarray((np.uint32(1) << np.arange(32, dtype=np.uint32)).view(np.int32))
+    return jnp.sum(bits * powers, axis=-1, dtype=jnp.int32)
 
 
 def _is_kernel(path, leaf) -> bool:
@@ -265,9 +288,8 @@ class JaxExecutor(Executor):
         if self.gated:
             self._capabilities = dataclasses.replace(self._capabilities,
                                                      inputs=self._capabilities.inputs | {"lora_gate"})
-        if self.config.ffn == "moe":
-            self._capabilities = dataclasses.replace(self._capabilities,
-                                                     outputs=self._capabilities.outputs | {"router_topk"})
+        self._capabilities = dataclasses.replace(self._capabilities,
+                                                 outputs=self._capabilities.outputs | model_outputs(self.config))
         self._graphdef, state = nnx.split(model)
         # Flattened once: the state pytree is not re-walked on every step.
         paths, self._treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -353,7 +375,7 @@ class JaxExecutor(Executor):
             vis = device_visibility(cfg, positions, q_valid, k_pos, k_ok, probes, hide)
             return decode_step(graphdef, self._state(leaves), tokens, positions, vis, k, v, logit_rows,
                                full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=lora_gate,
-                               router_topk=key.router_topk)
+                               router_topk=key.router_topk, ffn_active=key.ffn_active)
 
         return view
 
@@ -420,7 +442,7 @@ class JaxExecutor(Executor):
             gate = inputs[len(INPUT_NAMES)] if len(inputs) > len(INPUT_NAMES) else None
             return decode_step(graphdef, jax.tree.unflatten(treedef, leaves), *inputs[:len(INPUT_NAMES)],
                                full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=gate,
-                               router_topk=key.router_topk)
+                               router_topk=key.router_topk, ffn_active=key.ffn_active)
 
         gate = (jax.ShapeDtypeStruct((key.batch, key.window), jnp.float32),) if self.gated else ()
         return program, (self._leaves, *abstract_inputs(cfg, key), *gate)

@@ -12,6 +12,19 @@ what ships next to a phone app. A bundle (written by `dlm-jax export`, see
     plan.json         the lowering plan: partition and memory plan per signature
     manifest.json     size and sha256 of every file above, checked when the bundle is opened
 
+A partitioned bundle (`export --partition`, `--sparse`; `bundle.json` "partition") holds the
+programs of the lowering's NPU/CPU split instead of one signature per bucket
+(`dlm_jax.partition_contract`): tile-aligned NPU bodies (one per layer in a sparse bundle,
+each with only its hot neurons), CPU heads, and beside them
+
+    cpu.safetensors   the embedding table (a NumPy lookup on the CPU)
+    ffn.flash         sparse: every FFN neuron's gate row, up row and down column, one 4 KiB
+                      aligned bundle each (`runtime.flash`), read by the cold path
+    neurons.json      sparse: the neuron plan (order, hot counts per window), its statistics
+    predictor.safetensors  sparse: the activation predictor (`runtime.neurons.LowRankPredictor`)
+
+`dlm_jax.partitioned.PartitionedExecutor` runs it.
+
     model = dlm_jax.runner.load_bundle("bundles/llada-tiny")       # a BundleModel (a dlm_jax.Model)
     print(model.generate("564+894=", model.decode_defaults).texts[0])
 
@@ -22,16 +35,12 @@ rules and caches are the very ones the JAX executor drives.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,26 +50,29 @@ from dlm_jax._config import ModelConfig
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax._model import Model, stored_tokenizer
 from dlm_jax._tokenizer import Tokenizer
+from dlm_jax._litert import (ACCELERATORS, _flush_c_stdio, compiled_model, native_stderr_captured,  # noqa: F401
+                             zero_inputs)
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
-from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, OutputRequest, StepInputs, StepOutputs,
-                                  input_specs, output_specs, signature_inputs, signature_name)
+from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, StepInputs, StepOutputs, output_specs,
+                                  signature_inputs, signature_name)
 
 BUNDLE_FORMAT = "dlm-jax-bundle"
 BUNDLE_VERSION = 1
 BUNDLE_FILE = "bundle.json"
 MODEL_FILE = "model.tflite"
-ACCELERATORS = ("cpu", "gpu", "npu")
 
 
 def key_to_dict(key: BucketKey) -> dict[str, Any]:
     return {"batch": key.batch, "window": key.window, "cache": key.cache, "rows": key.rows,
-            "logits": key.full_logits, "router_topk": key.router_topk, "signature": signature_name(key)}
+            "logits": key.full_logits, "router_topk": key.router_topk, "ffn_active": key.ffn_active,
+            "signature": signature_name(key)}
 
 
 def key_from_dict(entry: dict[str, Any]) -> BucketKey:
     return BucketKey(int(entry["batch"]), int(entry["window"]), int(entry["cache"]), int(entry["rows"]),
-                     bool(entry.get("logits", False)), bool(entry.get("router_topk", False)))
+                     bool(entry.get("logits", False)), bool(entry.get("router_topk", False)),
+                     bool(entry.get("ffn_active", False)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,60 +146,12 @@ class Bundle:
         return build(self.meta.get("decode", {}))
 
     def describe(self) -> dict[str, Any]:
+        partitioned = "partition" in self.meta  # its programs are not named after the buckets
         return {"bundle": str(self.path), "quant": self.quant, "target": self.meta.get("target"),
-                "buckets": [signature_name(k) for k in self.keys],
+                "buckets": [str(k) if partitioned else signature_name(k) for k in self.keys],
+                **({"programs": len(self.meta["partition"]["npu"]) + len(self.meta["partition"]["cpu"])}
+                   if partitioned else {}),
                 "model_bytes": self.model_path.stat().st_size}
-
-
-@contextlib.contextmanager
-def native_stderr_captured() -> Iterator[list[str]]:
-    """Route the native libraries' stderr (LiteRT logs every delegate it creates) into a
-    buffer for the duration; the captured lines are yielded to the caller, who may report
-    them on failure."""
-    lines: list[str] = []
-    try:
-        saved = os.dup(2)
-    except OSError:  # no stderr to redirect
-        yield lines
-        return
-    with tempfile.TemporaryFile() as sink:
-        try:
-            os.dup2(sink.fileno(), 2)
-            yield lines
-        finally:
-            _flush_c_stdio()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            lines.extend(sink.read().decode("utf-8", "replace").splitlines())
-
-
-def _flush_c_stdio() -> None:
-    """Flush the C library's stdio buffers (native logs reach the descriptor only then)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
-        pass
-
-
-def _accelerator_flags(name: str, *, cpu_fallback: bool):
-    from ai_edge_litert.hardware_accelerator import HardwareAccelerator as HA
-
-    flags = {"cpu": HA.CPU, "gpu": HA.GPU, "npu": HA.NPU}[name]
-    return flags | HA.CPU if cpu_fallback and name != "cpu" else flags
-
-
-def _reason(error: Exception, log: Sequence[str]) -> str:
-    """The most telling line of a LiteRT failure (its own message is a source-location chain)."""
-    telling = [line for line in log if "ERROR" in line or "Failed" in line]
-    text = " ".join(str(error).split())
-    for line in reversed(telling or [text]):
-        line = " ".join(line.split("]", 1)[-1].split()) if "]" in line else line
-        if line:
-            return line
-    return text
 
 
 class _Signature:
@@ -246,36 +210,12 @@ class LiteRTExecutor(Executor):
     without it, a model the accelerator cannot run whole is refused."""
 
     def __init__(self, bundle: Bundle, *, accelerator: str = "cpu", threads: int = 2, cpu_fallback: bool = False):
-        if accelerator not in ACCELERATORS:
-            raise ConfigError(f"unknown accelerator {accelerator!r}; known: {', '.join(ACCELERATORS)}")
-        if threads < 0:
-            raise ConfigError(f"threads={threads} must be >= 0 (0: LiteRT decides)")
-        from ai_edge_litert.compiled_model import CompiledModel
-        from ai_edge_litert.cpu_options import CpuOptions
-        from ai_edge_litert.options import Options
-
         self.bundle = bundle
         self.config = bundle.config
         self.accelerator = accelerator
         self._content = bundle.model_path.read_bytes()  # LiteRT reads from this buffer: keep it alive
-        # XNNPACK packs the weights of every signature it prepares; with a weight cache file the
-        # signatures share one packed copy (without it, memory grows by a copy per bucket).
-        self._cache_dir = tempfile.mkdtemp(prefix="dlm-jax-xnnpack-")
-        weakref.finalize(self, shutil.rmtree, self._cache_dir, ignore_errors=True)
-        cache = os.path.join(self._cache_dir, "weights.xnnpack_cache")
-        options = Options(hardware_accelerators=_accelerator_flags(accelerator, cpu_fallback=cpu_fallback),
-                          cpu_options=CpuOptions(num_threads=threads, xnnpack_weight_cache_path=cache))
-        with native_stderr_captured() as log:
-            try:
-                self._model = CompiledModel.from_buffer(self._content, options=options)
-            except RuntimeError as e:
-                error = e
-            else:
-                error = None
-        if error is not None:
-            fallback = "" if cpu_fallback or accelerator == "cpu" else "; --cpu-fallback runs what it cannot take on the CPU"
-            raise ConfigError(f"accelerator {accelerator!r} is not available on this machine "
-                              f"(LiteRT: {_reason(error, log)}){fallback}") from None
+        self._model = compiled_model(self._content, accelerator=accelerator, threads=threads,
+                                     cpu_fallback=cpu_fallback, owner=self)
         self.fully_accelerated = bool(self._model.is_fully_accelerated())
         keys = bundle.keys
         hint = (f"the bundle {bundle.path} has no bucket for this decode: add buckets with dlm-jax export "
@@ -294,9 +234,10 @@ class LiteRTExecutor(Executor):
     def _signature(self, key: BucketKey) -> _Signature:
         sig = self._signatures.get(key)
         if sig is None:
-            # A bucket returning more (logits, routed experts) also serves a step not reading them.
-            wider = (dataclasses.replace(key, full_logits=key.full_logits or a, router_topk=key.router_topk or b)
-                     for a, b in ((False, False), (True, False), (False, True), (True, True)))
+            # A bucket returning more (logits, routed experts, neuron activity) also serves a step not reading them.
+            wider = (dataclasses.replace(key, full_logits=key.full_logits or a, router_topk=key.router_topk or b,
+                                         ffn_active=key.ffn_active or c)
+                     for c in (False, True) for a, b in ((False, False), (True, False), (False, True), (True, True)))
             stored = next((k for k in wider if k in self._capabilities.keys), key)
             if stored not in self._capabilities.keys:
                 raise ConfigError(f"no signature {signature_name(key)} in {self.bundle.path} "
@@ -350,23 +291,13 @@ def quiet_native_exit() -> None:
     os.close(devnull)
 
 
-def zero_inputs(config: ModelConfig, key: BucketKey, *, gated: bool = False) -> StepInputs:
-    """A step of bucket `key` with zero inputs and every slot visible (warm-up, timing); a
-    gated bundle's (LoRA adapters) with a zero `lora_gate`."""
-    arrays = {name: np.zeros(shape, dtype) for name, shape, dtype in input_specs(config, key)}
-    arrays["visibility"][...] = True
-    if gated:
-        arrays["lora_gate"] = np.zeros((key.batch, key.window), np.float32)
-    return StepInputs(**arrays, want=OutputRequest(kv=True, logits=key.full_logits, router_topk=key.router_topk))
-
-
 class BundleModel(Model):
     """A `Model` that decodes from a bundle with LiteRT: `generate`, `encode`,
     `prompt_format` as for a checkpoint, plus the opened `bundle`, its `decode_defaults` (the
     decode options recorded at export) and `accelerator_note` (set when the accelerator runs
     only part of the model and the rest falls back to the CPU; else None)."""
 
-    def __init__(self, bundle: Bundle, tokenizer: Tokenizer, *, executor: LiteRTExecutor,
+    def __init__(self, bundle: Bundle, tokenizer: Tokenizer, *, executor: Executor,
                  decode_defaults: DecodeConfig, accelerator_note: str | None = None):
         super().__init__(None, tokenizer, executor=executor, config=bundle.config)
         self.bundle = bundle
@@ -374,14 +305,31 @@ class BundleModel(Model):
         self.accelerator_note = accelerator_note
 
 
+def bundle_executor(bundle: Bundle, *, accelerator: str = "cpu", threads: int = 2, cpu_fallback: bool = False,
+                    **neurons: Any) -> Executor:
+    """The executor of an opened bundle: `LiteRTExecutor`, or for a partitioned bundle
+    `dlm_jax.partitioned.PartitionedExecutor` (`neurons`: its cold-path options,
+    `memory_budget_mb`, `oracle`, `pipeline`, `direct`, `on_note`)."""
+    if "partition" in bundle.meta:
+        from dlm_jax.partitioned import open_executor
+
+        return open_executor(bundle, accelerator=accelerator, threads=threads, cpu_fallback=cpu_fallback, **neurons)
+    if neurons.get("memory_budget_mb") is not None:
+        raise ConfigError(f"{bundle.path} is not a sparse bundle: a memory budget applies to bundles exported "
+                          "with --sparse")
+    return LiteRTExecutor(bundle, accelerator=accelerator, threads=threads, cpu_fallback=cpu_fallback)
+
+
 def load_bundle(path: str | os.PathLike, *, accelerator: str = "cpu", threads: int = 2,
-                cpu_fallback: bool = False, verify: bool = True) -> BundleModel:
-    """Open a bundle and return a `BundleModel` that decodes it with LiteRT on `accelerator`."""
+                cpu_fallback: bool = False, verify: bool = True, **neurons: Any) -> BundleModel:
+    """Open a bundle and return a `BundleModel` that decodes it with LiteRT on `accelerator`
+    (`neurons`: a sparse bundle's cold-path options, see `bundle_executor`)."""
     bundle = Bundle.open(path, verify=verify)
     tokenizer = stored_tokenizer(bundle.path)
-    executor = LiteRTExecutor(bundle, accelerator=accelerator, threads=threads, cpu_fallback=cpu_fallback)
+    executor = bundle_executor(bundle, accelerator=accelerator, threads=threads, cpu_fallback=cpu_fallback,
+                               **neurons)
     note = None
-    if accelerator != "cpu" and not executor.fully_accelerated:
+    if accelerator != "cpu" and not getattr(executor, "fully_accelerated", True):
         note = f"the {accelerator} runs only part of {bundle.model_path.name}; the remaining ops fall back to the CPU"
     return BundleModel(bundle, tokenizer, executor=executor, decode_defaults=bundle.decode_defaults(),
                        accelerator_note=note)

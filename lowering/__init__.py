@@ -24,5 +24,6 @@ _EXPORTS.update({name: "lowering.partition" for name in ("Partition", "find_lm_h
 # memory: swap-optimized memory planner, its checker, the cost model and the paging-only baseline
 _EXPORTS.update({name: "lowering.memory" for name in (
     "MemoryPlan", "PlanError", "check_plan", "plan_bundle", "plan_memory", "simulate")})
-_EXPORTS.update({"CostModel": "lowering.costs", "PagingResult": "lowering.paging", "paging_only": "lowering.paging"})
+_EXPORTS.update({"CostModel": "lowering.costs", "UfsModel": "lowering.costs", "PagingResult": "lowering.paging",
+                 "paging_only": "lowering.paging"})
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

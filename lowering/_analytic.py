@@ -76,8 +76,8 @@ class _Step:
 def build_step_graph(cfg: ModelConfig, key, *, weight_bytes_per_param: float | None = None,
                      vector_bytes_per_param: float | None = None, activation_bytes: int | None = None) -> StepGraph:
     """The StepGraph of bucket `key` (batch, window, cache, rows, full_logits) for `cfg`."""
-    if cfg.ffn not in ("swiglu", "relu"):
-        raise ConfigError(f"analytic_graph: ffn={cfg.ffn!r} is not supported (swiglu or relu)")
+    if cfg.ffn not in ("swiglu", "relu", "reglu"):
+        raise ConfigError(f"analytic_graph: ffn={cfg.ffn!r} is not supported (swiglu, relu or reglu)")
     wbpp = float(weight_bytes_per_param or _ITEMSIZE[cfg.param_dtype])
     vbpp = float(vector_bytes_per_param or _ITEMSIZE[cfg.param_dtype])
     s = _Step(cfg, key, wbpp, vbpp, int(activation_bytes or _ITEMSIZE[cfg.dtype]))
@@ -147,9 +147,9 @@ def _layer(s: _Step, layer: int, x: int, rope: int, visibility: int, k_cache: in
     f = cfg.ffn_hidden
     up = s.linear(f"{pre}.ffn.up", h2, s.matrix(f"{pre}.ffn.up_proj.kernel", f, d), f)
     act = s.act(f"{pre}.ffn.act", (bsz, w, f))
-    if cfg.ffn == "swiglu":
+    if cfg.ffn in ("swiglu", "reglu"):
         gate = s.linear(f"{pre}.ffn.gate", h2, s.matrix(f"{pre}.ffn.gate_proj.kernel", f, d), f)
-        b.op("SILU_MUL", (gate, up), (act,))
+        b.op("SILU_MUL" if cfg.ffn == "swiglu" else "RELU_MUL", (gate, up), (act,))
     else:
         b.op("RELU", (up,), (act,))
     down = s.linear(f"{pre}.ffn.down", act, s.matrix(f"{pre}.ffn.down_proj.kernel", d, f), d)

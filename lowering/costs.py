@@ -77,3 +77,59 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CostModel:
         return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UfsModel:
+    """UFS 4.0 read time [SPECS 0.4, R]: `read_seconds(size, pattern, range_bytes, core)` =
+    request / BW, the request at least 4 KB, BW log-linearly interpolated in the request size
+    between the quoted points (clamped outside them): sequential 450 MB/s at 4 KB to 4 GB/s at
+    512 KB; random 3.5 GB/s at 512 KB, and at 4 KB 1 GB/s within a 128 MB range falling to
+    850 MB/s within 512 MB (log-linear in the range between) or, per issuing core at 128 MB,
+    big 1,076.10 / mid 1,007.95 / little 761.87 MB/s [P PowerInfer-2 §2.3.2, Tab 1, Fig 3b]. One
+    command queue: reads serialize (`serial_seconds`)."""
+
+    min_request: int = 4096
+    seq_4k: float = 450e6
+    seq_512k: float = 4e9
+    rand_512k: float = 3.5e9
+    rand_4k_128mb: float = 1e9
+    rand_4k_512mb: float = 850e6
+    rand_4k_core: tuple[tuple[str, float], ...] = (("big", 1076.10e6), ("mid", 1007.95e6), ("little", 761.87e6))
+
+    def bandwidth(self, size: int, pattern: str = "random", range_bytes: int = 128 * MB, core: str | None = None) -> float:
+        import math
+
+        if pattern not in ("random", "sequential"):
+            raise ValueError(f"pattern={pattern!r} is not random or sequential")
+        request = max(int(size), self.min_request)
+        if pattern == "sequential":
+            lo, hi = self.seq_4k, self.seq_512k
+        else:
+            hi = self.rand_512k
+            if core is not None:
+                cores = dict(self.rand_4k_core)
+                if core not in cores:
+                    raise ValueError(f"core={core!r} is not one of {sorted(cores)}")
+                lo = cores[core]
+            else:
+                t = min(1.0, max(0.0, math.log(max(range_bytes, 128 * MB) / (128 * MB)) / math.log(4)))
+                lo = _log_lerp(self.rand_4k_128mb, self.rand_4k_512mb, t)
+        t = min(1.0, max(0.0, math.log(request / 4096) / math.log(512 / 4)))
+        return _log_lerp(lo, hi, t)
+
+    def read_seconds(self, size: int, pattern: str = "random", range_bytes: int = 128 * MB,
+                     core: str | None = None) -> float:
+        request = max(int(size), self.min_request)
+        return request / self.bandwidth(request, pattern, range_bytes, core)
+
+    def serial_seconds(self, sizes, pattern: str = "random", range_bytes: int = 128 * MB) -> float:
+        """Reads through the one command queue: their times add up."""
+        return sum(self.read_seconds(s, pattern, range_bytes) for s in sizes)
+
+
+def _log_lerp(lo: float, hi: float, t: float) -> float:
+    """exp((1 - t) log lo + t log hi), exactly `lo` and `hi` at the ends."""
+    import math
+
+    return lo if t <= 0 else hi if t >= 1 else math.exp((1 - t) * math.log(lo) + t * math.log(hi))

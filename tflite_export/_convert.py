@@ -51,6 +51,7 @@ def decode_signature(graphdef, state, config, key, *, gated: bool = False) -> Si
     from dlm_jax.runtime.step import input_specs, output_names, signature_inputs, signature_name
 
     step = functools.partial(decode_step, graphdef, state, full_logits=key.full_logits, router_topk=key.router_topk,
+                             ffn_active=key.ffn_active,
                              mask_id=config.mask_token_id)
     outputs = output_names(key)
     taken = signature_inputs(config, key, gated=gated)

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dlm_jax._config import SPARSE_FFN_KINDS
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax._model import MissingTokenizer, stored_tokenizer
-from dlm_jax.runner import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, MODEL_FILE, Bundle, LiteRTExecutor, key_to_dict,
-                            native_stderr_captured, zero_inputs)
+from dlm_jax.runner import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, MODEL_FILE, Bundle, bundle_executor,
+                            key_to_dict, native_stderr_captured, zero_inputs)
 from dlm_jax.runtime.buckets import BucketKey
 
 if TYPE_CHECKING:
@@ -77,11 +78,11 @@ class _Sizes:
     def __init__(self, config):
         import dataclasses
 
-        from dlm_jax.runtime.step import Capabilities
+        from dlm_jax.runtime.step import Capabilities, model_outputs
 
+        # an MoE model's bundle can return the routed experts (`--experts`), a sparse FFN's its neuron activity
         caps = Capabilities.for_length(config.max_seq_len)
-        if config.ffn == "moe":  # an MoE model's bundle can return the routed experts (`--experts`)
-            caps = dataclasses.replace(caps, outputs=caps.outputs | {"router_topk"})
+        caps = dataclasses.replace(caps, outputs=caps.outputs | model_outputs(config))
         self.capabilities = caps
 
 
@@ -179,10 +180,11 @@ def _measure_latency(bundle_dir: Path, keys: Sequence[BucketKey], repeats: int) 
     import gc
     import platform
 
-    executor = LiteRTExecutor(Bundle.open(bundle_dir, verify=False), accelerator="cpu", threads=2)
+    bundle = Bundle.open(bundle_dir, verify=False)
+    executor = bundle_executor(bundle, accelerator="cpu", threads=2)
     entries = []
     for key in keys:
-        inputs = zero_inputs(executor.config, key, gated=executor.bundle.gated)
+        inputs = zero_inputs(executor.config, key, gated=bundle.gated)
         executor.step(inputs)
         times = []
         for _ in range(repeats):
@@ -221,6 +223,88 @@ def _lowering_plan(content: bytes, config, keys: Sequence[BucketKey], quant: str
     return plan
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseExport:
+    """What a sparse bundle needs beyond the model: the neuron plan (`runtime.neurons.NeuronPlan`:
+    each layer's neurons hottest first and the hot count per window bucket), the hot neurons'
+    cluster size (hot counts round down to whole clusters; each cluster is one NPU constant),
+    the activation predictor and the activation statistics it was planned from."""
+
+    plan: Any  # NeuronPlan
+    predictor: Any = None  # LowRankPredictor
+    stats: Any = None  # ActivationStats
+    cluster: int = 128
+    flash_dtype: str = "float32"
+
+    def hot_count(self, layer: int, window: int) -> int:
+        return int(self.plan.hot[self.plan.bucket(window)][layer]) // self.cluster * self.cluster
+
+    def clusters(self, programs, n_layers: int) -> dict[tuple[int, int], list[np.ndarray]]:
+        """{(layer, tiled window): the hot clusters' neuron indices}, for the export."""
+        out = {}
+        for _, w, _ in programs.bodies:
+            for i in range(n_layers):
+                n = self.hot_count(i, w) // self.cluster
+                out[(i, w)] = [self.plan.order[i][c * self.cluster:(c + 1) * self.cluster] for c in range(n)]
+        return out
+
+
+NEURONS_FILE = "neurons.json"
+FLASH_FILE = "ffn.flash"
+PREDICTOR_FILE = "predictor.safetensors"
+
+
+def _write_partition(tmp: Path, model, programs, sparse: SparseExport | None) -> dict[str, Any]:
+    """The partitioned bundle's CPU-side files (embedding table; for a sparse bundle the flash
+    file, the neuron plan and the predictor) and `bundle.json`'s "partition" entry."""
+    from dlm_jax.checkpoint._safetensors import save_file
+    from dlm_jax.models._params import get_params
+    from dlm_jax.partition_contract import describe
+    from dlm_jax.partitioned import CPU_PROGRAMS_FILE, CPU_WEIGHTS_FILE
+
+    params = get_params(model)
+    save_file({"embedding": np.ascontiguousarray(params["embed.embedding"])}, tmp / CPU_WEIGHTS_FILE)
+    extra: dict[str, Any] = {"cpu_weights": CPU_WEIGHTS_FILE, "cpu_programs": CPU_PROGRAMS_FILE}
+    if sparse is not None:
+        from dlm_jax.runtime.flash import write_flash
+
+        cfg = model.config
+        layers = []
+        for i in range(cfg.n_layers):
+            pre = f"layers.{i}.ffn."
+            layer = {"up": params[pre + "up_proj.kernel"].T, "down": params[pre + "down_proj.kernel"].T}
+            if cfg.ffn == "reglu":
+                layer["gate"] = params[pre + "gate_proj.kernel"].T
+            layers.append(layer)
+        header = write_flash(tmp / FLASH_FILE, layers, kind=cfg.ffn, dtype=sparse.flash_dtype)
+        hot = {str(w): [sparse.hot_count(i, w) for i in range(cfg.n_layers)] for _, w, _ in programs.bodies}
+        neurons = {"plan": sparse.plan.to_dict(), "cluster": sparse.cluster, "hot": hot,
+                   **({"stats": sparse.stats.to_dict()} if sparse.stats is not None else {})}
+        (tmp / NEURONS_FILE).write_text(json.dumps(neurons) + "\n")
+        extra.update(flash=FLASH_FILE, neurons=NEURONS_FILE, neuron_bytes=header.bundle_bytes)
+        if sparse.predictor is not None:
+            save_file(sparse.predictor.to_arrays(), tmp / PREDICTOR_FILE)
+            extra["predictor"] = PREDICTOR_FILE
+    return describe(programs, model.config, sparse=sparse is not None, extra=extra)
+
+
+def _partition_plan(content: bytes, cpu_content: bytes, partition: dict[str, Any]) -> dict[str, Any]:
+    """The lowering plan of a partitioned bundle, per program that runs: its ops, the NPU
+    programs' memory plan."""
+    from lowering.graph import read_tflite_graph
+    from lowering.memory import plan_memory
+
+    out: dict[str, Any] = {"format": "dlm-jax-lowering-plan", "version": 2, "partitioned": True, "programs": {}}
+    for name in partition["npu"]:
+        graph = read_tflite_graph(content, name)
+        out["programs"][name] = {"device": "npu", "ops": len(graph.ops),
+                                 "memory": plan_memory(graph).to_dict()}
+    for name in partition["cpu"]:
+        if name.startswith("head_"):
+            out["programs"][name] = {"device": "cpu", "ops": len(read_tflite_graph(cpu_content, name).ops)}
+    return out
+
+
 def load_checkpoint(model_dir: str | os.PathLike, *, strict: bool = False,
                     verify: bool = True) -> tuple[Transformer, Tokenizer | MissingTokenizer]:
     """The Flax model and the tokenizer of a checkpoint (a `MissingTokenizer`, which saves
@@ -244,7 +328,8 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
                   latency_repeats: int = 5, verify: bool = True, strict: bool = False,
                   progress: Callable[[str, int, int], None] | None = None, model: Transformer | None = None,
                   tokenizer: Tokenizer | None = None, plan: bool = True,
-                  lora: str | os.PathLike | None = None) -> ExportResult:
+                  lora: str | os.PathLike | None = None, partition: bool = False,
+                  sparse: SparseExport | None = None) -> ExportResult:
     """Export the checkpoint at `model_dir` as a bundle at `out`.
 
     Args:
@@ -263,6 +348,12 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
         (None: the bundle holds no tokenizer files); None (default) loads both from `model_dir`.
       plan: write `plan.json` (lowering plan and NPU mixed precision); latency_repeats=0
         leaves `latency.json` out. The bundle cache (`tflite_export.cache`) skips both.
+      partition: write the lowering's partition as the programs that run
+        (`dlm_jax.partition_contract`): tile-aligned NPU body programs, a CPU head, the
+        embedding as a CPU table (`cpu.safetensors`).
+      sparse: a partitioned bundle of an activation-sparse model whose layers run only their
+        hot neurons on the NPU; the cold ones come from the neuron-bundled flash file
+        (`ffn.flash`) through the runner's cold path (`SparseExport`).
 
     Raises:
       ConfigError: an unknown quantisation or target, a missing vendor SDK, an existing bundle
@@ -295,6 +386,17 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
         adapters = {"path": str(lora), "r": recorded["r"], "lora_alpha": recorded["lora_alpha"],
                     "target_modules": recorded.get("target_modules")}
     config = model.config
+    partition = partition or sparse is not None
+    if partition:
+        from dlm_jax.partition_contract import check_partitionable
+
+        check_partitionable(config)
+        if add:
+            raise ConfigError("--add does not apply to a partitioned bundle: export every bucket at once")
+        if adapters is not None:
+            raise ConfigError("a partitioned bundle of a model with LoRA adapters is not supported")
+    if sparse is not None and config.ffn not in SPARSE_FFN_KINDS:
+        raise ConfigError(f"--sparse needs a ReLU-family FFN (ffn = relu or reglu); this model's is {config.ffn!r}")
     existing = _existing_keys(out, config, quant, target, add=add, overwrite=overwrite, lora=adapters)
     added = [k for k in keys if k not in existing]
     keys = sorted(set(keys) | set(existing))
@@ -307,8 +409,27 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
         if progress is not None:
             progress(f"convert {name}", done[0], len(keys))
 
-    content = convert_signatures([decode_signature(graphdef, state, config, k, gated=adapters is not None)
-                                  for k in keys], progress=tick)
+    if partition:
+        from dlm_jax.partition_contract import Programs
+        from tflite_export.partition import partition_signatures
+
+        programs = Programs.for_keys(keys)
+        hot = None if sparse is None else sparse.clusters(programs, config.n_layers)
+        signatures = partition_signatures(model, programs, hot=hot)
+        keys_total = len(signatures)
+
+        def tick(name: str) -> None:  # noqa: F811 (progress over programs, not buckets)
+            done[0] += 1
+            if progress is not None:
+                progress(f"convert {name}", done[0], keys_total)
+    else:
+        signatures = [decode_signature(graphdef, state, config, k, gated=adapters is not None) for k in keys]
+    cpu_content = None
+    if partition:  # the CPU programs (heads) in their own file: an NPU compiler gets the NPU programs only
+        heads = [sig for sig in signatures if sig.name.startswith("head_")]
+        signatures = [sig for sig in signatures if not sig.name.startswith("head_")]
+        cpu_content = quantize_tflite(convert_signatures(heads, progress=tick), quant)
+    content = convert_signatures(signatures, progress=tick)
     float_bytes = len(content)
     if progress is not None:
         progress(f"quantize ({quant})", 0, 1)
@@ -320,6 +441,10 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     tmp = make_temp_dir(out.parent, f".{out.name}.tmp-")
     try:
         (tmp / MODEL_FILE).write_bytes(content)
+        if cpu_content is not None:
+            from dlm_jax.partitioned import CPU_PROGRAMS_FILE
+
+            (tmp / CPU_PROGRAMS_FILE).write_bytes(cpu_content)
         if tokenizer is not None:
             tokenizer.save(tmp)
         meta = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "model": MODEL_FILE,
@@ -333,11 +458,14 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
                 "files": {**({"latency": LATENCY_FILE} if soc is None and latency_repeats > 0 else {}),
                           **({"plan": PLAN_FILE} if plan else {})},
                 "versions": _versions()}
+        if partition:
+            meta["partition"] = _write_partition(tmp, model, programs, sparse)
         (tmp / BUNDLE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if plan:
             if progress is not None:
                 progress("lowering plan", 0, 1)
-            lowering = _lowering_plan(content, config, keys, quant, get_params(model))
+            lowering = (_partition_plan(content, cpu_content, meta["partition"]) if partition
+                        else _lowering_plan(content, config, keys, quant, get_params(model)))
             (tmp / PLAN_FILE).write_text(json.dumps(lowering, indent=1) + "\n")
         if soc is None and latency_repeats > 0:
             if progress is not None:

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from dlm_jax._config import ModelConfig
+from dlm_jax._config import SPARSE_FFN_KINDS, ModelConfig
 from dlm_jax._errors import ConfigError
 
 
@@ -66,6 +66,10 @@ class TrainConfig:
     # routed expert's selection bias moves by this much towards balance, up when the expert took
     # fewer than the mean number of tokens, down when more ([model] router_bias). 0: off.
     expert_bias_rate: float = 0.0
+    # Activation sparsity for a ReLU-family FFN ([model] ffn = "relu" or "reglu"; ProSparse-style):
+    # this times the mean FFN neuron activation (over layers, tokens and neurons) joins the loss,
+    # pushing most neurons to exactly zero per token (PowerInfer-2's sparse FFN). 0: off.
+    activation_l1: float = 0.0
 
     def objective_options(self) -> dict[str, float | None]:
         """The [train] keys passed on to the objective (training.objectives.get_objective);
@@ -98,6 +102,8 @@ class TrainConfig:
                               f"corrupt_prob={self.corrupt_prob} in [0, 1)")
         if not 0.0 <= self.expert_bias_rate < float("inf"):
             raise ConfigError(f"[train] expert_bias_rate={self.expert_bias_rate} must be >= 0")
+        if not 0.0 <= self.activation_l1 < float("inf"):
+            raise ConfigError(f"[train] activation_l1={self.activation_l1} must be >= 0")
         if not 0.0 <= self.long_tail_prob <= 1.0:
             raise ConfigError(f"[train] long_tail_prob={self.long_tail_prob} must be in [0, 1]")
         if self.ce_alpha is not None and (isinstance(self.ce_alpha, bool) or not isinstance(self.ce_alpha, (int, float))
@@ -232,6 +238,9 @@ class RunConfig:
         if t.expert_bias_rate and not m.router_bias:
             raise ConfigError(f"{self.source}: [train] expert_bias_rate balances the experts through their "
                               f"selection bias; it needs [model] ffn = \"moe\" with router_bias = true")
+        if t.activation_l1 and m.ffn not in SPARSE_FFN_KINDS:
+            raise ConfigError(f"{self.source}: [train] activation_l1 sparsifies a ReLU-family FFN; [model] "
+                              f"ffn={m.ffn!r} is not one of {SPARSE_FFN_KINDS}")
         if t.stride_curriculum and t.objective != "introspective":
             raise ConfigError(f"{self.source}: [train] stride_curriculum is an option of the 'introspective' "
                               f"objective, not {t.objective!r}")

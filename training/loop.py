@@ -119,22 +119,30 @@ class StepShardings:
 
 def train_step(params: nnx.State, opt_state: optax.OptState, batch: Batch, rng: jax.Array,
                frozen: nnx.State | None = None, *, graphdef: nnx.GraphDef, objective: Objective,
-               tx: optax.GradientTransformation, expert_bias_rate: float = 0.0,
+               tx: optax.GradientTransformation, expert_bias_rate: float = 0.0, activation_l1: float = 0.0,
                ) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array], jax.Array]:
     """One optimizer step of `objective` on `batch` ([B, T] arrays) with key `rng`. Returns the
     updated parameters and optimizer state, the objective's metrics plus `grad_norm` (before
     clipping), and whether the loss and every updated parameter are finite (a bool scalar).
     `frozen`: the rest of the model's state (an R-ISD run's base weights), an input of the step
     that is neither differentiated nor updated. `expert_bias_rate` > 0: the MoE layers' expert
-    biases are not trained by the optimizer but moved towards balanced loads (`balance_experts`)."""
+    biases are not trained by the optimizer but moved towards balanced loads (`balance_experts`).
+    `activation_l1` > 0: that times the mean FFN neuron activation joins the loss (metrics
+    `activation_l1`, the mean activation, and `ffn_active`, the share of active neurons)."""
 
     def loss_fn(p, batch, rng):
         model = nnx.merge(graphdef, p) if frozen is None else nnx.merge(graphdef, p, frozen)
-        if not expert_bias_rate:
+        if not expert_bias_rate and not activation_l1:
             return objective(model, batch, rng)
-        recorder = _LoadRecorder(model)
+        recorder = _Recorder(model, loads=bool(expert_bias_rate), activations=bool(activation_l1))
         loss, metrics = objective(recorder, batch, rng)
-        return loss, {**metrics, "expert_loads": recorder.loads}
+        if expert_bias_rate:
+            metrics = {**metrics, "expert_loads": recorder.loads}
+        if activation_l1:
+            mean_act = recorder.act_sum / recorder.calls
+            loss = loss + activation_l1 * mean_act
+            metrics = {**metrics, "activation_l1": mean_act, "ffn_active": recorder.active_sum / recorder.calls}
+        return loss, metrics
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -148,20 +156,28 @@ def train_step(params: nnx.State, opt_state: optax.OptState, batch: Batch, rng: 
     return params, opt_state, {**metrics, "grad_norm": optax.tree.norm(grads)}, finite
 
 
-class _LoadRecorder:
-    """The model, each call also asked for its routing: `loads` [Lm, E] sums the tokens each
-    MoE layer's experts received over the calls."""
+class _Recorder:
+    """The model, each call also asked for its routing (`loads`: [Lm, E] sums the tokens each
+    MoE layer's experts received over the calls) and/or its FFN neuron activations (`act_sum`,
+    `active_sum`: per call, the mean activation and the share of active neurons, summed)."""
 
-    def __init__(self, model: Any):
-        self._model, self.loads = model, None
+    def __init__(self, model: Any, *, loads: bool, activations: bool):
+        self._model, self._loads, self._activations = model, loads, activations
+        self.loads, self.act_sum, self.active_sum, self.calls = None, 0.0, 0.0, 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._model(*args, router_topk=True, **kwargs)
-        loads = jax.nn.one_hot(out.router_topk, self._model.config.n_experts, dtype=jnp.float32).sum((1, 2, 3))
-        self.loads = loads if self.loads is None else self.loads + loads
+        out = self._model(*args, **({"router_topk": True} if self._loads else {}),
+                          **({"ffn_act": True} if self._activations else {}), **kwargs)
+        if self._loads:
+            loads = jax.nn.one_hot(out.router_topk, self._model.config.n_experts, dtype=jnp.float32).sum((1, 2, 3))
+            self.loads = loads if self.loads is None else self.loads + loads
+        if self._activations:
+            self.act_sum = self.act_sum + out.ffn_act.mean()
+            self.active_sum = self.active_sum + jax.lax.stop_gradient((out.ffn_act > 0).mean(dtype=jnp.float32))
+        self.calls += 1
         return out
 
 
@@ -181,7 +197,7 @@ def balance_experts(old: nnx.State, new: nnx.State, loads: jax.Array, rate: floa
 
 def make_train_step(*, graphdef: nnx.GraphDef, objective: Objective, tx: optax.GradientTransformation,
                     shardings: StepShardings, frozen: Any = None, expert_bias_rate: float = 0.0,
-                    ) -> Callable[..., Any]:
+                    activation_l1: float = 0.0) -> Callable[..., Any]:
     """`train_step` jitted with `shardings` as its in and out shardings, donating the parameters
     and optimizer state (arguments 0 and 1): the update is written over them, so the accelerator
     holds one copy of each, and the arrays passed in are deleted by the call. `frozen`: the
@@ -189,7 +205,7 @@ def make_train_step(*, graphdef: nnx.GraphDef, objective: Objective, tx: optax.G
     s = shardings
     extra = () if frozen is None else (frozen,)
     return jax.jit(functools.partial(train_step, graphdef=graphdef, objective=objective, tx=tx,
-                                     expert_bias_rate=expert_bias_rate),
+                                     expert_bias_rate=expert_bias_rate, activation_l1=activation_l1),
                    in_shardings=(s.params, s.opt_state, s.batch, s.replicated, *extra),
                    out_shardings=(s.params, s.opt_state, s.replicated, s.replicated),
                    donate_argnums=(0, 1))
@@ -493,7 +509,8 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
         if stride not in step_fns:
             step_fns[stride] = make_train_step(graphdef=graphdef, objective=objective_for(stride), tx=tx,
                                                shardings=shardings, frozen=frozen_shardings,
-                                               expert_bias_rate=tc.expert_bias_rate)
+                                               expert_bias_rate=tc.expert_bias_rate,
+                                               activation_l1=tc.activation_l1)
         return step_fns[stride](*args, *(() if frozen is None else (frozen,)))
 
     def save(good) -> None:

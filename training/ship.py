@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 import dlm_jax
+from dlm_jax._config import SPARSE_FFN_KINDS
 from dlm_jax._integrity import make_temp_dir, write_manifest
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.registry import decode_config
@@ -82,11 +83,13 @@ def ship(run_dir: Path, config: Path, dest: Path, *, n: int, gen_len: int, max_m
                    for name, cfg in card_decoders(gen_len).items()}
         train_seconds = _wall_seconds(run_dir, run, metrics)
         chance = {t: chance_accuracy(t, n=n) for t in TASKS}
+        sparsity = _sparsity(handle, gen_len) if run.model.ffn in SPARSE_FFN_KINDS else None
         card = _card(dest.name, run, config, metrics, results, chance, size_mb, train_seconds, n, gen_len,
-                     weights_dtype=weights_dtype, trained_on=trained_on, stopped_at=stopped_at)
+                     weights_dtype=weights_dtype, trained_on=trained_on, stopped_at=stopped_at, sparsity=sparsity)
         (tmp / "README.md").write_text(card)
         (tmp / "eval.json").write_text(json.dumps({"n_per_task": n, "gen_len": gen_len, "results": results,
                                                   "chance": chance,
+                                                  **({"sparsity": sparsity} if sparsity else {}),
                                                   "tasks": task_settings()}, indent=2))
         write_manifest(tmp)  # the card and evaluation too
         replace_dir(tmp, dest)
@@ -108,6 +111,23 @@ def _store_weights(directory: Path, dtype: str) -> None:
             continue
         save_file({k: t.astype(target) if t.dtype.kind == "f" else t for k, t in tensors.items()}, file,
                   metadata=metadata or None)
+
+
+SPARSITY_WINDOWS = (1, 4, 16, 32)
+
+
+def _sparsity(handle, gen_len: int, per_task: int = 16) -> dict:
+    """Per layer, the share of FFN neurons active per token and for a window of W consecutive
+    rows of the card's Fast-dLLM decode (`runtime.neurons.decode_statistics` over held-out
+    prompts)."""
+    from dlm_jax.runtime.neurons import decode_statistics
+    from training.data import make_split
+
+    prompts = [handle.encode(ex.prompt) for t in TASKS for ex in make_split(TASKS[t], per_task, split="heldout")]
+    stats = decode_statistics(handle, prompts, decode_config(gen_len=gen_len, block_len=32),
+                              windows=SPARSITY_WINDOWS)
+    return {"prompts": len(prompts), "tokens": stats.tokens,
+            "windows": {w: [round(float(x), 4) for x in stats.density(w)] for w in stats.recorded_windows()}}
 
 
 def _wall_seconds(run_dir: Path, run: RunConfig, metrics: list[dict]) -> float:
@@ -139,12 +159,21 @@ def _final_loss(metrics: list[dict], key: str = "loss") -> float:
 
 def _ffn(m) -> str:
     """The card's words for the model's FFN."""
+    if m.ffn == "reglu":
+        return f"gated ReLU FFN of {m.ffn_hidden} neurons, down(relu(gate x) * up x)"
+    if m.ffn == "relu":
+        return f"ReLU FFN of {m.ffn_hidden} neurons"
     if m.ffn != "moe":
         return f"SwiGLU {m.ffn_hidden}"
     active = m.n_experts_per_tok + m.n_shared_experts
     return (f"MoE: {m.n_experts} routed SwiGLU experts of width {m.moe_ffn_hidden}, top-{m.n_experts_per_tok}, "
             f"{m.n_shared_experts} shared, {m.router} router{' with a selection bias' if m.router_bias else ''}; "
             f"{active} x {m.moe_ffn_hidden} FFN width active per token")
+
+
+def _fresh(m) -> str:
+    """What an `init_partial` run of this model starts randomly (shapes a dense model lacks)."""
+    return "experts, router" if m.ffn == "moe" else "the FFN, whose width or kind differs"
 
 
 def _lr_at(t, step: int) -> float:
@@ -154,7 +183,8 @@ def _lr_at(t, step: int) -> float:
 
 
 def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_len, *,
-          weights_dtype: str = "float32", trained_on: str = CPU_MACHINE, stopped_at: int | None = None) -> str:
+          weights_dtype: str = "float32", trained_on: str = CPU_MACHINE, stopped_at: int | None = None,
+          sparsity: dict | None = None) -> str:
     m, t = run.model, run.train
     lines = [f"# {name}", "",
              f"A {dlm_jax.param_count(m):,}-parameter {m.attention} transformer "
@@ -172,12 +202,15 @@ def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_
              f"clip {t.grad_clip}, {t.compute_dtype}",
              *([f"- initial weights: `{t.init_from}` (`[train] init_from`; its wall time not counted "
                 f"here), with this config's attention and logit shift"
-                + (": the parameters whose names and shapes match (`init_partial`), the others (experts, router) "
+                + (f": the parameters whose names and shapes match (`init_partial`), the others ({_fresh(m)}) "
                    "random" if t.init_partial else "")] if t.init_from else []),
              *([f"- expert balancing without an auxiliary loss: each step every expert's selection bias moves "
                 f"{t.expert_bias_rate} towards the mean load (`expert_bias_rate`); busiest expert's load / mean at "
                 f"the end: {_final_loss(metrics, 'expert_max_load'):.2f} (per layer, averaged)"]
                if t.expert_bias_rate else []),
+             *([f"- activation sparsity: {t.activation_l1} x the mean FFN neuron activation added to the loss "
+                f"(`activation_l1`); share of neurons active per token at the end: "
+                f"{_final_loss(metrics, 'ffn_active'):.2%} (training batches)"] if t.activation_l1 else []),
              *([f"- objective options: clean-position term, weight {t.clean_loss_weight}, "
                 f"{t.corrupt_prob:.0%} of the visible response tokens corrupted"] if t.clean_loss_weight else []),
              f"- wall time: {seconds / 60:.1f} min of training steps on {trained_on}",
@@ -198,6 +231,18 @@ def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_
     floors = " | ".join(f"{chance[task] * 100:.1f}%" for task in TASKS)
     lines += [f"| chance: the most frequent held-out answer, always | {floors} | 0 |", "",
               "Measured with `training.ship` (`training.evaluate`); answers must match exactly.", ""]
+    if sparsity:
+        windows = list(sparsity["windows"])
+        lines += ["## Activation sparsity", "",
+                  f"Share of each layer's {m.ffn_hidden} FFN neurons active (relu output > 0) for one token and "
+                  f"for a window of W consecutive rows (a neuron counts if any row activates it), over the "
+                  f"{sparsity['tokens']} window rows of decoding {sparsity['prompts']} held-out prompts with "
+                  f"prefix + threshold 0.9 (block 32):", "",
+                  "| layer | " + " | ".join("token" if w == 1 else f"W = {w}" for w in windows) + " |",
+                  "|---|" + "---|" * len(windows)]
+        for i in range(m.n_layers):
+            lines.append(f"| {i} | " + " | ".join(f"{sparsity['windows'][w][i]:.1%}" for w in windows) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 

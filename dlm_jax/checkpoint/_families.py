@@ -250,8 +250,8 @@ def _render_hf(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
     if cfg.embedding_rows != cfg.vocab_size:
         raise ConfigError(f"family {fam.name!r} cannot store embedding_rows={cfg.embedding_rows} "
                           f"!= vocab_size={cfg.vocab_size}")
-    if cfg.ffn == "relu":
-        raise ConfigError(f"family {fam.name!r} cannot store ffn='relu'; save with family='dlm_jax'")
+    if cfg.ffn in ("relu", "reglu"):
+        raise ConfigError(f"family {fam.name!r} cannot store ffn={cfg.ffn!r}; save with family='dlm_jax'")
     out: dict[str, Any] = {
         "architectures": [fam.architecture], "model_type": fam.model_types[0],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,

@@ -38,6 +38,7 @@ class ModelOutput(NamedTuple):
     k: jax.Array  # [L, B, T, Hkv, Dh] the window's keys (post-RoPE)
     v: jax.Array  # [L, B, T, Hkv, Dh]
     router_topk: jax.Array | None = None  # [Lm, B, T, k] int32 routed experts of the MoE layers
+    ffn_act: jax.Array | None = None  # [L, B, T, F] float32 ReLU-family FFN activations (>= 0)
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -144,20 +145,28 @@ class Attention(nnx.Module):
 
 
 class DenseFFN(nnx.Module):
-    """`swiglu`: down(silu(gate(x)) * up(x)); `relu`: down(relu(up(x)))."""
+    """`swiglu`: down(silu(gate(x)) * up(x)); `relu`: down(relu(up(x)));
+    `reglu`: down(relu(gate(x)) * up(x)). A ReLU-family FFN (`relu`, `reglu`) also returns
+    its neuron activations `act` [..., F] (relu(up) or relu(gate), >= 0): neuron i adds
+    nothing to the output where act[..., i] == 0."""
 
     def __init__(self, cfg: ModelConfig, hidden: int, *, kind: str, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg, cfg.d_model, hidden, bias=False, rngs=rngs) if kind == "swiglu" else None
+        self.kind = kind
+        self.gate_proj = _linear(cfg, cfg.d_model, hidden, bias=False, rngs=rngs) if kind != "relu" else None
         self.up_proj = _linear(cfg, cfg.d_model, hidden, bias=False, rngs=rngs)
         self.down_proj = _linear(cfg, hidden, cfg.d_model, bias=False, rngs=rngs)
         self.lora = nnx.data(None)  # {projection name: LoraAdapter} once adapters are attached
 
-    def __call__(self, x: jax.Array, lora_gate: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_gate: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """(output, neuron activations or None for `swiglu`)."""
         a, g = self.lora, lora_gate
-        if self.gate_proj is None:
-            return _project(self.down_proj, a, "down_proj", jax.nn.relu(_project(self.up_proj, a, "up_proj", x, g)), g)
-        gate = jax.nn.silu(_project(self.gate_proj, a, "gate_proj", x, g))
-        return _project(self.down_proj, a, "down_proj", gate * _project(self.up_proj, a, "up_proj", x, g), g)
+        if self.kind == "relu":
+            act = jax.nn.relu(_project(self.up_proj, a, "up_proj", x, g))
+            return _project(self.down_proj, a, "down_proj", act, g), act
+        gate = _project(self.gate_proj, a, "gate_proj", x, g)
+        act = jax.nn.relu(gate) if self.kind == "reglu" else jax.nn.silu(gate)
+        out = _project(self.down_proj, a, "down_proj", act * _project(self.up_proj, a, "up_proj", x, g), g)
+        return out, (act if self.kind == "reglu" else None)
 
 
 class Routing(NamedTuple):
@@ -392,7 +401,7 @@ class MoEFFN(nnx.Module):
                                           routing.experts, routing.weights, resident.experts < 0)
         out = out.reshape(b, t, d)
         if self.shared is not None:
-            out = out + self.shared(x, lora_gate)
+            out = out + self.shared(x, lora_gate)[0]
         return out, routing
 
 
@@ -409,13 +418,12 @@ class Block(nnx.Module):
             self.ffn = DenseFFN(cfg, cfg.ffn_hidden, kind=kind, rngs=rngs)
 
     def __call__(self, x, cos, sin, mask, k_cache, v_cache, lora_gate=None):
-        """(output, window K, window V, the MoE FFN's `Routing` or None)."""
+        """(output, window K, window V, the MoE FFN's `Routing` or the dense FFN's neuron
+        activations or None)."""
         attn_out, k, v = self.attn(self.attn_norm(x), cos, sin, mask, k_cache, v_cache, lora_gate)
         h = x + attn_out
-        y, routing = self.ffn(self.ffn_norm(h), lora_gate), None
-        if isinstance(self.ffn, MoEFFN):
-            y, routing = y
-        return h + y, k, v, routing
+        y, extra = self.ffn(self.ffn_norm(h), lora_gate)
+        return h + y, k, v, extra
 
 
 class Transformer(nnx.Module):
@@ -434,7 +442,8 @@ class Transformer(nnx.Module):
                  mask: jax.Array | None = None, k_cache: jax.Array | None = None,
                  v_cache: jax.Array | None = None,
                  logit_rows: jax.Array | None = None,
-                 lora_gate: jax.Array | None = None, router_topk: bool = False) -> ModelOutput:
+                 lora_gate: jax.Array | None = None, router_topk: bool = False,
+                 ffn_act: bool = False) -> ModelOutput:
         """Forward pass.
 
         Args:
@@ -448,25 +457,29 @@ class Transformer(nnx.Module):
             [MASK] rows (base + adapters), 0.0 on clean rows (base weights only, bit for bit).
             None, or a model without adapters: the base model, the same ops as without it.
           router_topk: also return each MoE layer's routed experts (None without MoE layers).
+          ffn_act: also return each layer's FFN neuron activations (a ReLU-family FFN, else None).
 
         Returns:
           ModelOutput(logits [B, R or T, V] float32, k, v [L, B, T, Hkv, Dh],
-          router_topk [Lm, B, T, k] int32 or None).
+          router_topk [Lm, B, T, k] int32 or None, ffn_act [L, B, T, F] or None).
         """
         x, cos, sin, mask = self.layer_inputs(tokens, positions, mask, k_cache, v_cache)
         if lora_gate is not None and tuple(lora_gate.shape) != tuple(tokens.shape):
             raise ValueError(f"lora_gate has shape {tuple(lora_gate.shape)}, expected the tokens' {tuple(tokens.shape)}")
-        ks, vs, topk = [], [], []
+        ks, vs, topk, acts = [], [], [], []
         for i, layer in enumerate(self.layers):
             kc = None if k_cache is None else k_cache[i]
             vc = None if v_cache is None else v_cache[i]
-            x, k, v, routing = layer(x, cos, sin, mask, kc, vc, lora_gate)
+            x, k, v, extra = layer(x, cos, sin, mask, kc, vc, lora_gate)
             ks.append(k)
             vs.append(v)
-            if routing is not None:
-                topk.append(routing.experts.reshape(*tokens.shape, -1))
+            if isinstance(extra, Routing):
+                topk.append(extra.experts.reshape(*tokens.shape, -1))
+            elif extra is not None:
+                acts.append(extra)
         return ModelOutput(self.output(x, logit_rows), jnp.stack(ks), jnp.stack(vs),
-                           jnp.stack(topk) if router_topk and topk else None)
+                           jnp.stack(topk) if router_topk and topk else None,
+                           jnp.stack(acts) if ffn_act and acts else None)
 
     def layer_inputs(self, tokens, positions, mask, k_cache, v_cache):
         """(embedded tokens, RoPE cos, sin, [B, T, P+T] mask): what every layer takes, with the

@@ -79,7 +79,8 @@ def cache_buckets(max_len: int) -> BucketSet:
 @dataclasses.dataclass(frozen=True, order=True)
 class BucketKey:
     """One compiled step program: batch, window, cache capacity, logit rows, full logits,
-    routed experts (`router_topk`, an MoE model's)."""
+    routed experts (`router_topk`, an MoE model's), FFN neuron activity (`ffn_active`, a
+    ReLU-family FFN's)."""
 
     batch: int
     window: int
@@ -87,10 +88,11 @@ class BucketKey:
     rows: int
     full_logits: bool = False
     router_topk: bool = False
+    ffn_active: bool = False
 
     def __str__(self) -> str:
         return (f"b{self.batch}_w{self.window}_p{self.cache}_r{self.rows}" + ("_full" if self.full_logits else "")
-                + ("_topk" if self.router_topk else ""))
+                + ("_topk" if self.router_topk else "") + ("_act" if self.ffn_active else ""))
 
 
 def pad_axis(x: np.ndarray, size: int, *, axis: int, value=0) -> np.ndarray:

@@ -153,7 +153,8 @@ class DecodeStats:
                 "h2d_bytes": int(sum(self.h2d_bytes)), "d2h_bytes": int(sum(self.d2h_bytes)),
                 "max_step_h2d_bytes": max(self.h2d_bytes, default=0),
                 **({"speculation": speculation_summary(self.speculation)} if self.speculation else {}),
-                **({"placement": {k: v for k, v in self.placement.items() if k != "trace"}} if self.placement else {})}
+                **({"placement": {k: v for k, v in self.placement.items() if k not in ("trace", "stats")}}
+                   if self.placement else {})}
 
 
 def merge_speculation(a: dict, b: dict) -> dict:
@@ -202,9 +203,10 @@ def _wants_logits(cfg: DecodeConfig) -> bool:
     return cfg.proposer.needs_logits or cfg.scheduler.wants_logits()
 
 
-def _wants_topk(cfg: DecodeConfig) -> bool:
-    """Whether a decode's steps return the MoE layers' routed experts (expert placement)."""
-    return "router_topk" in cfg.placement.outputs
+def _wants_placement(cfg: DecodeConfig) -> dict[str, bool]:
+    """The optional outputs a decode's steps return for its placement policy: the MoE layers'
+    routed experts (expert placement), the FFN neuron activity (neuron placement)."""
+    return {name: name in cfg.placement.outputs for name in ("router_topk", "ffn_active")}
 
 
 def _use_order(keys: Sequence[BucketKey]) -> list[BucketKey]:
@@ -315,14 +317,14 @@ class Decoder:
             pass
         except TypeError:  # a config that cannot be hashed
             memo = None
-        logits, topk = _wants_logits(cfg), _wants_topk(cfg)
+        logits, placed = _wants_logits(cfg), _wants_placement(cfg)
         shift, gen = self.shift, cfg.gen_len
         shapes = set(cfg.scheduler.plan_shapes(prompt_lens, gen, shift=shift))
-        main = {caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits, router_topk=topk)
+        main = {caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits, **placed)
                 for w, p, r in shapes}
         for w, p, r in cfg.revision.plan_shapes(prompt_lens, gen, shift=shift, window_shapes=shapes) - shapes:
             if w <= caps.windows.largest and r <= caps.rows.largest:  # wider: refused when planned, none to warm
-                main.add(caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits, router_topk=topk))
+                main.add(caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits, **placed))
         # The CPU path asks for no logits.
         cpu = {caps.select(batch=batch, window=w, cache=p, rows=r) for w, p, r in cfg.revision.cpu_shapes(prompt_lens, gen)}
         keys = (tuple(sorted(main)), tuple(sorted(cpu)))
@@ -373,7 +375,7 @@ class Decoder:
         scheduler, proposer, revision, placement = cfg.scheduler, cfg.proposer, cfg.revision, cfg.placement
         units = cfg.units
         stats = DecodeStats(request_nfe=[0] * n)
-        want = OutputRequest(kv=False, logits=_wants_logits(cfg), router_topk=_wants_topk(cfg))
+        want = OutputRequest(kv=False, logits=_wants_logits(cfg), **_wants_placement(cfg))
         rule = cfg.rule
         start = time.perf_counter()
         cursor = scheduler.start(state)

@@ -46,18 +46,21 @@ class StepInputBuilder:
         self._empty: dict = {}
         self._by_size: dict[tuple, list[BucketKey]] = {}  # (batch, window, cache, logits) -> preferred keys
         for k in prefer:
-            self._by_size.setdefault((k.batch, k.window, k.cache, k.full_logits), []).append(k)
+            self._by_size.setdefault((k.batch, k.window, k.cache, k.full_logits, k.router_topk, k.ffn_active),
+                                     []).append(k)
         for keys in self._by_size.values():
             keys.sort(key=lambda k: k.rows)
         self._memo: dict[tuple, BucketKey] = {}
 
     def key(self, plan: StepPlan, batch: int, want: OutputRequest) -> BucketKey:
-        shape = (batch, *plan.shape, want.logits, want.router_topk)
+        shape = (batch, *plan.shape, want.logits, want.router_topk, want.ffn_active)
         key = self._memo.get(shape)
         if key is None:
-            _, w, p, r, logits, topk = shape
-            key = self.capabilities.select(batch=batch, window=w, cache=p, rows=r, logits=logits, router_topk=topk)
-            held = self._by_size.get((key.batch, key.window, key.cache, key.full_logits), ())
+            _, w, p, r, logits, topk, active = shape
+            key = self.capabilities.select(batch=batch, window=w, cache=p, rows=r, logits=logits, router_topk=topk,
+                                           ffn_active=active)
+            held = self._by_size.get((key.batch, key.window, key.cache, key.full_logits, key.router_topk,
+                                      key.ffn_active), ())
             key = next((k for k in held if k.rows >= r), key)
             self._memo[shape] = key
         return key

@@ -7,8 +7,8 @@ signature tensors from `INPUTS` / `output_specs`, and an on-device runner checks
 against them.
 
 Axes: B batch, W window bucket, P cache bucket, R logit-row bucket, L layers, Hkv key/value
-heads, Dh head width, V vocabulary, M MoE layers, K experts per token. Inputs are padded to their bucket sizes; the bucket key
-is read off their shapes.
+heads, Dh head width, V vocabulary, M MoE layers, K experts per token, F32 words of 32 FFN
+neurons. Inputs are padded to their bucket sizes; the bucket key is read off their shapes.
 """
 
 from __future__ import annotations
@@ -59,14 +59,26 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("logits", ("B", "R", "V"), "float32", output="logits"),  # rows' logits (sampling, ISD)
     # each MoE layer's routed experts per window row (expert placement, TIDE)
     TensorSpec("router_topk", ("M", "B", "W", "K"), "int32", output="router_topk"),
+    # each layer's active FFN neurons per window row, bit-packed: bit j of word w is neuron
+    # 32 w + j (`runtime.neurons.unpack_active`; PowerInfer-2's activation traces)
+    TensorSpec("ffn_active", ("L", "B", "W", "F32"), "int32", output="ffn_active"),
 )
 INPUT_NAMES: tuple[str, ...] = tuple(s.name for s in INPUTS)
+
+
+def model_outputs(config: ModelConfig) -> frozenset[str]:
+    """The optional outputs a model's step can return beyond K/V and logits: the routed
+    experts of an MoE model, the neuron activity of a ReLU-family FFN."""
+    from dlm_jax._config import SPARSE_FFN_KINDS
+
+    return frozenset(({"router_topk"} if config.ffn == "moe" else set())
+                     | ({"ffn_active"} if config.ffn in SPARSE_FFN_KINDS else set()))
 
 
 def axis_sizes(config: ModelConfig, key: BucketKey) -> dict[str, int]:
     return {"B": key.batch, "W": key.window, "P": key.cache, "R": key.rows, "L": config.n_layers,
             "Hkv": config.n_kv_heads, "Dh": config.head_dim, "V": config.vocab_size,
-            "M": len(config.moe_layers), "K": config.n_experts_per_tok}
+            "M": len(config.moe_layers), "K": config.n_experts_per_tok, "F32": -(-config.ffn_hidden // 32)}
 
 
 def _dtype(spec: TensorSpec, config: ModelConfig) -> str:
@@ -81,20 +93,23 @@ def input_specs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[in
 
 def output_specs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of every output a program of bucket `key` returns, in order. A
-    compiled program always returns the window K/V; it returns logits and routed experts only
-    when the key asks (`key.full_logits`, `key.router_topk`), so those flags are part of the
-    bucket and other buckets pay nothing for them."""
+    compiled program always returns the window K/V; it returns logits, routed experts and
+    neuron activity only when the key asks (`key.full_logits`, `key.router_topk`,
+    `key.ffn_active`), so those flags are part of the bucket and other buckets pay nothing
+    for them."""
     sizes = axis_sizes(config, key)
     return [(s.name, s.shape(sizes), _dtype(s, config)) for s in _outputs(key)]
 
 
 def signature_name(key: BucketKey) -> str:
     """Stable name of a bucket's exported signature: `step_w8_p8_r8` (`_b2` appended for
-    batch 2, `_full` when rows' logits are returned, `_topk` when routed experts are)."""
+    batch 2, `_full` when rows' logits are returned, `_topk` when routed experts are, `_act`
+    when neuron activity is)."""
     name = f"step_w{key.window}_p{key.cache}_r{key.rows}"
     if key.batch != 1:
         name += f"_b{key.batch}"
-    return name + ("_full" if key.full_logits else "") + ("_topk" if key.router_topk else "")
+    return (name + ("_full" if key.full_logits else "") + ("_topk" if key.router_topk else "")
+            + ("_act" if key.ffn_active else ""))
 
 
 def signature_inputs(config: ModelConfig, key: BucketKey, *, gated: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
@@ -116,7 +131,8 @@ def output_names(key: BucketKey) -> tuple[str, ...]:
 
 
 def _outputs(key: BucketKey) -> list[TensorSpec]:
-    asked = {"kv": True, None: True, "logits": key.full_logits, "router_topk": key.router_topk}
+    asked = {"kv": True, None: True, "logits": key.full_logits, "router_topk": key.router_topk,
+             "ffn_active": key.ffn_active}
     return [s for s in OUTPUTS if asked[s.output]]
 
 
@@ -124,11 +140,13 @@ def _outputs(key: BucketKey) -> list[TensorSpec]:
 class OutputRequest:
     """Which optional outputs a step needs on the host. `kv`: the window's K/V (only on steps
     that store them, so other steps copy nothing back); `logits`: the rows' logits,
-    `router_topk`: the MoE layers' routed experts (each selects a program that returns them)."""
+    `router_topk`: the MoE layers' routed experts, `ffn_active`: the FFN neurons each row
+    activates (each selects a program that returns them)."""
 
     kv: bool = True
     logits: bool = False
     router_topk: bool = False
+    ffn_active: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +166,7 @@ class StepInputs:
     def key(self) -> BucketKey:
         b, w = self.tokens.shape
         return BucketKey(b, w, self.k_cache.shape[2], self.logit_rows.shape[1], self.want.logits,
-                         self.want.router_topk)
+                         self.want.router_topk, self.want.ffn_active)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The inputs in `INPUTS` order."""
@@ -165,6 +183,7 @@ class StepOutputs:
     v_new: np.ndarray | None = None
     logits: np.ndarray | None = None  # [B, R, V] float32 when asked (`want.logits`)
     router_topk: np.ndarray | None = None  # [M, B, W, K] int32 when asked (`want.router_topk`)
+    ffn_active: np.ndarray | None = None  # [L, B, W, F32] int32 bit-packed when asked (`want.ffn_active`)
     kv: Any = None  # a KV cache's snapshot step: the rows' K/V, where the step ran, for `KVCache.write`
 
     @classmethod
@@ -179,7 +198,7 @@ class Capabilities:
     """What an executor can run. `keys` is a fixed set of buckets (a LiteRT bundle has one
     signature per bucket); None means any combination of the four size sets (the JAX
     executor compiles a bucket on first use). `outputs` lists the optional outputs it can
-    produce (`kv`, `logits`, `router_topk`)."""
+    produce (`kv`, `logits`, `router_topk`, `ffn_active`)."""
 
     batches: BucketSet
     windows: BucketSet
@@ -206,7 +225,8 @@ class Capabilities:
         if not keys:
             raise ConfigError("an executor with a fixed bucket set needs at least one bucket")
         outputs = ({"kv"} | ({"logits"} if any(k.full_logits for k in keys) else set())
-                   | ({"router_topk"} if any(k.router_topk for k in keys) else set()))
+                   | ({"router_topk"} if any(k.router_topk for k in keys) else set())
+                   | ({"ffn_active"} if any(k.ffn_active for k in keys) else set()))
 
         def sizes(field: str, name: str) -> BucketSet:
             return BucketSet(tuple(sorted({getattr(k, field) for k in keys})), name)
@@ -229,7 +249,7 @@ class Capabilities:
         return min(self.windows.largest, self.caches.largest)
 
     def select(self, *, batch: int, window: int, cache: int, rows: int, logits: bool = False,
-               router_topk: bool = False) -> BucketKey:
+               router_topk: bool = False, ffn_active: bool = False) -> BucketKey:
         """The cheapest bucket that holds a step of these live sizes.
 
         Raises:
@@ -241,15 +261,20 @@ class Capabilities:
         if router_topk and "router_topk" not in self.outputs:
             raise ConfigError("this executor cannot return the routed experts (router_topk; needed for "
                               "expert placement, --experts): use an MoE model on the JAX executor")
+        if ffn_active and "ffn_active" not in self.outputs:
+            raise ConfigError("this executor cannot return the FFN neuron activity (ffn_active; needed for neuron "
+                              "placement): use a model with a ReLU-family FFN (ffn = relu or reglu)")
         if self.keys is None:
             return BucketKey(self.batches.select(batch), self.windows.select(window),
-                             self.caches.select(cache), self.rows.select(rows), logits, router_topk)
+                             self.caches.select(cache), self.rows.select(rows), logits, router_topk, ffn_active)
         need = (batch, window, cache, rows)
         # A bucket that returns logits also serves a step that does not read them.
         fits = [k for k in self.keys if k.full_logits >= logits and k.router_topk >= router_topk
+                and k.ffn_active >= ffn_active
                 and all(h >= n for h, n in zip((k.batch, k.window, k.cache, k.rows), need))]
         if fits:
-            return min(fits, key=lambda k: (k.window + k.cache, k.rows, k.batch, k.full_logits, k.window))
+            return min(fits, key=lambda k: (k.window + k.cache, k.rows, k.batch, k.full_logits, k.router_topk,
+                                            k.ffn_active, k.window))
 
         def shortfall(k: BucketKey) -> tuple:
             have = (k.batch, k.window, k.cache, k.rows)

@@ -47,6 +47,11 @@ def test_run_uses_the_bundle_decode_defaults(bundle, capsys):
     (["export", "--model", MODEL, "--out", "{tmp}/new", "--for-prompts", "900"], "exceed the model's"),
     (["export", "--model", MODEL, "--out", "{tmp}/new", "--buckets", "step_w32_p32_r32", "--target",
       "qualcomm-sm8750"], "ai-edge-litert-sdk-qualcomm is not installed"),
+    (["export", "--model", MODEL, "--out", "{tmp}/new", "--memory-budget", "5"], "pass --sparse with it"),
+    (["export", "--model", MODEL, "--out", "{tmp}/new", "--sparse"], "--sparse needs --memory-budget"),
+    (["export", "--model", MODEL, "--out", "{tmp}/new", "--sparse", "--memory-budget", "5"],
+     "--sparse needs a ReLU-family FFN"),
+    (["run", "{bundle}", "--prompt", "1+1=", "--memory-budget", "5"], "is not a sparse bundle"),
 ])
 def test_mistakes_are_one_line_errors(bundle, tmp_path, capsys, argv, message):
     import importlib.util
