@@ -73,7 +73,8 @@ def body_inputs(config: ModelConfig, batch: int, window: int, cache: int,
     return out
 
 
-def body_outputs(config: ModelConfig, batch: int, window: int, layer: int | None = None) -> list[str]:
+def body_outputs(layer: int | None = None) -> list[str]:
+    """A body program's outputs (`layer`: one layer of a sparse bundle)."""
     return ["hidden", "k_new", "v_new"] if layer is None else ["hidden", "ffn_in", "k_new", "v_new"]
 
 

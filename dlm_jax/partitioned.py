@@ -134,7 +134,7 @@ class PartitionedExecutor(Executor):
         kv = (b, wt, cfg.n_kv_heads, cfg.head_dim) if layer is not None else \
             (cfg.n_layers, b, wt, cfg.n_kv_heads, cfg.head_dim)
         shapes = {"hidden": (b, wt, cfg.d_model), "ffn_in": (b, wt, cfg.d_model), "k_new": kv, "v_new": kv}
-        return {n: (shapes[n], np.dtype(cfg.dtype)) for n in body_outputs(cfg, b, wt, layer)}
+        return {n: (shapes[n], np.dtype(cfg.dtype)) for n in body_outputs(layer)}
 
     def _head_specs(self, b: int, r: int, full: bool):
         specs = {"top_token": ((b, r), np.dtype(np.int32)), "top_prob": ((b, r), np.dtype(np.float32)),
@@ -158,6 +158,11 @@ class PartitionedExecutor(Executor):
 
     def build_counts(self) -> BuildCounts:
         return BuildCounts(compiles=len(self._programs), compile_seconds=self._setup_seconds)
+
+    def close(self) -> None:
+        """Stop the cold path's reader thread and close its file (the programs go with this object)."""
+        if self.cold is not None:
+            self.cold.close()
 
     def step(self, inputs: StepInputs, *, timings: dict[str, float] | None = None) -> StepOutputs:
         with self._lock:

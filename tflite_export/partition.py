@@ -69,7 +69,7 @@ def body_signature(model, batch: int, window: int, cache: int) -> Signature:
         return x, jnp.stack(ks), jnp.stack(vs)
 
     return Signature(body_name(batch, window, cache), fn, _specs(inputs), [n for n, _, _ in inputs],
-                     body_outputs(cfg, batch, window))
+                     body_outputs())
 
 
 def layer_signature(model, layer: int, batch: int, window: int, cache: int,
@@ -106,7 +106,7 @@ def layer_signature(model, layer: int, batch: int, window: int, cache: int,
         return h, x, k, v
 
     return Signature(body_name(batch, window, cache, layer), fn, _specs(inputs), [n for n, _, _ in inputs],
-                     body_outputs(cfg, batch, window, layer))
+                     body_outputs(layer))
 
 
 def head_signature(model, batch: int, rows: int, full_logits: bool) -> Signature:
