@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlm_jax.runtime.flash import NeuronBundles, read_all
+from dlm_jax.runtime.flash import NeuronBundles, _runs, read_all
 
 ALIGN = 4096
 
@@ -81,12 +81,11 @@ class MatrixReader:
         row = d * 4
         order = np.argsort(ids)
         sorted_ids = ids[order]
-        runs = np.split(sorted_ids, np.flatnonzero(np.diff(sorted_ids) != 1) + 1)
         before = (self.bytes_read, self.requests)
         parts = {}
         for part in self.info["parts"]:
-            got = np.concatenate([self._rows(self.info["layout"][(layer, part)], int(r[0]), r.size, row)
-                                  for r in runs])
+            got = np.concatenate([self._rows(self.info["layout"][(layer, part)], first, count, row)
+                                  for first, count in _runs(sorted_ids)])
             back = np.empty_like(got)
             back[order] = got
             parts[part] = back

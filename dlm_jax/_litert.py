@@ -119,3 +119,14 @@ def zero_inputs(config: ModelConfig, key: BucketKey, *, gated: bool = False) -> 
         arrays["lora_gate"] = np.zeros((key.batch, key.window), np.float32)
     return StepInputs(**arrays, want=OutputRequest(kv=True, logits=key.full_logits, router_topk=key.router_topk,
                                                    ffn_active=key.ffn_active))
+
+
+def read_outputs(names, buffers, specs, skip=frozenset()) -> dict[str, np.ndarray]:
+    """The output buffers of one run as arrays, `specs[name]` = (shape, dtype), those in
+    `skip` left unread (a copy saved)."""
+    out = {}
+    for name, buffer in zip(names, buffers):
+        if name not in skip:
+            shape, dtype = specs[name]
+            out[name] = buffer.read(int(np.prod(shape)), dtype).reshape(shape)
+    return out

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from dlm_jax._errors import CheckpointError, ConfigError
+from dlm_jax._litert import read_outputs
 from dlm_jax.partition_contract import body_name, body_outputs, head_name, head_outputs, tiled
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, StepInputs, StepOutputs
@@ -56,13 +57,7 @@ class _Program:
         for name, buffer in zip(self.input_names, self.inputs):
             buffer.write(np.ascontiguousarray(arrays[name]))
         model.run_by_index(self.index, self.inputs, self.outputs)
-        out = {}
-        for name, buffer in zip(self.output_names, self.outputs):
-            if name in skip:
-                continue
-            shape, dtype = self.out_specs[name]
-            out[name] = buffer.read(int(np.prod(shape)), dtype).reshape(shape)
-        return out
+        return read_outputs(self.output_names, self.outputs, self.out_specs, skip)
 
 
 def pad_window(inputs: StepInputs, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

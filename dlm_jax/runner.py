@@ -51,7 +51,7 @@ from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax._model import Model, stored_tokenizer
 from dlm_jax._tokenizer import Tokenizer
 from dlm_jax._litert import (ACCELERATORS, _flush_c_stdio, compiled_model, native_stderr_captured,  # noqa: F401
-                             zero_inputs)
+                             read_outputs, zero_inputs)
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, StepInputs, StepOutputs, output_specs,
@@ -191,12 +191,7 @@ class _Signature:
         skip = set() if inputs.want.kv else {"k_new", "v_new"}
         if not inputs.want.logits:
             skip.add("logits")
-        named = {}
-        for name, buffer in zip(self.output_names, self.outputs):
-            if name in skip:
-                continue
-            shape, dtype = self.out_specs[name]
-            named[name] = buffer.read(int(np.prod(shape)), dtype).reshape(shape)
+        named = read_outputs(self.output_names, self.outputs, self.out_specs, skip)
         if timings is not None:
             timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
         return StepOutputs.from_named(named)

@@ -22,7 +22,7 @@ import numpy as np
 
 from dlm_jax.runtime.step import Executor
 from dlm_jax._errors import ConfigError
-from dlm_jax.runtime.neurons import (ActivationStats, LowRankPredictor, NeuronCosts, decode_statistics,  # noqa: F401
+from dlm_jax.runtime.neurons import (ActivationStats, LowRankPredictor, NeuronCosts, decode_statistics,
                                      plan_neurons, recall_precision)
 
 
