@@ -281,6 +281,7 @@ def _load_bundle(args: argparse.Namespace, path: str | Path):
                          verify=getattr(args, "verify_manifest", True),
                          **({"memory_budget_mb": args.memory_budget} if getattr(args, "memory_budget", None) else {}),
                          **({"oracle": True} if getattr(args, "oracle", False) else {}),
+                         **({"prefetch": False} if getattr(args, "no_prefetch", False) else {}),
                          on_note=lambda note: print(f"note: {note}", file=sys.stderr))
     args.keep_alive = handle  # LiteRT logs its teardown: let it happen after main hushes stderr
     return handle
@@ -524,7 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1],
                    help="batch sizes to export buckets for (with --for-prompts; default 1)")
     p.add_argument("--quant", default="none", choices=list(QUANT_MODES),
-                   help="weight quantisation with LiteRT's quantised kernels (default none: float32)")
+                   help="weight quantisation with LiteRT's quantised kernels (default none: float32; int4-outliers: "
+                        "PowerInfer-2's INT4 per channel + INT8 outlier channels in the NPU programs of a "
+                        "partitioned bundle)")
     p.add_argument("--target", default="cpu", choices=list(TARGETS),
                    help="the runner's default accelerator; qualcomm-* compiles ahead of time (needs the vendor SDK)")
     p.add_argument("--add", action="store_true", help="add the buckets to the bundle already at --out")
@@ -561,6 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oracle", action="store_true",
                    help="a sparse bundle: pick cold neurons by their true activations instead of the predictor "
                         "(exact; reads every gate row: for measurements)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="a sparse bundle: do not read the likeliest cold neurons ahead into an empty neuron cache")
     _add_lora_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_run, preset=None)

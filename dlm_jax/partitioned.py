@@ -28,6 +28,7 @@ import numpy as np
 
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax._litert import read_outputs
+from dlm_jax.cold_path import ColdPath
 from dlm_jax.partition_contract import body_name, body_outputs, head_name, head_outputs, tiled
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, StepInputs, StepOutputs
@@ -220,148 +221,6 @@ class PartitionedExecutor(Executor):
         return StepOutputs.from_named(named)
 
 
-@dataclasses.dataclass
-class ColdCounters:
-    steps: int = 0
-    neurons: int = 0  # cold neurons computed (summed over layers and steps)
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    requests: int = 0
-    cold_total: int = 0  # cold neurons available (summed over layers and steps)
-    true_active: int = 0  # with `audit`: cold neurons the window truly activates ...
-    found: int = 0  # ... and those of them the predictor picked (recall = found / true_active)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-class ColdPath:
-    """PowerInfer-2's CPU path for the cold neurons of a sparse bundle [SPECS 4.2-4.4].
-
-    Per layer and step: the neurons the window activates (`predictor.predict_window` over the
-    FFN input rows; an `OraclePredictor`-like `oracle=True` computes the true gates from every
-    cold neuron's gate row, held resident: tests and the accuracy bound only) among the layer's
-    cold neurons at this window; those in the neuron cache are computed at once, the misses are
-    read from the flash file (one positioned read per run of consecutive bundles) in `chunk`
-    sized groups on the reader thread, each computed as it arrives while the next is read
-    (`pipeline`), then cached (LRU, within `cache_bytes`). The result is their FFN output,
-    sum_i down_i * relu(gate_i . x) * (up_i . x). `reader`: what reads the misses (default a
-    `FlashReader` of the flash file; the benchmark's baselines pass others with its `read`).
-    `audit`: also hold every gate row and count how many of the truly active cold neurons the
-    predictor found (`counters.found / counters.true_active`: its recall on real windows)."""
-
-    def __init__(self, flash_path, *, order: np.ndarray, hot: dict[int, np.ndarray], cache_bytes: int,
-                 predictor=None, oracle: bool = False, pipeline: bool = True, chunk: int = 32, direct: bool = True,
-                 on_note=None, reader=None, audit: bool = False):
-        from dlm_jax.runtime.flash import FlashFile, FlashReader, ReaderThread, read_all
-        from dlm_jax.runtime.neurons import NeuronCache
-
-        if predictor is None and not oracle:
-            raise ConfigError("the cold path needs an activation predictor or oracle=True")
-        self.flash = FlashFile.open(flash_path)
-        header = self.flash.header
-        self.kind = header.kind
-        self.order = np.asarray(order)
-        self.hot = {int(w): np.asarray(h) for w, h in hot.items()}
-        self.windows = sorted(self.hot)
-        self.neuron_bytes = header.bundle_bytes
-        self.parts = ("up", "down") if header.kind == "relu" else ("gate", "up", "down")
-        # the cache holds float32 rows, whatever the flash file's dtype
-        self.cache = NeuronCache(header.layers, max(header.neurons), header.d_model, cache_bytes,
-                                 4 * len(self.parts) * header.d_model, parts=self.parts)
-        self.predictor = predictor
-        self.reader = reader if reader is not None else FlashReader(self.flash, direct=direct, on_note=on_note)
-        self.thread = ReaderThread(self.reader) if pipeline else None
-        self.chunk = chunk
-        self.counters = ColdCounters()
-        # oracle: every neuron's activating row (the gate; relu: up), resident
-        self.oracle = oracle
-        self._gates = [(layer["up"] if layer.get("gate") is None else layer["gate"]).astype(np.float32)
-                       for layer in read_all(self.flash)] if oracle or audit else None
-        self._cold = {}  # (layer, window) -> bool [F], the layer's cold neurons at that window
-
-    def reset(self) -> None:
-        """Start cold: an empty neuron cache, zero counters."""
-        self.cache.invalidate()
-        self.counters = ColdCounters()
-
-    def close(self) -> None:
-        if self.thread is not None:
-            self.thread.close()
-        self.reader.close()
-
-    def is_cold(self, layer: int, window: int) -> np.ndarray:
-        w = next((x for x in self.windows if x >= window), self.windows[-1])
-        mask = self._cold.get((layer, w))
-        if mask is None:
-            mask = np.ones(self.order.shape[1], bool)
-            mask[self.order[layer, :int(self.hot[w][layer])]] = False
-            self._cold[(layer, w)] = mask
-        return mask
-
-    def active(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """bool [F]: the neurons some row of `x` [N, D] activates (predicted, or true)."""
-        if self.oracle:
-            return (x @ self._gates[layer].T > 0).any(axis=0)
-        return self.predictor.predict_window(layer, x)
-
-    def _compute(self, x: np.ndarray, gate, up, down) -> np.ndarray:
-        u = x @ up.T
-        act = np.maximum(u, 0) if gate is None else np.maximum(x @ gate.T, 0) * u
-        return act @ down
-
-    def __call__(self, layer: int, window: int, x: np.ndarray) -> np.ndarray:
-        """The cold neurons' FFN output [N, D] for the FFN inputs `x` [N, D] of layer `layer` in
-        a (tiled) window of `window` rows."""
-        cold = self.is_cold(layer, window)
-        picked = self.active(layer, x) & cold
-        need = np.flatnonzero(picked)
-        c = self.counters
-        if self._gates is not None and not self.oracle:
-            truth = (x @ self._gates[layer].T > 0).any(axis=0) & cold
-            c.true_active += int(truth.sum())
-            c.found += int((truth & picked).sum())
-        c.steps += layer == 0
-        c.cold_total += int(cold.sum())
-        c.neurons += need.size
-        y = np.zeros_like(x)
-        if need.size == 0:
-            return y
-        hit, slots = self.cache.lookup(layer, need)
-        misses = need[~hit]
-        c.hits += int(hit.sum())
-        c.misses += misses.size
-        futures = []
-        if misses.size:
-            groups = [misses[i:i + self.chunk] for i in range(0, misses.size, self.chunk)]
-            if self.thread is not None:
-                futures = [self.thread.submit(layer, g) for g in groups]
-            else:
-                futures = [_Done(self.reader.read(layer, g)) for g in groups]
-        if slots.size:
-            rows = self.cache.rows(slots)
-            y += self._compute(x, rows.get("gate"), rows["up"], rows["down"])
-        for fut in futures:
-            got = fut.result()
-            c.bytes_read += got.bytes_read
-            c.requests += got.requests
-            down = got.down.T  # [n, D]
-            y += self._compute(x, got.gate, got.up, down)
-            self.cache.insert(layer, got.neurons, {"gate": got.gate, "up": got.up, "down": down})
-        return y
-
-
-class _Done:
-    """A finished read in the shape of a future (the unpipelined path)."""
-
-    def __init__(self, value):
-        self._value = value
-
-    def result(self):
-        return self._value
-
-
 MB = 1_000_000
 
 
@@ -380,10 +239,12 @@ def resident_bytes(bundle) -> dict[str, int]:
 
 def open_executor(bundle, *, accelerator: str = "cpu", threads: int = 2, cpu_fallback: bool = False,
                   memory_budget_mb: float | None = None, oracle: bool = False, pipeline: bool = True,
-                  direct: bool = True, on_note=None, audit: bool = False) -> PartitionedExecutor:
+                  direct: bool = True, on_note=None, audit: bool = False, prefetch: bool = True) -> PartitionedExecutor:
     """The executor of a partitioned bundle. A sparse one gets its cold path: the neuron cache
     is what `memory_budget_mb` leaves after the resident part (`resident_bytes`; None: room for
-    every neuron, nothing read twice).
+    every neuron, nothing read twice); `prefetch`: fill it ahead from the calibration
+    statistics when it starts empty (`cold_path.prefetch_order`; bundles without statistics
+    fill it in the plan's order).
 
     Raises:
       ConfigError: a budget below the resident part (both numbers named).
@@ -394,7 +255,7 @@ def open_executor(bundle, *, accelerator: str = "cpu", threads: int = 2, cpu_fal
     cold = None
     if part.get("sparse"):
         from dlm_jax.checkpoint._safetensors import load_file
-        from dlm_jax.runtime.neurons import LowRankPredictor
+        from dlm_jax.runtime.predictor import LowRankPredictor
 
         neurons = json.loads((bundle.path / part["neurons"]).read_text())
         order = np.asarray(neurons["plan"]["order"], np.int64)
@@ -415,7 +276,36 @@ def open_executor(bundle, *, accelerator: str = "cpu", threads: int = 2, cpu_fal
             if not part.get("predictor"):
                 raise ConfigError(f"{bundle.path} has no activation predictor; run it with oracle activations")
             predictor = LowRankPredictor.from_arrays(load_file(bundle.path / part["predictor"]))
+        ahead = _prefetch(neurons, order, hot, cache // _cached_neuron_bytes(bundle)) if prefetch else None
         cold = ColdPath(bundle.path / part["flash"], order=order, hot=hot, cache_bytes=cache, predictor=predictor,
-                        oracle=oracle, pipeline=pipeline, direct=direct, on_note=on_note, audit=audit)
+                        oracle=oracle, pipeline=pipeline, direct=direct, on_note=on_note, audit=audit,
+                        prefetch=ahead)
     return PartitionedExecutor(bundle, accelerator=accelerator, threads=threads, cpu_fallback=cpu_fallback,
                                cold=cold)
+
+
+def _cached_neuron_bytes(bundle) -> int:
+    """What one neuron takes in the cold path's cache (float32 rows of each part)."""
+    cfg = bundle.config
+    return 4 * cfg.d_model * (2 if cfg.ffn == "relu" else 3)
+
+
+def _prefetch(neurons: dict, order: np.ndarray, hot: dict[int, np.ndarray], slots: int) -> list[np.ndarray]:
+    """The prefetch region for `slots` cached neurons (`cold_path.prefetch_order`): the cold
+    neurons of the largest window bucket in the plan's order, shared between layers by the
+    bundle's activation statistics at its largest recorded window (without statistics, by
+    their place in the order)."""
+    from dlm_jax.cold_path import prefetch_order
+
+    n_layers, n = order.shape
+    first_cold = np.asarray(hot[max(hot)], np.int64)
+    if "stats" in neurons:
+        from dlm_jax.runtime.neurons import ActivationStats
+
+        stats = ActivationStats.from_dict(neurons["stats"])
+        windows = stats.recorded_windows()
+        prob = stats.prob(windows[-1]) if windows else stats.token_prob()
+    else:  # earlier in the order = more likely active
+        prob = np.empty((n_layers, n))
+        prob[np.arange(n_layers)[:, None], order] = np.linspace(1.0, 1e-6, n)[None]
+    return prefetch_order(prob, order, first_cold, slots)

@@ -21,7 +21,7 @@ each with only its hot neurons), CPU heads, and beside them
     ffn.flash         sparse: every FFN neuron's gate row, up row and down column, one 4 KiB
                       aligned bundle each (`runtime.flash`), read by the cold path
     neurons.json      sparse: the neuron plan (order, hot counts per window), its statistics
-    predictor.safetensors  sparse: the activation predictor (`runtime.neurons.LowRankPredictor`)
+    predictor.safetensors  sparse: the activation predictor (`runtime.predictor.LowRankPredictor`)
 
 `dlm_jax.partitioned.PartitionedExecutor` runs it.
 
@@ -304,7 +304,7 @@ def bundle_executor(bundle: Bundle, *, accelerator: str = "cpu", threads: int = 
                     **neurons: Any) -> Executor:
     """The executor of an opened bundle: `LiteRTExecutor`, or for a partitioned bundle
     `dlm_jax.partitioned.PartitionedExecutor` (`neurons`: its cold-path options,
-    `memory_budget_mb`, `oracle`, `pipeline`, `direct`, `on_note`)."""
+    `memory_budget_mb`, `oracle`, `pipeline`, `direct`, `on_note`, `audit`, `prefetch`)."""
     if "partition" in bundle.meta:
         from dlm_jax.partitioned import open_executor
 

@@ -50,6 +50,9 @@ QUANT_MODES: dict[str, str] = {
     "int4": "ai-edge-quantizer dynamic int4 BLOCKWISE_32: int4 weights in blocks of 32 along the input "
             "dimension with one scale each (Q4_0's granularity); FULLY_CONNECTED quantises its input at "
             "run time (XNNPACK qd8-f32-qb4w)",
+    "int4-outliers": "PowerInfer-2's NPU quantisation (partitioned bundles): each NPU linear split on its input "
+                     "channels, the top 1% by AWQ salience INT8 channelwise, the rest INT4 channelwise, two "
+                     "FULLY_CONNECTED ops (XNNPACK qd8-f32-qc4w + qd8-f32-qc8w); the CPU head int8 channelwise",
 }
 TARGETS: dict[str, str | None] = {"cpu": None, "gpu": None, "npu": None,
                                   "qualcomm-sm8650": "SM8650", "qualcomm-sm8750": "SM8750",
@@ -111,6 +114,8 @@ def quantize_tflite(content: bytes, mode: str) -> bytes:
         raise ConfigError(f"unknown quantisation {mode!r}; known: {', '.join(QUANT_MODES)}")
     if mode == "none":
         return content
+    if mode == "int4-outliers":
+        raise ConfigError("int4-outliers quantises the NPU programs of a partitioned bundle (pass --partition)")
     from ai_edge_quantizer import qtyping, quantizer, recipe, recipe_manager
 
     if mode == "int8":
@@ -225,7 +230,7 @@ def _lowering_plan(content: bytes, config, keys: Sequence[BucketKey], quant: str
 
 @dataclasses.dataclass(frozen=True)
 class SparseExport:
-    """What a sparse bundle needs beyond the model: the neuron plan (`runtime.neurons.NeuronPlan`:
+    """What a sparse bundle needs beyond the model: the neuron plan (`runtime.neuron_plan.NeuronPlan`:
     each layer's neurons hottest first and the hot count per window bucket), the hot neurons'
     cluster size (hot counts round down to whole clusters; each cluster is one NPU constant),
     the activation predictor and the activation statistics it was planned from."""
@@ -276,7 +281,10 @@ def _write_partition(tmp: Path, model, programs, sparse: SparseExport | None) ->
             if cfg.ffn == "reglu":
                 layer["gate"] = params[pre + "gate_proj.kernel"].T
             layers.append(layer)
-        header = write_flash(tmp / FLASH_FILE, layers, kind=cfg.ffn, dtype=sparse.flash_dtype)
+        # laid out in the plan's order (hottest first): cold neurons of similar activation
+        # probability are flash neighbours, and a read-ahead is one run per layer
+        header = write_flash(tmp / FLASH_FILE, layers, kind=cfg.ffn, dtype=sparse.flash_dtype,
+                             order=sparse.plan.order)
         hot = {str(w): [sparse.hot_count(i, w) for i in range(cfg.n_layers)] for _, w, _ in programs.bodies}
         neurons = {"plan": sparse.plan.to_dict(), "cluster": sparse.cluster, "hot": hot,
                    **({"stats": sparse.stats.to_dict()} if sparse.stats is not None else {})}
@@ -329,7 +337,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
                   progress: Callable[[str, int, int], None] | None = None, model: Transformer | None = None,
                   tokenizer: Tokenizer | None = None, plan: bool = True,
                   lora: str | os.PathLike | None = None, partition: bool = False,
-                  sparse: SparseExport | None = None) -> ExportResult:
+                  sparse: SparseExport | None = None, outlier_fraction: float | None = None) -> ExportResult:
     """Export the checkpoint at `model_dir` as a bundle at `out`.
 
     Args:
@@ -354,6 +362,8 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
       sparse: a partitioned bundle of an activation-sparse model whose layers run only their
         hot neurons on the NPU; the cold ones come from the neuron-bundled flash file
         (`ffn.flash`) through the runner's cold path (`SparseExport`).
+      outlier_fraction: with quant="int4-outliers", the share of input channels kept INT8
+        (default 1%; 0: INT4 per channel alone, QNN's scheme, for comparison).
 
     Raises:
       ConfigError: an unknown quantisation or target, a missing vendor SDK, an existing bundle
@@ -395,6 +405,9 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
             raise ConfigError("--add does not apply to a partitioned bundle: export every bucket at once")
         if adapters is not None:
             raise ConfigError("a partitioned bundle of a model with LoRA adapters is not supported")
+    if quant == "int4-outliers" and not partition:
+        raise ConfigError("--quant int4-outliers quantises the NPU programs of a partitioned bundle: "
+                          "add --partition (or --sparse)")
     if sparse is not None and config.ffn not in SPARSE_FFN_KINDS:
         raise ConfigError(f"--sparse needs a ReLU-family FFN (ffn = relu or reglu); this model's is {config.ffn!r}")
     existing = _existing_keys(out, config, quant, target, add=add, overwrite=overwrite, lora=adapters)
@@ -409,13 +422,22 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
         if progress is not None:
             progress(f"convert {name}", done[0], len(keys))
 
+    npu = None
     if partition:
         from dlm_jax.partition_contract import Programs
         from tflite_export.partition import partition_signatures
 
         programs = Programs.for_keys(keys)
         hot = None if sparse is None else sparse.clusters(programs, config.n_layers)
-        signatures = partition_signatures(model, programs, hot=hot)
+        if quant == "int4-outliers":
+            from tflite_export.npu_quant import NpuQuant, activation_stats, calibration_sequences
+
+            if progress is not None:
+                progress("calibration (salience)", 0, 1)
+            sequences = calibration_sequences(tokenizer)
+            npu = NpuQuant(stats=activation_stats(model, sequences) if sequences else None,
+                           **({} if outlier_fraction is None else {"fraction": outlier_fraction}))
+        signatures = partition_signatures(model, programs, hot=hot, npu=npu)
         keys_total = len(signatures)
 
         def tick(name: str) -> None:  # noqa: F811 (progress over programs, not buckets)
@@ -428,12 +450,18 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     if partition:  # the CPU programs (heads) in their own file: an NPU compiler gets the NPU programs only
         heads = [sig for sig in signatures if sig.name.startswith("head_")]
         signatures = [sig for sig in signatures if not sig.name.startswith("head_")]
-        cpu_content = quantize_tflite(convert_signatures(heads, progress=tick), quant)
+        cpu_content = quantize_tflite(convert_signatures(heads, progress=tick),
+                                      "int8" if npu is not None else quant)
     content = convert_signatures(signatures, progress=tick)
     float_bytes = len(content)
     if progress is not None:
         progress(f"quantize ({quant})", 0, 1)
-    content = quantize_tflite(content, quant)
+    if npu is not None:
+        from tflite_export.npu_quant import quantize_npu
+
+        content = quantize_npu(content)
+    else:
+        content = quantize_tflite(content, quant)
     if soc is not None:
         content = aot_compile_qualcomm(content, soc)
 
@@ -466,6 +494,9 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
                 progress("lowering plan", 0, 1)
             lowering = (_partition_plan(content, cpu_content, meta["partition"]) if partition
                         else _lowering_plan(content, config, keys, quant, get_params(model)))
+            if partition:
+                lowering["quantization"] = ({"mode": quant, "method": QUANT_MODES[quant]} if npu is None
+                                            else {**npu.plan(), "method": QUANT_MODES[quant]})
             (tmp / PLAN_FILE).write_text(json.dumps(lowering, indent=1) + "\n")
         if soc is None and latency_repeats > 0:
             if progress is not None:

@@ -51,7 +51,8 @@ def _specs(inputs):
 
 
 def body_signature(model, batch: int, window: int, cache: int) -> Signature:
-    """Every layer of `model` over a tiled window: (hidden, k_new, v_new)."""
+    """Every layer of `model` over a tiled window: (hidden, k_new, v_new). (`model` may be an
+    `NpuQuant.split_model` copy: its linears then run split for INT4 + INT8 outliers.)"""
     import jax.numpy as jnp
 
     from dlm_jax.models._transformer import rope_tables
@@ -73,9 +74,12 @@ def body_signature(model, batch: int, window: int, cache: int) -> Signature:
 
 
 def layer_signature(model, layer: int, batch: int, window: int, cache: int,
-                    clusters: Sequence[np.ndarray]) -> Signature:
+                    clusters: Sequence[np.ndarray], *, npu=None, ffn_weights=None) -> Signature:
     """Layer `layer` of `model` over a tiled window with only the neurons of `clusters` (index
-    arrays into its FFN) in its FFN: (hidden + attention + hot FFN, the FFN input, k_new, v_new)."""
+    arrays into its FFN) in its FFN: (hidden + attention + hot FFN, the FFN input, k_new, v_new).
+    `npu` (`tflite_export.npu_quant.NpuQuant`): `model` is its split copy, and each cluster's
+    constants run split too; `ffn_weights`: the layer's (gate, up, down) [F, D] when `model`'s
+    FFN is not a plain linear any more."""
     import jax
     import jax.numpy as jnp
 
@@ -83,13 +87,23 @@ def layer_signature(model, layer: int, batch: int, window: int, cache: int,
 
     cfg = model.config
     block = model.layers[layer]
-    ffn = block.ffn
-    gate = None if ffn.gate_proj is None else np.asarray(ffn.gate_proj.kernel[...]).T  # [F, D]
-    up = np.asarray(ffn.up_proj.kernel[...]).T  # [F, D]
-    down = np.asarray(ffn.down_proj.kernel[...])  # [F, D]: neuron i's down column is row i
+    gate, up, down = ffn_weights if ffn_weights is not None else ffn_rows(block.ffn)
     parts = [(None if gate is None else np.ascontiguousarray(gate[c]), np.ascontiguousarray(up[c]),
               np.ascontiguousarray(down[c])) for c in clusters]
     inputs = body_inputs(cfg, batch, window, cache, layer)
+    stats = {} if npu is None or npu.stats is None else npu.stats
+    pre = f"layers.{layer}.ffn."
+    shared = None
+    if npu is not None:  # every cluster's gate / up reads the FFN input: the layer's split of it
+        from tflite_export.npu_quant import Slices
+
+        names = [pre + "gate_proj", pre + "up_proj"] if gate is not None else [pre + "up_proj"]
+        shared = npu.choose(names, [m.T for m in (gate, up) if m is not None])
+
+    def matmul(x, kernel, name, *, act=None, slices=None, outliers=None):
+        if npu is None:
+            return x @ jnp.asarray(kernel)
+        return npu.cluster_matmul(pre + name, x, kernel, outliers=outliers, act=act, slices=slices)
 
     def fn(hidden, positions, visibility, *kv):
         cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
@@ -97,12 +111,16 @@ def layer_signature(model, layer: int, batch: int, window: int, cache: int,
                                 kv[0] if kv else None, kv[1] if kv else None)
         h = hidden + attn
         x = block.ffn_norm(h)
-        for g, u, d in parts:
+        ffn_in = None if npu is None else Slices()
+        for c, (g, u, d) in zip(clusters, parts):
+            tag = f"hot{int(c[0])}x{len(c)}."  # a cluster is named by its first neuron and size
+            down_act = stats.get(pre + "down_proj")
+            up_x = matmul(x, u.T, tag + "up", slices=ffn_in, outliers=shared)
             if g is None:
-                act = jax.nn.relu(x @ jnp.asarray(u).T)
+                act = jax.nn.relu(up_x)
             else:
-                act = jax.nn.relu(x @ jnp.asarray(g).T) * (x @ jnp.asarray(u).T)
-            h = h + act @ jnp.asarray(d)
+                act = jax.nn.relu(matmul(x, g.T, tag + "gate", slices=ffn_in, outliers=shared)) * up_x
+            h = h + matmul(act, d, tag + "down", act=None if down_act is None else down_act[c])
         return h, x, k, v
 
     return Signature(body_name(batch, window, cache, layer), fn, _specs(inputs), [n for n, _, _ in inputs],
@@ -127,15 +145,27 @@ def head_signature(model, batch: int, rows: int, full_logits: bool) -> Signature
     return Signature(head_name(batch, rows, full_logits), fn, spec, ["rows"], head_outputs(full_logits))
 
 
-def partition_signatures(model, programs: Programs, *, hot: dict | None = None) -> list[Signature]:
+def ffn_rows(ffn) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """A dense FFN's (gate, up, down) as [F, D] rows per neuron (gate None for relu): neuron
+    i's gate row, up row and down column."""
+    gate = None if ffn.gate_proj is None else np.asarray(ffn.gate_proj.kernel[...]).T
+    return gate, np.asarray(ffn.up_proj.kernel[...]).T, np.asarray(ffn.down_proj.kernel[...])
+
+
+def partition_signatures(model, programs: Programs, *, hot: dict | None = None, npu=None) -> list[Signature]:
     """The signatures of `programs`. `hot`: a sparse bundle's hot clusters, {(layer, tiled
-    window): [index arrays]}; None: a dense bundle (one body per window)."""
+    window): [index arrays]}; None: a dense bundle (one body per window). `npu`
+    (`tflite_export.npu_quant.NpuQuant`): the NPU programs' linears split for INT4 + INT8
+    outliers (the head is built from the unsplit model)."""
     model = pad_ffn(model) if hot is None else model
+    body = model if npu is None else npu.split_model(model)
     sigs = []
     for b, w, p in programs.bodies:
         if hot is None:
-            sigs.append(body_signature(model, b, w, p))
+            sigs.append(body_signature(body, b, w, p))
         else:
-            sigs.extend(layer_signature(model, i, b, w, p, hot[(i, w)]) for i in range(model.config.n_layers))
+            sigs.extend(layer_signature(body, i, b, w, p, hot[(i, w)], npu=npu,
+                                        ffn_weights=ffn_rows(model.layers[i].ffn))
+                        for i in range(model.config.n_layers))
     sigs.extend(head_signature(model, b, r, f) for b, r, f in programs.heads)
     return sigs

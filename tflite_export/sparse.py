@@ -22,8 +22,9 @@ import numpy as np
 
 from dlm_jax.runtime.step import Executor
 from dlm_jax._errors import ConfigError
-from dlm_jax.runtime.neurons import (ActivationStats, LowRankPredictor, NeuronCosts, decode_statistics,
-                                     plan_neurons, recall_precision)
+from dlm_jax.runtime.neuron_plan import NeuronCosts, plan_neurons
+from dlm_jax.runtime.neurons import ActivationStats, decode_statistics
+from dlm_jax.runtime.predictor import LowRankPredictor, recall_precision
 
 
 class _Recording(Executor):

@@ -10,37 +10,35 @@ fetching a neuron that flash holds is one aligned positioned read.
     [0, data_offset)   header: b"DLMFLASH", uint32 version (1), uint32 JSON length, the UTF-8
                        JSON (FlashHeader's fields), zero padding. data_offset is a multiple of
                        4096 (and of `alignment` when that is larger).
-    layer l            from layer_offsets[l]: neurons[l] bundles of `stride` bytes each. Bundle
-                       i holds gate row i, up row i, down column i (relu: up, down), D values
-                       of `dtype` each, then zeros up to `stride` (bundle_bytes rounded up to
-                       `alignment`).
+    layer l            from layer_offsets[l]: neurons[l] bundles of `stride` bytes each. The
+                       bundle at position p holds neuron n = order[l][p] (n = p without an
+                       `order`): gate row n, up row n, down column n (relu: up, down), D
+                       values of `dtype` each, then zeros up to `stride` (bundle_bytes rounded
+                       up to `alignment`).
 
 Every bundle starts on an `alignment` boundary (4 KiB by default) and is a whole number of
-alignment units long, so a run of consecutive bundles is one read usable with O_DIRECT.
+alignment units long, so a run of consecutive bundles is one read usable with O_DIRECT. The
+optional `order` lays each layer's neurons out in a planner's order (a sparse bundle: hottest
+first), so neurons of similar activation probability are neighbours on flash and a read ahead
+of the likeliest cold neurons is one sequential read per layer.
 `sha256[l]` is the digest of layer l's whole region, padding included.
 
 - `write_flash`: arrays -> file (through a temporary sibling and a rename).
-- `FlashFile.open`, `FlashHeader`: the validated header; `read_all`: every layer back.
-- `FlashReader`: positioned reads of neuron subsets (O_DIRECT where the file system allows),
-  `NeuronBundles`; `ReaderThread`: one background I/O queue; `drop_page_cache`.
+- `FlashFile.open`, `FlashHeader`: the validated header; `read_all`: every layer back;
+  `drop_page_cache`. Reading neuron subsets at run time is `runtime.flash_io`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import errno
 import hashlib
 import json
-import mmap
 import numbers
 import os
-import queue
 import struct
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +92,21 @@ class FlashHeader:
     data_offset: int  # the header's size: layer 0 starts here
     layer_offsets: tuple[int, ...]
     sha256: tuple[str, ...]  # hex digest of each layer's region
+    order: tuple[tuple[int, ...], ...] | None = None  # per layer: the neuron at each position
+
+    def positions(self, layer: int) -> np.ndarray:
+        """int64 [F]: each neuron's position in `layer` (the inverse of `order`)."""
+        cache = self.__dict__.setdefault("_positions", {})
+        pos = cache.get(layer)
+        if pos is None:
+            n = self.neurons[layer]
+            if self.order is None:
+                pos = np.arange(n, dtype=np.int64)
+            else:
+                pos = np.empty(n, np.int64)
+                pos[np.asarray(self.order[layer], np.int64)] = np.arange(n)
+            cache[layer] = pos
+        return pos
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -122,10 +135,18 @@ class FlashHeader:
         layer = self.check_layer(layer)
         if not _is_int(neuron) or not 0 <= neuron < self.neurons[layer]:
             raise ConfigError(f"neuron={neuron!r} is out of range [0, {self.neurons[layer]}) in layer {layer}")
-        return self.layer_offsets[layer] + int(neuron) * self.stride
+        return self.position_offset(layer, int(self.positions(layer)[int(neuron)]))
+
+    def position_offset(self, layer: int, position: int) -> int:
+        """The byte offset of the bundle at `position` of `layer`."""
+        return self.layer_offsets[layer] + int(position) * self.stride
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if out["order"] is None:
+            del out["order"]  # files without an order read as before
+        else:
+            out["order"] = [list(o) for o in out["order"]]
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
     @classmethod
@@ -149,6 +170,14 @@ class FlashHeader:
             raise TypeError("the header JSON is not an object")
         fields = {}
         for f in dataclasses.fields(cls):
+            if f.name == "order":
+                value = data.get("order")
+                if value is not None:
+                    if not isinstance(value, list) or not all(isinstance(o, list) for o in value):
+                        raise ValueError("order is not a list of lists")
+                    value = tuple(tuple(o) for o in value)
+                fields[f.name] = value
+                continue
             value = data[f.name]
             if f.name in ("neurons", "layer_offsets", "sha256"):
                 if not isinstance(value, list):
@@ -184,6 +213,12 @@ class FlashHeader:
             raise ValueError("layer_offsets do not follow from data_offset, neurons and stride")
         if not all(isinstance(s, str) and len(s) == 64 and set(s) <= set("0123456789abcdef") for s in self.sha256):
             raise ValueError("sha256 entries are not 64-digit hex digests")
+        if self.order is not None:
+            if len(self.order) != self.layers:
+                raise ValueError(f"order has {len(self.order)} layers, not {self.layers}")
+            for i, (o, f) in enumerate(zip(self.order, self.neurons)):
+                if sorted(o) != list(range(f)):
+                    raise ValueError(f"order of layer {i} is not a permutation of its {f} neurons")
 
 
 def _layer_offsets(data_offset: int, neurons: Sequence[int], stride: int) -> list[int]:
@@ -198,7 +233,8 @@ def _header_json(header: FlashHeader) -> bytes:
     return json.dumps(header.to_dict(), separators=(",", ":")).encode("utf-8")
 
 
-def _plan(d_model: int, neurons: Sequence[int], kind: str, dtype: str, alignment: int) -> FlashHeader:
+def _plan(d_model: int, neurons: Sequence[int], kind: str, dtype: str, alignment: int,
+          order: tuple[tuple[int, ...], ...] | None = None) -> FlashHeader:
     """The header of a file with these shapes (placeholder digests: they have the real ones'
     length, so the header's size is final). The data offset grows until the JSON fits."""
     bundle_bytes = len(KINDS[kind]) * d_model * np.dtype(DTYPES[dtype]).itemsize
@@ -209,7 +245,7 @@ def _plan(d_model: int, neurons: Sequence[int], kind: str, dtype: str, alignment
         header = FlashHeader(layers=len(neurons), d_model=d_model, neurons=tuple(neurons), kind=kind, dtype=dtype,
                              bundle_bytes=bundle_bytes, stride=stride, alignment=alignment, data_offset=data_offset,
                              layer_offsets=tuple(_layer_offsets(data_offset, neurons, stride)),
-                             sha256=(_SHA_PLACEHOLDER,) * len(neurons))
+                             sha256=(_SHA_PLACEHOLDER,) * len(neurons), order=order)
         size = _round_up(_PREAMBLE.size + len(_header_json(header)), block)
         if size <= data_offset:
             return header
@@ -283,9 +319,10 @@ def _write_layer(f: Any, rows: tuple[np.ndarray, ...], header: FlashHeader) -> s
 
 
 def write_flash(path: str | os.PathLike, layers: Sequence[Layer], *, kind: str = "reglu", dtype: str = "float32",
-                alignment: int = DEFAULT_ALIGNMENT) -> FlashHeader:
+                alignment: int = DEFAULT_ALIGNMENT, order: Sequence[Sequence[int]] | None = None) -> FlashHeader:
     """Write `layers` (dicts of "gate" [F, D] (reglu only), "up" [F, D], "down" [D, F]) as a
-    neuron-bundled flash file at `path`; the values are cast to `dtype`.
+    neuron-bundled flash file at `path`; the values are cast to `dtype`. `order`: per layer, the
+    neurons in the order to lay them out (a permutation; default their index order).
 
     The file is written beside `path` under a temporary name, synced and renamed into place,
     so a failed write leaves no partial file. Returns the header written.
@@ -301,7 +338,20 @@ def write_flash(path: str | os.PathLike, layers: Sequence[Layer], *, kind: str =
     widths = sorted({r[0].shape[1] for r in rows})
     if len(widths) > 1:
         raise ConfigError(f"layers have d_model {widths}; every layer needs the same D")
-    header = _plan(widths[0], [r[0].shape[0] for r in rows], kind, dtype, alignment)
+    perm = None
+    if order is not None:
+        if len(order) != len(rows):
+            raise ConfigError(f"order has {len(order)} layers, the FFN {len(rows)}")
+        perm = []
+        for i, (o, r) in enumerate(zip(order, rows)):
+            o = np.asarray(o)
+            if o.shape != (r[0].shape[0],) or o.dtype.kind not in "iu" or \
+                    not np.array_equal(np.sort(o), np.arange(r[0].shape[0])):
+                raise ConfigError(f"order of layer {i} is not a permutation of its {r[0].shape[0]} neurons")
+            perm.append(tuple(int(v) for v in o))
+        rows = [tuple(part[np.asarray(o)] for part in r) for o, r in zip(perm, rows)]
+        perm = tuple(perm)
+    header = _plan(widths[0], [r[0].shape[0] for r in rows], kind, dtype, alignment, perm)
     path = Path(path)
     try:
         return _write_file(path, header, rows)
@@ -431,6 +481,8 @@ def read_all(flash_file: FlashFile | str | os.PathLike) -> list[Layer]:
             if len(raw) != size:
                 raise CheckpointError(f"{path}: layer {layer} is truncated ({len(raw)} of {size} bytes)")
             rows = np.frombuffer(raw, header.np_dtype).reshape(header.neurons[layer], -1)
+            if header.order is not None:  # positions -> neuron order
+                rows = rows[header.positions(layer)]
             out.append(_split(rows, header, header.np_dtype))
     return out
 
@@ -456,274 +508,3 @@ def drop_page_cache(path: str | os.PathLike) -> bool:
     finally:
         os.close(fd)
     return True
-
-
-# ------------------------------------------------------------------------------------- read
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class NeuronBundles:
-    """The bundles of one read, in the order asked for, as float32."""
-
-    layer: int
-    neurons: np.ndarray  # [n] int64
-    gate: np.ndarray | None  # [n, D]; None for relu
-    up: np.ndarray  # [n, D]
-    down: np.ndarray  # [D, n]
-    bytes_read: int
-    requests: int  # preadv calls
-
-
-def _runs(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
-    """(first, count) of each run of consecutive ids in an ascending array."""
-    if not len(sorted_ids):
-        return []
-    breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    counts = np.diff(np.concatenate([starts, [len(sorted_ids)]]))
-    return [(int(sorted_ids[s]), int(c)) for s, c in zip(starts, counts, strict=True)]
-
-
-class FlashReader:
-    """Positioned reads of neuron bundles from one flash file; safe to share between threads.
-
-    With `direct`, the file is opened with O_DIRECT (no page cache: reads cost what flash
-    costs, as on a phone). Where the platform or file system refuses it (tmpfs answers EINVAL
-    on open; some file systems only on the first read), reads fall back to buffered I/O,
-    `direct` becomes False and `note` says why; `on_note(note)` is called once.
-    """
-
-    def __init__(self, flash_file: FlashFile | str | os.PathLike, *, direct: bool = True,
-                 on_note: Callable[[str], None] | None = None):
-        self.file = _as_flash(flash_file)
-        self.header = self.file.header
-        self.direct = False
-        self.note: str | None = None
-        self.bytes_read = 0
-        self.requests = 0
-        self._on_note = on_note
-        self._lock = threading.Lock()
-        self._closed = False
-        self._spare_fds: list[int] = []  # descriptors replaced by a fallback, closed with the reader
-        self._fd = self._open(direct)
-        if self.direct:
-            self._probe()
-
-    @property
-    def path(self) -> Path:
-        return self.file.path
-
-    def _probe(self) -> None:
-        """The first aligned read (uncounted): where O_DIRECT reads are refused, the fallback
-        happens here, so `direct` is settled once the reader exists."""
-        buf = mmap.mmap(-1, self.header.stride)
-        try:
-            with memoryview(buf) as view:
-                self._read_into(view, self.header.layer_offsets[0])
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            buf.close()
-
-    def _open_fd(self, flags: int) -> int:
-        try:
-            return os.open(self.path, os.O_RDONLY | flags)
-        except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot open ({e.strerror or e})") from e
-
-    def _open(self, direct: bool) -> int:
-        if not direct:
-            return self._open_fd(0)
-        flag = getattr(os, "O_DIRECT", None)
-        if flag is None:
-            fd = self._open_fd(0)
-            self._set_note("os.O_DIRECT is not available on this platform")
-            return fd
-        try:
-            fd = os.open(self.path, os.O_RDONLY | flag)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise CheckpointError(f"{self.path}: cannot open ({e.strerror or e})") from e
-            fd = self._open_fd(0)
-            self._set_note(f"open: {e.strerror or e}")
-            return fd
-        self.direct = True
-        return fd
-
-    def _set_note(self, reason: str) -> None:
-        self.note = f"{self.path}: O_DIRECT is not supported on this filesystem ({reason}); using buffered reads"
-        if self._on_note is not None:
-            self._on_note(self.note)
-
-    def _fall_back(self, reason: str) -> None:
-        """Swap the O_DIRECT descriptor for a buffered one (once, whichever thread gets here first)."""
-        with self._lock:
-            if not self.direct:
-                return
-            fd = self._open_fd(0)
-            self._spare_fds.append(self._fd)  # another thread may be reading through it
-            self._fd = fd
-            self.direct = False
-        self._set_note(f"read: {reason}")
-
-    def _preadv(self, view: memoryview, offset: int) -> int:
-        was_direct, fd = self.direct, self._fd
-        try:
-            return os.preadv(fd, [view], offset)
-        except OSError as e:
-            if not (was_direct and e.errno == errno.EINVAL):
-                raise CheckpointError(f"{self.path}: read at byte {offset} failed ({e.strerror or e})") from e
-            self._fall_back(e.strerror or str(e))
-        return self._preadv(view, offset)
-
-    def _read_into(self, view: memoryview, offset: int) -> int:
-        """Fill `view` from `offset`; the number of preadv calls it took."""
-        got, calls = 0, 0
-        while got < len(view):
-            with view[got:] as rest:
-                n = self._preadv(rest, offset + got)
-            calls += 1
-            if n == 0:
-                raise CheckpointError(f"{self.path}: short read at byte {offset + got} ({got} of {len(view)} "
-                                      f"bytes; the file shrank after it was opened)")
-            got += n
-        return calls
-
-    def _check_neurons(self, layer: int, neurons: Any) -> np.ndarray:
-        ids = np.asarray(neurons)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise ConfigError(f"{self.path}: neurons must be a 1-D sequence of integers, got {ids.dtype} "
-                              f"{ids.shape}")
-        ids = ids.astype(np.int64)
-        count = self.header.neurons[layer]
-        bad = ids[(ids < 0) | (ids >= count)]
-        if bad.size:
-            raise ConfigError(f"{self.path}: neuron {int(bad[0])} is out of range [0, {count}) in layer {layer}")
-        unique, counts = np.unique(ids, return_counts=True)
-        if (counts > 1).any():
-            raise ConfigError(f"{self.path}: neuron {int(unique[counts > 1][0])} is asked for twice in layer {layer}")
-        return ids
-
-    def read(self, layer: int, neurons: Sequence[int] | np.ndarray) -> NeuronBundles:
-        """The bundles of `neurons` (distinct indices, any order) of `layer`, as float32 in the
-        order given. Each run of consecutive indices is one positioned read.
-
-        Raises:
-          ConfigError: a layer or neuron out of range, a repeated neuron, or a closed reader.
-          CheckpointError: the read failed or came up short.
-        """
-        if self._closed:
-            raise ConfigError(f"{self.path}: the reader is closed")
-        header = self.header
-        layer = header.check_layer(layer)
-        ids = self._check_neurons(layer, neurons)
-        order = np.argsort(ids, kind="stable")
-        n, stride = len(ids), header.stride
-        buf = mmap.mmap(-1, max(n * stride, mmap.PAGESIZE))  # page aligned, as O_DIRECT needs
-        requests, at = 0, 0
-        with memoryview(buf) as whole:
-            for first, count in _runs(ids[order]):
-                with whole[at * stride:(at + count) * stride] as part:
-                    requests += self._read_into(part, header.bundle_offset(layer, first))
-                at += count
-        rows = np.frombuffer(buf, header.np_dtype, count=n * stride // header.np_dtype.itemsize)
-        rank = np.empty(n, np.int64)
-        rank[order] = np.arange(n)
-        arrays = _split(rows.reshape(n, stride // header.np_dtype.itemsize)[rank], header, np.float32)
-        del rows
-        buf.close()
-        with self._lock:
-            self.bytes_read += n * stride
-            self.requests += requests
-        return NeuronBundles(layer=layer, neurons=ids, gate=arrays.get("gate"), up=arrays["up"],
-                             down=arrays["down"], bytes_read=n * stride, requests=requests)
-
-    def close(self) -> None:
-        """Close the descriptors (idempotent). Call once no read is in flight."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            fds, self._spare_fds = [self._fd, *self._spare_fds], []
-        for fd in fds:
-            os.close(fd)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# ----------------------------------------------------------------------------- I/O thread
-
-
-class ReaderThread:
-    """One background thread serving reads in FIFO order, one in flight at a time (a phone's
-    UFS has a single command queue; overlapping reads there only reorder them). `reader` is a
-    FlashReader or anything with its `read(layer, neurons)`; it is not closed here."""
-
-    def __init__(self, reader: Any, *, name: str = "dlm-jax-flash-io"):
-        self.reader = reader
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, layer: int, neurons: Sequence[int] | np.ndarray) -> concurrent.futures.Future:
-        """Queue a read; the future gets its NeuronBundles or its exception."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            ids = np.array(neurons)  # a copy: the caller may reuse its array while this waits
-        except Exception as e:  # noqa: BLE001 - a bad argument belongs on the future, like a bad read
-            future.set_exception(e)
-            return future
-        with self._lock:
-            if self._closed:
-                raise ConfigError("ReaderThread: closed; cannot submit a read")
-            self._queue.put((future, layer, ids))
-        return future
-
-    def _serve(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, layer, ids = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self.reader.read(layer, ids))
-            except BaseException as e:  # noqa: BLE001 - every failure goes to whoever waits on it
-                future.set_exception(e)
-
-    def close(self, *, cancel: bool = True) -> None:
-        """Stop and join the thread. The read in flight completes; queued ones are cancelled
-        (`cancel`) or completed first. No future is left pending. Idempotent."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                if cancel:
-                    self._cancel_queued()
-                self._queue.put(None)
-        self._thread.join()
-
-    def _cancel_queued(self) -> None:
-        kept = []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None or not item[0].cancel():
-                kept.append(item)  # a future someone already marked running: let it finish
-        for item in kept:
-            self._queue.put(item)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

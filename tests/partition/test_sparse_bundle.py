@@ -53,7 +53,7 @@ def test_oracle_sparse_decodes_exactly_like_the_dense_bundle(sparse):
         np.testing.assert_array_equal(got.sequences[0], want.sequences[0])
         assert got.stats.nfe == want.stats.nfe
     counters = oracle.executor.cold.counters
-    assert counters.neurons > 0 and counters.misses > 0 and counters.bytes_read > 0
+    assert counters.neurons > 0 and counters.misses + counters.prefetched > 0 and counters.bytes_read > 0
 
 
 def test_the_bundle_holds_the_plan_flash_file_and_predictor(sparse):
@@ -76,6 +76,38 @@ def test_predicted_sparse_decodes_and_counts_its_reads(sparse):
     assert out.sequences[0].shape[0] > 0
     c = runner.executor.cold.counters
     assert c.requests > 0 and c.bytes_read >= c.misses * 4096  # one aligned bundle or more per miss run
+
+
+def test_the_prefetch_region_turns_cold_start_misses_into_hits_and_keeps_tokens(sparse):
+    _, root, prompts, _, _ = sparse
+    runs = {}
+    for ahead in (False, True):
+        runner = load_bundle(root / "sparse", memory_budget_mb=1.0, oracle=True, prefetch=ahead)
+        cold = runner.executor.cold
+        runner.decoder.warmup([len(prompts[0])], CONFIG)
+        cold.reset()  # a cold start, as after loading
+        out = runner.decoder.decode([prompts[0]], CONFIG)
+        c = cold.counters
+        assert cold.cache.resident_bytes <= cold.cache.capacity_bytes  # the budget holds with the prefetch
+        runs[ahead] = (out.sequences[0], c.misses, c.prefetched, c.hits)
+        cold.close()
+    np.testing.assert_array_equal(runs[True][0], runs[False][0])  # prefetch is lossless
+    assert runs[False][2] == 0 and runs[True][2] > 0
+    assert runs[True][1] < runs[False][1] and runs[True][3] > runs[False][3]
+
+
+def test_prefetch_takes_each_layers_next_cold_neurons_in_plan_order():
+    from dlm_jax.cold_path import prefetch_order
+
+    prob = np.array([[0.9, 0.5, 0.0, 0.3], [0.8, 0.7, 0.6, 0.05]])
+    order = np.array([[0, 1, 3, 2], [0, 1, 2, 3]])  # hottest first
+    first_cold = np.array([1, 0])  # layer 0's neuron 0 is hot
+    got = prefetch_order(prob, order, first_cold, 4)
+    assert [g.tolist() for g in got] == [[1], [0, 1, 2]]  # 0.8, 0.7, 0.6, 0.5 shared out; never the hot one
+    got = prefetch_order(prob, order, first_cold, 100)
+    assert [g.tolist() for g in got] == [[1, 3], [0, 1, 2, 3]]  # a never-active neuron (p = 0) is not read
+    with pytest.raises(ConfigError, match="must agree"):
+        prefetch_order(prob, order[:1], first_cold, 2)
 
 
 def test_a_budget_below_the_resident_part_names_both_numbers(sparse):

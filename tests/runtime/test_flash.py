@@ -14,16 +14,15 @@ import numpy as np
 import pytest
 
 from dlm_jax import CheckpointError, ConfigError
-from dlm_jax.runtime import flash
+from dlm_jax.runtime import flash, flash_io
 from dlm_jax.runtime.flash import (
     FlashFile,
     FlashHeader,
-    FlashReader,
-    ReaderThread,
     drop_page_cache,
     read_all,
     write_flash,
 )
+from dlm_jax.runtime.flash_io import FlashReader, ReaderThread
 
 D = 16
 NEURONS = (40, 24)  # layers may differ in width
@@ -58,7 +57,7 @@ def _expected(layer: dict, ids: list[int]) -> tuple[np.ndarray | None, np.ndarra
     return gate, layer["up"][ids], layer["down"][:, ids]
 
 
-def _assert_bundles(got: flash.NeuronBundles, layer: dict, ids: list[int]) -> None:
+def _assert_bundles(got: flash_io.NeuronBundles, layer: dict, ids: list[int]) -> None:
     gate, up, down = _expected(layer, ids)
     assert got.neurons.dtype == np.int64 and got.neurons.tolist() == list(ids)
     assert got.up.dtype == np.float32 and got.down.dtype == np.float32
@@ -457,3 +456,53 @@ def test_reader_thread_close_leaves_no_future_pending(cancel: bool) -> None:
     else:
         assert reader.reads == 12 and [f.result() for f in futures] == list(range(12))
     io.close()  # idempotent
+
+
+def test_a_planned_order_lays_neurons_out_and_reads_them_back(tmp_path: Path) -> None:
+    layers = _layers()
+    rng = np.random.default_rng(3)
+    order = [rng.permutation(f) for f in NEURONS]
+    path = tmp_path / "ordered.flash"
+    header = write_flash(path, layers, alignment=512, order=order)
+    assert FlashFile.open(path, verify=True).header == header
+    for got, want in zip(read_all(path), layers):  # neuron order back, whatever the layout
+        for part in want:
+            np.testing.assert_array_equal(got[part], want[part])
+    # the bundle at position p is neuron order[p]: the planner's neighbours are flash neighbours
+    assert header.bundle_offset(0, int(order[0][5])) == header.layer_offsets[0] + 5 * header.stride
+    with FlashReader(path, direct=False) as reader:
+        ids = [int(n) for n in order[1][3:11]]  # eight consecutive positions: one request
+        got = reader.read(1, ids[::-1])
+        gate, up, down = _expected(layers[1], ids[::-1])
+        np.testing.assert_array_equal(got.up, up)
+        np.testing.assert_array_equal(got.gate, gate)
+        np.testing.assert_array_equal(got.down, down)
+        assert got.requests == 1
+
+
+def test_an_order_that_is_not_a_permutation_is_refused(tmp_path: Path) -> None:
+    bad = [np.arange(NEURONS[0]), np.zeros(NEURONS[1], np.int64)]
+    with pytest.raises(ConfigError, match="order of layer 1 is not a permutation of its 24 neurons"):
+        write_flash(tmp_path / "x.flash", _layers(), order=bad)
+    assert not (tmp_path / "x.flash").exists()
+
+
+def test_background_reads_wait_for_demand_reads(small: tuple[Path, list[dict]]) -> None:
+    path, layers = small
+    served: list[str] = []
+    gate = threading.Event()
+
+    class Slow:
+        def read(self, layer, ids):
+            gate.wait(5)
+            served.append("bg" if len(ids) == 2 else "demand")
+            return len(ids)
+
+    thread = ReaderThread(Slow())
+    first = thread.submit(0, [0])  # in flight while the rest queue up
+    later = [thread.submit(0, [1, 2], background=True), thread.submit(0, [3, 4], background=True)]
+    demand = thread.submit(0, [5])
+    gate.set()
+    assert [f.result() for f in (first, demand, *later)] == [1, 1, 2, 2]
+    assert served == ["demand", "demand", "bg", "bg"]  # the late demand read overtook the queued read-ahead
+    thread.close()

@@ -13,19 +13,10 @@ import numpy as np
 import pytest
 
 from dlm_jax import ConfigError
-from dlm_jax.runtime.neurons import (
-    ActivationStats,
-    LowRankPredictor,
-    NeuronCache,
-    NeuronCosts,
-    NeuronPlan,
-    OraclePredictor,
-    min_cache_neurons,
-    pack_active,
-    plan_neurons,
-    recall_precision,
-    unpack_active,
-)
+from dlm_jax.runtime.neuron_cache import NeuronCache
+from dlm_jax.runtime.neuron_plan import NeuronCosts, NeuronPlan, min_cache_neurons, plan_neurons
+from dlm_jax.runtime.neurons import ActivationStats, pack_active, unpack_active
+from dlm_jax.runtime.predictor import LowRankPredictor, OraclePredictor, recall_precision
 
 # --------------------------------------------------------------------------- bit packing
 
@@ -367,5 +358,6 @@ def test_oracle_returns_exactly_the_truth():
 
 def test_no_jax_import():
     # The host runtime must run where only NumPy (and LiteRT) is installed.
-    code = "import sys, dlm_jax.runtime.neurons; assert 'jax' not in sys.modules, sorted(sys.modules)"
+    code = ("import sys, dlm_jax.runtime.neurons, dlm_jax.runtime.neuron_plan, dlm_jax.runtime.neuron_cache, "
+            "dlm_jax.runtime.predictor; assert 'jax' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
