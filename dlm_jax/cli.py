@@ -281,7 +281,7 @@ def _load_bundle(args: argparse.Namespace, path: str | Path):
                          verify=getattr(args, "verify_manifest", True),
                          **({"memory_budget_mb": args.memory_budget} if getattr(args, "memory_budget", None) else {}),
                          **({"oracle": True} if getattr(args, "oracle", False) else {}),
-                         **({"prefetch": False} if getattr(args, "no_prefetch", False) else {}),
+                         **({"prefetch": True} if getattr(args, "prefetch", False) else {}),
                          on_note=lambda note: print(f"note: {note}", file=sys.stderr))
     args.keep_alive = handle  # LiteRT logs its teardown: let it happen after main hushes stderr
     return handle
@@ -564,8 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oracle", action="store_true",
                    help="a sparse bundle: pick cold neurons by their true activations instead of the predictor "
                         "(exact; reads every gate row: for measurements)")
-    p.add_argument("--no-prefetch", action="store_true",
-                   help="a sparse bundle: do not read the likeliest cold neurons ahead into an empty neuron cache")
+    p.add_argument("--prefetch", action="store_true",
+                   help="a sparse bundle: read the likeliest cold neurons ahead (background reads) into an empty "
+                        "neuron cache")
     _add_lora_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_run, preset=None)

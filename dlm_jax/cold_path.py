@@ -134,16 +134,23 @@ class ColdPath:
                     fut.result()
         self._ahead = None
 
-    def _read_ahead(self) -> None:
-        """After a cold start, queue the prefetch region's reads as background reads, layer by
-        layer, in small groups (a group in flight delays a miss until it completes)."""
-        self._ahead = {}
-        if self.prefetch is None or self.thread is None or self.cache.resident_bytes:
-            return
-        step = max(1, self.chunk // 2)
-        for layer, ids in enumerate(self.prefetch):
-            self._ahead[layer] = [self.thread.submit(layer, ids[i:i + step], background=True)
-                                  for i in range(0, ids.size, step)]
+    def read_ahead(self, *, wait: bool = False) -> None:
+        """After a cold start (an empty cache), queue the prefetch region's reads as background
+        reads, layer by layer, in small groups (a group in flight delays a miss until it
+        completes); each layer's land in the cache at its next step. The first step after a
+        cold start calls this; `wait`: also wait until every read is done (tests, or a caller
+        with time to spare before decoding)."""
+        if self._ahead is None:
+            self._ahead = {}
+            if self.prefetch is not None and self.thread is not None and not self.cache.resident_bytes:
+                step = max(1, self.chunk // 2)
+                for layer, ids in enumerate(self.prefetch):
+                    self._ahead[layer] = [self.thread.submit(layer, ids[i:i + step], background=True)
+                                          for i in range(0, ids.size, step)]
+        if wait:
+            for futures in self._ahead.values():
+                for fut in futures:
+                    fut.exception()  # waits; a failed read raises when it lands
 
     def _land(self, layer: int) -> None:
         """Put the layer's finished reads ahead into the cache (never waits)."""
@@ -186,7 +193,7 @@ class ColdPath:
         """The cold neurons' FFN output [N, D] for the FFN inputs `x` [N, D] of layer `layer` in
         a (tiled) window of `window` rows."""
         if layer == 0 and self._ahead is None:
-            self._read_ahead()
+            self.read_ahead()
         cold = self.is_cold(layer, window)
         picked = self.active(layer, x) & cold
         need = np.flatnonzero(picked)

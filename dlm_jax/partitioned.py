@@ -239,12 +239,13 @@ def resident_bytes(bundle) -> dict[str, int]:
 
 def open_executor(bundle, *, accelerator: str = "cpu", threads: int = 2, cpu_fallback: bool = False,
                   memory_budget_mb: float | None = None, oracle: bool = False, pipeline: bool = True,
-                  direct: bool = True, on_note=None, audit: bool = False, prefetch: bool = True) -> PartitionedExecutor:
+                  direct: bool = True, on_note=None, audit: bool = False, prefetch: bool = False) -> PartitionedExecutor:
     """The executor of a partitioned bundle. A sparse one gets its cold path: the neuron cache
     is what `memory_budget_mb` leaves after the resident part (`resident_bytes`; None: room for
     every neuron, nothing read twice); `prefetch`: fill it ahead from the calibration
     statistics when it starts empty (`cold_path.prefetch_order`; bundles without statistics
-    fill it in the plan's order).
+    fill it in the plan's order). Off by default: on this machine it reads more than it saves
+    (`benchmarks/results/powerinfer.md`).
 
     Raises:
       ConfigError: a budget below the resident part (both numbers named).

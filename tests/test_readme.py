@@ -116,6 +116,16 @@ def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
 TRAINING = [(c, e) for c, e in console_commands() if c.startswith("dlm-jax train ")]
 RUNS_ON_A_TRAINED_RUN = [(c, e) for c, e in console_commands() if "runs/" in c and (c, e) not in TRAINING]
 QUICK = [(c, e) for c, e in console_commands() if (c, e) not in TRAINING + RUNS_ON_A_TRAINED_RUN]
+# the longest commands (a sparse export calibrates and trains a predictor: about a minute; the
+# MoE eval decodes 16 prompts with expert placement) run in the slow pass, a block's commands
+# together (a bundle exported by one line is run by the next)
+SLOW_COMMANDS = ("dlm-jax export --model models/sparse-tiny ", "dlm-jax run bundles/sparse-tiny ",
+                 "dlm-jax eval --model models/moe-tiny ")
+
+
+def _quick_params() -> list:
+    return [pytest.param(c, e, id=c[:60], marks=[pytest.mark.slow] if c.startswith(SLOW_COMMANDS) else [])
+            for c, e in QUICK]
 
 
 def test_the_readme_shows_commands_and_snippets():
@@ -132,7 +142,7 @@ def test_every_inline_command_is_also_run():
     assert not stray, f"commands in README prose that no test runs: {stray}"
 
 
-@pytest.mark.parametrize("command,expected", QUICK, ids=[c[:60] for c, _ in QUICK])
+@pytest.mark.parametrize("command,expected", _quick_params())
 def test_console_command(command, expected, block_dirs):
     result = run(command, block_dirs(block_of()[command]))
     assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"

@@ -88,6 +88,7 @@ def test_roofline_benchmark_splits_every_step(tmp_path):
         assert 0 < b["live"]["window"] <= int(b["bucket"].split("_w")[1].split("_")[0])
 
 
+@pytest.mark.slow  # about 25 s: exports a bundle cache and runs four CLI processes
 def test_default_executor_benchmark_compares_the_commands(tmp_path):
     """`benchmarks/default_executor.py` on one small case: both executors' cold and warm runs of
     `dlm-jax generate`, with equal tokens."""

@@ -86,6 +86,7 @@ def test_the_prefetch_region_turns_cold_start_misses_into_hits_and_keeps_tokens(
         cold = runner.executor.cold
         runner.decoder.warmup([len(prompts[0])], CONFIG)
         cold.reset()  # a cold start, as after loading
+        cold.read_ahead(wait=True)  # (the decode would queue it at its first step; waiting makes the count exact)
         out = runner.decoder.decode([prompts[0]], CONFIG)
         c = cold.counters
         assert cold.cache.resident_bytes <= cold.cache.capacity_bytes  # the budget holds with the prefetch
