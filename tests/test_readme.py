@@ -117,10 +117,12 @@ TRAINING = [(c, e) for c, e in console_commands() if c.startswith("dlm-jax train
 RUNS_ON_A_TRAINED_RUN = [(c, e) for c, e in console_commands() if "runs/" in c and (c, e) not in TRAINING]
 QUICK = [(c, e) for c, e in console_commands() if (c, e) not in TRAINING + RUNS_ON_A_TRAINED_RUN]
 # the longest commands (a sparse export calibrates and trains a predictor: about a minute; the
-# MoE eval decodes 16 prompts with expert placement) run in the slow pass, a block's commands
+# MoE commands decode with expert placement) run in the slow pass, a block's commands
 # together (a bundle exported by one line is run by the next)
 SLOW_COMMANDS = ("dlm-jax export --model models/sparse-tiny ", "dlm-jax run bundles/sparse-tiny ",
-                 "dlm-jax eval --model models/moe-tiny ")
+                 "dlm-jax eval --model models/moe-tiny ", "dlm-jax generate --model models/moe-tiny ",
+                 "dlm-jax export --model models/llada-tiny --out bundles/llada-tiny-int4 ",
+                 "dlm-jax run bundles/llada-tiny-int4 ")
 
 
 def _quick_params() -> list:

@@ -60,6 +60,7 @@ def test_peer_refuses_what_it_cannot_run(pair):
         TorchModel(dlm_jax.get_params(causal.model), causal.config)
 
 
+@pytest.mark.slow  # about 15 s: runs the peer benchmark end to end
 def test_peer_benchmark_runs_and_checks_tokens(tmp_path):
     out = tmp_path / "peer"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peer.py"), "--models", "llada-tiny",
@@ -73,6 +74,7 @@ def test_peer_benchmark_runs_and_checks_tokens(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0 and "| llada-tiny prefix 32 |" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow  # about 12 s: runs the roofline benchmark end to end
 def test_roofline_benchmark_splits_every_step(tmp_path):
     out = tmp_path / "roofline"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "roofline.py"), "--models", "llada-tiny",

@@ -101,6 +101,7 @@ def test_other_weights_are_another_entry_and_a_corrupt_entry_is_exported_again(c
     assert not [p for p in entry.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
+@pytest.mark.slow  # about 10 s: two CLI processes, one exporting
 def test_generate_uses_the_cache_without_flags(cache, tmp_path):
     """`dlm-jax generate` with no executor flag (and no DLM_JAX_EXECUTOR): the LiteRT runner,
     exporting once; the second run exports nothing and prints the same completion as JAX."""
