@@ -256,13 +256,17 @@ class NpuQuant:
                                  "rel_error": round(weight_error(w, w_hat).rel_fro, 6)}
         return outliers
 
-    def split_model(self, model):
-        """A copy of `model` whose linears are `SplitLinear`s (the model is not changed)."""
+    def split_model(self, model, *, ffn: bool = True):
+        """A copy of `model` whose linears are `SplitLinear`s (the model is not changed);
+        `ffn=False` leaves the FFN alone (a sparse bundle's programs hold hot clusters instead,
+        split by `cluster_matmul`)."""
         from flax import nnx
 
         out = nnx.clone(model)
         for i, block in enumerate(out.layers):
             for part, attrs in GROUPS:
+                if part == "ffn" and not ffn:
+                    continue
                 parent = getattr(block, part)
                 linears = [(a, getattr(parent, a, None)) for a in attrs]
                 linears = [(a, lin) for a, lin in linears if lin is not None and hasattr(lin, "kernel")]

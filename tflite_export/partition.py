@@ -158,7 +158,7 @@ def partition_signatures(model, programs: Programs, *, hot: dict | None = None, 
     (`tflite_export.npu_quant.NpuQuant`): the NPU programs' linears split for INT4 + INT8
     outliers (the head is built from the unsplit model)."""
     model = pad_ffn(model) if hot is None else model
-    body = model if npu is None else npu.split_model(model)
+    body = model if npu is None else npu.split_model(model, ffn=hot is None)
     sigs = []
     for b, w, p in programs.bodies:
         if hot is None:

@@ -153,6 +153,12 @@ def test_sparse_hot_clusters_are_split_too(exported):
     plan = json.loads((root / "sparse" / "plan.json").read_text())["quantization"]
     hot = [n for n in plan["weights"] if ".hot" in n]
     assert hot and all(n.rsplit(".", 1)[1] in ("gate", "up", "down") for n in hot)
+    # the whole FFN matrices are on flash, not in a program: only their input's split is recorded
+    assert not [n for n in plan["weights"] if n.endswith("down_proj")]
+    for n in hot:
+        if n.endswith((".gate", ".up")):  # every cluster's gate / up shares its layer's FFN-input channels
+            layer = n.split(".ffn.")[0]
+            assert plan["weights"][n]["outlier_channels"] == plan["weights"][layer + ".ffn.up_proj"]["outlier_channels"]
     assert "float32" not in weight_types((root / "sparse" / "model.tflite").read_bytes())
 
 
