@@ -162,6 +162,7 @@ train_examples = 16
     assert "unknown key(s) ['lr'] in [train]" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # about 9 s: two CLI processes
 def test_a_command_keeps_its_compiled_buckets_for_the_next_run(tiny_ckpt, tmp_path):
     """`dlm-jax generate` as a process stores its XLA executables in DLM_JAX_CACHE_DIR (a
     second run loads them instead of compiling); `main([...])` called from Python leaves the

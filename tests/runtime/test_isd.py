@@ -146,6 +146,7 @@ def _draws(decoder, cfg, n: int, batch: int = 8, length: int = 3) -> list[tuple]
     return out
 
 
+@pytest.mark.slow  # about 15 s over its five settings: sampling statistics
 @pytest.mark.parametrize("options, tol", [
     ({"cache": "ar"}, 0.04),
     ({"cache": "isd", "stride": 3}, 0.04),  # argmax drafts judged with q = one-hot

@@ -69,6 +69,7 @@ def test_warmed_steps_may_run_in_a_larger_rows_bucket_with_the_same_tokens(decod
     assert warm.stats.counters == cold.stats.counters and warm.stats.request_nfe == cold.stats.request_nfe
 
 
+@pytest.mark.slow  # about 10 s: a bundle-cache export
 def test_bundle_cache_exports_nothing_after_warmup(tmp_path, monkeypatch):
     from tflite_export.cache import BundleCacheExecutor
 
