@@ -64,6 +64,12 @@ def prefetch_order(prob: np.ndarray, order: np.ndarray, first_cold: np.ndarray, 
     return [np.asarray(c[:k], np.int64) for c, k in zip(cands, counts)]
 
 
+def cached_neuron_bytes(kind: str, d_model: int) -> int:
+    """What one neuron takes in the cold path's cache: float32 rows of each part (gate, up,
+    down; relu: up, down), whatever the flash file's dtype."""
+    return 4 * (2 if kind == "relu" else 3) * d_model
+
+
 class ColdPath:
     """Per layer and step: the neurons the window activates (`predictor.predict_window` over the
     FFN input rows; `oracle=True` computes the true gates from every cold neuron's gate row,
@@ -96,9 +102,8 @@ class ColdPath:
         self.windows = sorted(self.hot)
         self.neuron_bytes = header.bundle_bytes
         self.parts = ("up", "down") if header.kind == "relu" else ("gate", "up", "down")
-        # the cache holds float32 rows, whatever the flash file's dtype
         self.cache = NeuronCache(header.layers, max(header.neurons), header.d_model, cache_bytes,
-                                 4 * len(self.parts) * header.d_model, parts=self.parts)
+                                 cached_neuron_bytes(header.kind, header.d_model), parts=self.parts)
         self.predictor = predictor
         self.reader = reader if reader is not None else FlashReader(self.flash, direct=direct, on_note=on_note)
         self.thread = ReaderThread(self.reader) if pipeline else None

@@ -28,7 +28,7 @@ import numpy as np
 
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax._litert import read_outputs
-from dlm_jax.cold_path import ColdPath
+from dlm_jax.cold_path import ColdPath, cached_neuron_bytes
 from dlm_jax.partition_contract import body_name, body_outputs, head_name, head_outputs, tiled
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, StepInputs, StepOutputs
@@ -277,18 +277,13 @@ def open_executor(bundle, *, accelerator: str = "cpu", threads: int = 2, cpu_fal
             if not part.get("predictor"):
                 raise ConfigError(f"{bundle.path} has no activation predictor; run it with oracle activations")
             predictor = LowRankPredictor.from_arrays(load_file(bundle.path / part["predictor"]))
-        ahead = _prefetch(neurons, order, hot, cache // _cached_neuron_bytes(bundle)) if prefetch else None
+        slots = cache // cached_neuron_bytes(bundle.config.ffn, bundle.config.d_model)
+        ahead = _prefetch(neurons, order, hot, slots) if prefetch else None
         cold = ColdPath(bundle.path / part["flash"], order=order, hot=hot, cache_bytes=cache, predictor=predictor,
                         oracle=oracle, pipeline=pipeline, direct=direct, on_note=on_note, audit=audit,
                         prefetch=ahead)
     return PartitionedExecutor(bundle, accelerator=accelerator, threads=threads, cpu_fallback=cpu_fallback,
                                cold=cold)
-
-
-def _cached_neuron_bytes(bundle) -> int:
-    """What one neuron takes in the cold path's cache (float32 rows of each part)."""
-    cfg = bundle.config
-    return 4 * cfg.d_model * (2 if cfg.ffn == "relu" else 3)
 
 
 def _prefetch(neurons: dict, order: np.ndarray, hot: dict[int, np.ndarray], slots: int) -> list[np.ndarray]:

@@ -320,24 +320,10 @@ def quantize_npu(content: bytes) -> bytes:
 _TYPES = {0: "float32", 1: "float16", 9: "int8", 17: "int4"}
 
 
-def weight_types(content: bytes) -> dict[str, int]:
-    """How many FULLY_CONNECTED ops of `content` have weights of each type."""
-    return {t: n for t, n in _fc_weights(content, count=True).items()}
-
-
 def _read(content: bytes):
-    import os
-    import tempfile
-
     from ai_edge_quantizer.utils import tfl_flatbuffer_utils as fb
 
-    fd, path = tempfile.mkstemp(suffix=".tflite")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(content)
-        return fb.read_model(path)
-    finally:
-        os.unlink(path)
+    return fb.read_model(bytearray(content))
 
 
 def constant_bytes(content: bytes) -> int:
@@ -353,25 +339,31 @@ def constant_bytes(content: bytes) -> int:
     return sum(seen.values())
 
 
-def _fc_weights(content: bytes, *, count: bool = False):
+def _fc_weight_tensors(content: bytes):
+    """(weight type, weight tensor, its buffer) of every FULLY_CONNECTED op of `content`."""
     model = _read(content)
-    counts: dict[str, int] = {}
-    found: dict[str, dict[str, Any]] = {}
     for sg in model.subgraphs:
         for op in sg.operators:
-            if model.operatorCodes[op.opcodeIndex].builtinCode != 9:  # FULLY_CONNECTED
-                continue
-            t = sg.tensors[op.inputs[1]]
-            kind = _TYPES.get(int(t.type), str(t.type))
-            counts[kind] = counts.get(kind, 0) + 1
-            if not count and t.buffer and model.buffers[t.buffer].data is not None:
-                name = t.name.decode() if isinstance(t.name, bytes) else str(t.name)
-                found[name] = {"type": kind, "shape": list(t.shape), "buffer": model.buffers[t.buffer].data,
-                               "scale": None if t.quantization is None else t.quantization.scale}
-    return counts if count else found
+            if model.operatorCodes[op.opcodeIndex].builtinCode == 9:  # FULLY_CONNECTED
+                t = sg.tensors[op.inputs[1]]
+                yield _TYPES.get(int(t.type), str(t.type)), t, model.buffers[t.buffer] if t.buffer else None
+
+
+def weight_types(content: bytes) -> dict[str, int]:
+    """How many FULLY_CONNECTED ops of `content` have weights of each type."""
+    counts: dict[str, int] = {}
+    for kind, _, _ in _fc_weight_tensors(content):
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def quantized_weights(content: bytes) -> dict[str, dict[str, Any]]:
     """Every FULLY_CONNECTED weight constant of `content` by tensor name: its type, shape
     [out, in], raw bytes and per-channel scales (for tests and the plan's checks)."""
-    return _fc_weights(content)
+    found = {}
+    for kind, t, buf in _fc_weight_tensors(content):
+        if buf is not None and buf.data is not None:
+            name = t.name.decode() if isinstance(t.name, bytes) else str(t.name)
+            found[name] = {"type": kind, "shape": list(t.shape), "buffer": buf.data,
+                           "scale": None if t.quantization is None else t.quantization.scale}
+    return found

@@ -91,8 +91,8 @@ def layer_signature(model, layer: int, batch: int, window: int, cache: int,
     parts = [(None if gate is None else np.ascontiguousarray(gate[c]), np.ascontiguousarray(up[c]),
               np.ascontiguousarray(down[c])) for c in clusters]
     inputs = body_inputs(cfg, batch, window, cache, layer)
-    stats = {} if npu is None or npu.stats is None else npu.stats
     pre = f"layers.{layer}.ffn."
+    down_act = None if npu is None or npu.stats is None else npu.stats.get(pre + "down_proj")
     shared = None
     if npu is not None:  # every cluster's gate / up reads the FFN input: the layer's split of it
         from tflite_export.npu_quant import Slices
@@ -114,7 +114,6 @@ def layer_signature(model, layer: int, batch: int, window: int, cache: int,
         ffn_in = None if npu is None else Slices()
         for c, (g, u, d) in zip(clusters, parts):
             tag = f"hot{int(c[0])}x{len(c)}."  # a cluster is named by its first neuron and size
-            down_act = stats.get(pre + "down_proj")
             up_x = matmul(x, u.T, tag + "up", slices=ffn_in, outliers=shared)
             if g is None:
                 act = jax.nn.relu(up_x)
