@@ -68,6 +68,22 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Any]:
         raise
 
 
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary sibling path for a writer that opens files by name (gguf-py): renamed to
+    `path` when the block ends, removed if it raises (nothing half-written)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        apply_umask(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     """Write `data` to `path` through a temporary sibling and a rename."""
     with atomic_file(path) as f:

@@ -43,9 +43,19 @@ def litert_executor(model: Transformer, *, source: str | os.PathLike = "") -> Ex
     return BundleCacheExecutor(model, source=source)
 
 
-EXECUTORS: dict[str, ExecutorFactory] = {"jax": jax_executor, "litert": litert_executor}
+def jax_then_litert_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
+    """What "auto" runs on a CPU (`tflite_export.auto.AutoExecutor`): the JAX executor for a
+    decode whose buckets the bundle cache lacks (exported meanwhile by a background process at
+    the lowest priority), the LiteRT runner for one whose buckets it holds."""
+    from tflite_export.auto import AutoExecutor
+
+    return AutoExecutor(jax_executor(model), litert_executor(model, source=source), source=source)
+
+
+EXECUTORS: dict[str, ExecutorFactory] = {"jax": jax_executor, "litert": litert_executor,
+                                         "jax-then-litert": jax_then_litert_executor}
 AUTO = "auto"
-EXECUTOR_CHOICES = (AUTO, *EXECUTORS)  # what `load(executor=...)` and `--executor` accept
+EXECUTOR_CHOICES = (AUTO, "jax", "litert")  # what `load(executor=...)` and `--executor` accept
 EXECUTOR_ENV = "DLM_JAX_EXECUTOR"
 
 
@@ -55,14 +65,16 @@ def _check_executor(name: str) -> None:
 
 
 def auto_executor(config: ModelConfig) -> str:
-    """The faster executor here: the LiteRT runner over the bundle cache on a CPU-only JAX
-    for a float32 model (it decodes faster there: `benchmarks/results/peer.md`), the JAX
+    """The faster executor here. On a CPU-only JAX, for a float32 model, the LiteRT runner over
+    the bundle cache (it decodes faster there: `benchmarks/results/peer.md`) once the cache
+    holds a decode's buckets, and JAX until then, while a background process exports them
+    (`jax-then-litert`: a first decode is never slower than JAX's for an export). The JAX
     executor on an accelerator (GPU/TPU), for another dtype, and for an MoE model (expert
     placement reads the step output `router_topk`, which bundles do not carry)."""
     import jax
 
     float32 = config.dtype == "float32" and config.param_dtype == "float32"
-    return "litert" if jax.default_backend() == "cpu" and float32 and config.ffn != "moe" else "jax"
+    return "jax-then-litert" if jax.default_backend() == "cpu" and float32 and config.ffn != "moe" else "jax"
 
 
 def resolve_executor(name: str | None, config: ModelConfig) -> str:
@@ -83,8 +95,10 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
       executor: a name of `EXECUTOR_CHOICES`: "auto" (default, or `$DLM_JAX_EXECUTOR`;
         `resolve_executor`), "jax" or "litert". "litert" decodes with the LiteRT runner over
         a bundle cache (`tflite_export.cache.BundleCacheExecutor`): the first decode that
-        needs a bucket exports it, once per model and machine. `model.model` is the Flax
-        model either way.
+        needs a bucket exports it, once per model and machine. "auto" on a CPU decodes with
+        JAX until the bundle cache holds a decode's buckets, which a background process
+        exports meanwhile (`tflite_export.auto`), then with the LiteRT runner. `model.model`
+        is the Flax model either way.
       lora: a directory of LoRA adapters made for this checkpoint (`adapter_config.json` +
         `adapter_model.safetensors`, PEFT's layout; R-ISD): attached to the model, gated per
         row by the step's `lora_gate` (1 on [MASK] rows). Adapters made for another base are
@@ -106,6 +120,8 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
     model = load_pretrained(path, strict=strict, verify=verify, **overrides)
     tokenizer = stored_tokenizer(path)
     name = resolve_executor(executor, model.config)
+    if overrides and name == "jax-then-litert":
+        name = "jax"  # a background export loads the checkpoint as stored, not as overridden here
     if lora is not None:
         from dlm_jax.checkpoint._adapters import load_adapters
 

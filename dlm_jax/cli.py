@@ -320,7 +320,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from dlm_jax._errors import ConfigError
     from tflite_export.bundle import buckets_for_prompts, export_bundle, parse_bucket
+    from tflite_export.gguf import GGUF_QUANTS
 
+    if args.format == "gguf":
+        return _export_gguf(args)
+    if args.quant in GGUF_QUANTS:
+        raise ConfigError(f"--quant {args.quant} is a GGUF quantisation: pass --format gguf (bundles take "
+                          f"none, int8, int4 or int4-outliers)")
     cfg = decode_config(args)
     if args.buckets:
         keys = [parse_bucket(b) for b in args.buckets]
@@ -366,6 +372,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_gguf(args: argparse.Namespace) -> int:
+    """`export --format gguf`: one GGUF file llama.cpp's LLaDA loader reads."""
+    from dlm_jax._errors import ConfigError
+    from tflite_export.gguf import GGUF_QUANTS, export_gguf
+
+    quant = "f32" if args.quant == "none" else args.quant
+    if quant not in GGUF_QUANTS:
+        raise ConfigError(f"--quant {args.quant} is a bundle quantisation; GGUF takes {', '.join(GGUF_QUANTS)}")
+    bundle_only = {"--buckets": args.buckets, "--for-prompts": args.for_prompts, "--add": args.add,
+                   "--partition": args.partition, "--sparse": args.sparse, "--lora": args.lora,
+                   "--memory-budget": args.memory_budget, "--target": args.target != "cpu"}
+    if given := [flag for flag, value in bundle_only.items() if value]:
+        raise ConfigError(f"{', '.join(given)} apply to bundles, not to --format gguf")
+    result = export_gguf(args.model, args.out, quant=quant, verify=args.verify_manifest, strict=args.strict,
+                         overwrite=args.overwrite)
+    print(json.dumps({"gguf": str(result.path), "quant": quant, "bytes": result.bytes, "tensors": result.tensors,
+                      "types": result.types, "seconds": round(result.seconds, 2)}))
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     import dlm_jax
 
@@ -389,6 +415,25 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     profile_model(args.model, out=Path(args.out), windows=args.windows, caches=args.caches,
                   batch=args.batch, repeats=args.repeats)
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """`cache list` / `cache clear`: the bundle cache's entries (all, or those of --model)."""
+    from tflite_export import cache_admin
+    from tflite_export.cache import model_entries
+
+    root = cache_admin.cache_root()
+    if args.model is not None and not Path(args.model).is_dir():
+        from dlm_jax._errors import CheckpointError
+
+        raise CheckpointError(f"--model {args.model}: no such checkpoint directory")
+    found = model_entries(args.model, root) if args.model else cache_admin.entries(root)
+    if args.action == "list":
+        print(json.dumps(cache_admin.describe(found, root), indent=2) if args.json
+              else cache_admin.table(found, root, args.model))
+        return 0
+    print(cache_admin.cleared([e for e in found if cache_admin.remove_entry(e.path)], root))
     return 0
 
 
@@ -463,10 +508,11 @@ def _add_executor_option(p: argparse.ArgumentParser) -> None:
     from dlm_jax.api import EXECUTOR_CHOICES
 
     p.add_argument("--executor", choices=EXECUTOR_CHOICES,
-                   help="what runs the decode steps: auto (default, or $DLM_JAX_EXECUTOR) is the LiteRT runner "
-                        "on a CPU, exporting each bucket to a bundle cache the first time a decode needs it "
-                        "(~/.cache/dlm-jax/bundles, or $DLM_JAX_BUNDLE_CACHE), and JAX on a GPU/TPU; jax: the "
-                        "JAX executor; litert: the LiteRT runner")
+                   help="what runs the decode steps: auto (default, or $DLM_JAX_EXECUTOR) is, on a CPU, the "
+                        "LiteRT runner over a bundle cache (~/.cache/dlm-jax/bundles, or $DLM_JAX_BUNDLE_CACHE) "
+                        "for decodes whose buckets it holds and JAX for the others, while a background process "
+                        "exports them ($DLM_JAX_BACKGROUND_EXPORT=0: off); JAX on a GPU/TPU. jax: the JAX "
+                        "executor; litert: the LiteRT runner, exporting what the cache lacks first")
     p.add_argument("--expert-slots", type=int, metavar="S", help="split expert execution of an MoE model: S routed "
                    "experts per layer in the compiled step, the rest on a NumPy CPU path; --experts moves them "
                    "(previous-step hits, --expert-budget S + shared); JAX executor")
@@ -492,6 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     from dlm_jax.checkpoint._families import FAMILIES
     from dlm_jax.runner import ACCELERATORS
     from tflite_export.bundle import QUANT_MODES, TARGETS
+    from tflite_export.gguf import GGUF_QUANTS
 
     parser = _Parser(prog="dlm-jax", description="Diffusion LMs from training to phones.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -524,10 +571,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="every bucket the decode options need for prompts of up to N tokens (default 64)")
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1],
                    help="batch sizes to export buckets for (with --for-prompts; default 1)")
-    p.add_argument("--quant", default="none", choices=list(QUANT_MODES),
-                   help="weight quantisation with LiteRT's quantised kernels (default none: float32; int4-outliers: "
-                        "PowerInfer-2's INT4 per channel + INT8 outlier channels in the NPU programs of a "
-                        "partitioned bundle)")
+    p.add_argument("--format", default="bundle", choices=["bundle", "gguf"],
+                   help="bundle (default): a LiteRT bundle directory; gguf: one GGUF file for llama.cpp "
+                        "(architecture llada; --out names the file)")
+    p.add_argument("--quant", default="none", choices=[*QUANT_MODES, *GGUF_QUANTS],
+                   help="weight quantisation. Bundles, with LiteRT's quantised kernels: none (default, float32), "
+                        "int8, int4, int4-outliers (PowerInfer-2's INT4 per channel + INT8 outlier channels in "
+                        "the NPU programs of a partitioned bundle). GGUF: f32 (default), f16, q8_0, q4_0")
     p.add_argument("--target", default="cpu", choices=list(TARGETS),
                    help="the runner's default accelerator; qualcomm-* compiles ahead of time (needs the vendor SDK)")
     p.add_argument("--add", action="store_true", help="add the buckets to the bundle already at --out")
@@ -613,6 +663,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--repeats", type=positive_int, default=20)
     p.set_defaults(func=cmd_profile)
+    p = sub.add_parser("cache", help="list or clear the bundle cache (the LiteRT bundles exported on first use; "
+                                     "$DLM_JAX_BUNDLE_CACHE, limit $DLM_JAX_BUNDLE_CACHE_MB)")
+    actions = p.add_subparsers(dest="action", required=True)
+    q = actions.add_parser("list", help="each entry: model, fingerprint, MB, parts, buckets, last use; the total "
+                                        "and the limit")
+    q.add_argument("--json", action="store_true", help="print JSON")
+    q2 = actions.add_parser("clear", help="remove every entry, or those of --model, and print the MB freed")
+    for q in (q, q2):
+        q.add_argument("--model", metavar="DIR", help="only the entries of this checkpoint (its fingerprint, or "
+                                                      "recorded as their source)")
+    p.set_defaults(func=cmd_cache)
     return parser
 
 

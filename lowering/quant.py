@@ -1,4 +1,4 @@
-"""Weight quantization for phone NPUs: GGML Q4_0, symmetric per-channel INT8 / INT4, and
+"""Weight quantization for phone NPUs: GGML Q4_0 and Q8_0, symmetric per-channel INT8 / INT4, and
 PowerInfer-2's NPU-friendly INT4 per-channel with INT8 outlier input channels; plus weight
 error and a registry of fake-quantization schemes for accuracy studies.
 
@@ -60,21 +60,61 @@ def quantize_q4_0(w: np.ndarray) -> np.ndarray:
     return packed.reshape(*shape[:-1], shape[-1] // QK4_0 * Q4_0_BLOCK_BYTES)
 
 
+def _packed_blocks(packed: np.ndarray, shape: tuple[int, ...], name: str, block: int,
+                   block_bytes: int) -> np.ndarray:
+    """A GGML-packed tensor of logical `shape` as its [n_blocks, block_bytes] rows."""
+    if not shape or shape[-1] % block:
+        raise ConfigError(f"{name} needs rows whose length is a multiple of {block}, got shape {shape}")
+    n_blocks = math.prod(shape) // block
+    raw = np.ascontiguousarray(packed, dtype=np.uint8)
+    if raw.size != n_blocks * block_bytes:
+        raise ConfigError(f"{raw.size} {name} bytes cannot hold a weight of shape {shape} "
+                          f"({n_blocks * block_bytes} expected)")
+    return raw.reshape(n_blocks, block_bytes)
+
+
 def dequantize_q4_0(packed: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Packed Q4_0 bytes -> float32 weights of `shape`: x = (q - 8) * d."""
     shape = tuple(shape)
-    if not shape or shape[-1] % QK4_0:
-        raise ConfigError(f"Q4_0 needs rows whose length is a multiple of {QK4_0}, got shape {shape}")
-    n_blocks = math.prod(shape) // QK4_0
-    raw = np.ascontiguousarray(packed, dtype=np.uint8)
-    if raw.size != n_blocks * Q4_0_BLOCK_BYTES:
-        raise ConfigError(f"{raw.size} Q4_0 bytes cannot hold a weight of shape {shape} "
-                          f"({n_blocks * Q4_0_BLOCK_BYTES} expected)")
-    blocks = raw.reshape(n_blocks, Q4_0_BLOCK_BYTES)
+    blocks = _packed_blocks(packed, shape, "Q4_0", QK4_0, Q4_0_BLOCK_BYTES)
     d = blocks[:, :2].copy().view("<f2").astype(np.float32)  # [n_blocks, 1]
     nib = blocks[:, 2:]
     q = np.concatenate([nib & np.uint8(0x0F), nib >> np.uint8(4)], axis=1).astype(np.int8) - np.int8(8)
     return (d * q.astype(np.float32)).reshape(shape)
+
+
+# --- GGML Q8_0 ---------------------------------------------------------------------------
+
+QK8_0 = 32  # weights per Q8_0 block
+Q8_0_BLOCK_BYTES = 34  # 2-byte fp16 scale + 32 int8
+
+
+def quantize_q8_0(w: np.ndarray) -> np.ndarray:
+    """W [..., K] (K a multiple of 32) -> packed uint8 [..., K/32 * 34], GGML's reference rule.
+
+    Per block of 32: `d = max|x| / 127` in float32, `id = 1/d` (0 when d == 0), `q = roundf(x * id)`
+    (half away from zero), stored as `d` (little-endian fp16) then the 32 int8 values.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim == 0 or w.shape[-1] % QK8_0:
+        raise ConfigError(f"Q8_0 needs rows whose length is a multiple of {QK8_0}, got shape {w.shape}")
+    blocks = w.reshape(-1, QK8_0)
+    d = np.abs(blocks).max(axis=1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    x = blocks * inv[:, None]
+    q = (np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))).astype(np.int8)  # C roundf
+    scale = d.astype("<f2").view(np.uint8).reshape(-1, 2)
+    packed = np.concatenate([scale, q.view(np.uint8)], axis=1)
+    return packed.reshape(*w.shape[:-1], w.shape[-1] // QK8_0 * Q8_0_BLOCK_BYTES)
+
+
+def dequantize_q8_0(packed: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Packed Q8_0 bytes -> float32 weights of `shape`: x = q * d."""
+    shape = tuple(shape)
+    blocks = _packed_blocks(packed, shape, "Q8_0", QK8_0, Q8_0_BLOCK_BYTES)
+    d = blocks[:, :2].copy().view("<f2").astype(np.float32)
+    return (d * blocks[:, 2:].copy().view(np.int8).astype(np.float32)).reshape(shape)
 
 
 # --- symmetric per-channel INT8 / INT4 ------------------------------------------------------

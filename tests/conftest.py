@@ -22,6 +22,9 @@ os.environ.setdefault("DLM_JAX_EXECUTOR", "jax")
 # counted by the next one's compile count. tests/runtime/test_prefetch.py turns them on.
 os.environ.setdefault("DLM_JAX_COMPILE_THREADS", "0")
 os.environ.setdefault("DLM_JAX_BUNDLE_CACHE", os.path.join(tempfile.gettempdir(), f"dlm-jax-tests-bundles-{os.getuid()}"))
+# The default executor exports in a background process that outlives the test: off, but where
+# tests/tflite_export/test_auto.py turns it on.
+os.environ.setdefault("DLM_JAX_BACKGROUND_EXPORT", "0")
 
 import pytest  # noqa: E402
 

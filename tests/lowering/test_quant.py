@@ -55,19 +55,27 @@ def _edge_blocks() -> dict[str, np.ndarray]:
     }
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("case", sorted(_edge_blocks()))
-def test_q4_0_matches_gguf_reference_bit_for_bit(case):
+def test_ggml_blocks_match_gguf_reference_bit_for_bit(case, fmt):
+    """Q4_0 (the lowering's and the GGUF export's) and Q8_0 (the GGUF export's): scales and
+    integers byte for byte, and the dequantised weights, on the same edge blocks."""
     gguf = pytest.importorskip("gguf", reason="gguf (GGML's Python reference quantizer) is not installed")
     from gguf.quants import dequantize, quantize
 
+    from lowering.quant import dequantize_q8_0, quantize_q8_0
+
+    ours_q, ours_dq, block_bytes = {"Q4_0": (quantize_q4_0, dequantize_q4_0, 18),
+                                    "Q8_0": (quantize_q8_0, dequantize_q8_0, 34)}[fmt]
+    qtype = getattr(gguf.GGMLQuantizationType, fmt)
     w = _edge_blocks()[case]
     with np.errstate(over="ignore", invalid="ignore"):
-        ref = quantize(w, gguf.GGMLQuantizationType.Q4_0)
-        ours = quantize_q4_0(w)
-        assert ours.dtype == np.uint8 and ours.shape == ref.shape == (w.shape[0], w.shape[1] // 32 * 18)
+        ref = quantize(w, qtype)
+        ours = ours_q(w)
+        assert ours.dtype == np.uint8 and ours.shape == ref.shape == (w.shape[0], w.shape[1] // 32 * block_bytes)
         assert np.array_equal(ours, ref)
-        ref_back = dequantize(ref, gguf.GGMLQuantizationType.Q4_0)
-        ours_back = dequantize_q4_0(ours, w.shape)
+        ref_back = dequantize(ref, qtype)
+        ours_back = ours_dq(ours, w.shape)
     assert ours_back.dtype == np.float32
     assert np.array_equal(ours_back, ref_back, equal_nan=True)
 

@@ -39,10 +39,10 @@ def cache(tmp_path, monkeypatch):
     return root
 
 
-def test_auto_is_the_litert_runner_on_a_cpu_and_jax_elsewhere(monkeypatch):
+def test_auto_is_jax_then_the_litert_runner_on_a_cpu_and_jax_elsewhere(monkeypatch):
     cfg = dlm_jax.load_config(TINY)[0]
     monkeypatch.delenv("DLM_JAX_EXECUTOR")
-    assert resolve_executor(None, cfg) == "litert"  # this machine's JAX is CPU-only
+    assert resolve_executor(None, cfg) == "jax-then-litert"  # this machine's JAX is CPU-only
     assert resolve_executor("auto", cfg.replace(dtype="bfloat16")) == "jax"
     monkeypatch.setattr("jax.default_backend", lambda: "gpu")
     assert resolve_executor("auto", cfg) == "jax"
