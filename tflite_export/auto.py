@@ -6,8 +6,9 @@ JAX compiles in seconds). `AutoExecutor` never makes a decode wait for an export
 
 - a decode whose buckets the bundle cache holds runs on the LiteRT runner (`BundleCacheExecutor`);
 - any other runs on the JAX executor (compiling what it reaches, as `executor="jax"` does), and
-  the buckets it lacked are exported by a background process at the lowest CPU priority
-  (`nice 19`, so it takes only idle time), into the same cache entry, as one more part;
+  when it ends, the buckets it lacked are exported by a background process at the lowest CPU
+  priority (`nice 19`, so it takes only idle time), into the same cache entry (started after
+  the decode, not beside it: on 2 cores a process starting beside a decode slowed its compiles);
 - the choice is made once per decode, when it starts (`prefetch`), so one decode never mixes
   executors; a later decode whose buckets have been exported meanwhile runs on LiteRT. Both
   executors return the same tokens (`tests/runner`), so answers do not change when it switches.
@@ -88,6 +89,9 @@ class AutoExecutor(Executor):
 
         if all(k in self._held for k in keys):
             return True
+        name = Path(self._export.source).name or "model"
+        if not any(self.litert._root.glob(f"{name}-*/part-*")):
+            return False  # no entry of this model at all: skip hashing its weights for the entry's name
         held = [k for ks in self.litert._scan().values() for k in ks]
         self._held.update(k for k in keys if _covers(held, k))
         return all(k in self._held for k in keys)
@@ -138,19 +142,27 @@ class AutoExecutor(Executor):
         have the missing ones exported in the background)."""
         if self._covered(keys):
             return self.litert.warmup(keys, slots=slots, views=views)
-        self._want(keys)
-        return self.jax.warmup(keys, slots=slots, views=views)
+        new = self.jax.warmup(keys, slots=slots, views=views)
+        self._want(keys)  # after the compiles, which it would slow
+        return new
 
     def prefetch(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> Callable[[], None]:
         """A decode starts: run it on LiteRT if the cache holds all its buckets, else on JAX."""
         if self._covered(keys):
             self._current = self.litert
             self.litert.warmup(keys, slots=slots, views=views)  # opens the cached parts (no export)
-        else:
-            self._current = self.jax
+            self.decodes["litert"] += 1
+            return self.litert.prefetch(keys, slots=slots, views=views)
+        self._current = self.jax
+        self.decodes["jax"] += 1
+        cancel = self.jax.prefetch(keys, slots=slots, views=views)
+
+        def decode_ended() -> None:
+            cancel()
+            # Exported once the decode is over: a process starting beside it (importing JAX,
+            # converting) slows its compiles even at the lowest priority (measured on 2 cores).
             self._want(keys)
-        self.decodes[self.current] += 1
-        return self._current.prefetch(keys, slots=slots, views=views)
+        return decode_ended
 
     def open(self, config, positions, valid):
         return self._current.open(config, positions, valid)

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -101,12 +102,14 @@ def test_other_weights_are_another_entry_and_a_corrupt_entry_is_exported_again(c
     assert not [p for p in entry.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
-@pytest.mark.slow  # about 10 s: two CLI processes, one exporting
+@pytest.mark.slow  # about 15 s: three CLI processes and a background export
 def test_generate_uses_the_cache_without_flags(cache, tmp_path):
-    """`dlm-jax generate` with no executor flag (and no DLM_JAX_EXECUTOR): the LiteRT runner,
-    exporting once; the second run exports nothing and prints the same completion as JAX."""
+    """`dlm-jax generate` with no executor flag (and no DLM_JAX_EXECUTOR): the first run decodes
+    with JAX and never waits for an export, which a background process makes; the next run
+    decodes from the cached bundle, exports nothing and prints the same completion as JAX."""
     env = {k: v for k, v in os.environ.items() if k != "DLM_JAX_EXECUTOR"}
     env["DLM_JAX_BUNDLE_CACHE"] = str(cache)
+    env["DLM_JAX_BACKGROUND_EXPORT"] = "1"
     cmd = [str(BIN / "dlm-jax"), "generate", "--model", str(TINY), "--prompt", "564+894=", "--gen", "32"]
 
     def run(*extra):
@@ -116,11 +119,17 @@ def test_generate_uses_the_cache_without_flags(cache, tmp_path):
         return result.stdout, json.loads(result.stderr.strip().splitlines()[-1])
 
     text, stats = run()
+    assert stats["exports"] == 0
+    deadline = time.time() + 600
+    while not any("done:" in p.read_text() for p in cache.glob("*.export.log")):
+        assert time.time() < deadline, "the background export did not finish"
+        time.sleep(0.5)
     [entry] = [p for p in cache.iterdir() if p.is_dir()]
     parts = sorted(entry.glob("part-*/model.tflite"))
     assert len(parts) == 1
     stamp = parts[0].stat().st_mtime_ns
-    assert run()[0] == text and sorted(entry.glob("part-*/model.tflite")) == parts
+    again, again_stats = run()
+    assert again == text and again_stats["exports"] == 0 and sorted(entry.glob("part-*/model.tflite")) == parts
     assert parts[0].stat().st_mtime_ns == stamp
     jax_text, jax_stats = run("--executor", "jax")
     assert jax_text == text and jax_stats["nfe"] == stats["nfe"]
