@@ -147,14 +147,16 @@ def dlm_settings(model_dir: Path, exs: list[Example], gen: int, work: Path, *, i
         handles.update({label: (q_handle, cfg) for label, cfg in q_configs.items()})
         setup.update({label: time.perf_counter() - t0 for label in q_configs})
 
-    def runner(h, cfg):
-        def run(ex: Example) -> tuple[str, float, int]:
-            t = time.perf_counter()
-            res = h.generate([ex.ids], cfg)
-            return res.texts[0], time.perf_counter() - t, int(res.stats.request_nfe[0])
-        return run
+    return [Setting("dlm-jax", label, timed(h, cfg), setup_seconds=setup[label]) for label, (h, cfg) in handles.items()]
 
-    return [Setting("dlm-jax", label, runner(h, cfg), setup_seconds=setup[label]) for label, (h, cfg) in handles.items()]
+
+def timed(handle, cfg) -> Callable[[Example], tuple[str, float, int]]:
+    """One dlm-jax answer: (completion, wall seconds of `generate`, forwards)."""
+    def run(ex: Example) -> tuple[str, float, int]:
+        t = time.perf_counter()
+        res = handle.generate([ex.ids], cfg)
+        return res.texts[0], time.perf_counter() - t, int(res.stats.request_nfe[0])
+    return run
 
 
 def dlm_same_work(model_dir: Path, exs: list[Example], gen: int, steps: int) -> Setting:
@@ -166,13 +168,7 @@ def dlm_same_work(model_dir: Path, exs: list[Example], gen: int, steps: int) -> 
     handle = dlm_jax.load(model_dir, executor="litert")
     for n in sorted({len(e.ids) for e in exs}):
         handle.decoder.warmup([n], cfg)
-
-    def run(ex: Example) -> tuple[str, float, int]:
-        t = time.perf_counter()
-        res = handle.generate([ex.ids], cfg)
-        return res.texts[0], time.perf_counter() - t, int(res.stats.request_nfe[0])
-
-    return Setting("dlm-jax", f"none, top-k, 1 block, {steps} steps", run)
+    return Setting("dlm-jax", f"none, top-k, 1 block, {steps} steps", timed(handle, cfg))
 
 
 # --- Fast-dLLM --------------------------------------------------------------------------------

@@ -51,24 +51,6 @@ def make_temp_dir(parent: str | os.PathLike, prefix: str) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[Any]:
-    """A binary file to write `path` through: a temporary sibling, synced and renamed into
-    place when the block ends, removed if it raises (nothing half-written)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        apply_umask(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary sibling path for a writer that opens files by name (gguf-py): renamed to
     `path` when the block ends, removed if it raises (nothing half-written)."""
@@ -82,6 +64,16 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Any]:
+    """A binary file to write `path` through: a temporary sibling, synced and renamed into
+    place when the block ends, removed if it raises (nothing half-written)."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:

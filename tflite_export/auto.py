@@ -89,9 +89,8 @@ class AutoExecutor(Executor):
 
         if all(k in self._held for k in keys):
             return True
-        name = Path(self._export.source).name or "model"
-        if not any(self.litert._root.glob(f"{name}-*/part-*")):
-            return False  # no entry of this model at all: skip hashing its weights for the entry's name
+        if not self.litert.may_hold():
+            return False  # no entry of this model at all: its weights are not hashed for the entry's name
         held = [k for ks in self.litert._scan().values() for k in ks]
         self._held.update(k for k in keys if _covers(held, k))
         return all(k in self._held for k in keys)

@@ -133,9 +133,17 @@ class BundleCacheExecutor(Executor):
     def path(self) -> Path:
         """The cache entry of this model (a directory of bundles, `part-*`); hashed on first use."""
         if self._path is None:
-            name = Path(self._source).name or "model"
-            self._path = self._root / f"{name}-{model_fingerprint(self._model)}"
+            self._path = self._root / f"{self._name}-{model_fingerprint(self._model)}"
         return self._path
+
+    @property
+    def _name(self) -> str:
+        return Path(self._source).name or "model"
+
+    def may_hold(self) -> bool:
+        """Whether the cache has any part of an entry named like this model's (without hashing
+        its weights for the entry's key): False means it holds none of its buckets."""
+        return self._path is not None or any(self._root.glob(f"{self._name}-*/part-*"))
 
     @property
     def capabilities(self) -> Capabilities:

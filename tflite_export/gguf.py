@@ -50,7 +50,7 @@ _NO_MERGES = ["\u0100 \u0100"]
 _LAYER_NAMES = {"attn_norm.scale": "attn_norm", "attn.q_proj": "attn_q", "attn.k_proj": "attn_k",
                 "attn.v_proj": "attn_v", "attn.o_proj": "attn_output", "ffn_norm.scale": "ffn_norm",
                 "ffn.gate_proj": "ffn_gate", "ffn.up_proj": "ffn_up", "ffn.down_proj": "ffn_down"}
-_TOP_NAMES = {"embed.embedding": "token_embd", "final_norm.scale": "output_norm", "lm_head.kernel": "output"}
+_TOP_NAMES = {"embed.embedding": "token_embd", "final_norm.scale": "output_norm", "lm_head": "output"}
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
                  "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -99,8 +99,6 @@ def gguf_tensors(params: dict[str, np.ndarray], cfg) -> dict[str, np.ndarray]:
             name, kind = name[: -len(".bias")], "bias"
         elif name.endswith(".kernel"):
             name, value = name[: -len(".kernel")], value.T
-        if name in ("lm_head",):
-            name = "lm_head.kernel"
         if name in _TOP_NAMES:
             out[f"{_TOP_NAMES[name]}.{kind}"] = np.ascontiguousarray(value)
             continue
