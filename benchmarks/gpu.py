@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak in TFLOP/s (default: by device name)")
     p.add_argument("--xla-cache", type=Path, help="persistent compilation cache (default: a fresh one, removed after)")
     p.add_argument("--no-second-process", action="store_true", help="skip the warm-cache dlm-jax process")
+    p.add_argument("--work", type=Path, help="keep each process's spec and result here (default: a temporary folder, "
+                   "removed after); a process whose result is there for the same spec is not run again, so a run "
+                   "cut short goes on where it stopped, or its report is made elsewhere from the copied folder")
     p.add_argument("--worker", choices=("write", *SIDES), help=argparse.SUPPRESS)
     p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     return p
@@ -596,6 +599,7 @@ def fast_dllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None}
         log(f"fast-dllm {key}: NFE {nfe} ({probe.idle} idle), first {first:.2f} s (probed), "
             f"timed {[round(s, 3) for s in seconds]}")
+        save_partial(spec, out)
     return out
 
 
@@ -636,7 +640,13 @@ def dlm_jax_worker(spec: dict[str, Any], *, second: bool) -> dict[str, Any]:
                                     rule="threshold", threshold=spec["threshold"])
         compiles, hit0 = XlaCompileCounter.count(), hits[0]
         t = time.perf_counter()
-        res = m.decoder.decode(ids, cfg)  # no warm-up: it compiles what it reaches, ahead where it can
+        try:
+            res = m.decoder.decode(ids, cfg)  # no warm-up: it compiles what it reaches, ahead where it can
+        except Exception as e:  # noqa: BLE001 - one failing case is reported, the rest still run
+            out["cases"][key] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"dlm-jax {key}: FAILED {type(e).__name__}: {e}")
+            save_partial(spec, out)
+            continue
         first = time.perf_counter() - t
         s1 = res.stats
         entry: dict[str, Any] = {"first_seconds": round(first, 4), "first_compiles": s1.compiles,
@@ -665,6 +675,7 @@ def dlm_jax_worker(spec: dict[str, Any], *, second: bool) -> dict[str, Any]:
         log(f"dlm-jax {key}: first decode {first:.2f} s ({entry['xla_programs']} XLA programs, "
             f"{entry['xla_cache_hits']} from the persistent cache)"
             + ("" if second else f", NFE {entry['nfe']}, timed {entry['seconds']}"))
+        save_partial(spec, out)
     mem = dev.memory_stats() or {}
     out["peak_memory_bytes"] = mem.get("peak_bytes_in_use")
     return out
@@ -927,7 +938,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rec = recipe(args)
     shape = SHAPES[args.shape]
     ckpt = args.checkpoint.expanduser()
-    work = Path(tempfile.mkdtemp(prefix="dlm-jax-gpu-"))
+    keep = args.work is not None
+    work = args.work.expanduser() if keep else Path(tempfile.mkdtemp(prefix="dlm-jax-gpu-"))
+    work.mkdir(parents=True, exist_ok=True)
     xla_cache = args.xla_cache or work / "xla"
     cases = [{"batch": b, "cache": c} for b in args.batches for c in args.caches]
     spec = {"peer_src": str(src), "checkpoint": str(ckpt), "recipe": rec, "dtype": args.dtype,
@@ -939,7 +952,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         state = checkpoint_state(ckpt, rec)
         written: dict[str, Any] = {}
-        if state == "write":
+        if state == "write" and all(_done(spec, work, k) for k in ("write", "fast_dllm", "dlm_jax")):
+            state = "reuse"  # every result is in --work: the report needs no checkpoint
+            written = json.loads((work / "write.json").read_text())
+        elif state == "write":
             log(f"writing the checkpoint to {ckpt} with Fast-dLLM's code")
             written = _worker(spec, work, "write")
         elif state == "foreign":
@@ -948,7 +964,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dj = _worker(spec, work, "dlm_jax")
         dj2 = None if args.no_second_process else _worker(spec, work, "dlm_jax", second=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
     limits = device_limits(dj["device"], hbm_tbps=args.hbm_tbps, peak_tflops=args.peak_tflops)
     if args.dtype != "bfloat16" and not (args.hbm_tbps and args.peak_tflops):
         limits = {**limits, "hbm_tbps": None, "peak_tflops": None, "source": "not computed for float32"}
@@ -980,11 +997,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _worker(spec: dict[str, Any], work: Path, kind: str, *, second: bool = False) -> dict[str, Any]:
+def _worker_spec(spec: dict[str, Any], work: Path, kind: str, second: bool) -> tuple[str, Path, Path]:
     name = kind + ("2" if second else "")
-    spec_path, result = work / f"{name}.spec.json", work / f"{name}.json"
-    spec_path.write_text(json.dumps({**spec, "result": str(result), "second": second}))
+    result = work / f"{name}.json"
+    return json.dumps({**spec, "result": str(result), "second": second}), work / f"{name}.spec.json", result
+
+
+def _done(spec: dict[str, Any], work: Path, kind: str, *, second: bool = False) -> bool:
+    """Whether `work` holds this worker's result for this very spec (from an earlier run)."""
+    text, spec_path, result = _worker_spec(spec, work, kind, second)
+    return result.is_file() and spec_path.is_file() and spec_path.read_text() == text
+
+
+def _worker(spec: dict[str, Any], work: Path, kind: str, *, second: bool = False) -> dict[str, Any]:
+    text, spec_path, result = _worker_spec(spec, work, kind, second)
+    if _done(spec, work, kind, second=second):
+        log(f"{result.stem}: result reused from {result}")
+        return json.loads(result.read_text())
+    result.unlink(missing_ok=True)
+    spec_path.write_text(text)
     return run_worker(kind, spec_path, result)
+
+
+def save_partial(spec: dict[str, Any], out: dict[str, Any]) -> None:
+    """After each case: what a worker has so far, beside its result (a run cut short keeps it)."""
+    Path(spec["result"] + ".partial").write_text(json.dumps(out))
 
 
 def worker_main(kind: str, spec_path: Path) -> None:

@@ -30,7 +30,7 @@ from dlm_jax._compile import CompiledBuckets
 from dlm_jax._config import ModelConfig
 from dlm_jax._masks import _mode_rule
 from dlm_jax.models._transformer import Transformer
-from dlm_jax.runtime.buckets import BucketKey, pad_axis
+from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, SlotStep, Transfers
 from dlm_jax.runtime.step import (INPUT_NAMES, BuildCounts, Capabilities, Executor, StepInputs, StepOutputs,
                                   input_specs, model_outputs, output_names)
@@ -277,14 +277,16 @@ class DeviceKVCache(KVCache):
 class JaxExecutor(Executor):
     """Executor over AOT-compiled `decode_step`s, one per bucket key, compiled on first use
     (or ahead of time by `warmup`). `compile_count` counts its compilations. It runs every
-    bucket of `capabilities` (default: `Capabilities.for_length(max_seq_len)`)."""
+    bucket of `capabilities` (default: `Capabilities.for_length(max_seq_len)` with batches up to 64,
+    `JAX_BATCH_BUCKETS`)."""
 
     def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None):
         from dlm_jax.models._lora import lora_spec
 
         self.config = model.config
         self.gated = lora_spec(model) is not None  # adapters: every step takes a `lora_gate`
-        self._capabilities = capabilities or Capabilities.for_length(self.config.max_seq_len)
+        self._capabilities = capabilities or Capabilities.for_length(self.config.max_seq_len,
+                                                                     batches=JAX_BATCH_BUCKETS)
         if self.gated:
             self._capabilities = dataclasses.replace(self._capabilities,
                                                      inputs=self._capabilities.inputs | {"lora_gate"})

@@ -18,6 +18,9 @@ from dlm_jax._errors import ConfigError
 # Tile-aligned window widths (multiples of 8 below one tile; the HMX tile is 32 wide).
 DEFAULT_WINDOW_BUCKETS: tuple[int, ...] = (8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8)
+# The JAX executor compiles a bucket on first use, so it can offer more: a GPU decodes 32 rows at
+# once as readily as 8 (bundles keep the exported sets).
+JAX_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 # Past 256 slots the ladder steps by 64, past 1024 by 128: padding a step costs at most an
 # eighth of it (a doubling ladder cost up to half: a 320-token sequence ran 512 wide).
 _LADDER: tuple[tuple[int, int], ...] = ((256, 32), (1024, 64), (1 << 62, 128))

@@ -188,6 +188,27 @@ def test_peer_source_errors_name_the_flag(tmp_path, monkeypatch):
     assert "\n" not in str(e.value.code)
 
 
+def test_work_folder_reuses_a_result_only_for_the_same_spec(tmp_path, monkeypatch):
+    """--work: a worker whose result is there for the very same spec is not run again (a run cut
+    short goes on where it stopped); another spec runs it."""
+    ran = []
+
+    def fake_run(kind, spec_path, result, extra=()):
+        ran.append(kind)
+        result.write_text(json.dumps({"kind": kind, "spec": json.loads(spec_path.read_text())["reps"]}))
+        return json.loads(result.read_text())
+
+    monkeypatch.setattr(gpu, "run_worker", fake_run)
+    spec = {"reps": 1, "cases": []}
+    assert gpu._worker(spec, tmp_path, "fast_dllm") == {"kind": "fast_dllm", "spec": 1}
+    assert gpu._worker(spec, tmp_path, "fast_dllm") == {"kind": "fast_dllm", "spec": 1} and ran == ["fast_dllm"]
+    assert gpu._done(spec, tmp_path, "fast_dllm") and not gpu._done(spec, tmp_path, "dlm_jax")
+    assert gpu._worker({**spec, "reps": 2}, tmp_path, "fast_dllm") == {"kind": "fast_dllm", "spec": 2}
+    assert ran == ["fast_dllm", "fast_dllm"]
+    gpu.save_partial({"result": str(tmp_path / "x.json")}, {"cases": {"a": 1}})
+    assert json.loads((tmp_path / "x.json.partial").read_text()) == {"cases": {"a": 1}}
+
+
 # ---------------------------------------------------------------------------------------------
 # The correctness half, with Fast-dLLM's sources
 

@@ -35,6 +35,22 @@ def test_batch_invariance(decoder, setting):
         assert batched.stats.request_nfe[i] == alone.stats.nfe
 
 
+def test_jax_executor_decodes_batches_past_eight(decoder):
+    """The JAX executor compiles buckets on first use, so a batch of 9-64 prompts runs (padded to
+    16, 32 or 64 rows), each answer the one its prompt gets alone; past 64 it refuses in one line."""
+    from dlm_jax._errors import ConfigError
+
+    cfg = decode_config(gen_len=8, block_len=8, cache="dual", rule="threshold", threshold=0.8,
+                        stop_on_eos_block=False)
+    prompts = [PROMPTS[i % 3] for i in range(17)]
+    out = decoder.decode(prompts, cfg)
+    assert out.stats.buckets and all(k.startswith("b32_") for k in out.stats.buckets), out.stats.buckets
+    for i in range(3):
+        np.testing.assert_array_equal(out.sequences[i], decoder.decode([PROMPTS[i]], cfg).sequences[0])
+    with pytest.raises(ConfigError, match="65 exceeds the largest batch bucket \\(64\\)"):
+        decoder.decode([PROMPTS[0]] * 65, cfg)
+
+
 @pytest.mark.parametrize("attention, shift", [("causal", True), ("block_causal", False), ("block_causal", True)])
 def test_caches_are_exact_when_attention_cannot_see_the_future(attention, shift):
     """With causal or block-causal attention (block = decode block) the prefix cache and the
