@@ -10,9 +10,13 @@ threshold 0.9, temperature 0, generation 128 or 256, cache none / prefix / dual,
            `generate` and the API run by default on a CPU, over their bundle cache
   torch    the eager PyTorch peer (`benchmarks/torch_decoder.py`, 2 threads)
 
-Decodes of one case are timed in rotating order (this machine is noisy, so only ratios
-measured in one run are reported; a decode under a second is repeated); each executor's buckets are compiled / loaded and run
-once before timing, and the compile and export times are reported apart. The benchmark
+Each executor runs in a process of its own, as a user runs one engine: on 2 cores the
+thread pools of the others (torch's OpenMP, XNNPACK's) slowed XLA's decodes when all three shared
+a process (the 29M prefix case: 14.5 s shared, 9.6 s alone, same warm-up). Per case, each executor builds its buckets (`Decoder.warmup`) and
+decodes the case once, untimed (a first decode also pays allocations: 7.2 s against 5.5 s for
+the 29M prefix case); then the decodes are timed in rotating order (this machine is noisy, so
+only ratios measured in one run are reported; a decode under a second is repeated). Compile
+and export times are reported apart. The benchmark
 checks that every executor returns the same tokens and NFE as the peer. Ratios are
 torch seconds / dlm-jax seconds (above 1: dlm-jax is faster). Peak RSS of one cold decode
 (prefix cache, the shortest generation, batch 1) is measured per executor in a fresh process.
@@ -70,19 +74,18 @@ def case_name(model: str, mode: str, gen: int, batch: int) -> str:
 
 
 class Executors:
-    """The three decoders of one model: decode(kind, prompts, gen, mode) -> (sequences, nfe)."""
+    """The three decoders of one model, each in a worker process of its own (`serve`):
+    decode(kind, prompts, gen, mode) -> (sequences, nfe), timed inside the worker. The JAX
+    model loaded here only lists buckets, exports the bundle and picks the prompts."""
 
     def __init__(self, name: str, path: Path, cases: list[tuple[int, int, str]], tmp: Path, litert: bool):
         import dlm_jax
-        from torch_decoder import TorchModel
 
         self.name = name
         self.jax = dlm_jax.load(path, executor="jax")
-        self.torch = TorchModel(dlm_jax.get_params(self.jax.model), self.jax.config, threads=2)
-        self.litert = None
         self.export_seconds = None
+        self.bundle_path = None
         if litert:
-            from dlm_jax.runner import load_bundle
             from tflite_export.bundle import export_bundle
 
             keys = sorted({k for batch, gen, mode in cases
@@ -94,39 +97,106 @@ class Executors:
                           latency_repeats=1, overwrite=True)
             self.export_seconds = round(time.perf_counter() - t0, 1)
             self.bundle_path = tmp / f"{name}.bundle"
-            self.litert = load_bundle(self.bundle_path)
-        self.kinds = [k for k in EXECUTORS if k != "litert" or self.litert is not None]
+        self.kinds = [k for k in EXECUTORS if k != "litert" or self.bundle_path is not None]
+        self.workers = {k: Worker(k, self.bundle_path if k == "litert" else path, name) for k in self.kinds}
+        self.last_seconds: float | None = None
+        self.last_built = 0  # buckets compiled or exported inside the last timed decode
 
     def prepare(self, kind: str, prompts: list[list[int]], gen: int, mode: str) -> float:
         """Compile (JAX) or load (LiteRT) every bucket of the case and run each once; seconds."""
-        from dlm_jax.runner import zero_inputs
-
-        if kind == "torch":
-            return 0.0
-        handle = self.jax if kind == "jax" else self.litert
-        t0 = time.perf_counter()
-        keys = handle.decoder.bucket_keys([len(p) for p in prompts], decode_config(gen, mode))
-        handle.decoder.executor.warmup(keys)
-        seconds = time.perf_counter() - t0
-        for key in keys:
-            handle.decoder.executor.step(zero_inputs(handle.config, key))
-        return seconds
+        return self.workers[kind].ask(op="prepare", prompts=prompts, gen=gen, mode=mode)["seconds"]
 
     def decode(self, kind: str, prompts: list[list[int]], gen: int, mode: str) -> tuple[list[np.ndarray], int]:
-        if kind == "torch":
-            from torch_decoder import decode
+        r = self.workers[kind].ask(op="decode", prompts=prompts, gen=gen, mode=mode)
+        self.last_seconds, self.last_built = r["seconds"], r["built"]
+        return [np.asarray(x) for x in r["sequences"]], r["nfe"]
 
-            return decode(self.torch, prompts, gen_len=gen, block_len=BLOCK, mode=mode, rule="threshold",
-                          threshold=THRESHOLD)
-        handle = self.jax if kind == "jax" else self.litert
-        out = handle.decoder.decode(prompts, decode_config(gen, mode))
-        return out.sequences, out.stats.nfe
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+
+
+class Worker:
+    """One executor in its own process (`peer.py --serve KIND PATH NAME`), one JSON line per request."""
+
+    def __init__(self, kind: str, path: Path, name: str):
+        self.kind = kind
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(path), name],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def ask(self, **request: Any) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.kind} worker exited with status {self.proc.wait()} (its log is above)")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"{self.kind} worker: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def serve(kind: str, path: str, name: str) -> None:
+    """A worker: load one executor, then answer `prepare` / `decode` requests from stdin."""
+    import os
+
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever the libraries print goes to stderr, not into the replies
+    import dlm_jax
+
+    if kind == "litert":
+        from dlm_jax.runner import load_bundle
+
+        handle = load_bundle(path)
+    else:
+        handle = dlm_jax.load(path, executor="jax")
+        if kind == "torch":
+            from torch_decoder import TorchModel
+
+            model = TorchModel(dlm_jax.get_params(handle.model), handle.config, threads=2)
+            del handle
+    for line in sys.stdin:
+        req = json.loads(line)
+        prepared = None
+        try:
+            if req["op"] == "prepare":
+                reply = {"seconds": 0.0}
+                if kind != "torch":
+                    t0 = time.perf_counter()
+                    # the decoder's warm-up: with the decode's slot count, so the executor's
+                    # resident-state programs are built too (its own warmup(keys) left 6 to the decode)
+                    handle.decoder.warmup([len(p) for p in req["prompts"]], decode_config(req["gen"], req["mode"]))
+                    reply["seconds"] = time.perf_counter() - t0
+                req = {**req, "op": "decode"}  # and one untimed decode (first-use costs: allocations, caches)
+                prepared = reply
+            if req["op"] == "decode":
+                t0 = time.perf_counter()
+                if kind == "torch":
+                    from torch_decoder import decode
+
+                    seqs, nfe = decode(model, req["prompts"], gen_len=req["gen"], block_len=BLOCK, mode=req["mode"],
+                                       rule="threshold", threshold=THRESHOLD)
+                    built = 0
+                else:
+                    res = handle.decoder.decode(req["prompts"], decode_config(req["gen"], req["mode"]))
+                    seqs, nfe, built = res.sequences, res.stats.nfe, res.stats.compiles + res.stats.exports
+                reply = prepared or {"seconds": time.perf_counter() - t0, "nfe": int(nfe), "built": int(built),
+                                     "sequences": [np.asarray(x).tolist() for x in seqs]}
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which stops
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(reply) + "\n")
 
 
 def run_case(ex: Executors, batch: int, gen: int, mode: str, reps: int) -> dict[str, Any]:
     prompts = prompts_for(ex.name, ex.jax, batch)
     compile_s = {k: round(ex.prepare(k, prompts, gen, mode), 2) for k in ex.kinds}
     seconds = {k: [] for k in ex.kinds}
+    built = {k: 0 for k in ex.kinds}
     results = {}
     i = 0
     # Short decodes repeat (up to MIN_SECONDS of the slowest, at most MAX_REPS times): one
@@ -134,16 +204,16 @@ def run_case(ex: Executors, batch: int, gen: int, mode: str, reps: int) -> dict[
     while i < reps or (i < MAX_REPS and sum(seconds["torch"]) < MIN_SECONDS):
         order = ex.kinds[i % len(ex.kinds):] + ex.kinds[:i % len(ex.kinds)]
         for kind in order:
-            t0 = time.perf_counter()
             results[kind] = ex.decode(kind, prompts, gen, mode)
-            seconds[kind].append(time.perf_counter() - t0)
+            seconds[kind].append(ex.last_seconds)
+            built[kind] += ex.last_built
         i += 1
     ref_seqs, ref_nfe = results["torch"]
     med = {k: float(np.median(v)) for k, v in seconds.items()}
     return {"model": ex.name, "batch": batch, "gen_len": gen, "mode": mode, "reps": i,
             "prompt_len": len(prompts[0]), "seconds": {k: round(v, 4) for k, v in med.items()},
             "all_seconds": {k: [round(s, 4) for s in v] for k, v in seconds.items()},
-            "compile_seconds": compile_s, "nfe": {k: results[k][1] for k in ex.kinds},
+            "compile_seconds": compile_s, "built_while_timed": built, "nfe": {k: results[k][1] for k in ex.kinds},
             "same_tokens_as_torch": {k: all(np.array_equal(a, b) for a, b in zip(results[k][0], ref_seqs))
                                      for k in ex.kinds if k != "torch"},
             "same_nfe_as_torch": {k: results[k][1] == ref_nfe for k in ex.kinds if k != "torch"},
@@ -276,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--update", action="store_true",
                    help="merge into the report at --out: replace the cases and models measured now, keep the rest")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
     return p
 
 
@@ -283,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child)))
+        return {}
+    if args.serve:
+        serve(*args.serve)
         return {}
     from runner import Spawner  # started before anything large is loaded (ru_maxrss is inherited)
 
@@ -310,6 +384,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 report["cases"].append(c)
                 log(f"{case_name(name, mode, gen, batch)}: NFE {c['nfe']['torch']}, seconds {c['seconds']}, "
                     f"torch/x {c['torch_over']}, same tokens {c['same_tokens_as_torch']}")
+            ex.close()
             if spawner is not None:
                 entry["peak_rss_mb"] = {k: v["peak_rss_mb"] for k, v in peak_memory(ex, path, min(args.gens), spawner).items()}
             report["models"].append(entry)
