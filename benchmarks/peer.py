@@ -99,17 +99,16 @@ class Executors:
             self.bundle_path = tmp / f"{name}.bundle"
         self.kinds = [k for k in EXECUTORS if k != "litert" or self.bundle_path is not None]
         self.workers = {k: Worker(k, self.bundle_path if k == "litert" else path, name) for k in self.kinds}
-        self.last_seconds: float | None = None
-        self.last_built = 0  # buckets compiled or exported inside the last timed decode
 
     def prepare(self, kind: str, prompts: list[list[int]], gen: int, mode: str) -> float:
-        """Compile (JAX) or load (LiteRT) every bucket of the case and run each once; seconds."""
+        """Build every bucket of the case (`Decoder.warmup`) and decode it once, untimed; the
+        build's seconds."""
         return self.workers[kind].ask(op="prepare", prompts=prompts, gen=gen, mode=mode)["seconds"]
 
-    def decode(self, kind: str, prompts: list[list[int]], gen: int, mode: str) -> tuple[list[np.ndarray], int]:
-        r = self.workers[kind].ask(op="decode", prompts=prompts, gen=gen, mode=mode)
-        self.last_seconds, self.last_built = r["seconds"], r["built"]
-        return [np.asarray(x) for x in r["sequences"]], r["nfe"]
+    def decode(self, kind: str, prompts: list[list[int]], gen: int, mode: str) -> dict[str, Any]:
+        """One timed decode: {"sequences", "nfe", "seconds", "built" (buckets compiled or
+        exported inside it)}."""
+        return self.workers[kind].ask(op="decode", prompts=prompts, gen=gen, mode=mode)
 
     def close(self) -> None:
         for w in self.workers.values():
@@ -160,9 +159,23 @@ def serve(kind: str, path: str, name: str) -> None:
 
             model = TorchModel(dlm_jax.get_params(handle.model), handle.config, threads=2)
             del handle
+
+    def run(req: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        if kind == "torch":
+            from torch_decoder import decode
+
+            seqs, nfe = decode(model, req["prompts"], gen_len=req["gen"], block_len=BLOCK, mode=req["mode"],
+                               rule="threshold", threshold=THRESHOLD)
+            built = 0
+        else:
+            res = handle.decoder.decode(req["prompts"], decode_config(req["gen"], req["mode"]))
+            seqs, nfe, built = res.sequences, res.stats.nfe, res.stats.compiles + res.stats.exports
+        return {"seconds": time.perf_counter() - t0, "nfe": int(nfe), "built": int(built),
+                "sequences": [np.asarray(x).tolist() for x in seqs]}
+
     for line in sys.stdin:
         req = json.loads(line)
-        prepared = None
         try:
             if req["op"] == "prepare":
                 reply = {"seconds": 0.0}
@@ -172,21 +185,9 @@ def serve(kind: str, path: str, name: str) -> None:
                     # resident-state programs are built too (its own warmup(keys) left 6 to the decode)
                     handle.decoder.warmup([len(p) for p in req["prompts"]], decode_config(req["gen"], req["mode"]))
                     reply["seconds"] = time.perf_counter() - t0
-                req = {**req, "op": "decode"}  # and one untimed decode (first-use costs: allocations, caches)
-                prepared = reply
-            if req["op"] == "decode":
-                t0 = time.perf_counter()
-                if kind == "torch":
-                    from torch_decoder import decode
-
-                    seqs, nfe = decode(model, req["prompts"], gen_len=req["gen"], block_len=BLOCK, mode=req["mode"],
-                                       rule="threshold", threshold=THRESHOLD)
-                    built = 0
-                else:
-                    res = handle.decoder.decode(req["prompts"], decode_config(req["gen"], req["mode"]))
-                    seqs, nfe, built = res.sequences, res.stats.nfe, res.stats.compiles + res.stats.exports
-                reply = prepared or {"seconds": time.perf_counter() - t0, "nfe": int(nfe), "built": int(built),
-                                     "sequences": [np.asarray(x).tolist() for x in seqs]}
+                run(req)  # one untimed decode: a first decode also pays allocations
+            else:
+                reply = run(req)
         except Exception as e:  # noqa: BLE001 - reported to the parent, which stops
             reply = {"error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(reply) + "\n")
@@ -204,9 +205,10 @@ def run_case(ex: Executors, batch: int, gen: int, mode: str, reps: int) -> dict[
     while i < reps or (i < MAX_REPS and sum(seconds["torch"]) < MIN_SECONDS):
         order = ex.kinds[i % len(ex.kinds):] + ex.kinds[:i % len(ex.kinds)]
         for kind in order:
-            results[kind] = ex.decode(kind, prompts, gen, mode)
-            seconds[kind].append(ex.last_seconds)
-            built[kind] += ex.last_built
+            r = ex.decode(kind, prompts, gen, mode)
+            results[kind] = ([np.asarray(x) for x in r["sequences"]], r["nfe"])
+            seconds[kind].append(r["seconds"])
+            built[kind] += r["built"]
         i += 1
     ref_seqs, ref_nfe = results["torch"]
     med = {k: float(np.median(v)) for k, v in seconds.items()}
