@@ -4,10 +4,13 @@ compiled models on an accelerator, native log capture, zero step inputs. NumPy a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -19,6 +22,12 @@ from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.step import OutputRequest, StepInputs, input_specs
 
 ACCELERATORS = ("cpu", "gpu", "npu")
+NATIVE_LOGS_ENV = "DLM_JAX_NATIVE_LOGS"  # "1": let LiteRT's native log lines through
+
+
+def native_logs_wanted() -> bool:
+    """Whether the user asked for the native libraries' log lines (`DLM_JAX_NATIVE_LOGS=1`)."""
+    return os.environ.get(NATIVE_LOGS_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 @contextlib.contextmanager
@@ -42,6 +51,50 @@ def native_stderr_captured() -> Iterator[list[str]]:
             os.close(saved)
             sink.seek(0)
             lines.extend(sink.read().decode("utf-8", "replace").splitlines())
+
+
+_exit_hush_lock = threading.Lock()
+_exit_hushed = False
+
+
+def hush_native_exit() -> None:
+    """Once per process that imports this module (LiteRT's way in): at interpreter exit, the native stderr
+    (descriptor 2) goes to /dev/null, since LiteRT logs each accelerator it tears down
+    (`INFO: [accelerator_registry.cc:43] DestroyAccelerator ...`) after the program's last
+    line. Python's own `sys.stderr` moves to a duplicate of the original descriptor first, so
+    what Python still prints while it shuts down (an exception ignored in a finaliser) reaches
+    the terminal; only native writes are dropped. A traceback that ends the program is printed
+    before exit handlers run. `DLM_JAX_NATIVE_LOGS=1` keeps every native line."""
+    global _exit_hushed
+    with _exit_hush_lock:
+        if _exit_hushed or native_logs_wanted():
+            return
+        _exit_hushed = True
+    atexit.register(_hush_native_stderr)
+
+
+def _hush_native_stderr() -> None:
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+    _flush_c_stdio()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all
+        return
+    try:
+        stream = open(saved, "w", buffering=1, encoding=getattr(sys.stderr, "encoding", None) or "utf-8",
+                      errors="backslashreplace", closefd=True)
+        sys.stderr = sys.__stderr__ = stream  # the shutdown restores sys.stderr from sys.__stderr__
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    except OSError:
+        pass
+
+
+hush_native_exit()  # this module is what brings LiteRT into a process
 
 
 def _flush_c_stdio() -> None:
@@ -72,6 +125,27 @@ def _reason(error: Exception, log: Sequence[str]) -> str:
     return text
 
 
+_environment = None
+_environment_lock = threading.Lock()
+
+
+def environment():
+    """The process's one LiteRT `Environment`, shared by every compiled model. LiteRT tears an
+    environment's accelerators down (and logs each, natively) when its last model goes; a
+    module-level one goes only at interpreter exit, after `hush_native_exit` has quieted the
+    native stderr, so dropping a model mid-process prints nothing."""
+    global _environment
+    with _environment_lock:
+        if _environment is None:
+            from ai_edge_litert import compiled_model as cm
+            from ai_edge_litert.environment import Environment, EnvironmentOptions
+
+            with native_stderr_captured():  # it logs each accelerator it registers
+                _environment = Environment.create(options=EnvironmentOptions(
+                    runtime_path=os.path.dirname(os.path.abspath(cm.__file__))))
+        return _environment
+
+
 def compiled_model(content: bytes, *, accelerator: str = "cpu", threads: int = 2, cpu_fallback: bool = False,
                    owner: object = None):
     """LiteRT's `CompiledModel` over `content` (which the caller keeps alive) on `accelerator`
@@ -96,7 +170,7 @@ def compiled_model(content: bytes, *, accelerator: str = "cpu", threads: int = 2
                       cpu_options=CpuOptions(num_threads=threads, xnnpack_weight_cache_path=cache))
     with native_stderr_captured() as log:
         try:
-            model = CompiledModel.from_buffer(content, options=options)
+            model = CompiledModel.from_buffer(content, options=options, environment=environment())
         except RuntimeError as e:
             error = e
         else:

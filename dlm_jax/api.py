@@ -8,7 +8,6 @@ executor names (`"auto"` picks one of them per machine); the `Model` it returns
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dlm_jax._config import ModelConfig
@@ -85,13 +84,20 @@ def resolve_executor(name: str | None, config: ModelConfig) -> str:
     return auto_executor(config) if name == AUTO else name
 
 
-def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, executor: str | None = None,
+def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = True, executor: str | None = None,
          lora: str | os.PathLike | None = None, expert_slots: int | None = None, **overrides: Any) -> Model:
     """Load a checkpoint directory (model + tokenizer) ready to generate.
 
     Args:
+      path: a checkpoint directory, or a Hugging Face model id `org/name` (`org/name@revision`)
+        already in the local Hugging Face cache (`hf download org/name` puts it there; nothing
+        is downloaded here). An existing directory always wins; a `Path` is always a path.
+        The cached snapshot directory is what loads (and what the bundle cache names).
       strict: refuse config.json keys this loader does not know (default: warn once).
-      verify: check the files against the checkpoint's manifest (size and sha256) if it has one.
+      verify: check the files against the checkpoint's manifest if it has one: weights by size
+        and sha256 (big files by size and sampled chunks), "full" hashes every byte; a
+        hand-edited config or tokenizer file warns once instead of refusing the checkpoint
+        (`dlm_jax.checkpoint._io.verify_checkpoint`). False skips the check.
       executor: a name of `EXECUTOR_CHOICES`: "auto" (default, or `$DLM_JAX_EXECUTOR`;
         `resolve_executor`), "jax" or "litert". "litert" decodes with the LiteRT runner over
         a bundle cache (`tflite_export.cache.BundleCacheExecutor`): the first decode that
@@ -112,9 +118,10 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool = True, 
 
     A checkpoint without tokenizer files loads too: token-id prompts decode, text raises.
     """
+    from dlm_jax._hub import resolve_checkpoint
     from dlm_jax.checkpoint._io import load_pretrained
 
-    path = Path(path)
+    path = resolve_checkpoint(path)  # a cached Hugging Face model id: its snapshot directory
     if executor is not None:  # before the weights load
         _check_executor(executor)
     model = load_pretrained(path, strict=strict, verify=verify, **overrides)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,12 +48,16 @@ def _check_prompts(prompts: Sequence[str]) -> None:
 
 
 def _load(args: argparse.Namespace, path: str | Path):
-    """`dlm_jax.load` with the model flags (--strict, --no-verify, --mask-token-id, --lora); a
-    bundle (`dlm-jax export`) loads into the LiteRT runner instead."""
+    """`dlm_jax.load` with the model flags (--strict, --no-verify / --verify-full,
+    --mask-token-id, --lora); a bundle (`dlm-jax export`) loads into the LiteRT runner instead.
+    `path` may be a Hugging Face model id in the local cache (`dlm_jax._hub`; --model resolves
+    it while parsing already)."""
     import dlm_jax
     from dlm_jax._errors import ConfigError
+    from dlm_jax._hub import resolve_checkpoint
     from dlm_jax.runner import BUNDLE_FILE
 
+    path = resolve_checkpoint(path)
     if (Path(path) / BUNDLE_FILE).exists():
         if getattr(args, "lora", None):
             raise ConfigError(f"--lora {args.lora}: a bundle carries its adapters from its export "
@@ -410,6 +418,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_manifest(args: argparse.Namespace) -> int:
+    """Record a directory's current files in its manifest.json, after config.json or tokenizer
+    files were edited by hand (loading warns until then); one line on what changed."""
+    from dlm_jax._integrity import rewrite_manifest
+
+    print(rewrite_manifest(args.directory, force=args.force).summary())
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from buckets._profile import profile_model
 
@@ -423,7 +440,11 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from tflite_export import cache_admin
     from tflite_export.cache import model_entries
 
+    from dlm_jax._hub import resolve_checkpoint
+
     root = cache_admin.cache_root()
+    if args.model is not None:
+        args.model = str(resolve_checkpoint(args.model))  # a Hugging Face model id: its cached snapshot
     if args.model is not None and not Path(args.model).is_dir():
         from dlm_jax._errors import CheckpointError
 
@@ -524,11 +545,37 @@ def _add_lora_option(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model_options(p: argparse.ArgumentParser, *, verify: bool = True, mask: bool = True) -> None:
+    """The checkpoint flags. Also makes the command's --model (added before this) take a Hugging
+    Face model id, `org/name[@revision]`, from the local cache: resolved to its snapshot
+    directory while parsing, so every command that reads args.model (export, inspect, convert,
+    ...) gets a directory; one not cached is a one-line usage error giving the download command."""
+
+    def model_arg(text: str) -> str:
+        from dlm_jax._errors import CheckpointError
+        from dlm_jax._hub import parse_hub_id, snapshot_path
+
+        hub = parse_hub_id(text)
+        if hub is None:
+            return text  # a path (missing ones fail where they are read, naming them)
+        try:
+            return str(snapshot_path(*hub))
+        except CheckpointError as e:
+            raise argparse.ArgumentTypeError(_one_line(e)) from None
+
+    for action in p._actions:
+        if action.dest == "model" and action.type is None:
+            action.type = model_arg
+            action.help = (action.help or "checkpoint directory") + (
+                ", or a Hugging Face model id org/name[@revision] in the local cache (hf download org/name)")
     p.add_argument("--strict", action="store_true",
                    help="refuse config.json keys this loader does not know (default: warn and ignore them)")
     if verify:
-        p.add_argument("--no-verify", dest="verify_manifest", action="store_false",
-                       help="skip checking the files against the checkpoint's manifest (size and sha256)")
+        check = p.add_mutually_exclusive_group()
+        check.add_argument("--no-verify", dest="verify_manifest", action="store_false", default=True,
+                           help="skip checking the files against the checkpoint's manifest (size and sha256)")
+        check.add_argument("--verify-full", dest="verify_manifest", action="store_const", const="full", default=True,
+                           help="hash every byte of every file the manifest lists (default: files over 64 MiB by "
+                                "size and sampled chunks)")
     if mask:
         p.add_argument("--mask-token-id", type=int, metavar="ID",
                        help="the mask token id, for a checkpoint whose config and tokenizer declare none")
@@ -631,6 +678,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     _add_model_options(p, mask=False)
     p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("manifest", help="record a checkpoint's current files in its manifest.json (after editing "
+                                        "config.json or tokenizer files by hand; prints what changed)")
+    p.add_argument("directory", help="checkpoint (or bundle) directory")
+    p.add_argument("--force", action="store_true",
+                   help="also record weight files whose bytes changed (refused by default: likelier corrupt than "
+                        "edited)")
+    p.set_defaults(func=cmd_manifest)
     p = sub.add_parser("train", help="train a model from a TOML config (resumes the run in --out; Ctrl-C saves "
                                       "a checkpoint)")
     p.add_argument("--config", required=True, help="e.g. examples/configs/llada-tiny.toml")
@@ -655,6 +709,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_executor_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_eval)
+    # Every argument goes to lm-eval untouched: "+" as the prefix makes `--model ...` plain
+    # words here, which REMAINDER keeps (with "-", argparse would refuse them as unknown flags).
+    p = sub.add_parser("lm-eval", add_help=False, prefix_chars="+",
+                       help="lm-evaluation-harness with the model \"dlm-jax\" (dlm-jax lm-eval --help; needs "
+                            "dlm-jax[lmeval])")
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
+
+    def cmd_lm_eval(args: argparse.Namespace) -> int:  # lm-eval loads only here (it may be missing)
+        from dlm_jax.lmeval import main as lm_eval_main
+
+        return lm_eval_main(args.lm_eval_args)
+
+    p.set_defaults(func=cmd_lm_eval)
     p = sub.add_parser("profile", help="median step latency per bucket: JSON table + PNG plot")
     p.add_argument("--model", help="checkpoint directory (default: a random tiny model)")
     p.add_argument("--out", default="latency", help="output prefix (writes .json and .png)")
@@ -687,12 +754,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     and a non-zero exit, never a traceback."""
     args = build_parser().parse_args(argv)
     args.entry_point = argv is None  # the process is this command (not a caller's Python)
-    code = _dispatch(args)
-    # As the process's entry point, hush LiteRT's teardown log after our last line (not before
-    # an unexpected exception's traceback, which must reach the terminal).
-    if args.entry_point and "dlm_jax.runner" in sys.modules:
-        sys.modules["dlm_jax.runner"].quiet_native_exit()
-    return code
+    # train holds Ctrl-C during its checkpoint saves itself (training.loop._ctrl_c_after).
+    redeliver = args.entry_point and args.command != "train"
+    with _interrupts_redelivered() if redeliver else contextlib.nullcontext():
+        return _dispatch(args)  # LiteRT's teardown log is hushed at exit (`dlm_jax._litert.hush_native_exit`)
+
+
+_REDELIVER_SECONDS = 0.5
+_command_over = threading.Event()  # set: stop sending SIGINT again (`_interrupts_redelivered`)
+
+
+@contextlib.contextmanager
+def _interrupts_redelivered():
+    """Ctrl-C reaches the command even where Python drops it. A KeyboardInterrupt raised while
+    a garbage-collector callback or a finaliser runs is printed as "Exception ignored in ..."
+    and lost (JAX runs a callback on every collection, so a decode's Ctrl-C landed there about
+    one time in four). While the command runs, SIGINT raises KeyboardInterrupt as usual and is
+    sent again every half second until the command is over (`_dispatch` has caught it, or the
+    command ended on its own); the dropped one is not reported."""
+    global _command_over
+    lock, done, pending = threading.Lock(), threading.Event(), threading.Event()
+    _command_over = done
+
+    def resend() -> None:
+        while not done.wait(_REDELIVER_SECONDS):
+            with lock:
+                if not done.is_set():
+                    os.kill(os.getpid(), signal.SIGINT)
+
+    def handler(signum, frame):
+        if done.is_set():
+            return
+        if not pending.is_set():
+            pending.set()
+            threading.Thread(target=resend, name="dlm-jax-sigint", daemon=True).start()
+        raise KeyboardInterrupt
+
+    def unraisable(info) -> None:
+        if not issubclass(info.exc_type, KeyboardInterrupt):
+            previous_hook(info)
+
+    previous, previous_hook = signal.signal(signal.SIGINT, handler), sys.unraisablehook
+    sys.unraisablehook = unraisable
+    try:
+        yield
+    finally:
+        with lock:
+            done.set()
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -709,6 +819,34 @@ def _dispatch(args: argparse.Namespace) -> int:
             where = f"{e.filename}: " if e.filename else ""
             print(f"error: {where}{e.strerror or _one_line(e)}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C: one line and the shell's code for SIGINT, no traceback
+            _interrupt_seen()
+            _close_progress_bars()
+            print(f"interrupted{_interrupt_note(args)}", file=sys.stderr)
+            return 130
+
+
+def _interrupt_seen() -> None:
+    """Stop `_interrupts_redelivered` from sending SIGINT again: the command has it."""
+    _command_over.set()
+
+
+def _close_progress_bars() -> None:
+    """End any progress bar still drawn, so the interrupt line starts a line of its own."""
+    if "tqdm" in sys.modules:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+
+
+def _interrupt_note(args: argparse.Namespace) -> str:
+    """What an interrupted command left behind (writers publish by rename, so nothing partial)."""
+    if args.command == "export":
+        return f"; {args.out} unchanged (written by rename only when complete)"
+    if args.command == "cache":
+        return "; entries are removed whole, by rename"
+    return ""
 
 
 if __name__ == "__main__":

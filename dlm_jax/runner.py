@@ -50,7 +50,7 @@ from dlm_jax._config import ModelConfig
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax._model import Model, stored_tokenizer
 from dlm_jax._tokenizer import Tokenizer
-from dlm_jax._litert import (ACCELERATORS, _flush_c_stdio, compiled_model, native_stderr_captured,  # noqa: F401
+from dlm_jax._litert import (ACCELERATORS, compiled_model, native_stderr_captured,  # noqa: F401
                              read_outputs, zero_inputs)
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
@@ -272,18 +272,6 @@ class LiteRTExecutor(Executor):
                 return self._signatures[key].run(self._model, inputs, timings)
             with native_stderr_captured():  # a first run sets LiteRT up, which it logs
                 return self._signature(key).run(self._model, inputs, timings)
-
-
-def quiet_native_exit() -> None:
-    """Send the native stderr to /dev/null for the rest of the process: LiteRT logs each
-    accelerator it tears down at exit, after the last line a command prints."""
-    import sys
-
-    sys.stderr.flush()
-    _flush_c_stdio()
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    os.close(devnull)
 
 
 class BundleModel(Model):

@@ -102,10 +102,34 @@ def block_dirs(tmp_path_factory):
     return get
 
 
+_HUB: list[Path] = []
+
+
+def readme_hub() -> Path:
+    """A Hugging Face cache holding `org/llada-tiny` (a copy of models/llada-tiny, laid out as
+    `hf download` does), which the README's model-id command loads; made once per process."""
+    if not _HUB:
+        import atexit
+        import shutil
+        import tempfile
+
+        from tests.checkpoint.test_hub import add_snapshot
+
+        cache = Path(tempfile.mkdtemp(prefix="dlm-jax-readme-hub-"))
+        atexit.register(shutil.rmtree, cache, True)
+        atexit.register(shutil.rmtree, cache.with_name(cache.name + "-datasets"), True)
+        add_snapshot(cache, "org/llada-tiny", "c" * 40, ROOT / "models" / "llada-tiny", refs=("main",))
+        _HUB.append(cache)
+    return _HUB[0]
+
+
 def newcomer_env() -> dict[str, str]:
-    """The environment a reader's shell has: the default executor (not the tests' JAX one)."""
-    env = {k: v for k, v in os.environ.items() if k != "DLM_JAX_EXECUTOR"}
-    return {**env, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    """The environment a reader's shell has: the default executor (not the tests' JAX one), and
+    a Hugging Face cache that holds the model id the README loads."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DLM_JAX_EXECUTOR", "HF_HOME", "HF_HUB_OFFLINE")}
+    hub = readme_hub()
+    return {**env, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "HF_HUB_CACHE": str(hub),
+            "HF_DATASETS_CACHE": str(hub.with_name(hub.name + "-datasets"))}  # lm-eval's local tasks
 
 
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -122,7 +146,10 @@ QUICK = [(c, e) for c, e in console_commands() if (c, e) not in TRAINING + RUNS_
 SLOW_COMMANDS = ("dlm-jax export --model models/sparse-tiny ", "dlm-jax run bundles/sparse-tiny ",
                  "dlm-jax eval --model models/moe-tiny ", "dlm-jax generate --model models/moe-tiny ",
                  "dlm-jax export --model models/llada-tiny --out bundles/llada-tiny-int4 ",
-                 "dlm-jax run bundles/llada-tiny-int4 ")
+                 "dlm-jax run bundles/llada-tiny-int4 ", "dlm-jax lm-eval ",
+                 "dlm-jax eval --model models/llada-tiny --task sorting --n 32 ",
+                 "dlm-jax export --model models/llada-tiny --out bundles/llada-tiny-int8 ",
+                 "dlm-jax run bundles/llada-tiny-int8 ")
 
 
 def _quick_params() -> list:
@@ -152,7 +179,9 @@ def test_console_command(command, expected, block_dirs):
     assert_prints(result.stdout, expected, command)
 
 
-@pytest.mark.parametrize("snippet,expected", python_snippets(), ids=lambda x: "snippet")
+@pytest.mark.parametrize("snippet,expected", [
+    pytest.param(s, e, marks=[pytest.mark.slow] if "lm_eval" in s else []) for s, e in python_snippets()],
+    ids=lambda x: "snippet")
 def test_python_snippet(snippet, expected):
     result = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, env=newcomer_env(), capture_output=True,
                             text=True, timeout=600)

@@ -6,8 +6,14 @@ everything into a temporary sibling directory and renames it into place, so an i
 failed save never leaves a half-written checkpoint behind; the directory and its files get the
 permissions the umask gives. `manifest.json` lists every file written with its size and sha256;
 `load_pretrained` verifies it before reading tensors (`verify=False` skips that; checkpoints
-without a manifest, such as those transformers writes, load as before). After editing a file
-of a checkpoint by hand, `dlm_jax.checkpoint.write_manifest(path)` lists the files anew.
+without a manifest, such as those transformers writes, load as before). Weight files must match
+(big ones are checked by size and sampled chunks, `verify="full"` hashes every byte:
+`dlm_jax._integrity.verify_manifest`); the text files people edit by hand (config.json,
+tokenizer files, chat templates) only warn, once per load, naming the files and
+`dlm-jax manifest DIR`, which records them anew (`dlm_jax._integrity.rewrite_manifest`).
+
+A checkpoint path may also be a Hugging Face model id, `org/name` or `org/name@revision`, which
+loads from the local Hugging Face cache (`dlm_jax._hub`; an existing directory always wins).
 
 Unknown `config.json` keys are ignored with a warning (`strict=True` refuses them); keys that
 change the computation are always checked (see `_families`). A config without
@@ -28,6 +34,7 @@ import numpy as np
 
 from dlm_jax import _integrity
 from dlm_jax._config import ConfigError, ModelConfig
+from dlm_jax._hub import resolve_checkpoint
 from dlm_jax._tokenizer import declared_mask_token_id
 from dlm_jax.checkpoint import _names, _stream
 from dlm_jax.checkpoint._families import Family, family_for, get_family
@@ -74,7 +81,7 @@ def load_config(path: str | os.PathLike, *, strict: bool = False,
     files of `path` declare is used (tokenizer_config.json / special_tokens_map.json
     `mask_token`, or a known mask token in tokenizer.json); with none, it stays None.
     """
-    path = Path(path)
+    path = resolve_checkpoint(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     source = str(path / CONFIG_NAME)
@@ -131,15 +138,50 @@ def _tensor_index(path: Path) -> dict[str, TensorInfo]:
     return infos
 
 
-def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bool = True,
+def checkpoint_files(path: Path) -> list[str]:
+    """The files of the checkpoint directory `path` that loading it reads: config, weights (the
+    index and the shards it names), tokenizer and generation files."""
+    names = [CONFIG_NAME, *CARRIED_FILES, WEIGHTS_NAME, INDEX_NAME]
+    if (path / INDEX_NAME).is_file():
+        try:
+            weight_map = json.loads((path / INDEX_NAME).read_text(encoding="utf-8")).get("weight_map", {})
+            names += sorted({f for f in weight_map.values() if isinstance(f, str)})
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            pass  # `_tensor_index` names what is wrong with it
+    return [n for n in dict.fromkeys(names) if (path / n).is_file()]
+
+
+def verify_checkpoint(path: str | os.PathLike, verify: bool | str = True) -> bool:
+    """Check the checkpoint directory `path` against its manifest, if it has one (`verify`:
+    True, "full" or False, as for `load_pretrained`). Returns whether a manifest was checked.
+
+    Weight files (and other binary files) must match: a difference is an error naming the file.
+    The text files people edit by hand (`_integrity.is_editable`: config.json, tokenizer files,
+    chat templates, ...) that differ from the manifest, or that loading reads but the manifest
+    does not list, give one warning naming them and `dlm-jax manifest DIR`: an edited
+    config.json is a user's choice, not corruption, and refusing it only taught people to pass
+    --no-verify, which skips the weights' check too.
+    """
+    if verify not in (True, False, None, "full"):
+        raise ConfigError(f"verify={verify!r}: expected True, False or 'full'")
+    path = Path(path)
+    if not verify or not path.is_dir():
+        return False
+    return _integrity.verify_manifest(path, full=verify == "full", editable=_integrity.is_editable,
+                                      expected=checkpoint_files(path))
+
+
+def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = True,
                     **overrides: Any) -> Transformer:
     """Load an HF-layout checkpoint (any supported family) into a `Transformer`.
 
     Args:
-      path: checkpoint directory.
+      path: checkpoint directory, or a Hugging Face model id (`org/name[@revision]`) in the
+        local Hugging Face cache (`dlm_jax._hub`).
       strict: refuse config keys this loader does not use (default: warn once and ignore them).
-      verify: check every file `manifest.json` lists (size and sha256) before reading anything;
-        a checkpoint without a manifest loads unchecked.
+      verify: check the files `manifest.json` lists before reading anything (`verify_checkpoint`:
+        weights by size and sha256, big ones by size and sampled chunks; "full": every byte of
+        every file; hand-edited text files warn); a checkpoint without a manifest loads unchecked.
       overrides: `ModelConfig` fields to change after parsing (attention, logit_shift,
         mask_token_id, dtype, param_dtype, block_size, ...).
 
@@ -152,9 +194,8 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
         missing, unexpected or mis-shaped tensors.
       ConfigError: unknown architecture, unsupported config values (unknown keys if strict).
     """
-    path = Path(path)
-    if verify and path.is_dir():
-        _integrity.verify_manifest(path)
+    path = resolve_checkpoint(path)
+    verify_checkpoint(path, verify)
     cfg, family = load_config(path, strict=strict, **overrides)
     specs = param_shapes(cfg)
     plan = _plan(path, cfg, family, {name: tuple(s.shape) for name, s in specs.items()})
@@ -273,20 +314,20 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, family: str = "dlm_jax",
-                       overwrite: bool = False, strict: bool = False, verify: bool = True) -> Path:
+                       overwrite: bool = False, strict: bool = False, verify: bool | str = True) -> Path:
     """Load the checkpoint `src` and save it at `dst` in `family`'s layout.
 
     The tokenizer files and generation_config.json of `src` (`CARRIED_FILES`) are carried over
     byte for byte; every setting the target family can store is kept (`block_size` included)
     and one it cannot store fails with the field named before anything is written. The result
-    appears atomically, with a manifest. `strict` and `verify` apply to loading `src`.
+    appears atomically, with a manifest. `strict` and `verify` apply to loading `src` (a
+    directory or a cached Hugging Face model id).
     """
-    src, dst = Path(src), Path(dst)
+    src, dst = resolve_checkpoint(src), Path(dst)
     fam = get_family(family)
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst}: already exists (pass overwrite=True to replace it)")
-    if verify and src.is_dir():
-        _integrity.verify_manifest(src)
+    verify_checkpoint(src, verify)
     cfg, _ = load_config(src, strict=strict)
     fam.config_to_json(cfg)  # a setting the family cannot store fails before the weights are read
     with warnings.catch_warnings():

@@ -41,6 +41,7 @@ def test_split_layer_output_matches_the_dense_layer():
         assert cpu[layer].assignments > 0  # some assignments missed the 3 slots
 
 
+@pytest.mark.slow  # about 10 s: the default suite keeps within its 5 minutes
 def test_split_decode_gives_the_unsplit_tokens_and_follows_the_policy():
     whole, split, cpu = _pair(slots=3)
     cfg = preset("fast-dllm", gen_len=16, block_len=8, threshold=0.7)

@@ -37,6 +37,7 @@ def _mean_activation(graphdef, params):
     return float(nnx.merge(graphdef, params)(tokens, ffn_act=True).ffn_act.mean())
 
 
+@pytest.mark.slow  # about 10 s: the default suite keeps within its 5 minutes
 def test_the_penalty_is_logged_and_its_gradient_lowers_the_activations():
     _, _, metrics = _step(0.5)
     _, _, plain = _step(0.0)
