@@ -53,27 +53,15 @@ def native_stderr_captured() -> Iterator[list[str]]:
             lines.extend(sink.read().decode("utf-8", "replace").splitlines())
 
 
-_exit_hush_lock = threading.Lock()
-_exit_hushed = False
-
-
-def hush_native_exit() -> None:
-    """Once per process that imports this module (LiteRT's way in): at interpreter exit, the native stderr
-    (descriptor 2) goes to /dev/null, since LiteRT logs each accelerator it tears down
-    (`INFO: [accelerator_registry.cc:43] DestroyAccelerator ...`) after the program's last
-    line. Python's own `sys.stderr` moves to a duplicate of the original descriptor first, so
-    what Python still prints while it shuts down (an exception ignored in a finaliser) reaches
-    the terminal; only native writes are dropped. A traceback that ends the program is printed
-    before exit handlers run. `DLM_JAX_NATIVE_LOGS=1` keeps every native line."""
-    global _exit_hushed
-    with _exit_hush_lock:
-        if _exit_hushed or native_logs_wanted():
-            return
-        _exit_hushed = True
-    atexit.register(_hush_native_stderr)
-
-
 def _hush_native_stderr() -> None:
+    """At interpreter exit (registered when this module, LiteRT's way into a process, is
+    imported): the native stderr (descriptor 2) goes to /dev/null, since LiteRT logs each
+    accelerator it tears down (`INFO: [accelerator_registry.cc:43] DestroyAccelerator ...`)
+    after the program's last line. Python's own `sys.stderr` moves to a duplicate of the
+    original descriptor first, so what Python still prints while it shuts down (an exception
+    ignored in a finaliser) reaches the terminal; only native writes are dropped. A traceback
+    that ends the program is printed before exit handlers run. `DLM_JAX_NATIVE_LOGS=1` keeps
+    every native line."""
     try:
         sys.stderr.flush()
     except (OSError, ValueError, AttributeError):
@@ -94,7 +82,8 @@ def _hush_native_stderr() -> None:
         pass
 
 
-hush_native_exit()  # this module is what brings LiteRT into a process
+if not native_logs_wanted():
+    atexit.register(_hush_native_stderr)
 
 
 def _flush_c_stdio() -> None:
@@ -132,7 +121,7 @@ _environment_lock = threading.Lock()
 def environment():
     """The process's one LiteRT `Environment`, shared by every compiled model. LiteRT tears an
     environment's accelerators down (and logs each, natively) when its last model goes; a
-    module-level one goes only at interpreter exit, after `hush_native_exit` has quieted the
+    module-level one goes only at interpreter exit, after `_hush_native_stderr` has quieted the
     native stderr, so dropping a model mid-process prints nothing."""
     global _environment
     with _environment_lock:

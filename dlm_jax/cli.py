@@ -72,7 +72,6 @@ def _load(args: argparse.Namespace, path: str | Path):
                           lora=getattr(args, "lora", None), expert_slots=getattr(args, "expert_slots", None),
                           **overrides)
     handle.executor.set_progress(_export_progress())  # the bundle cache draws its exports
-    args.keep_alive = handle  # hushes LiteRT's teardown at exit
     return handle
 
 
@@ -291,7 +290,6 @@ def _load_bundle(args: argparse.Namespace, path: str | Path):
                          **({"oracle": True} if getattr(args, "oracle", False) else {}),
                          **({"prefetch": True} if getattr(args, "prefetch", False) else {}),
                          on_note=lambda note: print(f"note: {note}", file=sys.stderr))
-    args.keep_alive = handle  # LiteRT logs its teardown: let it happen after main hushes stderr
     return handle
 
 
@@ -757,7 +755,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # train holds Ctrl-C during its checkpoint saves itself (training.loop._ctrl_c_after).
     redeliver = args.entry_point and args.command != "train"
     with _interrupts_redelivered() if redeliver else contextlib.nullcontext():
-        return _dispatch(args)  # LiteRT's teardown log is hushed at exit (`dlm_jax._litert.hush_native_exit`)
+        return _dispatch(args)  # LiteRT's teardown log is hushed at exit (`dlm_jax._litert`)
 
 
 _REDELIVER_SECONDS = 0.5

@@ -80,6 +80,7 @@ def models(tmp_path_factory):
     return jax_model, load_bundle(out), prompt
 
 
+@pytest.mark.slow  # its bundle export takes about 10 s: the default suite keeps within its 5 minutes
 @pytest.mark.parametrize("preset", CONFIGS)
 def test_transfers_count_the_bytes_copied_into_litert(models, preset, monkeypatch):
     """Every step the runner writes each input, the gathered K/V included, into LiteRT's
