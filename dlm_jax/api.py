@@ -106,7 +106,8 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
         exports meanwhile (`tflite_export.auto`), then with the LiteRT runner. `model.model`
         is the Flax model either way.
       lora: a directory of LoRA adapters made for this checkpoint (`adapter_config.json` +
-        `adapter_model.safetensors`, PEFT's layout; R-ISD): attached to the model, gated per
+        `adapter_model.safetensors`, PEFT's layout; R-ISD), or a cached Hugging Face model id
+        of one: attached to the model, gated per
         row by the step's `lora_gate` (1 on [MASK] rows). Adapters made for another base are
         refused naming the file. They decode on the JAX executor.
       expert_slots: split execution of an MoE model (`dlm_jax.models.split_experts`): every MoE
@@ -131,6 +132,8 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
         name = "jax"  # a background export loads the checkpoint as stored, not as overridden here
     if lora is not None:
         from dlm_jax.checkpoint._adapters import load_adapters
+
+        lora = resolve_checkpoint(lora)  # a cached Hugging Face model id of the adapters: their snapshot
 
         if executor in (None, AUTO):
             name = "jax"

@@ -537,9 +537,26 @@ def _add_executor_option(p: argparse.ArgumentParser) -> None:
                    "(previous-step hits, --expert-budget S + shared); JAX executor")
 
 
+def _checkpoint_arg(text: str) -> str:
+    """A --model / --lora value: a path as given, or a Hugging Face model id `org/name[@revision]`
+    resolved to its snapshot in the local cache; one not cached is a one-line usage error
+    giving the download command (`dlm_jax._hub`)."""
+    from dlm_jax._errors import CheckpointError
+    from dlm_jax._hub import parse_hub_id, snapshot_path
+
+    hub = parse_hub_id(text)
+    if hub is None:
+        return text  # a path (missing ones fail where they are read, naming them)
+    try:
+        return str(snapshot_path(*hub))
+    except CheckpointError as e:
+        raise argparse.ArgumentTypeError(_one_line(e)) from None
+
+
 def _add_lora_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lora", metavar="DIR", help="LoRA adapters made for this checkpoint (adapter_config.json + "
-                                                 "adapter_model.safetensors; R-ISD: on mask rows only)")
+    p.add_argument("--lora", metavar="DIR", type=_checkpoint_arg,
+                   help="LoRA adapters made for this checkpoint (adapter_config.json + adapter_model.safetensors; "
+                        "R-ISD: on mask rows only), or a Hugging Face model id of them in the local cache")
 
 
 def _add_model_options(p: argparse.ArgumentParser, *, verify: bool = True, mask: bool = True) -> None:
@@ -547,22 +564,9 @@ def _add_model_options(p: argparse.ArgumentParser, *, verify: bool = True, mask:
     Face model id, `org/name[@revision]`, from the local cache: resolved to its snapshot
     directory while parsing, so every command that reads args.model (export, inspect, convert,
     ...) gets a directory; one not cached is a one-line usage error giving the download command."""
-
-    def model_arg(text: str) -> str:
-        from dlm_jax._errors import CheckpointError
-        from dlm_jax._hub import parse_hub_id, snapshot_path
-
-        hub = parse_hub_id(text)
-        if hub is None:
-            return text  # a path (missing ones fail where they are read, naming them)
-        try:
-            return str(snapshot_path(*hub))
-        except CheckpointError as e:
-            raise argparse.ArgumentTypeError(_one_line(e)) from None
-
     for action in p._actions:
         if action.dest == "model" and action.type is None:
-            action.type = model_arg
+            action.type = _checkpoint_arg
             action.help = (action.help or "checkpoint directory") + (
                 ", or a Hugging Face model id org/name[@revision] in the local cache (hf download org/name)")
     p.add_argument("--strict", action="store_true",

@@ -157,3 +157,17 @@ def test_cli_model_not_cached_is_one_line_and_exit_2(hub):
     assert done.stderr.startswith("dlm-jax generate: error: argument --model: other/model: "
                                   "no such checkpoint directory")
     assert done.stderr.rstrip().endswith("download it with: hf download other/model")
+
+
+def test_lora_adapters_load_by_model_id_too(hub):
+    """`lora=` / `--lora` take a cached model id as well: ar-tiny and its R-ISD adapters as two
+    Hub models decode as the two directories do."""
+    add_snapshot(hub, "org/ar", MAIN, ROOT / "models" / "ar-tiny", refs=("main",))
+    add_snapshot(hub, "org/ar-risd", OTHER, ROOT / "models" / "ar-tiny" / "risd", refs=("main",))
+    cfg = dlm_jax.preset("isd", gen_len=32)
+    by_id = dlm_jax.load("org/ar", lora="org/ar-risd", executor="jax").generate(["564+894="], cfg)
+    by_dir = dlm_jax.load(ROOT / "models" / "ar-tiny", lora=ROOT / "models" / "ar-tiny" / "risd",
+                          executor="jax").generate(["564+894="], cfg)
+    assert by_id.token_ids == by_dir.token_ids
+    assert main(["generate", "--model", "org/ar", "--lora", "org/ar-risd", "--prompt", "564+894=",
+                 "--preset", "isd", "--gen", "32", "--executor", "jax"]) == 0
