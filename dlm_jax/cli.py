@@ -489,6 +489,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lm_eval(args: argparse.Namespace) -> int:
+    """lm-evaluation-harness's command line with the model "dlm-jax" (`dlm_jax.lmeval`), which
+    loads lm-eval only here: it is an optional extra."""
+    from dlm_jax.lmeval import main as lm_eval_main
+
+    return lm_eval_main(args.lm_eval_args)
+
+
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
     from dlm_jax.runtime.registry import add_cli_options
 
@@ -717,12 +725,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="lm-evaluation-harness with the model \"dlm-jax\" (dlm-jax lm-eval --help; needs "
                             "dlm-jax[lmeval])")
     p.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
-
-    def cmd_lm_eval(args: argparse.Namespace) -> int:  # lm-eval loads only here (it may be missing)
-        from dlm_jax.lmeval import main as lm_eval_main
-
-        return lm_eval_main(args.lm_eval_args)
-
     p.set_defaults(func=cmd_lm_eval)
     p = sub.add_parser("profile", help="median step latency per bucket: JSON table + PNG plot")
     p.add_argument("--model", help="checkpoint directory (default: a random tiny model)")
