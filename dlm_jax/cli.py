@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 DEMO_PROMPT = "564+894="  # an addition prompt of the shipped models' task mix
@@ -492,9 +492,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_lm_eval(args: argparse.Namespace) -> int:
     """lm-evaluation-harness's command line with the model "dlm-jax" (`dlm_jax.lmeval`), which
     loads lm-eval only here: it is an optional extra."""
-    from dlm_jax.lmeval import main as lm_eval_main
+    from dlm_jax.lmeval import run
 
-    return lm_eval_main(args.lm_eval_args)
+    return run(args.lm_eval_args)
 
 
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
@@ -810,12 +810,19 @@ def _interrupts_redelivered():
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    return report_errors(lambda: args.func(args), interrupted=_interrupt_note(args))
+
+
+def report_errors(run: Callable[[], int], *, interrupted: str = "") -> int:
+    """`run()`, with a user's mistake (CheckpointError, ConfigError: exit 2), a disk failure
+    (OSError: 1) or Ctrl-C (130, "interrupted" + `interrupted`) reported in one line on stderr
+    instead of a traceback, and warnings as one `warning:` line each."""
     from dlm_jax._errors import CheckpointError, ConfigError
 
     with warnings.catch_warnings():
         warnings.showwarning = lambda message, *a, **k: print(f"warning: {_one_line(message)}", file=sys.stderr)
         try:
-            return args.func(args)
+            return run()
         except (CheckpointError, ConfigError) as e:
             print(f"error: {_one_line(e)}", file=sys.stderr)
             return 2
@@ -826,7 +833,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:  # Ctrl-C: one line and the shell's code for SIGINT, no traceback
             _interrupt_seen()
             _close_progress_bars()
-            print(f"interrupted{_interrupt_note(args)}", file=sys.stderr)
+            print(f"interrupted{interrupted}", file=sys.stderr)
             return 130
 
 

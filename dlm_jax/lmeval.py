@@ -207,10 +207,6 @@ def _batch_size(value: Any, max_batch: int | None) -> int:
     return size
 
 
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
 # ----------------------------------------------------------------------------------------------
 # Log-likelihood kernels (NumPy + one jitted forward)
 
@@ -429,10 +425,9 @@ def model_settings(pretrained: str | os.PathLike | None = None, **kwargs: Any) -
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"unknown decode preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
     if args["executor"] is not None:
-        from dlm_jax.api import EXECUTOR_CHOICES
+        from dlm_jax.api import _check_executor
 
-        if args["executor"] not in EXECUTOR_CHOICES:
-            raise ConfigError(f"unknown executor {args['executor']!r}; known: {', '.join(EXECUTOR_CHOICES)}")
+        _check_executor(args["executor"])
     if not path.is_dir():
         raise CheckpointError(f"pretrained={path}: no such checkpoint directory")
     from dlm_jax.runner import BUNDLE_FILE
@@ -848,13 +843,9 @@ dlmjax_<task> (generative, exact_match as `dlm-jax eval` scores) and dlmjax_<tas
 
 
 def _write_tasks_main(argv: list[str], prog: str) -> int:
-    import argparse
+    from dlm_jax.cli import _Parser
 
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str):
-            self.exit(2, f"{self.prog}: error: {message}\n")
-
-    p = Parser(prog=f"{prog} --write-tasks")
+    p = _Parser(prog=f"{prog} --write-tasks")
     p.add_argument("--write-tasks", dest="directory", required=True, metavar="DIR")
     p.add_argument("--n", type=int, default=32, help="held-out examples per task")
     p.add_argument("--tasks", nargs="+", help="training.data task names (default all)")
@@ -866,30 +857,27 @@ def _write_tasks_main(argv: list[str], prog: str) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None, *, prog: str = "dlm-jax lm-eval") -> int:
-    """`dlm-jax lm-eval ARGS` / `python -m dlm_jax.lmeval ARGS`: `--write-tasks DIR ...`, or
-    lm-eval's command line on ARGS with "dlm-jax" registered. A user's mistake (a bad model
-    arg, an unknown task, a missing checkpoint) ends in one `error:` line on stderr and exit
-    code 2, never a traceback; lm-eval's own option errors are argparse's (exit 2)."""
-    args = list(sys.argv[1:] if argv is None else argv)
+def run(args: Sequence[str], *, prog: str = "dlm-jax lm-eval") -> int:
+    """`dlm-jax lm-eval ARGS`: `--write-tasks DIR ...`, or lm-eval's command line on ARGS with
+    "dlm-jax" registered. Errors propagate (the CLI reports them: `dlm_jax.cli.report_errors`)."""
+    args = list(args)
     if args[:1] == ["--"]:
         args = args[1:]
     if not args or args[0] in ("-h", "--help"):
         print(help_text(prog))
         return 0
-    with warnings.catch_warnings():
-        warnings.showwarning = lambda message, *a, **k: print(f"warning: {_one_line(message)}", file=sys.stderr)
-        try:
-            if args[0] == "--write-tasks":
-                return _write_tasks_main(args, prog)
-            return _run_lm_eval(args)
-        except (ConfigError, CheckpointError, ValueError) as e:  # lm-eval reports unknown tasks as ValueError
-            print(f"error: {_one_line(e)}", file=sys.stderr)
-            return 2
-        except OSError as e:
-            where = f"{e.filename}: " if e.filename else ""
-            print(f"error: {where}{e.strerror or _one_line(e)}", file=sys.stderr)
-            return 1
+    if args[0] == "--write-tasks":
+        return _write_tasks_main(args, prog)
+    return _run_lm_eval(args)
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "dlm-jax lm-eval") -> int:
+    """`python -m dlm_jax.lmeval ARGS`: `run`, with a user's mistake (a bad model arg, an unknown
+    task, a missing checkpoint) ending in one `error:` line on stderr and exit code 2, never a
+    traceback; lm-eval's own option errors are argparse's (exit 2)."""
+    from dlm_jax.cli import report_errors
+
+    return report_errors(lambda: run(sys.argv[1:] if argv is None else argv, prog=prog))
 
 
 def precheck(args: Sequence[str]) -> None:
@@ -924,6 +912,10 @@ def _run_lm_eval(args: list[str]) -> int:
     sys.argv = ["lm-eval", *args]
     try:
         cli_evaluate()
+    except (ConfigError, CheckpointError):
+        raise
+    except ValueError as e:  # lm-eval reports an unknown task as ValueError: a user's mistake too
+        raise ConfigError(str(e)) from None
     finally:
         sys.argv = saved
     return 0
