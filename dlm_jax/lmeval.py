@@ -126,7 +126,8 @@ from lm_eval.api.registry import model_registry  # noqa: E402
 # (`dlm_jax.runtime.registry.options()`) are accepted besides these; `seed` is both the decode
 # seed and the Monte Carlo estimator's.
 ADAPTER_ARGS: dict[str, tuple[type, Any, str]] = {
-    "pretrained": (str, None, "checkpoint directory (HF layout), or a bundle (dlm-jax export; generation only)"),
+    "pretrained": (str, None, "checkpoint directory (HF layout), a cached Hugging Face model id, or a bundle "
+                              "(dlm-jax export; generation only)"),
     "executor": (str, None, "auto (default, or $DLM_JAX_EXECUTOR), jax or litert"),
     "lora": (str, None, "a directory of LoRA adapters made for the checkpoint"),
     "preset": (str, None, "decoder preset (default fast-dllm; a bundle: its recorded decode options)"),
@@ -413,7 +414,9 @@ def model_settings(pretrained: str | os.PathLike | None = None, **kwargs: Any) -
             ADAPTER_ARGS.items() if name not in ("pretrained", "batch_size")}
     if pretrained is None or str(pretrained).strip() == "":
         raise ConfigError("model arg pretrained=<checkpoint directory> is required")
-    path = Path(str(pretrained))
+    from dlm_jax._hub import resolve_checkpoint
+
+    path = resolve_checkpoint(str(pretrained))  # a cached Hugging Face model id: its snapshot
     given = {name: _coerce(name, value, decode[name].type) for name, value in kwargs.items()
              if name in decode and value is not None}
     for name in ("mc_num", "mc_batch"):

@@ -171,3 +171,12 @@ def test_lora_adapters_load_by_model_id_too(hub):
     assert by_id.token_ids == by_dir.token_ids
     assert main(["generate", "--model", "org/ar", "--lora", "org/ar-risd", "--prompt", "564+894=",
                  "--preset", "isd", "--gen", "32", "--executor", "jax"]) == 0
+
+
+def test_lm_eval_takes_a_model_id_as_pretrained(hub):
+    pytest.importorskip("lm_eval")
+    from dlm_jax.lmeval import model_settings
+
+    assert model_settings(REPO).pretrained == resolve_checkpoint(REPO) == hub / "models--org--name" / "snapshots" / MAIN
+    with pytest.raises(CheckpointError, match="hf download other/model"):
+        model_settings("other/model")
