@@ -846,7 +846,7 @@ dlmjax_<task> (generative, exact_match as `dlm-jax eval` scores) and dlmjax_<tas
 
 
 def _write_tasks_main(argv: list[str], prog: str) -> int:
-    from dlm_jax.cli import _Parser
+    from dlm_jax._report import _Parser
 
     p = _Parser(prog=f"{prog} --write-tasks")
     p.add_argument("--write-tasks", dest="directory", required=True, metavar="DIR")
@@ -862,7 +862,7 @@ def _write_tasks_main(argv: list[str], prog: str) -> int:
 
 def run(args: Sequence[str], *, prog: str = "dlm-jax lm-eval") -> int:
     """`dlm-jax lm-eval ARGS`: `--write-tasks DIR ...`, or lm-eval's command line on ARGS with
-    "dlm-jax" registered. Errors propagate (the CLI reports them: `dlm_jax.cli.report_errors`)."""
+    "dlm-jax" registered. Errors propagate (the CLI reports them: `dlm_jax._report.report_errors`)."""
     args = list(args)
     if args[:1] == ["--"]:
         args = args[1:]
@@ -878,7 +878,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "dlm-jax lm-eval") ->
     """`python -m dlm_jax.lmeval ARGS`: `run`, with a user's mistake (a bad model arg, an unknown
     task, a missing checkpoint) ending in one `error:` line on stderr and exit code 2, never a
     traceback; lm-eval's own option errors are argparse's (exit 2)."""
-    from dlm_jax.cli import report_errors
+    from dlm_jax._report import report_errors
 
     return report_errors(lambda: run(sys.argv[1:] if argv is None else argv, prog=prog))
 

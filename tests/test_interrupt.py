@@ -100,6 +100,7 @@ def test_export_leaves_no_partial_bundle(tmp_path):
     assert _leftovers(tmp_path / "tmp") == []
 
 
+@pytest.mark.slow
 def test_gguf_export_leaves_no_partial_file(tmp_path):
     out = tmp_path / "out" / "tiny.gguf"
     out.parent.mkdir()

@@ -187,6 +187,7 @@ def test_causal_loglikelihood_is_the_exact_autoregressive_sum(ar):
     assert rolling == pytest.approx(logp[-1, np.arange(len(doc) - 1), doc[1:]].sum(), abs=1e-3)
 
 
+@pytest.mark.slow
 def test_mc_estimate_is_deterministic_and_unbiased_for_its_expectation(llada, lmeval):
     """LLaDA's estimator on a 3-token continuation: seeded (the same value run to run, another
     seed another value), and its mean over many rounds within 4 standard errors of its exact

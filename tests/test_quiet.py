@@ -31,7 +31,8 @@ def _run(code: str, tmp_path: Path, cache: Path, **env: str) -> subprocess.Compl
                           cwd=tmp_path, timeout=300)
 
 
-@pytest.mark.parametrize("executor", ["litert", "auto", "jax"])
+@pytest.mark.parametrize("executor", ["litert", pytest.param("auto", marks=pytest.mark.slow),
+                                      pytest.param("jax", marks=pytest.mark.slow)])
 def test_generate_prints_only_its_result(tmp_path, cache, executor):
     # litert exports into the fresh cache, in the process; auto then finds the buckets cached
     # and decodes with the LiteRT runner too (its background export is off in tests).

@@ -149,7 +149,14 @@ SLOW_COMMANDS = ("dlm-jax export --model models/sparse-tiny ", "dlm-jax run bund
                  "dlm-jax run bundles/llada-tiny-int4 ", "dlm-jax lm-eval ",
                  "dlm-jax eval --model models/llada-tiny --task sorting --n 32 ",
                  "dlm-jax export --model models/llada-tiny --out bundles/llada-tiny-int8 ",
-                 "dlm-jax run bundles/llada-tiny-int8 ")
+                 "dlm-jax run bundles/llada-tiny-int8 ",
+                 # the suite's 5-minute budget: variants of commands the default suite runs
+                 'dlm-jax generate --model models/llada-tiny --prompt "564+894=" --executor jax',
+                 'dlm-jax generate --model models/llada-tiny --prompt "564+894=" --preset llada-cpp ',
+                 'dlm-jax generate --model models/idlm-tiny --prompt "Uma has 4 keys. She sells 2. She loses 1. '
+                 'She buys 2 more. How many keys does Uma have now?" --prompt "sort: 37 44 13 33 47 48" --preset ar',
+                 "dlm-jax eval --model models/idlm-tiny --task gsm_lite ",
+                 "dlm-jax profile ", "dlm-jax convert ")  # tests/test_cli.py, tests/checkpoint run these too
 
 
 def _quick_params() -> list:

@@ -211,6 +211,7 @@ def test_a_bucket_the_backend_lacks_is_named_in_one_line(monkeypatch, capsys):
     assert "nearest available: b1_w32_p0_r8" in line and not handle.executor.calls
 
 
+@pytest.mark.slow
 def test_raw_prompting_is_one_flag_away_in_eval_and_demo(capsys):
     """The shipped model answers in its recorded chat format and not from raw text, in eval
     and in the demo alike."""

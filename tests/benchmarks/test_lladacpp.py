@@ -50,6 +50,7 @@ def test_the_benchmark_runs_its_passes_apart_and_combines_them(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0 and "CPU vanilla" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
 def test_calibration_tells_right_from_replaced_tokens():
     import dlm_jax
 

@@ -159,6 +159,7 @@ def test_cli_model_not_cached_is_one_line_and_exit_2(hub):
     assert done.stderr.rstrip().endswith("download it with: hf download other/model")
 
 
+@pytest.mark.slow
 def test_lora_adapters_load_by_model_id_too(hub):
     """`lora=` / `--lora` take a cached model id as well: ar-tiny and its R-ISD adapters as two
     Hub models decode as the two directories do."""

@@ -163,6 +163,7 @@ def test_sampled_isd_draws_from_the_models_own_distribution(options, tol):
     assert tv < tol, tv
 
 
+@pytest.mark.slow
 def test_softmax_q_verification_is_inexact():
     """The released code's rule (argmax drafts, min(1, p/q) with q the proposing softmax)
     visibly departs from the model's distribution on the toy; the exact rule does not."""
@@ -292,9 +293,10 @@ def causal_model():
     return sharp_model(attention="causal", logit_shift=True, block_size=4)
 
 
-@pytest.mark.parametrize("options", [{"cache": "ar"}, {"cache": "isd", "stride": 4},
-                                     {"cache": "isd", "stride": 3, "temperature": 1.0, "top_k": 20},
-                                     {"cache": "isd", "stride": 2, "temperature": 0.8, "proposal": "sample"}])
+@pytest.mark.parametrize("options", [
+    pytest.param({"cache": "ar"}, marks=pytest.mark.slow), {"cache": "isd", "stride": 4},
+    pytest.param({"cache": "isd", "stride": 3, "temperature": 1.0, "top_k": 20}, marks=pytest.mark.slow),
+    {"cache": "isd", "stride": 2, "temperature": 0.8, "proposal": "sample"}])
 def test_device_cache_decodes_as_the_dense_host_cache_and_compiles_nothing_after_warmup(causal_model, options):
     """The JAX executor's device-resident cache (per-row read lengths and writes in its one
     program) gives the tokens of a host-held cache fed densely to the same programs, and a

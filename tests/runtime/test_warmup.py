@@ -22,10 +22,11 @@ PROMPT_SETS = [[[5, 17, 3, 44, 9, 21, 30], [8, 1], [40, 41, 42, 43, 2]], [[7] * 
 CONFIGS = {**{f"preset={name}": preset(name, gen_len=64) for name in sorted(dlm_jax.PRESETS)
                  if name not in CAUSAL_ONLY if name != "llada-cpp"},
            **{f"cache={name}": decode_config(cache=name, gen_len=64, block_len=16) for name in sorted(SCHEDULERS)
-                 if name not in CAUSAL_ONLY},
+                 if name not in CAUSAL_ONLY and name != "mbsd"},
            "llada-cpp revision=none": preset("llada-cpp", gen_len=64, revision="none")}
 # llada-cpp with its CPU path: a minute of cold compiles each (the main and the CPU path's buckets).
-SLOW = {"preset=llada-cpp": preset("llada-cpp", gen_len=64),
+SLOW = {"cache=mbsd": decode_config(cache="mbsd", gen_len=64, block_len=16),  # its own buckets: 5 s
+        "preset=llada-cpp": preset("llada-cpp", gen_len=64),
         "llada-cpp in_place": preset("llada-cpp", gen_len=64, revisit="in_place"),
         "llada-cpp sampled": preset("llada-cpp", gen_len=32, temperature=0.7)}  # every bucket again, with logits
 

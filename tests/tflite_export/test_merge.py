@@ -73,6 +73,7 @@ def test_a_merged_bundle_decodes_the_same_tokens_as_its_parts(parts):
         assert got.stats.buckets == want.stats.buckets
 
 
+@pytest.mark.slow
 def test_quantised_bundles_merge_too_their_constants_read_from_after_the_flatbuffer(tmp_path):
     """The quantizer keeps constants after the flatbuffer (`offset`/`size`): the merge reads
     them in, stores each once, and the merged bundle decodes what its parts decode."""

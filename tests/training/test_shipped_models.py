@@ -56,8 +56,8 @@ IN_ORDER = decode_config(gen_len=64, block_len=1, cache="none", rule="topk")  # 
     ("llada-tiny", "gsm_lite", FAST, 0.25),  # 34% on the card's 100 prompts
     ("llada-12m", "sorting", FAST, 0.75),
     ("idlm-tiny", "addition", VANILLA, 0.75),
-    ("idlm-tiny", "gsm_lite", IN_ORDER, 0.4),  # 74% on the card's 100 prompts
-    ("moe-tiny", "addition", FAST, 0.75),  # 98% on the card's 50 prompts
+    pytest.param("idlm-tiny", "gsm_lite", IN_ORDER, 0.4, marks=pytest.mark.slow),  # 74% on the card's 100 prompts
+    pytest.param("moe-tiny", "addition", FAST, 0.75, marks=pytest.mark.slow),  # 98% on the card's 50 prompts
 ])
 def test_shipped_model_answers_heldout_prompts(name, task, cfg, floor):
     report = evaluate(dlm_jax.load(MODELS / name), task, cfg, n=16, progress=False)
