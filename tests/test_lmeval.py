@@ -188,6 +188,26 @@ def test_causal_loglikelihood_is_the_exact_autoregressive_sum(ar):
 
 
 @pytest.mark.slow
+def test_gated_adapters_leave_the_exact_loglikelihood_of_their_base(lmeval):
+    """idlm-tiny with its R-ISD adapters: the adapters act on [MASK] rows only, and a scored
+    sequence has none, so every log-likelihood is the base model's. The adapters are live: with
+    the gate open on every row the logits move."""
+    import jax.numpy as jnp
+
+    idlm = ROOT / "models" / "idlm-tiny"
+    base = lmeval.DlmJaxLM(pretrained=str(idlm), executor="jax")
+    adapted = lmeval.DlmJaxLM(pretrained=str(idlm), executor="jax", lora=str(idlm / "risd"))
+    pairs = [("564+894=", "1458"), ("sort: 37 44 13", "13 37 44"), ("12+7=", "91")]
+    want = base.loglikelihood([_req(*p) for p in pairs], disable_tqdm=True)
+    got = adapted.loglikelihood([_req(*p) for p in pairs], disable_tqdm=True)
+    assert [g for _, g in got] == [g for _, g in want]
+    np.testing.assert_allclose([lp for lp, _ in got], [lp for lp, _ in want], rtol=0, atol=1e-5)
+    tokens = jnp.asarray([adapted.handle.encode("564+894=", chat=True)])
+    open_gate = adapted.handle.model(tokens, lora_gate=jnp.ones(tokens.shape, jnp.float32)).logits
+    assert float(jnp.abs(open_gate - base.handle.model(tokens).logits).max()) > 1e-2
+
+
+@pytest.mark.slow
 def test_mc_estimate_is_deterministic_and_unbiased_for_its_expectation(llada, lmeval):
     """LLaDA's estimator on a 3-token continuation: seeded (the same value run to run, another
     seed another value), and its mean over many rounds within 4 standard errors of its exact
