@@ -47,6 +47,10 @@ class Tokenizer(Protocol):
 
     def apply_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]: ...
 
+    def chat_text(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+        """The chat as text, whose `encode` is `apply_chat`'s ids."""
+        ...
+
     def save(self, directory: str | os.PathLike) -> None: ...
 
 
@@ -117,6 +121,10 @@ class ByteTokenizer:
         if add_generation_prompt:
             ids.append(self.special_ids["<|assistant|>"])
         return ids
+
+    def chat_text(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+        """`apply_chat`'s ids as text, special tokens written out: `encode` reads them back."""
+        return self.decode(self.apply_chat(messages, add_generation_prompt=add_generation_prompt), skip_special=False)
 
     def save(self, directory: str | os.PathLike) -> None:
         config: dict[str, Any] = {"tokenizer_class": self.CLASS_NAME, "special_tokens": list(self.SPECIALS)}
@@ -235,6 +243,11 @@ class HFTokenizer:
     def apply_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
         """The chat rendered as transformers' `apply_chat_template(messages, tokenize=True,
         add_generation_prompt=...)` renders it (same Jinja environment and variables)."""
+        return self.encode(self.chat_text(messages, add_generation_prompt=add_generation_prompt))
+
+    def chat_text(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+        """The chat template's text, as transformers' `apply_chat_template(messages,
+        tokenize=False, add_generation_prompt=...)` renders it."""
         if not self.chat_template:
             raise ValueError(f"this tokenizer has no chat template ({CHAT_TEMPLATE_FILE} or "
                              f"tokenizer_config.json's chat_template)")
@@ -248,7 +261,7 @@ class HFTokenizer:
                                          add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e}") from None
-        return self.encode(text)
+        return text
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write the tokenizer files back as they were read (byte for byte)."""

@@ -41,8 +41,10 @@ wrapped as `Model.encode(context, chat=True)` wraps a prompt (ending in the assi
 the continuation is the answer's tokens after it, exactly the (prompt, answer) split the
 models were trained on. Raw: LLaDA's `_encode_pair` (trailing whitespace of the context moves
 to the continuation; the continuation is the tokens of context + continuation past those of
-the context). lm-eval's `--apply_chat_template` is refused: the chat template is the
-checkpoint's, applied by the `chat` arg.
+the context). With lm-eval's `--apply_chat_template` (and `--fewshot_as_multiturn`), lm-eval
+renders each request's chat through the checkpoint's template (`apply_chat_template`) and the
+rendered contexts are encoded as they are; a single-turn chat is then exactly what the `chat`
+arg builds. `chat=true` together with it is refused (the prompt would be wrapped twice).
 
 Forward passes for log-likelihoods run the Flax model (`handle.model`) jitted once per padded
 shape (sequences padded to a multiple of 32; padded keys are invisible, so padding changes
@@ -476,6 +478,7 @@ class DlmJaxLM(LM):
             self.handle = dlm_jax.load(s.pretrained, executor=s.executor, lora=s.lora)
         self._scorer: Scorer | None = None
         self._warned_sampling = False
+        self._templated = False  # lm-eval rendered the requests' chat (`apply_chat_template`)
 
     # -- what lm-eval reads
 
@@ -484,11 +487,30 @@ class DlmJaxLM(LM):
         return f"dlm-jax:{self.pretrained}:{'chat' if self._chat else 'raw'}"
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        raise ConfigError("dlm-jax applies the checkpoint's chat template itself (model arg chat=true/false, "
-                          "default the checkpoint's prompt format): drop --apply_chat_template")
+        """lm-eval's `--apply_chat_template`: the chat (few-shot turns included) as the
+        checkpoint's template renders it (`Tokenizer.chat_text`). The contexts lm-eval then
+        builds from it are encoded as they are, never wrapped again."""
+        if self.chat:
+            raise ConfigError("model arg chat=true and --apply_chat_template both wrap each request in the chat "
+                              "template: pass one of them")
+        try:
+            text = self.handle.tokenizer.chat_text(chat_history, add_generation_prompt=add_generation_prompt)
+        except ConfigError:
+            raise
+        except ValueError as e:  # no template, an unknown role: the tokenizer names it
+            raise ConfigError(f"--apply_chat_template: {e}") from None
+        self._templated = True
+        return text
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The checkpoint's Jinja chat template, which lm-eval records with the results ("" for
+        the byte tokenizer, whose chat format is fixed: `ByteTokenizer.apply_chat`)."""
+        return getattr(self.handle.tokenizer, "chat_template", None) or ""
 
     @property
     def _chat(self) -> bool:
+        if self._templated:  # the contexts are rendered chats already
+            return False
         return self.chat if self.chat is not None else self.handle.prompt_format == "chat"
 
     # -- generation

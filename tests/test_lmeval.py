@@ -135,6 +135,43 @@ def test_simple_evaluate_scores_exactly_as_dlm_jax_eval(hf_sandbox, task_dir, lm
     assert results["results"]["dlmjax_addition_mc"]["acc,none"] >= 0.75  # chance: 0.25
 
 
+def test_lm_evals_chat_template_is_what_the_chat_arg_builds(llada, lmeval):
+    """--apply_chat_template: lm-eval renders a request's chat through `apply_chat_template`;
+    a one-turn chat is exactly the prompt the `chat` arg wraps, its log-likelihood pairs and
+    its completion the same, and a few-shot chat encodes as the tokenizer's `apply_chat`."""
+    templated = lmeval.DlmJaxLM(pretrained=str(LLADA), executor="jax", gen_len=64)
+    tok = templated.handle.tokenizer
+    rendered = templated.apply_chat_template([{"role": "user", "content": "564+894="}])
+    assert tok.encode(rendered) == templated.handle.encode("564+894=", chat=True)
+    assert templated.encode_pair(rendered, "1458") == llada.encode_pair("564+894=", "1458")
+    until = {"until": [], "max_gen_toks": 64}
+    assert templated.generate_until([_req(rendered, until)], disable_tqdm=True) == \
+        llada.generate_until([_req("564+894=", until)], disable_tqdm=True) == ["1458"]
+    shots = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"},
+             {"role": "user", "content": "564+894="}]
+    assert tok.encode(templated.apply_chat_template(shots)) == tok.apply_chat(shots)
+    with pytest.raises(ConfigError, match="chat=true and --apply_chat_template"):
+        lmeval.DlmJaxLM(pretrained=str(LLADA), executor="jax", chat="true").apply_chat_template(shots)
+
+
+@pytest.mark.slow
+def test_simple_evaluate_with_the_chat_template_scores_as_without(hf_sandbox, task_dir, lmeval):
+    """lm-eval's own chat templating (`apply_chat_template=True`) of a one-turn task gives the
+    completions and choices the `chat` arg gives."""
+    import lm_eval
+
+    runs = [lm_eval.simple_evaluate(
+        model="dlm-jax", model_args=f"pretrained={LLADA},executor=jax,preset=fast-dllm,gen_len=64,mc_num=32",
+        tasks=["dlmjax_sorting", "dlmjax_addition_mc"], task_manager=_task_manager(task_dir), log_samples=True,
+        apply_chat_template=template, limit=4) for template in (False, True)]
+    plain, templated = ({t: sorted(r["samples"][t], key=lambda s: s["doc_id"]) for t in r["samples"]} for r in runs)
+    assert templated["dlmjax_sorting"][0]["arguments"][0][0].endswith("<|end|><|assistant|>")  # rendered by lm-eval
+    assert plain["dlmjax_sorting"][0]["arguments"][0][0] == templated["dlmjax_sorting"][0]["doc"]["prompt"]
+    for task in ("dlmjax_sorting", "dlmjax_addition_mc"):
+        assert [s["resps"] for s in templated[task]] == [s["resps"] for s in plain[task]]
+    assert runs[1]["results"] == runs[0]["results"]
+
+
 def test_generation_length_and_stop_strings(llada, lmeval):
     """max_gen_toks rounds up to whole blocks unless gen_len is fixed; a completion is cut at
     the first of its `until` strings."""
@@ -265,8 +302,6 @@ def test_loglikelihood_refusals(llada, monkeypatch):
     monkeypatch.setattr(llada, "_scorer", None)
     with pytest.raises(ConfigError, match="bundle"):
         llada.loglikelihood([_req("1+1=", "2")])
-    with pytest.raises(ConfigError, match="apply_chat_template"):
-        llada.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Both tokenizers behind one interface; the HF path agrees with transformers' fast tokenizer."""
 
+import itertools
 import json
 
 import pytest
@@ -28,6 +29,13 @@ def test_byte_specials_and_chat():
     assert len({BYTE.mask_id, BYTE.eos_id, BYTE.pad_id, BYTE.bos_id}) == 4
     ids = BYTE.apply_chat([{"role": "user", "content": "hi"}])
     assert BYTE.decode(ids, skip_special=False) == "<|bos|><|user|>hi<|end|><|assistant|>"
+    chats = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "be <|end|> brief"}, {"role": "user", "content": "1+1=<|"},
+              {"role": "assistant", "content": "2"}, {"role": "user", "content": "é|>"}]]
+    for chat, open_turn in itertools.product(chats, (True, False)):
+        text = BYTE.chat_text(chat, add_generation_prompt=open_turn)
+        assert BYTE.encode(text) == BYTE.apply_chat(chat, add_generation_prompt=open_turn)
+    assert BYTE.chat_text(chats[0]) == "<|bos|><|user|>hi<|end|><|assistant|>"
     with pytest.raises(ValueError, match="unknown chat role 'robot'"):
         BYTE.apply_chat([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match="token id 999"):
@@ -157,6 +165,9 @@ def test_chat_template_jinja_saved_by_transformers(hf_dir, tmp_path, template):
         assert ours.apply_chat(messages) == want
         assert ours.apply_chat(messages, add_generation_prompt=False) == ref.apply_chat_template(
             messages, tokenize=True, add_generation_prompt=False, return_dict=False)
+        for open_turn in (True, False):
+            assert ours.chat_text(messages, add_generation_prompt=open_turn) == ref.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=open_turn)
     if template is RICH_TEMPLATE:  # raise_exception, as in transformers, names the problem
         with pytest.raises(ValueError, match="bad role"):
             ours.apply_chat([{"role": "robot", "content": "x"}])
