@@ -495,8 +495,6 @@ class DlmJaxLM(LM):
                               "template: pass one of them")
         try:
             text = self.handle.tokenizer.chat_text(chat_history, add_generation_prompt=add_generation_prompt)
-        except ConfigError:
-            raise
         except ValueError as e:  # no template, an unknown role: the tokenizer names it
             raise ConfigError(f"--apply_chat_template: {e}") from None
         self._templated = True
