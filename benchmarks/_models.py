@@ -45,7 +45,7 @@ def prompts_for(name: str, handle, batch: int, *, length: int = 64) -> list[list
         return [rng.integers(0, 256, length).tolist() for _ in range(batch)]
     from collections import Counter
 
-    from training.data import TASKS, make_split
+    from dlm_jax.training.data import TASKS, make_split
 
     encoded = [handle.encode(ex.prompt) for ex in make_split(TASKS["gsm_lite"], 64, split="heldout")]
     common = Counter(len(p) for p in encoded).most_common(1)[0][0]

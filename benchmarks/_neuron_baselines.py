@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dlm_jax.runtime.flash import read_all
-from dlm_jax.runtime.flash_io import NeuronBundles, _runs
+from dlm_jax.techniques.powerinfer.flash import read_all
+from dlm_jax.techniques.powerinfer.flash_io import NeuronBundles, _runs
 
 ALIGN = 4096
 

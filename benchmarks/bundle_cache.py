@@ -8,7 +8,7 @@ for its prompts (`Decoder.warmup`: every bucket of prompts up to the next multip
 tokens, as one export), a short prompt, a long one, a batch of four, a longer one, the
 llada-cpp preset (progressive revision's buckets). After each step it records the bytes of the
 part that export wrote (the old cache kept every part: their sum is its disk use), the
-entry's bytes after compaction (`tflite_export.merge`: one bundle, each weight once), the
+entry's bytes after compaction (`dlm_jax.tflite_export.merge`: one bundle, each weight once), the
 export and compaction seconds, and the model's float32 weight bytes (`lstat` sizes, as the
 cache's limit counts them); at the end, the bytes of the merged `.tflite`'s constants (the
 weights once, and the graphs' small constants). Target: the compacted entry at most 1.2x the
@@ -63,8 +63,8 @@ def run_model(name: str) -> dict[str, Any]:
     import dlm_jax
     from dlm_jax.models._params import get_params
     from dlm_jax.runtime.decoder import Decoder
-    from tflite_export.cache import BundleCacheExecutor
-    from tflite_export.cache_admin import tree_bytes
+    from dlm_jax.executors.bundle_cache import BundleCacheExecutor
+    from dlm_jax.tflite_export.cache_admin import tree_bytes
 
     path = HERE.parent / "models" / name
     model = dlm_jax.load(path, executor="jax").model

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/compile_scan.py --out benchmarks/results/compile_scan
 
-The decode step (`dlm_jax.program.decode_step`, one AOT-compiled program per bucket) runs the
+The decode step (`dlm_jax.executors.jax_executor.decode_step`, one AOT-compiled program per bucket) runs the
 model's blocks in a Python loop, so XLA sees L copies of a block and compiles each. Here, in
 one process and for every (width, layers) case, two programs over the same weights and the
 same bucket are built with fresh `jax.jit` objects (nothing reused between repeats) and timed:
@@ -49,7 +49,7 @@ from _hardware import machine  # noqa: E402
 
 import dlm_jax  # noqa: E402
 from dlm_jax.models._transformer import ModelOutput, Transformer  # noqa: E402
-from dlm_jax.program import abstract_inputs, decode_step  # noqa: E402
+from dlm_jax.executors.jax_executor import abstract_inputs, decode_step  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey  # noqa: E402
 
 _T0 = time.perf_counter()

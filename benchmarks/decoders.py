@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dlm_jax  # noqa: E402
-from training.data import TASKS, task_settings  # noqa: E402
-from training.evaluate import evaluate  # noqa: E402
+from dlm_jax.training.data import TASKS, task_settings  # noqa: E402
+from dlm_jax.training.evaluate import evaluate  # noqa: E402
 
 SETTINGS = {
     "vanilla top-k": dict(cache="none", rule="topk", tokens_per_step=1),

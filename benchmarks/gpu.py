@@ -611,7 +611,7 @@ def dlm_jax_worker(spec: dict[str, Any], *, second: bool) -> dict[str, Any]:
     from flax import nnx
 
     import dlm_jax
-    from dlm_jax._compile import XlaCompileCounter, enable_persistent_cache
+    from dlm_jax.executors._compile import XlaCompileCounter, enable_persistent_cache
 
     enable_persistent_cache(spec["xla_cache"])
     hits = [0]  # executables the persistent cache served (XlaCompileCounter counts those too)

@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dlm_jax  # noqa: E402
-from dlm_jax.program import JaxExecutor  # noqa: E402
+from dlm_jax.executors.jax_executor import JaxExecutor  # noqa: E402
 from dlm_jax.runtime.decoder import Decoder  # noqa: E402
 
 MODELS = {

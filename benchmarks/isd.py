@@ -35,9 +35,9 @@ import numpy as np  # noqa: E402
 import dlm_jax  # noqa: E402
 from _hardware import machine  # noqa: E402
 from dlm_jax.runtime.decoder import merge_speculation, speculation_summary  # noqa: E402
-from dlm_jax.runtime.isd import renewal_tpf  # noqa: E402
+from dlm_jax.techniques.isd.strided import renewal_tpf  # noqa: E402
 from dlm_jax.runtime.latency import PhoneCostModel  # noqa: E402
-from training.data import TASKS, make_split  # noqa: E402
+from dlm_jax.training.data import TASKS, make_split  # noqa: E402
 
 STRIDES = (2, 3, 4, 5)
 SAMPLED = {"temperature": 1.0, "top_k": 50, "top_p": 0.95}

@@ -48,7 +48,7 @@ import dlm_jax  # noqa: E402
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey  # noqa: E402
 from dlm_jax.runtime.latency import PhoneCostModel  # noqa: E402
-from training.data import TASKS, make_split  # noqa: E402
+from dlm_jax.training.data import TASKS, make_split  # noqa: E402
 
 NPU, CPU = PhoneCostModel.npu(), PhoneCostModel.cpu()
 CPU_ROWS = PhoneCostModel.cpu(tile=1)  # a CPU has no tile: a refresh of n rows costs n rows

@@ -13,7 +13,7 @@ once so both loaders start from a warm page cache, then times each loader in fre
                   transposed kernels included)
   dlm_jax_params  `dlm_jax.load_pretrained(path, dtype=..., param_dtype=...)`: the parameters
                   alone, without the executor (whose transposed copy of every kernel the JAX
-                  executor makes when it is built, `dlm_jax/program.py`)
+                  executor makes when it is built, `dlm_jax/executors/jax_executor.py`)
   dlm_jax_before  (`--baseline`) the same through the loader of main before streaming loads
                   (a copy of it below: every tensor read into a host dict, transposed with
                   NumPy, then put on the device)

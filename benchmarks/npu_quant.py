@@ -32,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dlm_jax  # noqa: E402
 from _hardware import machine  # noqa: E402
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402
-from dlm_jax.runner import load_bundle  # noqa: E402
-from tflite_export.bundle import buckets_for_prompts, export_bundle  # noqa: E402
-from tflite_export.npu_quant import constant_bytes  # noqa: E402
-from training.data import TASKS, make_split  # noqa: E402
+from dlm_jax.executors.runner import load_bundle  # noqa: E402
+from dlm_jax.tflite_export.bundle import buckets_for_prompts, export_bundle  # noqa: E402
+from dlm_jax.techniques.powerinfer.npu_quant import constant_bytes  # noqa: E402
+from dlm_jax.training.data import TASKS, make_split  # noqa: E402
+from dlm_jax.runtime.registry import decode_options  # noqa: E402
 
 SCHEMES = {  # name -> export options (partitioned unless said otherwise)
     "float32, unpartitioned bundle": {"quant": "none", "partition": False},
@@ -47,8 +48,8 @@ SCHEMES = {  # name -> export options (partitioned unless said otherwise)
 
 
 def decode_all(runner, n: int, cfg) -> tuple[dict, list]:
-    """Accuracy per task and every completion's text (`training.evaluate`, batch 1)."""
-    from training.evaluate import evaluate
+    """Accuracy per task and every completion's text (`dlm_jax.training.evaluate`, batch 1)."""
+    from dlm_jax.training.evaluate import evaluate
 
     acc, texts = {}, []
     for task in TASKS:
@@ -86,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     cfg = dlm_jax.preset("fast-dllm", gen_len=64, block_len=32)
-    result = {"machine": machine(), "decode": cfg.options(), "n_per_task": args.n, "models": {}}
+    result = {"machine": machine(), "decode": decode_options(cfg), "n_per_task": args.n, "models": {}}
     tmp = Path(tempfile.mkdtemp(prefix="dlm-jax-npuq-"))
     try:
         for model_dir in args.models:

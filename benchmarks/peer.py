@@ -6,7 +6,7 @@ Every case decodes the same prompts (batch 1 or 4, all of one length) with block
 threshold 0.9, temperature 0, generation 128 or 256, cache none / prefix / dual, through:
 
   jax      the JAX executor (`dlm_jax.load(path, executor="jax")`)
-  litert   the LiteRT runner on an fp32 bundle exported here (`dlm_jax.runner.load_bundle`): what
+  litert   the LiteRT runner on an fp32 bundle exported here (`dlm_jax.executors.runner.load_bundle`): what
            `generate` and the API run by default on a CPU, over their bundle cache
   torch    the eager PyTorch peer (`benchmarks/torch_decoder.py`, 2 threads)
 
@@ -86,7 +86,7 @@ class Executors:
         self.export_seconds = None
         self.bundle_path = None
         if litert:
-            from tflite_export.bundle import export_bundle
+            from dlm_jax.tflite_export.bundle import export_bundle
 
             keys = sorted({k for batch, gen, mode in cases
                            for k in self.jax.decoder.bucket_keys([len(prompts_for(name, self.jax, 1)[0])] * batch,
@@ -149,7 +149,7 @@ def serve(kind: str, path: str, name: str) -> None:
     import dlm_jax
 
     if kind == "litert":
-        from dlm_jax.runner import load_bundle
+        from dlm_jax.executors.runner import load_bundle
 
         handle = load_bundle(path)
     else:
@@ -235,7 +235,7 @@ def child(kind: str, path: str, name: str, gen: str) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     if kind == "litert":
-        from dlm_jax.runner import load_bundle
+        from dlm_jax.executors.runner import load_bundle
 
         handle = load_bundle(path)
         prompts = prompts_for(name, handle, 1)

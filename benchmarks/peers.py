@@ -66,7 +66,7 @@ class Example:
     task: str
     prompt: str
     ids: list[int]  # chat-formatted, as every engine sees it
-    example: Any  # training.data.Example
+    example: Any  # dlm_jax.training.data.Example
 
 
 @dataclasses.dataclass
@@ -92,7 +92,7 @@ class Setting:
 
 def examples(model_dir: Path, n: int) -> list[Example]:
     import dlm_jax
-    from training.data import TASKS, make_split
+    from dlm_jax.training.data import TASKS, make_split
 
     tok = dlm_jax.load_tokenizer(model_dir)
     out = []
@@ -103,7 +103,7 @@ def examples(model_dir: Path, n: int) -> list[Example]:
 
 
 def score(ex: Example, text: str) -> bool:
-    from training.data import TASKS
+    from dlm_jax.training.data import TASKS
 
     return bool(TASKS[ex.task].score(text, ex.example))
 
@@ -112,9 +112,9 @@ def score(ex: Example, text: str) -> bool:
 
 def dlm_settings(model_dir: Path, exs: list[Example], gen: int, work: Path, *, int8: bool) -> list[Setting]:
     import dlm_jax
-    from dlm_jax.runner import load_bundle
+    from dlm_jax.executors.runner import load_bundle
     from dlm_jax.runtime.registry import preset
-    from tflite_export.bundle import buckets_for_prompts, export_bundle
+    from dlm_jax.tflite_export.bundle import buckets_for_prompts, export_bundle
 
     configs = {
         "fast-dllm preset (prefix, threshold 0.9)": preset("fast-dllm", gen_len=gen),
@@ -215,7 +215,7 @@ def fast_dllm_settings(model_dir: Path, gen: int, block: int, work: Path, peer_s
 # --- llama.cpp --------------------------------------------------------------------------------
 
 def gguf_files(model_dir: Path, quants: list[str], work: Path) -> dict[str, Path]:
-    from tflite_export.gguf import export_gguf
+    from dlm_jax.tflite_export.gguf import export_gguf
 
     out = {}
     for q in quants:

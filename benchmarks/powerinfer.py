@@ -48,13 +48,14 @@ import dlm_jax  # noqa: E402
 from dlm_jax._errors import ConfigError  # noqa: E402
 from _hardware import machine  # noqa: E402
 from _neuron_baselines import MatrixReader, MmapColdPath, process_read_bytes, write_matrices  # noqa: E402
-from dlm_jax.partition_contract import tiled  # noqa: E402
-from dlm_jax.runner import load_bundle  # noqa: E402
-from dlm_jax.runtime.flash import drop_page_cache  # noqa: E402
-from tflite_export.bundle import SparseExport, buckets_for_prompts, export_bundle  # noqa: E402
-from tflite_export.sparse import (calibration_examples, decode_statistics, ffn_samples, neuron_bytes,  # noqa: E402
+from dlm_jax.executors.partition_contract import tiled  # noqa: E402
+from dlm_jax.executors.runner import load_bundle  # noqa: E402
+from dlm_jax.techniques.powerinfer.flash import drop_page_cache  # noqa: E402
+from dlm_jax.tflite_export.bundle import SparseExport, buckets_for_prompts, export_bundle  # noqa: E402
+from dlm_jax.techniques.powerinfer.sparse import (calibration_examples, decode_statistics, ffn_samples, neuron_bytes,  # noqa: E402
                                   non_ffn_bytes, plan_sparse, record_windows, train_predictor)
-from training.data import TASKS, make_split  # noqa: E402
+from dlm_jax.training.data import TASKS, make_split  # noqa: E402
+from dlm_jax.runtime.registry import decode_options  # noqa: E402
 
 WINDOWS = (1, 2, 4, 8, 16, 32)
 BUDGETS = (1.0, 0.5, 0.25)
@@ -110,12 +111,12 @@ def phone_projection(run: dict, model_cfg, hot_per_layer: float) -> dict:
     """[R] Seconds per token of `run` at the virtual 7B, priced with SPECS 0.4: each of our
     neurons stands for a 7B neuron (counts scale by neurons per layer and layers); a missed
     neuron costs two random 4 KB reads bundled (the INT4 bundle's two phases) or three unbundled
-    (a 4 KB request per matrix row), through the one UFS queue (`lowering.costs.UfsModel`,
+    (a 4 KB request per matrix row), through the one UFS queue (`dlm_jax.lowering.costs.UfsModel`,
     128 MB range); the cold neurons' INT4 bytes stream at the CPU's 43.9 GB/s, attention and
     the hot neurons at the NPU's 56 GB/s, once per step. mmap: the dense FFN every step, the
     share beyond the budget paged in with 128 KB sequential reads. The engine pipelines I/O
     under the CPU's compute (max); the baselines add them."""
-    from lowering.costs import UfsModel
+    from dlm_jax.lowering.costs import UfsModel
 
     p, ufs = PHONE, UfsModel()
     per_layer = p["neurons"] / model_cfg.ffn_hidden
@@ -153,7 +154,7 @@ def main() -> None:
     handle = dlm_jax.load(args.model, executor="jax")
     mc = handle.config
     cfg = dlm_jax.preset("fast-dllm", gen_len=64, block_len=32)
-    result: dict = {"machine": machine(), "model": args.model, "decode": cfg.options(),
+    result: dict = {"machine": machine(), "model": args.model, "decode": decode_options(cfg),
                     "config": {"d_model": mc.d_model, "ffn_hidden": mc.ffn_hidden, "layers": mc.n_layers,
                                "ffn": mc.ffn}}
 
@@ -197,10 +198,10 @@ def main() -> None:
         export_bundle(args.model, tmp / "allcold", keys=keys, decode=cfg, latency_repeats=0, plan=False,
                       sparse=cold_plan)
         info = write_matrices(tmp / "allcold" / "ffn.flash", tmp / "matrices.bin")
-        from dlm_jax.partitioned import resident_bytes
+        from dlm_jax.executors.partitioned import resident_bytes
 
         result["bytes"] = {"ffn": ffn, "non_ffn_params": base,
-                           "allcold_resident": sum(resident_bytes(dlm_jax.runner.Bundle.open(tmp / "allcold")).values()),
+                           "allcold_resident": sum(resident_bytes(dlm_jax.executors.runner.Bundle.open(tmp / "allcold")).values()),
                            "flash_file": (tmp / "allcold" / "ffn.flash").stat().st_size}
         result["plans"] = {str(p): {str(w): [int(h) for h in plans[p].plan.hot[w]] for w in plans[p].plan.windows}
                            for p in plans}
@@ -294,7 +295,7 @@ def ratios(runs: list[dict]) -> dict:
 def accuracy(args, tmp: Path, cfg) -> dict:
     """Held-out accuracy per task: the dense bundle, the engine with oracle activations, the
     engine with the predictor (every neuron once read stays: accuracy does not depend on I/O)."""
-    from training.evaluate import evaluate
+    from dlm_jax.training.evaluate import evaluate
 
     out = {}
     for name, kwargs in (("dense", None), ("oracle", {"oracle": True}), ("predictor", {"audit": True})):

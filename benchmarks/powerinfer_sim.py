@@ -1,5 +1,5 @@
 """PowerInfer-2's Fig 14 ablation, simulated: traces recorded from a dLLM with an activation-sparse
-FFN, priced with the paper's phone figures by `lowering.pipeline` (SPECS 4.7) [R].
+FFN, priced with the paper's phone figures by `dlm_jax.techniques.powerinfer.pipeline` (SPECS 4.7) [R].
 
     .venv/bin/python benchmarks/powerinfer_sim.py --model models/sparse-tiny --out benchmarks/results/powerinfer_sim
 
@@ -30,14 +30,15 @@ import numpy as np  # noqa: E402
 
 import dlm_jax  # noqa: E402
 from _hardware import machine  # noqa: E402
-from dlm_jax.partition_contract import tiled  # noqa: E402
-from dlm_jax.runtime.neuron_plan import NeuronCosts, plan_neurons  # noqa: E402
-from dlm_jax.runtime.neurons import decode_statistics  # noqa: E402
-from dlm_jax.runtime.predictor import recall_precision  # noqa: E402
-from lowering.pipeline import (MATRIX_PIPELINE, FlashLayout, PhoneCosts, PipelineTrace,  # noqa: E402
+from dlm_jax.executors.partition_contract import tiled  # noqa: E402
+from dlm_jax.techniques.powerinfer.neuron_plan import NeuronCosts, plan_neurons  # noqa: E402
+from dlm_jax.techniques.powerinfer.neurons import decode_statistics  # noqa: E402
+from dlm_jax.techniques.powerinfer.predictor import recall_precision  # noqa: E402
+from dlm_jax.techniques.powerinfer.pipeline import (MATRIX_PIPELINE, FlashLayout, PhoneCosts, PipelineTrace,  # noqa: E402
                                TraceStep, ablation, simulate)
-from tflite_export.sparse import calibration_examples, ffn_samples, record_windows, train_predictor  # noqa: E402
-from training.data import TASKS, make_split  # noqa: E402
+from dlm_jax.techniques.powerinfer.sparse import calibration_examples, ffn_samples, record_windows, train_predictor  # noqa: E402
+from dlm_jax.training.data import TASKS, make_split  # noqa: E402
+from dlm_jax.runtime.registry import decode_options  # noqa: E402
 
 STAT_WINDOWS = (1, 2, 4, 8, 16, 32, 64, 128)
 # Fig 14 [P §7.5] (Bamboo-7B, OnePlus 12, 50% offload) and Tab 4 [P §7.2.1], for reference only
@@ -158,7 +159,7 @@ def main() -> None:
     timing["simulation_s"] = round(time.perf_counter() - t0, 1)
     timing["total_s"] = round(time.perf_counter() - t_start, 1)
 
-    result = {"machine": machine(), "model": args.model, "decode": cfg.options(),
+    result = {"machine": machine(), "model": args.model, "decode": decode_options(cfg),
               "config": {"d_model": mc.d_model, "ffn_hidden": mc.ffn_hidden, "layers": mc.n_layers, "ffn": mc.ffn},
               "settings": {k: getattr(args, k) for k in ("calibration", "n", "predictor_steps", "offload", "threads",
                                                           "cluster", "d_model", "neuron_repeat", "layer_repeat")},
@@ -198,8 +199,8 @@ def write(result: dict, out: Path) -> None:
           f"`{result['model']}` ({c}); the times are SPECS 0.4's OnePlus 12 figures (UFS 4.0 reads, DRAM "
           "43.9 / 56 / 59.6 GB/s for CPU / NPU / both) with every neuron priced at a virtual "
           f"d_model {s['d_model']} (INT4 bundle 7.5 KB aligned to 8 KB, read as two 4 KB halves), through "
-          "`lowering.pipeline`'s discrete-event model. No phone ran any of this; the modelling choices are listed in "
-          "`lowering/pipeline.py`.", "",
+          "`dlm_jax.techniques.powerinfer.pipeline`'s discrete-event model. No phone ran any of this; the modelling choices are listed in "
+          "`dlm_jax/techniques/powerinfer/pipeline.py`.", "",
           f"Setup: {s['offload']:.0%} of the FFN on flash; {s['threads']} compute threads + 1 I/O thread; clusters "
           f"of {s['cluster']} neurons; decode `fast-dllm` (gen 64, block 32); plan and predictor from "
           f"{s['calibration']} training prompts per task, traces from {s['n']} held-out prompts per task; "

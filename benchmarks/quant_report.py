@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/quant_report.py [--n 24] [--models models/llada-tiny ...]
 
-For each model and each scheme of `lowering.quant.QUANT_SCHEMES` (q4_0, int8, int4,
+For each model and each scheme of `dlm_jax.lowering.quant.QUANT_SCHEMES` (q4_0, int8, int4,
 int4+int8-outliers), every linear weight is fake-quantized (quantized, then dequantized to
 float32) and the model is evaluated with those weights next to its float32 self:
 
@@ -14,11 +14,11 @@ float32) and the model is evaluated with those weights next to its float32 self:
   stacks), listed in the JSON.
 - weight error: relative Frobenius error per matrix, mean and worst over the model's matrices,
   and bits per weight (storage of all quantized matrices over their weight count).
-- task accuracy: `training.evaluate.evaluate` on the held-out task suite with the model card's
+- task accuracy: `dlm_jax.training.evaluate.evaluate` on the held-out task suite with the model card's
   left-to-right decoder (block 1, one token per step, generation length 64: the most
   deterministic of the card's decoders), `--n` prompts per task.
 - int4+int8-outliers runs without activation statistics, so outlier channels are chosen by
-  column norm alone (the weight-only salience of `lowering.quant.salience`).
+  column norm alone (the weight-only salience of `dlm_jax.lowering.quant.salience`).
 
 Writes <out>.json and <out>.md (default benchmarks/results/quant).
 """
@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402
-from lowering.quant import QUANT_SCHEMES, fake_quantize, quantize_mixed, weight_error  # noqa: E402
+from dlm_jax.lowering.quant import QUANT_SCHEMES, fake_quantize, quantize_mixed, weight_error  # noqa: E402
+from dlm_jax.runtime.registry import decode_options  # noqa: E402
 
 MODELS = ("models/llada-tiny", "models/idlm-tiny")
 DECODER = "left-to-right (block 1, one token per step)"
@@ -73,7 +74,7 @@ def quantize_params(params: Mapping[str, np.ndarray], scheme: str) -> tuple[dict
 
 def decode_tasks(handle: Any, tasks: Sequence[str], n: int, cfg: Any) -> tuple[dict[str, float], list[str]]:
     """Accuracy per task and every completion (task by task, prompt by prompt)."""
-    from training.evaluate import evaluate
+    from dlm_jax.training.evaluate import evaluate
 
     results = {t: evaluate(handle, t, cfg, n=n, progress=False, keep=n) for t in tasks}
     return ({t: r["accuracy"] for t, r in results.items()},
@@ -142,7 +143,7 @@ def markdown(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from training.data import TASKS
+    from dlm_jax.training.data import TASKS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), help="checkpoint directories")
@@ -155,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    from training.data import task_settings
-    from training.ship import card_decoders
+    from dlm_jax.training.data import task_settings
+    from dlm_jax.training.ship import card_decoders
 
     args = build_parser().parse_args(argv)
     if args.n <= 0:
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     cfg = card_decoders(GEN_LEN)[DECODER]
     t0 = time.perf_counter()
     models = {m: report_model(m, args.schemes, args.tasks, args.n, cfg) for m in args.models}
-    report = {"n_per_task": args.n, "gen_len": GEN_LEN, "decoder": DECODER, "decoder_options": cfg.options(),
+    report = {"n_per_task": args.n, "gen_len": GEN_LEN, "decoder": DECODER, "decoder_options": decode_options(cfg),
               "tasks": task_settings(args.tasks), "schemes": list(args.schemes),
               "mixed_rule": quantize_mixed(np.ones((1, 128), np.float32)).rule,
               "models": models, "seconds": time.perf_counter() - t0}

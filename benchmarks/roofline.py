@@ -80,8 +80,8 @@ class TimingExecutor(Executor):
 
 def step_cost(config: Any, key: Any, kv_out: bool) -> dict[str, int]:
     """Matmul FLOPs and bytes moved (weights once, K/V cache in, window K/V out) of one step."""
-    from lowering._analytic import analytic_graph
-    from lowering.graph import MATMUL_OPS, op_flops
+    from dlm_jax.lowering._analytic import analytic_graph
+    from dlm_jax.lowering.graph import MATMUL_OPS, op_flops
 
     graph = analytic_graph(config, key)
     itemsize = np.dtype(config.dtype).itemsize
@@ -125,7 +125,7 @@ def profile_decode(handle: Any, prompt: list[int], gen: int, mode: str, peak: fl
     import dlm_jax
     from dlm_jax.runtime.decoder import Decoder
 
-    from dlm_jax.runner import zero_inputs
+    from dlm_jax.executors.runner import zero_inputs
 
     cfg = dlm_jax.decode_config(gen_len=gen, block_len=32, cache=mode, rule="threshold", threshold=0.9)
     prompts = [prompt]

@@ -5,9 +5,9 @@ bundle size, peak memory and task accuracy, for float32, int8 and int4 bundles.
 
 Models: the shipped llada-tiny and idlm-tiny, and a random ~25M-parameter model of
 llada-tiny's family (d_model 512, 8 layers, 8 heads / 4 KV heads, FFN 1536, vocab 264). Each is
-exported (`tflite_export.bundle.export_bundle`, into a temporary directory removed at the end)
+exported (`dlm_jax.tflite_export.bundle.export_bundle`, into a temporary directory removed at the end)
 as fp32, int8 and int4 bundles holding the buckets measured below, and run by
-`dlm_jax.runner` (XNNPACK, 2 threads) next to `dlm_jax.program.JaxExecutor` (XLA CPU).
+`dlm_jax.executors.runner` (XNNPACK, 2 threads) next to `dlm_jax.executors.jax_executor.JaxExecutor` (XLA CPU).
 
 1. Step latency per bucket (windows 32/64/128 x caches 0/64/128 at batch 1, and one batch-8
    bucket): one step with the window K/V returned, random tokens, full visibility, random
@@ -21,7 +21,7 @@ as fp32, int8 and int4 bundles holding the buckets measured below, and run by
 3. Sizes: `model.tflite` bytes per quantisation, and bytes per added bucket (the full bundle
    against a one-bucket one). Peak RSS (`ru_maxrss`) of one decode of the same prompts in a
    fresh subprocess per executor, so no process's memory pollutes another's.
-4. Task accuracy (shipped models): `training.evaluate` on each task, `--n` held-out prompts in
+4. Task accuracy (shipped models): `dlm_jax.training.evaluate` on each task, `--n` held-out prompts in
    batches of 8, with bundles exported for the longest encoded prompt of the split.
 
 Writes <out>.json (everything, with machine and package versions), <out>.md (tables),
@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402
+from dlm_jax.runtime.registry import decode_options  # noqa: E402
 
 QUANTS = {"none": "fp32", "int8": "int8", "int4": "int4"}  # export name -> label
 EXECUTORS = ("jax", *QUANTS.values())
@@ -105,14 +106,14 @@ def model_spec(name: str, tmp: Path, *, e2e_passes: int) -> ModelSpec:
 
 
 def e2e_prompts(handle: Any, tasks: Sequence[str]) -> list[list[int]]:
-    from training.data import TASKS, make_split
+    from dlm_jax.training.data import TASKS, make_split
 
     return [handle.encode(ex.prompt) for t in tasks for ex in make_split(TASKS[t], E2E_PER_TASK, split="heldout")]
 
 
 def longest_prompt(handle: Any, tasks: Sequence[str], n: int) -> int:
-    """The longest encoded prompt of the held-out split `training.evaluate` decodes."""
-    from training.data import TASKS, make_split
+    """The longest encoded prompt of the held-out split `dlm_jax.training.evaluate` decodes."""
+    from dlm_jax.training.data import TASKS, make_split
 
     return max(len(handle.encode(ex.prompt)) for t in tasks for ex in make_split(TASKS[t], n, split="heldout"))
 
@@ -120,7 +121,7 @@ def longest_prompt(handle: Any, tasks: Sequence[str], n: int) -> int:
 def bundle_keys(buckets: Sequence[str], handle: Any, prompts: list[list[int]], max_prompt: int | None) -> list:
     """The step-latency buckets, the batch-1 buckets of the end-to-end prompts and, for
     accuracy, the batch-8 buckets of every prompt length up to `max_prompt`."""
-    from tflite_export.bundle import buckets_for_prompts, parse_bucket
+    from dlm_jax.tflite_export.bundle import buckets_for_prompts, parse_bucket
 
     cfg = fast_decoder()
     keys = {parse_bucket(b) for b in buckets}
@@ -140,7 +141,7 @@ def shared_float_conversion() -> Iterator[None]:
     """Within the block, `export_bundle` converts a given signature list once: the float
     flatbuffer does not depend on the quantisation (applied after it), and conversion is most
     of an export's time (seconds per signature for the 25M model)."""
-    import tflite_export._convert as convert
+    import dlm_jax.tflite_export._convert as convert
 
     original, cache = convert.convert_signatures, {}
 
@@ -163,8 +164,8 @@ def export_bundles(spec: ModelSpec, handle: Any, keys: list, tmp: Path) -> dict[
     bytes one more bucket adds (full bundle against a bundle of the first bucket alone)."""
     from flax import nnx
 
-    from tflite_export._convert import convert_signatures, decode_signature
-    from tflite_export.bundle import export_bundle, quantize_tflite
+    from dlm_jax.tflite_export._convert import convert_signatures, decode_signature
+    from dlm_jax.tflite_export.bundle import export_bundle, quantize_tflite
 
     out: dict[str, Any] = {"buckets": len(keys), "paths": {}, "export_seconds": {}, "model_bytes": {}}
     with shared_float_conversion():
@@ -229,7 +230,7 @@ def time_interleaved(executors: dict[str, Any], inputs: Any, repeats: int) -> di
 
 def step_latency(executors: dict[str, Any], config: Any, buckets: Sequence[str], repeats: int) -> list[dict[str, Any]]:
     from dlm_jax.runtime.step import signature_name
-    from tflite_export.bundle import parse_bucket
+    from dlm_jax.tflite_export.bundle import parse_bucket
 
     keys = [parse_bucket(b) for b in buckets]
     for ex in executors.values():
@@ -265,9 +266,9 @@ def gemm_peak_gflops(n: int = 1024, repeats: int = 10) -> dict[str, float]:
 def step_matmul_flops(config: Any, bucket: str) -> int:
     """Matmul FLOPs of one step of `bucket` (projections, attention, FFN, LM head over its
     rows), from the analytic step graph."""
-    from lowering._analytic import analytic_graph
-    from lowering.graph import MATMUL_OPS, op_flops
-    from tflite_export.bundle import parse_bucket
+    from dlm_jax.lowering._analytic import analytic_graph
+    from dlm_jax.lowering.graph import MATMUL_OPS, op_flops
+    from dlm_jax.tflite_export.bundle import parse_bucket
 
     graph = analytic_graph(config, parse_bucket(bucket))
     return int(sum(op_flops(graph, op) for op in graph.ops if op.opcode in MATMUL_OPS))
@@ -333,9 +334,9 @@ def end_to_end(handles: dict[str, Any], prompts: list[list[int]], passes: int) -
 
 
 def accuracy(handles: dict[str, Any], tasks: Sequence[str], n: int) -> dict[str, dict[str, Any]]:
-    """`training.evaluate` per task and handle (handles interleaved task by task), with the
+    """`dlm_jax.training.evaluate` per task and handle (handles interleaved task by task), with the
     share of completions identical to the JAX executor's."""
-    from training.evaluate import evaluate
+    from dlm_jax.training.evaluate import evaluate
 
     cfg = fast_decoder()
     out: dict[str, dict[str, Any]] = {name: {"per_task": {}} for name in handles}
@@ -373,7 +374,7 @@ def child_decode(kind: str, path: str, prompts_file: str) -> dict[str, Any]:
 
         handle = dlm_jax.load(path, executor="jax")
     else:
-        from dlm_jax.runner import load_bundle
+        from dlm_jax.executors.runner import load_bundle
 
         handle = load_bundle(path)
     loaded = peak_rss_mb()
@@ -435,7 +436,7 @@ def memory(spec: ModelSpec, paths: dict[str, str], prompts: list[list[int]], tmp
 
 def bench_model(spec: ModelSpec, args: argparse.Namespace, tmp: Path, spawner: Spawner) -> dict[str, Any]:
     import dlm_jax
-    from dlm_jax.runner import load_bundle
+    from dlm_jax.executors.runner import load_bundle
 
     jax_handle = dlm_jax.load(spec.source, executor="jax")
     prompts = e2e_prompts(jax_handle, args.tasks)
@@ -657,12 +658,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in ("repeats", "n", "e2e_passes"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive")
-    from tflite_export.bundle import parse_bucket
+    from dlm_jax.tflite_export.bundle import parse_bucket
 
     [parse_bucket(b) for b in args.buckets]  # a malformed name fails here, before any export
     report: dict[str, Any] = {"machine": machine(), "repeats": args.repeats, "n_per_task": args.n,
                               "e2e_passes": args.e2e_passes, "tasks": args.tasks, "quick": args.quick,
-                              "decoder": fast_decoder().options(), "step_buckets": args.buckets, "models": {}}
+                              "decoder": decode_options(fast_decoder()), "step_buckets": args.buckets, "models": {}}
     spawner = Spawner()  # before anything large is loaded
     args.gemm_peak = report["gemm_peak"] = gemm_peak_gflops()
     _log(f"fp32 GEMM peak (NumPy BLAS, 1024^3): {args.gemm_peak['gflops']} GFLOP/s")
@@ -682,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     write_outputs(report, args.out)
     _log(f"wrote {args.out}.json/.md/.png/_buckets.png in {report['seconds']:.0f} s")
     print(markdown(report), end="", flush=True)
-    from dlm_jax.runner import quiet_native_exit
+    from dlm_jax.executors.runner import quiet_native_exit
 
     quiet_native_exit()  # LiteRT logs every accelerator it tears down at exit
 

@@ -16,7 +16,7 @@ sampling on the CPU).
 Tab. 7 analog: LLaDA-8B at windows (microbatches) 32-512, cache 512: the smallest VA budget
 the planner needs (no resident weights), whether paging-only completes there, and the first
 budget at which paging-only completes (bisection on a 4 MB grid). All times come from the
-SPECS 0.4 cost model (`lowering.costs.CostModel`), not from a device.
+SPECS 0.4 cost model (`dlm_jax.lowering.costs.CostModel`), not from a device.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dlm_jax import ModelConfig  # noqa: E402
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey  # noqa: E402
-from lowering.costs import MB, CostModel  # noqa: E402
-from lowering._analytic import analytic_graph  # noqa: E402
-from lowering.graph import StepGraph, read_tflite_graph  # noqa: E402
-from lowering.memory import DEFAULT_STAGING_BYTES, check_plan, plan_memory  # noqa: E402
-from lowering.paging import paging_only  # noqa: E402
-from lowering.partition import partition  # noqa: E402
+from dlm_jax.lowering.costs import MB, CostModel  # noqa: E402
+from dlm_jax.lowering._analytic import analytic_graph  # noqa: E402
+from dlm_jax.lowering.graph import StepGraph, read_tflite_graph  # noqa: E402
+from dlm_jax.techniques.lladacpp.somr import DEFAULT_STAGING_BYTES, check_plan, plan_memory  # noqa: E402
+from dlm_jax.techniques.lladacpp.paging import paging_only  # noqa: E402
+from dlm_jax.lowering.partition import partition  # noqa: E402
 
 LLADA_8B = ModelConfig(vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, ffn_hidden=12288,
                        dtype="float16", param_dtype="float16", mask_token_id=126336)
@@ -63,7 +63,7 @@ def tiny_graph(model_dir: str, key: BucketKey) -> StepGraph:
     import dlm_jax
     from flax import nnx
 
-    from tflite_export import convert_signatures, decode_signature, decode_signature_name
+    from dlm_jax.tflite_export import convert_signatures, decode_signature, decode_signature_name
 
     model = dlm_jax.load(model_dir).model
     graphdef, state = nnx.split(model)

@@ -40,9 +40,10 @@ import numpy as np  # noqa: E402
 
 import dlm_jax  # noqa: E402
 from _hardware import machine  # noqa: E402
-from dlm_jax.runtime.experts import (ExpertCosts, ExpertPlacement, ExpertPolicy, calibrate, drift,  # noqa: E402
+from dlm_jax.techniques.tide.experts import (ExpertCosts, ExpertPlacement, ExpertPolicy, calibrate, drift,  # noqa: E402
                                      expert_counts, miss_curve, static_sets)
-from training.data import TASKS, make_split  # noqa: E402
+from dlm_jax.training.data import TASKS, make_split  # noqa: E402
+import dataclasses  # noqa: E402
 
 BATCH = 8
 BLOCKS = (32, 64)
@@ -205,12 +206,12 @@ def dispatch_timing(model_dir: str, rows: int = 32, repeats: int = 30) -> dict:
 def split_measured(model_dir: str, prompts: list[list[int]], cal_trace: list, b: int, block: int,
                    threshold: float, gen_len: int, costs: ExpertCosts) -> dict:
     """Split execution, measured: every MoE layer split into `b` expert slots (misses on the
-    NumPy CPU path, `dlm_jax.models.split_experts`), the prompts decoded under each placement
+    NumPy CPU path, `dlm_jax.techniques.tide.split_experts`), the prompts decoded under each placement
     with previous-step hits (a step's experts are placed before it runs) on this CPU, where
     the slots and the CPU path share the cores: wall clock, bytes moved into slots, and
     whether the tokens equal the unsplit model's."""
-    from dlm_jax.models import split_experts
-    from dlm_jax.program import JaxExecutor
+    from dlm_jax.techniques.tide import split_experts
+    from dlm_jax.executors.jax_executor import JaxExecutor
     from dlm_jax.runtime.decoder import Decoder
 
     whole = dlm_jax.load_pretrained(model_dir)
@@ -244,7 +245,7 @@ def split_measured(model_dir: str, prompts: list[list[int]], cal_trace: list, b:
         split = dlm_jax.model_from_params(cfg, dlm_jax.get_params(whole))
         initial = None if policy.static_sets is None else np.asarray(policy.static_sets)
         cpu = split_experts(split, layers, b, initial)
-        ids, seconds, moved = decode_all(Decoder(JaxExecutor(split), cfg), base.replace(placement=policy))
+        ids, seconds, moved = decode_all(Decoder(JaxExecutor(split), cfg), dataclasses.replace(base, placement=policy))
         tokens = sum(len(s) for s in ids)
         tau = {"tide": policy.tau, "per-step": "1", "random": "random", "static": "-"}[policy.experts]
         out["rows"][name] = {"tau": tau, "seconds": seconds, "tokens_per_second": tokens / seconds,

@@ -70,7 +70,7 @@ def profile_model(path: str | None, *, out: Path, windows: Sequence[int] | None 
 
     import dlm_jax
     from dlm_jax._integrity import manifest_name, write_manifest
-    from dlm_jax.program import JaxExecutor
+    from dlm_jax.executors.jax_executor import JaxExecutor
 
     if path is None:
         from dlm_jax.models._params import tiny_byte_config

@@ -14,7 +14,7 @@ from dlm_jax._config import ATTENTION_MODES
 from dlm_jax._errors import ConfigError
 
 
-def _mode_rule(mode: str, q_pos: np.ndarray, k_pos: np.ndarray, block_size: int) -> np.ndarray:
+def attention_rule(mode: str, q_pos: np.ndarray, k_pos: np.ndarray, block_size: int) -> np.ndarray:
     """Visibility of keys at absolute positions `k_pos` for queries at `q_pos` (broadcasting)."""
     if mode == "bidirectional":
         return np.ones(np.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=bool)
@@ -25,21 +25,10 @@ def _mode_rule(mode: str, q_pos: np.ndarray, k_pos: np.ndarray, block_size: int)
     raise ConfigError(f"attention mode {mode!r} is not one of {ATTENTION_MODES}")
 
 
-def leave_one_out(visibility: np.ndarray, probes: np.ndarray, hidden: np.ndarray, *, k_offset: int) -> None:
-    """Make queries `probes` [D] of a [B, Q, k_offset + Q] step mask leave-one-out probes, in
-    place: no other query sees a probe's key, a probe sees its own, and probe i never sees key
-    column `hidden[i]` (the slot it scores; -1: none)."""
-    cols = k_offset + probes
-    visibility[:, :, cols] = False
-    visibility[:, probes, cols] = True
-    inside = hidden >= 0
-    visibility[:, probes[inside], hidden[inside]] = False
-
-
 def attention_mask(mode: str, length: int, *, block_size: int = 32) -> np.ndarray:
     """[length, length] mask of `mode` over positions 0..length-1."""
     pos = np.arange(length)
-    return _mode_rule(mode, pos[:, None], pos[None, :], block_size)
+    return attention_rule(mode, pos[:, None], pos[None, :], block_size)
 
 
 def visibility_from_positions(mode: str, q_pos: np.ndarray, k_pos: np.ndarray,
@@ -52,7 +41,7 @@ def visibility_from_positions(mode: str, q_pos: np.ndarray, k_pos: np.ndarray,
       k_pos: [B, K] absolute positions of the keys (cache slots then window slots).
       k_valid: [B, K] False for padding keys, which nobody may see.
     """
-    mask = _mode_rule(mode, q_pos[:, :, None], k_pos[:, None, :], block_size)
+    mask = attention_rule(mode, q_pos[:, :, None], k_pos[:, None, :], block_size)
     if k_valid is not None:
         mask = mask & k_valid[:, None, :]
     return mask

@@ -1,5 +1,5 @@
 """`Model`: a tokenizer and a decoder over any executor, the object `dlm_jax.load` and
-`dlm_jax.runner.load_bundle` return.
+`dlm_jax.executors.runner.load_bundle` return.
 
 Sits below both (and below every executor): it imports the NumPy host runtime and the
 tokenizer, never JAX, `dlm_jax.api`, the runner or `tflite_export`. The executor comes in
@@ -149,18 +149,15 @@ class Model:
         return GenerateResult(texts, trimmed, out.stats)
 
     def calibrated(self, config: DecodeConfig, ids: list[list[int]], *, seeds=None) -> DecodeConfig:
-        """`config` with its expert placement calibrated where it asks for it (`--tau auto`,
-        `--experts static`): from a decode of the prompts `ids` with every expert resident,
-        whose routing gives the static sets and the solved tau (`runtime.experts.calibrate`,
-        costs profiled on this machine). `generate` calls it on its own prompts; calling it
-        once first (on other prompts) fixes the placement for later calls."""
-        from dlm_jax.runtime.experts import ExpertPolicy, calibrate, needs_calibration
-
-        if not needs_calibration(config.placement):
+        """`config` with its placement calibrated where it asks for it (`PlacementPolicy.probe`;
+        TIDE's `--tau auto`, `--experts static`): from a probe decode of the prompts `ids`
+        whose report the policy calibrates itself from. `generate` calls it on its own
+        prompts; calling it once first (on other prompts) fixes the placement for later calls."""
+        probe = config.placement.probe()
+        if probe is None:
             return config
-        probe = self.decoder.decode(ids, config.replace(placement=ExpertPolicy(experts="all")), seeds=seeds)
-        placement, _ = calibrate(config.placement, probe.stats.placement["trace"], self.config)
-        return config.replace(placement=placement)
+        report = self.decoder.decode(ids, dataclasses.replace(config, placement=probe), seeds=seeds).stats.placement
+        return dataclasses.replace(config, placement=config.placement.calibrated(report, self.config))
 
     def _trim(self, seq: np.ndarray) -> list[int]:
         ids = [int(t) for t in seq]

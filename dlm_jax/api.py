@@ -25,28 +25,28 @@ class ExecutorFactory(Protocol):
 
 
 def jax_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
-    """The JAX executor over `model` (`dlm_jax.program.JaxExecutor`: compiled per bucket)."""
-    from dlm_jax._compile import enable_default_cache
-    from dlm_jax.program import JaxExecutor
+    """The JAX executor over `model` (`dlm_jax.executors.jax_executor.JaxExecutor`: compiled per bucket)."""
+    from dlm_jax.executors._compile import enable_default_cache
+    from dlm_jax.executors.jax_executor import JaxExecutor
 
     enable_default_cache()  # compiled buckets persist across processes
     return JaxExecutor(model)
 
 
 def litert_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
-    """The LiteRT runner over the bundle cache of `model` (`tflite_export.cache`), whose
+    """The LiteRT runner over the bundle cache of `model` (`dlm_jax.executors.bundle_cache`), whose
     entry is named after `source`, its checkpoint directory: the first decode that needs a
     bucket exports it, once per model and machine."""
-    from tflite_export.cache import BundleCacheExecutor
+    from dlm_jax.executors.bundle_cache import BundleCacheExecutor
 
     return BundleCacheExecutor(model, source=source)
 
 
 def jax_then_litert_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
-    """What "auto" runs on a CPU (`tflite_export.auto.AutoExecutor`): the JAX executor for a
+    """What "auto" runs on a CPU (`dlm_jax.executors.auto.AutoExecutor`): the JAX executor for a
     decode whose buckets the bundle cache lacks (exported meanwhile by a background process at
     the lowest priority), the LiteRT runner for one whose buckets it holds."""
-    from tflite_export.auto import AutoExecutor
+    from dlm_jax.executors.auto import AutoExecutor
 
     return AutoExecutor(jax_executor(model), litert_executor(model, source=source), source=source)
 
@@ -100,17 +100,17 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
         (`dlm_jax.checkpoint._io.verify_checkpoint`). False skips the check.
       executor: a name of `EXECUTOR_CHOICES`: "auto" (default, or `$DLM_JAX_EXECUTOR`;
         `resolve_executor`), "jax" or "litert". "litert" decodes with the LiteRT runner over
-        a bundle cache (`tflite_export.cache.BundleCacheExecutor`): the first decode that
+        a bundle cache (`dlm_jax.executors.bundle_cache.BundleCacheExecutor`): the first decode that
         needs a bucket exports it, once per model and machine. "auto" on a CPU decodes with
         JAX until the bundle cache holds a decode's buckets, which a background process
-        exports meanwhile (`tflite_export.auto`), then with the LiteRT runner. `model.model`
+        exports meanwhile (`dlm_jax.executors.auto`), then with the LiteRT runner. `model.model`
         is the Flax model either way.
       lora: a directory of LoRA adapters made for this checkpoint (`adapter_config.json` +
         `adapter_model.safetensors`, PEFT's layout; R-ISD), or a cached Hugging Face model id
         of one: attached to the model, gated per
         row by the step's `lora_gate` (1 on [MASK] rows). Adapters made for another base are
         refused naming the file. They decode on the JAX executor.
-      expert_slots: split execution of an MoE model (`dlm_jax.models.split_experts`): every MoE
+      expert_slots: split execution of an MoE model (`dlm_jax.techniques.tide.split_experts`): every MoE
         layer's compiled step holds this many routed experts in slots and computes the others'
         assignments on a NumPy CPU path; an expert placement (`--experts`, previous-step hits,
         budget = slots + shared experts) moves experts into the slots between steps. JAX only.
@@ -131,7 +131,7 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
     if overrides and name == "jax-then-litert":
         name = "jax"  # a background export loads the checkpoint as stored, not as overridden here
     if lora is not None:
-        from dlm_jax.checkpoint._adapters import load_adapters
+        from dlm_jax.techniques.isd.adapters import load_adapters
 
         lora = resolve_checkpoint(lora)  # a cached Hugging Face model id of the adapters: their snapshot
 
@@ -143,7 +143,7 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
                               f"executor='jax' (--executor jax), or dlm-jax export --lora")
         load_adapters(lora, model, base=path, verify=verify)
     if expert_slots is not None:
-        from dlm_jax.models._split import split_experts
+        from dlm_jax.techniques.tide.split import split_experts
 
         if model.config.ffn != "moe":
             raise ConfigError(f"expert_slots={expert_slots}: the model has no MoE layers to split")

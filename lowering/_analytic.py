@@ -1,6 +1,6 @@
 """The decode step graph of a bucket built from a `ModelConfig` alone.
 
-Mirrors what the exporter produces for `dlm_jax.program.decode_step` (same matmul weights,
+Mirrors what the exporter produces for `dlm_jax.executors.jax_executor.decode_step` (same matmul weights,
 shapes [N, K] as TFLite stores them, same inputs and outputs) at the granularity the planners
 need: per layer RMSNorm, q/k/v projections, RoPE, the cache slices and concatenations,
 attention (scores, masked softmax, weighted sum), the output projection and residual, the FFN
@@ -23,7 +23,7 @@ import math
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
-from lowering.graph import Op, StepGraph, Tensor
+from dlm_jax.lowering.graph import Op, StepGraph, Tensor
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 

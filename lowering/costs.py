@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lowering.graph import Op, StepGraph, op_flops
+from dlm_jax.lowering.graph import Op, StepGraph, op_flops
 
 MB = 2 ** 20
 VIEW_OPS = frozenset({"SLICE", "STRIDED_SLICE", "GATHER", "GATHER_ND"})  # read only what they write

@@ -1,9 +1,9 @@
 """The lowered decode step as data: ops in execution order over typed tensors.
 
-Partitioning (`lowering.partition`) and the memory planner (`lowering.memory`) read only this
+Partitioning (`dlm_jax.lowering.partition`) and the memory planner (`dlm_jax.techniques.lladacpp.somr`) read only this
 structure, so both work the same on a graph read from an exported `.tflite` signature
 (`read_tflite_graph`) and on one built analytically from a `ModelConfig`
-(`lowering._analytic.analytic_graph`, for models too large to convert here, e.g. LLaDA-8B).
+(`dlm_jax.lowering._analytic.analytic_graph`, for models too large to convert here, e.g. LLaDA-8B).
 
 Tensor kinds: `weight` (a constant buffer), `kv` (the `k_cache`/`v_cache` inputs and the
 `k_new`/`v_new` outputs), `input`, `output` (the rest of the step contract) and `activation`.

@@ -19,7 +19,7 @@ import dataclasses
 import json
 from typing import Any
 
-from lowering.graph import MATMUL_OPS, TILE, JsonText, Op, StepGraph, op_flops
+from dlm_jax.lowering.graph import MATMUL_OPS, TILE, JsonText, Op, StepGraph, op_flops
 
 TARGETS = ("npu", "cpu")
 NORM_OPS = frozenset({"RMS_NORM", "MEAN", "RSQRT", "SQRT"})

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dlm_jax._errors import ConfigError
-from lowering.tiles import crop_from_tiles, pad_to_tiles
+from dlm_jax.lowering.tiles import crop_from_tiles, pad_to_tiles
 
 QK4_0 = 32  # weights per Q4_0 block
 Q4_0_BLOCK_BYTES = 18  # 2-byte fp16 scale + 16 bytes of packed nibbles
@@ -30,7 +30,7 @@ def _q4_0_blocks(w: np.ndarray) -> np.ndarray:
     w = np.asarray(w, dtype=np.float32)
     if w.ndim == 0 or w.shape[-1] % QK4_0:
         raise ConfigError(f"Q4_0 needs rows whose length is a multiple of {QK4_0}, got shape {w.shape} "
-                          f"(pad with lowering.tiles.pad_to_tiles first)")
+                          f"(pad with dlm_jax.lowering.tiles.pad_to_tiles first)")
     return w.reshape(-1, QK4_0)
 
 

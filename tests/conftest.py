@@ -16,14 +16,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # Tests are about the executor they name, the JAX one by default; the default executor
 # (auto: the LiteRT runner over the bundle cache on a CPU) is tested where a test clears this
-# (tests/tflite_export/test_cache.py, the README's commands). Its cache is private to the tests.
+# (tests/executors/test_bundle_cache.py, the README's commands). Its cache is private to the tests.
 os.environ.setdefault("DLM_JAX_EXECUTOR", "jax")
 # No compiles ahead of use in the background: a compile still running after a test would be
 # counted by the next one's compile count. tests/runtime/test_prefetch.py turns them on.
 os.environ.setdefault("DLM_JAX_COMPILE_THREADS", "0")
 os.environ.setdefault("DLM_JAX_BUNDLE_CACHE", os.path.join(tempfile.gettempdir(), f"dlm-jax-tests-bundles-{os.getuid()}"))
 # The default executor exports in a background process that outlives the test: off, but where
-# tests/tflite_export/test_auto.py turns it on.
+# tests/executors/test_auto.py turns it on.
 os.environ.setdefault("DLM_JAX_BACKGROUND_EXPORT", "0")
 
 import pytest  # noqa: E402

@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("dlm_jax", "tflite_export", "lowering", "buckets", "training")
+# Every package of the tree by its import name, and the folder that holds it (the mission's
+# top-level folders are subpackages of dlm_jax: `dlm_jax.lowering` is lowering/).
+PACKAGES = {"dlm_jax": "dlm_jax", "dlm_jax.tflite_export": "tflite_export", "dlm_jax.lowering": "lowering",
+            "dlm_jax.buckets": "buckets", "dlm_jax.training": "training"}
 JAX = ("jax", "jaxlib", "flax", "optax", "orbax")  # external packages that are, or load, JAX
 
 
@@ -28,12 +31,14 @@ class Graph:
     packages that module `m` imports (written imports, any scope); `external[m]` the top-level
     names of the other packages it imports."""
 
-    def __init__(self, root: Path, packages: Iterable[str], lazy: Mapping[str, Mapping[str, str]] | None = None):
-        self.packages = tuple(packages)
+    def __init__(self, root: Path, packages: Mapping[str, str] | Iterable[str],
+                 lazy: Mapping[str, Mapping[str, str]] | None = None):
+        folders = dict(packages) if isinstance(packages, Mapping) else {p: p for p in packages}
+        self.packages = tuple(sorted({name.partition(".")[0] for name in folders}))
         self.paths: dict[str, Path] = {}
-        for package in self.packages:
-            for path in sorted((root / package).rglob("*.py")):
-                parts = path.relative_to(root).with_suffix("").parts
+        for package, folder in folders.items():
+            for path in sorted((root / folder).rglob("*.py")):
+                parts = (*package.split("."), *path.relative_to(root / folder).with_suffix("").parts)
                 self.paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
         self.lazy = lazy if lazy is not None else _lazy_tables(p for p in self.paths if self._is_package(p))
         self.edges: dict[str, set[str]] = {}
@@ -201,14 +206,14 @@ def test_the_packages_import_no_circle(graph):
 
 @pytest.mark.parametrize("module, forbidden", [
     # The on-device runner ships without JAX and sits below the API that chooses it.
-    ("dlm_jax.runner", ("dlm_jax.api",)),
+    ("dlm_jax.executors.runner", ("dlm_jax.api",)),
     # `Model` sits below both the API and every executor.
-    ("dlm_jax._model", ("dlm_jax.api", "dlm_jax.runner", "dlm_jax.program", "tflite_export")),
+    ("dlm_jax._model", ("dlm_jax.api", "dlm_jax.executors.runner", "dlm_jax.executors.jax_executor", "tflite_export")),
 ])
 def test_module_reaches_no_jax_and_no_layer_above_it(graph, module, forbidden):
     assert module in graph.paths, f"no module {module}"
     chains = graph.reach(module)
-    bad = {m: chain for m, chain in chains.items() if m in forbidden or m.partition(".")[0] in forbidden}
+    bad = {m: chain for m, chain in chains.items() if any(m == f or m.startswith(f + ".") for f in forbidden)}
     bad.update({m: chain + [f"<{', '.join(sorted(set(JAX) & graph.external[m]))}>"]
                 for m, chain in chains.items() if set(JAX) & graph.external[m]})
     assert not bad, f"{module} imports " + "; ".join(" -> ".join(c) for c in bad.values())
@@ -229,3 +234,48 @@ def test_the_graph_sees_function_local_and_lazy_imports(tmp_path):
     assert g.external["pkg.b"] == {"numpy"}
     assert g.cycles() == [["pkg.a", "pkg.b", "pkg.a"]]
     assert set(g.reach("pkg.c")) == {"pkg.c", "pkg.a", "pkg.b", "pkg"}
+
+
+CORE = "dlm_jax.runtime"
+TECHNIQUES = "dlm_jax.techniques"
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_loop_core_names_no_technique(graph):
+    """The rooms: no module of the loop core but the registry (the one table of strategy
+    names) reaches a technique, whatever the chain; what a core module imports stays in the
+    core or below it (no executor, front end, model or API)."""
+    core = [m for m in graph.paths if _inside(m, CORE) and m not in (f"{CORE}.registry", CORE)]
+    assert f"{CORE}.decoder" in core and f"{CORE}.step" in core
+    below = ("dlm_jax._config", "dlm_jax._errors", "dlm_jax._masks", "dlm_jax._integrity", "dlm_jax._lazy")
+    for module in core:
+        chains = graph.reach(module)
+        bad = [chain for m, chain in chains.items()
+               if not (_inside(m, CORE) and m != f"{CORE}.registry") and m not in below and m != "dlm_jax"]
+        assert not bad, f"{module} imports " + "; ".join(" -> ".join(c) for c in bad)
+        assert not set(JAX) & set().union(*(graph.external[m] for m in chains)), f"{module} reaches JAX"
+
+
+def test_no_technique_imports_another(graph):
+    """Each paper's technique is one package: it may use the core and the layers beside it,
+    never another technique's package (a shared piece belongs in the core)."""
+    rooms = sorted({m.split(".")[2] for m in graph.paths if _inside(m, TECHNIQUES) and m.count(".") >= 2})
+    assert {"lladacpp", "isd", "tide", "powerinfer"} <= set(rooms)
+    for room in rooms:
+        mine = f"{TECHNIQUES}.{room}"
+        for module in (m for m in graph.paths if _inside(m, mine)):
+            other = {e for e in graph.edges[module] if _inside(e, TECHNIQUES) and e != TECHNIQUES and not _inside(e, mine)}
+            assert not other, f"{module} imports {sorted(other)}"
+
+
+def test_only_the_registry_and_the_layers_above_the_core_import_techniques(graph):
+    """Below the API, a technique is reached through the registry or by the executor and
+    exporter that run it, never from the shared model, tokenizer or checkpoint code."""
+    lower = [m for m in graph.paths if _inside(m, "dlm_jax.models") or _inside(m, "dlm_jax.checkpoint")
+             or m in ("dlm_jax._config", "dlm_jax._masks", "dlm_jax._tokenizer", "dlm_jax._model")]
+    for module in lower:
+        hits = {e for e in graph.edges[module] if _inside(e, TECHNIQUES)}
+        assert not hits, f"{module} imports {sorted(hits)}"

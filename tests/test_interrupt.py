@@ -37,7 +37,7 @@ def interrupting(*args, **kwargs):
     return original(*args, **kwargs)
 setattr(owner, name, interrupting)
 sys.argv = ["dlm-jax", *sys.argv[4:]]
-from dlm_jax.cli import main
+from dlm_jax.frontends.cli import main
 sys.exit(main())
 """
 STEP = ("dlm_jax.runtime.decoder", "DecodeStats.record_step", 2)  # the second decode step
@@ -69,7 +69,7 @@ def _leftovers(directory: Path) -> list[str]:
 def test_generate_ends_on_one_line_after_an_outside_sigint(tmp_path):
     """As `timeout -s INT 12 dlm-jax generate ...` does: the signal from another process, once
     the first block's text is out (one prompt streams its blocks as they commit)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dlm_jax.cli", "generate", "--model", str(TINY), "--prompt",
+    proc = subprocess.Popen([sys.executable, "-m", "dlm_jax.frontends.cli", "generate", "--model", str(TINY), "--prompt",
                              "564+894=", "--gen", "480", "--block", "32", "--preset", "llada", "--steps", "480"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(tmp_path), cwd=tmp_path)
     try:
@@ -125,7 +125,7 @@ def test_bundle_cache_export_leaves_no_partial_part_then_run_is_interrupted(tmp_
     assert _leftovers(tmp_path / "tmp") == []
 
     bundle = tmp_path / "bundle"
-    from dlm_jax.cli import main
+    from dlm_jax.frontends.cli import main
 
     assert main(["export", "--model", str(TINY), "--out", str(bundle), "--for-prompts", "16", "--gen", "64",
                  "--latency-repeats", "1"]) == 0
@@ -152,7 +152,7 @@ def test_an_interrupt_python_drops_is_sent_again(tmp_path):
             "d.DecodeStats.record_step = step\n"
             f"sys.argv = ['dlm-jax', 'generate', '--model', {str(TINY)!r}, '--prompt', '564+894=', '--gen', '480',"
             " '--preset', 'llada', '--steps', '480']\n"
-            "from dlm_jax.cli import main\n"
+            "from dlm_jax.frontends.cli import main\n"
             "sys.exit(main())\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(tmp_path),
                           cwd=tmp_path, timeout=300)

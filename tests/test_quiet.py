@@ -43,7 +43,7 @@ def test_generate_prints_only_its_result(tmp_path, cache, executor):
 
 
 def test_import_is_silent(tmp_path, cache):
-    done = _run("import dlm_jax, dlm_jax.runner, tflite_export", tmp_path, cache)
+    done = _run("import dlm_jax, dlm_jax.executors.runner, dlm_jax.tflite_export", tmp_path, cache)
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
 
 

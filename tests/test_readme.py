@@ -156,7 +156,7 @@ SLOW_COMMANDS = ("dlm-jax export --model models/sparse-tiny ", "dlm-jax run bund
                  'dlm-jax generate --model models/idlm-tiny --prompt "Uma has 4 keys. She sells 2. She loses 1. '
                  'She buys 2 more. How many keys does Uma have now?" --prompt "sort: 37 44 13 33 47 48" --preset ar',
                  "dlm-jax eval --model models/idlm-tiny --task gsm_lite ",
-                 "dlm-jax profile ", "dlm-jax convert ")  # tests/test_cli.py, tests/checkpoint run these too
+                 "dlm-jax profile ", "dlm-jax convert ")  # tests/frontends/test_cli.py, tests/checkpoint run these too
 
 
 def _quick_params() -> list:
@@ -217,8 +217,8 @@ def test_training_commands_then_eval_of_the_run(scratch, monkeypatch, capsys):
     """The README's training commands, then its eval of the finished run."""
     import json
 
-    from dlm_jax.cli import main
-    from training.config import RunConfig
+    from dlm_jax.frontends.cli import main
+    from dlm_jax.training.config import RunConfig
 
     real_load = RunConfig.load
     monkeypatch.setattr(RunConfig, "load", classmethod(lambda cls, path: _shrunk(real_load.__func__(cls, path))))

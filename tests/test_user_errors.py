@@ -15,7 +15,7 @@ import pytest
 
 import dlm_jax
 from dlm_jax import CheckpointError, ConfigError, InputError, decode_config
-from dlm_jax.cli import main
+from dlm_jax.frontends.cli import main
 from dlm_jax.testing import mock_model, tiny_checkpoint, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def test_bad_decode_options_end_in_one_line(argv, message, ckpt, capsys):
 
 
 def test_non_utf8_prompt_is_named(ckpt):
-    result = subprocess.run([sys.executable, "-m", "dlm_jax.cli", "generate", "--model", os.fsencode(ckpt),
+    result = subprocess.run([sys.executable, "-m", "dlm_jax.frontends.cli", "generate", "--model", os.fsencode(ckpt),
                              "--prompt", b"caf\xff"], capture_output=True, text=True)
     assert result.returncode == 2
     assert "is not valid UTF-8 (byte 0xff at character 3)" in one_error_line(result.stderr)

@@ -39,7 +39,7 @@ def decode_signature_name(key) -> str:
 
 
 def decode_signature(graphdef, state, config, key, *, gated: bool = False) -> Signature:
-    """The decode program (`dlm_jax.program.decode_step`) of one bucket as a `Signature`,
+    """The decode program (`dlm_jax.executors.jax_executor.decode_step`) of one bucket as a `Signature`,
     weights closed over; inputs and outputs named, shaped and ordered by the step contract
     (`dlm_jax.runtime.step`), so `logits` [B, R, V] is added when `key.full_logits`. A
     cache-less bucket (P == 0) takes no cache inputs (`signature_inputs`); a model with LoRA
@@ -47,7 +47,7 @@ def decode_signature(graphdef, state, config, key, *, gated: bool = False) -> Si
     import jax
     import jax.numpy as jnp
 
-    from dlm_jax.program import decode_step
+    from dlm_jax.executors.jax_executor import decode_step
     from dlm_jax.runtime.step import input_specs, output_names, signature_inputs, signature_name
 
     step = functools.partial(decode_step, graphdef, state, full_logits=key.full_logits, router_topk=key.router_topk,
@@ -190,7 +190,7 @@ def tflite_op_names(content: bytes) -> dict[str, set[str]]:
     (control-flow bodies) are listed under `<subgraph i>`."""
     from ai_edge_litert import schema_py_generated as schema
 
-    from lowering.graph import opcode_names
+    from dlm_jax.lowering.graph import opcode_names
 
     model = schema.Model.GetRootAs(content, 0)
     codes = opcode_names(model, schema)

@@ -1,7 +1,7 @@
-"""`python -m tflite_export.background`: the bundle-cache export `AutoExecutor` runs in a process
+"""`python -m dlm_jax.tflite_export.background`: the bundle-cache export `AutoExecutor` runs in a process
 of its own (at the lowest CPU priority) while decodes go on with JAX.
 
-    python -m tflite_export.background --source models/llada-tiny --entry ~/.cache/dlm-jax/bundles/llada-tiny-<key> \
+    python -m dlm_jax.tflite_export.background --source models/llada-tiny --entry ~/.cache/dlm-jax/bundles/llada-tiny-<key> \
         --buckets step_w32_p0_r32 ...
 
 It loads the checkpoint, checks that it names the same cache entry as the process that asked
@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.nice(19)  # idle time only: the decodes of the process that asked come first
     from dlm_jax.checkpoint._io import load_pretrained
-    from tflite_export.bundle import parse_bucket
-    from tflite_export.cache import BundleCacheExecutor
+    from dlm_jax.tflite_export.bundle import parse_bucket
+    from dlm_jax.executors.bundle_cache import BundleCacheExecutor
 
     t0 = time.time()
     model = load_pretrained(args.source)

@@ -1,4 +1,4 @@
-"""`dlm-jax export`: a checkpoint -> a bundle directory the runner (`dlm_jax.runner`) decodes from.
+"""`dlm-jax export`: a checkpoint -> a bundle directory the runner (`dlm_jax.executors.runner`) decodes from.
 
     keys = buckets_for_prompts(config, decode, max_prompt=64, batches=(1,))
     export_bundle("models/llada-tiny", "bundles/llada-tiny", keys=keys, quant="int8", decode=decode)
@@ -35,9 +35,10 @@ import numpy as np
 from dlm_jax._config import SPARSE_FFN_KINDS
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax._model import MissingTokenizer, stored_tokenizer
-from dlm_jax.runner import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, MODEL_FILE, Bundle, bundle_executor,
+from dlm_jax.executors.runner import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, MODEL_FILE, Bundle, bundle_executor,
                             key_to_dict, native_stderr_captured, zero_inputs)
 from dlm_jax.runtime.buckets import BucketKey
+from dlm_jax.runtime.registry import decode_options
 
 if TYPE_CHECKING:
     from dlm_jax._tokenizer import Tokenizer
@@ -206,12 +207,12 @@ def _measure_latency(bundle_dir: Path, keys: Sequence[BucketKey], repeats: int) 
 
 
 def _lowering_plan(content: bytes, config, keys: Sequence[BucketKey], quant: str, params) -> dict[str, Any]:
-    """Partition and memory plan per signature (`lowering.memory.plan_bundle`), the
+    """Partition and memory plan per signature (`dlm_jax.techniques.lladacpp.somr.plan_bundle`), the
     quantisation of this `.tflite`, and the NPU-side mixed precision a QNN path would use
     (PowerInfer-2's INT4 per channel + INT8 outlier input channels): its rule and, per linear
     weight, the outlier channels and the weight error."""
-    from lowering.memory import plan_bundle
-    from lowering.quant import quantize_mixed, weight_error
+    from dlm_jax.techniques.lladacpp.somr import plan_bundle
+    from dlm_jax.lowering.quant import quantize_mixed, weight_error
 
     plan = plan_bundle(content, config, list(keys))
     plan["quantization"] = {"mode": quant, "method": QUANT_MODES[quant]}
@@ -264,14 +265,14 @@ def _write_partition(tmp: Path, model, programs, sparse: SparseExport | None) ->
     file, the neuron plan and the predictor) and `bundle.json`'s "partition" entry."""
     from dlm_jax.checkpoint._safetensors import save_file
     from dlm_jax.models._params import get_params
-    from dlm_jax.partition_contract import describe
-    from dlm_jax.partitioned import CPU_PROGRAMS_FILE, CPU_WEIGHTS_FILE
+    from dlm_jax.executors.partition_contract import describe
+    from dlm_jax.executors.partitioned import CPU_PROGRAMS_FILE, CPU_WEIGHTS_FILE
 
     params = get_params(model)
     save_file({"embedding": np.ascontiguousarray(params["embed.embedding"])}, tmp / CPU_WEIGHTS_FILE)
     extra: dict[str, Any] = {"cpu_weights": CPU_WEIGHTS_FILE, "cpu_programs": CPU_PROGRAMS_FILE}
     if sparse is not None:
-        from dlm_jax.runtime.flash import write_flash
+        from dlm_jax.techniques.powerinfer.flash import write_flash
 
         cfg = model.config
         layers = []
@@ -299,8 +300,8 @@ def _write_partition(tmp: Path, model, programs, sparse: SparseExport | None) ->
 def _partition_plan(content: bytes, cpu_content: bytes, partition: dict[str, Any]) -> dict[str, Any]:
     """The lowering plan of a partitioned bundle, per program that runs: its ops, the NPU
     programs' memory plan."""
-    from lowering.graph import read_tflite_graph
-    from lowering.memory import plan_memory
+    from dlm_jax.lowering.graph import read_tflite_graph
+    from dlm_jax.techniques.lladacpp.somr import plan_memory
 
     out: dict[str, Any] = {"format": "dlm-jax-lowering-plan", "version": 2, "partitioned": True, "programs": {}}
     for name in partition["npu"]:
@@ -355,9 +356,9 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
       model: the checkpoint's Flax model already loaded, exported as it is with `tokenizer`
         (None: the bundle holds no tokenizer files); None (default) loads both from `model_dir`.
       plan: write `plan.json` (lowering plan and NPU mixed precision); latency_repeats=0
-        leaves `latency.json` out. The bundle cache (`tflite_export.cache`) skips both.
+        leaves `latency.json` out. The bundle cache (`dlm_jax.executors.bundle_cache`) skips both.
       partition: write the lowering's partition as the programs that run
-        (`dlm_jax.partition_contract`): tile-aligned NPU body programs, a CPU head, the
+        (`dlm_jax.executors.partition_contract`): tile-aligned NPU body programs, a CPU head, the
         embedding as a CPU table (`cpu.safetensors`).
       sparse: a partitioned bundle of an activation-sparse model whose layers run only their
         hot neurons on the NPU; the cold ones come from the neuron-bundled flash file
@@ -373,7 +374,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     from dlm_jax.models._params import get_params, param_count
     from flax import nnx
 
-    from tflite_export._convert import convert_signatures, decode_signature
+    from dlm_jax.tflite_export._convert import convert_signatures, decode_signature
 
     t0 = time.perf_counter()
     if quant not in QUANT_MODES:
@@ -389,7 +390,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
         model, tokenizer = load_checkpoint(model_dir, strict=strict, verify=verify)
     adapters = None
     if lora is not None:
-        from dlm_jax.checkpoint._adapters import load_adapters, read_adapter_config
+        from dlm_jax.techniques.isd.adapters import load_adapters, read_adapter_config
 
         load_adapters(lora, model, base=model_dir, verify=verify)
         recorded = read_adapter_config(lora)
@@ -398,7 +399,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     config = model.config
     partition = partition or sparse is not None
     if partition:
-        from dlm_jax.partition_contract import check_partitionable
+        from dlm_jax.executors.partition_contract import check_partitionable
 
         check_partitionable(config)
         if add:
@@ -424,13 +425,13 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
 
     npu = None
     if partition:
-        from dlm_jax.partition_contract import Programs
-        from tflite_export.partition import partition_signatures
+        from dlm_jax.executors.partition_contract import Programs
+        from dlm_jax.tflite_export.partition import partition_signatures
 
         programs = Programs.for_keys(keys)
         hot = None if sparse is None else sparse.clusters(programs, config.n_layers)
         if quant == "int4-outliers":
-            from tflite_export.npu_quant import NpuQuant, activation_stats, calibration_sequences
+            from dlm_jax.techniques.powerinfer.npu_quant import NpuQuant, activation_stats, calibration_sequences
 
             if progress is not None:
                 progress("calibration (salience)", 0, 1)
@@ -457,7 +458,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     if progress is not None:
         progress(f"quantize ({quant})", 0, 1)
     if npu is not None:
-        from tflite_export.npu_quant import quantize_npu
+        from dlm_jax.techniques.powerinfer.npu_quant import quantize_npu
 
         content = quantize_npu(content)
     else:
@@ -470,7 +471,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     try:
         (tmp / MODEL_FILE).write_bytes(content)
         if cpu_content is not None:
-            from dlm_jax.partitioned import CPU_PROGRAMS_FILE
+            from dlm_jax.executors.partitioned import CPU_PROGRAMS_FILE
 
             (tmp / CPU_PROGRAMS_FILE).write_bytes(cpu_content)
         if tokenizer is not None:
@@ -479,7 +480,7 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
                 "source": str(model_dir), "config": config.to_dict(),
                 "buckets": [key_to_dict(k) for k in keys],
                 "quant": {"mode": quant, "method": QUANT_MODES[quant]}, "target": target,
-                "decode": decode.options(), "prompt_format": getattr(tokenizer, "prompt_format", "raw"),
+                "decode": decode_options(decode), "prompt_format": getattr(tokenizer, "prompt_format", "raw"),
                 **({"lora": adapters} if adapters else {}),
                 "bytes": {"model": len(content), "float_model": float_bytes,
                           "weights_float32": int(4 * param_count(config))},

@@ -1,7 +1,7 @@
 """The bundle cache's bookkeeping: where it lives, its entries, their size and last use, a size
 limit kept by evicting the least recently used, and `dlm-jax cache list` / `cache clear`.
 
-The cache (`tflite_export.cache`) holds one entry per model: `<root>/<name>-<fingerprint>/`,
+The cache (`dlm_jax.executors.bundle_cache`) holds one entry per model: `<root>/<name>-<fingerprint>/`,
 a directory of bundles (`part-*`), beside it the file lock `<name>-<fingerprint>.lock` that
 serialises exports into it (and its removal). Without a limit nothing would ever leave it, so:
 

@@ -12,7 +12,7 @@ each attn_q / attn_k head are permuted as its converter does; the computed atten
 
 Weights: `f32`; `f16` (matrices in half precision, norms in f32); `q8_0` / `q4_0` (matrices
 in GGML blocks of 32 along a row, quantised by this project's bit-exact reference rules,
-`lowering.quant`; a matrix whose rows are not a multiple of 32 long stays f16, as llama.cpp's
+`dlm_jax.lowering.quant`; a matrix whose rows are not a multiple of 32 long stays f16, as llama.cpp's
 converter does). The tokenizer is the byte tokenizer's vocabulary as a GPT-2 byte-level BPE
 without merges: ids 0..255 are the bytes (in GPT-2's byte-to-character mapping) and the special
 tokens follow as control tokens, so llama.cpp tokenises text byte by byte exactly as this project
@@ -116,7 +116,7 @@ def _encode(value: np.ndarray, quant: str):
     """(data, raw GGML type or None) for one tensor under `quant`."""
     from gguf import GGMLQuantizationType as T
 
-    from lowering.quant import quantize_q4_0, quantize_q8_0
+    from dlm_jax.lowering.quant import quantize_q4_0, quantize_q8_0
 
     if value.ndim < 2 or quant == "f32":
         return value, None

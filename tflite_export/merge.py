@@ -1,6 +1,6 @@
 """Merge bundles of one model into one bundle, its weights stored once.
 
-The bundle cache (`tflite_export.cache`) exports a model's buckets as they are first needed,
+The bundle cache (`dlm_jax.executors.bundle_cache`) exports a model's buckets as they are first needed,
 one bundle per export, and each export's `.tflite` holds its own copy of every weight (a 25M
 model's entry held 3.4 copies). `merge_tflite` joins `.tflite` flatbuffers through the schema's
 object API (`ai_edge_litert.schema_py_generated`): the subgraphs and signatures of all models
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.runner import BUNDLE_FILE, MODEL_FILE, Bundle, key_to_dict
+from dlm_jax.executors.runner import BUNDLE_FILE, MODEL_FILE, Bundle, key_to_dict
 
 _ALIGN = 16  # as the converter aligns constant buffers: XNNPACK and NEON loads read them in place
 _MIN_RUNTIME = "min_runtime_version"

@@ -1,4 +1,4 @@
-"""The partitioned bundle's programs as `.tflite` signatures (`dlm_jax.partition_contract`
+"""The partitioned bundle's programs as `.tflite` signatures (`dlm_jax.executors.partition_contract`
 names and shapes them).
 
 The NPU body runs the model's own blocks over a tile-aligned window (rows padded to 32 by the
@@ -8,7 +8,7 @@ bundle each layer is its own program and computes only its hot neurons: cluster 
 constant, so the programs of every window share them (the converter stores identical
 constants once; a slice of a larger constant would be folded into a new one per program).
 The CPU head is the model's final norm and LM head over the gathered rows, with the decode
-step's prediction tail (`dlm_jax.program.predictions`).
+step's prediction tail (`dlm_jax.executors.jax_executor.predictions`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dlm_jax.partition_contract import (Programs, body_inputs, body_name, body_outputs, head_name, head_outputs,
+from dlm_jax.executors.partition_contract import (Programs, body_inputs, body_name, body_outputs, head_name, head_outputs,
                                         tiled)
-from tflite_export._convert import Signature
+from dlm_jax.tflite_export._convert import Signature
 
 
 def pad_ffn(model):
@@ -77,7 +77,7 @@ def layer_signature(model, layer: int, batch: int, window: int, cache: int,
                     clusters: Sequence[np.ndarray], *, npu=None, ffn_weights=None) -> Signature:
     """Layer `layer` of `model` over a tiled window with only the neurons of `clusters` (index
     arrays into its FFN) in its FFN: (hidden + attention + hot FFN, the FFN input, k_new, v_new).
-    `npu` (`tflite_export.npu_quant.NpuQuant`): `model` is its split copy, and each cluster's
+    `npu` (`dlm_jax.techniques.powerinfer.npu_quant.NpuQuant`): `model` is its split copy, and each cluster's
     constants run split too; `ffn_weights`: the layer's (gate, up, down) [F, D] when `model`'s
     FFN is not a plain linear any more."""
     import jax
@@ -95,7 +95,7 @@ def layer_signature(model, layer: int, batch: int, window: int, cache: int,
     down_act = None if npu is None or npu.stats is None else npu.stats.get(pre + "down_proj")
     shared = None
     if npu is not None:  # every cluster's gate / up reads the FFN input: the layer's split of it
-        from tflite_export.npu_quant import Slices
+        from dlm_jax.techniques.powerinfer.npu_quant import Slices
 
         names = [pre + "gate_proj", pre + "up_proj"] if gate is not None else [pre + "up_proj"]
         shared = npu.choose(names, [m.T for m in (gate, up) if m is not None])
@@ -131,7 +131,7 @@ def head_signature(model, batch: int, rows: int, full_logits: bool) -> Signature
     import jax
     import jax.numpy as jnp
 
-    from dlm_jax.program import predictions
+    from dlm_jax.executors.jax_executor import predictions
 
     cfg = model.config
 
@@ -154,7 +154,7 @@ def ffn_rows(ffn) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
 def partition_signatures(model, programs: Programs, *, hot: dict | None = None, npu=None) -> list[Signature]:
     """The signatures of `programs`. `hot`: a sparse bundle's hot clusters, {(layer, tiled
     window): [index arrays]}; None: a dense bundle (one body per window). `npu`
-    (`tflite_export.npu_quant.NpuQuant`): the NPU programs' linears split for INT4 + INT8
+    (`dlm_jax.techniques.powerinfer.npu_quant.NpuQuant`): the NPU programs' linears split for INT4 + INT8
     outliers (the head is built from the unsplit model)."""
     model = pad_ffn(model) if hot is None else model
     body = model if npu is None else npu.split_model(model, ffn=hot is None)

@@ -36,7 +36,7 @@ class TrainConfig:
     mesh_data: int = -1  # -1: every device not used by the model axis
     mesh_model: int = 1
     compute_dtype: str = "float32"  # "bfloat16" for mixed precision (params stay float32)
-    # Length-bucketed batches (training.data.LengthBuckets): each step is one task's rows cut to
+    # Length-bucketed batches (dlm_jax.training.data.LengthBuckets): each step is one task's rows cut to
     # the shortest bucket that holds them (batch_size * seq_len tokens per step); empty = every
     # row is seq_len long. The last bucket must be seq_len.
     length_buckets: tuple[int, ...] = ()
@@ -48,7 +48,7 @@ class TrainConfig:
     # With init_from: take only the parameters whose names and shapes match [model] (e.g. the
     # attention and embeddings of a dense model for an MoE one), the rest as initialised.
     init_partial: bool = False
-    # masked_diffusion's clean-position term (training.objectives): with clean_loss_weight > 0,
+    # masked_diffusion's clean-position term (dlm_jax.training.objectives): with clean_loss_weight > 0,
     # corrupt_prob of the visible response tokens become random regular tokens and
     # clean_loss_weight x the mean cross-entropy of the true token at every visible response
     # position is added to the loss. 0 (the default): off, the plain LLaDA loss.
@@ -72,7 +72,7 @@ class TrainConfig:
     activation_l1: float = 0.0
 
     def objective_options(self) -> dict[str, float | None]:
-        """The [train] keys passed on to the objective (training.objectives.get_objective);
+        """The [train] keys passed on to the objective (dlm_jax.training.objectives.get_objective);
         `ce_alpha` only when set (absent: introspective's auto-balance)."""
         fixed = {} if self.ce_alpha is None else {"ce_alpha": self.ce_alpha}
         return {"clean_loss_weight": self.clean_loss_weight, "corrupt_prob": self.corrupt_prob, **fixed}
@@ -145,7 +145,7 @@ class DataConfig:
 
 def _lora_spec(**values: Any):
     """[lora] rank, alpha, targets -> a LoraSpec (errors name the table)."""
-    from dlm_jax.models._lora import LoraSpec
+    from dlm_jax.techniques.isd.lora import LoraSpec
 
     try:
         return LoraSpec(**values)
@@ -162,7 +162,7 @@ class RunConfig:
     train: TrainConfig
     data: DataConfig
     source: str = "<dict>"
-    # [lora]: rank, alpha, targets of gated LoRA adapters (dlm_jax.models.LoraSpec). With it the
+    # [lora]: rank, alpha, targets of gated LoRA adapters (dlm_jax.techniques.isd.LoraSpec). With it the
     # run is R-ISD: the `init_from` base stays frozen, only the adapters train (gate 1 on [MASK]
     # rows, 0 on clean rows) and the run writes them as a PEFT-layout adapter directory.
     lora: Any = None
@@ -173,7 +173,7 @@ class RunConfig:
         if unknown:
             raise ConfigError(f"{source}: unknown tables {unknown} (expected [model], [train], [data], [lora])")
         parts = {}
-        from dlm_jax.models._lora import LoraSpec
+        from dlm_jax.techniques.isd.lora import LoraSpec
 
         kinds = (("model", ModelConfig, ModelConfig), ("train", TrainConfig, TrainConfig),
                  ("data", DataConfig, DataConfig), ("lora", LoraSpec, _lora_spec))
@@ -220,7 +220,7 @@ class RunConfig:
         return cls.from_dict(raw, source=str(path))
 
     def _check_shapes(self) -> None:
-        from training.objectives import get_objective
+        from dlm_jax.training.objectives import get_objective
 
         m, t = self.model, self.train
         try:
@@ -256,7 +256,7 @@ class RunConfig:
                     what = "seq_len" if length == t.seq_len else "length_buckets entry"
                     raise ConfigError(f"{self.source}: [model] block_size={m.block_size} must divide "
                                       f"[train] {what}={length} for {t.objective!r}")
-        from training.data import TASKS
+        from dlm_jax.training.data import TASKS
 
         unknown = sorted(set(self.data.tasks) - set(TASKS) - {"code"})
         if unknown:

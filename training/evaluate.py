@@ -11,7 +11,7 @@ import numpy as np
 
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.config import DecodeConfig
-from training.data import TASKS, make_split
+from dlm_jax.training.data import TASKS, make_split
 
 
 def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_size: int = 8,
@@ -34,7 +34,7 @@ def evaluate(handle: Any, task: str, cfg: DecodeConfig, *, n: int = 200, batch_s
             raise ConfigError(f"{name}={value!r} must be a positive integer")
     examples = make_split(TASKS[task], n, split="heldout", seed=seed)
     from dlm_jax.runtime.decoder import merge_speculation, speculation_summary
-    from dlm_jax.runtime.experts import merge_placement
+    from dlm_jax.techniques.tide.experts import merge_placement
 
     correct, nfe, tokens, seconds, samples, spec, placed = [], [], 0, 0.0, [], {}, {}
     if hasattr(handle, "calibrated"):  # expert placement: calibrated once, on the first batch

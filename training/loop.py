@@ -41,10 +41,10 @@ from dlm_jax._errors import ConfigError
 from dlm_jax._integrity import atomic_write
 from dlm_jax._tokenizer import ByteTokenizer
 from dlm_jax.checkpoint._io import load_pretrained, save_pretrained
-from dlm_jax.models._lora import LoraParam, attach_lora
+from dlm_jax.techniques.isd.lora import LoraParam, attach_lora
 from dlm_jax.models._params import init_model, model_from_params
-from training.config import RunConfig
-from training.objectives import Batch, Objective, get_objective
+from dlm_jax.training.config import RunConfig
+from dlm_jax.training.objectives import Batch, Objective, get_objective
 
 # Megatron-style rules: column-parallel in-projections, row-parallel out-projections.
 PARTITION_RULES: tuple[tuple[str, P], ...] = (
@@ -431,7 +431,7 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
-    from training.data import Batches, LengthBuckets
+    from dlm_jax.training.data import Batches, LengthBuckets
 
     # The directory first, before anything is built: never mix two runs in one directory.
     out_dir = Path(out_dir)
@@ -604,7 +604,7 @@ def train(run: RunConfig, out_dir: str | Path, *, resume: bool = True, replace: 
 def build_task_datasets(run: RunConfig, tok: Any) -> dict[str, dict[str, np.ndarray]]:
     """Encoded rows of seq_len tokens per entry of `run.data.tasks`: SFT rows per task, packed
     stdlib code for "code"."""
-    from training.data import TASKS, code_corpus, encode_sft, make_split, pack_corpus
+    from dlm_jax.training.data import TASKS, code_corpus, encode_sft, make_split, pack_corpus
 
     d, seq = run.data, run.train.seq_len
     splits = {name: make_split(TASKS[name], d.train_examples, split="train", seed=d.seed)
@@ -631,7 +631,7 @@ def build_task_datasets(run: RunConfig, tok: Any) -> dict[str, dict[str, np.ndar
 
 def build_dataset(run: RunConfig, tok: Any) -> dict[str, np.ndarray]:
     """The training mixture of `run.data` (fixed-length rows, mixed by weight)."""
-    from training.data import mix
+    from dlm_jax.training.data import mix
 
     d = run.data
     datasets = build_task_datasets(run, tok)
@@ -677,7 +677,7 @@ def _save_model(run: RunConfig, params, dest: str | Path) -> None:
 def _save_adapters(run: RunConfig, graphdef, params, frozen, dest: str | Path) -> None:
     """An R-ISD run's adapters (with the frozen base they were trained on) as a PEFT-layout
     adapter directory at `dest` for the base `init_from`; refused when one holds NaN or inf."""
-    from dlm_jax.checkpoint._adapters import save_adapters
+    from dlm_jax.techniques.isd.adapters import save_adapters
 
     model = nnx.merge(graphdef, jax.device_get(params), jax.device_get(frozen))
     flat = {_name(path): np.asarray(v) for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}

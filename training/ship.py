@@ -2,9 +2,9 @@
 and write a model card with the exact command, steps, wall time, final loss and per-task
 accuracy measured here.
 
-    .venv/bin/python -m training.ship --run runs/llada-tiny \
+    .venv/bin/python -m dlm_jax.training.ship --run runs/llada-tiny \
         --config examples/configs/llada-tiny.toml --dest models/llada-tiny
-    .venv/bin/python -m training.ship --run runs/llada-12m --config examples/configs/llada-12m.toml \
+    .venv/bin/python -m dlm_jax.training.ship --run runs/llada-12m --config examples/configs/llada-12m.toml \
         --dest models/llada-12m --weights-dtype bfloat16 --max-mb 26 --trained-on "one NVIDIA H100 GPU"
 """
 
@@ -23,10 +23,10 @@ from dlm_jax._config import SPARSE_FFN_KINDS
 from dlm_jax._integrity import make_temp_dir, write_manifest
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.registry import decode_config
-from training.config import RunConfig
-from training.data import TASKS, task_settings
-from training.evaluate import chance_accuracy, evaluate
-from training.loop import prompt_format
+from dlm_jax.training.config import RunConfig
+from dlm_jax.training.data import TASKS, task_settings
+from dlm_jax.training.evaluate import chance_accuracy, evaluate
+from dlm_jax.training.loop import prompt_format
 
 MAX_MB = 10.0  # default size limit of a shipped model (--max-mb raises it per model)
 CPU_MACHINE = "a 2-core CPU machine"
@@ -120,8 +120,8 @@ def _sparsity(handle, gen_len: int, per_task: int = 16) -> dict:
     """Per layer, the share of FFN neurons active per token and for a window of W consecutive
     rows of the card's Fast-dLLM decode (`runtime.neurons.decode_statistics` over held-out
     prompts)."""
-    from dlm_jax.runtime.neurons import decode_statistics
-    from training.data import make_split
+    from dlm_jax.techniques.powerinfer.neurons import decode_statistics
+    from dlm_jax.training.data import make_split
 
     prompts = [handle.encode(ex.prompt) for t in TASKS for ex in make_split(TASKS[t], per_task, split="heldout")]
     stats = decode_statistics(handle, prompts, decode_config(gen_len=gen_len, block_len=32),
@@ -177,7 +177,7 @@ def _fresh(m) -> str:
 
 
 def _lr_at(t, step: int) -> float:
-    from training.loop import make_optimizer
+    from dlm_jax.training.loop import make_optimizer
 
     return float(make_optimizer(t)[1](step))
 
@@ -196,7 +196,7 @@ def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_
              f"- steps: {t.steps if stopped_at is None else stopped_at}"
              + (f" of the configured {t.steps}: the run was stopped at step {stopped_at} (a checkpoint) by the "
                 f"machine's time limit, with the cosine schedule at lr {_lr_at(t, stopped_at):.2g}, and this model "
-                f"is that checkpoint (`training.loop.export_checkpoint`)" if stopped_at is not None else "")
+                f"is that checkpoint (`dlm_jax.training.loop.export_checkpoint`)" if stopped_at is not None else "")
              + f", batch {t.batch_size} x {t.seq_len} tokens, AdamW lr {t.learning_rate} "
              f"(warm-up {t.warmup_steps}, cosine to {t.min_lr_ratio}x), weight decay {t.weight_decay}, "
              f"clip {t.grad_clip}, {t.compute_dtype}",
@@ -230,7 +230,7 @@ def _card(name, run, config, metrics, results, chance, size_mb, seconds, n, gen_
         lines.append(f"| {dec} | {accs} | {nfe:.1f} |")
     floors = " | ".join(f"{chance[task] * 100:.1f}%" for task in TASKS)
     lines += [f"| chance: the most frequent held-out answer, always | {floors} | 0 |", "",
-              "Measured with `training.ship` (`training.evaluate`); answers must match exactly.", ""]
+              "Measured with `dlm_jax.training.ship` (`dlm_jax.training.evaluate`); answers must match exactly.", ""]
     if sparsity:
         windows = list(sparsity["windows"])
         lines += ["## Activation sparsity", "",

@@ -1,8 +1,8 @@
-"""Ship an R-ISD run's LoRA adapters ([lora] runs, `training.loop`) beside their base model: copy
+"""Ship an R-ISD run's LoRA adapters ([lora] runs, `dlm_jax.training.loop`) beside their base model: copy
 the PEFT-layout adapter directory, measure the held-out introspective losses of the base and of
 base + gated adapters, and write a card with the exact command, wall time and loss curve.
 
-    .venv/bin/python -m training.ship_adapters --run runs/idlm-tiny-risd \
+    .venv/bin/python -m dlm_jax.training.ship_adapters --run runs/idlm-tiny-risd \
         --config examples/configs/idlm-tiny-risd.toml --dest models/idlm-tiny/risd
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from dlm_jax._integrity import make_temp_dir, replace_dir, write_manifest
-from training.config import RunConfig
-from training.data import TASKS, encode_sft, make_split, task_settings
-from training.ship import CPU_MACHINE, LOSS_WINDOW, _final_loss, _wall_seconds
+from dlm_jax.training.config import RunConfig
+from dlm_jax.training.data import TASKS, encode_sft, make_split, task_settings
+from dlm_jax.training.ship import CPU_MACHINE, LOSS_WINDOW, _final_loss, _wall_seconds
 
 MAX_MB = 1.0  # adapters are small: refuse anything larger
 
@@ -35,9 +35,9 @@ def heldout_losses(run: RunConfig, adapters: Path, *, n: int, rows: int = 25) ->
     from flax import nnx
 
     from dlm_jax._tokenizer import ByteTokenizer
-    from dlm_jax.checkpoint._adapters import load_adapted
-    from dlm_jax.models._lora import LoraParam
-    from training.objectives import get_objective
+    from dlm_jax.techniques.isd.adapters import load_adapted
+    from dlm_jax.techniques.isd.lora import LoraParam
+    from dlm_jax.training.objectives import get_objective
 
     graphdef, adapted, base = nnx.split(load_adapted(run.train.init_from, adapters), LoraParam, ...)
     zeroed = jax.tree_util.tree_map_with_path(
@@ -64,7 +64,7 @@ def ship_adapters(run_dir: Path, config: Path, dest: Path, *, n: int, max_mb: fl
     """Copy `run_dir`/adapters to `dest` with a card (README.md), eval.json and a manifest."""
     run = RunConfig.load(config)
     if run.lora is None:
-        raise SystemExit(f"{config}: has no [lora] table; ship a full model with training.ship")
+        raise SystemExit(f"{config}: has no [lora] table; ship a full model with dlm_jax.training.ship")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if metrics[-1]["step"] != run.train.steps:
         raise SystemExit(f"{run_dir}: run stopped at step {metrics[-1]['step']} of {run.train.steps}")
@@ -112,12 +112,12 @@ def _card(dest: Path, run: RunConfig, config: Path, metrics, results, size_mb, s
              f"[MASK] rows (proposals), 0 on clean rows, so the clean rows (the anchors ISD verifies with) run the "
              f"base weights only, bit for bit. PEFT layout (`adapter_config.json`, `adapter_model.safetensors`); "
              f"`adapter_config.json` records the base's shapes and weight sha256.", "",
-             "```python", "import dlm_jax", "from dlm_jax.models import mask_rows_gate",
+             "```python", "import dlm_jax", "from dlm_jax.techniques.isd import mask_rows_gate",
              f"model = dlm_jax.load_adapted(\"{t.init_from}\", \"{dest}\")  # checks the base hash",
              "out = model(tokens, positions=..., mask=..., lora_gate=mask_rows_gate(tokens, model.config.mask_token_id))",
              "```", "",
              "## How it was trained", "", "```", f"dlm-jax train --config {config} --out {out}",
-             f"python -m training.ship_adapters --run {out} --config {config} --dest {dest}", "```", "",
+             f"python -m dlm_jax.training.ship_adapters --run {out} --config {config} --dest {dest}", "```", "",
              f"- frozen base: `{t.init_from}` (never written); only the adapters train "
              f"({sum(int(np.prod(s)) for s in _adapter_shapes(dest, run))} parameters)",
              f"- objective: `{t.objective}` on [x_masked ; x_clean], noisy blocks of "
@@ -146,7 +146,7 @@ def _card(dest: Path, run: RunConfig, config: Path, metrics, results, size_mb, s
         b, a = r["base"], r["adapted"]
         lines.append(f"| {task} | {b['noisy_ce']:.4f} | {a['noisy_ce']:.4f} | {b['masked_acc'] * 100:.2f}% | "
                      f"{a['masked_acc'] * 100:.2f}% | {b['clean_ce']:.4f} |")
-    lines += ["", "Measured with `training.ship_adapters` (`heldout_losses`). Task sizes:", "",
+    lines += ["", "Measured with `dlm_jax.training.ship_adapters` (`heldout_losses`). Task sizes:", "",
               *[f"- `{s}`" for s in task_settings().values()], ""]
     return "\n".join(lines)
 
@@ -158,7 +158,7 @@ def run_dir_hint(config: Path) -> str:
 
 def _adapter_shapes(dest: Path, run: RunConfig) -> list[tuple[int, ...]]:
     import dlm_jax
-    from dlm_jax.models._lora import attach_lora, lora_params
+    from dlm_jax.techniques.isd.lora import attach_lora, lora_params
 
     model = attach_lora(dlm_jax.init_model(run.model), run.lora)
     return [v.shape for v in lora_params(model).values()]

@@ -1,5 +1,6 @@
-"""The shared transformer, its masks, parameter helpers and gated LoRA adapters (masks import
-without JAX)."""
+"""The shared transformer, its masks and parameter helpers (masks import without JAX). A
+technique's model-side pieces live with the technique: R-ISD's gated LoRA in
+`dlm_jax.techniques.isd`, TIDE's split experts in `dlm_jax.techniques.tide`."""
 
 from dlm_jax._lazy import lazy_exports
 
@@ -12,17 +13,6 @@ _EXPORTS = {
     "model_from_params": "dlm_jax.models._params",
     "param_count": "dlm_jax.models._params",
     "param_shapes": "dlm_jax.models._params",
-    "LORA_TARGETS": "dlm_jax.models._lora",
-    "LoraParam": "dlm_jax.models._lora",
-    "LoraSpec": "dlm_jax.models._lora",
-    "attach_lora": "dlm_jax.models._lora",
-    "lora_params": "dlm_jax.models._lora",
-    "lora_spec": "dlm_jax.models._lora",
-    "mask_rows_gate": "dlm_jax.models._lora",
-    "remove_lora": "dlm_jax.models._lora",
-    "set_lora_params": "dlm_jax.models._lora",
-    "CpuExperts": "dlm_jax.models._split",
-    "split_experts": "dlm_jax.models._split",
     "ModelOutput": "dlm_jax.models._transformer",
     "Transformer": "dlm_jax.models._transformer",
     "apply_rope": "dlm_jax.models._transformer",

@@ -8,7 +8,7 @@ The forward pass serves training (full sequence, any mask, no cache) and decodin
 positions, a [B, T, P+T] visibility mask, an external prefix K/V cache in, the window's K/V
 out), which is the decode-step contract of DESIGN.md. Cached K is stored after RoPE.
 
-LoRA adapters (`dlm_jax.models._lora`, I-DLM R-ISD) hang off `Attention.lora` and
+LoRA adapters (`dlm_jax.techniques.isd.lora`, I-DLM R-ISD) hang off `Attention.lora` and
 `DenseFFN.lora` (None until `attach_lora`): with a `lora_gate` [B, T] a projection returns
 `W0 x + gate * delta(x)`; without a gate or adapters the computation is the base model's, op
 for op.
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dlm_jax._config import ModelConfig
-from dlm_jax._masks import _mode_rule
+from dlm_jax._masks import attention_rule
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 _init = nnx.initializers.normal(stddev=0.02)
@@ -372,7 +372,7 @@ class MoEFFN(nnx.Module):
         self.down = nnx.Param(_init(rngs.params(), (e, f, d), pd))
         self.shared = (DenseFFN(cfg, cfg.n_shared_experts * f, kind="swiglu", rngs=rngs)
                        if cfg.n_shared_experts else None)
-        # Split execution (`dlm_jax.models.split_experts`): gate/up/down hold S expert slots,
+        # Split execution (`dlm_jax.techniques.tide.split_experts`): gate/up/down hold S expert slots,
         # `slot_of` [E] each expert's slot (-1: not resident) and `cpu_experts` computes the
         # assignments to the others on the host.
         self.slot_of: ExpertSlotMap | None = nnx.data(None)
@@ -491,7 +491,7 @@ class Transformer(nnx.Module):
         if mask is None:
             if k_cache is not None:
                 raise ValueError("a prefix cache needs an explicit [B, T, P+T] mask")
-            mask = jnp.asarray(_mode_rule(cfg.attention, positions[:, :, None],
+            mask = jnp.asarray(attention_rule(cfg.attention, positions[:, :, None],
                                           positions[:, None, :], cfg.block_size))
             mask = jnp.broadcast_to(mask, (b, t, t))
         if (k_cache is None) != (v_cache is None):

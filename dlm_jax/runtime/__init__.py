@@ -1,20 +1,23 @@
-"""The NumPy-only host runtime. Nothing here imports JAX: it runs unchanged beside a LiteRT
-bundle on a device.
+"""The loop core: the NumPy-only host runtime. Nothing here imports JAX (it runs unchanged
+beside a LiteRT bundle on a device) and nothing but the registry names a technique: the papers'
+strategies live in `dlm_jax.techniques` and plug in through the hook bases defined here.
 
     state      DecodeState (per-slot tokens, TokenState, confidence, positions), RequestStatus
     kvstore    KVStore (NumPy per-slot K/V with versions: what a HostKVCache holds)
-    kvcache    KVCache protocol (the decode's K/V, held by the executor), SlotStep (a step as
-               indices), HostKVCache (NumPy K/V fed to a dense step), slot_visibility
+    kvcache    KVCache protocol (the decode's K/V, held by the executor), HostKVCache (NumPy K/V
+               fed to a dense step)
     scheduler  Scheduler protocol, StepPlan; NoCache / PrefixCache / DualCache block schedules
-    step       the step contract (tensor specs, StepInputs / StepOutputs), Executor, Capabilities
+    step       the step contract, both forms (StepInputs dense, SlotStep by index; StepOutputs),
+               the visibility rule, Executor, Capabilities
+    cpu_path   CpuPath (work beside the main steps), CpuExecutor
     inputs     StepInputBuilder (plans -> SlotSteps padded to a bucket)
     proposer   Proposer (greedy / Gumbel sampling, confidence kinds, random order, deferred EOS)
     commit     commit rules (top-k schedule, threshold, factor, Frechet, none) and their unit life
-    isd        Strided (I-DLM's introspective strided decoding), LeftToRight, Acceptance (its rule),
-               renewal_tpf
     revision   RevisionPolicy protocol, NoRevision
+    placement  PlacementPolicy protocol, NoPlacement
     config     DecodeConfig (the strategy objects of one decode)
-    registry   names -> strategies, presets, flat options, CLI flags
+    registry   names -> strategies, presets, flat options, CLI flags (the one core module that
+               imports the techniques, `dlm_jax.techniques`)
     decoder    Decoder (the loop), DecodeStats, DecodeOutput
     buckets    BucketKey, BucketSet, padding; latency: LatencyTable
 """
@@ -28,7 +31,7 @@ _EXPORTS = {
     "KVStore": "dlm_jax.runtime.kvstore",
     "KVCache": "dlm_jax.runtime.kvcache",
     "HostKVCache": "dlm_jax.runtime.kvcache",
-    "SlotStep": "dlm_jax.runtime.kvcache",
+    "SlotStep": "dlm_jax.runtime.step",
     "BlockScheduler": "dlm_jax.runtime.scheduler",
     "DualCache": "dlm_jax.runtime.scheduler",
     "NoCache": "dlm_jax.runtime.scheduler",
@@ -55,16 +58,17 @@ _EXPORTS = {
     "confidence_scores": "dlm_jax.runtime.proposer",
     "num_transfer_tokens": "dlm_jax.runtime.commit",
     "NoCommit": "dlm_jax.runtime.commit",
-    "Strided": "dlm_jax.runtime.isd",
-    "LeftToRight": "dlm_jax.runtime.isd",
-    "Acceptance": "dlm_jax.runtime.isd",
-    "renewal_tpf": "dlm_jax.runtime.isd",
     "NoRevision": "dlm_jax.runtime.revision",
+    "PlacementPolicy": "dlm_jax.runtime.placement",
+    "NoPlacement": "dlm_jax.runtime.placement",
+    "CpuPath": "dlm_jax.runtime.cpu_path",
+    "CpuExecutor": "dlm_jax.runtime.cpu_path",
     "RevisionPolicy": "dlm_jax.runtime.revision",
     "DecodeConfig": "dlm_jax.runtime.config",
     "PRESETS": "dlm_jax.runtime.registry",
     "registry": "dlm_jax.runtime.registry",
     "decode_config": "dlm_jax.runtime.registry",
+    "decode_options": "dlm_jax.runtime.registry",
     "preset": "dlm_jax.runtime.registry",
     "Decoder": "dlm_jax.runtime.decoder",
     "DecodeOutput": "dlm_jax.runtime.decoder",

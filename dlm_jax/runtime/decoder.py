@@ -50,7 +50,7 @@ from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
 from dlm_jax.runtime.kvcache import HostKVCache
-from dlm_jax.runtime.refresh import CpuExecutor
+from dlm_jax.runtime.cpu_path import CpuExecutor
 from dlm_jax.runtime.state import DecodeState, TokenState, take
 from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, OutputRequest
 

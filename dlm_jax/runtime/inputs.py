@@ -22,10 +22,9 @@ import numpy as np
 
 from dlm_jax._config import ModelConfig
 from dlm_jax.runtime.buckets import BucketKey, pad_axis
-from dlm_jax.runtime.kvcache import SlotStep, mask_rows_gate
 from dlm_jax.runtime.scheduler import StepPlan
 from dlm_jax.runtime.state import DecodeState
-from dlm_jax.runtime.step import Capabilities, OutputRequest
+from dlm_jax.runtime.step import Capabilities, OutputRequest, SlotStep, mask_rows_gate
 
 
 _GEOMETRY = itertools.count(1)  # unique across builders: a cache never mistakes one for another

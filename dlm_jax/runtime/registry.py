@@ -15,69 +15,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import numbers
 import typing
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.runtime.commit import (CommitRule, FactorRule, FrechetRule, NoCommit, PaperFactorRule, ThresholdRule,
+from dlm_jax.runtime.commit import (FactorRule, FrechetRule, NoCommit, PaperFactorRule, ThresholdRule,
                                     TopKSchedule)
-from dlm_jax.runtime.isd import LeftToRight, Strided
-from dlm_jax.runtime.experts import ExpertPolicy
-from dlm_jax.runtime.placement import NoPlacement, PlacementPolicy
+from dlm_jax.runtime.config import DecodeConfig
+from dlm_jax.runtime.placement import NoPlacement
 from dlm_jax.runtime.proposer import Proposer
-from dlm_jax.runtime.revision import NoRevision, ProgressiveRevision, RevisionPolicy
-from dlm_jax.runtime.scheduler import DualCache, NoCache, PrefixCache, Scheduler
-from dlm_jax.runtime.speculative import SpeculativeWindow
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DecodeConfig:
-    """Attributes:
-      gen_len: tokens to generate per request.
-      scheduler: block schedule and cache mode (default Fast-dLLM's prefix cache, block 32).
-      rule: commit rule (default Fast-dLLM's threshold 0.9).
-      proposer: greedy or sampled proposals, confidence kind, EOS deferral.
-      revision: revision policy (default none).
-      placement: expert / neuron placement policy (default none).
-    """
-
-    gen_len: int = 128
-    scheduler: Scheduler = PrefixCache()
-    rule: CommitRule = ThresholdRule()
-    proposer: Proposer = Proposer()
-    revision: RevisionPolicy = NoRevision()
-    placement: PlacementPolicy = NoPlacement()
-
-    def __post_init__(self) -> None:
-        g = self.gen_len
-        if not isinstance(g, numbers.Integral) or isinstance(g, bool) or g <= 0:
-            raise ConfigError(f"gen_len={g!r} must be a positive integer")
-        for name, kind in (("scheduler", Scheduler), ("rule", CommitRule), ("proposer", Proposer),
-                           ("revision", RevisionPolicy), ("placement", PlacementPolicy)):
-            if not isinstance(getattr(self, name), kind):
-                raise ConfigError(f"DecodeConfig.{name}={getattr(self, name)!r} is not a {kind.__name__}")
-        self.rule.check(units=self.units, gen_len=self.gen_len)
-        needs = self.scheduler.commit_rule
-        if needs is not None and _name_of(self.rule, RULES) != needs:
-            raise ConfigError(f"cache={_name_of(self.scheduler, SCHEDULERS)!r} accepts its own proposals and takes "
-                              f"rule={needs!r}, not rule={_name_of(self.rule, RULES)!r}")
-
-    @property
-    def units(self) -> int:
-        """Commit units (blocks) in the generation."""
-        return self.scheduler.units(self.gen_len)
-
-    def options(self) -> dict[str, Any]:
-        """The flat option names and values that describe this config (as the CLI spells
-        them); `decode_config(**cfg.options())` rebuilds it for registered strategies."""
-        return describe(self)
-
-    def replace(self, **options: Any) -> DecodeConfig:
-        """A copy with some options changed, by flat name (`temperature=1.0`, `cache="dual"`)
-        or by object (`rule=FrechetRule(0.1)`); untouched strategies are kept as they are."""
-        return build(options, base=self)
-
+from dlm_jax.runtime.revision import NoRevision
+from dlm_jax.runtime.scheduler import DualCache, NoCache, PrefixCache
+from dlm_jax.techniques.isd.strided import LeftToRight, Strided
+from dlm_jax.techniques.lladacpp.dppr import ProgressiveRevision
+from dlm_jax.techniques.lladacpp.mbsd import SpeculativeWindow
+from dlm_jax.techniques.tide.experts import ExpertPolicy
 
 SCHEDULERS: dict[str, type] = {
     "none": NoCache,  # LLaDA: the whole sequence every step
@@ -215,13 +168,13 @@ def build(changes: Mapping[str, Any], *, base: DecodeConfig | Mapping[str, Any] 
     if unknown:
         raise ConfigError(f"unknown decode option(s) {unknown}; known: {sorted(known)}")
     keep = base if isinstance(base, DecodeConfig) else None
-    merged = {**(keep.options() if keep else dict(base or {})), **changes}
+    merged = {**(decode_options(keep) if keep else dict(base or {})), **changes}
     used = {"gen_len"} | {sel.option for sel in SELECTORS}
     parts: dict[str, Any] = {}
     for sel in SELECTORS:
         default = sel.default
         if sel.field == "rule" and type(parts["scheduler"]).commit_rule is not None:
-            default = type(parts["scheduler"]).commit_rule  # a schedule that accepts its own proposals
+            default = _class_name(type(parts["scheduler"]).commit_rule, RULES)  # a schedule that accepts its own proposals
         implied = next((name for option, name in sel.implied_by if option in changes), None)
         choice = changes.get(sel.option, implied or merged.get(sel.option, default))
         if not isinstance(choice, str):  # an object
@@ -242,16 +195,22 @@ def build(changes: Mapping[str, Any], *, base: DecodeConfig | Mapping[str, Any] 
             owners = known[name].owners
             where = owners[0] if len(owners) == 1 else " or ".join(owners)
             raise ConfigError(f"{name}={changes[name]!r} applies to {where} only")
+    needs = type(parts["scheduler"]).commit_rule
+    if needs is not None and type(parts["rule"]) is not needs:
+        raise ConfigError(f"cache={_name_of(parts['scheduler'], SCHEDULERS)!r} accepts its own proposals and takes "
+                          f"rule={_class_name(needs, RULES)!r}, not rule={_name_of(parts['rule'], RULES)!r}")
     if parts["proposer"].remasking == "random" and not isinstance(parts["rule"], TopKSchedule):
         raise ConfigError("remasking='random' applies to rule='topk' only")
     return DecodeConfig(gen_len=merged.get("gen_len", 128), **parts)
 
 
-def decode_config(**options: Any) -> DecodeConfig:
+def decode_config(base: DecodeConfig | None = None, /, **options: Any) -> DecodeConfig:
     """A `DecodeConfig` from flat options, e.g. `decode_config(cache="dual", rule="frechet",
     delta=0.25, block_len=32, gen_len=64)`; unnamed options take the defaults (prefix cache,
-    threshold 0.9, block 32, greedy)."""
-    return build(options)
+    threshold 0.9, block 32, greedy). With a `base` config, a copy of it with those options
+    changed, by flat name (`temperature=1.0`, `cache="dual"`) or by object
+    (`rule=FrechetRule(0.1)`); its untouched strategies are kept as they are."""
+    return build(options, base=base)
 
 
 def preset(name: str, **options: Any) -> DecodeConfig:
@@ -261,12 +220,18 @@ def preset(name: str, **options: Any) -> DecodeConfig:
     return build(options, base=PRESETS[name])
 
 
+def _class_name(cls: type, table: dict[str, type]) -> str:
+    return next((name for name, c in table.items() if c is cls), cls.__name__)
+
+
 def _name_of(obj: Any, table: dict[str, type]) -> str:
-    return next((name for name, cls in table.items() if type(obj) is cls), type(obj).__name__)
+    return _class_name(type(obj), table)
 
 
-def describe(cfg: DecodeConfig) -> dict[str, Any]:
-    """The flat options of `cfg` (selectors by registered name, then each object's fields)."""
+def decode_options(cfg: DecodeConfig) -> dict[str, Any]:
+    """The flat option names and values that describe `cfg` (as the CLI spells them:
+    selectors by registered name, then each object's fields); `decode_config(**opts)` rebuilds
+    it for registered strategies."""
     out: dict[str, Any] = {"gen_len": cfg.gen_len}
     for sel in SELECTORS:
         obj = getattr(cfg, sel.field)

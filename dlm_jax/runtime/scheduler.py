@@ -135,8 +135,8 @@ class Scheduler(HookBase):
     HOOKS = ("units", "start", "plan", "settle", "advance", "plan_shapes", "overhang", "validate", "wants_logits",
              "report")
     # The commit rule (a `registry.RULES` name) this schedule decides with, or None: any rule.
-    # A schedule that accepts its own proposals in `settle` (ISD) names "none".
-    commit_rule: ClassVar[str | None] = None
+    # A schedule that accepts its own proposals in `settle` (ISD) takes the rule `NoCommit`.
+    commit_rule: ClassVar[type | None] = None
 
     def units(self, gen_len: int) -> int:
         """Commit units in a generation of `gen_len` (raises ConfigError if it cannot split it)."""

@@ -1,10 +1,14 @@
 """The step contract: what one compiled decode step takes and returns, and the Executor
 protocol that runs it (NumPy only).
 
-This module is the one place that names, shapes, orders and types the step's tensors. The
-JAX executor lowers its programs from `input_specs`, the `.tflite` exporter names its
-signature tensors from `INPUTS` / `output_specs`, and an on-device runner checks a bundle
-against them.
+This module is the one place that names, shapes, orders and types the step's tensors, in both
+forms a step takes: dense (`StepInputs`: tokens, positions, a visibility mask and the gathered
+K/V; the `.tflite` signatures and `HostKVCache`) and by index (`SlotStep`: the slots a step
+reads and writes; what every `KVCache` receives, and what the JAX executor's device programs
+take, `request_specs`). The visibility rule between the two is written once (`visibility`,
+for NumPy and `jax.numpy` alike). The JAX executor lowers its programs from these specs, the
+`.tflite` exporter names its signature tensors from `INPUTS` / `output_specs`, and an
+on-device runner checks a bundle against them.
 
 Axes: B batch, W window bucket, P cache bucket, R logit-row bucket, L layers, Hkv key/value
 heads, Dh head width, V vocabulary, M MoE layers, K experts per token, F32 words of 32 FFN
@@ -24,6 +28,7 @@ from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.buckets import (DEFAULT_BATCH_BUCKETS, BucketKey, BucketSet, cache_buckets,
                                      window_buckets)
 from dlm_jax.runtime.hooks import HookBase
+from dlm_jax._masks import attention_rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +128,7 @@ def signature_inputs(config: ModelConfig, key: BucketKey, *, gated: bool = False
 
 def LORA_GATE_SPEC(key: BucketKey) -> tuple[str, tuple[int, ...], str]:  # noqa: N802 (a spec, like INPUTS)
     """`lora_gate`'s (name, shape, dtype) in bucket `key`: 1.0 on the rows whose adapters apply."""
-    return ("lora_gate", (key.batch, key.window), "float32")
+    return (LORA_GATE.name, LORA_GATE.shape({"B": key.batch, "W": key.window}), LORA_GATE.dtype)
 
 
 def output_names(key: BucketKey) -> tuple[str, ...]:
@@ -171,6 +176,130 @@ class StepInputs:
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The inputs in `INPUTS` order."""
         return tuple(getattr(self, name) for name in INPUT_NAMES)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SlotStep:
+    """One step of a decode, as indices into the decode's [B, S] slot grid, padded to `key`.
+
+    tokens, positions: [B, W] the window rows' inputs (padding rows: anything).
+    q_valid: [B, W] bool, rows that are real (not bucket padding, not left padding).
+    read: [P] int32 slots whose stored K/V the step reads, in order (-1: none, padding).
+    read_len: [B] int32, how many of `read`'s columns each batch row reads (a row's cache
+      length when rows hold caches of different lengths, ISD); None: all of them.
+    probes: [W] bool, leave-one-out rows: no other row sees their keys.
+    hide: [W] int32 key column (0..P+W, cache columns first) a row may not see (-1: none).
+    write: [B, W] int32 the slot each window row's K/V are stored to, per batch row (-1: not
+      stored).
+    logit_rows: [B, R] int32 rows whose predictions are returned.
+    want: `logits` asks for the rows' logits; `kv` keeps the rows' K/V (`StepOutputs.kv`) for
+      a later `KVCache.write` instead of storing them now.
+    written_only: read slots count only in the batch rows that have stored them (the CPU
+      path); otherwise wherever the row is valid.
+    geometry: equal numbers mark steps of one decode whose arrays other than tokens and write
+      are identical (a cache may reuse what it built from them); None: no reuse.
+    """
+
+    key: BucketKey
+    tokens: np.ndarray
+    positions: np.ndarray
+    q_valid: np.ndarray
+    read: np.ndarray
+    probes: np.ndarray
+    hide: np.ndarray
+    write: np.ndarray
+    logit_rows: np.ndarray
+    want: OutputRequest = OutputRequest(kv=False)
+    written_only: bool = False
+    geometry: int | None = None
+    read_len: np.ndarray | None = None
+    lora_gate: np.ndarray | None = None  # [B, W] float32 (`StepInputs.lora_gate`), for a gated executor
+
+    def lengths(self) -> np.ndarray:
+        """[B] int32 `read_len`, all of `read` where it is None."""
+        if self.read_len is not None:
+            return self.read_len
+        return np.full(self.tokens.shape[0], len(self.read), np.int32)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The per-step arrays a device receives, by name."""
+        return {"tokens": self.tokens, "positions": self.positions, "q_valid": self.q_valid, "read": self.read,
+                "read_len": self.lengths(), "probes": self.probes, "hide": self.hide, "write": self.write,
+                "logit_rows": self.logit_rows, **({} if self.lora_gate is None else {"lora_gate": self.lora_gate})}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays().values())
+
+
+
+# --------------------------------------------------------------------------- by index
+# The same step as indices into the decode's [B, S] slot grid: what the host sends every step
+# to an executor that holds the decode's K/V itself (`KVCache.step`). A dense executor's
+# `StepInputs` are built from it (`runtime.kvcache.HostKVCache`), the JAX executor builds the
+# visibility on its device from the same arrays: both through `visibility` below.
+
+REQUEST: tuple[TensorSpec, ...] = (
+    TensorSpec("tokens", ("B", "W"), "int32"),
+    TensorSpec("positions", ("B", "W"), "int32"),
+    TensorSpec("q_valid", ("B", "W"), "bool"),  # rows that are real (not bucket or left padding)
+    TensorSpec("read", ("P",), "int32"),  # slots whose stored K/V the step reads (-1: none)
+    TensorSpec("read_len", ("B",), "int32"),  # how many of `read` each batch row reads
+    TensorSpec("probes", ("W",), "bool"),  # leave-one-out rows: no other row sees their keys
+    TensorSpec("hide", ("W",), "int32"),  # a key column (cache columns first) the row may not see (-1: none)
+    TensorSpec("write", ("B", "W"), "int32"),  # the slot each row's K/V go to, per batch row (-1: none)
+    TensorSpec("logit_rows", ("B", "R"), "int32"),
+)
+LORA_GATE = TensorSpec("lora_gate", ("B", "W"), "float32")  # a gated model's: 1.0 where adapters apply
+# What a CPU path's view of a snapshot takes (the read slots are resolved when it is taken).
+VIEW_NAMES: tuple[str, ...] = ("tokens", "positions", "q_valid", "probes", "hide", "logit_rows")
+
+
+def request_specs(key: BucketKey, *, gated: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every `SlotStep` array a device step of bucket `key` takes, in
+    order (`lora_gate` last, for a model with adapters)."""
+    sizes = {"B": key.batch, "W": key.window, "P": key.cache, "R": key.rows}
+    return [(s.name, s.shape(sizes), s.dtype) for s in REQUEST + ((LORA_GATE,) if gated else ())]
+
+
+def mask_rows_gate(tokens, mask_id: int):
+    """`lora_gate` of window `tokens` [B, W] (NumPy or JAX): 1.0 on rows fed the mask (R-ISD's
+    proposal rows, and bucket padding), 0.0 on rows fed a token (base weights only). The one
+    definition of the gate, for the host runtime, the JAX programs and the log-likelihoods."""
+    return (tokens == mask_id).astype("float32")
+
+
+def visibility(xp, config: ModelConfig, positions, q_valid, k_pos, k_ok, probes, hide):
+    """[B, W, P+W] bool: what each window row may attend to, for array module `xp` (NumPy on
+    the host, `jax.numpy` in a compiled step): the one definition of a step's visibility.
+
+    positions, q_valid: [B, W] the rows' positions and reality; k_pos, k_ok: [B, P] the read
+    slots' positions and whether each row may read them. Cache columns come first, then the
+    window's rows, seen by the attention rule where valid. A probe row's key is seen by that
+    row only; `hide` [W] takes one more column from a row (-1: none)."""
+    p, w = k_pos.shape[1], positions.shape[1]
+    keys = xp.concatenate([k_pos, positions], axis=1)
+    vis = attention_rule(config.attention, positions[:, :, None], keys[:, None, :], config.block_size)
+    vis = vis & xp.concatenate([k_ok, q_valid], axis=1)[:, None, :]
+    col = xp.arange(p + w)
+    probe_col = xp.concatenate([xp.zeros(p, bool), probes])
+    own = col[None, :] == (p + xp.arange(w))[:, None]  # [W, P+W]
+    vis = xp.where(probe_col[None, None, :], own[None], vis)
+    return vis & ~(col[None, :] == hide[:, None])[None]
+
+
+def slot_visibility(config: ModelConfig, req: SlotStep, positions: np.ndarray, valid: np.ndarray,
+                    written: np.ndarray | None = None) -> np.ndarray:
+    """[B, W, P+W] bool: `visibility` of `req` on the host, from the decode's slot `positions`
+    / `valid` [B, S] (and `written` [B, S] for `req.written_only`)."""
+    read = req.read
+    ok = read >= 0
+    idx = np.where(ok, read, 0)
+    k_ok = ok & valid[:, idx] & (np.arange(len(read))[None, :] < req.lengths()[:, None])
+    if req.written_only:
+        k_ok = k_ok & written[:, idx]
+    return visibility(np, config, req.positions, req.q_valid, np.where(ok, positions[:, idx], 0), k_ok,
+                      req.probes, req.hide)
 
 
 @dataclasses.dataclass(frozen=True)

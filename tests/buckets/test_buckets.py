@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from buckets import BucketKey, BucketSet, CompiledBuckets, XlaCompileCounter, cache_buckets, pad_axis, window_buckets
+from dlm_jax.buckets import BucketKey, BucketSet, CompiledBuckets, XlaCompileCounter, cache_buckets, pad_axis, window_buckets
 from dlm_jax import ConfigError
 
 

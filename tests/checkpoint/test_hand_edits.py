@@ -15,7 +15,7 @@ import pytest
 import dlm_jax
 from dlm_jax import CheckpointError, _integrity
 from dlm_jax._integrity import read_manifest, rewrite_manifest, write_manifest
-from dlm_jax.cli import main
+from dlm_jax.frontends.cli import main
 from dlm_jax.testing import tiny_checkpoint
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "llada-tiny"

@@ -22,7 +22,7 @@ from huggingface_hub.file_download import _cache_commit_hash_for_specific_revisi
 import dlm_jax
 from dlm_jax import CheckpointError
 from dlm_jax._hub import parse_hub_id, resolve_checkpoint
-from dlm_jax.cli import main
+from dlm_jax.frontends.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "llada-tiny"
@@ -150,7 +150,7 @@ def test_cli_model_ids(hub, capsys):
 
 def test_cli_model_not_cached_is_one_line_and_exit_2(hub):
     env = {**os.environ, "HF_HUB_CACHE": str(hub)}
-    done = subprocess.run([sys.executable, "-m", "dlm_jax.cli", "generate", "--model", "other/model",
+    done = subprocess.run([sys.executable, "-m", "dlm_jax.frontends.cli", "generate", "--model", "other/model",
                            "--prompt", "1+1="], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1, done.stderr
@@ -176,7 +176,7 @@ def test_lora_adapters_load_by_model_id_too(hub):
 
 def test_lm_eval_takes_a_model_id_as_pretrained(hub):
     pytest.importorskip("lm_eval")
-    from dlm_jax.lmeval import model_settings
+    from dlm_jax.frontends.lmeval import model_settings
 
     assert model_settings(REPO).pretrained == resolve_checkpoint(REPO) == hub / "models--org--name" / "snapshots" / MAIN
     with pytest.raises(CheckpointError, match="hf download other/model"):

@@ -217,7 +217,7 @@ def test_adapters_for_a_llada2_base(ckpt, tmp_path):
     """Adapters on o_proj and the FFN save in PEFT's layout; q/k/v are one PEFT module there
     (`query_key_value`), so adapters on them are refused by name rather than misnamed."""
     from dlm_jax.checkpoint import load_adapters, save_adapters
-    from dlm_jax.models import LoraSpec, attach_lora
+    from dlm_jax.techniques.isd import LoraSpec, attach_lora
 
     model = attach_lora(dlm_jax.load_pretrained(ckpt), LoraSpec(rank=2, alpha=4, targets=("o_proj", "gate_proj")))
     out = save_adapters(model, tmp_path / "lora", base=ckpt)

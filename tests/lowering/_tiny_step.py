@@ -18,7 +18,7 @@ def tiny_step() -> tuple[object, bytes]:
     from flax import nnx
 
     import dlm_jax
-    from tflite_export import convert_signatures, decode_signature
+    from dlm_jax.tflite_export import convert_signatures, decode_signature
 
     model = dlm_jax.load(str(MODEL_DIR)).model
     graphdef, state = nnx.split(model)

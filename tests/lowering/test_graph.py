@@ -17,11 +17,11 @@ import pytest
 
 from dlm_jax import ModelConfig
 from dlm_jax.runtime.buckets import BucketKey
-from lowering._analytic import analytic_graph
-from lowering.graph import (MATMUL_OPS, Op, StepGraph, Tensor, op_flops, read_tflite_graph,
+from dlm_jax.lowering._analytic import analytic_graph
+from dlm_jax.lowering.graph import (MATMUL_OPS, Op, StepGraph, Tensor, op_flops, read_tflite_graph,
                             signatures)
 from tests.lowering._tiny_step import KEYS, tiny_step
-from tflite_export import decode_signature_name
+from dlm_jax.tflite_export import decode_signature_name
 
 LLADA_8B = ModelConfig(vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, ffn_hidden=12288,
                        dtype="float16", param_dtype="float16")
@@ -156,7 +156,7 @@ def test_subgraph_boundary_tensors(graphs):
 
 
 def test_lowering_imports_without_jax_or_flax():
-    code = ("import sys, lowering, lowering.graph, lowering.partition, lowering.memory, lowering.paging\n"
+    code = ("import sys, dlm_jax.lowering, dlm_jax.lowering.graph, dlm_jax.lowering.partition, dlm_jax.techniques.lladacpp.somr, dlm_jax.techniques.lladacpp.paging\n"
             "print(sorted(m for m in ('jax', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -11,12 +11,12 @@ import json
 
 import pytest
 
-from lowering._analytic import analytic_graph
+from dlm_jax.lowering._analytic import analytic_graph
 
-from lowering.graph import MATMUL_OPS, StepGraph, op_flops, read_tflite_graph
-from lowering.partition import CPU_ROLES, Partition, partition
+from dlm_jax.lowering.graph import MATMUL_OPS, StepGraph, op_flops, read_tflite_graph
+from dlm_jax.lowering.partition import CPU_ROLES, Partition, partition
 from tests.lowering._tiny_step import KEYS, tiny_step
-from tflite_export import decode_signature_name
+from dlm_jax.tflite_export import decode_signature_name
 
 BUCKETS = KEYS[:2]  # W=32 with 32 logit rows, W=64 with 8
 

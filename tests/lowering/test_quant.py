@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dlm_jax._errors import ConfigError
-from lowering.quant import (QUANT_SCHEMES, activation_stats, dequantize_q4_0, fake_quantize, outlier_count,
+from dlm_jax.lowering.quant import (QUANT_SCHEMES, activation_stats, dequantize_q4_0, fake_quantize, outlier_count,
                             quantize_int4, quantize_int8, quantize_mixed, quantize_per_channel, quantize_q4_0,
                             salience, weight_error)
 
@@ -63,7 +63,7 @@ def test_ggml_blocks_match_gguf_reference_bit_for_bit(case, fmt):
     gguf = pytest.importorskip("gguf", reason="gguf (GGML's Python reference quantizer) is not installed")
     from gguf.quants import dequantize, quantize
 
-    from lowering.quant import dequantize_q8_0, quantize_q8_0
+    from dlm_jax.lowering.quant import dequantize_q8_0, quantize_q8_0
 
     ours_q, ours_dq, block_bytes = {"Q4_0": (quantize_q4_0, dequantize_q4_0, 18),
                                     "Q8_0": (quantize_q8_0, dequantize_q8_0, 34)}[fmt]
@@ -249,7 +249,7 @@ def test_unknown_scheme_lists_the_known_ones():
 
 
 def test_tiles_and_quant_import_without_jax_or_flax():
-    code = ("import sys, lowering.tiles, lowering.quant, lowering; lowering.QUANT_SCHEMES; "
+    code = ("import sys, dlm_jax.lowering.tiles, dlm_jax.lowering.quant, lowering; dlm_jax.lowering.QUANT_SCHEMES; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'jaxlib')); "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

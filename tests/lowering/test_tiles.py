@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dlm_jax._errors import ConfigError
-from lowering.tiles import (TiledLayout, crop_from_tiles, pad_to_tiles, row_shuffle_inner_product, tile_cost,
+from dlm_jax.lowering.tiles import (TiledLayout, crop_from_tiles, pad_to_tiles, row_shuffle_inner_product, tile_cost,
                             tiled_matmul)
 
 LAYOUTS = {"identity": TiledLayout(), "hmx_example": TiledLayout.hmx_example(),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lowering.costs import MB, UfsModel
+from dlm_jax.lowering.costs import MB, UfsModel
 
 KB = 1024
 U = UfsModel()

@@ -14,11 +14,11 @@ import dlm_jax
 from dlm_jax.models import _transformer as tr
 from dlm_jax.models._transformer import (Routing, dense_experts, dispatch_experts, expert_capacities,
                                          expert_shapes)
-from dlm_jax.program import JaxExecutor
+from dlm_jax.executors.jax_executor import JaxExecutor
 from dlm_jax.runtime import BucketKey
 from dlm_jax.testing import tiny_model
 from tests.tflite_export.test_exportable import assert_parity, random_inputs, run_litert
-from tflite_export import convert_signatures, decode_signature, tflite_op_names
+from dlm_jax.tflite_export import convert_signatures, decode_signature, tflite_op_names
 
 from ai_edge_litert.interpreter import Interpreter  # noqa: E402
 

@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.program import JaxExecutor, pack_bits
+from dlm_jax.executors.jax_executor import JaxExecutor, pack_bits
 from dlm_jax.runtime import BucketKey
 from dlm_jax.runtime.step import Capabilities, OutputRequest, output_specs, signature_name
 from dlm_jax.testing import tiny_model
 from tests.tflite_export.test_exportable import random_inputs
-from tflite_export import convert_signatures, decode_signature
+from dlm_jax.tflite_export import convert_signatures, decode_signature
 
 from ai_edge_litert.interpreter import Interpreter  # noqa: E402
 

@@ -4,7 +4,7 @@ compilation, the mask token. Behaviour that needs no model is in test_loop.py (m
 import numpy as np
 import pytest
 
-from dlm_jax.program import JaxExecutor
+from dlm_jax.executors.jax_executor import JaxExecutor
 from dlm_jax.runtime import Decoder, decode_config
 from dlm_jax.testing import MASK, sharp_model
 
@@ -69,7 +69,7 @@ def test_caches_are_exact_when_attention_cannot_see_the_future(attention, shift)
 
 
 def test_no_compilation_after_warmup():
-    from buckets import XlaCompileCounter
+    from dlm_jax.buckets import XlaCompileCounter
 
     model = sharp_model(seed=1)
     executor = JaxExecutor(model)

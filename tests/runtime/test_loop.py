@@ -95,7 +95,7 @@ def test_states_after_a_decode_and_an_eos_stop():
     assert out.stats.request_nfe[0] < out.stats.request_nfe[1]
     alone = mock(np.full(CFG.max_seq_len, 0.95), answer=answer)[1].decode([[1, 2]], cfg)
     assert alone.stats.nfe == 1 and (alone.sequences[0] == EOS).all()
-    never = dec.decode([[1, 2]], cfg.replace(stop_on_eos_block=False))
+    never = dec.decode([[1, 2]], decode_config(cfg, stop_on_eos_block=False))
     assert never.stats.nfe == 3 and (never.sequences[0][4:] != EOS).all()
 
 
@@ -214,7 +214,7 @@ def test_sampling_is_seeded_per_request():
     # The noise is real: other seeds give other samples, and greedy gives the script.
     others = [dec.decode([prompts[1]], cfg, seeds=[s]).sequences[0] for s in range(4)]
     assert any(not np.array_equal(others[0], o) for o in others[1:])
-    greedy = dec.decode([prompts[1]], cfg.replace(temperature=0.0)).sequences[0]
+    greedy = dec.decode([prompts[1]], decode_config(cfg, temperature=0.0)).sequences[0]
     np.testing.assert_array_equal(greedy, ANSWER[2:18])
 
 

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dlm_jax import _compile
-from dlm_jax._compile import CompiledBuckets, background_workers
+from dlm_jax.executors import _compile
+from dlm_jax.executors._compile import CompiledBuckets, background_workers
 from dlm_jax._errors import ConfigError
-from dlm_jax.program import JaxExecutor
+from dlm_jax.executors.jax_executor import JaxExecutor
 from dlm_jax.runtime import Decoder, preset
 from dlm_jax.runtime.step import Executor
 from dlm_jax.testing import sharp_model

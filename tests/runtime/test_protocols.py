@@ -15,9 +15,10 @@ from dlm_jax import ConfigError
 from dlm_jax.runtime import DecodeState, Decoder, TokenState, decode_config, preset
 from dlm_jax.runtime.hooks import HookError
 from dlm_jax.runtime.placement import PlacementPolicy
-from dlm_jax.runtime.revision import NoRevision, ProgressiveRevision, RevisionPolicy
+from dlm_jax.runtime.revision import NoRevision, RevisionPolicy
+from dlm_jax.techniques.lladacpp.dppr import ProgressiveRevision
 from dlm_jax.runtime.scheduler import PrefixCache, Scheduler
-from dlm_jax.runtime.speculative import SpeculativeWindow
+from dlm_jax.techniques.lladacpp.mbsd import SpeculativeWindow
 from dlm_jax.runtime.state import TRANSITIONS, StateError
 from dlm_jax.runtime.step import Executor
 from dlm_jax.testing import MockExecutor, tiny_config
@@ -71,14 +72,15 @@ def test_a_config_refuses_a_strategy_outside_its_protocol():
 
 def test_the_loop_looks_up_no_hook_by_name():
     """No getattr / hasattr in the decode loop, the strategies or the CLI's executor handling."""
-    for path in ["dlm_jax/runtime/decoder.py", "dlm_jax/runtime/revision.py", "dlm_jax/runtime/refresh.py",
-                 "dlm_jax/runtime/speculative.py", "dlm_jax/runtime/scheduler.py", "dlm_jax/runtime/placement.py",
-                 "dlm_jax/runtime/inputs.py", "dlm_jax/cli.py"]:
+    for path in ["dlm_jax/runtime/decoder.py", "dlm_jax/runtime/revision.py", "dlm_jax/runtime/cpu_path.py",
+                 "dlm_jax/techniques/lladacpp/dppr.py", "dlm_jax/techniques/lladacpp/refresh.py",
+                 "dlm_jax/techniques/lladacpp/mbsd.py", "dlm_jax/runtime/scheduler.py", "dlm_jax/runtime/placement.py",
+                 "dlm_jax/runtime/inputs.py", "dlm_jax/frontends/cli.py"]:
         tree = ast.parse((ROOT / path).read_text())
         calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
         assert "hasattr" not in calls, path
-        if path != "dlm_jax/cli.py":  # the CLI reads argparse namespaces with getattr
-            assert "getattr" not in calls or path.endswith(("speculative.py", "revision.py")), path
+        if path != "dlm_jax/frontends/cli.py":  # the CLI reads argparse namespaces with getattr
+            assert "getattr" not in calls or path.endswith(("mbsd.py", "dppr.py")), path
 
 
 # --------------------------------------------------------------------------- call order

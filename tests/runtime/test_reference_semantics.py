@@ -13,7 +13,7 @@ reference run on its prompt alone.
 import numpy as np
 import pytest
 
-from dlm_jax.program import JaxExecutor
+from dlm_jax.executors.jax_executor import JaxExecutor
 from dlm_jax.runtime import Decoder, decode_config
 from dlm_jax.testing import MASK, sharp_model
 

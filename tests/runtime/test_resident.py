@@ -16,12 +16,12 @@ import pytest
 import jax
 
 import dlm_jax
-from dlm_jax.program import DeviceKVCache, JaxExecutor
+from dlm_jax.executors.jax_executor import DeviceKVCache, JaxExecutor
 from dlm_jax.runtime import Decoder, decode_config, preset
 from dlm_jax.runtime.kvcache import HostKVCache
 from dlm_jax.runtime.registry import SCHEDULERS
 
-CAUSAL_ONLY = ("isd", "ar")  # causal, logit-shift schedules: tests/runtime/test_isd.py
+CAUSAL_ONLY = ("isd", "ar")  # causal, logit-shift schedules: tests/techniques/isd/test_isd.py
 from dlm_jax.testing import sharp_model
 
 PROMPTS = [[5, 17, 3, 44, 9, 21, 30], [8, 1]]

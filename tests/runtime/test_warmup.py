@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 import dlm_jax
-from dlm_jax._compile import XlaCompileCounter
-from dlm_jax.program import JaxExecutor
+from dlm_jax.executors._compile import XlaCompileCounter
+from dlm_jax.executors.jax_executor import JaxExecutor
 from dlm_jax.runtime import Decoder, decode_config, preset
 from dlm_jax.runtime.registry import SCHEDULERS
 
-CAUSAL_ONLY = ("isd", "ar")  # causal, logit-shift schedules: tests/runtime/test_isd.py
+CAUSAL_ONLY = ("isd", "ar")  # causal, logit-shift schedules: tests/techniques/isd/test_isd.py
 from dlm_jax.testing import sharp_model
+import dataclasses
 
 # Prompt sets of several lengths and batch sizes; each is warmed, then decoded.
 PROMPT_SETS = [[[5, 17, 3, 44, 9, 21, 30], [8, 1], [40, 41, 42, 43, 2]], [[7] * 19], [[3, 4]]]
@@ -72,13 +73,13 @@ def test_warmed_steps_may_run_in_a_larger_rows_bucket_with_the_same_tokens(decod
 
 @pytest.mark.slow  # about 10 s: a bundle-cache export
 def test_bundle_cache_exports_nothing_after_warmup(tmp_path, monkeypatch):
-    from tflite_export.cache import BundleCacheExecutor
+    from dlm_jax.executors.bundle_cache import BundleCacheExecutor
 
     monkeypatch.setenv("DLM_JAX_BUNDLE_CACHE", str(tmp_path))
     model = sharp_model()
     decoder = Decoder(BundleCacheExecutor(model, source="sharp"), model.config)
     for name in CONFIGS:
-        cfg = CONFIGS[name].replace(gen_len=32)
+        cfg = dataclasses.replace(CONFIGS[name], gen_len=32)
         for prompts in PROMPT_SETS[:2]:
             decoder.warmup([len(p) for p in prompts], cfg)
             out = decoder.decode(prompts, cfg)

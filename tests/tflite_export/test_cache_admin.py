@@ -1,4 +1,4 @@
-"""The bundle cache's upkeep (`tflite_export.cache`, `tflite_export.cache_admin`).
+"""The bundle cache's upkeep (`dlm_jax.executors.bundle_cache`, `dlm_jax.tflite_export.cache_admin`).
 
 An entry exported into twice holds one part and one copy of the weights; a process that had
 a merged-away part open keeps decoding, and one that finds a part gone between listing and
@@ -21,12 +21,12 @@ import pytest
 
 import dlm_jax
 from dlm_jax import ConfigError
-from dlm_jax.cli import main
-from dlm_jax.runner import Bundle
+from dlm_jax.frontends.cli import main
+from dlm_jax.executors.runner import Bundle
 from dlm_jax.runtime.decoder import Decoder
-from tflite_export import cache_admin
-from tflite_export.bundle import _Sizes, parse_bucket
-from tflite_export.cache import BundleCacheExecutor, model_fingerprint
+from dlm_jax.tflite_export import cache_admin
+from dlm_jax.tflite_export.bundle import _Sizes, parse_bucket
+from dlm_jax.executors.bundle_cache import BundleCacheExecutor, model_fingerprint
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "llada-tiny"
 DECODE = dlm_jax.decode_config(cache="dual", gen_len=32)
@@ -150,7 +150,7 @@ def test_a_merge_refused_exports_every_bucket_again_as_one_part(grown, jax_model
     def refuse(parts, out):
         raise ConfigError("not mergeable")
 
-    monkeypatch.setattr("tflite_export.merge.merge_bundles", refuse)
+    monkeypatch.setattr("dlm_jax.tflite_export.merge.merge_bundles", refuse)
     executor = _executor(jax_model, tmp_path)
     added = parse_bucket("step_w128_p0_r32")
     executor.warmup([added])

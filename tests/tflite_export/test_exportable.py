@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 
 import dlm_jax
-from dlm_jax.program import JaxExecutor
+from dlm_jax.executors.jax_executor import JaxExecutor
 from dlm_jax.runtime import BucketKey, OutputRequest, StepInputs
 from dlm_jax.runtime.step import INPUT_NAMES, input_specs, output_names, output_specs
 from dlm_jax.testing import TINY
 from dlm_jax import CheckpointError, _integrity
-from tflite_export import (convert_signatures, decode_signature, decode_signature_name, export_signatures,
+from dlm_jax.tflite_export import (convert_signatures, decode_signature, decode_signature_name, export_signatures,
                            read_tflite, tflite_op_names, write_tflite)
 
 from ai_edge_litert.interpreter import Interpreter  # noqa: E402  (a runtime dependency: never skipped)

@@ -12,9 +12,9 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from dlm_jax.checkpoint._io import load_pretrained  # noqa: E402
-from dlm_jax.cli import main  # noqa: E402
+from dlm_jax.frontends.cli import main  # noqa: E402
 from dlm_jax.models._params import get_params  # noqa: E402
-from tflite_export.gguf import GGUF_QUANTS, byte_chars, export_gguf, gguf_tensors  # noqa: E402
+from dlm_jax.tflite_export.gguf import GGUF_QUANTS, byte_chars, export_gguf, gguf_tensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "llada-tiny"
@@ -106,7 +106,7 @@ def test_chat_template_renders_what_apply_chat_encodes(tmp_path):
     import jinja2
 
     import dlm_jax
-    from tflite_export.gguf import CHAT_TEMPLATE
+    from dlm_jax.tflite_export.gguf import CHAT_TEMPLATE
 
     tok = dlm_jax.load_tokenizer(ROOT / "models" / "llada-12m")
     assert tok.prompt_format == "chat"
@@ -205,7 +205,7 @@ def test_llama_cpp_decodes_the_exported_file_to_the_model_answers(exported):
     if cli is None:
         pytest.skip("llama-diffusion-cli is not built (python benchmarks/peers.py --build-llama-cpp)")
     import dlm_jax
-    from training.data import TASKS, make_split
+    from dlm_jax.training.data import TASKS, make_split
 
     model = dlm_jax.load(TINY, executor="jax")
     examples = make_split(TASKS["addition"], 8, split="heldout")

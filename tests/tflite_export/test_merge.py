@@ -1,4 +1,4 @@
-"""Merging bundles (`tflite_export.merge`), what the bundle cache compacts an entry with.
+"""Merging bundles (`dlm_jax.tflite_export.merge`), what the bundle cache compacts an entry with.
 
 A merged bundle must decode exactly the tokens its parts decode, hold every signature of
 every part, store each weight once (about one part's size, not their sum), keep decoding in a
@@ -18,11 +18,11 @@ import pytest
 import dlm_jax
 from dlm_jax import CheckpointError, ConfigError
 from dlm_jax._integrity import write_manifest
-from dlm_jax.runner import Bundle, LiteRTExecutor, load_bundle, zero_inputs
+from dlm_jax.executors.runner import Bundle, LiteRTExecutor, load_bundle, zero_inputs
 from dlm_jax.runtime.decoder import Decoder
-from tflite_export.bundle import _Sizes, export_bundle
-from tflite_export.cache_admin import remove_tree
-from tflite_export.merge import merge_bundles, merge_tflite
+from dlm_jax.tflite_export.bundle import _Sizes, export_bundle
+from dlm_jax.tflite_export.cache_admin import remove_tree
+from dlm_jax.tflite_export.merge import merge_bundles, merge_tflite
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "llada-tiny"
 DECODE = dlm_jax.decode_config(cache="dual", gen_len=32)
@@ -162,7 +162,7 @@ def test_merging_refuses_external_or_broken_buffers_and_bundles_of_other_models(
         merge_tflite([changed(past_the_end)])
     with pytest.raises(ConfigError, match="external buffers"):
         merge_tflite([content, changed(external)])
-    monkeypatch.setattr("tflite_export.merge._FLATBUFFER_LIMIT", 1000)
+    monkeypatch.setattr("dlm_jax.tflite_export.merge._FLATBUFFER_LIMIT", 1000)
     with pytest.raises(ConfigError, match="exceed what one flatbuffer holds"):
         merge_tflite([content])
     monkeypatch.undo()

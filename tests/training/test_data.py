@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dlm_jax import ByteTokenizer
-from training.data import (HELDOUT_FRACTION, MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, TASKS, AdditionTask,
+from dlm_jax.training.data import (HELDOUT_FRACTION, MAX_ANSWER_CHARS, MAX_PROMPT_CHARS, TASKS, AdditionTask,
                            LengthBuckets,
                            Batches, Example, GsmLiteTask, SortingTask, code_corpus, count_carries,
                            encode_sft, is_heldout, make_split, mix, final_result, pack_corpus)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from training.data import TASKS, make_split, final_result
-from training.evaluate import chance_accuracy
+from dlm_jax.training.data import TASKS, make_split, final_result
+from dlm_jax.training.evaluate import chance_accuracy
 
 
 def test_chance_is_the_most_frequent_final_answer():

@@ -12,7 +12,7 @@ import pytest
 
 import dlm_jax
 from dlm_jax import ConfigError
-from training.config import RunConfig
+from dlm_jax.training.config import RunConfig
 
 MODEL = dict(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
              mask_token_id=259, eos_token_id=258, max_seq_len=64)
@@ -37,7 +37,7 @@ def small_dataset():
 
 @pytest.mark.slow  # 25-45 s; .ci/run runs the slow tests after the default suite
 def test_interrupted_run_resumes_at_the_same_step_and_data(tmp_path):
-    from training.loop import train
+    from dlm_jax.training.loop import train
 
     run, data = run_config(), small_dataset()
     straight = train(run, tmp_path / "a", progress=False, dataset=data)
@@ -56,7 +56,7 @@ def test_interrupted_run_resumes_at_the_same_step_and_data(tmp_path):
 @pytest.mark.slow  # 25-45 s; .ci/run runs the slow tests after the default suite
 def test_length_bucketed_run_resumes_exactly(tmp_path):
     """Length buckets: steps of different shapes, interrupted mid-run, resume bit-for-bit."""
-    from training.loop import train
+    from dlm_jax.training.loop import train
 
     run = RunConfig.from_dict({
         "model": MODEL,
@@ -74,7 +74,7 @@ def test_length_bucketed_run_resumes_exactly(tmp_path):
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
     # A checkpoint exports to the same HF model the run wrote at its end.
-    from training.loop import export_checkpoint
+    from dlm_jax.training.loop import export_checkpoint
 
     assert export_checkpoint(run, tmp_path / "b", tmp_path / "exported") == 6
     c = dlm_jax.get_params(dlm_jax.load_pretrained(tmp_path / "exported"))
@@ -90,7 +90,7 @@ def test_four_fake_devices_match_one_device(tmp_path):
 import json, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
 from tests.training.test_loop import run_config, small_dataset
-from training.loop import train
+from dlm_jax.training.loop import train
 import jax
 mesh = [int(x) for x in sys.argv[1:3]]
 r = train(run_config(mesh_data=mesh[0], mesh_model=mesh[1]), sys.argv[3], progress=False, dataset=small_dataset())
@@ -154,7 +154,7 @@ def test_block_size_must_divide_seq_len_for_two_stream_objectives():
 def test_init_from_starts_the_run_at_a_saved_models_weights(tmp_path):
     """[train] init_from: a causal model's weights start a bidirectional run (AR -> diffusion
     adaptation); a model of other shapes is refused with the key named, before any step."""
-    from training.loop import train
+    from dlm_jax.training.loop import train
 
     causal = dlm_jax.init_model(dataclasses.replace(run_config().model, attention="causal"), seed=7)
     dlm_jax.save_pretrained(causal, tmp_path / "ar", tokenizer=dlm_jax.ByteTokenizer())

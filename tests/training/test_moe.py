@@ -24,7 +24,7 @@ def moe_config(model=MOE, **train):
 
 
 def test_balance_moves_each_bias_by_the_rate_towards_the_mean_load():
-    from training.loop import balance_experts
+    from dlm_jax.training.loop import balance_experts
 
     model = dlm_jax.init_model(moe_config().model, seed=0)
     _, old = nnx.split(model)
@@ -40,7 +40,7 @@ def test_balance_moves_each_bias_by_the_rate_towards_the_mean_load():
 
 @pytest.mark.slow  # subprocesses / a training run: .ci/run runs the slow tests
 def test_a_run_balances_its_experts_and_logs_the_load(tmp_path):
-    from training.loop import train
+    from dlm_jax.training.loop import train
 
     result = train(moe_config(expert_bias_rate=0.01), tmp_path / "run", progress=False, dataset=small_dataset())
     params = dlm_jax.get_params(dlm_jax.load_pretrained(result.model_dir))
@@ -55,7 +55,7 @@ def test_a_run_balances_its_experts_and_logs_the_load(tmp_path):
 
 @pytest.mark.slow  # about 25 s: a one-step run
 def test_init_partial_takes_the_matching_weights_of_a_dense_model(tmp_path):
-    from training.loop import train
+    from dlm_jax.training.loop import train
 
     dense = dlm_jax.init_model(dataclasses.replace(moe_config().model, ffn="swiglu", n_experts=0, n_experts_per_tok=0,
                                                    moe_ffn_hidden=0, n_shared_experts=0, router="softmax",

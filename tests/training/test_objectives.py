@@ -9,7 +9,7 @@ import pytest
 import dlm_jax
 from dlm_jax import ConfigError
 from dlm_jax.testing import tiny_config
-from training.objectives import (EPS, autoregressive, get_objective, introspective, masked_diffusion,
+from dlm_jax.training.objectives import (EPS, autoregressive, get_objective, introspective, masked_diffusion,
                                  two_stream_mask)
 
 V, MASK = 16, 15
@@ -187,7 +187,7 @@ def test_clean_term_options_are_checked():
 
 
 def test_clean_term_is_a_train_key_of_masked_diffusion_only():
-    from training.config import RunConfig
+    from dlm_jax.training.config import RunConfig
 
     model = {"vocab_size": 264, "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64,
              "max_seq_len": 64, "mask_token_id": 259, "eos_token_id": 258}

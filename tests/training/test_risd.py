@@ -12,10 +12,10 @@ from flax import nnx
 import dlm_jax
 from dlm_jax import ConfigError
 from dlm_jax.checkpoint import load_adapted, read_adapter_config
-from dlm_jax.models import lora_params, mask_rows_gate
+from dlm_jax.techniques.isd import lora_params, mask_rows_gate
 from dlm_jax.testing import tiny_config
-from training.config import RunConfig
-from training.objectives import get_objective, introspective, two_stream_mask
+from dlm_jax.training.config import RunConfig
+from dlm_jax.training.objectives import get_objective, introspective, two_stream_mask
 
 MODEL = dict(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, mask_token_id=259,
              eos_token_id=258, max_seq_len=64, attention="causal", logit_shift=True, block_size=4)
@@ -121,7 +121,7 @@ def test_bad_keys_are_named_in_one_line(train, lora, match):
 def test_risd_run_trains_only_the_adapters(tmp_path):
     """A short R-ISD run: the base stays bit-identical, the adapters move, clean rows of the
     adapted model are the base's bits, and the adapter files round-trip against the base."""
-    from training.loop import train
+    from dlm_jax.training.loop import train
 
     base_dir = tmp_path / "base"
     base = dlm_jax.init_model(dlm_jax.ModelConfig(**MODEL), seed=3)

@@ -12,7 +12,7 @@ import pytest
 import dlm_jax
 from dlm_jax import ConfigError
 from tests.training.test_loop import MODEL, run_config, small_dataset
-from training.config import RunConfig
+from dlm_jax.training.config import RunConfig
 
 
 def base(**train):
@@ -39,7 +39,7 @@ def checkpoint_steps(run_dir):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """A finished 2-step run; tests work on copies of it."""
-    from training.loop import train
+    from dlm_jax.training.loop import train
 
     path = tmp_path_factory.mktemp("base") / "run"
     train(base(), path, progress=False, dataset=small_dataset())
@@ -56,7 +56,7 @@ def old_run(finished_run, tmp_path):
 def test_fresh_into_a_run_is_refused_and_replace_moves_it_aside(old_run):
     """Item 9: --fresh into a directory with a run is refused (nothing touched); --replace moves
     the old run aside in one rename and the new run starts in an empty directory."""
-    from training.loop import train
+    from dlm_jax.training.loop import train
 
     before = {p.relative_to(old_run): p.read_bytes() for p in old_run.rglob("*") if p.is_file()}
     with pytest.raises(ConfigError, match=f"^{old_run} already holds a run .*--replace.*leave out --fresh"):
@@ -79,7 +79,7 @@ def test_fresh_into_a_run_is_refused_and_replace_moves_it_aside(old_run):
 def test_only_an_empty_or_missing_directory_counts_as_no_run(tmp_path):
     """Item 9: an empty directory (or one with only empty folders) is not a run; one with other
     files is neither resumed nor overwritten."""
-    from training.loop import _holds_files, train
+    from dlm_jax.training.loop import _holds_files, train
 
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     assert not _holds_files(tmp_path / "empty") and not _holds_files(tmp_path / "missing")
@@ -92,7 +92,7 @@ def test_only_an_empty_or_missing_directory_counts_as_no_run(tmp_path):
 def test_resume_with_another_config_names_every_changed_key_before_building(old_run, monkeypatch):
     """Item 10: the stored run_config.json is compared first; each changed key is named with its
     old and new value, and nothing (mesh, data, checkpoint manager) is built."""
-    import training.loop as loop
+    import dlm_jax.training.loop as loop
 
     stored = json.loads((old_run / "run_config.json").read_text())
     assert set(stored) == {"model", "train", "data"} and stored["model"]["d_model"] == 32
@@ -126,7 +126,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resumes_logging_each_step_once(old_run):
     crash had logged step 3 past its last checkpoint; Ctrl-C after step 3 (not a checkpoint step)
     saves step 3, keeps the metrics so far and the segment's time; the next resume continues at
     3. Each step is logged once and train_seconds sums every segment."""
-    from training.loop import TrainingInterrupted, train
+    from dlm_jax.training.loop import TrainingInterrupted, train
 
     with open(old_run / "metrics.jsonl", "a") as f:  # what a crash after logging step 3 leaves
         f.write(json.dumps({"step": 3, "loss": -1.0}) + "\n" + '{"step": 4, "lo')
@@ -159,7 +159,7 @@ def test_ctrl_c_during_a_checkpoint_save_takes_effect_after_it(tmp_path, monkeyp
     import os
     import signal
 
-    import training.loop as loop
+    import dlm_jax.training.loop as loop
 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     real, calls = loop._checkpoint_manager, []
@@ -188,8 +188,8 @@ def test_ctrl_c_during_a_checkpoint_save_takes_effect_after_it(tmp_path, monkeyp
 
 def test_cli_ctrl_c_prints_the_resume_command_and_exits_130(tmp_path, monkeypatch, capsys):
     """Item 11 at the CLI: one line naming the step and the command that resumes, code 130."""
-    import training.loop as loop
-    from dlm_jax.cli import main
+    import dlm_jax.training.loop as loop
+    from dlm_jax.frontends.cli import main
 
     config = write_toml(tmp_path / "my run.toml", 40)
     calls = []
@@ -210,7 +210,7 @@ def test_cli_ctrl_c_prints_the_resume_command_and_exits_130(tmp_path, monkeypatc
 
 def test_cli_fresh_into_a_run_is_one_line_error(old_run, tmp_path, capsys):
     """Item 9 at the CLI: `--fresh` into a run is refused with the way out, exit code 2."""
-    from dlm_jax.cli import main
+    from dlm_jax.frontends.cli import main
 
     config = write_toml(tmp_path / "tiny.toml", 2)
     assert main(["train", "--config", str(config), "--out", str(old_run), "--fresh"]) == 2
@@ -222,7 +222,7 @@ def test_cli_fresh_into_a_run_is_one_line_error(old_run, tmp_path, capsys):
 def test_a_diverging_run_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
     """Item 12: learning rate 1e30 (after one warm-up step at 0): the first non-finite step is
     named, nothing of it is saved, no model is written, the last checkpoint is finite."""
-    from training.loop import TrainingError, export_checkpoint, train
+    from dlm_jax.training.loop import TrainingError, export_checkpoint, train
 
     run, out = base(steps=6, warmup_steps=1, learning_rate=1e30), tmp_path / "run"
     diverged = r"^step (\d+): the (loss|gradient norm|updated parameters) .*without saving this step.*--replace"
@@ -236,12 +236,12 @@ def test_a_diverging_run_stops_at_its_step_and_keeps_the_last_good_checkpoint(tm
 
 
 def test_non_finite_parameters_are_never_written_or_shipped(tmp_path):
-    """Item 12: _save_model and training.ship refuse a NaN tensor, naming it."""
+    """Item 12: _save_model and dlm_jax.training.ship refuse a NaN tensor, naming it."""
     import jax
     from flax import nnx
 
-    from training.loop import TrainingError, _save_model
-    from training.ship import ship
+    from dlm_jax.training.loop import TrainingError, _save_model
+    from dlm_jax.training.ship import ship
 
     run = base()
     model = dlm_jax.init_model(run.model, seed=0)
@@ -279,7 +279,7 @@ def test_vocab_smaller_than_the_tokenizer_is_a_config_error():
 def test_seq_len_too_short_for_the_task_data_is_a_config_error(tmp_path):
     """Item 12: the longest encoded example must fit [train] seq_len; the error names the task
     and the length needed, before any step (no checkpoint, no metrics)."""
-    from training.loop import train
+    from dlm_jax.training.loop import train
 
     run = RunConfig.from_dict({
         "model": MODEL,

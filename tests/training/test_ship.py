@@ -1,10 +1,10 @@
-"""Model-card helpers of training.ship."""
+"""Model-card helpers of dlm_jax.training.ship."""
 
 from __future__ import annotations
 
 import pytest
 
-from training.ship import LOSS_WINDOW, _final_loss
+from dlm_jax.training.ship import LOSS_WINDOW, _final_loss
 
 
 def test_final_loss_averages_the_last_logged_steps():
@@ -24,7 +24,7 @@ def test_bfloat16_storage_loads_into_the_float32_model(tmp_path):
     from dlm_jax._integrity import write_manifest
     from dlm_jax.checkpoint._safetensors import read_header
     from dlm_jax.testing import tiny_config
-    from training.ship import _store_weights
+    from dlm_jax.training.ship import _store_weights
 
     model = dlm_jax.init_model(tiny_config(), seed=0)
     path = dlm_jax.save_pretrained(model, tmp_path / "m")
@@ -46,8 +46,8 @@ def test_bfloat16_storage_loads_into_the_float32_model(tmp_path):
 
 
 def test_card_states_storage_machine_and_a_stopped_run():
-    from training.config import RunConfig
-    from training.ship import _card
+    from dlm_jax.training.config import RunConfig
+    from dlm_jax.training.ship import _card
 
     run = RunConfig.from_dict({
         "model": {"vocab_size": 264, "d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 64,
@@ -56,7 +56,7 @@ def test_card_states_storage_machine_and_a_stopped_run():
                   "clean_loss_weight": 0.5, "corrupt_prob": 0.15},
         "data": {"tasks": {"addition": 1.0}}})
     metrics = [{"step": 90, "loss": 0.5, "md_loss": 0.4, "clean_ce": 0.2}]
-    from training.data import TASKS
+    from dlm_jax.training.data import TASKS
 
     results = {"dec": {t: {"accuracy": 0.5, "mean_nfe": 2.0} for t in TASKS}}
     card = _card("m", run, "c.toml", metrics, results, {t: 0.0 for t in TASKS}, 1.0, 60.0, 4, 32,

@@ -1,4 +1,4 @@
-"""training.ship_adapters: an R-ISD run's adapters shipped beside their base with a card whose
+"""dlm_jax.training.ship_adapters: an R-ISD run's adapters shipped beside their base with a card whose
 held-out clean-stream loss is the base's, bit for bit."""
 
 import json
@@ -7,14 +7,14 @@ import numpy as np
 
 import dlm_jax
 from dlm_jax.checkpoint import load_adapted, save_adapters
-from dlm_jax.models import LoraSpec, attach_lora, lora_params, set_lora_params
+from dlm_jax.techniques.isd import LoraSpec, attach_lora, lora_params, set_lora_params
 
 MODEL = dict(vocab_size=264, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, mask_token_id=259,
              eos_token_id=258, max_seq_len=256, attention="causal", logit_shift=True, block_size=4)
 
 
 def test_shipped_adapters_carry_a_card_and_load(tmp_path):
-    from training.ship_adapters import ship_adapters
+    from dlm_jax.training.ship_adapters import ship_adapters
 
     base = dlm_jax.save_pretrained(dlm_jax.init_model(dlm_jax.ModelConfig(**MODEL), seed=0), tmp_path / "base",
                                    tokenizer=dlm_jax.ByteTokenizer())

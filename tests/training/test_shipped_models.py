@@ -1,7 +1,7 @@
 """The reference checkpoints in models/: they load with `load_pretrained`, stay within the size
 limit, carry a measured model card, and answer held-out task prompts well above chance
 (`ar-tiny`, a purely autoregressive base at the chance floor, ships for R-ISD's lossless check
-only: tests/runtime/test_isd.py)."""
+only: tests/techniques/isd/test_isd.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import pytest
 
 import dlm_jax
 from dlm_jax.runtime import decode_config
-from training.data import TASKS
-from training.evaluate import evaluate
-from training.ship import MAX_MB
+from dlm_jax.training.data import TASKS
+from dlm_jax.training.evaluate import evaluate
+from dlm_jax.training.ship import MAX_MB
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
 
-# Size limits above training.ship's default (`--max-mb`): llada-12m ships bfloat16 weights.
+# Size limits above dlm_jax.training.ship's default (`--max-mb`): llada-12m ships bfloat16 weights.
 SIZE_LIMIT_MB = {"llada-12m": 26.0, "moe-tiny": 20.0}
 
 

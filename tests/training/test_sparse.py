@@ -18,8 +18,8 @@ SPARSE = {**MODEL, "ffn": "reglu"}
 
 def _step(rate, lr=0.0):
     """One train step of a random sparse model on a fixed batch: (new params, metrics)."""
-    from training.loop import train_step
-    from training.objectives import get_objective
+    from dlm_jax.training.loop import train_step
+    from dlm_jax.training.objectives import get_objective
 
     run = run_config(SPARSE, steps=4, warmup_steps=1, activation_l1=rate)
     graphdef, params = nnx.split(dlm_jax.init_model(run.model, seed=0))

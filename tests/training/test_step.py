@@ -11,8 +11,8 @@ from flax import nnx
 
 from dlm_jax.models._params import init_model
 from tests.training.test_loop import run_config, small_dataset
-from training.loop import StepShardings, build_mesh, make_optimizer, make_train_step
-from training.objectives import get_objective
+from dlm_jax.training.loop import StepShardings, build_mesh, make_optimizer, make_train_step
+from dlm_jax.training.objectives import get_objective
 
 
 @pytest.fixture(scope="module")

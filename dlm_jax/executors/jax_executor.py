@@ -1,0 +1,511 @@
+"""The decode program (one pure function per static bucket) and the JAX executor over it.
+
+`decode_step` follows the dense step contract of `dlm_jax.runtime.step`: window tokens,
+positions, a visibility mask over cache + window slots, an external K/V cache and the rows
+whose predictions are wanted go in; per-row top-1 token and probability, the runner-up
+probability, the entropy, optionally the rows' logits, and the window's K/V come out, named
+as the contract names them. It is model-agnostic: logit shift is the host's business (it asks
+for row i - 1 to predict slot i).
+
+A decode does not feed it from the host: `JaxExecutor.open` makes a `DeviceKVCache`, the
+decode's K/V as device arrays [L, B, S, Hkv, Dh] (S: the decode's slots, bucketed), and each
+step is one program (`resident_step`) that gathers the read slots on the device, builds the
+visibility there from the slot positions uploaded once, runs `decode_step` and scatters the
+window rows' K/V into the cache, whose buffers it donates. Per step the host sends the
+`SlotStep` (ids, positions, flags, slot indices) and reads back the rows' predictions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dlm_jax.executors._compile import CompiledBuckets
+from dlm_jax._config import ModelConfig
+from dlm_jax.models._transformer import Transformer
+from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
+from dlm_jax.runtime.kvcache import KVCache, Transfers
+from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, BuildCounts, Capabilities, Executor,
+                                  SlotStep, StepInputs, StepOutputs, input_specs, model_outputs, output_names,
+                                  request_specs, visibility)
+
+_PREDICTIONS = ("top_token", "top_prob", "second_prob", "entropy")
+
+
+def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
+                full_logits: bool, mask_id: int | None = None, lora_gate=None,
+                router_topk: bool = False, ffn_active: bool = False) -> dict[str, jax.Array]:
+    """One forward over the window; shapes as in `StepInputs`. Returns `{output name: array}`
+    for the names of `output_names` (logits only with `full_logits`, the MoE layers' routed
+    experts only with `router_topk`, the FFN neurons each row activates, bit-packed, only
+    with `ffn_active`). `lora_gate` [B, W]: the rows whose LoRA adapters apply (a model with
+    adapters; R-ISD).
+
+    `mask_id` is never proposed: its logit is removed before the softmax, so a commit always
+    unmasks (committing the mask token would leave the slot masked and stall the block)."""
+    model = nnx.merge(graphdef, state)
+    has_cache = k_cache.shape[2] > 0  # static: P == 0 means no cache input is used
+    out = model(tokens, positions=positions, mask=visibility,
+                k_cache=k_cache if has_cache else None, v_cache=v_cache if has_cache else None,
+                logit_rows=logit_rows, **({} if lora_gate is None else {"lora_gate": lora_gate}),
+                **({"router_topk": True} if router_topk else {}), **({"ffn_act": True} if ffn_active else {}))
+    named = {**predictions(out.logits, mask_id=mask_id, full_logits=full_logits), "k_new": out.k, "v_new": out.v}
+    if router_topk:
+        named["router_topk"] = out.router_topk
+    if ffn_active:
+        named["ffn_active"] = pack_bits(out.ffn_act > 0)
+    return named
+
+
+def predictions(logits: jax.Array, *, mask_id: int | None, full_logits: bool) -> dict[str, jax.Array]:
+    """The step's per-row predictions from the rows' logits: top token, its probability, the
+    runner-up's, the entropy (and the logits with `full_logits`). `mask_id` is never proposed:
+    its logit is removed before the softmax."""
+    if mask_id is not None:  # a select, not a scatter: stays a TFLite builtin
+        logits = jnp.where(jnp.arange(logits.shape[-1]) == mask_id, -jnp.inf, logits)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    probs = jnp.exp(logp)
+    top_token, top_prob, second_prob = top2(probs)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
+    named = {"top_token": top_token.astype(jnp.int32), "top_prob": top_prob, "second_prob": second_prob,
+             "entropy": entropy}
+    if full_logits:
+        named["logits"] = logits
+    return named
+
+
+def pack_bits(active: jax.Array) -> jax.Array:
+    """bool [..., F] -> int32 [..., ceil(F / 32)]: bit j of word w is element 32 w + j (the
+    layout of `runtime.neurons.unpack_active`). Distinct powers of two summed in int32 are
+    their bitwise OR, bit 31 landing on the sign, in ops every backend has (multiply by
+    constants, sum: TFLite has no builtin shift)."""
+    f = active.shape[-1]
+    words = -(-f // 32)
+    bits = jnp.pad(active, [(0, 0)] * (active.ndim - 1) + [(0, 32 * words - f)]).astype(jnp.int32)
+    bits = bits.reshape(*active.shape[:-1], words, 32)
+    powers = jnp.asarray((np.uint32(1) << np.arange(32, dtype=np.uint32)).view(np.int32))
+    return jnp.sum(bits * powers, axis=-1, dtype=jnp.int32)
+
+
+def _is_kernel(path, leaf) -> bool:
+    """A 2-D Linear kernel ([d_in, d_out]) of the state pytree."""
+    return getattr(leaf, "ndim", 0) == 2 and any(getattr(k, "key", None) == "kernel" for k in path)
+
+
+@dataclasses.dataclass
+class _SplitLayer:
+    """Where a split MoE layer's slots sit among the executor's leaves, and what they hold."""
+
+    weights: tuple[int, int, int]  # leaf indices of the gate, up and down slot buffers
+    slot_map: int  # leaf index of its ExpertSlotMap
+    cpu: object  # its CpuExperts (host weights, the CPU path)
+    resident: np.ndarray  # [S] the expert in each slot
+
+
+def _split_layers(model: Transformer, paths) -> dict[int, _SplitLayer]:
+    """The split MoE layers of `model` (`split_experts`), by layer index."""
+    index = {tuple(getattr(k, "key", getattr(k, "name", None)) for k in path): i for i, (path, _) in enumerate(paths)}
+    out = {}
+    for i, block in enumerate(model.layers):
+        ffn = block.ffn
+        if getattr(ffn, "slot_of", None) is None:
+            continue
+        at = lambda name: index[("layers", i, "ffn", name, "value")]  # noqa: E731
+        slot_of = np.asarray(ffn.slot_of[...])
+        resident = np.empty(ffn.gate[...].shape[0], np.int64)
+        resident[slot_of[slot_of >= 0]] = np.flatnonzero(slot_of >= 0)
+        out[i] = _SplitLayer((at("gate"), at("up"), at("down")), at("slot_of"), ffn.cpu_experts, resident)
+    return out
+
+
+def top2(probs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(argmax, max, runner-up) over the last axis, as `jax.lax.top_k(probs, 2)` gives them
+    (ties: the lower index first; a tied runner-up equals the max), from two max reductions:
+    XLA's CPU top_k sorts every row, which took half the step time of a 30M model at 32 rows."""
+    top = jnp.argmax(probs, axis=-1)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
+    second = jnp.max(jnp.where(vocab == top[..., None], -jnp.inf, probs), axis=-1)
+    return top, jnp.max(probs, axis=-1), second
+
+
+def abstract_inputs(config, key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """`jax.ShapeDtypeStruct`s of a bucket's inputs, from the step contract."""
+    return tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in input_specs(config, key))
+
+
+def gather_view(k_res, v_res, pos, valid, written, read, read_len, *, written_only: bool):
+    """The read slots of a resident cache: K/V [L, B, P, Hkv, Dh] (zeros where `read` is -1),
+    their positions and whether each batch row may see them, [B, P] (a row sees its first
+    `read_len` [B] columns)."""
+    ok = read >= 0
+    idx = jnp.where(ok, read, 0)
+    keep = ok[None, None, :, None, None]
+    k = jnp.where(keep, jnp.take(k_res, idx, axis=2), 0)
+    v = jnp.where(keep, jnp.take(v_res, idx, axis=2), 0)
+    k_pos = jnp.where(ok[None, :], jnp.take(pos, idx, axis=1), 0)
+    k_ok = ok[None, :] & jnp.take(valid, idx, axis=1) & (jnp.arange(read.shape[0])[None, :] < read_len[:, None])
+    if written_only:
+        k_ok = k_ok & jnp.take(written, idx, axis=1)
+    return k, v, k_pos, k_ok
+
+
+def scatter_rows(k_res, v_res, written, k_new, v_new, write):
+    """Store window rows' K/V at their slots, per batch row (`write` [B, W], -1: none); the
+    rest of the cache is untouched (in place when donated)."""
+    b, s = written.shape
+    target = jnp.where(write >= 0, write, s)  # s: dropped
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
+    k_res = k_res.at[:, rows, target].set(k_new.astype(k_res.dtype), mode="drop")
+    v_res = v_res.at[:, rows, target].set(v_new.astype(v_res.dtype), mode="drop")
+    return k_res, v_res, written.at[rows, target].set(True, mode="drop")
+
+
+def request_names(gated: bool) -> tuple[str, ...]:
+    """The `SlotStep` arrays a device step takes, in order (`lora_gate` last, when gated)."""
+    return tuple(s.name for s in REQUEST) + ((LORA_GATE.name,) if gated else ())
+
+
+def device_specs(key: BucketKey, gated: bool = False) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The `SlotStep` arrays of a bucket (`runtime.step.request_specs`), as JAX specs."""
+    return tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in request_specs(key, gated=gated))
+
+
+class DeviceKVCache(KVCache):
+    """The K/V of one decode on the JAX executor's device: [L, B, S, Hkv, Dh] keys and values,
+    the slots' positions, validity and whether each (row, slot) holds K/V, all device arrays.
+    A step sends its `SlotStep` and reads back the rows' predictions; its K/V are written in
+    place (the cache's buffers are donated to the step)."""
+
+    def __init__(self, executor: JaxExecutor, positions: np.ndarray, valid: np.ndarray):
+        cfg = executor.config
+        self.executor = executor
+        b, s = positions.shape
+        self.slots = executor.capacity(s)
+        self.k, self.v, self.written = executor._allocs.get((b, self.slots))()  # made on the device, nothing sent
+        pos = pad_axis(np.asarray(positions, np.int32), self.slots, axis=1)
+        ok = pad_axis(np.asarray(valid, bool), self.slots, axis=1, value=False)
+        self.pos, self.valid = jax.device_put(pos), jax.device_put(ok)
+        self.transfers = Transfers(opened=pos.nbytes + ok.nbytes)
+        self._writer: JaxExecutor = executor  # whose scatter programs `write` uses
+
+    def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
+        ex = self.executor
+        program = ex._resident.get((req.key, self.slots))
+        given = req.arrays()
+        arrays = [given[n] for n in request_names(ex.gated)]
+        names = [n for n in output_names(req.key) if n not in ("k_new", "v_new")]
+        if timings is None:
+            named, self.k, self.v, self.written = program(ex._leaves, self.k, self.v, self.written, self.pos,
+                                                          self.valid, *arrays)
+            fetched = jax.device_get({n: named[n] for n in names})
+        else:
+            t0 = time.perf_counter()
+            args = jax.block_until_ready(jax.device_put(arrays))
+            t1 = time.perf_counter()
+            named, self.k, self.v, self.written = jax.block_until_ready(
+                program(ex._leaves, self.k, self.v, self.written, self.pos, self.valid, *args))
+            t2 = time.perf_counter()
+            fetched = jax.device_get({n: named[n] for n in names})
+            timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
+        out = {n: np.asarray(v) for n, v in fetched.items()}
+        self.transfers.add(req.nbytes, sum(v.nbytes for v in out.values()))
+        return StepOutputs.from_named(out)
+
+    def snapshot(self, req: SlotStep, executor) -> callable:
+        """Gather the read slots now (a device copy, dispatched before the main step donates
+        the cache); the returned callable runs the step over them on `executor`'s programs."""
+        key = req.key
+        gather = executor._gathers.get((key.batch, key.cache, self.slots, req.written_only))
+        view = gather(self.k, self.v, self.pos, self.valid, self.written, req.read, req.lengths())
+        self._writer = executor
+        given = req.arrays()
+        arrays = [given[n] for n in VIEW_NAMES + ((LORA_GATE.name,) if executor.gated else ())]
+        names = [n for n in output_names(key) if n not in ("k_new", "v_new")]
+        transfers = self.transfers
+
+        def run() -> StepOutputs:
+            named = executor._views.get(key)(executor._leaves, *view, *arrays)
+            out = {n: np.asarray(v) for n, v in jax.device_get({n: named[n] for n in names}).items()}
+            transfers.add(req.read.nbytes + req.lengths().nbytes + sum(a.nbytes for a in arrays),
+                          sum(v.nbytes for v in out.values()))
+            return StepOutputs(**out, kv=(named["k_new"], named["v_new"]))
+
+        return run
+
+    def write(self, kv, slots: np.ndarray, rows: np.ndarray) -> None:
+        k_new, v_new = kv
+        width = k_new.shape[2]
+        rows = np.asarray(rows, bool)
+        write = pad_axis(np.where(rows, np.asarray(slots, np.int32)[None, :], -1).astype(np.int32), width, axis=1,
+                         value=-1)
+        scatter = self._writer._scatters.get((write.shape[0], width, self.slots))
+        self.k, self.v, self.written = scatter(self.k, self.v, self.written, k_new, v_new, write)
+        self.transfers.add(write.nbytes, 0)
+
+    def close(self) -> None:
+        self.k = self.v = self.written = None
+
+
+class JaxExecutor(Executor):
+    """Executor over AOT-compiled `decode_step`s, one per bucket key, compiled on first use
+    (or ahead of time by `warmup`). `compile_count` counts its compilations. It runs every
+    bucket of `capabilities` (default: `Capabilities.for_length(max_seq_len)` with batches up to 64,
+    `JAX_BATCH_BUCKETS`)."""
+
+    def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None):
+        from dlm_jax.techniques.isd.lora import lora_spec
+
+        self.config = model.config
+        self.gated = lora_spec(model) is not None  # adapters: every step takes a `lora_gate`
+        self._capabilities = capabilities or Capabilities.for_length(self.config.max_seq_len,
+                                                                     batches=JAX_BATCH_BUCKETS)
+        if self.gated:
+            self._capabilities = dataclasses.replace(self._capabilities,
+                                                     inputs=self._capabilities.inputs | {"lora_gate"})
+        self._capabilities = dataclasses.replace(self._capabilities,
+                                                 outputs=self._capabilities.outputs | model_outputs(self.config))
+        self._graphdef, state = nnx.split(model)
+        # Flattened once: the state pytree is not re-walked on every step.
+        paths, self._treedef = jax.tree_util.tree_flatten_with_path(state)
+        # Linear kernels are held [d_out, d_in] and transposed back inside the program, where
+        # XLA folds the transpose into the dot: its CPU GEMM runs that layout up to twice as
+        # fast at 32 rows (benchmarks/roofline.py).
+        # Elsewhere (GPU) the kernels stay as stored: no second copy of the weights.
+        cpu = jax.default_backend() == "cpu"
+        self._transposed = tuple(cpu and _is_kernel(path, leaf) for path, leaf in paths)
+        self._leaves = [jnp.asarray(leaf.T) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
+        self._slots = _split_layers(model, paths)
+        if self._slots:
+            s = next(iter(self._slots.values())).resident.size
+            self._capabilities = dataclasses.replace(self._capabilities, expert_slots=s)
+        self._new_programs()
+
+    def _new_programs(self) -> None:
+        self._programs = CompiledBuckets(self._build)  # the dense step (the contract, bundles' reference)
+        self._resident = CompiledBuckets(self._build_resident)  # (key, slots): a decode's step
+        self._views = CompiledBuckets(self._build_view)  # key: a CPU path's step over gathered slots
+        self._gathers = CompiledBuckets(self._build_gather)  # (batch, read, slots, written_only)
+        self._scatters = CompiledBuckets(self._build_scatter)  # (batch, rows, slots)
+        self._allocs = CompiledBuckets(self._build_alloc)  # (batch, slots): a decode's empty cache
+
+    @property
+    def _all_programs(self) -> tuple[CompiledBuckets, ...]:
+        return self._programs, self._resident, self._views, self._gathers, self._scatters, self._allocs
+
+    def place(self, resident) -> int:
+        """Move experts into the slots of the split layers (`dlm_jax.techniques.tide.split_experts`):
+        experts already resident keep their slot, each incoming one takes the slot of one that
+        leaves; the slot buffers and maps are updated on the device between steps. Returns the
+        bytes moved."""
+        moved = 0
+        for layer, want in resident.items():
+            held = self._slots.get(layer)
+            if held is None:
+                continue
+            if len(set(np.asarray(want).tolist())) != held.resident.size:
+                raise ValueError(f"layer {layer} holds {held.resident.size} distinct experts, not {list(want)}")
+            incoming = np.setdiff1d(want, held.resident)
+            if not len(incoming):
+                continue
+            free = np.flatnonzero(~np.isin(held.resident, want))[:len(incoming)]
+            held.resident[free] = incoming
+            cpu = held.cpu
+            for index, host in zip(held.weights, (cpu.gate, cpu.up, cpu.down)):
+                self._leaves[index] = self._leaves[index].at[free].set(jnp.asarray(host[incoming],
+                                                                                     self._leaves[index].dtype))
+            slot_of = np.full(len(cpu.gate), -1, np.int32)
+            slot_of[held.resident] = np.arange(len(held.resident), dtype=np.int32)
+            self._leaves[held.slot_map] = jnp.asarray(slot_of)
+            moved += len(incoming) * cpu.expert_bytes
+        return moved
+
+    def capacity(self, slots: int) -> int:
+        """The slot count a decode's cache is allocated with: a power of two from 256 that holds
+        `slots` (capped at the largest cache bucket), so that decodes of nearby lengths share
+        their compiled steps; a step reads only its slots, so the spare ones cost memory only."""
+        top = self._capabilities.caches.largest
+        size = max(256, 1 << max(slots - 1, 0).bit_length())
+        return size if size <= top else max(top, slots)
+
+    def open(self, config: ModelConfig, positions: np.ndarray, valid: np.ndarray) -> DeviceKVCache:
+        """The decode's K/V on this executor's device."""
+        return DeviceKVCache(self, positions, valid)
+
+    def _state(self, leaves):
+        leaves = [leaf.T if t else leaf for leaf, t in zip(leaves, self._transposed)]
+        return jax.tree.unflatten(self._treedef, leaves)
+
+    def _cache_specs(self, batch: int, slots: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        cfg = self.config
+        shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+        return (jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)), jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)),
+                jax.ShapeDtypeStruct((batch, slots), bool), jax.ShapeDtypeStruct((batch, slots), jnp.int32),
+                jax.ShapeDtypeStruct((batch, slots), bool))
+
+    def _view_fn(self, key: BucketKey):
+        cfg, graphdef = self.config, self._graphdef
+
+        def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, lora_gate=None):
+            vis = visibility(jnp, cfg, positions, q_valid, k_pos, k_ok, probes, hide)
+            return decode_step(graphdef, self._state(leaves), tokens, positions, vis, k, v, logit_rows,
+                               full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=lora_gate,
+                               router_topk=key.router_topk, ffn_active=key.ffn_active)
+
+        return view
+
+    def _build_resident(self, key_slots: tuple[BucketKey, int]):
+        key, slots = key_slots
+        view = self._view_fn(key)
+
+        def program(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, read_len, probes,
+                    hide, write, logit_rows, *gate):
+            k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, read_len, written_only=False)
+            named = view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate)
+            k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"), write)
+            return named, k_res, v_res, written
+
+        return program, (self._leaves, *self._cache_specs(key.batch, slots), *device_specs(key, self.gated)), {
+            "donate_argnums": (1, 2, 3)}
+
+    def _build_view(self, key: BucketKey):
+        cfg = self.config
+        kv = jax.ShapeDtypeStruct((cfg.n_layers, key.batch, key.cache, cfg.n_kv_heads, cfg.head_dim),
+                                  jnp.dtype(cfg.dtype))
+        view_inputs = [s for n, s in zip(request_names(self.gated), device_specs(key, self.gated))
+                       if n not in ("read", "read_len", "write")]
+        return self._view_fn(key), (self._leaves, kv, kv, jax.ShapeDtypeStruct((key.batch, key.cache), jnp.int32),
+                                    jax.ShapeDtypeStruct((key.batch, key.cache), bool), *view_inputs)
+
+    def _build_gather(self, spec: tuple[int, int, int, bool]):
+        batch, read, slots, written_only = spec
+
+        def gather(k_res, v_res, pos, valid, written, read_slots, read_len):
+            return gather_view(k_res, v_res, pos, valid, written, read_slots, read_len, written_only=written_only)
+
+        k, v, written, pos, valid = self._cache_specs(batch, slots)
+        return gather, (k, v, pos, valid, written, jax.ShapeDtypeStruct((read,), jnp.int32),
+                        jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+    def _build_alloc(self, spec: tuple[int, int]):
+        batch, slots = spec
+        k, v, written, _, _ = self._cache_specs(batch, slots)
+
+        def alloc():
+            return jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), jnp.zeros(written.shape, bool)
+
+        return alloc, ()
+
+    def _build_scatter(self, spec: tuple[int, int, int]):
+        batch, width, slots = spec
+        cfg = self.config
+        k, v, written, _, _ = self._cache_specs(batch, slots)
+        new = jax.ShapeDtypeStruct((cfg.n_layers, batch, width, cfg.n_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
+        return scatter_rows, (k, v, written, new, new, jax.ShapeDtypeStruct((batch, width), jnp.int32)), {
+            "donate_argnums": (0, 1, 2)}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    def _build(self, key: BucketKey):
+        cfg = self.config
+        graphdef, treedef, transposed = self._graphdef, self._treedef, self._transposed
+
+        def program(leaves, *inputs):
+            leaves = [leaf.T if t else leaf for leaf, t in zip(leaves, transposed)]
+            gate = inputs[len(INPUT_NAMES)] if len(inputs) > len(INPUT_NAMES) else None
+            return decode_step(graphdef, jax.tree.unflatten(treedef, leaves), *inputs[:len(INPUT_NAMES)],
+                               full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=gate,
+                               router_topk=key.router_topk, ffn_active=key.ffn_active)
+
+        gate = (jax.ShapeDtypeStruct((key.batch, key.window), jnp.float32),) if self.gated else ()
+        return program, (self._leaves, *abstract_inputs(cfg, key), *gate)
+
+    def fork(self) -> JaxExecutor:
+        """A second executor over the same weights (no copy) with programs of its own, for a
+        second thread (the CPU refresh path of progressive revision)."""
+        twin = object.__new__(JaxExecutor)
+        twin.__dict__.update(self.__dict__)
+        twin._new_programs()
+        return twin
+
+    @property
+    def compile_count(self) -> int:
+        return sum(p.compile_count for p in self._all_programs)
+
+    def build_counts(self) -> BuildCounts:
+        return BuildCounts(compiles=self.compile_count,
+                           compile_seconds=sum(p.compile_seconds for p in self._all_programs),
+                           compile_wait_seconds=sum(p.wait_seconds for p in self._all_programs))
+
+    @property
+    def compiled_keys(self) -> list[BucketKey]:
+        """The buckets compiled, as dense steps or as a decode's resident steps."""
+        return sorted(set(self._programs.keys) | {k for k, _ in self._resident.keys})
+
+    def _program_keys(self, keys: Sequence[BucketKey], slots: int, views: bool):
+        """(programs, their keys in order) that run the buckets `keys` as `warmup` describes."""
+        if not slots:
+            return [(self._programs, list(keys))]
+        cap = self.capacity(slots)
+        if not views:
+            return [(self._allocs, list(dict.fromkeys((k.batch, cap) for k in keys))),
+                    (self._resident, [(k, cap) for k in keys])]
+        return [(self._gathers, list(dict.fromkeys((k.batch, k.cache, cap, True) for k in keys))),
+                (self._views, list(keys)), (self._scatters, list(dict.fromkeys((k.batch, k.window, cap) for k in keys)))]
+
+    def warmup(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> int:
+        """Compile every bucket of `keys`: with `slots`, as the resident steps of a decode of
+        that many slots (or, with `views`, as a CPU path's gather, step and write); without,
+        as dense steps. Returns how many programs were compiled (the cache allocations, not
+        buckets, are counted in `build_counts` only)."""
+        new = 0
+        for programs, ks in self._program_keys(keys, slots, views):
+            n = programs.warmup(ks)
+            new += 0 if programs is self._allocs else n
+        return new
+
+    def prefetch(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False):
+        """Compile the programs of `keys` (as `warmup` would) on background threads, in order."""
+        groups = self._program_keys(keys, slots, views)
+        for programs, ks in groups:
+            programs.prefetch(ks)
+
+        def cancel() -> None:
+            for programs, _ in groups:
+                programs.cancel()
+
+        return cancel
+
+    def step(self, inputs: StepInputs, *, timings: dict[str, float] | None = None) -> StepOutputs:
+        """Run one step. With `timings`, the transfer in, the compiled compute and the
+        transfer out are each waited for and timed (seconds, under "h2d", "compute", "d2h");
+        without, JAX overlaps them as it likes."""
+        key = inputs.key
+        program = self._programs.get(key)
+        # Only what the host reads leaves the device: the window K/V stay behind on steps
+        # that do not store them.
+        names = [n for n in output_names(key) if inputs.want.kv or n not in ("k_new", "v_new")]
+        arrays = inputs.arrays()
+        if self.gated:
+            if inputs.lora_gate is None:
+                raise ValueError("this executor's model has LoRA adapters: every step needs a lora_gate")
+            arrays = (*arrays, inputs.lora_gate)
+        if timings is None:
+            out = program(self._leaves, *arrays)
+            fetched = jax.device_get({n: out[n] for n in names})
+        else:
+            t0 = time.perf_counter()
+            args = jax.block_until_ready(jax.device_put(arrays))
+            t1 = time.perf_counter()
+            out = jax.block_until_ready(program(self._leaves, *args))
+            t2 = time.perf_counter()
+            fetched = jax.device_get({n: out[n] for n in names})
+            timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
+        return StepOutputs.from_named({n: np.asarray(v) for n, v in fetched.items()})

@@ -1,0 +1,65 @@
+"""The decode program's output tail and the executors' per-phase step timings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dlm_jax
+from dlm_jax.executors.jax_executor import top2
+from dlm_jax.executors.runner import zero_inputs
+from dlm_jax.runtime.buckets import BucketKey
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_top2_is_lax_top_k_without_the_sort():
+    import jax
+
+    rng = np.random.default_rng(0)
+    probs = rng.random((3, 5, 97)).astype(np.float32)
+    probs[0, 0, [3, 40]] = 2.0  # a tie for first: the lower index wins, the runner-up equals it
+    probs[1, 2, [7, 8, 9]] = 3.0
+    values, idx = jax.lax.top_k(jnp.asarray(probs), 2)
+    top, p1, p2 = top2(jnp.asarray(probs))
+    np.testing.assert_array_equal(top, idx[..., 0])
+    np.testing.assert_array_equal(p1, values[..., 0])
+    np.testing.assert_array_equal(p2, values[..., 1])
+    assert int(top[0, 0]) == 3 and float(p2[0, 0]) == 2.0
+
+
+def test_step_outputs_follow_the_model_logits():
+    """Kernels held transposed inside the executor change nothing: the step's top-1 token and
+    probabilities are those of the model's own forward."""
+    handle = dlm_jax.load(ROOT / "models" / "llada-tiny")
+    key = BucketKey(1, 32, 0, 32)
+    tokens = np.array([handle.encode("564+894=1458 and 17+25=42.............")[:32]], np.int32)
+    rows = np.arange(32, dtype=np.int32)[None]
+    x = dataclasses.replace(zero_inputs(handle.config, key), tokens=tokens, positions=rows, logit_rows=rows)
+    out = handle.decoder.executor.step(x)
+    logits = np.asarray(handle.model(tokens).logits, np.float64)
+    logits[..., handle.config.mask_token_id] = -np.inf
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(out.top_token, probs.argmax(-1))
+    np.testing.assert_allclose(out.top_prob, probs.max(-1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.second_prob, np.sort(probs, -1)[..., -2], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_jax_step_timings_are_split_by_phase(timed):
+    handle = dlm_jax.load(ROOT / "models" / "llada-tiny")
+    x = zero_inputs(handle.config, BucketKey(1, 32, 32, 32))
+    timings = {} if timed else None
+    out = handle.decoder.executor.step(x, timings=timings)
+    ref = handle.decoder.executor.step(x)
+    np.testing.assert_array_equal(out.top_token, ref.top_token)
+    np.testing.assert_array_equal(out.k_new, ref.k_new)
+    if timed:
+        assert set(timings) == {"h2d", "compute", "d2h"} and all(v >= 0 for v in timings.values())
+        assert timings["compute"] > 0
