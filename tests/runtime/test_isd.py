@@ -321,13 +321,27 @@ def test_device_cache_decodes_as_the_dense_host_cache_and_compiles_nothing_after
     assert a.stats.speculation == b.stats.speculation
 
 
-def test_the_default_executor_decodes_isd_as_the_jax_executor(idlm):
-    """The shipped model's default executor on this machine (LiteRT over the bundle cache, or
-    JAX) gives the JAX executor's tokens."""
-    default = dlm_jax.load(IDLM)
+def test_the_default_executor_decodes_isd_as_the_jax_executor(idlm, monkeypatch):
+    """The shipped model's default executor on a CPU ("auto": the LiteRT runner once the bundle
+    cache holds a decode's buckets) gives the JAX executor's tokens. The suite's
+    DLM_JAX_EXECUTOR=jax made this compare the JAX executor with itself: the test clears it
+    and checks that the decode it compares ran on LiteRT."""
+    from dlm_jax.program import JaxExecutor
+    from tflite_export.auto import AutoExecutor
+    from tflite_export.cache import BundleCacheExecutor
+
+    monkeypatch.delenv("DLM_JAX_EXECUTOR")
     prompts = _prompts(idlm, 3)
     cfg = preset("isd", stride=4, gen_len=32)
-    assert _same(default.decoder.decode(prompts, cfg).sequences, idlm.decoder.decode(prompts, cfg).sequences)
+    # The buckets exported (in the foreground, once per machine: the suite's bundle cache keeps
+    # them), so the default executor's decode runs on LiteRT rather than on JAX meanwhile.
+    dlm_jax.load(IDLM, executor="litert").decoder.warmup([len(p) for p in prompts], cfg)
+    default = dlm_jax.load(IDLM)
+    assert isinstance(default.executor, AutoExecutor) and isinstance(idlm.executor, JaxExecutor)
+    got = default.decoder.decode(prompts, cfg)
+    assert default.executor.decodes == {"jax": 0, "litert": 1}
+    assert isinstance(default.executor.litert, BundleCacheExecutor)
+    assert _same(got.sequences, idlm.decoder.decode(prompts, cfg).sequences)
 
 
 # --------------------------------------------------------------------------- command line
