@@ -39,7 +39,9 @@ class CpuExperts:
         return self.gate[0].nbytes + self.up[0].nbytes + self.down[0].nbytes
 
     def __call__(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, missed: np.ndarray) -> np.ndarray:
-        """[N, D]: the sum over each row's missed assignments of weight x expert(row)."""
+        """[N, D] in x's dtype (the dtype the step's callback declares): the sum over each
+        row's missed assignments of weight x expert(row), computed in float32."""
+        dtype = np.asarray(x).dtype
         x = np.asarray(x, np.float32)
         out = np.zeros_like(x)
         rows, cols = np.nonzero(np.asarray(missed))
@@ -53,7 +55,7 @@ class CpuExperts:
             np.add.at(out, r, w[pick, None] * (h @ self.down[e]))
         self.calls += 1
         self.assignments += len(rows)
-        return out.astype(x.dtype)
+        return out.astype(dtype)
 
 
 def split_experts(model: Transformer, layers: Sequence[int], slots: int,
