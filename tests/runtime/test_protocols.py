@@ -16,7 +16,7 @@ from dlm_jax.runtime import DecodeState, Decoder, TokenState, decode_config, pre
 from dlm_jax.runtime.hooks import HookError
 from dlm_jax.runtime.placement import PlacementPolicy
 from dlm_jax.runtime.revision import NoRevision, ProgressiveRevision, RevisionPolicy
-from dlm_jax.runtime.scheduler import PrefixCache, Scheduler
+from dlm_jax.runtime.scheduler import PrefixCache, Scheduler, StepPlan
 from dlm_jax.runtime.speculative import SpeculativeWindow
 from dlm_jax.runtime.state import TRANSITIONS, StateError
 from dlm_jax.runtime.step import Executor
@@ -79,6 +79,29 @@ def test_the_loop_looks_up_no_hook_by_name():
         assert "hasattr" not in calls, path
         if path != "dlm_jax/cli.py":  # the CLI reads argparse namespaces with getattr
             assert "getattr" not in calls or path.endswith(("speculative.py", "revision.py")), path
+
+
+def test_every_plan_field_is_read():
+    """No dead plan fields: every field of `StepPlan` is read (an attribute load `.field`) in
+    the package outside the class itself and outside the keyword arguments that build plans
+    (`StepPlan(...)`, `dataclasses.replace(...)`). Guards a field the schedulers compute every
+    step that nothing consumes (`store_stable` was one: an `is_final` gather per storing step,
+    and a contract a reader would trust that no code kept)."""
+    fields = {f.name for f in dataclasses.fields(StepPlan)}
+    read: set[str] = set()
+    for path in (ROOT / "dlm_jax").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        building: set[int] = set()  # nodes of the class body and of the arguments that build plans
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == "StepPlan":
+                building.update(id(n) for n in ast.walk(node))
+            elif isinstance(node, ast.Call):
+                name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+                if name in ("StepPlan", "replace"):
+                    building.update(id(n) for kw in node.keywords for n in ast.walk(kw.value))
+        read |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
+                 and id(n) not in building}
+    assert fields <= read, f"StepPlan fields nothing reads: {sorted(fields - read)}"
 
 
 # --------------------------------------------------------------------------- call order
