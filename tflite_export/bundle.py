@@ -23,7 +23,6 @@ import dataclasses
 import io
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,6 +38,7 @@ from dlm_jax.executors.runner import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION
                             key_to_dict, native_stderr_captured, zero_inputs)
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.registry import decode_options
+from dlm_jax.runtime.step import parse_signature_name
 
 if TYPE_CHECKING:
     from dlm_jax._tokenizer import Tokenizer
@@ -61,18 +61,13 @@ TARGETS: dict[str, str | None] = {"cpu": None, "gpu": None, "npu": None,
 QUALCOMM_SDK_PACKAGE = "ai-edge-litert-sdk-qualcomm"
 LATENCY_FILE = "latency.json"
 PLAN_FILE = "plan.json"
-_SIGNATURE = re.compile(r"^step_w(\d+)_p(\d+)_r(\d+)(?:_b(\d+))?(_full)?$")
 
 
 def parse_bucket(text: str) -> BucketKey:
-    """A bucket from its signature name (`step_w32_p64_r32`, `_b4` for batch 4, `_full` for
-    logits), as bundles and error messages print them."""
-    m = _SIGNATURE.match(text.strip())
-    if not m:
-        raise ConfigError(f"bucket {text!r} is not a signature name like step_w32_p64_r32 "
-                          f"(step_w<window>_p<cache>_r<rows>[_b<batch>][_full])")
-    w, p, r, b, full = m.groups()
-    return BucketKey(int(b or 1), int(w), int(p), int(r), bool(full))
+    """A bucket from its signature name (`step_w32_p64_r32`, `_b4` for batch 4, then `_full`,
+    `_topk`, `_act` for its optional outputs), as bundles and error messages print them
+    (`dlm_jax.runtime.step.parse_signature_name`, the inverse of `signature_name`)."""
+    return parse_signature_name(text)
 
 
 class _Sizes:

@@ -591,6 +591,7 @@ def _add_model_options(p: argparse.ArgumentParser, *, verify: bool = True, mask:
 def build_parser() -> argparse.ArgumentParser:
     from dlm_jax.checkpoint._families import FAMILIES
     from dlm_jax.executors.runner import ACCELERATORS
+    from dlm_jax.runtime.step import SIGNATURE_FORMAT
     from dlm_jax.tflite_export.bundle import QUANT_MODES, TARGETS
     from dlm_jax.tflite_export.gguf import GGUF_QUANTS
 
@@ -619,8 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="bundle directory to write")
     given = p.add_mutually_exclusive_group()
     given.add_argument("--buckets", nargs="+", metavar="NAME",
-                       help="buckets by signature name, e.g. step_w32_p64_r32 (step_w<window>_p<cache>_r<rows>"
-                            "[_b<batch>][_full])")
+                       help=f"buckets by signature name, e.g. step_w32_p64_r32 ({SIGNATURE_FORMAT})")
     given.add_argument("--for-prompts", type=positive_int, metavar="N",
                        help="every bucket the decode options need for prompts of up to N tokens (default 64)")
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1],

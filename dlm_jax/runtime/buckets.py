@@ -79,6 +79,11 @@ def cache_buckets(max_len: int) -> BucketSet:
     return BucketSet(tuple(sorted({0, top} | _ladder(0, top))), "cache bucket")
 
 
+# The flags a bucket key carries, (field, name suffix), in the order names spell them: the one
+# definition `str(BucketKey)`, `step.signature_name` and `step.parse_signature_name` share.
+KEY_FLAGS: tuple[tuple[str, str], ...] = (("full_logits", "_full"), ("router_topk", "_topk"), ("ffn_active", "_act"))
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class BucketKey:
     """One compiled step program: batch, window, cache capacity, logit rows, full logits,
@@ -94,8 +99,12 @@ class BucketKey:
     ffn_active: bool = False
 
     def __str__(self) -> str:
-        return (f"b{self.batch}_w{self.window}_p{self.cache}_r{self.rows}" + ("_full" if self.full_logits else "")
-                + ("_topk" if self.router_topk else "") + ("_act" if self.ffn_active else ""))
+        return f"b{self.batch}_w{self.window}_p{self.cache}_r{self.rows}" + self.flag_suffix
+
+    @property
+    def flag_suffix(self) -> str:
+        """The suffixes of the flags this key sets (`KEY_FLAGS`), e.g. `_full_act`."""
+        return "".join(suffix for field, suffix in KEY_FLAGS if getattr(self, field))
 
 
 def pad_axis(x: np.ndarray, size: int, *, axis: int, value=0) -> np.ndarray:

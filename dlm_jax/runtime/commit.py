@@ -17,8 +17,9 @@ index (a stable sort on -confidence), so every rule commits a prefix of that ran
 
 A rule also owns its unit's life: `begin(candidates, units=...)` returns the rule to use for
 a unit that starts with these candidates (a fixed schedule is built there), and
-`finished(steps, remaining)` says when the unit is done. `PerStepRule` gives the common
-answers: the same rule every unit, done when no candidate is left.
+`finished(steps, remaining)` says when the unit is done. Every rule derives from
+`CommitRule`, whose defaults give the common answers (`PerStepRule`): the same rule every
+unit, done when no candidate is left.
 
 Rules:
   TopKSchedule   LLaDA's low-confidence remasking: a fixed number of steps per unit, split
@@ -37,11 +38,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
 from dlm_jax._errors import ConfigError
+from dlm_jax.runtime.hooks import HookBase
 
 __all__ = [
     "CommitRule",
@@ -138,53 +140,53 @@ def _real(value: Any) -> bool:
 # --------------------------------------------------------------------------- rules
 
 
-@runtime_checkable
-class CommitRule(Protocol):
-    """Picks the slots a decode step commits (see the module docstring for the contract)."""
+class CommitRule(HookBase):
+    """Picks the slots a decode step commits (see the module docstring for the contract).
+
+    The decoder calls `check` (when a config is built), then per unit `begin` at its first
+    step, and per step `select`, `finished` and `max_steps` (a loop guard). A rule defines
+    `select`; the other hooks default to a rule that decides every step afresh (the same rule
+    for every unit, done when no candidate is left, at most one step per slot since it commits
+    at least one, any generation). A misspelt or misdeclared hook in a subclass is refused when
+    its class is defined (`HookBase`).
+    """
+
+    HOOKS = ("begin", "select", "finished", "max_steps", "check")
 
     def begin(self, candidates: np.ndarray, *, units: int) -> CommitRule:
         """The rule for a unit whose candidates at its first step are `candidates` [B, W];
-        `units` is the number of units in the generation."""
-        ...
+        `units` is the number of units in the generation. Default: this rule."""
+        return self
 
     def select(self, confidence: np.ndarray, candidates: np.ndarray, *, step: int = 0) -> np.ndarray:
         """confidence: [B, W] float; candidates: [B, W] bool; step: the step within the unit.
         Returns [B, W] bool, a subset of `candidates`."""
-        ...
+        raise NotImplementedError
 
     def finished(self, steps: int, remaining: np.ndarray) -> bool:
-        """Whether the unit is done after `steps` steps with `remaining` [B, W] candidates."""
-        ...
-
-    def max_steps(self, width: int) -> int:
-        """An upper bound on the steps a unit of `width` slots takes (a loop guard)."""
-        ...
-
-    def check(self, *, units: int, gen_len: int | None = None) -> None:
-        """Raise ConfigError if the rule cannot decode a generation of `gen_len` tokens in
-        `units` units."""
-        ...
-
-
-class PerStepRule:
-    """The unit life of a rule that decides every step afresh: the same rule for every unit,
-    done when no candidate is left, at most one step per slot (it commits at least one)."""
-
-    def begin(self, candidates: np.ndarray, *, units: int) -> PerStepRule:
-        return self
-
-    def finished(self, steps: int, remaining: np.ndarray) -> bool:
+        """Whether the unit is done after `steps` steps with `remaining` [B, W] candidates.
+        Default: when no candidate is left."""
         return not remaining.any()
 
     def max_steps(self, width: int) -> int:
+        """An upper bound on the steps a unit of `width` slots takes (a loop guard). Default:
+        `width`, one step per slot."""
         return width
 
     def check(self, *, units: int, gen_len: int | None = None) -> None:
-        pass
+        """Raise ConfigError if the rule cannot decode a generation of `gen_len` tokens in
+        `units` units. Default: any generation."""
+        return None
+
+
+class PerStepRule(CommitRule):
+    """The unit life of a rule that decides every step afresh: the same rule for every unit,
+    done when no candidate is left, at most one step per slot (it commits at least one); that
+    is `CommitRule`'s defaults."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class TopKRule:
+class TopKRule(CommitRule):
     """LLaDA's low-confidence remasking: at step i commit the counts[b, i] most confident
     candidates of row b (ties: lower position first; LLaDA's `torch.topk` leaves ties unspecified).
 
@@ -240,7 +242,7 @@ class TopKRule:
 
 
 @dataclasses.dataclass(frozen=True)
-class TopKSchedule:
+class TopKSchedule(CommitRule):
     """LLaDA's schedule: `steps` denoising steps over the whole generation, the same number
     in each unit, and in each unit's step i the `num_transfer_tokens` count of the unit's
     candidates at its start (`TopKRule`).

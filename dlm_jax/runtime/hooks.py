@@ -1,6 +1,6 @@
 """Declared hooks: the base classes of the runtime's strategies (schedulers, revision
-policies, placement policies, executors) list every hook they call, with a no-op default,
-and check a subclass when it is defined (NumPy only).
+policies, placement policies, executors, commit rules) list every hook they call, with a
+no-op default, and check a subclass when it is defined (NumPy only).
 
 The loop calls hooks directly; nothing is looked up by name at run time. So that a misspelt
 hook cannot fail silently, `HookBase.__init_subclass__` refuses, when the class statement

@@ -56,8 +56,6 @@ class StepPlan:
     targets: [R] ... and the slot each predicts (row's slot + the logit shift).
     unit, step: the commit unit and the step within it.
     store: [n] window rows whose K/V are written to the store (None: none).
-    store_stable: [B, n] bool, which of those entries are stable (computed from final tokens);
-      the rest are revisable.
     store_rows: [B, n] bool, which of the store's entries are written (None: all); entries
       computed from drafts never are.
     current: [R] bool, the targets in the current commit unit (None: all of them); the
@@ -81,7 +79,6 @@ class StepPlan:
     unit: int
     step: int
     store: np.ndarray | None = None
-    store_stable: np.ndarray | None = None
     store_rows: np.ndarray | None = None
     current: np.ndarray | None = None
     unit_slots: np.ndarray | None = None
@@ -214,13 +211,10 @@ class BlockScheduler(Scheduler):
         whose predicting rows sit at slots [start, end - shift) of `total` slots."""
         raise NotImplementedError
 
-    def _plan(self, unit: int, step: int, gen_start: int, total: int, shift: int,
-              state: DecodeState | None = None) -> StepPlan:
-        """The plan of a step; with the `state`, the stability of what it stores."""
+    def _plan(self, unit: int, step: int, gen_start: int, total: int, shift: int) -> StepPlan:
+        """The plan of a step."""
         window, cached, rows, targets, store = self._geometry(unit, min(step, 1), gen_start, total, shift)
-        stable = None if store is None or state is None else state.is_final(window[store])
-        return StepPlan(window=window, cached=cached, rows=rows, targets=targets, unit=unit, step=step, store=store,
-                        store_stable=stable)
+        return StepPlan(window=window, cached=cached, rows=rows, targets=targets, unit=unit, step=step, store=store)
 
     # Every step after a block's first has the same slots: built once per block, read-only.
     @functools.lru_cache(maxsize=256)
@@ -239,7 +233,7 @@ class BlockScheduler(Scheduler):
     def plan(self, state: DecodeState, cursor: Cursor) -> StepPlan | None:
         if cursor.unit >= self.units(state.gen_len) or not state.active.any():
             return None
-        return self._plan(cursor.unit, cursor.step, state.gen_start, state.total, state.shift, state)
+        return self._plan(cursor.unit, cursor.step, state.gen_start, state.total, state.shift)
 
     def advance(self, state: DecodeState, cursor: Cursor, unit_done: bool) -> None:
         if not unit_done:

@@ -18,6 +18,7 @@ neurons. Inputs are padded to their bucket sizes; the bucket key is read off the
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
-from dlm_jax.runtime.buckets import (DEFAULT_BATCH_BUCKETS, BucketKey, BucketSet, cache_buckets,
+from dlm_jax.runtime.buckets import (DEFAULT_BATCH_BUCKETS, KEY_FLAGS, BucketKey, BucketSet, cache_buckets,
                                      window_buckets)
 from dlm_jax.runtime.hooks import HookBase
 from dlm_jax._masks import attention_rule
@@ -106,15 +107,42 @@ def output_specs(config: ModelConfig, key: BucketKey) -> list[tuple[str, tuple[i
     return [(s.name, s.shape(sizes), _dtype(s, config)) for s in _outputs(key)]
 
 
+SIGNATURE_FORMAT = "step_w<window>_p<cache>_r<rows>[_b<batch>]" + "".join(f"[{s}]" for _, s in KEY_FLAGS)
+_SIGNATURE = re.compile(r"step_w([0-9]+)_p([0-9]+)_r([0-9]+)(?:_b([0-9]+))?(.*)", re.DOTALL)
+_SIGNATURE_FLAGS = re.compile("".join(f"({re.escape(s)})?" for _, s in KEY_FLAGS))
+
+
 def signature_name(key: BucketKey) -> str:
-    """Stable name of a bucket's exported signature: `step_w8_p8_r8` (`_b2` appended for
-    batch 2, `_full` when rows' logits are returned, `_topk` when routed experts are, `_act`
-    when neuron activity is)."""
+    """Stable name of a bucket's exported signature (`SIGNATURE_FORMAT`): `step_w8_p8_r8`
+    (`_b2` appended for batch 2, then `_full` when rows' logits are returned, `_topk` when
+    routed experts are, `_act` when neuron activity is: `KEY_FLAGS`)."""
     name = f"step_w{key.window}_p{key.cache}_r{key.rows}"
     if key.batch != 1:
         name += f"_b{key.batch}"
-    return (name + ("_full" if key.full_logits else "") + ("_topk" if key.router_topk else "")
-            + ("_act" if key.ffn_active else ""))
+    return name + key.flag_suffix
+
+
+def parse_signature_name(text: str) -> BucketKey:
+    """The bucket a signature name names (`signature_name`'s inverse; surrounding blanks ignored).
+
+    Raises:
+      ConfigError: `text` is not a name in `SIGNATURE_FORMAT`, or names an empty batch,
+        window or rows.
+    """
+    m = _SIGNATURE.fullmatch(text.strip())
+    if not m:
+        raise ConfigError(f"bucket {text!r} is not a signature name like step_w32_p64_r32 ({SIGNATURE_FORMAT})")
+    w, p, r, b, rest = m.groups()
+    flags = _SIGNATURE_FLAGS.fullmatch(rest)
+    if not flags:
+        raise ConfigError(f"bucket {text!r}: unknown or misplaced suffix {rest!r} (the flags come after the "
+                          f"sizes, each at most once, in this order: {SIGNATURE_FORMAT})")
+    key = BucketKey(int(b or 1), int(w), int(p), int(r),
+                    **{field: bool(given) for (field, _), given in zip(KEY_FLAGS, flags.groups())})
+    for axis in ("batch", "window", "rows"):
+        if getattr(key, axis) == 0:
+            raise ConfigError(f"bucket {text!r}: {axis} 0 holds no token (batch, window and rows are >= 1)")
+    return key
 
 
 def signature_inputs(config: ModelConfig, key: BucketKey, *, gated: bool = False) -> list[tuple[str, tuple[int, ...], str]]:

@@ -13,11 +13,13 @@ import pytest
 
 from dlm_jax import ConfigError
 from dlm_jax.runtime import DecodeState, Decoder, TokenState, decode_config, preset
+from dlm_jax.runtime import registry
+from dlm_jax.runtime.commit import CommitRule, PerStepRule, ThresholdRule, TopKRule, TopKSchedule
 from dlm_jax.runtime.hooks import HookError
 from dlm_jax.runtime.placement import PlacementPolicy
 from dlm_jax.runtime.revision import NoRevision, RevisionPolicy
+from dlm_jax.runtime.scheduler import PrefixCache, Scheduler, StepPlan
 from dlm_jax.techniques.lladacpp.dppr import ProgressiveRevision
-from dlm_jax.runtime.scheduler import PrefixCache, Scheduler
 from dlm_jax.techniques.lladacpp.mbsd import SpeculativeWindow
 from dlm_jax.runtime.state import TRANSITIONS, StateError
 from dlm_jax.runtime.step import Executor
@@ -33,10 +35,18 @@ S = TokenState
 @pytest.mark.parametrize("base, name", [(PrefixCache, "setle"), (Scheduler, "advence"), (NoRevision, "after_stpe"),
                                         (RevisionPolicy, "cpu_paths"), (PlacementPolicy, "before_step_"),
                                         (MockExecutor, "forks"), (Executor, "warm_up"),
-                                        (SpeculativeWindow, "looked_ahed")])
+                                        (SpeculativeWindow, "looked_ahed"), (CommitRule, "selct"),
+                                        (PerStepRule, "finshed"), (ThresholdRule, "max_step"),
+                                        (TopKSchedule, "begn"), (TopKRule, "chek")])
 def test_a_misspelt_hook_is_refused_when_its_class_is_defined(base, name):
     with pytest.raises(HookError, match=f"{name}.*misspelling of the hook"):
         type("Custom", (base,), {name: lambda self, *a, **k: None})
+
+
+def test_every_commit_rule_derives_from_the_hook_base():
+    """Guards a rule that matches `CommitRule` only structurally: its hooks go unchecked."""
+    rules = [*registry.RULES.values(), TopKRule, PerStepRule]
+    assert all(CommitRule in cls.__mro__ for cls in rules), [c for c in rules if CommitRule not in c.__mro__]
 
 
 def test_a_hook_with_renamed_or_extra_required_parameters_is_refused():
@@ -52,6 +62,15 @@ def test_a_hook_with_renamed_or_extra_required_parameters_is_refused():
         class C(PlacementPolicy):
             def after_step(self, state, plan, outputs, budget):
                 return None
+
+    with pytest.raises(HookError, match=r"begin .*missing \['units'\]"):
+        class D(PerStepRule):
+            def begin(self, candidates):
+                return self
+    with pytest.raises(HookError, match=r"select .*missing \['candidates'\]"):
+        class E(ThresholdRule):
+            def select(self, confidence, *, step=0):
+                return confidence > 0
 
     class Fine(PrefixCache):  # the same parameters, a helper of its own: accepted
         def settle(self, state, plan, proposal, cursor):
@@ -69,6 +88,25 @@ def test_a_config_refuses_a_strategy_outside_its_protocol():
     with pytest.raises(ConfigError, match="revision=.* is not a RevisionPolicy"):
         decode_config(revision=Duck())
 
+    class DuckRule:  # a commit rule's methods, not its declaration
+        def begin(self, candidates, *, units):
+            return self
+
+        def select(self, confidence, candidates, *, step=0):
+            return candidates
+
+        def finished(self, steps, remaining):
+            return not remaining.any()
+
+        def max_steps(self, width):
+            return width
+
+        def check(self, *, units, gen_len=None):
+            return None
+
+    with pytest.raises(ConfigError, match="rule=.* is not a CommitRule"):
+        decode_config(rule=DuckRule())
+
 
 def test_the_loop_looks_up_no_hook_by_name():
     """No getattr / hasattr in the decode loop, the strategies or the CLI's executor handling."""
@@ -81,6 +119,29 @@ def test_the_loop_looks_up_no_hook_by_name():
         assert "hasattr" not in calls, path
         if path != "dlm_jax/frontends/cli.py":  # the CLI reads argparse namespaces with getattr
             assert "getattr" not in calls or path.endswith(("mbsd.py", "dppr.py")), path
+
+
+def test_every_plan_field_is_read():
+    """No dead plan fields: every field of `StepPlan` is read (an attribute load `.field`) in
+    the package outside the class itself and outside the keyword arguments that build plans
+    (`StepPlan(...)`, `dataclasses.replace(...)`). Guards a field the schedulers compute every
+    step that nothing consumes (`store_stable` was one: an `is_final` gather per storing step,
+    and a contract a reader would trust that no code kept)."""
+    fields = {f.name for f in dataclasses.fields(StepPlan)}
+    read: set[str] = set()
+    for path in (ROOT / "dlm_jax").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        building: set[int] = set()  # nodes of the class body and of the arguments that build plans
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == "StepPlan":
+                building.update(id(n) for n in ast.walk(node))
+            elif isinstance(node, ast.Call):
+                name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+                if name in ("StepPlan", "replace"):
+                    building.update(id(n) for kw in node.keywords for n in ast.walk(kw.value))
+        read |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
+                 and id(n) not in building}
+    assert fields <= read, f"StepPlan fields nothing reads: {sorted(fields - read)}"
 
 
 # --------------------------------------------------------------------------- call order

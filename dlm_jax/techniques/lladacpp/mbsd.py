@@ -64,7 +64,7 @@ DRAFT_INPUTS: dict[str, bool] = {"token": True, "mask": False}
 # Latency tables by name (anything else is a path to a profiled `latency.json`).
 LATENCY_MODELS = {"phone": PhoneCostModel.npu, "phone-npu": PhoneCostModel.npu, "phone-cpu": PhoneCostModel.cpu}
 _DRAFT, _CANDIDATE, _MASK = int(TokenState.DRAFT), int(TokenState.CANDIDATE), int(TokenState.MASK)
-_STABLE, _PROMPT = int(TokenState.STABLE), int(TokenState.PROMPT)
+_STABLE = int(TokenState.STABLE)
 _FEEDS_FINAL = np.array([True, False, False, False, True, True])  # prompt, visible, stable
 # Slots a look-ahead prediction may (re)draft, by whether drafts are visible: by TokenState value.
 _DRAFTABLE = {True: np.array([False, True, True, True, False, False]),  # MASK, DRAFT, CANDIDATE
@@ -181,7 +181,7 @@ class SpeculativeWindow(BlockScheduler):
             final = (state.status[:, a:p_hi] == _STABLE) | ~run[:, None]
             targets = targets[~final.all(axis=0)]
         rows = targets - shift - w_lo
-        store = store_rows = stable = None
+        store = store_rows = None
         if self.sliding or first_step:
             feeds = _FEEDS_FINAL[status] & run[:, None]
             if self.sliding:
@@ -190,9 +190,8 @@ class SpeculativeWindow(BlockScheduler):
                 keep = np.ones(len(window), bool)
             store = np.flatnonzero(keep)
             store_rows = _FEEDS_FINAL[status[:, store]] | (status[:, store] == _MASK)
-            stable = np.isin(status[:, store], (_STABLE, _PROMPT))
         return StepPlan(window=window, cached=np.arange(w_lo), rows=rows, targets=targets, unit=cursor.unit,
-                        step=cursor.step, store=store, store_stable=stable, store_rows=store_rows,
+                        step=cursor.step, store=store, store_rows=store_rows,
                         current=(targets >= lo) & (targets < hi), unit_slots=np.arange(lo, hi))
 
     def _affordable(self, state: DecodeState, w_lo: int, width: int) -> bool:

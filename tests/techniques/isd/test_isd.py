@@ -387,9 +387,9 @@ def test_the_default_executor_decodes_isd_as_the_jax_executor(idlm, monkeypatch)
     cache holds a decode's buckets) gives the JAX executor's tokens. The suite's
     DLM_JAX_EXECUTOR=jax made this compare the JAX executor with itself: the test clears it
     and checks that the decode it compares ran on LiteRT."""
-    from dlm_jax.program import JaxExecutor
-    from tflite_export.auto import AutoExecutor
-    from tflite_export.cache import BundleCacheExecutor
+    from dlm_jax.executors.jax_executor import JaxExecutor
+    from dlm_jax.executors.auto import AutoExecutor
+    from dlm_jax.executors.bundle_cache import BundleCacheExecutor
 
     monkeypatch.delenv("DLM_JAX_EXECUTOR")
     prompts = _prompts(idlm, 3)
