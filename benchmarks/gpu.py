@@ -31,6 +31,24 @@ generators build one row, and small compatibility shims for transformers 5.
 `--small`: a tiny float32 twin (d 256, 2 layers, vocab 1024) at batch 1 and 2, prompt 32,
 generation 64, which must give token-identical answers with equal NFE on both sides (exit
 status 1 otherwise). Writes <out>.json, <out>.md and <out>.png.
+
+Every result carries its run record (`run`: the UTC date, the machine, the command, the
+versions with dlm-jax's commit, and the free-text `--note`s). `--sides fast_dllm` (or `dlm_jax`)
+runs one side alone: its cases are timed, not compared (e.g. Fast-dLLM at a batch dlm-jax does
+not reach).
+
+`--merge PART.json [PART.json ...] --out PATH` combines results this script wrote, on several
+machines or days, into one, without measuring:
+
+    .venv/bin/python benchmarks/gpu.py --merge benchmarks/results/gpu_parts/*.json --out benchmarks/results/gpu
+
+The full-mode parts make the table (`cases`: each case from one part, in batch order; the
+settings' batches and caches their union); the first part gives the settings, checkpoint,
+devices, versions, Fast-dLLM's identity, load times and peak memory; targets and `correct` are
+computed from the merged cases; `--small` parts go to `small`. `parts` keeps every part's run
+record, device and cases, and `sources` names the part each field and case came from. A part
+that is not a result of this script (no run record), a merged result, parts of one mode with
+another checkpoint recipe or decode setting (`MERGE_MATCH`), and a case in two parts are refused.
 """
 
 from __future__ import annotations
@@ -44,6 +62,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -135,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, help="keep each process's spec and result here (default: a temporary folder, "
                    "removed after); a process whose result is there for the same spec is not run again, so a run "
                    "cut short goes on where it stopped, or its report is made elsewhere from the copied folder")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES),
+                   help="which sides run (default both); one side alone is timed, not compared")
+    p.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="a remark on this run, kept in the result's run record (repeatable)")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="PART.json",
+                   help="measure nothing: combine these results of this script into --out (each part's run "
+                   "record kept, each case's part named)")
     p.add_argument("--worker", choices=("write", *SIDES), help=argparse.SUPPRESS)
     p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     return p
@@ -145,6 +171,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     if args.worker:
+        return args
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.merge:
+        given = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+                 if k not in ("merge", "out", "argv") and v != p.get_default(k)]
+        if given:
+            p.error(f"--merge measures nothing: it takes only --out (not {' '.join(given)})")
+        args.mode = "merge"
+        args.out = args.out or MODE_DEFAULTS["full"]["out"]
         return args
     args.mode = "small" if args.small else "full"
     for key, value in MODE_DEFAULTS[args.mode].items():
@@ -848,7 +883,8 @@ def _gib(v: int | None) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     s, dev = report["settings"], report["device"]
-    lines = [f"# dlm-jax against Fast-dLLM on {dev['jax']}" + (" (--small)" if report["mode"] == "small" else ""), "",
+    lines = [f"# dlm-jax against Fast-dLLM on {dev['jax'] or dev['torch']}"
+             + (" (--small)" if report["mode"] == "small" else ""), "",
              f"Checkpoint: random LLaDA `{report['checkpoint']['recipe'].get('shape')}` shape, "
              f"{report['checkpoint'].get('params', 0) / 1e9:.3f}B parameters, {s['dtype']}, peaked head (recipe in the "
              f"JSON). Prompt {s['prompt_len']}, generation {s['gen_len']}, block {s['block_len']}, threshold "
@@ -886,7 +922,23 @@ def markdown(report: dict[str, Any]) -> str:
     applied = [sh for sh in report["peer"]["shims"] if sh["applied"]]
     lines += ["", "What this script changes in Fast-dLLM's code, in memory (their files are not edited):", ""]
     lines += [f"- {sh['name']} ({sh['target']}): {sh['why']}" for sh in applied]
-    lines += [f"- {n}" for n in report["notes"]]
+    lines += [f"- {n}" for n in report["notes"] + report.get("run", {}).get("notes", [])]
+    if report.get("small"):
+        sm = report["small"]
+        lines += ["", f"Correctness half (`--small`, {sm['settings']['dtype']}, {sm['device']['jax']}): "
+                  f"answers {'agree' if sm['correct'] else 'DIFFER'}.", "",
+                  "| case | answers | token agreement | NFE FD (idle) / DJ |", "|---|---|---|---|"]
+        lines += [f"| {r['case']} | {verdict(r)} | {_f(r['token_agreement'], '.3f')} | {_f(r['fast_dllm'].get('nfe'))} "
+                  f"({_f(r['fast_dllm'].get('idle_forwards'))}) / {_f(r['dlm_jax'].get('nfe'))} |" for r in sm["cases"]]
+    if report.get("parts"):
+        lines += ["", "Merged by `benchmarks/gpu.py --merge` from these results (load, peak memory, devices, versions "
+                  "and Fast-dLLM's identity above are the first full-mode part's):", ""]
+        for i, part in enumerate(report["parts"], 1):
+            run = part["run"]
+            lines.append(f"{i}. `{part['file']}` ({part['mode']}; {', '.join(part['cases'])}): {run['date']}, "
+                         f"{run['machine']}, {part['device']['jax'] or part['device']['torch']}; `{run['command']}`"
+                         + (f". Reconstructed {run['reconstructed']}" if run.get("reconstructed") else ""))
+            lines += [f"   - {n}" for n in run.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -930,6 +982,110 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Merge (--merge): results of several runs in one
+
+
+# What every part of one mode must share: their cases decode the same checkpoint recipe the same way.
+MERGE_MATCH = ("prompt_len", "gen_len", "block_len", "threshold", "dtype", "temperature", "seed")
+PART_KEYS = ("mode", "settings", "checkpoint", "device", "versions", "peer", "load_seconds", "peak_memory_bytes",
+             "cases", "notes", "run")
+RUN_KEYS = ("date", "machine", "command", "versions")
+
+
+def part_name(path: Path) -> str:
+    """How a part is named in the merged result: its path in the repository, else as given."""
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def read_part(path: Path) -> dict[str, Any]:
+    """A result this script wrote, with its run record; exits with one line on anything else."""
+    try:
+        rep = json.loads(path.read_text())
+    except OSError as e:
+        raise SystemExit(f"error: --merge {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --merge {path} is not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(rep, dict) or rep.get("benchmark") != "benchmarks/gpu.py":
+        raise SystemExit(f"error: --merge {path} is not a benchmarks/gpu.py result")
+    if "parts" in rep:
+        raise SystemExit(f"error: --merge {path} is itself a merged result: merge its parts")
+    if missing := [k for k in PART_KEYS if k not in rep]:
+        raise SystemExit(f"error: --merge {path} is not a benchmarks/gpu.py result (no {', '.join(missing)})")
+    if not isinstance(rep["run"], dict) or (missing := [k for k in RUN_KEYS if k not in rep["run"]]):
+        raise SystemExit(f"error: --merge {path} has no run record ({', '.join(missing or RUN_KEYS)} missing)")
+    if rep["mode"] not in MODE_DEFAULTS:
+        raise SystemExit(f"error: --merge {path} has mode {rep['mode']!r}, not one of {', '.join(MODE_DEFAULTS)}")
+    return rep
+
+
+def _check_group(group: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
+    """Parts of one mode: same recipe and `MERGE_MATCH` settings, each case in one part. Returns
+    {case: part}."""
+    (first, base), where = group[0], {}
+    for name, rep in group:
+        have, want = rep["checkpoint"].get("recipe") or {}, base["checkpoint"].get("recipe") or {}
+        if have != want:
+            diff = {k: (have.get(k), want.get(k)) for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k)}
+            raise SystemExit(f"error: --merge {name} has another checkpoint recipe than {first}: {diff} (its, first's)")
+        for k in MERGE_MATCH:
+            if rep["settings"].get(k) != base["settings"].get(k):
+                raise SystemExit(f"error: --merge {name} has {k} {rep['settings'].get(k)!r}, {first} "
+                                 f"{base['settings'].get(k)!r}: the cases of one table must decode alike")
+        for row in rep["cases"]:
+            if row["case"] in where:
+                raise SystemExit(f"error: --merge case {row['case']!r} ({rep['mode']}) is in {where[row['case']]} "
+                                 f"and in {name}: keep one")
+            where[row["case"]] = name
+    return where
+
+
+def _union(group: list[tuple[str, dict[str, Any]]], settings: dict[str, Any]) -> dict[str, Any]:
+    batches = sorted({b for _, rep in group for b in rep["settings"]["batches"]})
+    caches = [c for c in CACHES if any(c in rep["settings"]["caches"] for _, rep in group)]
+    return {**settings, "batches": batches, "caches": caches}
+
+
+def _in_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(rows, key=lambda r: (r["batch"], CACHES.index(r["cache"])))  # a run's order: batch, then cache
+
+
+def merge(parts: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One report from `parts` ([(name, result of `read_part`)], the first full-mode one the base;
+    see the module docstring). Exits with one line on parts that cannot share a table."""
+    full = [(n, r) for n, r in parts if r["mode"] == "full"]
+    small = [(n, r) for n, r in parts if r["mode"] == "small"]
+    if not full:
+        raise SystemExit("error: --merge needs a full-mode part (the table); --small parts go beside it")
+    where = _check_group(full)
+    small_where = _check_group(small) if small else {}
+    first, base = full[0]
+    rows = _in_order([row for _, rep in full for row in rep["cases"]])
+    notes = list(dict.fromkeys(n for _, rep in parts for n in rep["notes"]))  # the script's own notes, once each
+    report: dict[str, Any] = {
+        "benchmark": "benchmarks/gpu.py", "mode": "full", "settings": _union(full, base["settings"]),
+        **{k: base[k] for k in ("checkpoint", "device", "versions", "peer", "load_seconds", "peak_memory_bytes")},
+        "cases": rows, "targets": targets(rows, base["load_seconds"]),
+        "correct": all(r["agrees"] for r in rows if r["agrees"] is not None), "notes": notes}
+    if small:
+        srows = _in_order([row for _, rep in small for row in rep["cases"]])
+        report["small"] = {"settings": _union(small, small[0][1]["settings"]), "device": small[0][1]["device"],
+                           "checkpoint": small[0][1]["checkpoint"], "cases": srows,
+                           "correct": all(r["agrees"] for r in srows if r["agrees"] is not None)}
+    report["parts"] = [{"file": name, "mode": rep["mode"], "device": rep["device"],
+                        "cases": [r["case"] for r in rep["cases"]], "run": rep["run"]} for name, rep in parts]
+    report["sources"] = {
+        **{k: first for k in ("settings", "checkpoint", "device", "versions", "peer", "load_seconds",
+                              "peak_memory_bytes")},
+        "settings.batches": "union of the full-mode parts", "settings.caches": "union of the full-mode parts",
+        "targets": "computed from the merged cases", "correct": "computed from the merged cases",
+        "notes": "every part's, once each", "cases": where, **({"small": small_where} if small else {})}
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
 # Main
 
 
@@ -952,7 +1108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         state = checkpoint_state(ckpt, rec)
         written: dict[str, Any] = {}
-        if state == "write" and all(_done(spec, work, k) for k in ("write", "fast_dllm", "dlm_jax")):
+        if state == "write" and all(_done(spec, work, k) for k in ("write", *args.sides)):
             state = "reuse"  # every result is in --work: the report needs no checkpoint
             written = json.loads((work / "write.json").read_text())
         elif state == "write":
@@ -960,16 +1116,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             written = _worker(spec, work, "write")
         elif state == "foreign":
             log(f"{ckpt} was not written by this script: used as it is")
-        fd = _worker(spec, work, "fast_dllm")
-        dj = _worker(spec, work, "dlm_jax")
-        dj2 = None if args.no_second_process else _worker(spec, work, "dlm_jax", second=True)
+        # A side not run stands as a process that decoded nothing (its cases compare as not run).
+        fd = _worker(spec, work, "fast_dllm") if "fast_dllm" in args.sides else {
+            "device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [], "params": None,
+            "cases": {}}
+        dj = _worker(spec, work, "dlm_jax") if "dlm_jax" in args.sides else {
+            "device": None, "jax": None, "load_seconds": None, "params": None, "cases": {}}
+        dj2 = (None if args.no_second_process or "dlm_jax" not in args.sides
+               else _worker(spec, work, "dlm_jax", second=True))
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    limits = device_limits(dj["device"], hbm_tbps=args.hbm_tbps, peak_tflops=args.peak_tflops)
+    limits = device_limits(dj["device"] or fd["device"], hbm_tbps=args.hbm_tbps, peak_tflops=args.peak_tflops)
     if args.dtype != "bfloat16" and not (args.hbm_tbps and args.peak_tflops):
         limits = {**limits, "hbm_tbps": None, "peak_tflops": None, "source": "not computed for float32"}
     rows = compare(spec, fd, dj, dj2, limits)
+    if len(set(args.sides)) < len(SIDES):
+        for r in rows:
+            r["agrees"] = None  # not compared: one side was asked for
     load = {"fast_dllm": fd["load_seconds"], "dlm_jax": dj["load_seconds"]}
     fd_mem = [r["fast_dllm"].get("peak_memory_bytes") for r in rows if r["fast_dllm"].get("peak_memory_bytes")]
     notes = []
@@ -977,24 +1141,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         notes.append("Fast-dLLM's NFE counts idle forwards (a cached step after a block its full forward already "
                      "finished: this version checks for a finished block after a cached step); NFE is compared "
                      "without them.")
-    if fd["params"] != dj["params"]:
+    if fd["params"] and dj["params"] and fd["params"] != dj["params"]:
         notes.append(f"parameter counts differ: Fast-dLLM {fd['params']}, dlm-jax {dj['params']}")
-    correct = all(r["agrees"] for r in rows)
+    correct = all(r["agrees"] for r in rows if r["agrees"] is not None)
+    versions = {"jax": dj["jax"], "torch": fd["torch"], "transformers": fd["transformers"],
+                "python": platform.python_version()}
     report = {
         "benchmark": "benchmarks/gpu.py", "mode": args.mode,
         "settings": {k: spec[k] for k in ("prompt_len", "gen_len", "block_len", "threshold", "reps", "dtype")}
         | {"temperature": 0.0, "batches": args.batches, "caches": args.caches, "seed": args.seed,
            "untimed_runs": 1, "xla_cache": "given" if args.xla_cache else "fresh (removed after)"},
         "checkpoint": {"path": str(ckpt), "state": state, "recipe": rec if state != "foreign" else {},
-                       "params": dj["params"], **written},
+                       "params": dj["params"] or fd["params"], **written},
         "device": {"jax": dj["device"], "torch": fd["device"], **limits},
-        "versions": {"jax": dj["jax"], "torch": fd["torch"], "transformers": fd["transformers"],
-                     "python": platform.python_version()},
+        "versions": versions,
         "peer": {**peer_identity(src), "cloned_now": cloned, "shims": fd["shims"]},
         "load_seconds": load,
         "peak_memory_bytes": {"dlm_jax": dj.get("peak_memory_bytes"), "fast_dllm": max(fd_mem) if fd_mem else None},
-        "cases": rows, "targets": targets(rows, load), "correct": correct, "notes": notes}
+        "cases": rows, "targets": targets(rows, load), "correct": correct, "notes": notes,
+        "run": run_record(args, versions)}
     return report
+
+
+def run_record(args: argparse.Namespace, versions: dict[str, Any]) -> dict[str, Any]:
+    """What a result says of its own run: the UTC date, the machine, the command as given, the
+    versions (with dlm-jax's commit, "+dirty" for uncommitted changes) and the `--note`s."""
+    commit = None
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30)
+        if head.returncode == 0:
+            commit = head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return {"date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "machine": f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPU cores)",
+            "command": shlex.join(["benchmarks/gpu.py", *args.argv]),
+            "versions": {**versions, "dlm_jax_commit": commit}, "notes": list(args.note)}
 
 
 def _worker_spec(spec: dict[str, Any], work: Path, kind: str, second: bool) -> tuple[str, Path, Path]:
@@ -1050,15 +1234,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         worker_main(args.worker, args.spec)
         return 0
-    report = run(args)
+    report = merge([(part_name(path), read_part(path)) for path in args.merge]) if args.merge else run(args)
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     plot(report, out.with_suffix(".png"))
     print_targets(report)
-    print(f"wrote {out}.json, .md, .png; answers {'agree' if report['correct'] else 'DIFFER'}")
-    return 0 if report["correct"] or args.mode == "full" else 1
+    print(f"wrote {out}.json, .md, .png" + (f" from {len(args.merge)} parts" if args.merge else "")
+          + f"; answers {'agree' if report['correct'] else 'DIFFER'}")
+    return 0 if report["correct"] or args.mode != "small" else 1
 
 
 if __name__ == "__main__":

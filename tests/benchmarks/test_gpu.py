@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+RESULT = ROOT / "benchmarks" / "results" / "gpu.json"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu  # noqa: E402
@@ -39,7 +41,7 @@ def test_arguments_take_each_modes_defaults_and_the_flags_given():
 
 
 @pytest.mark.parametrize("argv", [["--block-len", "48"], ["--batches", "0"], ["--threshold", "1.5"],
-                                  ["--caches", "none"]])
+                                  ["--caches", "none"], ["--sides", "torch"], ["--merge", "a.json", "--batches", "8"]])
 def test_arguments_refuse_what_cannot_run(argv, capsys):
     with pytest.raises(SystemExit) as e:
         gpu.parse_args(argv)
@@ -207,6 +209,132 @@ def test_work_folder_reuses_a_result_only_for_the_same_spec(tmp_path, monkeypatc
     assert ran == ["fast_dllm", "fast_dllm"]
     gpu.save_partial({"result": str(tmp_path / "x.json")}, {"cases": {"a": 1}})
     assert json.loads((tmp_path / "x.json.partial").read_text()) == {"cases": {"a": 1}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Run records, one side alone, --merge, and the committed result
+
+
+def fake_run(monkeypatch, argv: list[str]) -> tuple[dict, list[str]]:
+    """`gpu.run` over the fake worker results above (no peer code, no model): a report as the
+    script writes it, and the workers it asked for."""
+    _, fd, dj, dj2 = fake_results()
+    fd = {**fd, "device": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "transformers": "5.23.0", "shims": [],
+          "params": 8}
+    dj = {**dj, "device": "gpu: NVIDIA H100 80GB HBM3", "jax": "0.10.2", "params": 8, "peak_memory_bytes": 2**34}
+    calls: list[str] = []
+
+    def worker(spec, work, kind, *, second=False):
+        calls.append(kind + ("2" if second else ""))
+        return {"fast_dllm": fd, "dlm_jax": dj2 if second else dj}[kind]
+
+    monkeypatch.setattr(gpu, "peer_source", lambda given: (Path("/peer"), False))
+    monkeypatch.setattr(gpu, "peer_identity", lambda src: {"src": str(src), "commit": "abc", "sha256": {}})
+    monkeypatch.setattr(gpu, "checkpoint_state", lambda path, want: "reuse")
+    monkeypatch.setattr(gpu, "_worker", worker)
+    return gpu.run(gpu.parse_args(argv)), calls
+
+
+def test_a_result_carries_its_run_record_and_one_side_runs_alone(monkeypatch):
+    """Remarks typed into a result by hand, and a second run's numbers pasted beside the first,
+    cannot be told from what the script measured: a result records its own run (date, machine,
+    command, versions, `--note`s), and `--sides fast_dllm` is how Fast-dLLM alone is measured
+    (its cases timed, not compared, so not counted as disagreeing answers)."""
+    report, calls = fake_run(monkeypatch, ["--batches", "1", "--note", "one lease of 15 min"])
+    run = report["run"]
+    assert run["command"] == "benchmarks/gpu.py --batches 1 --note 'one lease of 15 min'"
+    assert run["notes"] == ["one lease of 15 min"] and re.fullmatch(r"\d{4}-\d\d-\d\d", run["date"])
+    assert run["versions"]["jax"] == "0.10.2" and run["versions"]["torch"] == "2.13.0" and run["machine"]
+    assert calls == ["fast_dllm", "dlm_jax", "dlm_jax2"] and "one lease of 15 min" in gpu.markdown(report)
+    alone, calls = fake_run(monkeypatch, ["--batches", "1", "8", "--sides", "fast_dllm"])
+    assert calls == ["fast_dllm"]
+    assert [r["agrees"] for r in alone["cases"]] == [None] * 4 and alone["correct"]
+    assert alone["device"]["jax"] is None and alone["device"]["hbm_tbps"] == 3.35  # limits by Fast-dLLM's device
+    md = gpu.markdown(alone)
+    assert "| prefix b1 | 1.100 | - | - |" in md and "not compared" in md
+
+
+def write_parts(tmp_path: Path, *reports: dict) -> list[str]:
+    paths = []
+    for i, rep in enumerate(reports):
+        paths.append(str(tmp_path / f"part{i}.json"))
+        Path(paths[-1]).write_text(json.dumps(rep) if not isinstance(rep, str) else rep)
+    return paths
+
+
+def test_merge_keeps_each_parts_run_record_and_names_where_each_case_came_from(tmp_path, monkeypatch):
+    """Runs on several days merged by hand kept one run record for all (the batch-32 and
+    --small runs had none): `--merge` keeps every part's, and names the part of each case."""
+    main, _ = fake_run(monkeypatch, ["--batches", "1", "8", "--note", "first lease"])
+    b32, _ = fake_run(monkeypatch, ["--batches", "32", "--sides", "fast_dllm", "--note", "second lease"])
+    small, _ = fake_run(monkeypatch, ["--small", "--batches", "1", "2"])
+    main["run"]["date"], b32["run"]["date"] = "2026-01-01", "2026-01-02"  # another day
+    paths = write_parts(tmp_path, main, b32, small)
+    assert gpu.main(["--merge", *paths, "--out", str(tmp_path / "gpu")]) == 0
+    merged = json.loads((tmp_path / "gpu.json").read_text())
+    assert [p["run"] for p in merged["parts"]] == [main["run"], b32["run"], small["run"]]
+    assert [p["file"] for p in merged["parts"]] == paths
+    assert [r["case"] for r in merged["cases"]] == ["prefix b1", "dual b1", "prefix b8", "dual b8", "prefix b32",
+                                                    "dual b32"]
+    assert merged["cases"][:4] == main["cases"] and merged["cases"][4:] == b32["cases"]
+    assert merged["sources"]["cases"]["dual b32"] == paths[1] and merged["sources"]["cases"]["dual b8"] == paths[0]
+    assert merged["sources"]["load_seconds"] == paths[0] and merged["load_seconds"] == main["load_seconds"]
+    assert merged["settings"]["batches"] == [1, 8, 32] and merged["targets"] == main["targets"]
+    assert merged["small"]["cases"] == small["cases"] and set(merged["sources"]["small"].values()) == {paths[2]}
+    md = (tmp_path / "gpu.md").read_text()
+    assert "first lease" in md and "second lease" in md and "2026-01-02" in md and "| dual b32 |" in md
+    assert "Correctness half (`--small`" in md and (tmp_path / "gpu.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("spoil,problem", [
+    (lambda other, main: "{not json", "is not JSON"),
+    (lambda other, main: [other], "is not a benchmarks/gpu.py result"),
+    (lambda other, main: {**other, "benchmark": "benchmarks/peer.py"}, "is not a benchmarks/gpu.py result"),
+    (lambda other, main: {k: v for k, v in other.items() if k != "run"}, "is not a benchmarks/gpu.py result (no run)"),
+    (lambda other, main: {**other, "run": {k: v for k, v in other["run"].items() if k != "date"}},
+     "has no run record (date missing)"),
+    (lambda other, main: {**other, "parts": []}, "is itself a merged result"),
+    (lambda other, main: {**other, "checkpoint": {**other["checkpoint"], "recipe": {
+        **other["checkpoint"]["recipe"], "logit_std": 5.0}}}, "another checkpoint recipe"),
+    (lambda other, main: {**other, "settings": {**other["settings"], "gen_len": 128}}, "has gen_len 128"),
+    (lambda other, main: main, "'prefix b1' (full) is in"),
+])
+def test_merge_refuses_parts_that_cannot_share_a_table(tmp_path, monkeypatch, spoil, problem):
+    """A merge that took any JSON, or parts that decode another checkpoint or setting, or one
+    case twice, would put numbers of different benchmarks in one table without a word."""
+    main, _ = fake_run(monkeypatch, ["--batches", "1"])
+    other, _ = fake_run(monkeypatch, ["--batches", "8"])
+    paths = write_parts(tmp_path, main, spoil(other, main))
+    with pytest.raises(SystemExit) as e:
+        gpu.main(["--merge", *paths, "--out", str(tmp_path / "gpu")])
+    msg = str(e.value.code)
+    assert msg.startswith("error: --merge") and "\n" not in msg and problem in msg, msg
+    assert not (tmp_path / "gpu.json").exists()
+
+
+def test_committed_result_holds_only_fields_the_script_writes(monkeypatch):
+    """benchmarks/results/gpu.json held fields typed in by hand (`run`, `fast_dllm_batch32`,
+    `small_on_gpu`): numbers no run of the script wrote or can check. Every top-level field must
+    be one that a run or a --merge of this script writes (the set taken from the script)."""
+    full, _ = fake_run(monkeypatch, ["--batches", "1"])
+    small, _ = fake_run(monkeypatch, ["--small", "--batches", "1"])
+    writable = set(full) | set(gpu.merge([("full.json", full), ("small.json", small)]))
+    stray = set(json.loads(RESULT.read_text())) - writable
+    assert not stray, f"{RESULT.name} holds fields benchmarks/gpu.py does not write: {sorted(stray)}"
+
+
+def test_committed_result_is_the_merge_of_its_committed_parts(tmp_path):
+    """A value edited by hand in gpu.json (or .md), or a part changed without merging again,
+    shows here: the committed result is what --merge makes of the committed parts, byte for byte,
+    and every committed part is in it."""
+    committed = json.loads(RESULT.read_text())
+    assert "parts" in committed, f"{RESULT.name} is not a benchmarks/gpu.py --merge result"
+    files = [p["file"] for p in committed["parts"]]
+    assert sorted(files) == sorted(p.relative_to(ROOT).as_posix()
+                                   for p in (RESULT.parent / "gpu_parts").glob("*.json"))
+    assert gpu.main(["--merge", *(str(ROOT / f) for f in files), "--out", str(tmp_path / "gpu")]) == 0
+    assert (tmp_path / "gpu.json").read_text() == RESULT.read_text()
+    assert (tmp_path / "gpu.md").read_text() == RESULT.with_suffix(".md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------
