@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import dlm_jax
-from dlm_jax.models import split_experts
+from dlm_jax.techniques.tide import split_experts
 from dlm_jax.techniques.tide.split import CpuExperts
 from dlm_jax.models._transformer import dense_experts
 from dlm_jax.runtime import decode_config
 from dlm_jax.testing import tiny_model
 
-MOE_TINY = Path(__file__).resolve().parents[2] / "models" / "moe-tiny"
+MOE_TINY = Path(__file__).resolve().parents[3] / "models" / "moe-tiny"
 CFG = decode_config(gen_len=32, block_len=32)
 # Held-out prompts (dlm_jax.training.data's make_split, seed 0) on which bfloat16 and float16 decode
 # float32's tokens, then one on which they need not: reduced precision does change a token there,
