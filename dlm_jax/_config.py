@@ -200,6 +200,16 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def block_align(self) -> int:
+        """The block length whose decode blocks must start at absolute multiples of it, 0 for
+        none. Block-causal attention groups positions [k * block_size, (k + 1) * block_size)
+        counted from the sequence's first token (each request's own), as block diffusion trains
+        and LLaDA2.0's generator decodes: a decode block of that length must be one of them,
+        the first one the rest of the block the prompt ends in, or its slots attend in a pattern
+        the model never saw."""
+        return self.block_size if self.attention == "block_causal" else 0
+
+    @property
     def eos_ids(self) -> tuple[int, ...]:
         """Every id that ends a generation (empty without EOS)."""
         e = self.eos_token_id

@@ -4,7 +4,8 @@ revision -> state, until the scheduler has nothing left to plan.
 Every strategy hook is declared, with a default, by its base class (`Scheduler`,
 `RevisionPolicy`, `PlacementPolicy`, `Executor`) and called here directly, in this order:
 
-  checks             scheduler.validate (the model and the other strategies), scheduler.overhang
+  checks             scheduler.for_model (the schedule fit to the model's blocks, used from here
+                     on), scheduler.validate (the model and the other strategies), scheduler.overhang
                      (slots past the generation its windows reach), scheduler.wants_logits
   before the decode  scheduler.start; revision.cpu_path (executor.fork, once per decoder);
                      executor.open (the decode's KVCache); placement.begin
@@ -270,7 +271,7 @@ class Decoder:
         if total > self.max_tokens:
             over = cfg.scheduler.overhang()
             raise self.capabilities.refusal(f"prompt ({max(lens)} tokens) + gen_len ({cfg.gen_len})"
-                                            + (f" + look-ahead ({over})" if over else "") + f" = {total} "
+                                            + (f" + slots past it ({over})" if over else "") + f" = {total} "
                                             f"tokens exceeds the limit of {self.max_tokens} (largest cache bucket "
                                             f"/ max_seq_len)")
 
@@ -293,12 +294,18 @@ class Decoder:
             if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
                 raise InputError(f"seed {s!r} must be an integer >= 0")
 
+    def _for_model(self, cfg: DecodeConfig) -> DecodeConfig:
+        """`cfg` with the schedule that decodes this model (`Scheduler.for_model`: a block
+        schedule of a block-causal model's block size aligns its blocks to the model's)."""
+        scheduler = cfg.scheduler.for_model(self.model_config)
+        return cfg if scheduler is cfg.scheduler else dataclasses.replace(cfg, scheduler=scheduler)
+
     def bucket_keys(self, prompt_lens: Sequence[int], cfg: DecodeConfig, *, cpu_path: bool = True) -> list[BucketKey]:
         """Every bucket a decode of one batch with these prompt lengths can use: the
         scheduler's and the revision policy's plan shapes (and, with `cpu_path`, those of the
         policy's CPU path), each in the bucket the executor would run it in. Raises a
         ConfigError naming a bucket the executor lacks."""
-        main, cpu = self._keys_of(prompt_lens, cfg)
+        main, cpu = self._keys_of(prompt_lens, self._for_model(cfg))
         return sorted(set(main) | set(cpu)) if cpu_path else list(main)
 
     def _keys_of(self, prompt_lens: Sequence[int], cfg: DecodeConfig) -> tuple[tuple[BucketKey, ...], ...]:
@@ -340,6 +347,7 @@ class Decoder:
         The executor is first asked to `prepare` them; one that `prepares_ahead` (the bundle
         cache, which exports them as one part) also every bucket of prompts up to the next
         multiple of 64 tokens, so that later prompts of other lengths find theirs ready."""
+        cfg = self._for_model(cfg)
         main, cpu = self._keys_of(prompt_lens, cfg)
         ahead: set[BucketKey] = set()
         if self.executor.prepares_ahead:
@@ -364,6 +372,7 @@ class Decoder:
           on_block: called after each commit unit (block) with (unit index, generated ids so far).
         """
         mc = self.model_config
+        cfg = self._for_model(cfg)
         n = len(prompts)
         self.check_prompts(prompts, seeds)
         main_keys, cpu_keys = self._keys_of([len(p) for p in prompts], cfg)  # every check first (memoised)
@@ -396,7 +405,7 @@ class Decoder:
                 plan, probed = revision.probe(state, plan)  # leave-one-out rows after the window
                 targets = plan.target_index
                 if plan.step == 0:
-                    rule = cfg.rule.begin(state.undecided(plan.unit_index), units=units)
+                    rule = cfg.rule.begin(plan.unit_undecided(state), units=units)
                 if len(plan.cached) and not stored:
                     raise RuntimeError("the plan reads cached K/V but nothing has been stored yet")
                 if cpu is not None and stored:
@@ -437,7 +446,7 @@ class Decoder:
                     cpu.merge(state, cache)  # the step boundary: delayed merge
                 placement.after_step(placed, state, plan, out)
                 steps = plan.step + 1
-                unit_done = rule.finished(steps, state.undecided(plan.unit_index))
+                unit_done = rule.finished(steps, plan.unit_undecided(state))
                 width = len(plan.targets) if plan.unit_slots is None else len(plan.unit_slots)
                 if not unit_done and steps >= rule.max_steps(width):
                     raise RuntimeError(f"commit rule {rule!r} left unit {plan.unit} unfinished after {steps} steps")

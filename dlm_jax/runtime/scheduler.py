@@ -59,9 +59,10 @@ class StepPlan:
     store_rows: [B, n] bool, which of the store's entries are written (None: all); entries
       computed from drafts never are.
     current: [R] bool, the targets in the current commit unit (None: all of them); the
-      others are look-ahead rows (drafts), which the rule never commits.
-    unit_slots: the slots of the current commit unit (None: the targets); a rule begins
-      and finishes the unit over these.
+      others are look-ahead rows (drafts), which the rule never commits. [B, R] when the
+      batch rows' units sit at different slots (aligned blocks of prompts of several lengths).
+    unit_slots: the slots of the current commit unit (None: the targets, those `current`
+      where it is given); a rule begins and finishes the unit over these.
     probes: [D] targets also scored leave-one-out (None: none): each gets a query row after
       the window, at the position of the row that predicts it, fed the mask (the row's token
       under a logit shift), that sees what that row sees except the probed slot and that no
@@ -113,6 +114,14 @@ class StepPlan:
         """The current unit's slots (as a slice when a run)."""
         return self.target_index if self.unit_slots is None else self.slots(self.unit_slots)
 
+    def unit_undecided(self, state: DecodeState) -> np.ndarray:
+        """[B, n] bool: the undecided slots of each batch row's current unit (`unit_index`;
+        without `unit_slots`, the targets `current` marks for that row)."""
+        undecided = state.undecided(self.unit_index)
+        if self.unit_slots is None and self.current is not None:
+            return undecided & self.current
+        return undecided
+
 
 @dataclasses.dataclass
 class Cursor:
@@ -130,7 +139,7 @@ class Scheduler(HookBase):
     `units` and `plan_shapes` before it (checks and warm-up)."""
 
     HOOKS = ("units", "start", "plan", "settle", "advance", "plan_shapes", "overhang", "validate", "wants_logits",
-             "report")
+             "report", "for_model")
     # The commit rule (a `registry.RULES` name) this schedule decides with, or None: any rule.
     # A schedule that accepts its own proposals in `settle` (ISD) takes the rule `NoCommit`.
     commit_rule: ClassVar[type | None] = None
@@ -156,8 +165,14 @@ class Scheduler(HookBase):
 
     def overhang(self) -> int:
         """Slots past the generation this schedule's windows may reach (look-ahead rows fed
-        as masks; nothing is emitted there); default 0."""
+        as masks, or the rest of an aligned last block, decoded; nothing is emitted there);
+        default 0."""
         return 0
+
+    def for_model(self, model: ModelConfig) -> Scheduler:
+        """The schedule that decodes `model` (default: this one); the decoder asks before
+        anything else, so a schedule may fit its blocks to the model's (`BlockScheduler`)."""
+        return self
 
     def validate(self, config: Any, model: ModelConfig) -> None:
         """Raise ConfigError if this schedule cannot decode `model` with the other strategies of
@@ -191,39 +206,97 @@ class BlockScheduler(Scheduler):
     Attributes:
       block_len: slots per block (a commit unit); must divide the generation length.
       stop_on_eos_block: a block decoded entirely to EOS ends its request (later slots EOS).
+      align: blocks sit at multiples of `block_len` of each request's absolute positions, as
+        the attention blocks of a block-causal model do (`for_model` sets it from
+        `ModelConfig.block_align`; LLaDA2.0's generator decodes so): a request's first block
+        is the rest of the block its prompt ends in (the whole next one when the prompt fills
+        its last), and its last runs to the block's end past the generation (slots decoded,
+        never emitted; `overhang`). Requests of other prompt lengths keep their own blocks in
+        one batch. Off: blocks start at the generation's first slot.
     """
 
     block_len: int = dataclasses.field(default=32, metadata={"help": "block length (slots per commit unit)"})
     stop_on_eos_block: bool = dataclasses.field(
         default=True, metadata={"help": "a block decoded entirely to EOS ends its request"})
+    align: bool = dataclasses.field(
+        default=False, metadata={"option": False, "help": "blocks at absolute multiples of block_len"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_len, int) or isinstance(self.block_len, bool) or self.block_len <= 0:
             raise ConfigError(f"block_len={self.block_len!r} must be a positive integer")
+
+    def for_model(self, model: ModelConfig) -> BlockScheduler:
+        """Aligned blocks when they are the model's attention blocks (a block-causal model
+        whose block size is `block_len`); otherwise this schedule as it is."""
+        if self.align or model.block_align != self.block_len:
+            return self
+        return dataclasses.replace(self, align=True)
+
+    def overhang(self) -> int:
+        return self.block_len - 1 if self.align else 0  # an aligned last block runs to its end
 
     def units(self, gen_len: int) -> int:
         if gen_len % self.block_len:
             raise ConfigError(f"block_len={self.block_len} must divide gen_len={gen_len}")
         return gen_len // self.block_len
 
+    def _leads(self, prompt_lens: Sequence[int]) -> tuple[int, ...]:
+        """Per request, how many prompt slots its first block holds: aligned, its prompt length
+        modulo `block_len`, or a whole block for a prompt that fills its last block beside one
+        that does not (its first block is all prompt, its blocks those it decodes alone); all 0
+        when no prompt ends inside a block, and unaligned."""
+        lead = [int(n) % self.block_len for n in prompt_lens] if self.align else []
+        if not any(lead):
+            return (0,) * len(prompt_lens)
+        return tuple(a or self.block_len for a in lead)
+
+    def _state_leads(self, state: DecodeState) -> tuple[int, ...]:
+        """`_leads` of the state's requests (each prompt's length is the absolute position of its
+        first generated slot); () unaligned."""
+        if not self.align:
+            return ()
+        return self._leads(state.positions[:state.n_requests, state.gen_start].tolist())
+
+    def _units(self, gen_len: int, leads: Sequence[int]) -> int:
+        """Blocks a decode runs: one more than `units` when prompts end inside a block."""
+        return self.units(gen_len) + (1 if any(leads) else 0)
+
     def window(self, step: int, start: int, end: int, total: int) -> tuple[np.ndarray, np.ndarray, bool]:
         """(window slots, cached slots, store the window's K/V) for step `step` of a block
-        whose predicting rows sit at slots [start, end - shift) of `total` slots."""
+        whose window computes slots [start, end - shift) of `total` slots: its predicting rows
+        (aligned, after the prompt's slots in the block, which are computed too)."""
         raise NotImplementedError
 
-    def _plan(self, unit: int, step: int, gen_start: int, total: int, shift: int) -> StepPlan:
-        """The plan of a step."""
-        window, cached, rows, targets, store = self._geometry(unit, min(step, 1), gen_start, total, shift)
-        return StepPlan(window=window, cached=cached, rows=rows, targets=targets, unit=unit, step=step, store=store)
+    def _plan(self, unit: int, step: int, gen_start: int, total: int, shift: int,
+              state: DecodeState | None = None, leads: Sequence[int] = ()) -> StepPlan:
+        """The plan of a step; when the requests' blocks sit at different slots (`leads`), with
+        the `state`, which targets are each one's block."""
+        lo_lead, hi_lead = (min(leads), max(leads)) if leads else (0, 0)
+        window, cached, rows, targets, store = self._geometry(unit, min(step, 1), gen_start, total, shift,
+                                                              lo_lead, hi_lead)
+        current = None
+        if lo_lead != hi_lead and state is not None:
+            lead = np.full(state.batch, lo_lead)
+            lead[:len(leads)] = leads
+            first = gen_start + unit * self.block_len - lead  # [B] each request's block
+            current = (targets >= first[:, None]) & (targets < first[:, None] + self.block_len)
+        return StepPlan(window=window, cached=cached, rows=rows, targets=targets, unit=unit, step=step, store=store,
+                        current=current)
 
     # Every step after a block's first has the same slots: built once per block, read-only.
     @functools.lru_cache(maxsize=256)
-    def _geometry(self, unit: int, step: int, gen_start: int, total: int, shift: int) -> tuple:
-        lo = gen_start + unit * self.block_len
-        hi = lo + self.block_len
-        window, cached, store = self.window(step, lo - shift, hi, total)
+    def _geometry(self, unit: int, step: int, gen_start: int, total: int, shift: int, lo_lead: int = 0,
+                  hi_lead: int = 0) -> tuple:
+        # Targets: every generated slot of some request's block (each starts `lead` before the
+        # unit's). The window starts with the earliest block: a prompt's slots in the block its
+        # generation starts in attend to the slots decoded after them (block-causal), so their
+        # K/V change with every commit there and are computed, never read from the store.
+        start = gen_start + unit * self.block_len - hi_lead
+        lo = max(gen_start, start)
+        hi = gen_start + (unit + 1) * self.block_len - lo_lead
+        window, cached, store = self.window(step, max(start - shift, 0), hi, total)
         first = lo - shift - int(window[0])  # window row predicting slot lo; windows are ranges
-        arrays = (window, cached, np.arange(first, first + self.block_len), np.arange(lo, hi),
+        arrays = (window, cached, np.arange(first, first + hi - lo), np.arange(lo, hi),
                   np.arange(len(window)) if store else None)
         for a in arrays:
             if a is not None:
@@ -231,30 +304,38 @@ class BlockScheduler(Scheduler):
         return arrays
 
     def plan(self, state: DecodeState, cursor: Cursor) -> StepPlan | None:
-        if cursor.unit >= self.units(state.gen_len) or not state.active.any():
+        leads = self._state_leads(state)
+        if cursor.unit >= self._units(state.gen_len, leads) or not state.active.any():
             return None
-        return self._plan(cursor.unit, cursor.step, state.gen_start, state.total, state.shift)
+        return self._plan(cursor.unit, cursor.step, state.gen_start, state.total, state.shift, state, leads)
 
     def advance(self, state: DecodeState, cursor: Cursor, unit_done: bool) -> None:
         if not unit_done:
             cursor.step += 1
             return
-        lo = state.gen_start + cursor.unit * self.block_len
-        visible = int((state.status[state.active, lo:lo + self.block_len] == TokenState.VISIBLE).sum())
-        if visible:  # tokens a block finished with below the stable bar (llada.cpp Fig. 13b)
-            state.count("visible_at_block_end", visible)
-        if self.stop_on_eos_block:
-            state.stop_at_eos(np.arange(lo, lo + self.block_len))
+        leads = self._state_leads(state)
+        lead = np.zeros(state.batch, int)
+        lead[:len(leads)] = leads
+        for a in sorted(set(leads)) or [0]:  # requests whose blocks sit alike
+            rows = state.active & (lead == a)
+            lo = max(state.gen_start, state.gen_start + cursor.unit * self.block_len - a)
+            hi = min(state.gen_start + (cursor.unit + 1) * self.block_len - a, state.gen_end)
+            visible = int((state.status[rows, lo:hi] == TokenState.VISIBLE).sum())
+            if visible:  # tokens a block finished with below the stable bar (llada.cpp Fig. 13b)
+                state.count("visible_at_block_end", visible)
+            if self.stop_on_eos_block:
+                state.stop_at_eos(np.arange(lo, hi), rows=rows)
         cursor.unit += 1
         cursor.step = 0
-        if cursor.unit == self.units(state.gen_len):
+        if cursor.unit == self._units(state.gen_len, leads):
             state.finish()
 
     def plan_shapes(self, prompt_lens: Sequence[int], gen_len: int, *, shift: int) -> set[PlanShape]:
         """Each block's first step and its later steps (all alike within a block)."""
         p_max = max(prompt_lens)
-        return {self._plan(unit, step, p_max, p_max + gen_len, shift).shape
-                for unit in range(self.units(gen_len)) for step in (0, 1)}
+        leads = self._leads(prompt_lens) if self.align else ()
+        return {self._plan(unit, step, p_max, p_max + gen_len + self.overhang(), shift, leads=leads).shape
+                for unit in range(self._units(gen_len, leads)) for step in (0, 1)}
 
 
 def _full(total: int, store: bool) -> tuple[np.ndarray, np.ndarray, bool]:

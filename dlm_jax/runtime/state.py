@@ -155,7 +155,7 @@ class DecodeState:
                tail: int = 0) -> DecodeState:
         """Left-align `prompts` on a [batch, max prompt + gen_len + tail] grid; rows past
         `len(prompts)` are padding. `seeds` seed each request's generator (default 0). The
-        `tail` slots after the generation are masks a schedule may feed (`Scheduler.overhang`)."""
+        `tail` slots after the generation are masks a schedule may feed or decode (`Scheduler.overhang`)."""
         n = len(prompts)
         lens = [len(p) for p in prompts]
         p_max = max(lens)
@@ -272,12 +272,15 @@ class DecodeState:
         """Return the `chosen` [B, n] drafts to MASK."""
         self._move(slots, chosen, _MASK, np.full(chosen.shape, self.mask_id, self.tokens.dtype), "demote")
 
-    def stop_at_eos(self, slots: np.ndarray) -> np.ndarray:
-        """End the running requests whose `slots` all hold an EOS id: every later slot becomes
-        a stable EOS (the first id). Returns [B] bool, the rows stopped."""
+    def stop_at_eos(self, slots: np.ndarray, *, rows: np.ndarray | None = None) -> np.ndarray:
+        """End the running requests (of `rows` [B] bool, when given) whose `slots` all hold an
+        EOS id: every later slot becomes a stable EOS (the first id). Returns [B] bool, the
+        rows stopped."""
         if not self.eos_ids or len(slots) == 0:
             return np.zeros(self.batch, bool)
         done = self.active & self.is_eos(self.tokens[:, slots]).all(axis=1)
+        if rows is not None:
+            done &= rows
         self.stop_after(done, np.full(self.batch, np.max(slots)))
         return done
 

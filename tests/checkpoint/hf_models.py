@@ -35,11 +35,12 @@ BUILDERS = {
 }
 
 
-def build(kind: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny model with every parameter and buffer randomised (biases, norms, router bias)."""
+def build(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny model with every parameter and buffer randomised (biases, norms, router bias);
+    `overrides` change its config."""
     config_cls, model_cls, extra = BUILDERS[kind]()
     torch.manual_seed(seed)
-    config = config_cls(**{**COMMON, **extra})
+    config = config_cls(**{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"
     model = model_cls(config).eval()
     with torch.no_grad():

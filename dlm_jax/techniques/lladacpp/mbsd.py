@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.buckets import window_buckets
 from dlm_jax.runtime.latency import LatencyTable, PhoneCostModel
@@ -131,12 +132,19 @@ class SpeculativeWindow(BlockScheduler):
             raise ConfigError(f"draft_input={self.draft_input!r} is not one of {tuple(DRAFT_INPUTS)}")
         if self.sliding and self.suffix:
             raise ConfigError("suffix=True needs sliding=False (a sliding window computes the window only)")
+        if self.align:
+            raise ConfigError("align=True: speculative windows start at the generation, not at aligned blocks")
         if self.trigger or self.sliding:
             latency_table(self.latency)  # a bad table fails here, not mid-decode
 
     @property
     def w0(self) -> int:
         return self.window_width or self.block_len
+
+    def for_model(self, model: ModelConfig) -> SpeculativeWindow:
+        """This schedule as it is: its windows slide from the generation's first slot, whatever
+        a block-causal model's blocks (`BlockScheduler.align` is not implemented here)."""
+        return self
 
     # -- planning ---------------------------------------------------------------------------
 
