@@ -34,8 +34,10 @@ import numpy as np
 from dlm_jax._config import SPARSE_FFN_KINDS
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax._model import MissingTokenizer, stored_tokenizer
-from dlm_jax.executors.runner import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, MODEL_FILE, Bundle, bundle_executor,
-                            key_to_dict, native_stderr_captured, zero_inputs)
+from dlm_jax.executors.bundle_files import (BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, CPU_PROGRAMS_FILE,
+                                           CPU_WEIGHTS_FILE, FLASH_FILE, LATENCY_FILE, MODEL_FILE, NEURONS_FILE,
+                                           PLAN_FILE, PREDICTOR_FILE)
+from dlm_jax.executors.runner import Bundle, bundle_executor, key_to_dict, native_stderr_captured, zero_inputs
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.registry import decode_options
 from dlm_jax.runtime.step import parse_signature_name
@@ -59,8 +61,6 @@ TARGETS: dict[str, str | None] = {"cpu": None, "gpu": None, "npu": None,
                                   "qualcomm-sm8650": "SM8650", "qualcomm-sm8750": "SM8750",
                                   "qualcomm-sm8850": "SM8850"}
 QUALCOMM_SDK_PACKAGE = "ai-edge-litert-sdk-qualcomm"
-LATENCY_FILE = "latency.json"
-PLAN_FILE = "plan.json"
 
 
 def parse_bucket(text: str) -> BucketKey:
@@ -250,18 +250,12 @@ class SparseExport:
         return out
 
 
-NEURONS_FILE = "neurons.json"
-FLASH_FILE = "ffn.flash"
-PREDICTOR_FILE = "predictor.safetensors"
-
-
 def _write_partition(tmp: Path, model, programs, sparse: SparseExport | None) -> dict[str, Any]:
     """The partitioned bundle's CPU-side files (embedding table; for a sparse bundle the flash
     file, the neuron plan and the predictor) and `bundle.json`'s "partition" entry."""
     from dlm_jax.checkpoint._safetensors import save_file
     from dlm_jax.models._params import get_params
     from dlm_jax.executors.partition_contract import describe
-    from dlm_jax.executors.partitioned import CPU_PROGRAMS_FILE, CPU_WEIGHTS_FILE
 
     params = get_params(model)
     save_file({"embedding": np.ascontiguousarray(params["embed.embedding"])}, tmp / CPU_WEIGHTS_FILE)
@@ -466,7 +460,6 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
     try:
         (tmp / MODEL_FILE).write_bytes(content)
         if cpu_content is not None:
-            from dlm_jax.executors.partitioned import CPU_PROGRAMS_FILE
 
             (tmp / CPU_PROGRAMS_FILE).write_bytes(cpu_content)
         if tokenizer is not None:

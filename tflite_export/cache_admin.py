@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dlm_jax._errors import ConfigError
+from dlm_jax.executors.bundle_files import BUNDLE_FILE
 
 CACHE_ENV = "DLM_JAX_BUNDLE_CACHE"
 LIMIT_ENV = "DLM_JAX_BUNDLE_CACHE_MB"
@@ -143,7 +144,7 @@ def read_entry(path: Path) -> Entry | None:
     for part in sorted(path.glob("part-*")):
         parts += 1
         try:
-            meta = json.loads((part / "bundle.json").read_text(encoding="utf-8"))
+            meta = json.loads((part / BUNDLE_FILE).read_text(encoding="utf-8"))
             buckets.update(b["signature"] for b in meta["buckets"])
             source = source or meta.get("source") or None
         except (OSError, ValueError, KeyError, TypeError):

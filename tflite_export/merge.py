@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.executors.runner import BUNDLE_FILE, MODEL_FILE, Bundle, key_to_dict
+from dlm_jax.executors.bundle_files import BUNDLE_FILE, MODEL_FILE
+from dlm_jax.executors.runner import Bundle, key_to_dict
 
 _ALIGN = 16  # as the converter aligns constant buffers: XNNPACK and NEON loads read them in place
 _MIN_RUNTIME = "min_runtime_version"

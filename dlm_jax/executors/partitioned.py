@@ -28,13 +28,12 @@ import numpy as np
 
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax.executors._litert import read_outputs
+from dlm_jax.executors.bundle_files import CPU_PROGRAMS_FILE, CPU_WEIGHTS_FILE
 from dlm_jax.techniques.powerinfer.cold_path import ColdPath, cached_neuron_bytes
 from dlm_jax.executors.partition_contract import body_name, body_outputs, head_name, head_outputs, tiled
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, StepInputs, StepOutputs
 
-CPU_WEIGHTS_FILE = "cpu.safetensors"
-CPU_PROGRAMS_FILE = "cpu.tflite"
 
 
 class _Program:

@@ -52,15 +52,12 @@ from dlm_jax._model import Model, stored_tokenizer
 from dlm_jax._tokenizer import Tokenizer
 from dlm_jax.executors._litert import (ACCELERATORS, compiled_model, native_stderr_captured,  # noqa: F401
                              read_outputs, zero_inputs)
+from dlm_jax.executors.bundle_files import BUNDLE_FILE, BUNDLE_FORMAT, BUNDLE_VERSION, MODEL_FILE
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, StepInputs, StepOutputs, output_specs,
                                   signature_inputs, signature_name)
 
-BUNDLE_FORMAT = "dlm-jax-bundle"
-BUNDLE_VERSION = 1
-BUNDLE_FILE = "bundle.json"
-MODEL_FILE = "model.tflite"
 
 
 def key_to_dict(key: BucketKey) -> dict[str, Any]:

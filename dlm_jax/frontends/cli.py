@@ -49,7 +49,7 @@ def _load(args: argparse.Namespace, path: str | Path):
     import dlm_jax
     from dlm_jax._errors import ConfigError
     from dlm_jax._hub import resolve_checkpoint
-    from dlm_jax.executors.runner import BUNDLE_FILE
+    from dlm_jax.executors.bundle_files import BUNDLE_FILE
 
     path = resolve_checkpoint(path)
     if (Path(path) / BUNDLE_FILE).exists():

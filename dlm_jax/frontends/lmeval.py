@@ -435,7 +435,7 @@ def model_settings(pretrained: str | os.PathLike | None = None, **kwargs: Any) -
         _check_executor(args["executor"])
     if not path.is_dir():
         raise CheckpointError(f"pretrained={path}: no such checkpoint directory")
-    from dlm_jax.executors.runner import BUNDLE_FILE
+    from dlm_jax.executors.bundle_files import BUNDLE_FILE
 
     bundle = (path / BUNDLE_FILE).exists()
     if bundle:
