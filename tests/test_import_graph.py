@@ -12,6 +12,7 @@ that is the module the access imports.
 from __future__ import annotations
 
 import ast
+import re
 import importlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -279,3 +280,14 @@ def test_only_the_registry_and_the_layers_above_the_core_import_techniques(graph
     for module in lower:
         hits = {e for e in graph.edges[module] if _inside(e, TECHNIQUES)}
         assert not hits, f"{module} imports {sorted(hits)}"
+
+
+@pytest.mark.parametrize("package", ["dlm_jax.runtime", "dlm_jax.executors", "dlm_jax.techniques.lladacpp",
+                                     "dlm_jax.techniques.isd", "dlm_jax.techniques.tide",
+                                     "dlm_jax.techniques.powerinfer"])
+def test_a_package_docstring_names_every_module(graph, package):
+    """Each room's `__init__` reads as its table of contents: it names every module it holds."""
+    doc = importlib.import_module(package).__doc__
+    modules = sorted(m.rpartition(".")[2] for m in graph.paths if m.rpartition(".")[0] == package)
+    missing = [m for m in modules if not re.search(rf"(?<![\w.]){re.escape(m)}\b", doc)]
+    assert not missing, f"{package}'s docstring does not name {missing}"

@@ -9,6 +9,7 @@
     auto                `AutoExecutor`: the CPU default, JAX until the bundle cache holds a
                         decode's buckets
     _litert             one LiteRT environment per process, output reading, the exit hush
+    bundle_files        a bundle directory's file names, spelled once
 
 `dlm_jax.testing.MockExecutor` is the scripted executor of the tests.
 """

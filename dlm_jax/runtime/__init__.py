@@ -2,6 +2,7 @@
 beside a LiteRT bundle on a device) and nothing but the registry names a technique: the papers'
 strategies live in `dlm_jax.techniques` and plug in through the hook bases defined here.
 
+    hooks      HookBase: every strategy base declares its hooks, checked at class definition
     state      DecodeState (per-slot tokens, TokenState, confidence, positions), RequestStatus
     kvstore    KVStore (NumPy per-slot K/V with versions: what a HostKVCache holds)
     kvcache    KVCache protocol (the decode's K/V, held by the executor), HostKVCache (NumPy K/V
@@ -19,7 +20,8 @@ strategies live in `dlm_jax.techniques` and plug in through the hook bases defin
     registry   names -> strategies, presets, flat options, CLI flags (the one core module that
                imports the techniques, `dlm_jax.techniques`)
     decoder    Decoder (the loop), DecodeStats, DecodeOutput
-    buckets    BucketKey, BucketSet, padding; latency: LatencyTable
+    buckets    BucketKey, BucketSet, padding
+    latency    LatencyTable (median step latency per bucket), PhoneCostModel
 """
 
 from dlm_jax._lazy import lazy_exports

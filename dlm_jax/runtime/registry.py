@@ -53,7 +53,7 @@ REVISIONS: dict[str, type] = {
     "dppr": ProgressiveRevision,  # llada.cpp dual-path progressive revision
 }
 PLACEMENTS: dict[str, type] = {
-    "none": NoPlacement,  # PowerInfer-2's neuron placement plugs in here
+    "none": NoPlacement,  # everything where the executor put it (PowerInfer-2 places neurons offline, at export)
     "experts": ExpertPolicy,  # TIDE's interval expert refresh and its baselines (MoE models)
 }
 

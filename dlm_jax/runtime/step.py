@@ -66,7 +66,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     # each MoE layer's routed experts per window row (expert placement, TIDE)
     TensorSpec("router_topk", ("M", "B", "W", "K"), "int32", output="router_topk"),
     # each layer's active FFN neurons per window row, bit-packed: bit j of word w is neuron
-    # 32 w + j (`runtime.neurons.unpack_active`; PowerInfer-2's activation traces)
+    # 32 w + j (`dlm_jax.techniques.powerinfer.neurons.unpack_active`; PowerInfer-2's activation traces)
     TensorSpec("ffn_active", ("L", "B", "W", "F32"), "int32", output="ffn_active"),
 )
 INPUT_NAMES: tuple[str, ...] = tuple(s.name for s in INPUTS)
