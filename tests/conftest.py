@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # Tests are about the executor they name, the JAX one by default; the default executor
 # (auto: the LiteRT runner over the bundle cache on a CPU) is tested where a test clears this
-# (tests/executors/test_bundle_cache.py, the README's commands). Its cache is private to the tests.
+# (tests/executors/test_bundle_cache.py, the docs' commands: tests/test_docs.py). Its cache is private to the tests.
 os.environ.setdefault("DLM_JAX_EXECUTOR", "jax")
 # No compiles ahead of use in the background: a compile still running after a test would be
 # counted by the next one's compile count. tests/runtime/test_prefetch.py turns them on.

@@ -1,4 +1,4 @@
-"""StableHLO -> `.tflite` through litert-converter, and bundles (see DESIGN.md).
+"""StableHLO -> `.tflite` through litert-converter, and bundles (docs/bundles.md).
 
 JAX functions (weights closed over) are lowered, converted to TFLite builtin ops and merged
 into one multi-signature flatbuffer, one signature per decode bucket (`step_w8_p8_r8`), named

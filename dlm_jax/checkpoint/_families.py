@@ -281,7 +281,7 @@ def _render_hf(fam: Family, cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-# -- LLaDA (../shared/formats/llada.md) ------------------------------------------------------
+# -- LLaDA (docs/checkpoints.md, "The LLaDA layout") ----------------------------------------
 
 def _parse_llada(fam: Family, r: _Reader) -> dict[str, Any]:
     d_model = r.require("d_model")

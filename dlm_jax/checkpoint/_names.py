@@ -199,7 +199,7 @@ HF_SCHEME = NameScheme(
              "ffn.down": "mlp.experts.{e}.down_proj.weight"},
 )
 
-# ../shared/formats/llada.md
+# LLaDA's layout (docs/checkpoints.md, "The LLaDA layout")
 LLADA_SCHEME = NameScheme(
     top={"embed.embedding": "model.transformer.wte.weight",
          "final_norm.scale": "model.transformer.ln_f.weight",

@@ -2,7 +2,7 @@
 (NumPy only; the exporter in `dlm_jax.tflite_export.partition` builds them, `dlm_jax.executors.partitioned`
 runs them).
 
-A decode step of bucket (B, W, P, R) is split as llada.cpp splits it [SPECS 1.4]:
+A decode step of bucket (B, W, P, R) is split as llada.cpp splits it (llada.cpp §2.2, §4):
 
 - CPU, NumPy: the embedding lookup (a table read, no dense compute) and, between the layers
   of a sparse bundle, the cold FFN neurons (PowerInfer-2's CPU path over a neuron cache).

@@ -6,7 +6,7 @@ V vocabulary, E experts, F FFN width.
 
 The forward pass serves training (full sequence, any mask, no cache) and decoding (explicit
 positions, a [B, T, P+T] visibility mask, an external prefix K/V cache in, the window's K/V
-out), which is the decode-step contract of DESIGN.md. Cached K is stored after RoPE.
+out), which is the decode-step contract of docs/architecture.md. Cached K is stored after RoPE.
 
 LoRA adapters (`dlm_jax.techniques.isd.lora`, I-DLM R-ISD) hang off `Attention.lora` and
 `DenseFFN.lora` (None until `attach_lora`): with a `lora_gate` [B, T] a projection returns

@@ -125,12 +125,12 @@ class DecodeStats:
 
     @property
     def iar(self) -> float | None:
-        """The introspective acceptance rate (SPECS 2.2) over verified drafts, when measured."""
+        """The introspective acceptance rate (I-DLM §2) over verified drafts, when measured."""
         return speculation_summary(self.speculation).get("iar")
 
     @property
     def overhead(self) -> float | None:
-        """Query rows computed per emitted token (OH of SPECS 2.6)."""
+        """Query rows computed per emitted token (OH, I-DLM §3.2 and App. B)."""
         return speculation_summary(self.speculation).get("overhead")
 
     @property

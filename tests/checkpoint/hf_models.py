@@ -80,7 +80,7 @@ def word_tokenizer(directory: Path, *, added: tuple[str, ...] = ("<|endoftext|>"
 
 
 def llama_to_llada(src: Path, dst: Path, *, mask_token_id: int) -> None:
-    """Rewrite an HF Llama checkpoint in LLaDA's layout (../shared/formats/llada.md)."""
+    """Rewrite an HF Llama checkpoint in LLaDA's layout (docs/checkpoints.md, "The LLaDA layout")."""
     cfg = json.loads((src / "config.json").read_text())
     tensors = load_file(src / "model.safetensors")
     rename = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj",

@@ -1,4 +1,4 @@
-"""Introspective strided decoding (ISD) and left-to-right decoding (SPECS 2.3, 2.4, 2.6, 2.9).
+"""Introspective strided decoding (ISD) and left-to-right decoding (I-DLM §3.2, §4.3, App. B).
 
 The lossless claims are checked against references this file computes independently: a
 full forward of the model over the whole sequence per token (greedy left to right), and the
@@ -317,7 +317,7 @@ def test_renewal_formula_matches_simulated_isd_mechanics():
             tokens += n if j == n - 1 else j + 1
             drafting = j == n - 1
         assert renewal_tpf(alpha) == pytest.approx(tokens / forwards, abs=0.01)
-    assert renewal_tpf([0.889]) == pytest.approx(1.80, abs=0.005)  # SPECS 2.6, Tab. 4a at N = 2
+    assert renewal_tpf([0.889]) == pytest.approx(1.80, abs=0.005)  # I-DLM Tab. 4a at N = 2 (App. B's renewal form)
 
 
 def test_acceptance_rule_options_are_checked():
@@ -558,7 +558,7 @@ def test_shipped_risd_adapters_raise_the_tpf_of_an_autoregressive_base_losslessl
 
 
 def test_iar_is_min_one_p_over_q_of_the_verified_drafts():
-    """IAR (SPECS 2.2) over ISD's verified drafts, from the T = 1 distributions of the anchor
+    """IAR (I-DLM §2) over ISD's verified drafts, from the T = 1 distributions of the anchor
     (p) and of the row that proposed the draft (q). On the toy: t0 = argmax clean[1] = 2, the
     draft is argmax mask[1, d=1] = 0 with q = 0.7, and the anchor fed 2 gives p(0) = 0.4."""
     decoder, _ = _toy()

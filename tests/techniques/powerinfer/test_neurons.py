@@ -1,4 +1,4 @@
-"""PowerInfer-2 neuron engine host runtime (SPECS 4), NumPy only: the `ffn_active` bit packing,
+"""PowerInfer-2 neuron engine host runtime (PowerInfer-2 §4, §5), NumPy only: the `ffn_active` bit packing,
 window-union activation statistics, the per-bucket hot/cold planner and its constraints, the
 three-region neuron cache (LRU granularities, budget, staleness), and the predictors."""
 

@@ -1,4 +1,4 @@
-"""PowerInfer-2's neuron pipeline simulator (SPECS 4.8) on small synthetic traces.
+"""PowerInfer-2's neuron pipeline simulator (PowerInfer-2 §4.3; Fig 14 of §7.5) on small synthetic traces.
 
 A simulator whose cluster-level pipeline could come out slower than the matrix-level one, or
 whose I/O thread overlapped two requests on the single UFS queue, would report a Fig 14 ablation

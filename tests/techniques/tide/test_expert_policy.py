@@ -1,4 +1,4 @@
-"""Expert placement in the decode loop (TIDE, SPECS 3.8): the `router_topk` step output, the
+"""Expert placement in the decode loop (TIDE §3.3): the `router_topk` step output, the
 `ExpertPolicy` and its baselines, calibration (static sets, tau = auto) and the options'
 errors. Placement is accounting: it must never change routing or tokens."""
 

@@ -1,4 +1,4 @@
-"""Split expert execution (TIDE, SPECS 3.7 B / 3.8): a split MoE layer computes its resident
+"""Split expert execution (TIDE §3.3, lossless inference): a split MoE layer computes its resident
 experts from expert slots in the compiled step and its misses on the NumPy CPU path; its
 output matches the dense layer, the decoded tokens match the unsplit model's, and the slots
 follow the placement policy, moving the experts it migrates."""

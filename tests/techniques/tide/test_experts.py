@@ -1,4 +1,4 @@
-"""TIDE expert placement (SPECS 3.8), NumPy only: the refresh schedule within blocks, the
+"""TIDE expert placement (TIDE §3.3, Alg. 1), NumPy only: the refresh schedule within blocks, the
 top-B-by-hits target and its tie rule, static / per-step / once-per-block limits, migrations
 against Eq. 5 on synthetic drifting routing, the drift and miss-curve estimates, the tau
 solver, and bad configurations."""
