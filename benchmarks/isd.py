@@ -1,5 +1,5 @@
 """The ISD benchmark: introspective strided decoding against left-to-right decoding of the same
-causal model (SPECS 2.3-2.6, issue 28).
+causal model (I-DLM §3.2 and App. B; docs/techniques/isd.md; issue 28).
 
     .venv/bin/python benchmarks/isd.py --model models/idlm-tiny --n 200 --out benchmarks/results/isd
 
@@ -205,8 +205,8 @@ def markdown(rows: list[dict], tasks: list[str], meta: dict, single: list[dict])
             "alpha_i | rows/token | forwards/answer | identical to L2R | wall clock x L2R | phone ms/token (x L2R) |")
     lines = [f"ISD on `{meta['model']}`, {meta['n']} held-out prompts per task, generation 64, batches of 8, "
              f"{meta['machine'].get('cpu', 'CPU')} ({meta['machine'].get('cores', '?')} cores). TPF counts tokens per request-forward after the prompt's forward; the renewal "
-             f"formula (SPECS 2.6) is evaluated at the measured alpha_i and compared with the TPF of the "
-             f"acceptance mechanics (tokens cut at EOS count as emitted).", "", head,
+             f"formula (I-DLM App. B; docs/techniques/isd.md) is evaluated at the measured alpha_i and "
+             f"compared with the TPF of the acceptance mechanics (tokens cut at EOS count as emitted).", "", head,
              "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         acc = " | ".join(f"{100 * r['accuracy'][t]:.1f}%" for t in tasks)

@@ -10,8 +10,9 @@ Two passes per model, on the held-out prompts of every task, block 32:
 - latency (`--cases` prompts per task, batch 1, `--repeats` runs each, alternating settings):
   measured wall clock on this CPU with each executor (`--executors jax litert`), and the
   simulated phone latency of the same decodes: every forward priced by its window bucket with
-  the phone cost model (`PhoneCostModel`, SPECS §0.4: an 8B Q4_0 model, NPU 56 GB/s and 770
-  prefill tokens/s in 32-token tiles; CPU 43.9 GB/s and 8 tokens/s). The baselines run on the
+  the phone cost model (`PhoneCostModel`, our model from PowerInfer-2 §2.3.1's figures and
+  llada.cpp §2.2's tiles: an 8B Q4_0 model, NPU 56 GB/s and 770 prefill tokens/s in 32-token
+  tiles; CPU 43.9 GB/s and 8 tokens/s). The baselines run on the
   phone's CPU, llada.cpp's rows on its NPU, with CPU refreshes beside the NPU steps (what a
   refresh costs beyond the step it runs beside is added). The Markdown also prices every row
   on the NPU, vanilla included, to separate what the techniques buy from what the NPU does.

@@ -1,7 +1,7 @@
 """PowerInfer-2's NPU quantisation as the partitioned bundle runs it: INT4 per channel with INT8
 outlier input channels (`--quant int4-outliers`) against float32, INT4 per channel alone
 (QNN's scheme: the same programs with no outliers) and LiteRT's whole-model int8, on the
-shipped models (issue 30, SPECS 4.5); and what partitioning itself costs: the float32
+shipped models (issue 30; PowerInfer-2 §2.3.1, §7.6); and what partitioning itself costs: the float32
 unpartitioned bundle against the float32 partitioned one.
 
     .venv/bin/python benchmarks/npu_quant.py --out benchmarks/results/npu_quant

@@ -1,6 +1,6 @@
 """The PowerInfer-2 benchmark: activation sparsity of a dLLM's decode windows, the activation
 predictor, and the sparse bundle's neuron engine against its baselines under FFN memory
-budgets (SPECS 4, issue 30).
+budgets (PowerInfer-2 §4; docs/techniques/powerinfer.md; issue 30).
 
     .venv/bin/python benchmarks/powerinfer.py --model models/sparse-tiny --out benchmarks/results/powerinfer
 
@@ -22,9 +22,9 @@ budgets (SPECS 4, issue 30).
    llama.cpp-like: the dense FFN from a memory-mapped weight file whose pages beyond the
    budget are dropped after each layer. Tokens per second, bytes read per token (the
    process's storage reads, /proc/self/io), the tokens against the dense bundle's.
-4. Phone projection [R]: each run's reads and neuron counts priced with SPECS 0.4's UFS and
-   bandwidth figures at a virtual Mistral-7B (d 4096, 14336 neurons, 32 layers, INT4 bundles
-   of 8 KB read as two 4 KB reads).
+4. Phone projection (a model, not a measurement): each run's reads and neuron counts priced with
+   PowerInfer-2's UFS and bandwidth figures (§2.3) at a virtual Mistral-7B (d 4096, 14336
+   neurons, 32 layers, INT4 bundles of 8 KB read as two 4 KB reads).
 Writes <out>.json, <out>.md and <out>.png.
 """
 
@@ -59,7 +59,7 @@ from dlm_jax.runtime.registry import decode_options  # noqa: E402
 
 WINDOWS = (1, 2, 4, 8, 16, 32)
 BUDGETS = (1.0, 0.5, 0.25)
-# Virtual Mistral-7B for the phone projection [SPECS 4.4, 0.4]
+# Virtual Mistral-7B for the phone projection (PowerInfer-2 §4.4's INT4 bundles, §2.3's figures)
 PHONE = {"d_model": 4096, "neurons": 14336, "layers": 32, "read_bytes": 4096, "npu_bytes_per_s": 56e9,
          "cpu_bytes_per_s": 43.9e9, "neuron_int4_bytes": 7680,  # 3 x (2 KB int4 + 0.5 KB fp16 scales)
          "attention_bytes_per_layer": (2 * 4096 * 4096 + 2 * 4096 * 1024) * 0.5625}  # GQA 8 kv heads, 4.5 bit
@@ -108,7 +108,8 @@ def run_decode(runner, prompts, cfg, *, drop=(), reset=None) -> dict:
 
 
 def phone_projection(run: dict, model_cfg, hot_per_layer: float) -> dict:
-    """[R] Seconds per token of `run` at the virtual 7B, priced with SPECS 0.4: each of our
+    """Modelled seconds per token of `run` at the virtual 7B, priced with PowerInfer-2 §2.3's
+    figures: each of our
     neurons stands for a 7B neuron (counts scale by neurons per layer and layers); a missed
     neuron costs two random 4 KB reads bundled (the INT4 bundle's two phases) or three unbundled
     (a 4 KB request per matrix row), through the one UFS queue (`dlm_jax.lowering.costs.UfsModel`,
@@ -336,7 +337,7 @@ def write(result: dict, out: Path) -> None:
         md.append(f"| {w} | {pr['window_recall'][w]} | {pr['window_precision'][w]} |")
     md += ["", "## Throughput (batch 1, page cache dropped and neuron cache emptied before each run; every "
                "configuration timed in each of the rounds, interleaved, best round shown)", "",
-           "| configuration | FFN budget | tok/s | bytes read / token | tokens = dense | phone tok/s [R] |",
+           "| configuration | FFN budget | tok/s | bytes read / token | tokens = dense | phone tok/s (modelled) |",
            "|---|---|---|---|---|---|"]
     for r in result["runs"]:
         phone = r.get("phone", {}).get("tokens_per_s", "")

@@ -1,5 +1,6 @@
 """PowerInfer-2's Fig 14 ablation, simulated: traces recorded from a dLLM with an activation-sparse
-FFN, priced with the paper's phone figures by `dlm_jax.techniques.powerinfer.pipeline` (SPECS 4.7) [R].
+FFN, priced with the paper's phone figures by `dlm_jax.techniques.powerinfer.pipeline` (PowerInfer-2
+§7.5; simulated, not measured).
 
     .venv/bin/python benchmarks/powerinfer_sim.py --model models/sparse-tiny --out benchmarks/results/powerinfer_sim
 
@@ -41,7 +42,7 @@ from dlm_jax.training.data import TASKS, make_split  # noqa: E402
 from dlm_jax.runtime.registry import decode_options  # noqa: E402
 
 STAT_WINDOWS = (1, 2, 4, 8, 16, 32, 64, 128)
-# Fig 14 [P §7.5] (Bamboo-7B, OnePlus 12, 50% offload) and Tab 4 [P §7.2.1], for reference only
+# PowerInfer-2 Fig 14 (§7.5; Bamboo-7B, OnePlus 12, 50% offload) and Tab 4 (§7.2.1), for reference only
 PAPER_FIG14 = {"baseline": 0.4, "+bundle": 1.1, "+cache": 4.181, "+pipeline": 9.60, "+XPU": 11.07}
 PAPER_TAB4 = {"PowerInfer-2": (0.863, 0.137), "LLMFlash": (0.233, 0.767)}
 
@@ -175,7 +176,7 @@ def main() -> None:
 
 
 def _table(runs: list[dict]) -> list[str]:
-    rows = ["| stage | tok/s [R] | x previous | x baseline | compute / I-O share of the critical path | "
+    rows = ["| stage | tok/s (simulated) | x previous | x baseline | compute / I-O share of the critical path | "
             "flash KB / token | reads / token | predicted neurons served from memory |",
             "|---|---|---|---|---|---|---|---|"]
     base, prev = runs[0]["tokens_per_s"], None
@@ -194,9 +195,9 @@ def write(result: dict, out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     s, c, q = result["settings"], result["config"], result["predictor"]["on_traces"]
     md = ["# PowerInfer-2's Fig 14 ablation on a dLLM, simulated", "",
-          "**Simulated, not measured [R].** The decisions (which neurons each decode step's predictor selects, whose "
+          "**Simulated, not measured.** The decisions (which neurons each decode step's predictor selects, whose "
           "gate output is non-zero, which neurons are hot) are recorded from real decodes of "
-          f"`{result['model']}` ({c}); the times are SPECS 0.4's OnePlus 12 figures (UFS 4.0 reads, DRAM "
+          f"`{result['model']}` ({c}); the times are PowerInfer-2's OnePlus 12 figures (§2.3: UFS 4.0 reads, DRAM "
           "43.9 / 56 / 59.6 GB/s for CPU / NPU / both) with every neuron priced at a virtual "
           f"d_model {s['d_model']} (INT4 bundle 7.5 KB aligned to 8 KB, read as two 4 KB halves), through "
           "`dlm_jax.techniques.powerinfer.pipeline`'s discrete-event model. No phone ran any of this; the modelling choices are listed in "
@@ -219,7 +220,7 @@ def write(result: dict, out: Path) -> None:
     tab4 = result["paper"]["tab4_compute_io"]
     md += ["## The paper, for reference (Bamboo-7B, OnePlus 12, 50% offload)", "",
            "Fig 14: " + " -> ".join(f"{k} {v}" for k, v in fig.items()) + " tok/s (its stated multipliers do not match "
-           "these absolute values; SPECS 4.6). Tab 4 compute / I-O share of the critical path: " +
+           "these absolute values: we quote the absolute ones). Tab 4 compute / I-O share of the critical path: " +
            ", ".join(f"{k} {a:.1%} / {b:.1%}" for k, (a, b) in tab4.items()) + ".", "",
            f"The tok/s above price the traced model's shape ({c['layers']} layers x {c['ffn_hidden']} neurons, "
            f"repeated x{s['layer_repeat']} / x{s['neuron_repeat']}) at d_model {s['d_model']}, with its sparsity: "
@@ -262,7 +263,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = [("ar", "AR-style, W = 1 (simulated [R])"), ("dllm", "dLLM windows (simulated [R])")]
+    panels = [("ar", "AR-style, W = 1 (simulated)"), ("dllm", "dLLM windows (simulated)")]
     for ax, (name, title) in zip(axes, panels):
         runs = [r for r in result["regimes"][name]["runs"] if r["name"] in PAPER_FIG14]
         vals = [r["tokens_per_s"] for r in runs]

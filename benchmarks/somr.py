@@ -16,7 +16,8 @@ sampling on the CPU).
 Tab. 7 analog: LLaDA-8B at windows (microbatches) 32-512, cache 512: the smallest VA budget
 the planner needs (no resident weights), whether paging-only completes there, and the first
 budget at which paging-only completes (bisection on a 4 MB grid). All times come from the
-SPECS 0.4 cost model (`dlm_jax.lowering.costs.CostModel`), not from a device.
+phone cost model (`dlm_jax.lowering.costs.CostModel`: PowerInfer-2 §2.3.1's figures and our
+choices, docs/techniques/lladacpp.md), not from a device.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def _ms(value: float | None) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# SOMR planner vs paging-only (simulated, SPECS 0.4 cost model)", ""]
+    lines = ["# SOMR planner vs paging-only (simulated, phone cost model)", ""]
     for name, meta in result["graphs"].items():
         lines += [f"## Fig. 13c analog: {name}", "", meta["note"], "",
                   "| resident weights | VA budget MB | staged chunks | planner stall ms | planner staging ms | "

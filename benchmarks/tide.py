@@ -1,5 +1,5 @@
 """The TIDE benchmark: routing of an MoE dLLM across denoising steps, and interval expert
-refresh against its baselines (SPECS 3, issue 29).
+refresh against its baselines (TIDE §3; docs/techniques/tide.md; issue 29).
 
     .venv/bin/python benchmarks/tide.py --model models/moe-tiny --n 24 --out benchmarks/results/tide
 

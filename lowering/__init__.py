@@ -1,5 +1,6 @@
 """Lowering: tile padding to hardware tiles, tiled weight layouts, quantisation, NPU/CPU
-partitioning and the memory planner (see DESIGN.md). NumPy only: importing it never loads JAX.
+partitioning and the memory planner (docs/architecture.md, docs/techniques/lladacpp.md). NumPy
+only: importing it never loads JAX.
 """
 
 from dlm_jax._lazy import lazy_exports

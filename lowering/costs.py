@@ -1,11 +1,13 @@
 """Phone-scale prices for ops and staging transfers, used to plan and simulate the NPU-visible
-memory of a step (SPECS 0.4: the papers' own numbers where they exist, [S] where they don't).
+memory of a step (the papers' own numbers where they exist, our choices where they don't; each
+parameter below says which).
 
 An NPU op costs `op_overhead + max(FLOPs(32-token tiles) / throughput, bytes / bandwidth)`:
 stepwise in 32-row tiles, memory-bound at small windows (an 8B Q4_0 step lands near the
-~80 ms of the [R] model at W <= 32). A staging transfer of one payload into an NPU-visible
-slot costs `map_cost + bytes * map_cost_per_mb / MB + bytes / staging_bandwidth`. Every
-parameter is explicit; none of the [S] ones is a paper number.
+~80 ms that `dlm_jax.runtime.latency.PhoneCostModel`, our model derived from the same figures,
+gives at W <= 32). A staging transfer of one payload into an NPU-visible slot costs
+`map_cost + bytes * map_cost_per_mb / MB + bytes / staging_bandwidth`. Every parameter is
+explicit; none of those marked as our choice is a paper number.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ VIEW_OPS = frozenset({"SLICE", "STRIDED_SLICE", "GATHER", "GATHER_ND"})  # read 
 class CostModel:
     """Attributes:
       npu_flops_per_s: dense NPU throughput; default 770 tok/s of dense 7B INT4 prefill
-        [P PowerInfer-2 §2.3.1] x 2 FLOPs per parameter x 7e9 parameters [R].
-      npu_bandwidth: DRAM bandwidth during NPU matmuls, 56 GB/s [P PowerInfer-2 §2.3.1].
+        (PowerInfer-2 §2.3.1) x 2 FLOPs per parameter x 7e9 parameters (our arithmetic).
+      npu_bandwidth: DRAM bandwidth during NPU matmuls, 56 GB/s (PowerInfer-2 §2.3.1).
       staging_bandwidth: host copy of a payload into a staging slot: the CPU-only DRAM
-        bandwidth 43.9 GB/s [P PowerInfer-2 §2.3.1] halved for read + write [S].
+        bandwidth 43.9 GB/s (PowerInfer-2 §2.3.1) halved for read + write (our choice).
       map_cost_s: fixed cost to prepare a buffer descriptor and validate its NPU VA mapping,
-        per transfer [S] (llada.cpp names the cost, gives no number).
-      map_cost_per_mb_s: mapping cost per MB (2**20 bytes) on top [S].
-      op_overhead_s: fixed launch cost per NPU op [S].
-      tile: NPU matmul row tile (HMX 32x32 [P llada.cpp §2.2]).
+        per transfer (our choice: llada.cpp §2.3 names the cost, gives no number).
+      map_cost_per_mb_s: mapping cost per MB (2**20 bytes) on top (our choice).
+      op_overhead_s: fixed launch cost per NPU op (our choice).
+      tile: NPU matmul row tile (HMX 32x32, llada.cpp §2.2).
     """
 
     npu_flops_per_s: float = 2 * 7e9 * 770
@@ -81,13 +83,13 @@ class CostModel:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class UfsModel:
-    """UFS 4.0 read time [SPECS 0.4, R]: `read_seconds(size, pattern, range_bytes, core)` =
-    request / BW, the request at least 4 KB, BW log-linearly interpolated in the request size
-    between the quoted points (clamped outside them): sequential 450 MB/s at 4 KB to 4 GB/s at
-    512 KB; random 3.5 GB/s at 512 KB, and at 4 KB 1 GB/s within a 128 MB range falling to
-    850 MB/s within 512 MB (log-linear in the range between) or, per issuing core at 128 MB,
-    big 1,076.10 / mid 1,007.95 / little 761.87 MB/s [P PowerInfer-2 §2.3.2, Tab 1, Fig 3b]. One
-    command queue: reads serialize (`serial_seconds`)."""
+    """UFS 4.0 read time (our model of PowerInfer-2's figures):
+    `read_seconds(size, pattern, range_bytes, core)` = request / BW, the request at least 4 KB,
+    BW log-linearly interpolated in the request size between the quoted points (clamped outside
+    them): sequential 450 MB/s at 4 KB to 4 GB/s at 512 KB; random 3.5 GB/s at 512 KB, and at
+    4 KB 1 GB/s within a 128 MB range falling to 850 MB/s within 512 MB (log-linear in the range
+    between) or, per issuing core at 128 MB, big 1,076.10 / mid 1,007.95 / little 761.87 MB/s
+    (PowerInfer-2 §2.3.2, Tab 1, Fig 3b). One command queue: reads serialize (`serial_seconds`)."""
 
     min_request: int = 4096
     seq_4k: float = 450e6

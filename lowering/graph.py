@@ -23,7 +23,7 @@ from typing import Any
 KINDS = ("weight", "kv", "input", "output", "activation")
 KV_NAMES = frozenset({"k_cache", "v_cache", "k_new", "v_new"})
 MATMUL_OPS = frozenset({"FULLY_CONNECTED", "BATCH_MATMUL"})
-TILE = 32  # NPU matmul row tile (HMX 32x32, SPECS 0.4)
+TILE = 32  # NPU matmul row tile (HMX 32x32 tiles, llada.cpp §2.2)
 
 
 @dataclasses.dataclass(frozen=True)

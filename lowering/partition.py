@@ -1,11 +1,11 @@
 """Which device runs each op of a bucket's step: the NPU/CPU split of llada.cpp as data.
 
-NPU [P llada.cpp §2.2, §4]: the dense matmuls (FULLY_CONNECTED, BATCH_MATMUL), attention,
+NPU (llada.cpp §2.2, §4): the dense matmuls (FULLY_CONNECTED, BATCH_MATMUL), attention,
 norms and the elementwise ops between them. CPU (the host): the output projection over the
 selected rows (the LM head: the last matmul feeding the top-k tail), the gather of those
 logit rows, the sampling tail (mask select, softmax, top-k, entropy) and the embedding lookup
 (a table read with no dense compute, so its [vocab, d_model] table never takes NPU-visible
-memory; an [S] choice). Sparse KV refresh is not part of a step program: it is the CPU-path
+memory; our choice). Sparse KV refresh is not part of a step program: it is the CPU-path
 program (DPPR's second executor over R_cpu rows), listed in `programs`.
 
 Per device the partition counts ops, FLOPs (NPU matmuls padded to 32-row tiles: a

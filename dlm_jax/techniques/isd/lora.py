@@ -1,4 +1,4 @@
-"""LoRA adapters on the transformer's linear layers, gated per row (I-DLM R-ISD, SPECS 2.5).
+"""LoRA adapters on the transformer's linear layers, gated per row (I-DLM R-ISD, §3.2 and App. G).
 
     model = dlm_jax.load_pretrained("models/idlm-tiny")
     attach_lora(model, LoraSpec(rank=8, alpha=16), seed=0)     # adapters start at zero (B = 0)

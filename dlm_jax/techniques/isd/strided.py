@@ -3,7 +3,7 @@ with a logit shift: a schedule and an acceptance rule (NumPy only).
 
 Stride N is the most tokens one forward can emit. Each request sits at its own place: its
 cache holds the K/V of slots [0, c) and its last emitted token, pending, sits at slot c. A
-step feeds, per request (SPECS 2.3):
+step feeds, per request (I-DLM §3.2, App. F):
 
   prompt (the first step)  [prompt ..., M x (N-1)]    the last prompt row predicts t0
   cold start (NP)          [forced, M x (N-1)]         row 0 predicts the next token
@@ -23,8 +23,8 @@ so a rejected draft's entry lies past the cache, is never read, and is overwritt
 step (the released code's "trim": `advance = 1 + accepted`). Mask rows are never stored.
 After every step a request's cache holds exactly its prompt and emitted tokens but the last.
 
-Modes (SPECS 2.3, 2.4; `Proposer` fixes temperature / top-k / top-p, the same filter the
-left-to-right decoder samples from):
+Modes (I-DLM §3.2, §3.3, §4.3; docs/techniques/isd.md; `Proposer` fixes temperature / top-k /
+top-p, the same filter the left-to-right decoder samples from):
   T = 0            accept a draft iff it is the anchor's argmax; the correction is the argmax:
                    the output is greedy left-to-right decoding.
   T > 0, exact     argmax drafts are judged with q = one-hot (accept with probability p(draft),
@@ -75,7 +75,8 @@ def _draw(rng: np.random.Generator, probs: np.ndarray) -> int:
 
 def renewal_tpf(alpha: Sequence[float]) -> float:
     """Tokens per forward of ISD's mechanics at per-position acceptance `alpha` [N-1] (alpha_i:
-    the chance draft i is accepted once the ones before it were; SPECS 2.6, the renewal form):
+    the chance draft i is accepted once the ones before it were; I-DLM App. B, in the renewal
+    form, our derivation, which follows ISD's mechanics):
     a cycle is one cold start (1 token) and verify steps up to the first rejection; a full
     accept emits N, a rejection after k accepted drafts k + 1."""
     alpha = [float(a) for a in alpha]

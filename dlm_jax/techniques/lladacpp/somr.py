@@ -1,5 +1,6 @@
 """Swap-optimized memory planner: where every tensor of a step lives in NPU-visible memory
-(llada.cpp §3.4 SOMR; the placement procedure is SPECS 1.3's [S] algorithm).
+(llada.cpp §3.4 SOMR; the paper gives the objective, the placement procedure below is ours:
+docs/techniques/lladacpp.md).
 
 Long-lived data (weights, KV cache) stay visible across steps; short-lived data
 (activations, step inputs and outputs) share one scratch region by lifetime (non-overlapping

@@ -1,6 +1,6 @@
-"""The phone `dlm_jax.techniques.powerinfer.pipeline` prices [SPECS 0.4, R]: DRAM bandwidths, the virtual neuron's
-flash layouts (INT4 bundle, FP16 bundle, unbundled rows), and memory without and with
-PowerInfer-2's neuron cache (NumPy only)."""
+"""The phone `dlm_jax.techniques.powerinfer.pipeline` prices (our model, built from PowerInfer-2's
+§2.3 figures): DRAM bandwidths, the virtual neuron's flash layouts (INT4 bundle, FP16 bundle,
+unbundled rows), and memory without and with PowerInfer-2's neuron cache (NumPy only)."""
 
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ from dlm_jax.lowering.costs import UfsModel
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PhoneCosts:
-    """SPECS 0.4's OnePlus 12 figures and the virtual model they price.
+    """PowerInfer-2's OnePlus 12 figures (§2.3) and the virtual model they price.
 
     ufs: flash reads (random within the flash file's range; sequential for hot clusters).
     cpu_bandwidth / npu_bandwidth / both_bandwidth: DRAM during matmul, CPU / NPU / both at once
-      [P §2.3.1]. The CPU pool streams a weight byte for W rows in W / cpu_bandwidth (at
-      `saturating_threads` threads; fewer threads, proportionally slower [S]).
+      (PowerInfer-2 §2.3.1). The CPU pool streams a weight byte for W rows in W / cpu_bandwidth (at
+      `saturating_threads` threads; fewer threads, proportionally slower: our assumption).
     npu_tile_seconds_per_byte: NPU compute per weight byte per 32-row tile (770 tok/s dense 7B
-      prefill over an 8B Q4_0 model's 4.5e9 B, SPECS 0.4 [R]).
-    predictor_fraction: predictor bytes per neuron it covers, as a share of the neuron's (SPECS
-      4.2 [S]); attention_fraction: a layer's attention bytes as a share of its FFN's (FFN ~80%
-      of the parameters [P §2.1] [R]).
+      prefill over an 8B Q4_0 model's 4.5e9 B: derived by us from PowerInfer-2 §2.3.1).
+    predictor_fraction: predictor bytes per neuron it covers, as a share of the neuron's (our
+      choice: a predictor within 10% of the FFN); attention_fraction: a layer's attention bytes
+      as a share of its FFN's (FFN ~80% of the parameters, PowerInfer-2 §2.1, gives 0.25).
     d_model: the virtual width of every traced neuron; neuron_repeat / layer_repeat: virtual
       neurons per traced neuron and layers per traced layer (1: the traced model's shape).
     """
@@ -88,14 +88,14 @@ class FlashLayout:
 
     @classmethod
     def int4_bundle(cls, d_model: int = 4096) -> FlashLayout:
-        """[P §4.4] 7.5 KB aligned to 8 KB, two halves: gate first, up/down after (two-phase)."""
+        """PowerInfer-2 §4.4: 7.5 KB aligned to 8 KB, two halves: gate first, up/down after (two-phase)."""
         m = cls._int4_matrix(d_model)
         bundle = -(-3 * m // 8192) * 8192
         return cls("int4-bundle", (bundle // 2,), (bundle // 2,), True, m, 2 * m, bundle)
 
     @classmethod
     def fp16_bundle(cls, d_model: int = 4096) -> FlashLayout:
-        """[P §4.4] 3 x 8 KB at 4096, one 24 KB read per bundle."""
+        """PowerInfer-2 §4.4: 3 x 8 KB at 4096, one 24 KB read per bundle."""
         return cls("fp16-bundle", (6 * d_model,), (), False, 2 * d_model, 4 * d_model, 6 * d_model)
 
     @classmethod
@@ -133,10 +133,10 @@ class StaticMemory:
 
 
 class NeuronCacheModel:
-    """PowerInfer-2's hot and cold regions [P §4.2] in `budget_bytes`: the hot region holds whole
+    """PowerInfer-2's hot and cold regions (PowerInfer-2 §4.2) in `budget_bytes`: the hot region holds whole
     clusters (each neuron `neuron_bytes`), least recently used out; the cold region single
     neurons, least recently used out: a neuron read whole (`neuron_bytes`) or, after a two-phase
-    read whose gate output was zero, its gate row only (`gate_bytes`, [S]); `resize(hot_bytes)`
+    read whose gate output was zero, its gate row only (`gate_bytes`; our choice); `resize(hot_bytes)`
     moves the boundary, the total staying `budget_bytes`. Evicted weights are dropped:
     `bytes_written` stays 0."""
 

@@ -1,8 +1,9 @@
-"""PowerInfer-2's CPU path for the cold neurons of a sparse bundle [SPECS 4.2-4.4] (NumPy only):
+"""PowerInfer-2's CPU path for the cold neurons of a sparse bundle (PowerInfer-2 §4.1.2-§4.4; NumPy only):
 the predictor, the neuron cache and the flash reads between a sparse bundle's layer programs
 (`dlm_jax.executors.partitioned` runs the programs and calls this after each layer).
 
-Memory has three regions [SPECS 4.3]:
+Memory has three regions (PowerInfer-2 §4.2 has fixed, hot and cold ones; ours differ, see
+docs/techniques/powerinfer.md):
 
 - pinned: the hot clusters, constants of each layer's NPU program, resident for the whole
   decode (a sparse bundle's hot sets are prefixes of one order, so a bucket change evicts

@@ -25,7 +25,7 @@ of the likeliest cold neurons is one sequential read per layer.
 
 - `write_flash`: arrays -> file (through a temporary sibling and a rename).
 - `FlashFile.open`, `FlashHeader`: the validated header; `read_all`: every layer back;
-  `drop_page_cache`. Reading neuron subsets at run time is `runtime.flash_io`.
+  `drop_page_cache`. Reading neuron subsets at run time is `flash_io`.
 """
 
 from __future__ import annotations

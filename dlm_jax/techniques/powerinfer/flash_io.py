@@ -1,4 +1,4 @@
-"""Reading a neuron-bundled flash file (`runtime.flash`) at run time (NumPy + stdlib only).
+"""Reading a neuron-bundled flash file (`flash`) at run time (NumPy + stdlib only).
 
 - `FlashReader`: positioned reads of neuron subsets (O_DIRECT where the file system allows),
   one read per run of consecutive positions on flash; `NeuronBundles`: what a read returns.

@@ -1,4 +1,4 @@
-"""PowerInfer-2's cold-neuron cache, host side (NumPy only; SPECS 4, [P §4.2]): `NeuronCache`
+"""PowerInfer-2's cold-neuron cache, host side (NumPy only; PowerInfer-2 §4.2): `NeuronCache`
 holds single FFN neurons (gate row, up row, down column) read from flash, least recently used
 out. The paper's other two regions (fixed, hot) are the NPU programs' constants (see the class).
 """
@@ -14,7 +14,7 @@ from dlm_jax.techniques.powerinfer.neurons import _int
 
 
 class NeuronCache:
-    """PowerInfer-2's cold-neuron cache [P §4.2]: single neurons, least recently used out, in
+    """PowerInfer-2's cold-neuron cache (PowerInfer-2 §4.2): single neurons, least recently used out, in
     `capacity_bytes` (each neuron costs `neuron_bytes`), the weights held in slabs (one row
     per slot for each part: gate row, up row, down column) so a step gathers its cached
     neurons with one index per part, not a Python loop over neurons.

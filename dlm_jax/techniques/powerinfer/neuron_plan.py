@@ -1,7 +1,8 @@
-"""PowerInfer-2's hot/cold neuron planner, host side (NumPy only; SPECS 4.5 [S]): from the
-activation statistics of `runtime.neurons.ActivationStats`, per decode window bucket, which
-neurons of each FFN layer are *hot* (run dense, resident) and which *cold* (run sparse, read
-through `runtime.neuron_cache.NeuronCache`), under a memory budget and a cost model.
+"""PowerInfer-2's hot/cold neuron planner, host side (NumPy only; PowerInfer-2 §5 gives its inputs
+and outputs, the split rule is our choice: docs/techniques/powerinfer.md): from the activation
+statistics of `neurons.ActivationStats`, per decode window bucket, which neurons of each FFN
+layer are *hot* (run dense, resident) and which *cold* (run sparse, read through
+`neuron_cache.NeuronCache`), under a memory budget and a cost model.
 
 Axes: L FFN layers, F neurons per layer, W rows of a decode window (its bucket).
 
@@ -22,8 +23,9 @@ import numpy as np
 from dlm_jax._errors import ConfigError
 from dlm_jax.techniques.powerinfer.neurons import ActivationStats, _int, _windows
 
-# SPECS 0.4 [R]: the 8B Q4_0 decode-step model (4.5e9 B of weights, 32 layers), FFN ~80% of the
-# parameters [P PI-2 §2.1]; rows are priced in 32-row NPU tiles, (8/7) x rows / (tok/s) each.
+# Our model of an 8B Q4_0 decode step, derived from the papers' phone figures (4.5e9 B of weights,
+# 32 layers), FFN ~80% of the parameters (PowerInfer-2 §2.1); rows are priced in 32-row NPU tiles,
+# (8/7) x rows / (tok/s) each.
 _MODEL_BYTES, _MODEL_LAYERS, _ATTN_SHARE = 4.5e9, 32, 0.2
 
 
@@ -32,18 +34,18 @@ class NeuronCosts:
     """The planner's cost model as numbers. Every time is for one FFN layer; bytes are weight
     bytes (a neuron bundle is `neuron_bytes`).
 
-    npu_bytes_per_s: NPU DRAM bandwidth during matmul (56 GB/s, SPECS 0.4 [P PI-2 §2.3.1]).
+    npu_bytes_per_s: NPU DRAM bandwidth during matmul (56 GB/s, PowerInfer-2 §2.3.1).
     cpu_bytes_per_s: CPU DRAM bandwidth during matmul (43.9 GB/s, same source).
     io_bytes_per_s: flash bandwidth of the hot-neuron prefetch, sequential reads (UFS 4.0
-      4 GB/s at 512 KB, SPECS 0.4 [P PI-2 §2.3.2]).
+      4 GB/s at 512 KB, PowerInfer-2 §2.3.2).
     npu_seconds_per_byte_tile: NPU compute per weight byte per 32-row tile ((8/7) x 32 rows /
-      770 tok/s over the 4.5e9 B of the 8B model, SPECS 0.4 [R]).
+      770 tok/s over the 4.5e9 B of the 8B model: derived by us from PowerInfer-2 §2.3.1).
     cpu_seconds_per_byte_row: CPU compute per weight byte per row ((8/7) / 8 tok/s / 4.5e9 B,
-      SPECS 0.4 [R]).
+      derived likewise).
     attention_fixed_seconds, attention_seconds_per_row: one layer's attention for a window of
       W rows takes fixed + per_row x W; defaults: the non-FFN 20% of the 8B model's bytes at
       the NPU bandwidth over its 32 layers, and 0 per row (the NPU is memory-bound for
-      W <= 32, SPECS 0.4 [R]).
+      W <= 32 in that derived model).
 
     T_npu(h, W) = h x bytes x max(1/npu_bytes_per_s, ceil(W/32) x npu_seconds_per_byte_tile);
     T_cpu(n, W) = n x bytes x (1/cpu_bytes_per_s + W x cpu_seconds_per_byte_row), n active cold
@@ -57,7 +59,7 @@ class NeuronCosts:
     cpu_seconds_per_byte_row: float = (8 / 7) / 8 / _MODEL_BYTES
     attention_fixed_seconds: float = _ATTN_SHARE * _MODEL_BYTES / 56e9 / _MODEL_LAYERS
     attention_seconds_per_row: float = 0.0
-    source: str = "phone (SPECS 0.4)"
+    source: str = "phone (PowerInfer-2 §2.3 figures)"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -71,7 +73,7 @@ class NeuronCosts:
 
     @classmethod
     def phone(cls) -> NeuronCosts:
-        """SPECS 0.4's OnePlus 12 / 8B figures (the defaults)."""
+        """The OnePlus 12 figures of PowerInfer-2 §2.3 priced at an 8B model (the defaults)."""
         return cls()
 
     @classmethod
@@ -107,7 +109,7 @@ def _frozen(a: Any, dtype: Any) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NeuronPlan:
-    """Which neurons are hot per window bucket (SPECS 4.5 [S]).
+    """Which neurons are hot per window bucket (our split rule; PowerInfer-2 §5 leaves it open).
 
     windows: the planned buckets W, ascending.
     order: [L, F] int64, each layer's neurons hottest first; the first hot[W][l] of row l are
@@ -220,7 +222,8 @@ def min_cache_neurons(stats: ActivationStats, window: int) -> np.ndarray:
 
 def plan_neurons(stats: ActivationStats, *, windows: Sequence[int], budget_bytes: int, resident_bytes: int,
                  neuron_bytes: int, cost: NeuronCosts, cache_fraction_min: float = 0.1) -> NeuronPlan:
-    """SPECS 4.5 [S]: per window bucket W, each layer's hot set is a prefix of its neurons
+    """Our split rule (PowerInfer-2 §5 names the inputs, not the rule): per window bucket W, each
+    layer's hot set is a prefix of its neurons
     ordered by P at the largest bucket (ties: P_1, then the lower index), of the size h_W
     minimizing max(T_npu(h_W, W), T_cpu(E[#active cold], W)), E[#active cold] = the sum of P_W
     over the cold neurons (P_W: the nearest recorded window <= W), subject to

@@ -1,10 +1,11 @@
 """PowerInfer-2's neuron engine for activation-sparse FFNs, host side: recording what a decode
-activates (NumPy only; SPECS 4). The planner built on these statistics is `runtime.neuron_plan`,
-the cold-neuron cache `runtime.neuron_cache`, the activation predictors `runtime.predictor`.
+activates (NumPy only; PowerInfer-2 §2.2, §4; docs/techniques/powerinfer.md). The planner built on
+these statistics is `neuron_plan`, the cold-neuron cache `neuron_cache`, the activation predictors
+`predictor` (modules of this package).
 
 Neuron i of an FFN layer is the bundle (gate row i, up row i, down column i). It is *active*
 for a token iff relu(gate_i . x) > 0, and for a decode window of W live rows iff it is active
-for at least one of them (a dLLM window behaves like the paper's batch of W [P §2.2 fn 1]).
+for at least one of them (a dLLM window behaves like the paper's batch of W: PowerInfer-2 §2.2, footnote 1).
 *Hot* neurons run dense (the NPU in the paper) and stay resident; *cold* ones run sparse (the
 CPU) on the neurons the predictor selects, read through the neuron cache.
 
@@ -28,7 +29,7 @@ import numpy as np
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.placement import PlacementPolicy
 
-DEFAULT_WINDOWS = (1, 2, 4, 8, 16, 32)  # SPECS 4.7: the Fig 2 analog's window sizes
+DEFAULT_WINDOWS = (1, 2, 4, 8, 16, 32)  # window sizes of our analog of PowerInfer-2's Fig 2 (batch 1 to 32)
 _SHIFTS = np.arange(32, dtype=np.uint32)
 
 
@@ -212,7 +213,7 @@ class NeuronTrace(PlacementPolicy):
 def decode_statistics(model, prompts: Sequence[Sequence[int]], decode, *, windows=None) -> ActivationStats:
     """Activation statistics of decoding `prompts` with `decode` (one at a time) with the
     `dlm_jax.Model` `model` (the JAX executor): every step's
-    `ffn_active` over its live window rows (`runtime.neurons.NeuronTrace`)."""
+    `ffn_active` over its live window rows (`NeuronTrace`)."""
     policy = NeuronTrace(windows=tuple(windows or DEFAULT_WINDOWS))
     cfg = dataclasses.replace(decode, placement=policy)
     stats = None

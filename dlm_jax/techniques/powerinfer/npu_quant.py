@@ -1,5 +1,6 @@
 """PowerInfer-2's NPU quantisation, as the partitioned bundle's NPU programs compute it
-[SPECS 4.5]: INT4 per channel with INT8 outlier input channels (`--quant int4-outliers`).
+(PowerInfer-2 §2.3.1 footnote 2, §7.6): INT4 per channel with INT8 outlier input channels
+(`--quant int4-outliers`).
 
 NPUs quantise per output channel and have no group-wise INT4, so every linear of an NPU program
 (attention q/k/v/o, the FFN or its hot neuron clusters) is split on its input channels K:
@@ -37,7 +38,7 @@ from dlm_jax._errors import ConfigError
 MODE = "int4-outliers"
 INT4_SCOPE = "npu_int4_inliers"
 INT8_SCOPE = "npu_int8_outliers"
-FRACTION = 0.01  # share of input channels kept in INT8 [SPECS 4.5 (S)]
+FRACTION = 0.01  # share of input channels kept in INT8 (our choice; the paper gives no share)
 CALIBRATION_PER_TASK = 8
 LINEARS = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("ffn", ("gate_proj", "up_proj", "down_proj")))
 # linears that read the same activation share its outlier channels (AWQ's salience is per input)

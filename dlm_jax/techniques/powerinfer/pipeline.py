@@ -1,10 +1,10 @@
 """PowerInfer-2's neuron pipeline as a discrete-event simulation priced with the paper's phone
-figures, and its Fig 14 ablation (SPECS 4.4, 4.7, 4.8; NumPy only).
+figures, and its Fig 14 ablation (PowerInfer-2 §4.3, §4.4, §7.5; NumPy only).
 
-This is a model, not a measurement [R]: the *decisions* (which neurons each decode step's
+This is a model, not a measurement: the *decisions* (which neurons each decode step's
 predictor selects, whose gate output is truly non-zero, which neurons are hot) come from traces
-recorded on a tiny model; the *times* come from SPECS 0.4's OnePlus 12 figures (UFS 4.0 through
-`dlm_jax.lowering.costs.UfsModel`; DRAM 43.9 / 56 / 59.6 GB/s for CPU / NPU / both) with each traced
+recorded on a tiny model; the *times* come from PowerInfer-2's OnePlus 12 figures (§2.3; UFS 4.0
+through `dlm_jax.lowering.costs.UfsModel`; DRAM 43.9 / 56 / 59.6 GB/s for CPU / NPU / both) with each traced
 neuron priced as a neuron of a *virtual* width (default d_model 4096: an INT4 bundle of 7.5 KB
 aligned to 8 KB, read as two 4 KB halves; FP16 24 KB in one read). No phone ran any of it.
 
@@ -12,7 +12,8 @@ Axes: L layers, F neurons per layer (gate row, up row, down column), W live rows
 window (its bucket: the smallest planned size >= W), K clusters of a layer.
 
 A layer's neurons are cut into clusters (hot ones first, in the planner's order); each cluster
-goes through Pred -> GIO -> GC -> UDIO -> UDC [P §4.3]. Modelling choices [S]:
+goes through Pred -> GIO -> GC -> UDIO -> UDC (PowerInfer-2 §4.3). Modelling choices (ours; the
+paper does not specify them):
 - the N compute threads split a cluster's rows between them, so the pool acts as one preemptive
   server at N threads' speed (saturating at `saturating_threads`); priority = (stage, cluster).
   Work that can be split this finely is what makes "equal when nothing is on flash" exact;
@@ -23,11 +24,12 @@ goes through Pred -> GIO -> GC -> UDIO -> UDC [P §4.3]. Modelling choices [S]:
   cluster-level (no barrier). NPU clusters (+XPU) run their own dense graph outside the barriers;
 - CPU compute per byte = W / 43.9 GB/s (bandwidth-bound at W = 1 as in Tab 2; each further row
   one more pass, which puts W = 32 within 1.4x of the 8 tok/s dense CPU prefill); NPU per byte =
-  max(1 / 56 GB/s, ceil(W/32) 32-row tiles at 770 tok/s of a 4.5e9 B model) (SPECS 0.4 [R]);
+  max(1 / 56 GB/s, ceil(W/32) 32-row tiles at 770 tok/s of a 4.5e9 B model) (derived by us from
+  PowerInfer-2 §2.3.1);
   with +XPU both together stream at most 59.6 GB/s;
-- attention: `attention_fraction` x the layer's FFN bytes (FFN ~80% of the parameters [P §2.1]),
-  before the FFN, on the CPU pool (on the NPU with +XPU); the predictor: `predictor_fraction` of
-  each predicted-over neuron's bytes (SPECS 4.2 [S]: <= 10% of the FFN);
+- attention: `attention_fraction` x the layer's FFN bytes (FFN ~80% of the parameters,
+  PowerInfer-2 §2.1), before the FFN, on the CPU pool (on the NPU with +XPU); the predictor: `predictor_fraction` of
+  each predicted-over neuron's bytes (our choice: <= 10% of the FFN);
 - memory holds (1 - offload) of the FFN. Without the neuron cache that is a static share of each
   layer's neurons (the lowest indices: no activation statistics); with it, a hot region of the
   planner's hot clusters (cluster LRU, sequential loads) and a cold region of single neurons
@@ -380,5 +382,5 @@ def simulate(trace: PipelineTrace, stage: Stage, *, costs: PhoneCosts = PhoneCos
 
 def ablation(trace: PipelineTrace, *, costs: PhoneCosts = PhoneCosts(), offload: float = 0.5, threads: int = 4,
              cluster: int = 128, stages: Sequence[Stage] = ABLATION) -> list[SimResult]:
-    """Fig 14's ablation [P §7.5] on `trace`: each stage from a fresh memory."""
+    """Fig 14's ablation (PowerInfer-2 §7.5) on `trace`: each stage from a fresh memory."""
     return [simulate(trace, s, costs=costs, offload=offload, threads=threads, cluster=cluster) for s in stages]

@@ -1,4 +1,4 @@
-"""Activation predictors, host side (NumPy only; SPECS 4.2): which FFN neurons the rows of a
+"""Activation predictors, host side (NumPy only; PowerInfer-2 §4.1.2): which FFN neurons the rows of a
 decode window activate, so the cold path reads only those from flash.
 
 Axes: L FFN layers, N rows, F neurons per layer, D model width, r predictor rank.
@@ -38,7 +38,8 @@ def _union(rows: np.ndarray, live: Any) -> np.ndarray:
 
 
 class LowRankPredictor:
-    """SPECS 4.2 [S]: per layer P(active) = sigmoid(W2 relu(W1 x + b1) + b2), rank r, trained
+    """Our predictor (PowerInfer-2 §4.1.2 leaves its architecture open): per layer
+    P(active) = sigmoid(W2 relu(W1 x + b1) + b2), rank r, trained
     with BCE on recorded activations (elsewhere); a neuron is predicted active when
     P > threshold. Arrays per layer: w1 [D, r], b1 [r], w2 [r, F], b2 [F] (float32)."""
 
@@ -74,7 +75,7 @@ class LowRankPredictor:
     @staticmethod
     def rank_for(d_model: int, n_neurons: int, fraction: float = 0.1) -> int:
         """The largest rank whose layer's parameters are <= `fraction` of the FFN layer's
-        3 D F (SPECS 4.2 [S]: predictor <= 10% of the FFN), at least 1."""
+        3 D F (our choice: a predictor within 10% of the FFN), at least 1."""
         return max(1, math.floor((fraction * 3 * d_model * n_neurons - n_neurons) / (d_model + 1 + n_neurons)))
 
     def logits(self, layer: int, x: Any) -> np.ndarray:

@@ -123,7 +123,8 @@ def train_predictor(samples: tuple[np.ndarray, np.ndarray], config, *, rank: int
                     batch: int = 512, learning_rate: float = 3e-3, target_recall: float = 0.99,
                     windows: Sequence[int] = (1, 4, 16, 32), seed: int = 0,
                     progress=None) -> tuple[LowRankPredictor, PredictorReport]:
-    """PowerInfer-2's activation predictor [SPECS 4.2, S]: per layer sigmoid(W2 relu(W1 x + b1)
+    """PowerInfer-2's activation predictor (§4.1.2; the architecture is our choice, the paper leaves it
+    open): per layer sigmoid(W2 relu(W1 x + b1)
     + b2) of rank `rank` (default: predictor parameters within 10% of the FFN's), trained with
     binary cross-entropy on 90% of `samples` (positives weighted by the inactive / active
     ratio, capped at 20: most neurons are off), then each layer's output bias shifted so that

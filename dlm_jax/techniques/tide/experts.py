@@ -1,5 +1,5 @@
 """TIDE's I/O-aware expert placement for MoE dLLMs: residency accounting, the drift and
-miss-curve estimates, and the refresh-interval (tau) solver (NumPy only; SPECS 3).
+miss-curve estimates, and the refresh-interval (tau) solver (NumPy only; TIDE §3, docs/techniques/tide.md).
 
 Per sparse FFN layer, B of the E routed experts are resident (where the compiled step runs,
 e.g. the GPU); the other E - B sit on the host. Within a block, step t = 0..T-1 is a *refresh
@@ -60,7 +60,7 @@ def expert_counts(topk: np.ndarray, n_experts: int) -> np.ndarray:
 
 def _top_b(hits: np.ndarray, resident: np.ndarray, budget: int) -> np.ndarray:
     """[L, E] hits and [L, E] bool resident -> [L, E] bool, each layer's top-B by hits;
-    ties go to resident experts first, then to the lower id (SPECS 3.3 [S])."""
+    ties go to resident experts first, then to the lower id (our choice: TIDE's Alg. 1 leaves ties open)."""
     n_experts = hits.shape[1]
     # One integer key ranks by hits, then residency, then lower id (the tail is < 2E).
     key = hits.astype(np.int64) * (2 * n_experts) + resident * n_experts + (n_experts - 1 - np.arange(n_experts))
@@ -262,8 +262,10 @@ def miss_curve(traces: Trace, B: int, max_lag: int) -> np.ndarray:
 
 
 def io_cost(tau: Any, T: int, B: int, d: float, c_io: float) -> Any:
-    """Eq. 5 as printed (SPECS 3.4 [S]): C_IO * (B*T/tau) * (1 - (1-d)**tau), the migrations
-    of T steps refreshed every tau (B*T*d at tau = 1). `tau` may be an array."""
+    """TIDE Eq. 5 as printed: C_IO * (B*T/tau) * (1 - (1-d)**tau), the migrations of T steps
+    refreshed every tau (B*T*d at tau = 1). The derivation before it gives the exponent tau - 1;
+    we keep the printed tau (our choice: the one that gives B*T*d at tau = 1). `tau` may be an
+    array."""
     tau = np.asarray(tau, np.float64)
     return c_io * (B * T / tau) * (1.0 - (1.0 - d) ** tau)
 
@@ -284,8 +286,8 @@ class CostTable(NamedTuple):
 
 
 def solve_tau(T: int, B: int, d: float, f: np.ndarray, c_io: float, c_cpu: float) -> tuple[int, CostTable]:
-    """Eq. 7 with C_IO restored (SPECS 3.4 [S]): the tau in 1..T-1 minimizing
-    io_cost + cpu_cost, by exhaustive search (ties: the smaller tau); and the cost table.
+    """TIDE Eq. 7 with C_IO restored (its first term drops it; our reading): the tau in 1..T-1
+    minimizing io_cost + cpu_cost, by exhaustive search (ties: the smaller tau); and the cost table.
     `f` [>= T] is indexed by tau. With f non-decreasing, c_io = 0 gives tau = 1; with 0 < d
     and c_cpu = 0 it gives T - 1 ((1 - (1-d)**tau) / tau = d * mean_{j<tau} (1-d)**j decreases)."""
     T = _int("T", T, 2)
