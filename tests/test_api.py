@@ -1,11 +1,15 @@
 """`dlm_jax.load(path).generate(prompts, DecodeConfig(...))`: text, ids and stats."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import dlm_jax
 from dlm_jax import ConfigError, decode_config
 from dlm_jax.testing import mock_model, tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +57,22 @@ def test_any_executor_behind_the_api():
     handle = mock_model(answer=answer, confidence=np.full(96, 0.95))
     res = handle.generate("abcde", decode_config(gen_len=16, block_len=8))
     assert res.texts == ["hello"] and res.stats.nfe == 2 and handle.model is None
+
+
+@pytest.mark.parametrize("model, prompt, preset", [
+    ("ar-tiny", "sort: 37 44 13 33 47 48", "isd"),
+    ("llada-tiny", "564+894=", "llada-cpp"),
+])
+def test_streamed_text_only_grows_and_ends_as_the_answer(model, prompt, preset):
+    """A single-prompt `generate` streams what each block committed. Streaming every token the
+    state held (drafts that ISD later rejects, visible tokens DPPR may still revise) printed
+    `2333 333 43373333333 433 444` for an answer of `24 34 37 37 46 47`, with no error: each
+    streamed text must extend the one before, and the last must be a prefix of the answer."""
+    handle = dlm_jax.load(ROOT / "models" / model, executor="jax")
+    texts = []
+    result = handle.generate(prompt, dlm_jax.preset(preset, gen_len=32),
+                             on_block=lambda i, t: texts.append(t[0]))
+    assert texts, "no block was streamed"
+    for before, after in zip([""] + texts, texts):
+        assert after.startswith(before), (before, after)
+    assert result.texts[0].startswith(texts[-1])

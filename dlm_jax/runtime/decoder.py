@@ -369,7 +369,8 @@ class Decoder:
         Args:
           prompts: token ids per request (non-empty).
           seeds: per-request sampling seeds (default `cfg.proposer.seed` for every request).
-          on_block: called after each commit unit (block) with (unit index, generated ids so far).
+          on_block: called after each commit unit (block) with (unit index, each request's final
+            generated ids so far: `DecodeState.final_prefixes`, which only grow).
         """
         mc = self.model_config
         cfg = self._for_model(cfg)
@@ -457,7 +458,7 @@ class Decoder:
                     if stats.first_block_seconds is None:
                         stats.first_block_seconds = time.perf_counter() - start
                     if on_block is not None:
-                        on_block(plan.unit, state.sequences())
+                        on_block(plan.unit, state.final_prefixes())
         finally:
             for cancel in cancels:  # buckets this decode did not reach are not built for it
                 cancel()

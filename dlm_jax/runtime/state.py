@@ -307,3 +307,11 @@ class DecodeState:
     def sequences(self) -> list[np.ndarray]:
         """Per request, its `gen_len` generated ids (mask ids where undecided)."""
         return [self.tokens[r, self.gen_start:self.gen_end].copy() for r in range(self.n_requests)]
+
+    def final_prefixes(self) -> list[np.ndarray]:
+        """Per request, its generated ids up to the first slot that is not final: what no later
+        step can change (drafts, and visible tokens a revision may replace, are not), so a
+        stream of these only ever grows."""
+        final = _FINAL[self.status[:self.n_requests, self.gen_start:self.gen_end]]
+        ends = np.where(final.all(axis=1), final.shape[1], np.argmin(final, axis=1))
+        return [self.tokens[r, self.gen_start:self.gen_start + int(n)].copy() for r, n in enumerate(ends)]
