@@ -226,7 +226,7 @@ def _lowering_plan(content: bytes, config, keys: Sequence[BucketKey], quant: str
 
 @dataclasses.dataclass(frozen=True)
 class SparseExport:
-    """What a sparse bundle needs beyond the model: the neuron plan (`runtime.neuron_plan.NeuronPlan`:
+    """What a sparse bundle needs beyond the model: the neuron plan (`dlm_jax.techniques.powerinfer.neuron_plan.NeuronPlan`:
     each layer's neurons hottest first and the hot count per window bucket), the hot neurons'
     cluster size (hot counts round down to whole clusters; each cluster is one NPU constant),
     the activation predictor and the activation statistics it was planned from."""

@@ -118,7 +118,7 @@ SPARSITY_WINDOWS = (1, 4, 16, 32)
 
 def _sparsity(handle, gen_len: int, per_task: int = 16) -> dict:
     """Per layer, the share of FFN neurons active per token and for a window of W consecutive
-    rows of the card's Fast-dLLM decode (`runtime.neurons.decode_statistics` over held-out
+    rows of the card's Fast-dLLM decode (`dlm_jax.techniques.powerinfer.neurons.decode_statistics` over held-out
     prompts)."""
     from dlm_jax.techniques.powerinfer.neurons import decode_statistics
     from dlm_jax.training.data import make_split

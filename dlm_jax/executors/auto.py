@@ -11,7 +11,7 @@ JAX compiles in seconds). `AutoExecutor` never makes a decode wait for an export
   the decode, not beside it: on 2 cores a process starting beside a decode slowed its compiles);
 - the choice is made once per decode, when it starts (`prefetch`), so one decode never mixes
   executors; a later decode whose buckets have been exported meanwhile runs on LiteRT. Both
-  executors return the same tokens (`tests/runner`), so answers do not change when it switches.
+  executors return the same tokens (`tests/executors`), so answers do not change when it switches.
 
 The background export outlives the command that started it (a session of its own: Ctrl-C in the
 terminal does not stop it), so the next process finds the buckets cached; it writes its log

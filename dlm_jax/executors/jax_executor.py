@@ -82,7 +82,7 @@ def predictions(logits: jax.Array, *, mask_id: int | None, full_logits: bool) ->
 
 def pack_bits(active: jax.Array) -> jax.Array:
     """bool [..., F] -> int32 [..., ceil(F / 32)]: bit j of word w is element 32 w + j (the
-    layout of `runtime.neurons.unpack_active`). Distinct powers of two summed in int32 are
+    layout of `dlm_jax.techniques.powerinfer.neurons.unpack_active`). Distinct powers of two summed in int32 are
     their bitwise OR, bit 31 landing on the sign, in ops every backend has (multiply by
     constants, sum: TFLite has no builtin shift)."""
     f = active.shape[-1]

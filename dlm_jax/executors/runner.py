@@ -19,9 +19,9 @@ each with only its hot neurons), CPU heads, and beside them
 
     cpu.safetensors   the embedding table (a NumPy lookup on the CPU)
     ffn.flash         sparse: every FFN neuron's gate row, up row and down column, one 4 KiB
-                      aligned bundle each (`runtime.flash`), read by the cold path
+                      aligned bundle each (`dlm_jax.techniques.powerinfer.flash`), read by the cold path
     neurons.json      sparse: the neuron plan (order, hot counts per window), its statistics
-    predictor.safetensors  sparse: the activation predictor (`runtime.predictor.LowRankPredictor`)
+    predictor.safetensors  sparse: the activation predictor (`dlm_jax.techniques.powerinfer.predictor.LowRankPredictor`)
 
 `dlm_jax.executors.partitioned.PartitionedExecutor` runs it.
 
