@@ -63,3 +63,27 @@ def test_jax_step_timings_are_split_by_phase(timed):
     if timed:
         assert set(timings) == {"h2d", "compute", "d2h"} and all(v >= 0 for v in timings.values())
         assert timings["compute"] > 0
+
+
+@pytest.mark.parametrize("attention", ["bidirectional", "causal", "block_causal"])
+def test_the_visibility_rule_is_the_same_on_the_host_and_the_device(attention):
+    """The step contract's one visibility rule (`runtime.step.visibility`) runs on NumPy beside
+    a dense executor and on `jax.numpy` inside the JAX executor's programs: an array-module
+    difference (a broadcast, a dtype, a where) would give the two executors different
+    attention with no error. Random steps, probes and hidden columns included."""
+    import jax
+
+    from dlm_jax.runtime.step import visibility
+    from dlm_jax.testing import tiny_config
+
+    cfg = tiny_config().replace(attention=attention, block_size=4)
+    rng = np.random.default_rng(0)
+    fn = jax.jit(lambda *a: visibility(jnp, cfg, *a))
+    for _ in range(6):
+        b, w, p = rng.integers(1, 4), rng.integers(1, 9), rng.integers(0, 12)
+        args = (rng.integers(0, 24, (b, w)).astype(np.int32), rng.random((b, w)) < 0.8,
+                rng.integers(0, 24, (b, p)).astype(np.int32), rng.random((b, p)) < 0.7,
+                rng.random(w) < 0.3, np.where(rng.random(w) < 0.4, rng.integers(0, p + w, w), -1).astype(np.int32))
+        host = visibility(np, cfg, *args)
+        assert host.shape == (b, w, p + w) and host.dtype == bool
+        np.testing.assert_array_equal(host, np.asarray(fn(*args)))
