@@ -23,10 +23,10 @@ PROMPT_SETS = [[[5, 17, 3, 44, 9, 21, 30], [8, 1], [40, 41, 42, 43, 2]], [[7] * 
 CONFIGS = {**{f"preset={name}": preset(name, gen_len=64) for name in sorted(dlm_jax.PRESETS)
                  if name not in CAUSAL_ONLY if name != "llada-cpp"},
            **{f"cache={name}": decode_config(cache=name, gen_len=64, block_len=16) for name in sorted(SCHEDULERS)
-                 if name not in CAUSAL_ONLY and name != "mbsd"},
-           "llada-cpp revision=none": preset("llada-cpp", gen_len=64, revision="none")}
+                 if name not in CAUSAL_ONLY and name != "mbsd"}}
 # llada-cpp with its CPU path: a minute of cold compiles each (the main and the CPU path's buckets).
 SLOW = {"cache=mbsd": decode_config(cache="mbsd", gen_len=64, block_len=16),  # its own buckets: 5 s
+        "llada-cpp revision=none": preset("llada-cpp", gen_len=64, revision="none"),  # mbsd's buckets: 15 s cold
         "preset=llada-cpp": preset("llada-cpp", gen_len=64),
         "llada-cpp in_place": preset("llada-cpp", gen_len=64, revisit="in_place"),
         "llada-cpp sampled": preset("llada-cpp", gen_len=32, temperature=0.7)}  # every bucket again, with logits
@@ -58,6 +58,7 @@ def test_stats_count_the_compiles_of_an_unwarmed_decode():
     assert out.stats.compile_seconds > 0 and out.stats.exports == 0
 
 
+@pytest.mark.slow  # llada-cpp's main and CPU-path buckets: about 15 s cold
 def test_warmed_steps_may_run_in_a_larger_rows_bucket_with_the_same_tokens(decoder):
     """Warm-up prepares each window and cache size with its most rows; a step needing fewer
     runs there rather than compiling a smaller bucket, and decodes the same."""

@@ -151,6 +151,7 @@ def test_block_size_must_divide_seq_len_for_two_stream_objectives():
         RunConfig.from_dict(raw)
 
 
+@pytest.mark.slow  # two training runs: about 10 s cold
 def test_init_from_starts_the_run_at_a_saved_models_weights(tmp_path):
     """[train] init_from: a causal model's weights start a bidirectional run (AR -> diffusion
     adaptation); a model of other shapes is refused with the key named, before any step."""

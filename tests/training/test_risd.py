@@ -118,6 +118,7 @@ def test_bad_keys_are_named_in_one_line(train, lora, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # a training run: about 15 s cold
 def test_risd_run_trains_only_the_adapters(tmp_path):
     """A short R-ISD run: the base stays bit-identical, the adapters move, clean rows of the
     adapted model are the base's bits, and the adapter files round-trip against the base."""

@@ -543,6 +543,7 @@ def test_lora_asked_of_a_bundle_without_adapters_is_named(idlm, tmp_path, capsys
                    f"take no lora_gate input); export it with --lora {IDLM / 'risd'}"]
 
 
+@pytest.mark.slow  # two shipped-model decodes: about 8 s cold
 def test_shipped_risd_adapters_raise_the_tpf_of_an_autoregressive_base_losslessly():
     """`models/ar-tiny` was trained with next-token loss only, so its mask rows propose poorly;
     its shipped R-ISD adapters (trained on the mask rows of the frozen base) raise ISD's tokens

@@ -48,6 +48,7 @@ def test_a_gate_of_zero_keeps_the_base_models_bits():
     np.testing.assert_array_equal(ref.logits, model(tokens, lora_gate=jnp.zeros(tokens.shape)).logits)
 
 
+@pytest.mark.slow  # about 10 s cold; the gated ISD decode test covers exactness in the default pass
 def test_a_decode_window_with_a_base_cache_keeps_clean_rows_exact():
     """An ISD-style step: a base-model prefix cache, then a window [clean rows, mask rows] with
     an explicit strict-causal visibility; the clean rows' logits and K/V are the base's bits."""

@@ -72,6 +72,7 @@ def _pack_int4(q: np.ndarray) -> bytes:
     return bytes(nib[0::2] | (nib[1::2] << 4))
 
 
+@pytest.mark.slow  # an int4-outliers partitioned export: about 20 s cold
 def test_every_npu_linear_holds_the_plans_int4_and_int8_integers(exported):
     path, model, root, _ = exported
     content = (root / "mixed" / "model.tflite").read_bytes()
@@ -114,6 +115,7 @@ def _body(root, name, key_window, cache):
     return model, idx, model.get_signature_list()[prog]
 
 
+@pytest.mark.slow  # an int4-outliers partitioned export: about 20 s cold
 def test_the_split_programs_compute_the_float_programs_within_int4_error(exported):
     _, model, root, _ = exported
     cfg = model.config
@@ -139,6 +141,7 @@ def test_the_split_programs_compute_the_float_programs_within_int4_error(exporte
     assert rel < 0.25, rel  # INT4 weights: ~0.1; a mis-fed channel split: ~1
 
 
+@pytest.mark.slow  # an int4-outliers partitioned export: about 20 s cold
 def test_mixed_bundles_decode(exported):
     _, _, root, prompts = exported
     for name, kwargs in (("mixed", {}), ("sparse", {"oracle": True})):
@@ -148,6 +151,7 @@ def test_mixed_bundles_decode(exported):
         assert runner.bundle.quant == "int4-outliers"
 
 
+@pytest.mark.slow  # an int4-outliers partitioned export: about 20 s cold
 def test_sparse_hot_clusters_are_split_too(exported):
     _, _, root, _ = exported
     plan = json.loads((root / "sparse" / "plan.json").read_text())["quantization"]
@@ -174,6 +178,7 @@ def test_int4_alone_has_no_int8_part():
         NpuQuant(fraction=1.5)
 
 
+@pytest.mark.slow  # an int4-outliers partitioned export: about 20 s cold
 def test_int4_outliers_needs_a_partitioned_bundle(exported, tmp_path):
     path, _, _, _ = exported
     with pytest.raises(ConfigError, match="--partition"):
@@ -188,6 +193,7 @@ def test_int4_outliers_needs_a_partitioned_bundle(exported, tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow  # an int4-outliers partitioned export: about 20 s cold
 def test_calibration_statistics_ignore_padding(exported):
     from dlm_jax.techniques.powerinfer.npu_quant import activation_stats
 
