@@ -128,6 +128,14 @@ def test_built_wheel_installs_and_demo_uses_the_shipped_model(tmp_path):
                        "tokenizer_config.json", "manifest.json", "README.md", "eval.json")}
 
     venv = tmp_path / "venv"
+    try:
+        _check_install(wheel, venv, tmp_path)
+    finally:  # 1.3 GB, and pytest keeps its last temporary folders
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def _check_install(wheel: Path, venv: Path, tmp_path: Path) -> None:
+    """Install `wheel` into a new venv at `venv` and check it from a folder outside the checkout."""
     _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path, env=os.environ.copy())
     python = venv / "bin" / "python"
     _run([str(python), "-m", "pip", "install", "--quiet", "-c", str(ROOT / "constraints.txt"), str(wheel)],
