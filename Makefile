@@ -36,12 +36,13 @@ test: $(VENV)/.test
 # this Python and platform, written as name==version lines (local labels such as +cpu dropped, so
 # the file also serves machines without that build).
 define LOCK_WRITER
-import json, sys
+import json, platform, sys
 report = json.load(open(sys.argv[1]))
 pins = sorted(((i["metadata"]["name"], i["metadata"]["version"].split("+")[0]) for i in report["install"]
                if i["metadata"]["name"] != "dlm-jax"), key=lambda p: p[0].lower())
 print("# The exact versions `make demo` and `make test` install (pip install -c constraints.txt ...):")
-print(f"# pip's resolution of pyproject.toml's ranges with the test extra, CPython {sys.version_info[0]}.{sys.version_info[1]} on Linux x86_64.")
+print(f"# pip's resolution of pyproject.toml's ranges with the test extra, CPython {sys.version_info[0]}.{sys.version_info[1]}"
+      f" on {platform.system()} {platform.machine()}.")
 print("# Regenerate with `make lock` (the newest releases within the ranges), then run `make test`.")
 print("\n".join(f"{name}=={version}" for name, version in pins))
 endef
