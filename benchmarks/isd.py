@@ -267,7 +267,13 @@ def main() -> None:
                                                       "models/ar-tiny:models/ar-tiny/risd"],
                         help="MODEL:ADAPTERS pairs for the R-ISD rows (pairs whose adapters are missing are skipped)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/isd"))
+    parser.add_argument("--render", action="store_true",
+                        help="re-write OUT.md and OUT.png from OUT.json, decoding nothing (after a change of this "
+                             "script's text)")
     args = parser.parse_args()
+    if args.render:
+        write_views(json.loads(args.out.with_suffix(".json").read_text()), args.tasks, args.out)
+        return
     meta = {"model": args.model, "n": args.n, "machine": machine()}
     rows, single = run(args.model, args.n, args.tasks, args.executors, args.latency_n)
     pairs = [tuple(p.split(":", 1)) for p in args.lora if Path(p.split(":", 1)[1]).is_dir()]
@@ -278,12 +284,18 @@ def main() -> None:
         r["setting"]: r["identical_to_left_to_right"] for r in lora_rows if r.get("adapters")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(rows, args.tasks, meta, single)
-                                           + ("\nR-ISD (gated LoRA adapters on the mask rows; base anchors), JAX, T = 0, "
-                                              "stride 4:\n\n" + "\n".join(markdown(lora_rows, args.tasks, meta, [])
-                                                                        .splitlines()[2:]) + "\n" if lora_rows else ""))
-    plot(rows, args.out.with_suffix(".png"))
+    write_views(report, args.tasks, args.out)
     print(json.dumps(report["targets"], indent=2))
+
+
+def write_views(report: dict, tasks: list[str], out: Path) -> None:
+    """OUT.md and OUT.png of a report (what a run wrote to OUT.json)."""
+    rows, meta, single, lora_rows = report["rows"], report["meta"], report["single_request"], report["risd"]
+    out.with_suffix(".md").write_text(markdown(rows, tasks, meta, single)
+                                      + ("\nR-ISD (gated LoRA adapters on the mask rows; base anchors), JAX, T = 0, "
+                                         "stride 4:\n\n" + "\n".join(markdown(lora_rows, tasks, meta, [])
+                                                                   .splitlines()[2:]) + "\n" if lora_rows else ""))
+    plot(rows, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

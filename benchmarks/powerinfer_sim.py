@@ -123,7 +123,13 @@ def main() -> None:
     ap.add_argument("--neuron-repeat", type=int, default=1, help="virtual neurons per traced neuron")
     ap.add_argument("--layer-repeat", type=int, default=1, help="virtual layers per traced layer")
     ap.add_argument("--out", default="benchmarks/results/powerinfer_sim")
+    ap.add_argument("--render", action="store_true",
+                    help="re-write OUT.md and OUT.png from OUT.json, simulating nothing (after a change of this "
+                         "script's text)")
     args = ap.parse_args()
+    if args.render:
+        write(json.loads(Path(args.out).with_suffix(".json").read_text()), Path(args.out))
+        return
     t_start = time.perf_counter()
     timing = {}
     handle = dlm_jax.load(args.model, executor="jax")
