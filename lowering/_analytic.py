@@ -19,11 +19,13 @@ frequencies (float32) and the mask-id select mask (bool) are constants too, as i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
 from dlm_jax.lowering.graph import Op, StepGraph, Tensor
+from dlm_jax.runtime.step import signature_name
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -108,7 +110,8 @@ def build_step_graph(cfg: ModelConfig, key, *, weight_bytes_per_param: float | N
     b.op("CONCATENATION", tuple(ks), (k_new,))
     b.op("CONCATENATION", tuple(vs), (v_new,))
     outputs = _head(s, x, logit_rows) + (k_new, v_new)
-    name = f"step_w{w}_p{p}_r{r}" + (f"_b{bsz}" if bsz != 1 else "") + ("_full" if key.full_logits else "")
+    # The graph models neither routed experts nor neuron activity: named as the bucket without them.
+    name = signature_name(dataclasses.replace(key, router_topk=False, ffn_active=False))
     return StepGraph(name, tuple(b.ops), tuple(b.tensors), inputs, outputs)
 
 
