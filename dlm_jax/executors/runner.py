@@ -2,27 +2,12 @@
 
 Imports NumPy, `ai_edge_litert` and the NumPy-only host runtime, never JAX or Flax: this is
 what ships next to a phone app. A bundle (written by `dlm-jax export`, see
-`dlm_jax.tflite_export.bundle`) is a directory:
-
-    bundle.json       format, model config, buckets (signature per bucket), quantisation,
-                      target, decode defaults, prompt format, versions
-    model.tflite      one signature per bucket, one shared copy of the weights
-    tokenizer files   as the checkpoint had them (tokenizer.json / tokenizer_config.json / ...)
-    latency.json      measured step latency per bucket (this runner, CPU)
-    plan.json         the lowering plan: partition and memory plan per signature
-    manifest.json     size and sha256 of every file above, checked when the bundle is opened
-
-A partitioned bundle (`export --partition`, `--sparse`; `bundle.json` "partition") holds the
-programs of the lowering's NPU/CPU split instead of one signature per bucket
-(`dlm_jax.executors.partition_contract`): tile-aligned NPU bodies (one per layer in a sparse bundle,
-each with only its hot neurons), CPU heads, and beside them
-
-    cpu.safetensors   the embedding table (a NumPy lookup on the CPU)
-    ffn.flash         sparse: every FFN neuron's gate row, up row and down column, one 4 KiB
-                      aligned bundle each (`dlm_jax.techniques.powerinfer.flash`), read by the cold path
-    neurons.json      sparse: the neuron plan (order, hot counts per window), its statistics
-    predictor.safetensors  sparse: the activation predictor (`dlm_jax.techniques.powerinfer.predictor.LowRankPredictor`)
-
+`dlm_jax.tflite_export.bundle`) is a directory whose files `dlm_jax.executors.bundle_files` names
+and describes: `bundle.json`, `model.tflite` (one signature per bucket, one shared copy of the
+weights), the checkpoint's tokenizer files, optional `latency.json` / `plan.json`, and a
+`manifest.json` checked when the bundle is opened. A partitioned bundle (`export --partition`,
+`--sparse`) holds the programs of the lowering's NPU/CPU split instead
+(`dlm_jax.executors.partition_contract`) and the files beside them;
 `dlm_jax.executors.partitioned.PartitionedExecutor` runs it.
 
     model = dlm_jax.executors.runner.load_bundle("bundles/llada-tiny")       # a BundleModel (a dlm_jax.Model)
