@@ -18,6 +18,7 @@ window rows' K/V into the cache, whose buffers it donates. Per step the host sen
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 
@@ -26,15 +27,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dlm_jax._errors import ConfigError
 from dlm_jax.executors._compile import CompiledBuckets
 from dlm_jax._config import ModelConfig
-from dlm_jax.models._transformer import Transformer
+from dlm_jax.models._transformer import ATTENTION_FORMS, Transformer, attention_form
 from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, Transfers
 from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, BuildCounts, Capabilities, Executor,
                                   SlotStep, StepInputs, StepOutputs, input_specs, model_outputs, output_names,
                                   request_specs, visibility)
 
+# How a decode's step reads its resident K/V: in place ("split", "concat" or "cudnn", the
+# model's `ATTENTION_FORMS`, over every slot with the unread ones masked) or "gather" (the
+# read slots copied out first, [L, B, P, Hkv, Dh], as before).
+RESIDENT_ATTENTION = (*ATTENTION_FORMS, "gather")
+ATTENTION_ENV = "DLM_JAX_ATTENTION"
 _PREDICTIONS = ("top_token", "top_prob", "second_prob", "entropy")
 
 
@@ -91,6 +98,14 @@ def pack_bits(active: jax.Array) -> jax.Array:
     bits = bits.reshape(*active.shape[:-1], words, 32)
     powers = jnp.asarray((np.uint32(1) << np.arange(32, dtype=np.uint32)).view(np.int32))
     return jnp.sum(bits * powers, axis=-1, dtype=jnp.int32)
+
+
+def _transposed(leaf):
+    """A 2-D leaf transposed: a device array, or a `jax.ShapeDtypeStruct` (an executor over an
+    abstract model, built to lower its programs from shapes alone: `benchmarks/gpu_step.py`)."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(leaf.shape[::-1], leaf.dtype)
+    return jnp.asarray(leaf.T)
 
 
 def _is_kernel(path, leaf) -> bool:
@@ -153,6 +168,23 @@ def gather_view(k_res, v_res, pos, valid, written, read, read_len, *, written_on
     if written_only:
         k_ok = k_ok & jnp.take(written, idx, axis=1)
     return k, v, k_pos, k_ok
+
+
+def slot_reads(valid, read, read_len, hide):
+    """The read slots of a resident cache as a mask over all of its slots, for attention that
+    reads the cache in place: [B, S] whether each batch row sees each slot (one of its first
+    `read_len` [B] entries of `read` [P], and valid), and `hide` [W] re-indexed from the read
+    columns (cache columns 0..P-1, then the window's) to the slots (0..S-1, then S + window
+    row). The same visibility as `gather_view`'s over the gathered columns, column for column."""
+    b, s = valid.shape
+    p = read.shape[0]
+    ok = (read >= 0)[None, :] & (jnp.arange(p)[None, :] < read_len[:, None])  # [B, P]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, p))
+    cols = jnp.broadcast_to(jnp.where(read >= 0, read, s)[None, :], (b, p))  # s: dropped
+    seen = jnp.zeros((b, s), bool).at[rows, cols].max(ok, mode="drop") & valid
+    from_read = jnp.take(read, jnp.clip(hide, 0, max(p - 1, 0)), axis=0) if p else jnp.full_like(hide, -1)
+    hide = jnp.where(hide < 0, -1, jnp.where(hide < p, from_read, hide - p + s))
+    return seen, hide
 
 
 def scatter_rows(k_res, v_res, written, k_new, v_new, write):
@@ -258,9 +290,13 @@ class JaxExecutor(Executor):
     bucket of `capabilities` (default: `Capabilities.for_length(max_seq_len)` with batches up to 64,
     `JAX_BATCH_BUCKETS`)."""
 
-    def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None):
+    def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None, attention: str | None = None):
         from dlm_jax.techniques.isd.lora import lora_spec
 
+        attention = attention or os.environ.get(ATTENTION_ENV) or "split"
+        if attention not in RESIDENT_ATTENTION:
+            raise ConfigError(f"attention={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
+        self.attention = attention
         self.config = model.config
         self.gated = lora_spec(model) is not None  # adapters: every step takes a `lora_gate`
         self._capabilities = capabilities or Capabilities.for_length(self.config.max_seq_len,
@@ -279,7 +315,7 @@ class JaxExecutor(Executor):
         # Elsewhere (GPU) the kernels stay as stored: no second copy of the weights.
         cpu = jax.default_backend() == "cpu"
         self._transposed = tuple(cpu and _is_kernel(path, leaf) for path, leaf in paths)
-        self._leaves = [jnp.asarray(leaf.T) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
+        self._leaves = [_transposed(leaf) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
         self._slots = _split_layers(model, paths)
         if self._slots:
             s = next(iter(self._slots.values())).resident.size
@@ -363,10 +399,18 @@ class JaxExecutor(Executor):
         key, slots = key_slots
         view = self._view_fn(key)
 
+        in_place = self.attention != "gather" and key.cache > 0  # (a step reading nothing gathers nothing)
+
         def program(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, read_len, probes,
                     hide, write, logit_rows, *gate):
-            k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, read_len, written_only=False)
-            named = view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate)
+            if in_place:  # attention reads all S slots where they lie, the unread ones masked
+                seen, hide_slots = slot_reads(valid, read, read_len, hide)
+                with attention_form(self.attention):
+                    named = view(leaves, k_res, v_res, pos, seen, tokens, positions, q_valid, probes, hide_slots,
+                                 logit_rows, *gate)
+            else:
+                k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, read_len, written_only=False)
+                named = view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate)
             k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"), write)
             return named, k_res, v_res, written
 

@@ -115,6 +115,58 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return out.reshape(b, t, h, dh)
 
 
+# How `Attention` reads a prefix cache: "split" (default) scores the cache and the window
+# separately and joins only the scores, so the cache is read where it lies; "concat" copies the
+# cache and the window's K/V into one array first (the form LiteRT bundles are traced in);
+# "cudnn" is "concat" into `jax.nn.dot_product_attention`'s cuDNN kernel (a GPU, bf16/fp16).
+ATTENTION_FORMS = ("split", "concat", "cudnn")
+_ATTENTION = contextvars.ContextVar("dlm_jax_attention", default="split")
+
+
+@contextlib.contextmanager
+def attention_form(form: str) -> Iterator[None]:
+    """Trace the model's cached attention in `form` (one of `ATTENTION_FORMS`) inside this context."""
+    if form not in ATTENTION_FORMS:
+        raise ValueError(f"unknown attention form {form!r}; known: {', '.join(ATTENTION_FORMS)}")
+    token = _ATTENTION.set(form)
+    try:
+        yield
+    finally:
+        _ATTENTION.reset(token)
+
+
+def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+                  mask: jax.Array) -> jax.Array:
+    """`attend(q, [k_cache; k], [v_cache; v], mask)` without building the concatenation.
+
+    q: [B, T, H, Dh]; k_cache, v_cache: [B, P, Hkv, Dh]; k, v: [B, T, Hkv, Dh]; mask: [B, T, P+T] bool, cache
+    columns first. The scores of both parts are joined ([B, Hkv, G, T, P+T] float32, small next
+    to the cache) and one softmax taken over them, so the cache is read once, in place: no
+    [B, P+T] copy of K/V per layer. Returns [B, T, H, Dh]."""
+    b, t, h, dh = q.shape
+    p, hkv = k_cache.shape[1], k.shape[2]
+    qg = q.reshape(b, t, hkv, h // hkv, dh)
+    k_cache, v_cache = k_cache.astype(k.dtype), v_cache.astype(v.dtype)  # no-ops for a cache of the model's dtype
+    cached = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    own = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([cached, own], axis=-1) * (1.0 / jnp.sqrt(jnp.float32(dh)))
+    scores = jnp.where(mask[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = (jnp.einsum("bkgts,bskd->btkgd", probs[..., :p].astype(v_cache.dtype), v_cache,
+                      preferred_element_type=jnp.float32)
+           + jnp.einsum("bkgts,bskd->btkgd", probs[..., p:].astype(v.dtype), v, preferred_element_type=jnp.float32))
+    return out.astype(v.dtype).reshape(b, t, h, dh)
+
+
+def attend_cudnn(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
+    """`attend` through `jax.nn.dot_product_attention(implementation="cudnn")` (fused, bf16/fp16
+    on a GPU; grouped heads expanded). mask: [B, T, K] bool."""
+    h, hkv = q.shape[2], keys.shape[2]
+    if h != hkv:
+        keys, values = jnp.repeat(keys, h // hkv, axis=2), jnp.repeat(values, h // hkv, axis=2)
+    return jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], implementation="cudnn")
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, hkv, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -136,11 +188,15 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = k, v
-        if k_cache is not None:
+        form = "concat" if _LITERT.get() else _ATTENTION.get()
+        if k_cache is None:
+            out = attend(q, k, v, mask)
+        elif form == "split" and mask.dtype == jnp.bool_:
+            out = attend_cached(q, k_cache, v_cache, k, v, mask)
+        else:
             keys = jnp.concatenate([k_cache.astype(k.dtype), k], axis=1)
             values = jnp.concatenate([v_cache.astype(v.dtype), v], axis=1)
-        out = attend(q, keys, values, mask)
+            out = attend_cudnn(q, keys, values, mask) if form == "cudnn" else attend(q, keys, values, mask)
         return _project(self.o_proj, self.lora, "o_proj", out.reshape(b, t, -1), lora_gate), k, v
 
 

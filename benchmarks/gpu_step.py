@@ -1,0 +1,419 @@
+"""The compiled decode step at a model's shape: XLA's cost analysis, step times, kernel profile.
+
+    .venv/bin/python benchmarks/gpu_step.py --abstract --out benchmarks/results/step_cost
+    PYTHONPATH=. python3 benchmarks/gpu_step.py --out $OUT/gpu_step        (on a GPU)
+
+Each case is one resident decode step of the JAX executor (`JaxExecutor`'s `_build_resident`:
+the step of a decode whose K/V live on the device) at the LLaDA-8B shape (d 4096, 32 layers,
+32 heads, MLP 12288, vocabulary 126464, bfloat16) in the setting of `benchmarks/gpu.py`:
+prompt 128, generation 256, block 32, the step taken in the middle of the generation (block 4
+of 8):
+
+  refresh  the whole sequence as the window, nothing read, every slot written (the full
+           forward that opens a block in both caches);
+  prefix   the current block and everything after it as the window, the slots before it
+           read (Fast-dLLM's prefix cache);
+  dual     the current block as the window, every other slot read (the dual cache).
+
+Variants: how the step reads the resident cache (`--attention`: in place, `split`, the
+default; `gather`, the read slots copied out first; `cudnn`, `jax.nn.dot_product_attention`'s
+fused kernel over a concatenated copy), the weights' storage (`--quant`, where
+`dlm_jax.load` offers it) and the layer loop (`--layers`, where the executor offers it).
+
+Per case: XLA's cost analysis of the compiled step (FLOPs and bytes accessed, against the
+weight bytes and the dense FLOPs 2 x parameters x window rows), and with weights (not
+`--abstract`) the median of `--reps` timed steps, the weight-read limit (weight bytes over the
+measured device-to-device copy bandwidth) and the roofline (the larger of bytes over bandwidth
+and FLOPs over the peak), the compile seconds, and with `--profile` the device's ten costliest
+kernels over `--profile-steps` steps with their share of the step's kernel time.
+
+`--abstract` builds nothing: the programs are lowered from `jax.ShapeDtypeStruct`s, so the
+8B shape's cost analysis runs on any CPU. Writes <out>.json and <out>.md (and, with times,
+<out>.png) after every case, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import glob
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import dlm_jax  # noqa: E402
+from dlm_jax.executors.jax_executor import RESIDENT_ATTENTION, JaxExecutor  # noqa: E402
+from dlm_jax.models._params import _abstract_model, model_from_params, param_shapes  # noqa: E402
+from dlm_jax.runtime.buckets import BucketKey, pad_axis  # noqa: E402
+from dlm_jax.runtime.step import SlotStep  # noqa: E402
+
+_T0 = time.perf_counter()
+KINDS = ("refresh", "prefix", "dual")
+SHAPES = {
+    "llada-8b": dict(vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden=12288,
+                     mask_token_id=126336, max_seq_len=4096, rope_theta=500000.0, norm_eps=1e-5),
+    "small": dict(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=768,
+                  mask_token_id=1000, max_seq_len=512, rope_theta=500000.0, norm_eps=1e-5),
+}
+# HBM TB/s and dense bf16 TFLOP/s by device name (datasheet; the copy bandwidth is measured).
+DEVICES = (("H200", 4.8, 989.0), ("H100", 3.35, 989.0), ("A100", 2.0, 312.0))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """One step of a decode of `prompt` + `gen` slots, block `block`, at block `at`."""
+
+    kind: str
+    prompt: int = 128
+    gen: int = 256
+    block: int = 32
+    at: int = 4
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.gen
+
+    def window(self) -> np.ndarray:
+        start = self.prompt + self.at * self.block
+        if self.kind == "refresh":
+            return np.arange(self.total)
+        if self.kind == "prefix":
+            return np.arange(start, self.total)
+        return np.arange(start, start + self.block)
+
+    def read(self) -> np.ndarray:
+        start = self.prompt + self.at * self.block
+        if self.kind == "refresh":
+            return np.zeros(0, np.int64)
+        if self.kind == "prefix":
+            return np.arange(start)
+        return np.setdiff1d(np.arange(self.total), self.window())
+
+    def rows(self) -> np.ndarray:
+        """Window rows whose predictions are wanted: the current block's."""
+        start = self.prompt + self.at * self.block
+        return np.searchsorted(self.window(), np.arange(start, start + self.block))
+
+
+def slot_step(executor: JaxExecutor, geo: Geometry, batch: int, *, seed: int = 0) -> SlotStep:
+    """The step of `geo` for `batch` rows, padded to its bucket."""
+    caps = executor.capabilities
+    win, read, rows = geo.window(), geo.read(), geo.rows()
+    key = BucketKey(caps.batches.select(batch), caps.windows.select(len(win)), caps.caches.select(len(read)),
+                    caps.rows.select(len(rows)))
+    b, w = key.batch, key.window
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, executor.config.vocab_size, (b, len(win)), dtype=np.int32)
+    mask_id = executor.config.mask_token_id
+    tokens[:, len(win) - geo.gen + geo.at * geo.block if geo.kind == "refresh" else 0:] = mask_id  # undecoded
+    write = np.broadcast_to(win.astype(np.int32), (b, len(win))) if geo.kind == "refresh" else np.full(
+        (b, len(win)), -1, np.int32)
+    return SlotStep(
+        key=key, tokens=pad_axis(tokens, w, axis=1),
+        positions=pad_axis(np.broadcast_to(win.astype(np.int32), (b, len(win))).copy(), w, axis=1),
+        q_valid=pad_axis(np.ones((b, len(win)), bool), w, axis=1, value=False),
+        read=pad_axis(read.astype(np.int32), key.cache, axis=0, value=-1),
+        probes=np.zeros(w, bool), hide=np.full(w, -1, np.int32),
+        write=pad_axis(np.ascontiguousarray(write), w, axis=1, value=-1),
+        logit_rows=pad_axis(np.broadcast_to(rows.astype(np.int32), (b, len(rows))).copy(), key.rows, axis=1))
+
+
+def model_config(shape: str, dtype: str) -> dlm_jax.ModelConfig:
+    return dlm_jax.ModelConfig(**SHAPES[shape], dtype=dtype, param_dtype=dtype)
+
+
+def random_model(cfg: dlm_jax.ModelConfig, seed: int = 0):
+    """The model of `cfg` with random weights made on the default device (nothing on the host):
+    normal(0, 0.02) for matrices, ones for norm scales."""
+    shapes = param_shapes(cfg)
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    params = {}
+    for k, (name, spec) in zip(keys, shapes.items()):
+        if name.endswith("scale"):
+            params[name] = jnp.ones(spec.shape, spec.dtype)
+        else:
+            params[name] = (0.02 * jax.random.normal(k, spec.shape, jnp.float32)).astype(spec.dtype)
+    return model_from_params(cfg, params)
+
+
+def cost(compiled) -> dict[str, float | None]:
+    """FLOPs and bytes accessed from XLA's cost analysis of a compiled program."""
+    try:
+        ca = compiled.cost_analysis()
+    except Exception as e:  # noqa: BLE001 (a backend without it)
+        return {"flops": None, "bytes_accessed": None, "error": str(e).splitlines()[0]}
+    if isinstance(ca, list):
+        ca = ca[0] if ca else {}
+    return {"flops": ca.get("flops"), "bytes_accessed": ca.get("bytes accessed")}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of 10."""
+    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
+    f = jax.jit(lambda a: a + 1)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    del x
+    return 2 * 4 * (1 << 30) / statistics.median(ts)
+
+
+def top_kernels(trace_dir: str, steps: int, n: int = 10) -> dict[str, Any]:
+    """The `n` costliest device kernels of a profile (`jax.profiler` trace in `trace_dir`):
+    name, calls and ms per step, share of all kernel time."""
+    from jax.profiler import ProfileData
+
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        return {"error": "no profile written"}
+    data = ProfileData.from_file(paths[0])
+    totals: dict[str, list[float]] = {}
+    device = [p for p in data.planes if p.name.startswith("/device:")]
+    for plane in device or [p for p in data.planes if p.name == "/host:CPU"]:
+        for line in plane.lines:
+            if device and not line.name.startswith("Stream"):
+                continue  # "XLA Modules" / "XLA Ops" lines repeat the kernels' time
+            for ev in line.events:
+                stats = dict(ev.stats)
+                if not device and "hlo_op" not in stats:
+                    continue
+                t = totals.setdefault(ev.name, [0.0, 0])
+                t[0] += ev.duration_ns
+                t[1] += 1
+    whole = sum(t for t, _ in totals.values())
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]
+    return {"kernel_ms_per_step": whole / 1e6 / steps, "source": "device" if device else "host CPU ops",
+            "top": [{"kernel": k[:160], "ms_per_step": t / 1e6 / steps, "calls_per_step": c / steps,
+                     "share": t / whole if whole else None} for k, (t, c) in top]}
+
+
+def build_executor(model, attention: str, layers: str | None) -> JaxExecutor:
+    kw = {"attention": attention}
+    if layers:
+        kw["layers"] = layers
+    return JaxExecutor(model, **kw)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = model_config(args.shape, args.dtype)
+    backend = jax.default_backend()
+    dev = jax.devices()[0]
+    name = getattr(dev, "device_kind", str(dev))
+    hbm, peak = next(((b, p) for k, b, p in DEVICES if k in name), (None, None))
+    weights = {n: s for n, s in param_shapes(cfg).items()}
+    params = int(sum(np.prod(s.shape) for s in weights.values()))
+    report: dict[str, Any] = {
+        "benchmark": "benchmarks/gpu_step.py", "shape": args.shape, "config": SHAPES[args.shape],
+        "dtype": args.dtype, "params": params, "abstract": args.abstract,
+        "device": {"backend": backend, "kind": name, "hbm_tbps_datasheet": hbm, "peak_tflops_datasheet": peak},
+        "versions": {"jax": jax.__version__, "python": platform.python_version()},
+        "machine": f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPU cores)",
+        "command": " ".join(["benchmarks/gpu_step.py", *args.argv]), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "setting": dataclasses.asdict(Geometry("dual")) | {"kinds": args.kinds}, "cases": []}
+    if not args.abstract:
+        report["device"]["copy_gbps"] = copy_bandwidth() / 1e9
+        log(f"copy bandwidth {report['device']['copy_gbps']:.0f} GB/s on {name}")
+    variants = [(a, q, lay) for a in args.attention for q in args.quant for lay in args.layers]
+    models: dict[str, Any] = {}
+    for attention, quant, layers in variants:
+        if quant not in models:
+            models.clear()  # one set of weights on the device at a time
+            if args.abstract:
+                models[quant] = _abstract_model(cfg) if quant == "none" else None
+            else:
+                t0 = time.perf_counter()
+                m = random_model(cfg, args.seed)
+                if quant != "none":
+                    from dlm_jax.models.quant import quantize  # the weight-only quantizer of `dlm_jax.load(quant=...)`
+
+                    quantize(m, quant)
+                jax.block_until_ready(jax.tree.leaves(nnx.state(m)))
+                models[quant] = m
+                log(f"weights ({quant}) made in {time.perf_counter() - t0:.1f}s")
+        model = models[quant]
+        if model is None:
+            continue
+        try:
+            executor = build_executor(model, attention, layers)
+        except Exception as e:  # noqa: BLE001
+            report["cases"].append({"attention": attention, "quant": quant, "layers": layers,
+                                    "error": f"{type(e).__name__}: {e}".splitlines()[0]})
+            continue
+        weight_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(executor._leaves))
+        cases = [(b, k) for b in args.batches for k in args.kinds]
+        slots = executor.capacity(Geometry(args.kinds[0]).total)
+        steps = {c: slot_step(executor, Geometry(c[1]), c[0], seed=args.seed) for c in cases}
+
+        def compile_case(c):
+            t0 = time.perf_counter()
+            fn, specs, *kw = executor._build_resident((steps[c].key, slots))
+            exe = jax.jit(fn, **(kw[0] if kw else {})).lower(*specs).compile()
+            return exe, time.perf_counter() - t0
+
+        log(f"compiling {len(cases)} steps ({attention}, {quant}, {layers or 'unrolled'}) on {args.threads} threads")
+        with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
+            futures = {c: pool.submit(compile_case, c) for c in cases}
+        for (b, kind) in cases:
+            geo, req = Geometry(kind), steps[(b, kind)]
+            row: dict[str, Any] = {"batch": b, "kind": kind, "attention": attention, "quant": quant,
+                                   "layers": layers or "unrolled", "bucket": str(req.key), "slots": slots,
+                                   "window_rows": len(geo.window()), "read_slots": len(geo.read()),
+                                   "weight_bytes": weight_bytes}
+            try:
+                exe, secs = futures[(b, kind)].result()
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                report["cases"].append(row)
+                log(f"b{b} {kind} {attention}/{quant}: {row['error']}")
+                continue
+            row["compile_s"] = secs
+            c = cost(exe)
+            dense_flops = 2 * params * b * len(geo.window())
+            row.update(flops=c["flops"], bytes_accessed=c["bytes_accessed"],
+                       bytes_over_weights=c["bytes_accessed"] / weight_bytes if c["bytes_accessed"] else None,
+                       flops_over_dense=c["flops"] / dense_flops if c["flops"] else None)
+            if not args.abstract:
+                row.update(time_step(executor, exe, req, slots, geo, b, args, report["device"], weight_bytes,
+                                     dense_flops))
+            report["cases"].append(row)
+            log(f"b{b} {kind} {attention}/{quant}/{layers or 'unrolled'}: " + ", ".join(
+                f"{k} {row[k]:.3g}" for k in ("compile_s", "bytes_over_weights", "step_ms", "step_over_weight_read")
+                if row.get(k) is not None))
+            write(report, args.out)
+        del executor
+    return report
+
+
+def time_step(executor, exe, req: SlotStep, slots: int, geo: Geometry, batch: int, args, device: dict,
+              weight_bytes: int, dense_flops: float) -> dict[str, Any]:
+    """Median step time of the compiled resident step over a decode's cache; the profile."""
+    total = geo.total
+    positions = np.broadcast_to(np.arange(total, dtype=np.int32), (req.key.batch, total))
+    cache = executor.open(executor.config, positions, np.ones_like(positions, bool))
+    names = [n for n in req.arrays() if n != "lora_gate"]
+    arrays = [jax.device_put(req.arrays()[n]) for n in names]
+    state = [cache.k, cache.v, cache.written]
+
+    def call():
+        named, *state[:] = exe(executor._leaves, *state, cache.pos, cache.valid, *arrays)
+        return named
+
+    jax.block_until_ready(call())
+    ts = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        ts.append(time.perf_counter() - t0)
+    ms = 1e3 * statistics.median(ts)
+    bw = device["copy_gbps"] * 1e9
+    out = {"step_ms": ms, "step_ms_min": 1e3 * min(ts), "reps": args.reps,
+           "weight_read_ms": 1e3 * weight_bytes / bw,
+           "roofline_ms": 1e3 * max(weight_bytes / bw, dense_flops / (device["peak_tflops_datasheet"] or 1e30) / 1e12)}
+    out["step_over_weight_read"] = ms / out["weight_read_ms"]
+    out["step_over_roofline"] = ms / out["roofline_ms"]
+    if args.profile:
+        trace = tempfile.mkdtemp(prefix="gpu-step-trace-")
+        jax.profiler.start_trace(trace)
+        for _ in range(args.profile_steps):
+            jax.block_until_ready(call())
+        jax.profiler.stop_trace()
+        try:
+            out["profile"] = top_kernels(trace, args.profile_steps)
+        except Exception as e:  # noqa: BLE001
+            out["profile"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+    mem = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    if mem:
+        out["peak_bytes_in_use"] = mem.get("peak_bytes_in_use")
+    del cache, state
+    return out
+
+
+def _g(x, fmt=".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown(rep: dict[str, Any]) -> str:
+    d = rep["device"]
+    lines = [f"# The decode step at the {rep['shape']} shape: {d['kind']} ({d['backend']})", "",
+             f"{rep['params'] / 1e9:.3f}B parameters, {rep['dtype']}; setting {rep['setting']}; "
+             f"jax {rep['versions']['jax']}; {rep['date']}; `{rep['command']}`."
+             + ("" if rep["abstract"] else f" Copy bandwidth {d.get('copy_gbps', 0):.0f} GB/s."), "",
+             "| batch | step | attention | quant | layers | bucket | compile s | bytes / weights | FLOPs / dense | "
+             "step ms | weight-read ms | roofline ms | step / weight read | error |",
+             "|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rep["cases"]:
+        lines.append(f"| {r.get('batch', '-')} | {r.get('kind', '-')} | {r['attention']} | {r['quant']} | "
+                     f"{r['layers']} | {r.get('bucket', '-')} | {_g(r.get('compile_s'), '.1f')} | "
+                     f"{_g(r.get('bytes_over_weights'))} | {_g(r.get('flops_over_dense'))} | "
+                     f"{_g(r.get('step_ms'))} | {_g(r.get('weight_read_ms'))} | {_g(r.get('roofline_ms'))} | "
+                     f"{_g(r.get('step_over_weight_read'))} | {r.get('error', '')} |")
+    for r in rep["cases"]:
+        prof = r.get("profile")
+        if not prof or "top" not in prof:
+            continue
+        lines += ["", f"Kernels, b{r['batch']} {r['kind']} {r['attention']}/{r['quant']}/{r['layers']} "
+                  f"({prof['source']}, {prof['kernel_ms_per_step']:.2f} ms of kernels per step):", "",
+                  "| kernel | ms / step | calls / step | share |", "|---|---:|---:|---:|"]
+        lines += [f"| `{k['kernel'][:90]}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} | "
+                  f"{_g(k['share'], '.1%')} |" for k in prof["top"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(rep: dict[str, Any], out: Path | None) -> None:
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in ((".json", json.dumps(rep, indent=1) + "\n"), (".md", markdown(rep))):
+        tmp = out.with_suffix(suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out.with_suffix(suffix))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llada-8b")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    p.add_argument("--attention", nargs="+", choices=RESIDENT_ATTENTION, default=["split"])
+    p.add_argument("--quant", nargs="+", default=["none"], help="none, int8, fp8 (dlm_jax.models.quant)")
+    p.add_argument("--layers", nargs="+", default=[None], help="the executor's layer loop (unrolled, scan)")
+    p.add_argument("--abstract", action="store_true", help="cost analysis only, lowered from shapes (no weights)")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("DLM_JAX_CACHE_DIR", "off")
+    rep = run(args)
+    write(rep, args.out)
+    print(markdown(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
