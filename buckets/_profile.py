@@ -63,9 +63,11 @@ def _check_writable(folder: Path) -> None:
 
 
 def profile_model(path: str | None, *, out: Path, windows: Sequence[int] | None = None,
-                  caches: Sequence[int] | None = None, batch: int = 1, repeats: int = 20) -> LatencyTable:
+                  caches: Sequence[int] | None = None, batch: int = 1, repeats: int = 20,
+                  quant: str | None = None) -> LatencyTable:
     """`dlm-jax profile`: write `<out>.json` and `<out>.png` for a checkpoint (or a random tiny
-    model when `path` is None)."""
+    model when `path` is None), its weights quantized to `quant` ("int8", "fp8") when given
+    (`dlm_jax.models.quant`)."""
     import jax
 
     import dlm_jax
@@ -78,6 +80,10 @@ def profile_model(path: str | None, *, out: Path, windows: Sequence[int] | None 
         model = dlm_jax.init_model(tiny_byte_config()[1])
     else:
         model = dlm_jax.load_pretrained(path)
+    if quant is not None:
+        from dlm_jax.models.quant import quantize
+
+        quantize(model, quant)
     cfg = model.config
     _check_writable(out.parent)
     windows = list(windows or [w for w in window_buckets(cfg.max_seq_len) if w <= 256])

@@ -85,7 +85,8 @@ def resolve_executor(name: str | None, config: ModelConfig) -> str:
 
 
 def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = True, executor: str | None = None,
-         lora: str | os.PathLike | None = None, expert_slots: int | None = None, **overrides: Any) -> Model:
+         lora: str | os.PathLike | None = None, expert_slots: int | None = None, quant: str | None = None,
+         **overrides: Any) -> Model:
     """Load a checkpoint directory (model + tokenizer) ready to generate.
 
     Args:
@@ -114,6 +115,12 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
         layer's compiled step holds this many routed experts in slots and computes the others'
         assignments on a NumPy CPU path; an expert placement (`--experts`, previous-step hits,
         budget = slots + shared experts) moves experts into the slots between steps. JAX only.
+      quant: weight-only quantization at load for the JAX executor (`dlm_jax.models.quant`):
+        "int8" (symmetric, per output channel) or "fp8" (float8_e4m3fn, per output channel)
+        for the attention, FFN, expert and head matmuls, dequantised inside them; None
+        (default) keeps the weights as stored. "auto" then picks the JAX executor; the LiteRT
+        executor is refused (bundles quantize at export: `dlm-jax export --quant`), and so is
+        `expert_slots`.
       overrides: `ModelConfig` fields to change (`mask_token_id=N` for a checkpoint that
         declares none, `attention=...`, `dtype=...`).
 
@@ -125,11 +132,24 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
     path = resolve_checkpoint(path)  # a cached Hugging Face model id: its snapshot directory
     if executor is not None:  # before the weights load
         _check_executor(executor)
+    if quant is not None:
+        from dlm_jax.models.quant import check_quant
+
+        check_quant(quant)
+        if expert_slots is not None:
+            raise ConfigError(f"quant={quant!r} with expert_slots={expert_slots} (split expert execution) is not "
+                              f"supported; drop one of them")
     model = load_pretrained(path, strict=strict, verify=verify, **overrides)
     tokenizer = stored_tokenizer(path)
     name = resolve_executor(executor, model.config)
     if overrides and name == "jax-then-litert":
         name = "jax"  # a background export loads the checkpoint as stored, not as overridden here
+    if quant is not None:
+        if executor in (None, AUTO) and name == "jax-then-litert":
+            name = "jax"
+        elif name != "jax":
+            raise ConfigError(f"quant={quant!r} runs on the JAX executor, not {name!r}; a bundle quantizes at "
+                              f"export (dlm-jax export --quant int8)")
     if lora is not None:
         from dlm_jax.techniques.isd.adapters import load_adapters
 
@@ -151,5 +171,9 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
             raise ConfigError(f"split expert execution (expert_slots) runs on the JAX executor, not {executor!r}")
         name = "jax"
         split_experts(model, model.config.moe_layers, expert_slots)
+    if quant is not None:
+        from dlm_jax.models.quant import quantize
+
+        quantize(model, quant)  # after the adapters attach (they stay as stored)
     factory = EXECUTORS[name]
     return Model(model, tokenizer, executor=factory(model, source=path))

@@ -109,8 +109,9 @@ def _transposed(leaf):
 
 
 def _is_kernel(path, leaf) -> bool:
-    """A 2-D Linear kernel ([d_in, d_out]) of the state pytree."""
-    return getattr(leaf, "ndim", 0) == 2 and any(getattr(k, "key", None) == "kernel" for k in path)
+    """A 2-D Linear kernel ([d_in, d_out]) of the state pytree, stored or weight-only quantized
+    (`QuantLinear.qkernel`: held transposed on the CPU too, measured 5% faster there at 29M)."""
+    return getattr(leaf, "ndim", 0) == 2 and any(getattr(k, "key", None) in ("kernel", "qkernel") for k in path)
 
 
 @dataclasses.dataclass

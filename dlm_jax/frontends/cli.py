@@ -56,6 +56,9 @@ def _load(args: argparse.Namespace, path: str | Path):
         if getattr(args, "lora", None):
             raise ConfigError(f"--lora {args.lora}: a bundle carries its adapters from its export "
                               f"(dlm-jax export --lora); {path} is a bundle")
+        if getattr(args, "weight_quant", None):
+            raise ConfigError(f"--quant {args.weight_quant}: {path} is a bundle, quantized at its export "
+                              f"(dlm-jax export --quant)")
         return _load_bundle(args, path)
     if getattr(args, "entry_point", False):
         _persistent_compile_cache()
@@ -64,7 +67,7 @@ def _load(args: argparse.Namespace, path: str | Path):
     overrides = {} if mask is None else {"mask_token_id": mask}
     handle = dlm_jax.load(path, strict=args.strict, verify=args.verify_manifest, executor=getattr(args, "executor", None),
                           lora=getattr(args, "lora", None), expert_slots=getattr(args, "expert_slots", None),
-                          **overrides)
+                          quant=getattr(args, "weight_quant", None), **overrides)
     handle.executor.set_progress(_export_progress())  # the bundle cache draws its exports
     return handle
 
@@ -257,7 +260,7 @@ def _demo_random(args: argparse.Namespace, decoders: dict) -> int:
     model = dlm_jax.init_model(cfg, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         path = dlm_jax.save_pretrained(model, Path(tmp) / "tiny", tokenizer=tok)
-        handle = dlm_jax.load(path, executor=args.executor)
+        handle = dlm_jax.load(path, executor=args.executor, quant=args.weight_quant)
     same = all(np.array_equal(a, b) for a, b in zip(dlm_jax.get_params(model).values(),
                                                     dlm_jax.get_params(handle.model).values()))
     print(f"model: random-initialised {dlm_jax.param_count(cfg):,}-parameter {cfg.attention} transformer "
@@ -426,7 +429,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from dlm_jax.buckets._profile import profile_model
 
     profile_model(args.model, out=Path(args.out), windows=args.windows, caches=args.caches,
-                  batch=args.batch, repeats=args.repeats)
+                  batch=args.batch, repeats=args.repeats, quant=args.weight_quant)
     return 0
 
 
@@ -537,9 +540,19 @@ def _add_executor_option(p: argparse.ArgumentParser) -> None:
                         "for decodes whose buckets it holds and JAX for the others, while a background process "
                         "exports them ($DLM_JAX_BACKGROUND_EXPORT=0: off); JAX on a GPU/TPU. jax: the JAX "
                         "executor; litert: the LiteRT runner, exporting what the cache lacks first")
+    _add_quant_option(p)
     p.add_argument("--expert-slots", type=int, metavar="S", help="split expert execution of an MoE model: S routed "
                    "experts per layer in the compiled step, the rest on a NumPy CPU path; --experts moves them "
                    "(previous-step hits, --expert-budget S + shared); JAX executor")
+
+
+def _add_quant_option(p: argparse.ArgumentParser) -> None:
+    from dlm_jax.models.quant import QUANT_MODES
+
+    # dest weight_quant: `export --quant` (a bundle's quantisation) is another option
+    p.add_argument("--quant", dest="weight_quant", choices=QUANT_MODES,
+                   help="weight-only quantization at load, JAX executor: int8 or fp8 (e4m3) weights with a scale "
+                        "per output channel, dequantised inside the matmuls (default: the weights as stored)")
 
 
 def _checkpoint_arg(text: str) -> str:
@@ -730,6 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--caches", type=int, nargs="*", help="cache buckets to measure")
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--repeats", type=positive_int, default=20)
+    _add_quant_option(p)
     p.set_defaults(func=cmd_profile)
     p = sub.add_parser("cache", help="list or clear the bundle cache (the LiteRT bundles exported on first use; "
                                      "$DLM_JAX_BUNDLE_CACHE, limit $DLM_JAX_BUNDLE_CACHE_MB)")

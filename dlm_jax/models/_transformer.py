@@ -28,6 +28,7 @@ from flax import nnx
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._masks import attention_rule
+from dlm_jax.models.quant import QuantExperts, QuantLinear, expert_einsum
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 _init = nnx.initializers.normal(stddev=0.02)
@@ -264,8 +265,8 @@ def route(cfg: ModelConfig, logits: jax.Array, expert_bias: jax.Array | None) ->
 
 def _swiglu_experts(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """[E, C, D] rows through their own expert's SwiGLU -> [E, C, D]."""
-    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", x, gate)) * jnp.einsum("ecd,edf->ecf", x, up)
-    return jnp.einsum("ecf,efd->ecd", h, down)
+    h = jax.nn.silu(expert_einsum("ecd,edf->ecf", x, gate)) * expert_einsum("ecd,edf->ecf", x, up)
+    return expert_einsum("ecf,efd->ecd", h, down)
 
 
 def dense_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,
@@ -273,8 +274,8 @@ def dense_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array
     """Every expert on every row [N, D], combined with zero weight where unselected: the
     reference form of `dispatch_experts`, at E/k times its FLOPs."""
     e = gate.shape[0]
-    h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, gate)) * jnp.einsum("nd,edf->nef", x, up)
-    y = jnp.einsum("nef,efd->ned", h, down)
+    h = jax.nn.silu(expert_einsum("nd,edf->nef", x, gate)) * expert_einsum("nd,edf->nef", x, up)
+    y = expert_einsum("nef,efd->ned", h, down)
     combine = jnp.einsum("nk,nke->ne", routing.weights.astype(x.dtype),
                          jax.nn.one_hot(routing.experts, e, dtype=x.dtype))
     return jnp.einsum("ne,ned->nd", combine, y)
@@ -332,7 +333,8 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
         # The used experts first, their weights gathered (at U = E too: LiteRT 2.3's compiled
         # model refuses an IF branch that reads the captured weights directly).
         experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
-        g, v, o = (jnp.take(w, experts, axis=0) for w in (gate, up, down))  # [U, D, F], [U, F, D]
+        g, v, o = (w.take(experts, x.dtype) if isinstance(w, QuantExperts) else jnp.take(w, experts, axis=0)
+                   for w in (gate, up, down))  # [U, D, F], [U, F, D]
         ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
         combine = jnp.einsum("nk,nku->nu", weights, jax.nn.one_hot(ids, u, dtype=x.dtype))
         h = (jax.nn.silu(x @ g.transpose(1, 0, 2).reshape(d, u * f)) * (x @ v.transpose(1, 0, 2).reshape(d, u * f)))
@@ -434,6 +436,13 @@ class MoEFFN(nnx.Module):
         self.slot_of: ExpertSlotMap | None = nnx.data(None)
         self.cpu_experts = None
 
+    def expert_weights(self, name: str, dtype) -> jax.Array | QuantExperts:
+        """The routed experts' `name` ("gate", "up", "down") weights: [E, I, O] in `dtype`, or
+        their `QuantExperts` once quantized (`dlm_jax.models.quant.quantize` adds the scales)."""
+        scale = getattr(self, f"{name}_scale", None)
+        w = getattr(self, name)[...]
+        return w.astype(dtype) if scale is None else QuantExperts(w, scale[...])
+
     def routing(self, flat: jax.Array) -> Routing:
         logits = flat.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)
         return route(self.cfg, logits, None if self.expert_bias is None else self.expert_bias[...])
@@ -451,7 +460,7 @@ class MoEFFN(nnx.Module):
         if self.slot_of is not None:
             slot = self.slot_of[...][routing.experts]
             resident = Routing(slot, jnp.where(slot >= 0, routing.weights, 0.0))
-        out = experts(flat, resident, self.gate[...].astype(dt), self.up[...].astype(dt), self.down[...].astype(dt))
+        out = experts(flat, resident, *(self.expert_weights(name, dt) for name in ("gate", "up", "down")))
         if self.slot_of is not None:  # the misses, on the host, added at the layer output
             out = out + jax.pure_callback(self.cpu_experts, jax.ShapeDtypeStruct(flat.shape, dt), flat,
                                           routing.experts, routing.weights, resident.experts < 0)
@@ -568,6 +577,8 @@ class Transformer(nnx.Module):
         A head stored in the hidden states' dtype (bfloat16) is multiplied as stored, with
         float32 accumulation: no float32 copy of it per call (2 GB at LLaDA-8B)."""
         tied = self.lm_head is None
+        if isinstance(self.lm_head, QuantLinear):  # weight-only quantized: dequantised inside the matmul
+            return self.lm_head.product(x)[..., : self.config.vocab_size]
         w = self.embed.embedding[...] if tied else self.lm_head.kernel[...]
         if w.dtype == x.dtype and x.dtype != jnp.float32:
             logits = jnp.einsum("...d,vd->...v" if tied else "...d,dv->...v", x, w,

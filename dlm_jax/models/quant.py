@@ -1,0 +1,167 @@
+"""Weight-only quantization of a loaded model for the JAX executor: int8 or fp8 (e4m3) weights
+with one float32 scale per output channel, dequantised inside the matmuls.
+
+Axes: I a kernel's input width, O its output width (the channel a scale belongs to), E experts,
+N rows.
+
+`quantize(model, mode)` swaps, in place, every dense `nnx.Linear` of attention (q/k/v/o), of the
+dense FFNs and the MoE layers' shared experts (gate/up/down) and the untied output head for a
+`QuantLinear`, and the routed experts' gate/up/down [E, I, O] for int8 / fp8 arrays with [E, O]
+scales (`QuantExperts`, read by the MoE einsums of `dlm_jax.models._transformer`). The embedding
+table, the norms, the router and the biases stay as stored.
+
+- int8: symmetric per output channel, scale[o] = max_i |W[i, o]| / 127 (1 for a zero column),
+  q = round(W / scale) clipped to [-127, 127].
+- fp8: float8_e4m3fn with scale[o] = max_i |W[i, o]| / 448 (its largest finite value).
+
+A product is `(x @ q.astype(x.dtype)) * scale`, accumulated in float32
+(`preferred_element_type`) and cast back to x's dtype: on a GPU, XLA fuses the convert into the
+GEMM's operand read, so a step reads 1 byte per weight instead of 2 (bfloat16) or 4.
+
+Scales are computed at load, in float32, one kernel at a time on the device the weights live on,
+and each stored kernel is dropped as its quantized twin replaces it: quantizing needs the
+model's memory plus about one kernel's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dlm_jax._errors import ConfigError
+
+QUANT_MODES = ("int8", "fp8")
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+_QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def check_quant(mode: str | None) -> None:
+    """Refuse a quant mode that is neither None nor one of `QUANT_MODES`, in one line."""
+    if mode is not None and mode not in QUANT_MODES:
+        raise ConfigError(f"unknown quant {mode!r}; known: {', '.join(QUANT_MODES)} (or None: weights as stored)")
+
+
+@functools.partial(jax.jit, static_argnames=("mode",))
+def quantize_kernel(w: jax.Array, *, mode: str) -> tuple[jax.Array, jax.Array]:
+    """(q, scale) of a kernel w [..., I, O]: q [..., I, O] int8 or float8_e4m3fn, scale [..., O]
+    float32, per output channel (the last axis) and per leading index (an expert)."""
+    qmax = _QMAX[mode]
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=-2)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)  # a zero column: scale 1, q 0
+    y = jnp.clip(w32 / scale[..., None, :], -qmax, qmax)  # rounding w / scale may land past qmax
+    q = jnp.round(y).astype(jnp.int8) if mode == "int8" else y.astype(jnp.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """The weights [..., I, O] that q [..., I, O] and scale [..., O] stand for, in `dtype`."""
+    return (q.astype(jnp.float32) * scale[..., None, :]).astype(dtype)
+
+
+class QuantLinear(nnx.Module):
+    """A weight-only quantized `nnx.Linear`: `qkernel` [I, O] (int8 or float8_e4m3fn), `scale`
+    [O] float32 and the stored bias [O] or None; called as the Linear was, x [..., I] ->
+    [..., O] in the Linear's `dtype`."""
+
+    def __init__(self, qkernel: jax.Array, scale: jax.Array, bias: jax.Array | None, *, dtype):
+        self.qkernel = nnx.Param(qkernel)
+        self.scale = nnx.Param(scale)
+        self.bias = nnx.Param(bias) if bias is not None else None
+        self.dtype = dtype
+        self.in_features, self.out_features = qkernel.shape
+
+    @classmethod
+    def from_linear(cls, linear: nnx.Linear, mode: str) -> QuantLinear:
+        q, scale = quantize_kernel(linear.kernel[...], mode=mode)
+        bias = None if linear.bias is None else linear.bias[...]
+        return cls(q, scale, bias, dtype=linear.dtype or linear.kernel[...].dtype)
+
+    def product(self, x: jax.Array) -> jax.Array:
+        """x [..., I] @ the dequantised kernel -> [..., O] float32 (no bias): the int8/fp8 weights
+        converted to x's dtype inside the matmul, accumulated in float32, then scaled."""
+        y = jnp.einsum("...i,io->...o", x, self.qkernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        return y * self.scale[...]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype or x.dtype
+        y = self.product(x.astype(dt)).astype(dt)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(dt)
+        return y
+
+
+class QuantExperts(NamedTuple):
+    """Routed experts' weights quantized per expert and output channel: q [E, I, O] int8 or
+    float8_e4m3fn, scale [E, O] float32 (`dlm_jax.models._transformer.dispatch_experts` and
+    `dense_experts` take it where they take a dense [E, I, O] array)."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    def take(self, experts: jax.Array, dtype) -> jax.Array:
+        """The dense [U, I, O] weights of the experts [U] in `dtype` (dequantised as gathered:
+        one fused gather, no copy of the others)."""
+        return dequantize(jnp.take(self.q, experts, axis=0), jnp.take(self.scale, experts, axis=0), dtype)
+
+
+def expert_einsum(spec: str, x: jax.Array, w: jax.Array | QuantExperts) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` for expert weights w [E, I, O] (the second operand), dense or
+    `QuantExperts`: quantized, the product of x and q converted to x's dtype is accumulated in
+    float32 and scaled per (expert, output channel), then cast to x's dtype. The output names
+    the expert axis before the output-channel axis (`ecd,edf->ecf`, `nd,edf->nef`)."""
+    if not isinstance(w, QuantExperts):
+        return jnp.einsum(spec, x, w)
+    ins, out = spec.split("->")
+    wspec = ins.split(",")[1]
+    e, o = wspec[0], wspec[-1]
+    if out.index(e) > out.index(o):
+        raise ValueError(f"expert_einsum({spec!r}): the output must name the expert axis before the channel axis")
+    y = jnp.einsum(spec, x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
+    s = w.scale.reshape([w.scale.shape[0] if c == e else w.scale.shape[1] if c == o else 1 for c in out])
+    return (y * s).astype(x.dtype)
+
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize(model, mode: str):
+    """Quantize `model` (a `dlm_jax.models.Transformer`) in place, weight-only, to `mode`
+    ("int8" or "fp8"); returns it. See the module docstring for which weights. A model whose
+    MoE layers are split (TIDE's expert slots) is refused: its experts live on the host too."""
+    check_quant(mode)
+    if mode is None:
+        return model
+    if getattr(model, "quant", None) is not None:
+        raise ConfigError(f"the model is already quantized ({model.quant})")
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(getattr(module, "gate", None), nnx.Param):  # an MoEFFN's routed experts [E, I, O]
+            if getattr(module, "slot_of", None) is not None:
+                raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
+                                  f"quantize before splitting is not built yet; drop one of them")
+            for name in ("gate", "up", "down"):
+                q, scale = quantize_kernel(getattr(module, name)[...], mode=mode)
+                setattr(module, name, nnx.Param(q))  # the stored weights are dropped here, one tensor at a time
+                setattr(module, f"{name}_scale", nnx.Param(scale))
+        for name in _LINEARS:
+            linear = getattr(module, name, None)
+            if isinstance(linear, nnx.Linear):
+                setattr(module, name, QuantLinear.from_linear(linear, mode))
+    if isinstance(model.lm_head, nnx.Linear):
+        model.lm_head = QuantLinear.from_linear(model.lm_head, mode)
+    model.quant = mode
+    return model
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every parameter of `model` as held (quantized weights and their scales included)."""
+    state = nnx.state(model, nnx.Param)
+    return int(sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)))

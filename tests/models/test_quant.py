@@ -1,0 +1,136 @@
+"""Weight-only int8 / fp8 quantization at load (`dlm_jax.models.quant`, `dlm_jax.load(quant=...)`)."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import dlm_jax
+from dlm_jax import ConfigError
+from dlm_jax.frontends.cli import main
+from dlm_jax.models.quant import QuantExperts, QuantLinear, expert_einsum, quantize, quantize_kernel, weight_bytes
+from dlm_jax.testing import tiny_config
+from dlm_jax.training.data import TASKS, make_split
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _numpy_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-output-channel int8, written from the definition: scale = max|W[:, j]| / 127."""
+    amax = np.abs(w).max(axis=0)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    return np.clip(np.round(w / scale), -127, 127).astype(np.int8), scale
+
+
+def test_int8_matches_a_numpy_reference_with_zero_columns():
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(64, 24)).astype(np.float32) * rng.uniform(0.01, 3, size=24).astype(np.float32)
+    w[:, 5] = 0.0
+    q, scale = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8"))
+    want_q, want_scale = _numpy_int8(w)
+    assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (24,)
+    np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
+    assert np.abs(q.astype(np.int32) - want_q.astype(np.int32)).max() <= 1  # rounding ties may differ by ulp
+    assert (q[:, 5] == 0).all() and scale[5] == 1.0
+    assert q.min() >= -127 and q.max() <= 127 and (np.abs(q).max(axis=0)[np.arange(24) != 5] == 127).all()
+    err = np.abs(q.astype(np.float32) * scale - w)
+    assert (err <= scale / 2 * (1 + 1e-5)).all()  # round to nearest: half a step per column
+
+
+def test_fp8_uses_e4m3_per_channel_with_its_bound():
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(48, 16)).astype(np.float32)
+    q, scale = jax.device_get(quantize_kernel(jnp.asarray(w), mode="fp8"))
+    assert q.dtype == ml_dtypes.float8_e4m3fn
+    np.testing.assert_allclose(scale, np.abs(w).max(axis=0) / 448.0, rtol=1e-6)
+    want = (w / scale).astype(ml_dtypes.float8_e4m3fn)  # ml_dtypes' own rounding
+    np.testing.assert_array_equal(q.astype(np.float32), want.astype(np.float32))
+    rel = np.abs(q.astype(np.float32) * scale - w) / np.abs(w).max(axis=0)
+    assert rel.max() <= 2 ** -4 * 448 / 448 + 1e-6  # e4m3: 3 mantissa bits, half an ulp of the top binade
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_quant_linear_is_x_times_the_dequantised_kernel(mode, dtype):
+    linear = nnx.Linear(32, 12, use_bias=True, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    linear.bias[...] = jnp.arange(12, dtype=jnp.float32) / 10
+    ql = QuantLinear.from_linear(linear, mode)
+    x = jax.random.normal(jax.random.key(1), (3, 5, 32)).astype(dtype)
+    w = np.asarray(ql.qkernel[...]).astype(np.float32) * np.asarray(ql.scale[...])
+    want = np.asarray(x, np.float32) @ w + np.arange(12, dtype=np.float32) / 10
+    got = ql(x)
+    assert got.dtype == dtype and got.shape == (3, 5, 12)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
+
+
+def test_expert_einsum_matches_dequantised_experts():
+    w = jax.random.normal(jax.random.key(2), (4, 16, 8))
+    q, scale = quantize_kernel(w, mode="int8")
+    x = jax.random.normal(jax.random.key(3), (4, 3, 16))
+    dense = np.einsum("ecd,edf->ecf", np.asarray(x), np.asarray(q, np.float32) * np.asarray(scale)[:, None, :])
+    np.testing.assert_allclose(expert_einsum("ecd,edf->ecf", x, QuantExperts(q, scale)), dense, rtol=1e-5, atol=1e-5)
+
+
+def _heldout(handle, n: int) -> list[list[int]]:
+    return [handle.encode(ex.prompt) for name in ("addition", "sorting") for ex in make_split(TASKS[name], n,
+                                                                                             split="heldout")]
+
+
+def test_int8_llada_tiny_decodes_as_float32_on_most_prompts():
+    """A quantized decode that drifts silently (a scale on the wrong axis, a transposed int8
+    kernel on the CPU) still produces text: only agreement with float32 catches it."""
+    cfg = dlm_jax.decode_config(gen_len=32)
+    base = dlm_jax.load(ROOT / "models" / "llada-tiny", executor="jax")
+    quant = dlm_jax.load(ROOT / "models" / "llada-tiny", executor="jax", quant="int8")
+    prompts = _heldout(base, 8)
+    want = base.generate(prompts, cfg).texts
+    got = quant.generate(prompts, cfg).texts
+    same = np.mean([a == b for a, b in zip(want, got)])
+    assert same >= 14 / 16, (same, want, got)  # measured 16/16
+
+
+def test_quantized_executor_leaves_are_int8_and_smaller():
+    cfg = tiny_config(dtype="bfloat16", param_dtype="bfloat16")
+    bf16 = dlm_jax.init_model(cfg, seed=0)
+    before = weight_bytes(bf16)
+    model = quantize(dlm_jax.init_model(cfg, seed=0), "int8")
+    from dlm_jax.executors.jax_executor import JaxExecutor
+
+    ex = JaxExecutor(model)
+    dtypes = {str(leaf.dtype) for leaf in ex._leaves}
+    assert "int8" in dtypes
+    assert isinstance(model.layers[0].attn.q_proj, QuantLinear) and isinstance(model.lm_head, QuantLinear)
+    linear_bytes = sum(leaf.nbytes for leaf in ex._leaves if leaf.dtype == jnp.int8)
+    assert linear_bytes > 0 and weight_bytes(model) < 0.75 * before  # the embedding stays bfloat16
+
+
+def test_moe_experts_quantized_per_expert_and_decode():
+    model = dlm_jax.load(ROOT / "models" / "moe-tiny", executor="jax", quant="fp8")
+    ffn = next(b.ffn for b in model.model.layers if hasattr(b.ffn, "router"))
+    assert ffn.gate[...].dtype == jnp.float8_e4m3fn and ffn.gate_scale[...].shape == ffn.gate[...].shape[::2]
+    assert ffn.router.kernel[...].dtype == jnp.float32  # the router stays as stored
+    assert model.generate("1 + 1 =", dlm_jax.decode_config(gen_len=8, block_len=8)).texts[0] is not None
+
+
+def test_quant_refusals_are_one_line():
+    with pytest.raises(ConfigError, match="unknown quant 'int4'"):
+        dlm_jax.load(ROOT / "models" / "llada-tiny", quant="int4")
+    with pytest.raises(ConfigError, match="quant='int8' runs on the JAX executor, not 'litert'"):
+        dlm_jax.load(ROOT / "models" / "llada-tiny", quant="int8", executor="litert")
+    with pytest.raises(ConfigError, match="expert_slots"):
+        dlm_jax.load(ROOT / "models" / "moe-tiny", quant="int8", expert_slots=2)
+
+
+def test_cli_quant_errors(capsys):
+    args = ["generate", "--model", str(ROOT / "models" / "llada-tiny"), "--prompt", "hi", "--gen", "8", "--block", "8"]
+    assert main([*args, "--quant", "int8", "--executor", "litert"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: quant='int8' runs on the JAX executor"), err
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--quant", "int4"])
+    assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
