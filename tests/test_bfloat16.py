@@ -25,13 +25,13 @@ from flax import nnx
 import dlm_jax
 from dlm_jax.executors.jax_executor import DeviceKVCache, JaxExecutor
 from dlm_jax.runtime.decoder import Decoder
-from dlm_jax.testing import sharp_model
 from dlm_jax.training.data import TASKS, make_split
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
 GEN = 32
 PROMPTS = [e.prompt for task in ("addition", "sorting") for e in make_split(TASKS[task], 3, split="heldout", seed=0)]
+BLOCK_CAUSAL = dict(attention="block_causal", block_size=16)
 AGREE = 4  # of the 6 prompts: the least share of bfloat16 completions equal to float32's
 # MoE routers keep their selection bias in float32 (DeepSeek-V3's e_score_correction_bias):
 # a [n_experts] vector that only ranks experts, never a matmul operand.
@@ -47,6 +47,9 @@ CASES = [
     *[("idlm-tiny", {}, {"preset": p}) for p in ("isd", "ar")],
     *[("idlm-tiny", {"lora": str(MODELS / "idlm-tiny" / "risd")}, {"preset": p}) for p in ("isd", "ar")],
     ("sparse-tiny", {}, {"preset": "fast-dllm"}),
+    # LLaDA2.0's block-causal attention (blocks at absolute multiples of 16; no trained
+    # block-causal checkpoint ships, so the trained llada-tiny decodes under that mask)
+    *[("llada-tiny", BLOCK_CAUSAL, {"preset": p, "block_len": 16}) for p in ("fast-dllm", "fast-dllm-dual")],
     pytest.param("llada-12m", {}, {"preset": "fast-dllm"}, marks=pytest.mark.slow),
     pytest.param("moe-tiny", {}, {"preset": "fast-dllm"}, marks=pytest.mark.slow),  # sparse dispatch
     pytest.param("moe-tiny", {"expert_slots": 8}, {"preset": "fast-dllm"}, marks=pytest.mark.slow),
@@ -64,6 +67,7 @@ class Spy:
         self.outputs = 0
         self.nonfinite: list[str] = []
         self.sequences: list[np.ndarray] = []  # the last decode's generated ids, untrimmed
+        self.reference: list[np.ndarray] = []  # float32's, in `decode_both`
 
     def outputs_seen(self, out) -> None:
         self.outputs += 1
@@ -137,6 +141,7 @@ def decode_both(f32, bf16, options: dict, spy: Spy):
     cfg = dlm_jax.preset(options.pop("preset"), gen_len=GEN, **options)
     seeds = list(range(len(PROMPTS)))
     want = f32.generate(PROMPTS, cfg, seeds=seeds)
+    spy.reference = spy.sequences  # float32's generated ids, untrimmed
     spy.kv_dtypes.clear()
     spy.outputs, spy.nonfinite, spy.sequences = 0, [], []
     got = bf16.generate(PROMPTS, cfg, seeds=seeds)
@@ -162,3 +167,28 @@ def test_decodes_in_bfloat16_like_float32(name, load_options, decode, loaded, sp
     assert not any(mask in ids for ids in got.token_ids)  # every slot before EOS decided
     agree = sum(a == b for a, b in zip(want.token_ids, got.token_ids))
     assert agree >= AGREE, (agree, want.texts, got.texts)
+
+
+def test_powerinfer_statistics_in_bfloat16(loaded, spy):
+    """PowerInfer-2's offline paths that decode on the JAX executor (`decode_statistics`: the
+    `ffn_active` step output; `record_windows` + `ffn_samples`: the predictor's training pairs)
+    on a bfloat16 sparse-tiny: `ffn_samples` returned the bfloat16 model's FFN inputs in
+    bfloat16 although it promises float32 [L, N, D] (the predictor then trained on whatever
+    dtype the model had). The statistics and the activity must be float32's, up to rounding."""
+    from dlm_jax.techniques.powerinfer.neurons import decode_statistics
+    from dlm_jax.techniques.powerinfer.sparse import ffn_samples, record_windows
+
+    f32, bf16 = loaded("sparse-tiny")
+    cfg = dlm_jax.preset("fast-dllm", gen_len=GEN)
+    ids = [f32.encode(p) for p in PROMPTS[:2]]
+    want = decode_statistics(f32, ids, cfg)
+    spy.kv_dtypes.clear()
+    got = decode_statistics(bf16, ids, cfg)
+    assert got.tokens == want.tokens > 0 and spy.kv_dtypes == {"bfloat16"}
+    rate_f32, rate_bf16 = want.token_hits / want.tokens, got.token_hits / got.tokens
+    assert np.abs(rate_f32 - rate_bf16).max() <= 0.05  # measured 1/86: one token's neuron flipped
+    x32, active32 = ffn_samples(f32.model, record_windows(f32, ids[:1], cfg))
+    x16, active16 = ffn_samples(bf16.model, record_windows(bf16, ids[:1], cfg))
+    assert x16.dtype == np.float32 and x16.shape == x32.shape and active16.dtype == bool
+    assert (active16 != active32).mean() <= 0.01  # measured 8e-5
+    np.testing.assert_allclose(x16, x32, atol=0.1 * np.abs(x32).max())  # bfloat16's 8 mantissa bits
