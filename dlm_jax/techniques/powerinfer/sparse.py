@@ -91,7 +91,7 @@ def ffn_samples(model, steps: Sequence) -> tuple[np.ndarray, np.ndarray]:
         p, w = inputs.k_cache.shape[2], inputs.tokens.shape[1]
         live = inputs.visibility[:, :, p:p + w].any(axis=1)
         x, a = trace(inputs.tokens, inputs.positions, inputs.visibility, inputs.k_cache, inputs.v_cache)
-        xs.append(np.asarray(x)[:, live])
+        xs.append(np.asarray(x, np.float32)[:, live])  # a bfloat16 model's inputs, widened as documented
         acts.append(np.asarray(a)[:, live] > 0)
     return np.concatenate(xs, axis=1), np.concatenate(acts, axis=1)
 
