@@ -8,10 +8,10 @@ as the contract names them. It is model-agnostic: logit shift is the host's busi
 for row i - 1 to predict slot i).
 
 A decode does not feed it from the host: `JaxExecutor.open` makes a `DeviceKVCache`, the
-decode's K/V as device arrays [L, B, S, Hkv, Dh] (S: the decode's slots, bucketed), and each
-step is one program (`resident_step`) that gathers the read slots on the device, builds the
-visibility there from the slot positions uploaded once, runs `decode_step` and scatters the
-window rows' K/V into the cache, whose buffers it donates. Per step the host sends the
+decode's K/V as device arrays [L, B, Hkv, S, Dh] (S: the decode's slots, bucketed), and each
+step is one program (`_build_resident`) that reads the cache in place (every slot, the unread
+ones masked: `slot_reads`), builds the visibility there from the slot positions uploaded once,
+runs `decode_step` and scatters the window rows' K/V into the cache, whose buffers it donates. Per step the host sends the
 `SlotStep` (ids, positions, flags, slot indices) and reads back the rows' predictions.
 """
 
@@ -156,14 +156,14 @@ def abstract_inputs(config, key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
 
 
 def gather_view(k_res, v_res, pos, valid, written, read, read_len, *, written_only: bool):
-    """The read slots of a resident cache: K/V [L, B, P, Hkv, Dh] (zeros where `read` is -1),
+    """The read slots of a resident cache ([L, B, Hkv, S, Dh]): K/V [L, B, P, Hkv, Dh] (zeros where `read` is -1),
     their positions and whether each batch row may see them, [B, P] (a row sees its first
     `read_len` [B] columns)."""
     ok = read >= 0
     idx = jnp.where(ok, read, 0)
     keep = ok[None, None, :, None, None]
-    k = jnp.where(keep, jnp.take(k_res, idx, axis=2), 0)
-    v = jnp.where(keep, jnp.take(v_res, idx, axis=2), 0)
+    k = jnp.where(keep, jnp.take(k_res, idx, axis=3).swapaxes(2, 3), 0)
+    v = jnp.where(keep, jnp.take(v_res, idx, axis=3).swapaxes(2, 3), 0)
     k_pos = jnp.where(ok[None, :], jnp.take(pos, idx, axis=1), 0)
     k_ok = ok[None, :] & jnp.take(valid, idx, axis=1) & (jnp.arange(read.shape[0])[None, :] < read_len[:, None])
     if written_only:
@@ -189,13 +189,15 @@ def slot_reads(valid, read, read_len, hide):
 
 
 def scatter_rows(k_res, v_res, written, k_new, v_new, write):
-    """Store window rows' K/V at their slots, per batch row (`write` [B, W], -1: none); the
-    rest of the cache is untouched (in place when donated)."""
+    """Store window rows' K/V [L, B, W, Hkv, Dh] at their slots of a resident cache [L, B, Hkv,
+    S, Dh], per batch row (`write` [B, W], -1: none); the rest of the cache is untouched (in
+    place when donated)."""
     b, s = written.shape
     target = jnp.where(write >= 0, write, s)  # s: dropped
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
-    k_res = k_res.at[:, rows, target].set(k_new.astype(k_res.dtype), mode="drop")
-    v_res = v_res.at[:, rows, target].set(v_new.astype(v_res.dtype), mode="drop")
+    # The cache is [L, B, Hkv, S, Dh]: indexed at (rows, slots), the updates are [B, W, L, Hkv, Dh].
+    k_res = k_res.at[:, rows, :, target].set(k_new.transpose(1, 2, 0, 3, 4).astype(k_res.dtype), mode="drop")
+    v_res = v_res.at[:, rows, :, target].set(v_new.transpose(1, 2, 0, 3, 4).astype(v_res.dtype), mode="drop")
     return k_res, v_res, written.at[rows, target].set(True, mode="drop")
 
 
@@ -210,7 +212,9 @@ def device_specs(key: BucketKey, gated: bool = False) -> tuple[jax.ShapeDtypeStr
 
 
 class DeviceKVCache(KVCache):
-    """The K/V of one decode on the JAX executor's device: [L, B, S, Hkv, Dh] keys and values,
+    """The K/V of one decode on the JAX executor's device: [L, B, Hkv, S, Dh] keys and values
+    (each head's slots contiguous: the layout the step's score and value products read in
+    place, where [.., S, Hkv, Dh] cost a transposed copy of the whole cache per step on a GPU),
     the slots' positions, validity and whether each (row, slot) holds K/V, all device arrays.
     A step sends its `SlotStep` and reads back the rows' predictions; its K/V are written in
     place (the cache's buffers are donated to the step)."""
@@ -380,7 +384,7 @@ class JaxExecutor(Executor):
 
     def _cache_specs(self, batch: int, slots: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         cfg = self.config
-        shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, slots, cfg.head_dim)  # heads first: see `DeviceKVCache`
         return (jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)), jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)),
                 jax.ShapeDtypeStruct((batch, slots), bool), jax.ShapeDtypeStruct((batch, slots), jnp.int32),
                 jax.ShapeDtypeStruct((batch, slots), bool))
@@ -406,7 +410,7 @@ class JaxExecutor(Executor):
                     hide, write, logit_rows, *gate):
             if in_place:  # attention reads all S slots where they lie, the unread ones masked
                 seen, hide_slots = slot_reads(valid, read, read_len, hide)
-                with attention_form(self.attention):
+                with attention_form(self.attention, heads_first=True):
                     named = view(leaves, k_res, v_res, pos, seen, tokens, positions, q_valid, probes, hide_slots,
                                  logit_rows, *gate)
             else:

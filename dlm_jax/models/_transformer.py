@@ -121,15 +121,18 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 # cache and the window's K/V into one array first (the form LiteRT bundles are traced in);
 # "cudnn" is "concat" into `jax.nn.dot_product_attention`'s cuDNN kernel (a GPU, bf16/fp16).
 ATTENTION_FORMS = ("split", "concat", "cudnn")
-_ATTENTION = contextvars.ContextVar("dlm_jax_attention", default="split")
+_ATTENTION = contextvars.ContextVar("dlm_jax_attention", default=("split", False))
 
 
 @contextlib.contextmanager
-def attention_form(form: str) -> Iterator[None]:
-    """Trace the model's cached attention in `form` (one of `ATTENTION_FORMS`) inside this context."""
+def attention_form(form: str, *, heads_first: bool = False) -> Iterator[None]:
+    """Trace the model's cached attention in `form` (one of `ATTENTION_FORMS`) inside this
+    context. `heads_first`: the prefix cache given to the model is laid out [L, B, Hkv, P, Dh]
+    (a resident cache's layout: each head's slots contiguous, as the score and value products
+    read them) instead of [L, B, P, Hkv, Dh]."""
     if form not in ATTENTION_FORMS:
         raise ValueError(f"unknown attention form {form!r}; known: {', '.join(ATTENTION_FORMS)}")
-    token = _ATTENTION.set(form)
+    token = _ATTENTION.set((form, heads_first))
     try:
         yield
     finally:
@@ -137,25 +140,27 @@ def attention_form(form: str) -> Iterator[None]:
 
 
 def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
-                  mask: jax.Array) -> jax.Array:
+                  mask: jax.Array, *, heads_first: bool = False) -> jax.Array:
     """`attend(q, [k_cache; k], [v_cache; v], mask)` without building the concatenation.
 
-    q: [B, T, H, Dh]; k_cache, v_cache: [B, P, Hkv, Dh]; k, v: [B, T, Hkv, Dh]; mask: [B, T, P+T] bool, cache
+    q: [B, T, H, Dh]; k_cache, v_cache: [B, P, Hkv, Dh] ([B, Hkv, P, Dh] with `heads_first`); k, v: [B, T, Hkv, Dh]; mask: [B, T, P+T] bool, cache
     columns first. The scores of both parts are joined ([B, Hkv, G, T, P+T] float32, small next
     to the cache) and one softmax taken over them, so the cache is read once, in place: no
     [B, P+T] copy of K/V per layer. Returns [B, T, H, Dh]."""
     b, t, h, dh = q.shape
-    p, hkv = k_cache.shape[1], k.shape[2]
+    p, hkv = k_cache.shape[2 if heads_first else 1], k.shape[2]
+    cache_axes = "bksd" if heads_first else "bskd"
     qg = q.reshape(b, t, hkv, h // hkv, dh)
     k_cache, v_cache = k_cache.astype(k.dtype), v_cache.astype(v.dtype)  # no-ops for a cache of the model's dtype
-    cached = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    cached = jnp.einsum(f"btkgd,{cache_axes}->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
     own = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = jnp.concatenate([cached, own], axis=-1) * (1.0 / jnp.sqrt(jnp.float32(dh)))
     scores = jnp.where(mask[:, None, None], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = (jnp.einsum("bkgts,bskd->btkgd", probs[..., :p].astype(v_cache.dtype), v_cache,
-                      preferred_element_type=jnp.float32)
-           + jnp.einsum("bkgts,bskd->btkgd", probs[..., p:].astype(v.dtype), v, preferred_element_type=jnp.float32))
+    # Each product in the values' dtype, as `attend` takes it (XLA:CPU has no bf16 x bf16 ->
+    # f32 kernel for these), the two parts added in float32.
+    out = (jnp.einsum(f"bkgts,{cache_axes}->btkgd", probs[..., :p].astype(v_cache.dtype), v_cache).astype(jnp.float32)
+           + jnp.einsum("bkgts,bskd->btkgd", probs[..., p:].astype(v.dtype), v).astype(jnp.float32))
     return out.astype(v.dtype).reshape(b, t, h, dh)
 
 
@@ -189,12 +194,14 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        form = "concat" if _LITERT.get() else _ATTENTION.get()
+        form, heads_first = ("concat", False) if _LITERT.get() else _ATTENTION.get()
         if k_cache is None:
             out = attend(q, k, v, mask)
         elif form == "split" and mask.dtype == jnp.bool_:
-            out = attend_cached(q, k_cache, v_cache, k, v, mask)
+            out = attend_cached(q, k_cache, v_cache, k, v, mask, heads_first=heads_first)
         else:
+            if heads_first:
+                k_cache, v_cache = k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2)
             keys = jnp.concatenate([k_cache.astype(k.dtype), k], axis=1)
             values = jnp.concatenate([v_cache.astype(v.dtype), v], axis=1)
             out = attend_cudnn(q, keys, values, mask) if form == "cudnn" else attend(q, keys, values, mask)
