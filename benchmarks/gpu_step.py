@@ -56,7 +56,12 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import dlm_jax  # noqa: E402
-from dlm_jax.executors.jax_executor import RESIDENT_ATTENTION, JaxExecutor  # noqa: E402
+from dlm_jax.executors.jax_executor import JaxExecutor  # noqa: E402
+
+try:  # an executor that reads its cache in place names its ways of reading it
+    from dlm_jax.executors.jax_executor import RESIDENT_ATTENTION  # noqa: E402
+except ImportError:  # a dlm-jax from before (the read slots gathered, then concatenated with the window)
+    RESIDENT_ATTENTION = ("gather",)
 from dlm_jax.models._params import _abstract_model, model_from_params, param_shapes  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey, pad_axis  # noqa: E402
 from dlm_jax.runtime.step import SlotStep  # noqa: E402
@@ -155,7 +160,9 @@ def random_model(cfg: dlm_jax.ModelConfig, seed: int = 0):
 
 
 def cost(compiled) -> dict[str, float | None]:
-    """FLOPs and bytes accessed from XLA's cost analysis of a compiled program."""
+    """FLOPs and bytes accessed from XLA's cost analysis of a compiled program (after the
+    backend's fusion: what the device's kernels read and write), or of a lowered one (the
+    program as traced, every op's operands and result counted: no backend's choices)."""
     try:
         ca = compiled.cost_analysis()
     except Exception as e:  # noqa: BLE001 (a backend without it)
@@ -209,7 +216,7 @@ def top_kernels(trace_dir: str, steps: int, n: int = 10) -> dict[str, Any]:
 
 
 def build_executor(model, attention: str, layers: str | None) -> JaxExecutor:
-    kw = {"attention": attention}
+    kw = {"attention": attention} if len(RESIDENT_ATTENTION) > 1 else {}
     if layers:
         kw["layers"] = layers
     return JaxExecutor(model, **kw)
@@ -268,8 +275,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def compile_case(c):
             t0 = time.perf_counter()
             fn, specs, *kw = executor._build_resident((steps[c].key, slots))
-            exe = jax.jit(fn, **(kw[0] if kw else {})).lower(*specs).compile()
-            return exe, time.perf_counter() - t0
+            lowered = jax.jit(fn, **(kw[0] if kw else {})).lower(*specs)
+            exe = lowered.compile()
+            return exe, time.perf_counter() - t0, cost(lowered)
 
         log(f"compiling {len(cases)} steps ({attention}, {quant}, {layers or 'unrolled'}) on {args.threads} threads")
         with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
@@ -281,7 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    "window_rows": len(geo.window()), "read_slots": len(geo.read()),
                                    "weight_bytes": weight_bytes}
             try:
-                exe, secs = futures[(b, kind)].result()
+                exe, secs, hlo = futures[(b, kind)].result()
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 report["cases"].append(row)
@@ -292,7 +300,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             dense_flops = 2 * params * b * len(geo.window())
             row.update(flops=c["flops"], bytes_accessed=c["bytes_accessed"],
                        bytes_over_weights=c["bytes_accessed"] / weight_bytes if c["bytes_accessed"] else None,
-                       flops_over_dense=c["flops"] / dense_flops if c["flops"] else None)
+                       flops_over_dense=c["flops"] / dense_flops if c["flops"] else None,
+                       hlo_bytes_over_weights=hlo["bytes_accessed"] / weight_bytes if hlo["bytes_accessed"] else None)
             if not args.abstract:
                 row.update(time_step(executor, exe, req, slots, geo, b, args, report["device"], weight_bytes,
                                      dense_flops))
@@ -360,12 +369,13 @@ def markdown(rep: dict[str, Any]) -> str:
              f"jax {rep['versions']['jax']}; {rep['date']}; `{rep['command']}`."
              + ("" if rep["abstract"] else f" Copy bandwidth {d.get('copy_gbps', 0):.0f} GB/s."), "",
              "| batch | step | attention | quant | layers | bucket | compile s | bytes / weights | FLOPs / dense | "
-             "step ms | weight-read ms | roofline ms | step / weight read | error |",
-             "|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "traced bytes / weights | step ms | weight-read ms | roofline ms | step / weight read | error |",
+             "|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rep["cases"]:
         lines.append(f"| {r.get('batch', '-')} | {r.get('kind', '-')} | {r['attention']} | {r['quant']} | "
                      f"{r['layers']} | {r.get('bucket', '-')} | {_g(r.get('compile_s'), '.1f')} | "
                      f"{_g(r.get('bytes_over_weights'))} | {_g(r.get('flops_over_dense'))} | "
+                     f"{_g(r.get('hlo_bytes_over_weights'))} | "
                      f"{_g(r.get('step_ms'))} | {_g(r.get('weight_read_ms'))} | {_g(r.get('roofline_ms'))} | "
                      f"{_g(r.get('step_over_weight_read'))} | {r.get('error', '')} |")
     for r in rep["cases"]:
@@ -396,7 +406,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
-    p.add_argument("--attention", nargs="+", choices=RESIDENT_ATTENTION, default=["split"])
+    p.add_argument("--attention", nargs="+", choices=RESIDENT_ATTENTION, default=[RESIDENT_ATTENTION[0]])
     p.add_argument("--quant", nargs="+", default=["none"], help="none, int8, fp8 (dlm_jax.models.quant)")
     p.add_argument("--layers", nargs="+", default=[None], help="the executor's layer loop (unrolled, scan)")
     p.add_argument("--abstract", action="store_true", help="cost analysis only, lowered from shapes (no weights)")

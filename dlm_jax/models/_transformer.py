@@ -166,10 +166,7 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.A
 
 def attend_cudnn(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
     """`attend` through `jax.nn.dot_product_attention(implementation="cudnn")` (fused, bf16/fp16
-    on a GPU; grouped heads expanded). mask: [B, T, K] bool."""
-    h, hkv = q.shape[2], keys.shape[2]
-    if h != hkv:
-        keys, values = jnp.repeat(keys, h // hkv, axis=2), jnp.repeat(values, h // hkv, axis=2)
+    on a GPU; grouped heads as they are). mask: [B, T, K] bool."""
     return jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], implementation="cudnn")
 
 

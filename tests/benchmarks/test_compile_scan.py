@@ -71,3 +71,14 @@ def test_a_case_reports_every_field(tmp_path, no_persistent_cache):
     assert "| 2 | 64 |" in md and "compile ratio" in md
     compile_scan.plot(rep, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_the_first_decode_reports_what_it_waited_for(monkeypatch):
+    monkeypatch.setenv("DLM_JAX_LAYERS", "scan")
+    row = compile_scan.first_decode_worker(str(ROOT / "models" / "llada-tiny"), "dual", 1, 32)
+    assert row["layers"] == "scan" and row["nfe"] > 1  # random weights: many steps
+    assert row["buckets"] >= 2 and row["compiles"] > row["buckets"]  # and the cache's allocation
+    assert 0 < row["compile_wait_s"] <= row["first_decode_s"]
+    rep = compile_scan.report([], KEY, {})
+    rep["first_decode"] = [row]
+    assert "| dual | 1 | scan |" in compile_scan.markdown(rep)

@@ -1,0 +1,58 @@
+"""benchmarks/gpu_step.py at a small shape on the CPU: the cost analysis, step times and kernel
+profile it reports come from the programs it compiles, and the geometry of its three steps is
+the decode's (a window that drifts from the setting would time another step)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import gpu_step  # noqa: E402
+
+
+def test_the_three_steps_cover_the_sequence_once():
+    """refresh: every slot in the window; prefix: the slots before the block read, the rest in
+    the window; dual: the block in the window, every other slot read; the wanted rows are the
+    block's in every case."""
+    for kind in gpu_step.KINDS:
+        geo = gpu_step.Geometry(kind)
+        win, read = geo.window(), geo.read()
+        assert not set(win) & set(read)
+        covered = np.sort(np.concatenate([win, read]))
+        assert kind == "prefix" or np.array_equal(covered, np.arange(geo.total)), kind
+        start = geo.prompt + geo.at * geo.block
+        np.testing.assert_array_equal(win[geo.rows()], np.arange(start, start + geo.block))
+    assert len(gpu_step.Geometry("dual").window()) == 32
+    assert len(gpu_step.Geometry("prefix").window()) == 128
+
+
+def test_abstract_mode_lowers_from_shapes(tmp_path):
+    """--abstract makes no weights and still reports the compiled step's cost analysis."""
+    out = tmp_path / "cost"
+    assert gpu_step.main(["--shape", "small", "--abstract", "--batches", "1", "--kinds", "dual", "--threads", "1",
+                          "--out", str(out)]) == 0
+    (case,) = json.loads(out.with_suffix(".json").read_text())["cases"]
+    assert case["bytes_over_weights"] > 0.5 and case["hlo_bytes_over_weights"] > 0.5 and "step_ms" not in case
+
+
+@pytest.mark.slow
+def test_small_shape_reports_costs_times_and_kernels(tmp_path):
+    out = tmp_path / "step"
+    assert gpu_step.main(["--shape", "small", "--dtype", "float32", "--batches", "1", "--kinds", "dual", "refresh",
+                          "--attention", "split", "gather", "--reps", "2", "--profile", "--profile-steps", "1",
+                          "--threads", "2", "--out", str(out)]) == 0
+    rep = json.loads(out.with_suffix(".json").read_text())
+    assert {(c["kind"], c["attention"]) for c in rep["cases"]} == {
+        (k, a) for k in ("dual", "refresh") for a in ("split", "gather")}
+    for case in rep["cases"]:
+        assert "error" not in case, case
+        assert case["bytes_over_weights"] > 0.5 and case["flops_over_dense"] > 0.5, case
+        assert case["step_ms"] > 0 and case["weight_read_ms"] > 0
+        assert case["profile"]["top"] and abs(sum(k["share"] for k in case["profile"]["top"])) <= 1.0 + 1e-9
+    assert "Kernels, b1 dual split" in out.with_suffix(".md").read_text()

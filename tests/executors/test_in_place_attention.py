@@ -1,0 +1,169 @@
+"""Attention over the resident K/V cache in place (the GPU-step issue, item 1).
+
+A decode's step on the JAX executor reads its K/V where they lie: every slot of the
+[L, B, Hkv, S, Dh] cache, the slots it does not read masked (`slot_reads`), the cache and the
+window scored apart and joined by one softmax (`attend_cached`), with no gathered [L, B, P]
+copy and no concatenation of cache and window. The silent failures guarded here: a slot the
+step must not read leaking into a row's attention (a wrong mask over the full cache), a
+`hide` column landing on the wrong slot after re-indexing, a window key dropped or counted
+twice, and the in-place step drifting from the gathered step it replaces.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlm_jax.executors.jax_executor import JaxExecutor
+from dlm_jax.models._transformer import attend, attend_cached
+from dlm_jax.runtime.buckets import BucketKey, pad_axis
+from dlm_jax.runtime.step import SlotStep
+from dlm_jax.testing import sharp_model
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_split_attention_is_attention_over_the_concatenation(heads_first, groups):
+    """`attend_cached` against `attend` over [cache; window] (the concatenated form), float32."""
+    rng = np.random.default_rng(1 + groups)
+    b, t, p, hkv, dh = 2, 5, 11, 2, 8
+    h = hkv * groups
+    q = rng.standard_normal((b, t, h, dh)).astype(np.float32)
+    kc, vc = (rng.standard_normal((b, p, hkv, dh)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, t, hkv, dh)).astype(np.float32) for _ in range(2))
+    mask = rng.random((b, t, p + t)) < 0.6
+    mask[:, :, p:] |= np.eye(t, dtype=bool)  # every row sees itself (a row seeing nothing is padding)
+    ref = attend(jnp.asarray(q), jnp.concatenate([kc, k], 1), jnp.concatenate([vc, v], 1), jnp.asarray(mask))
+    cache = (kc.swapaxes(1, 2), vc.swapaxes(1, 2)) if heads_first else (kc, vc)
+    out = attend_cached(jnp.asarray(q), *map(jnp.asarray, cache), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask),
+                        heads_first=heads_first)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-6, atol=2e-6)
+    # A masked cache column changes nothing: poison it.
+    poisoned = kc.copy()
+    poisoned[~mask.any(1)[:, :p]] = 1e4
+    cache = (poisoned.swapaxes(1, 2), vc.swapaxes(1, 2)) if heads_first else (poisoned, vc)
+    again = attend_cached(jnp.asarray(q), *map(jnp.asarray, cache), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask),
+                          heads_first=heads_first)
+    np.testing.assert_allclose(np.asarray(again), np.asarray(out), rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharp_model()
+
+
+def _random_step(executor: JaxExecutor, rng, *, batch: int, slots: int, window: int) -> SlotStep:
+    """A step over a decode of `slots` slots: a window of `window` slots, a random subset of
+    the others read in random order (per-row read lengths), a probe row and hidden columns in
+    both the cache and the window part."""
+    caps = executor.capabilities
+    perm = rng.permutation(slots)
+    win, others = np.sort(perm[:window]), perm[window:]
+    read = others[: max(1, int(0.7 * len(others)))]
+    key = BucketKey(caps.batches.select(batch), caps.windows.select(window), caps.caches.select(len(read)),
+                    caps.rows.select(window))
+    b, w = key.batch, key.window
+    read_len = rng.integers(1, len(read) + 1, size=b).astype(np.int32)
+    hide = np.full(w, -1, np.int32)
+    hide[0] = rng.integers(0, len(read))  # a cache column
+    hide[1] = key.cache + window - 1  # a window column
+    probes = np.zeros(w, bool)
+    probes[2] = True
+    write = np.full((b, w), -1, np.int32)
+    write[:, 3] = win[3]  # one row stores its K/V
+    return SlotStep(key=key, tokens=pad_axis(rng.integers(0, executor.config.vocab_size, (b, window)).astype(np.int32), w,
+                                             axis=1),
+                    positions=pad_axis(np.broadcast_to(win.astype(np.int32), (b, window)).copy(), w, axis=1),
+                    q_valid=pad_axis(np.ones((b, window), bool), w, axis=1, value=False),
+                    read=pad_axis(read.astype(np.int32), key.cache, axis=0, value=-1), probes=probes, hide=hide,
+                    write=write, logit_rows=pad_axis(np.broadcast_to(np.arange(window, dtype=np.int32), (b, window)).copy(),
+                                                     key.rows, axis=1),
+                    read_len=read_len)
+
+
+def _filled_cache(executor: JaxExecutor, rng, batch: int, slots: int):
+    """A decode's cache with random K/V in every slot (as a decode's earlier steps leave it)."""
+    positions = np.broadcast_to(np.arange(slots, dtype=np.int32), (batch, slots))
+    cache = executor.open(executor.config, positions, np.ones_like(positions, bool))
+    cache.k = jnp.asarray(rng.standard_normal(cache.k.shape).astype(cache.k.dtype))
+    cache.v = jnp.asarray(rng.standard_normal(cache.v.shape).astype(cache.v.dtype))
+    cache.written = jnp.ones_like(cache.written)
+    return cache
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_in_place_step_equals_the_gathered_step(model, seed):
+    """The same step, from the same cache, with the read slots gathered first (the step as it
+    was) and read in place: the same predictions (float32, to rounding) and the same cache after."""
+    rng = np.random.default_rng(seed)
+    slots, batch = 40, 2
+    gathered, in_place = JaxExecutor(model, attention="gather"), JaxExecutor(model, attention="split")
+    req = _random_step(gathered, rng, batch=batch, slots=slots, window=9)
+    state = rng.bit_generator.state
+    outs, caches = [], []
+    for executor in (gathered, in_place):
+        rng.bit_generator.state = state  # the same cache contents for both
+        cache = _filled_cache(executor, rng, req.key.batch, slots)
+        outs.append(cache.step(req))
+        caches.append((np.asarray(cache.k), np.asarray(cache.v)))
+    a, b = outs
+    np.testing.assert_array_equal(a.top_token, b.top_token)
+    for name in ("top_prob", "second_prob", "entropy"):
+        np.testing.assert_allclose(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-6, err_msg=name)
+    stored = np.zeros(caches[0][0].shape[3], bool)
+    stored[req.write[req.write >= 0]] = True
+    for x, y in zip(caches[0], caches[1]):  # slots not written: untouched, bit for bit
+        np.testing.assert_array_equal(x[:, :, :, ~stored], y[:, :, :, ~stored])
+        np.testing.assert_allclose(y[:, :, :, stored], x[:, :, :, stored], rtol=1e-5, atol=1e-6)
+
+
+def test_an_unread_slot_does_not_reach_the_step(model):
+    """Poisoning every slot the step does not read (nor the row's read length admits) leaves
+    the in-place step's predictions unchanged."""
+    rng = np.random.default_rng(5)
+    slots = 40
+    executor = JaxExecutor(model, attention="split")
+    req = _random_step(executor, rng, batch=2, slots=slots, window=9)
+    state = rng.bit_generator.state
+    cache = _filled_cache(executor, rng, req.key.batch, slots)
+    clean = cache.step(req)
+    rng.bit_generator.state = state
+    cache = _filled_cache(executor, rng, req.key.batch, slots)
+    seen = np.zeros((req.key.batch, cache.slots), bool)
+    for row, n in enumerate(req.read_len):
+        cols = req.read[:n]
+        seen[row, cols[cols >= 0]] = True
+    poison = np.where(seen[None, :, None, :, None], np.asarray(cache.k), np.float32(1e3))
+    cache.k = jnp.asarray(poison.astype(cache.k.dtype))
+    dirty = cache.step(req)
+    np.testing.assert_array_equal(clean.top_token, dirty.top_token)
+    np.testing.assert_allclose(dirty.top_prob, clean.top_prob, rtol=1e-5, atol=1e-6)
+
+
+def test_the_in_place_step_copies_no_cache(model):
+    """The compiled in-place step holds no gather or concatenation of the cache: its traced
+    program reads the [L, B, Hkv, S, Dh] buffers only through the score and value products and
+    the scatter of the window's rows (the controls: the gathered step holds a gather of them,
+    the in-place "concat" form a concatenation of cache and window keys)."""
+    rng = np.random.default_rng(0)
+    texts, keys = {}, {}
+    for form in ("split", "gather", "concat"):
+        executor = JaxExecutor(model, attention=form)
+        req = _random_step(executor, rng, batch=2, slots=40, window=9)
+        cap = executor.capacity(40)
+        fn, specs, kw = executor._build_resident((req.key, cap))
+        texts[form] = jax.jit(fn, **kw).lower(*specs).as_text()
+        keys[form] = (req.key.cache if form == "gather" else cap) + req.key.window  # key columns attended
+        cfg = model.config
+        cache_type = f"tensor<{cfg.n_layers}x{req.key.batch}x{cfg.n_kv_heads}x{cap}x{cfg.head_dim}x"
+    gathers = {f: [ln for ln in t.splitlines() if "gather" in ln and cache_type in ln.split("->")[0]]
+               for f, t in texts.items()}
+    assert gathers["gather"], "the control holds no gather of the cache: the check is blind"
+    assert not gathers["split"], gathers["split"][:2]
+    # A [B, keys, Hkv, Dh] result: cache and window keys (or values) joined, not scores.
+    concats = {f: [ln for ln in t.splitlines() if "concatenate" in ln and ln.rstrip().endswith(
+        f"tensor<{req.key.batch}x{keys[f]}x{cfg.n_kv_heads}x{cfg.head_dim}xf32>")] for f, t in texts.items()}
+    assert concats["concat"], "the control joins no keys: the check is blind"
+    assert not concats["split"], concats["split"][:2]
