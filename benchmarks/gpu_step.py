@@ -390,14 +390,60 @@ def markdown(rep: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(rep: dict[str, Any], out: Path | None) -> None:
+def plot(rep: dict[str, Any], path: Path) -> bool:
+    """Step ms against batch, one line per (step, attention, quant, layers), with the
+    weight-read limit; False (nothing written) when no case was timed."""
+    timed = [r for r in rep["cases"] if r.get("step_ms") is not None]
+    if not timed:
+        return False
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in timed)]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        lines: dict[tuple, list] = {}
+        for r in timed:
+            if r["kind"] == kind:
+                lines.setdefault((r["attention"], r["quant"], r["layers"]), []).append((r["batch"], r["step_ms"]))
+        for (att, quant, layers), pts in sorted(lines.items()):
+            pts.sort()
+            ax.plot([b for b, _ in pts], [m for _, m in pts], "o-", label=f"{att} / {quant} / {layers}")
+        limit = {r["batch"]: r["weight_read_ms"] for r in timed if r["kind"] == kind and r["quant"] == "none"}
+        if limit:
+            ax.plot(sorted(limit), [limit[b] for b in sorted(limit)], "k--", label="bf16 weight-read limit")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_ylabel("step ms")
+        ax.set_title(f"{kind} step, {rep['device']['kind']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    _atomic(path, buf.getvalue())
+    return True
+
+
+def _atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def write(rep: dict[str, Any], out: Path | None, *, final: bool = False) -> None:
+    """<out>.json and .md (after every case); with `final`, the plot too."""
     if out is None:
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     for suffix, text in ((".json", json.dumps(rep, indent=1) + "\n"), (".md", markdown(rep))):
-        tmp = out.with_suffix(suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out.with_suffix(suffix))
+        _atomic(out.with_suffix(suffix), text.encode())
+    if final:
+        plot(rep, out.with_suffix(".png"))
 
 
 def main(argv=None) -> int:
@@ -416,11 +462,24 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
+    p.add_argument("--render", type=Path, nargs="+", metavar="RESULT.json",
+                   help="measure nothing: rewrite --out's .md and .png from these results of this script (their "
+                   "cases joined, in order; the first gives the device and setting)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.render:
+        if args.out is None:
+            p.error("--render needs --out")
+        reps = [json.loads(path.read_text()) for path in args.render]
+        rep = {**reps[0], "cases": [c for r in reps for c in r["cases"]],
+               "sources": [{"file": str(path), "command": r["command"], "date": r["date"],
+                            "device": r["device"], "cases": len(r["cases"])} for path, r in zip(args.render, reps)]}
+        write(rep, args.out, final=True)
+        print(markdown(rep))
+        return 0
     os.environ.setdefault("DLM_JAX_CACHE_DIR", "off")
     rep = run(args)
-    write(rep, args.out)
+    write(rep, args.out, final=True)
     print(markdown(rep))
     return 0
 

@@ -1,0 +1,107 @@
+"""The first decode of a fresh process: how long it waits for compiles, cold and over the
+persistent compilation cache.
+
+    PYTHONPATH=. python3 benchmarks/first_decode.py --xla-cache /tmp/xla --out first_decode   (on a GPU)
+    (run it twice with the same --xla-cache: the second process loads what the first compiled)
+
+One process, one decode setting: random weights at `--shape` made on the device (the output
+head scaled so that threshold 0.9 commits several tokens a step, as a trained model's does;
+nothing read from disk), the JAX executor (`--layers`, as `DLM_JAX_LAYERS` picks), and the
+decode of `benchmarks/gpu.py`'s setting (prompt 128, generation 256, block 32, threshold 0.9,
+`--cache`, `--batch` rows) run twice: the first decode (every compile it waits for included;
+the decoder prefetches its buckets on background threads) and a second one (all compiled).
+Reported: both wall times, their difference (the wait), the compiles and the seconds the
+decode waited for them (`DecodeStats`), the persistent cache's hits, and whether the cache
+directory was empty when the process started. Each run appends one record to <out>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+T0 = time.perf_counter()  # before JAX is imported: the process's start
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llada-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cache", default="dual", choices=("prefix", "dual"))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--head-std", type=float, default=20.0, help="standard deviation of the scaled head's logits")
+    p.add_argument("--xla-cache", type=Path, required=True)
+    p.add_argument("--label", default="")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    cold = not (args.xla_cache.exists() and any(args.xla_cache.iterdir()))
+
+    import jax
+    import numpy as np
+
+    import gpu_step
+    from dlm_jax.executors._compile import enable_persistent_cache
+    from dlm_jax.executors.jax_executor import JaxExecutor
+    from dlm_jax.runtime import Decoder, decode_config
+
+    enable_persistent_cache(args.xla_cache)
+    hits = [0]
+    jax.monitoring.register_event_listener(
+        lambda event, **_: hits.__setitem__(0, hits[0] + (event == "/jax/compilation_cache/cache_hits")))
+    cfg = gpu_step.model_config(args.shape, args.dtype)
+    t = time.perf_counter()
+    model = gpu_step.random_model(cfg)
+    # Peak the head: logits of std `head_std` over hidden states of unit RMS (the final norm's).
+    w = model.lm_head.kernel[...]
+    model.lm_head.kernel.set_value((w * (args.head_std / (0.02 * np.sqrt(cfg.d_model)))).astype(w.dtype))
+    jax.block_until_ready(model.lm_head.kernel[...])
+    weights_s = time.perf_counter() - t
+    executor = JaxExecutor(model)
+    decoder = Decoder(executor, cfg)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.mask_token_id, args.prompt_len).tolist() for _ in range(args.batch)]
+    dc = decode_config(gen_len=args.gen_len, block_len=32, cache=args.cache, rule="threshold", threshold=0.9)
+    t = time.perf_counter()
+    first = decoder.decode(prompts, dc)
+    first_s = time.perf_counter() - t
+    hits_first = hits[0]
+    t = time.perf_counter()
+    second = decoder.decode(prompts, dc)
+    second_s = time.perf_counter() - t
+    record = {"label": args.label, "shape": args.shape, "dtype": args.dtype, "cache": args.cache, "batch": args.batch,
+              "layers": getattr(executor, "layers", "unrolled"),
+              "device": f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}", "jax": jax.__version__,
+              "xla_cache_empty_at_start": cold, "weights_seconds": round(weights_s, 2),
+              "first_decode_seconds": round(first_s, 3), "second_decode_seconds": round(second_s, 3),
+              "waited_seconds": round(first_s - second_s, 3),
+              "first_compiles": first.stats.compiles,
+              "first_compile_wait_seconds": round(first.stats.compile_wait_seconds, 3),
+              "first_compile_seconds": round(first.stats.compile_seconds, 3),
+              "persistent_cache_hits": hits_first, "nfe": first.stats.nfe,
+              "same_tokens": all(np.array_equal(a, b) for a, b in zip(first.sequences, second.sequences)),
+              "process_seconds": round(time.perf_counter() - T0, 2),
+              "machine": f"{platform.node()} ({os.cpu_count()} CPU cores)",
+              "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    path = args.out.with_suffix(".json")
+    runs = json.loads(path.read_text())["runs"] if path.exists() else []
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"benchmark": "benchmarks/first_decode.py", "runs": runs + [record]}, indent=1) + "\n")
+    tmp.replace(path)
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
