@@ -32,7 +32,7 @@ PEER_ENV = "DLM_JAX_PEER_SRC"
 def test_arguments_take_each_modes_defaults_and_the_flags_given():
     full = gpu.parse_args([])
     assert (full.mode, full.batches, full.dtype, full.reps, full.prompt_len, full.gen_len) == (
-        "full", [1, 8, 32], "bfloat16", 3, 128, 256)
+        "full", [1, 8, 16, 32], "bfloat16", 3, 128, 256)
     assert (full.block_len, full.threshold, full.caches, full.tie_tol) == (32, 0.9, ["prefix", "dual"], 1.0)
     assert full.out == ROOT / "benchmarks" / "results" / "gpu"
     small = gpu.parse_args(["--small", "--batches", "4", "--peer-src", "/x"])
@@ -224,7 +224,7 @@ def fake_run(monkeypatch, argv: list[str]) -> tuple[dict, list[str]]:
     dj = {**dj, "device": "gpu: NVIDIA H100 80GB HBM3", "jax": "0.10.2", "params": 8, "peak_memory_bytes": 2**34}
     calls: list[str] = []
 
-    def worker(spec, work, kind, *, second=False):
+    def worker(spec, work, kind, *, second=False, deadline=None):
         calls.append(kind + ("2" if second else ""))
         return {"fast_dllm": fd, "dlm_jax": dj2 if second else dj}[kind]
 
