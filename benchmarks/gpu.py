@@ -14,7 +14,7 @@ different tokens (without them every mask predicts the same token).
 
 Both sides decode the same prompts (`--prompt-len` seeded random ids below the mask id),
 generation 256, block 32, threshold 0.9, temperature 0, with the prefix and the dual cache at
-batch 1, 8 and 32. Each side runs in its own process (so neither holds GPU memory while the
+batch 1, 8, 16 and 32. Each side runs in its own process (so neither holds GPU memory while the
 other runs): Fast-dLLM's `generate_with_prefix_cache` / `generate_with_dual_cache` imported from
 `--peer-src` (cloned into ~/.cache/dlm-jax/peers when not given), loaded with their
 `LLaDAModelLM.from_pretrained(path, torch_dtype=...)`; dlm-jax through `dlm_jax.load(path,
@@ -22,6 +22,21 @@ executor="jax")` and `Model.decoder.decode`. Per case: one untimed decode (for d
 decode, without a warm-up: the compiles it waits for included), then the median of `--reps`
 timed ones. A second dlm-jax process times its first decodes over the persistent compilation
 cache the first one filled.
+
+`--quant none int8 fp8` (default none; several allowed): dlm-jax decodes each case once per
+weight mode (`dlm_jax.load(path, quant=...)`, int8 per channel or fp8 e4m3), each mode loaded
+in turn, unquantized first, with one mode's weights on the device at a time; a quantized case
+is named with its mode ("prefix b8 int8"). Fast-dLLM runs unquantized: a quantized case is
+timed against its case of the same batch and cache (ratio, token agreement), its answers are
+compared with dlm-jax's unquantized ones of that case (`vs_unquantized`: the share of identical
+answers, the token agreement, the median-step ratio, whose batch-1 int8 value is a target), and
+it does not count for `correct` (quantization changes answers by design). The second process
+times the first mode only. `--attention NAME` sets `$DLM_JAX_ATTENTION` for dlm-jax (how its
+steps read the resident K/V: `dlm_jax.executors.jax_executor.RESIDENT_ATTENTION`), recorded in
+the settings. `--budget-s SECONDS`: once the run has spent it, the workers skip their remaining
+cases (a process started past it loads nothing), recorded as "skipped: time budget", so that a
+command sized to a lease writes the report of what it measured; under `--work` a result with a
+skipped case is measured again.
 
 Fast-dLLM's code is never edited; what this script changes in memory is listed in the report
 (`peer.shims`): the per-row `replace_position` fix of their dual cache (it indexes the cache
@@ -209,7 +224,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--threshold={args.threshold} must be in (0, 1]")
     if args.budget_s is not None and args.budget_s <= 0:
         p.error(f"--budget-s={args.budget_s} must be positive")
-    args.quant = list(dict.fromkeys(args.quant))  # each mode once, in the order given
+    # Each mode once, unquantized first: its first decode is the fresh process's (the targets').
+    args.quant = [q for q in QUANTS if q in args.quant]
     if args.attention is not None:
         from dlm_jax.executors.jax_executor import RESIDENT_ATTENTION  # (imports JAX: only when asked)
 
@@ -609,7 +625,12 @@ def _torch_sync(torch, device: str) -> None:
 def fast_dllm_worker(spec: dict[str, Any], *, deadline: float | None = None) -> dict[str, Any]:
     """Fast-dLLM's side: load with their from_pretrained, then per case one untimed and `reps`
     timed decodes with their generator; past `deadline` (time.time()) each remaining case is
-    recorded as skipped."""
+    recorded as skipped (none of them run: the model is not loaded)."""
+    if over_budget(deadline):
+        keys = [case_name(c["batch"], c["cache"]) for c in spec["cases"]]
+        log(f"fast-dllm: {SKIPPED} ({', '.join(keys)})")
+        return {"device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [],
+                "params": None, "cases": {k: {"skipped": SKIPPED} for k in keys}, "skipped": keys}
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -679,10 +700,11 @@ def fast_dllm_worker(spec: dict[str, Any], *, deadline: float | None = None) -> 
 
 
 def worker_quants(spec: dict[str, Any], *, second: bool) -> list[str]:
-    """The quant modes a dlm-jax process decodes: all of `spec["quants"]` in the first process;
-    in the second (first decodes over the persistent cache) only one, "none" when it was asked."""
-    quants = spec.get("quants", ["none"])
-    return (["none"] if "none" in quants else quants[:1]) if second else list(quants)
+    """The quant modes a dlm-jax process decodes, in `QUANTS` order (unquantized first): all of
+    `spec["quants"]` in the first process; in the second (first decodes over the persistent
+    cache) only the first of them."""
+    quants = [q for q in QUANTS if q in spec.get("quants", ["none"])]
+    return quants[:1] if second else quants
 
 
 def dlm_jax_worker(spec: dict[str, Any], *, second: bool, deadline: float | None = None) -> dict[str, Any]:
@@ -691,6 +713,11 @@ def dlm_jax_worker(spec: dict[str, Any], *, second: bool, deadline: float | None
     `reps` timed decodes. Second process (`second`): only each case's first decode, over the
     persistent compilation cache the first process filled. Past `deadline` (time.time()) each
     remaining case is recorded as skipped, and a mode none of whose cases is left is not loaded."""
+    if over_budget(deadline):  # spent before this process began: nothing loads
+        keys = [case_name(c["batch"], c["cache"], q) for q in worker_quants(spec, second=second) for c in spec["cases"]]
+        log(f"dlm-jax: {SKIPPED} ({', '.join(keys)})")
+        return {"device": None, "jax": None, "load_seconds": None, "params": None, "config": None, "attention": None,
+                "cases": {k: {"skipped": SKIPPED} for k in keys}, "skipped": keys}
     import gc
 
     import jax
@@ -744,7 +771,7 @@ def dlm_jax_worker(spec: dict[str, Any], *, second: bool, deadline: float | None
         load_s = time.perf_counter() - t0
         out["load_seconds_by_quant"][quant] = round(load_s, 3)
         out["weight_bytes"][quant] = weight_bytes(m.model)
-        if out["load_seconds"] is None:  # the first mode's, "none" when asked: the load target's
+        if out["load_seconds"] is None:  # the first mode's (unquantized when asked): the load target's
             out["load_seconds"] = round(load_s, 3)
         out["params"], out["config"] = dlm_jax.param_count(m.config), m.config.to_dict()
         out["attention"] = getattr(m.executor, "attention", None)
