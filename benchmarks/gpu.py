@@ -14,7 +14,7 @@ different tokens (without them every mask predicts the same token).
 
 Both sides decode the same prompts (`--prompt-len` seeded random ids below the mask id),
 generation 256, block 32, threshold 0.9, temperature 0, with the prefix and the dual cache at
-batch 1, 8 and 32. Each side runs in its own process (so neither holds GPU memory while the
+batch 1, 8, 16 and 32. Each side runs in its own process (so neither holds GPU memory while the
 other runs): Fast-dLLM's `generate_with_prefix_cache` / `generate_with_dual_cache` imported from
 `--peer-src` (cloned into ~/.cache/dlm-jax/peers when not given), loaded with their
 `LLaDAModelLM.from_pretrained(path, torch_dtype=...)`; dlm-jax through `dlm_jax.load(path,
@@ -22,6 +22,21 @@ executor="jax")` and `Model.decoder.decode`. Per case: one untimed decode (for d
 decode, without a warm-up: the compiles it waits for included), then the median of `--reps`
 timed ones. A second dlm-jax process times its first decodes over the persistent compilation
 cache the first one filled.
+
+`--quant none int8 fp8` (default none; several allowed): dlm-jax decodes each case once per
+weight mode (`dlm_jax.load(path, quant=...)`, int8 per channel or fp8 e4m3), each mode loaded
+in turn, unquantized first, with one mode's weights on the device at a time; a quantized case
+is named with its mode ("prefix b8 int8"). Fast-dLLM runs unquantized: a quantized case is
+timed against its case of the same batch and cache (ratio, token agreement), its answers are
+compared with dlm-jax's unquantized ones of that case (`vs_unquantized`: the share of identical
+answers, the token agreement, the median-step ratio, whose batch-1 int8 value is a target), and
+it does not count for `correct` (quantization changes answers by design). The second process
+times the first mode only. `--attention NAME` sets `$DLM_JAX_ATTENTION` for dlm-jax (how its
+steps read the resident K/V: `dlm_jax.executors.jax_executor.RESIDENT_ATTENTION`), recorded in
+the settings. `--budget-s SECONDS`: once the run has spent it, the workers skip their remaining
+cases (a process started past it loads nothing), recorded as "skipped: time budget", so that a
+command sized to a lease writes the report of what it measured; under `--work` a result with a
+skipped case is measured again.
 
 Fast-dLLM's code is never edited; what this script changes in memory is listed in the report
 (`peer.shims`): the per-row `replace_position` fix of their dual cache (it indexes the cache
@@ -83,6 +98,9 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dlm-
 MARKER = "dlm_jax_benchmark.json"  # the recipe a checkpoint was written with
 SIDES = ("fast_dllm", "dlm_jax")
 CACHES = ("prefix", "dual")
+# dlm-jax's weight modes (`dlm_jax.load(quant=...)`; "none": as stored). Fast-dLLM runs unquantized.
+QUANTS = ("none", "int8", "fp8")
+SKIPPED = "skipped: time budget"  # a case `--budget-s` left unmeasured
 
 # LLaDA-8B-Instruct's architecture (its config.json) and the tiny twin of `--small`.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -102,7 +120,7 @@ LLADA_KEYS: dict[str, Any] = dict(
     residual_dropout=0.0, multi_query_attention=None, init_device="cpu")
 # Mode defaults; a flag given on the command line wins.
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "full": dict(shape="llada-8b", dtype="bfloat16", batches=[1, 8, 32], reps=3, prompt_len=128, gen_len=256,
+    "full": dict(shape="llada-8b", dtype="bfloat16", batches=[1, 8, 16, 32], reps=3, prompt_len=128, gen_len=256,
                  checkpoint=CACHE / "bench" / "llada-8b-peaked", out=ROOT / "benchmarks" / "results" / "gpu"),
     "small": dict(shape="small", dtype="float32", batches=[1, 2], reps=1, prompt_len=32, gen_len=64,
                   checkpoint=CACHE / "bench" / "llada-small-peaked",
@@ -114,7 +132,7 @@ DEVICES: tuple[tuple[str, float, float], ...] = (
     ("A100-SXM4-80GB", 2.039, 312.0), ("A100 80GB PCIe", 1.935, 312.0), ("A100", 1.555, 312.0),
     ("L40S", 0.864, 362.0))
 TARGETS = dict(ratio_b1=5.0, ratio_b8=3.0, step_over_weight_read=1.5, load_over_torch=2.0,
-               first_decode_s=15.0, second_process_s=5.0)
+               first_decode_s=15.0, second_process_s=5.0, int8_step_over_unquantized_b1=0.6)
 _T0 = time.perf_counter()
 
 
@@ -141,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-len", type=int, default=32)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--dtype", choices=("bfloat16", "float32"))
+    p.add_argument("--quant", nargs="+", choices=QUANTS, default=["none"],
+                   help="dlm-jax's weight modes, each a case of its own (default none: weights as stored); "
+                   "Fast-dLLM runs unquantized and each quantized case is compared with its unquantized one")
+    p.add_argument("--attention", help="how dlm-jax's steps read the resident K/V ($DLM_JAX_ATTENTION of the JAX "
+                   "executor: one of dlm_jax.executors.jax_executor.RESIDENT_ATTENTION; default the executor's)")
+    p.add_argument("--budget-s", type=float, metavar="SECONDS", help="time budget of the whole run: once spent, "
+                   "the workers skip their remaining cases (reported as skipped) so that a report is still written")
     p.add_argument("--seed", type=int, default=0, help="of the weights and the prompts")
     p.add_argument("--logit-std", type=float, default=20.0, help="standard deviation of the peaked head's logits")
     p.add_argument("--qk-scale", type=float, default=4.0, help="factor on the query and key projections")
@@ -163,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "record kept, each case's part named)")
     p.add_argument("--worker", choices=("write", *SIDES), help=argparse.SUPPRESS)
     p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # a worker's: time.time() of --budget-s's end
     return p
 
 
@@ -196,7 +222,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--batches {args.batches}: each must be at least 1")
     if not 0 < args.threshold <= 1:
         p.error(f"--threshold={args.threshold} must be in (0, 1]")
+    if args.budget_s is not None and args.budget_s <= 0:
+        p.error(f"--budget-s={args.budget_s} must be positive")
+    # Each mode once, unquantized first: its first decode is the fresh process's (the targets').
+    args.quant = [q for q in QUANTS if q in args.quant]
+    if args.attention is not None:
+        from dlm_jax.executors.jax_executor import RESIDENT_ATTENTION  # (imports JAX: only when asked)
+
+        if args.attention not in RESIDENT_ATTENTION:
+            p.error(f"--attention {args.attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
+    args.deadline = None if args.budget_s is None else time.time() + args.budget_s
     return args
+
+
+def case_name(batch: int, cache: str, quant: str = "none") -> str:
+    """A case's name: "prefix b8", with the quant mode when there is one ("prefix b8 int8")."""
+    return f"{cache} b{batch}" + ("" if quant == "none" else f" {quant}")
+
+
+def row_quant(row: dict[str, Any]) -> str:
+    """A result row's quant mode (rows written before `--quant` existed hold none)."""
+    return row.get("quant", "none")
+
+
+def over_budget(deadline: float | None) -> bool:
+    return deadline is not None and time.time() >= deadline
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,9 +622,15 @@ def _torch_sync(torch, device: str) -> None:
         torch.cuda.synchronize()
 
 
-def fast_dllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
+def fast_dllm_worker(spec: dict[str, Any], *, deadline: float | None = None) -> dict[str, Any]:
     """Fast-dLLM's side: load with their from_pretrained, then per case one untimed and `reps`
-    timed decodes with their generator."""
+    timed decodes with their generator; past `deadline` (time.time()) each remaining case is
+    recorded as skipped (none of them run: the model is not loaded)."""
+    if over_budget(deadline):
+        keys = [case_name(c["batch"], c["cache"]) for c in spec["cases"]]
+        log(f"fast-dllm: {SKIPPED} ({', '.join(keys)})")
+        return {"device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [],
+                "params": None, "cases": {k: {"skipped": SKIPPED} for k in keys}, "skipped": keys}
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -597,6 +653,11 @@ def fast_dllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
     log(f"fast-dllm: loaded in {load_s:.1f} s on {out['device']}")
     for case in spec["cases"]:
         batch, cache = case["batch"], case["cache"]
+        if over_budget(deadline):
+            out["cases"][case_name(batch, cache)] = {"skipped": SKIPPED}
+            out.setdefault("skipped", []).append(case_name(batch, cache))
+            log(f"fast-dllm {case_name(batch, cache)}: {SKIPPED}")
+            continue
         prompt = torch.tensor(spec["prompts"][:batch], dtype=torch.long, device=device)
         fn = peer.generator(cache)
         gen = spec["gen_len"]
@@ -638,16 +699,37 @@ def fast_dllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def dlm_jax_worker(spec: dict[str, Any], *, second: bool) -> dict[str, Any]:
-    """dlm-jax's side. First process: load, then per case the first decode (warm-up compiles
-    included) and `reps` timed decodes. Second process (`second`): only each case's first
-    decode, over the persistent compilation cache the first process filled."""
+def worker_quants(spec: dict[str, Any], *, second: bool) -> list[str]:
+    """The quant modes a dlm-jax process decodes, in `QUANTS` order (unquantized first): all of
+    `spec["quants"]` in the first process; in the second (first decodes over the persistent
+    cache) only the first of them."""
+    quants = [q for q in QUANTS if q in spec.get("quants", ["none"])]
+    return quants[:1] if second else quants
+
+
+def dlm_jax_worker(spec: dict[str, Any], *, second: bool, deadline: float | None = None) -> dict[str, Any]:
+    """dlm-jax's side. First process: per quant mode (`worker_quants`), load (one mode's weights
+    on the device at a time), then per case the first decode (warm-up compiles included) and
+    `reps` timed decodes. Second process (`second`): only each case's first decode, over the
+    persistent compilation cache the first process filled. Past `deadline` (time.time()) each
+    remaining case is recorded as skipped, and a mode none of whose cases is left is not loaded."""
+    if over_budget(deadline):  # spent before this process began: nothing loads
+        keys = [case_name(c["batch"], c["cache"], q) for q in worker_quants(spec, second=second) for c in spec["cases"]]
+        log(f"dlm-jax: {SKIPPED} ({', '.join(keys)})")
+        return {"device": None, "jax": None, "load_seconds": None, "params": None, "config": None, "attention": None,
+                "cases": {k: {"skipped": SKIPPED} for k in keys}, "skipped": keys}
+    import gc
+
     import jax
     from flax import nnx
 
     import dlm_jax
     from dlm_jax.executors._compile import XlaCompileCounter, enable_persistent_cache
+    from dlm_jax.executors.jax_executor import ATTENTION_ENV
+    from dlm_jax.models.quant import weight_bytes
 
+    if spec.get("attention"):
+        os.environ[ATTENTION_ENV] = spec["attention"]  # what JaxExecutor reads
     enable_persistent_cache(spec["xla_cache"])
     hits = [0]  # executables the persistent cache served (XlaCompileCounter counts those too)
     jax.monitoring.register_event_listener(
@@ -658,62 +740,101 @@ def dlm_jax_worker(spec: dict[str, Any], *, second: bool) -> dict[str, Any]:
     if spec["require_gpu"] and dev.platform != "gpu":
         raise SystemExit(f"error: JAX sees no GPU ({dev}); install the cuda extra: pip install -e '.[cuda]'")
     path = Path(spec["checkpoint"])
-    warm_page_cache(path)
-    t0 = time.perf_counter()
-    m = dlm_jax.load(path, executor="jax", dtype=spec["dtype"], param_dtype=spec["dtype"])
-    jax.block_until_ready([v.get_value() for _, v in nnx.to_flat_state(nnx.state(m.model, nnx.Param))])
-    load_s = time.perf_counter() - t0
     out: dict[str, Any] = {"device": f"{dev.platform}: {dev.device_kind}", "jax": jax.__version__,
-                           "load_seconds": round(load_s, 3), "params": dlm_jax.param_count(m.config),
-                           "config": m.config.to_dict(), "cases": {}}
-    log(f"dlm-jax{' (second process)' if second else ''}: loaded in {load_s:.1f} s on {out['device']}")
-    for case in spec["cases"]:
-        batch, cache = case["batch"], case["cache"]
-        key = f"{cache} b{batch}"
-        ids = spec["prompts"][:batch]
-        cfg = dlm_jax.decode_config(gen_len=spec["gen_len"], block_len=spec["block_len"], cache=cache,
-                                    rule="threshold", threshold=spec["threshold"])
-        compiles, hit0 = XlaCompileCounter.count(), hits[0]
-        t = time.perf_counter()
-        try:
-            res = m.decoder.decode(ids, cfg)  # no warm-up: it compiles what it reaches, ahead where it can
-        except Exception as e:  # noqa: BLE001 - one failing case is reported, the rest still run
-            out["cases"][key] = {"error": f"{type(e).__name__}: {e}"}
-            log(f"dlm-jax {key}: FAILED {type(e).__name__}: {e}")
-            save_partial(spec, out)
-            continue
-        first = time.perf_counter() - t
-        s1 = res.stats
-        entry: dict[str, Any] = {"first_seconds": round(first, 4), "first_compiles": s1.compiles,
-                                 "first_compile_seconds": round(s1.compile_seconds, 3),
-                                 "first_compile_wait_seconds": round(s1.compile_wait_seconds, 3),
-                                 "xla_programs": XlaCompileCounter.count() - compiles,
-                                 "xla_cache_hits": hits[0] - hit0}
-        tokens = [s.tolist() for s in res.sequences]
-        if not second:
-            seconds, same = [], True
-            for _ in range(spec["reps"]):
-                t = time.perf_counter()
-                res = m.decoder.decode(ids, cfg)
-                seconds.append(time.perf_counter() - t)
-                same &= [s.tolist() for s in res.sequences] == tokens
-            stats = res.stats.to_dict()
-            steps = res.stats.step_seconds
-            entry.update(
-                seconds=[round(s, 4) for s in seconds], deterministic=same, tokens=tokens, nfe=stats["nfe"],
-                request_nfe=stats["request_nfe"], compiles_during_decode=stats["compiles"],
-                median_step_seconds=stats["median_step_seconds"],
-                mean_step_seconds=sum(steps) / len(steps) if steps else None,
-                median_host_seconds=stats.get("median_host_seconds"), buckets=stats["buckets"],
-                h2d_bytes=stats.get("h2d_bytes"), d2h_bytes=stats.get("d2h_bytes"))
+                           "load_seconds": None, "params": None, "config": None, "attention": None,
+                           "load_seconds_by_quant": {}, "weight_bytes": {}, "cases": {}}
+    name = "dlm-jax" + (" (second process)" if second else "")
+
+    def skip(key: str, entry: dict[str, Any]) -> None:
         out["cases"][key] = entry
-        log(f"dlm-jax {key}: first decode {first:.2f} s ({entry['xla_programs']} XLA programs, "
-            f"{entry['xla_cache_hits']} from the persistent cache)"
-            + ("" if second else f", NFE {entry['nfe']}, timed {entry['seconds']}"))
+        if entry.get("skipped"):
+            out.setdefault("skipped", []).append(key)
+        log(f"{name} {key}: {entry.get('skipped') or 'FAILED ' + entry.get('error', '')}")
         save_partial(spec, out)
+
+    for quant in worker_quants(spec, second=second):
+        keys = [case_name(c["batch"], c["cache"], quant) for c in spec["cases"]]
+        if over_budget(deadline):
+            for key in keys:
+                skip(key, {"skipped": SKIPPED})
+            continue
+        warm_page_cache(path)
+        t0 = time.perf_counter()
+        try:
+            m = dlm_jax.load(path, executor="jax", dtype=spec["dtype"], param_dtype=spec["dtype"],
+                             quant=None if quant == "none" else quant)
+            jax.block_until_ready([v.get_value() for _, v in nnx.to_flat_state(nnx.state(m.model, nnx.Param))])
+        except Exception as e:  # noqa: BLE001 - a mode this device cannot run (fp8) fails its cases, not the run
+            for key in keys:
+                skip(key, {"error": f"{type(e).__name__}: {e}"})
+            continue
+        load_s = time.perf_counter() - t0
+        out["load_seconds_by_quant"][quant] = round(load_s, 3)
+        out["weight_bytes"][quant] = weight_bytes(m.model)
+        if out["load_seconds"] is None:  # the first mode's (unquantized when asked): the load target's
+            out["load_seconds"] = round(load_s, 3)
+        out["params"], out["config"] = dlm_jax.param_count(m.config), m.config.to_dict()
+        out["attention"] = getattr(m.executor, "attention", None)
+        log(f"{name}: loaded ({quant}) in {load_s:.1f} s on {out['device']}, attention {out['attention']}")
+        for case, key in zip(spec["cases"], keys):
+            if over_budget(deadline):
+                skip(key, {"skipped": SKIPPED})
+                continue
+            entry = dlm_jax_case(m, spec, case, second=second, hits=hits, counter=XlaCompileCounter)
+            if "error" in entry:
+                skip(key, entry)
+                continue
+            out["cases"][key] = entry
+            log(f"{name} {key}: first decode {entry['first_seconds']:.2f} s ({entry['xla_programs']} XLA programs, "
+                f"{entry['xla_cache_hits']} from the persistent cache)"
+                + ("" if second else f", NFE {entry['nfe']}, timed {entry['seconds']}"))
+            save_partial(spec, out)
+        del m  # its weights leave the device before the next mode's load
+        gc.collect()
     mem = dev.memory_stats() or {}
     out["peak_memory_bytes"] = mem.get("peak_bytes_in_use")
     return out
+
+
+def dlm_jax_case(m, spec: dict[str, Any], case: dict[str, Any], *, second: bool, hits: list[int],
+                 counter) -> dict[str, Any]:
+    """One case of `dlm_jax_worker` on the loaded model `m`: its first decode, then (first
+    process) `reps` timed ones; {"error": ...} when the first decode fails."""
+    import dlm_jax
+
+    ids = spec["prompts"][:case["batch"]]
+    cfg = dlm_jax.decode_config(gen_len=spec["gen_len"], block_len=spec["block_len"], cache=case["cache"],
+                                rule="threshold", threshold=spec["threshold"])
+    compiles, hit0 = counter.count(), hits[0]
+    t = time.perf_counter()
+    try:
+        res = m.decoder.decode(ids, cfg)  # no warm-up: it compiles what it reaches, ahead where it can
+    except Exception as e:  # noqa: BLE001 - one failing case is reported, the rest still run
+        return {"error": f"{type(e).__name__}: {e}"}
+    first = time.perf_counter() - t
+    s1 = res.stats
+    entry: dict[str, Any] = {"first_seconds": round(first, 4), "first_compiles": s1.compiles,
+                             "first_compile_seconds": round(s1.compile_seconds, 3),
+                             "first_compile_wait_seconds": round(s1.compile_wait_seconds, 3),
+                             "xla_programs": counter.count() - compiles, "xla_cache_hits": hits[0] - hit0}
+    tokens = [s.tolist() for s in res.sequences]
+    if not second:
+        seconds, same = [], True
+        for _ in range(spec["reps"]):
+            t = time.perf_counter()
+            res = m.decoder.decode(ids, cfg)
+            seconds.append(time.perf_counter() - t)
+            same &= [s.tolist() for s in res.sequences] == tokens
+        stats = res.stats.to_dict()
+        steps = res.stats.step_seconds
+        entry.update(
+            seconds=[round(s, 4) for s in seconds], deterministic=same, tokens=tokens, nfe=stats["nfe"],
+            request_nfe=stats["request_nfe"], compiles_during_decode=stats["compiles"],
+            median_step_seconds=stats["median_step_seconds"],
+            mean_step_seconds=sum(steps) / len(steps) if steps else None,
+            median_host_seconds=stats.get("median_host_seconds"), buckets=stats["buckets"],
+            h2d_bytes=stats.get("h2d_bytes"), d2h_bytes=stats.get("d2h_bytes"))
+    return entry
 
 
 def write_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -744,28 +865,32 @@ def device_limits(name: str, *, hbm_tbps: float | None = None, peak_tflops: floa
             "source": "flags" if hbm_tbps or peak_tflops else (f"table ({row[0]})" if row else "unknown device")}
 
 
-def step_cost(bucket: str, cfg: dict[str, Any], itemsize: int) -> tuple[float, float]:
+def step_cost(bucket: str, cfg: dict[str, Any], itemsize: int, *,
+              weight_itemsize: int | None = None) -> tuple[float, float]:
     """(FLOPs, bytes read) of one step in a dlm-jax bucket ("b{B}_w{W}_p{P}_r{R}"): the matmuls
     of the window, attention over cache + window, the head on the logit rows; every weight but
-    the embedding table, and the cached K/V."""
+    the embedding table (`weight_itemsize` bytes each, default `itemsize`: 1 for int8 / fp8),
+    and the cached K/V (`itemsize`)."""
     b, w, p, r = (int(v) for v in re.match(r"b(\d+)_w(\d+)_p(\d+)_r(\d+)", bucket).groups())
     d, layers, heads, kv, dh = cfg["d_model"], cfg["n_layers"], cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"]
     per_layer = d * heads * dh * 2 + d * kv * dh * 2 + 3 * d * cfg["ffn_hidden"]
     flops = 2 * b * w * layers * per_layer + 4 * b * w * (p + w) * layers * heads * dh + 2 * b * r * d * cfg["vocab_size"]
     weights = layers * per_layer + cfg["vocab_size"] * d
-    return float(flops), float((weights + b * p * layers * 2 * kv * dh) * itemsize)
+    return float(flops), float(weights * (weight_itemsize or itemsize) + b * p * layers * 2 * kv * dh * itemsize)
 
 
-def case_limits(buckets: dict[str, int], cfg: dict[str, Any], *, itemsize: int, limits: dict[str, Any]) -> dict[str, Any]:
-    """Per-step limits of a decode: the weight read alone, and the mean roofline over its steps."""
+def case_limits(buckets: dict[str, int], cfg: dict[str, Any], *, itemsize: int, limits: dict[str, Any],
+                weight_itemsize: int | None = None) -> dict[str, Any]:
+    """Per-step limits of a decode: the weight read alone, and the mean roofline over its steps
+    (weights of `weight_itemsize` bytes, default `itemsize`; see `step_cost`)."""
     if not limits["hbm_tbps"] or not limits["peak_tflops"]:
         return {}
     bw, peak = limits["hbm_tbps"] * 1e12, limits["peak_tflops"] * 1e12
-    weights = step_cost("b1_w1_p0_r0", cfg, itemsize)[1]
+    weights = step_cost("b1_w1_p0_r0", cfg, itemsize, weight_itemsize=weight_itemsize)[1]
     steps = sum(buckets.values())
     flop_s = roof_s = 0.0
     for key, n in buckets.items():
-        flops, nbytes = step_cost(key, cfg, itemsize)
+        flops, nbytes = step_cost(key, cfg, itemsize, weight_itemsize=weight_itemsize)
         flop_s += n * flops / peak
         roof_s += n * max(flops / peak, nbytes / bw)
     return {"weight_read_s": weights / bw, "flop_s": flop_s / steps, "roofline_s": roof_s / steps}
@@ -773,44 +898,56 @@ def case_limits(buckets: dict[str, int], cfg: dict[str, Any], *, itemsize: int, 
 
 def compare(spec: dict[str, Any], fd: dict[str, Any], dj: dict[str, Any], dj2: dict[str, Any] | None,
             limits: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per case: both sides' times, NFE, tokens compared, ratio, dlm-jax's limits."""
+    """One row per case (batch, cache, quant; in that order): both sides' times, NFE, tokens
+    compared, ratio, dlm-jax's limits. Fast-dLLM runs unquantized: a quantized case takes its
+    case of the same batch and cache, and compares its answers also with dlm-jax's unquantized
+    ones (`vs_unquantized`); its `agrees` is None (quantization changes answers by design)."""
     rows = []
     itemsize = 2 if spec["dtype"] == "bfloat16" else 4
     gen = spec["gen_len"]
-    for case in spec["cases"]:
-        key = f"{case['cache']} b{case['batch']}"
-        f, j = fd["cases"].get(key, {}), dj["cases"].get(key, {})
-        row: dict[str, Any] = {"case": key, **case}
+    for case, quant in ((c, q) for c in spec["cases"] for q in spec.get("quants", ["none"])):
+        key, base = case_name(case["batch"], case["cache"], quant), case_name(case["batch"], case["cache"])
+        f, j = fd["cases"].get(base, {}), dj["cases"].get(key, {})
+        row: dict[str, Any] = {"case": key, **case, "quant": quant}
         for side, r in (("fast_dllm", f), ("dlm_jax", j)):
             med = statistics.median(r["seconds"]) if r.get("seconds") else None
             row[side] = {**{k: v for k, v in r.items() if k not in ("tokens", "seconds")},
                          "all_seconds": r.get("seconds"), "seconds": med,
                          "per_answer_s": med / case["batch"] if med else None,
                          "tokens_per_s": case["batch"] * gen / med if med else None}
-        if dj2 is not None and key in dj2["cases"]:
+        if dj2 is not None and key in dj2["cases"] and "first_seconds" in dj2["cases"][key]:
             row["dlm_jax"]["second_process_first_seconds"] = dj2["cases"][key]["first_seconds"]
             row["dlm_jax"]["second_process_xla_cache_hits"] = dj2["cases"][key]["xla_cache_hits"]
         row["fast_dllm"].pop("margins", None)
         row["fast_dllm"].pop("commit_pass", None)
         row["same_tokens"] = row["token_agreement"] = row["nfe_equal"] = row["divergence"] = None
-        row["agrees"] = False
+        # Not measured (a side not asked for, or skipped by --budget-s) is no disagreement.
+        row["agrees"] = None if quant != "none" or f.get("skipped") or j.get("skipped") else False
         if "tokens" in f and "tokens" in j:
             a, b = f["tokens"], j["tokens"]
-            agree = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
             row["same_tokens"] = a == b
-            row["token_agreement"] = agree / sum(len(r) for r in a)
+            row["token_agreement"] = token_agreement(a, b)
             # NFE as dlm-jax counts it: Fast-dLLM's forward passes less the idle ones.
             row["nfe_equal"] = f["forward_calls"] - f["idle_forwards"] == j["nfe"]
-            div = first_divergence(a, b, margins=f["margins"], commit_pass=f["commit_pass"])
-            if div is not None:
-                div["near_tie"] = div["min_margin"] < spec["tie_tol"]
-            row["divergence"] = div
-            # Equal answers and NFE, or answers that part after a near tie (a numerical difference).
-            row["agrees"] = (row["same_tokens"] and row["nfe_equal"]) or bool(div and div["near_tie"])
+            if quant == "none":
+                div = first_divergence(a, b, margins=f["margins"], commit_pass=f["commit_pass"])
+                if div is not None:
+                    div["near_tie"] = div["min_margin"] < spec["tie_tol"]
+                row["divergence"] = div
+                # Equal answers and NFE, or answers that part after a near tie (a numerical difference).
+                row["agrees"] = (row["same_tokens"] and row["nfe_equal"]) or bool(div and div["near_tie"])
+        if quant != "none":
+            own = dj["cases"].get(base, {})
+            row["vs_unquantized"] = None if "tokens" not in j or "tokens" not in own else {
+                "same_answers": sum(x == y for x, y in zip(j["tokens"], own["tokens"])) / len(own["tokens"]),
+                "token_agreement": token_agreement(own["tokens"], j["tokens"]),
+                "step_ratio": (j["median_step_seconds"] / own["median_step_seconds"]
+                               if j.get("median_step_seconds") and own.get("median_step_seconds") else None)}
         fs, js = row["fast_dllm"]["seconds"], row["dlm_jax"]["seconds"]
         row["ratio"] = fs / js if fs and js else None
         if j.get("buckets"):
-            lim = case_limits(j["buckets"], dj["config"], itemsize=itemsize, limits=limits)
+            lim = case_limits(j["buckets"], dj["config"], itemsize=itemsize, limits=limits,
+                              weight_itemsize=1 if quant != "none" else None)
             if lim and j.get("median_step_seconds"):
                 lim["median_step_over_weight_read"] = j["median_step_seconds"] / lim["weight_read_s"]
             row["limits"] = lim
@@ -818,16 +955,23 @@ def compare(spec: dict[str, Any], fd: dict[str, Any], dj: dict[str, Any], dj2: d
     return rows
 
 
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of `a`'s tokens that `b` holds at the same row and position."""
+    return sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / sum(len(r) for r in a)
+
+
 def targets(rows: list[dict[str, Any]], load: dict[str, float | None]) -> list[dict[str, Any]]:
-    """The issue's targets, each {target, value, limit, pass}; pass is None where not measured."""
+    """The issue's targets, each {target, value, limit, pass}; pass is None where not measured.
+    All but the int8 one are of the unquantized cases; the int8 step's ratio to the unquantized
+    one at batch 1 is listed where both were measured."""
     out: list[dict[str, Any]] = []
 
     def add(name: str, value: float | None, limit: float, *, at_least: bool) -> None:
         ok = None if value is None else (value >= limit if at_least else value <= limit)
         out.append({"target": name, "value": None if value is None else round(value, 3), "limit": limit, "pass": ok})
 
-    def pick(batch: int, cache: str) -> dict[str, Any] | None:
-        return next((r for r in rows if r["batch"] == batch and r["cache"] == cache), None)
+    def pick(batch: int, cache: str, quant: str = "none") -> dict[str, Any] | None:
+        return next((r for r in rows if r["batch"] == batch and r["cache"] == cache and row_quant(r) == quant), None)
 
     for batch, limit in ((1, TARGETS["ratio_b1"]), (8, TARGETS["ratio_b8"])):
         for cache in CACHES:
@@ -838,6 +982,12 @@ def targets(rows: list[dict[str, Any]], load: dict[str, float | None]) -> list[d
         lim = (r or {}).get("limits") or {}
         add(f"dlm-jax median step / weight-read limit, {cache} b1", lim.get("median_step_over_weight_read"),
             TARGETS["step_over_weight_read"], at_least=False)
+    for cache in CACHES:
+        step_ratio = ((pick(1, cache, "int8") or {}).get("vs_unquantized") or {}).get("step_ratio")
+        if step_ratio is not None:  # both steps measured
+            add(f"dlm-jax int8 median step / unquantized median step, {cache} b1", step_ratio,
+                TARGETS["int8_step_over_unquantized_b1"], at_least=False)
+    rows = [r for r in rows if row_quant(r) == "none"]  # a fresh process's first decode: unquantized
     fd, dj = load.get("fast_dllm"), load.get("dlm_jax")
     add("dlm-jax load s / Fast-dLLM load s", dj / fd if fd and dj else None, TARGETS["load_over_torch"], at_least=False)
     firsts = [r["dlm_jax"].get("first_seconds") for r in rows if r["dlm_jax"].get("first_seconds") is not None]
@@ -866,6 +1016,10 @@ def _f(v: Any, fmt: str = ".3f") -> str:
 
 def verdict(row: dict[str, Any]) -> str:
     """How a case's answers compare, in a few words."""
+    if row_quant(row) != "none":
+        own = row.get("vs_unquantized")
+        return "not compared" if own is None else (
+            f"{own['same_answers']:.0%} of answers = dlm-jax unquantized (token agreement {own['token_agreement']:.3f})")
     if row["same_tokens"] is None:
         return "not compared"
     if row["same_tokens"] and row["nfe_equal"]:
@@ -888,7 +1042,13 @@ def markdown(report: dict[str, Any]) -> str:
              f"Checkpoint: random LLaDA `{report['checkpoint']['recipe'].get('shape')}` shape, "
              f"{report['checkpoint'].get('params', 0) / 1e9:.3f}B parameters, {s['dtype']}, peaked head (recipe in the "
              f"JSON). Prompt {s['prompt_len']}, generation {s['gen_len']}, block {s['block_len']}, threshold "
-             f"{s['threshold']}, temperature 0. Median of {s['reps']} timed decodes after one untimed.", "",
+             f"{s['threshold']}, temperature 0. Median of {s['reps']} timed decodes after one untimed."
+             + (f" dlm-jax attention: {s['attention']}." if s.get("attention") else "")
+             + (f" A case named with int8 / fp8 is dlm-jax with those weights (`dlm_jax.load(quant=...)`), "
+                f"timed against Fast-dLLM's unquantized case; its answers are compared with dlm-jax's unquantized "
+                f"ones, its token agreement with Fast-dLLM's." if any(q != "none" for q in s.get("quants", [])) else "")
+             + (f" Time budget {s['budget_s']} s: a case left when it was spent is marked skipped."
+                if s.get("budget_s") else ""), "",
              f"Devices: dlm-jax {dev['jax']}, Fast-dLLM {dev['torch']}; jax {report['versions']['jax']}, torch "
              f"{report['versions']['torch']}, transformers {report['versions']['transformers']}. Fast-dLLM "
              f"{report['peer']['commit'] or report['peer']['sha256']}.", "",
@@ -908,7 +1068,8 @@ def markdown(report: dict[str, Any]) -> str:
               "peak GiB FD | errors |", "|---|---|---|---|---|---|"]
     for r in report["cases"]:
         fd, dj = r["fast_dllm"], r["dlm_jax"]
-        err = "; ".join(f"{side}: {r[side]['error']}" for side in SIDES if r[side].get("error")) or ""
+        err = "; ".join(f"{side}: {r[side].get('error') or r[side]['skipped']}" for side in SIDES
+                        if r[side].get("error") or r[side].get("skipped")) or ""
         lines.append(f"| {r['case']} | {_f(dj.get('first_seconds'), '.2f')} | "
                      f"{_f(dj.get('second_process_first_seconds'), '.2f')} | {_f(fd.get('first_seconds'), '.2f')} | "
                      f"{_gib(fd.get('peak_memory_bytes'))} | {err} |")
@@ -950,12 +1111,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     rows = report["cases"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    quants = [q for q in QUANTS if any(row_quant(r) == q for r in rows)]
     for side, style in (("dlm_jax", "-o"), ("fast_dllm", "--s")):
-        for cache in CACHES:
+        for cache, quant in ((c, q) for c in CACHES for q in (quants if side == "dlm_jax" else ["none"])):
             pts = sorted((r["batch"], r[side]["tokens_per_s"]) for r in rows
-                         if r["cache"] == cache and r[side].get("tokens_per_s"))
+                         if r["cache"] == cache and row_quant(r) == quant and r[side].get("tokens_per_s"))
             if pts:
-                ax1.plot(*zip(*pts), style, label=f"{side.replace('_', '-')} {cache}")
+                ax1.plot(*zip(*pts), style, label=f"{side.replace('_', '-')} {cache}"
+                         + ("" if quant == "none" else f" {quant}"))
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("batch")
     ax1.set_ylabel("generated tokens / s")
@@ -1045,11 +1208,15 @@ def _check_group(group: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
 def _union(group: list[tuple[str, dict[str, Any]]], settings: dict[str, Any]) -> dict[str, Any]:
     batches = sorted({b for _, rep in group for b in rep["settings"]["batches"]})
     caches = [c for c in CACHES if any(c in rep["settings"]["caches"] for _, rep in group)]
-    return {**settings, "batches": batches, "caches": caches}
+    if not any("quants" in rep["settings"] for _, rep in group):  # parts older than --quant: as they were
+        return {**settings, "batches": batches, "caches": caches}
+    quants = [q for q in QUANTS if any(q in rep["settings"].get("quants", ["none"]) for _, rep in group)]
+    return {**settings, "batches": batches, "caches": caches, "quants": quants}
 
 
 def _in_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return sorted(rows, key=lambda r: (r["batch"], CACHES.index(r["cache"])))  # a run's order: batch, then cache
+    # A run's order: batch, then cache, then quant mode.
+    return sorted(rows, key=lambda r: (r["batch"], CACHES.index(r["cache"]), QUANTS.index(row_quant(r))))
 
 
 def merge(parts: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -1080,6 +1247,8 @@ def merge(parts: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         **{k: first for k in ("settings", "checkpoint", "device", "versions", "peer", "load_seconds",
                               "peak_memory_bytes")},
         "settings.batches": "union of the full-mode parts", "settings.caches": "union of the full-mode parts",
+        **({"settings.quants": "union of the full-mode parts (a part without quants: none)"}
+           if "quants" in report["settings"] else {}),
         "targets": "computed from the merged cases", "correct": "computed from the merged cases",
         "notes": "every part's, once each", "cases": where, **({"small": small_where} if small else {})}
     return report
@@ -1102,13 +1271,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = {"peer_src": str(src), "checkpoint": str(ckpt), "recipe": rec, "dtype": args.dtype,
             "require_gpu": args.mode == "full", "mask_id": shape["mask_token_id"], "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "block_len": args.block_len, "threshold": args.threshold, "reps": args.reps,
-            "xla_cache": str(xla_cache), "cases": cases, "tie_tol": args.tie_tol,
+            "xla_cache": str(xla_cache), "cases": cases, "tie_tol": args.tie_tol, "quants": args.quant,
+            "attention": args.attention,
             "prompts": make_prompts(max(args.batches), args.prompt_len, vocab_below=shape["mask_token_id"],
                                     avoid=[shape["eos_token_id"]], seed=args.seed)}
     try:
         state = checkpoint_state(ckpt, rec)
         written: dict[str, Any] = {}
-        if state == "write" and all(_done(spec, work, k) for k in ("write", *args.sides)):
+        if state == "write" and all(_done(side_spec(spec, k), work, k) for k in ("write", *args.sides)):
             state = "reuse"  # every result is in --work: the report needs no checkpoint
             written = json.loads((work / "write.json").read_text())
         elif state == "write":
@@ -1117,13 +1287,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elif state == "foreign":
             log(f"{ckpt} was not written by this script: used as it is")
         # A side not run stands as a process that decoded nothing (its cases compare as not run).
-        fd = _worker(spec, work, "fast_dllm") if "fast_dllm" in args.sides else {
+        fd = _worker(side_spec(spec, "fast_dllm"), work, "fast_dllm", deadline=args.deadline) if (
+            "fast_dllm" in args.sides) else {
             "device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [], "params": None,
             "cases": {}}
-        dj = _worker(spec, work, "dlm_jax") if "dlm_jax" in args.sides else {
+        dj = _worker(spec, work, "dlm_jax", deadline=args.deadline) if "dlm_jax" in args.sides else {
             "device": None, "jax": None, "load_seconds": None, "params": None, "cases": {}}
         dj2 = (None if args.no_second_process or "dlm_jax" not in args.sides
-               else _worker(spec, work, "dlm_jax", second=True))
+               else _worker(spec, work, "dlm_jax", second=True, deadline=args.deadline))
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -1143,6 +1314,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "without them.")
     if fd["params"] and dj["params"] and fd["params"] != dj["params"]:
         notes.append(f"parameter counts differ: Fast-dLLM {fd['params']}, dlm-jax {dj['params']}")
+    skipped = [f"{side} {key}" for side, res in (("Fast-dLLM", fd), ("dlm-jax", dj), ("dlm-jax second process", dj2))
+               for key in (res or {}).get("skipped", [])]
+    if skipped:
+        notes.append(f"--budget-s {args.budget_s} was spent before these cases ran: {', '.join(skipped)}")
     correct = all(r["agrees"] for r in rows if r["agrees"] is not None)
     versions = {"jax": dj["jax"], "torch": fd["torch"], "transformers": fd["transformers"],
                 "python": platform.python_version()}
@@ -1150,7 +1325,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "benchmarks/gpu.py", "mode": args.mode,
         "settings": {k: spec[k] for k in ("prompt_len", "gen_len", "block_len", "threshold", "reps", "dtype")}
         | {"temperature": 0.0, "batches": args.batches, "caches": args.caches, "seed": args.seed,
-           "untimed_runs": 1, "xla_cache": "given" if args.xla_cache else "fresh (removed after)"},
+           "untimed_runs": 1, "xla_cache": "given" if args.xla_cache else "fresh (removed after)",
+           "quants": args.quant, "attention": dj.get("attention") or args.attention, "budget_s": args.budget_s},
         "checkpoint": {"path": str(ckpt), "state": state, "recipe": rec if state != "foreign" else {},
                        "params": dj["params"] or fd["params"], **written},
         "device": {"jax": dj["device"], "torch": fd["device"], **limits},
@@ -1161,6 +1337,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cases": rows, "targets": targets(rows, load), "correct": correct, "notes": notes,
         "run": run_record(args, versions)}
     return report
+
+
+def side_spec(spec: dict[str, Any], kind: str) -> dict[str, Any]:
+    """What a worker of `kind` is given: Fast-dLLM's spec lacks dlm-jax's own options (quant
+    modes, attention), so that changing them does not measure Fast-dLLM again under --work."""
+    return {k: v for k, v in spec.items() if k not in ("quants", "attention")} if kind == "fast_dllm" else spec
 
 
 def run_record(args: argparse.Namespace, versions: dict[str, Any]) -> dict[str, Any]:
@@ -1188,19 +1370,22 @@ def _worker_spec(spec: dict[str, Any], work: Path, kind: str, second: bool) -> t
 
 
 def _done(spec: dict[str, Any], work: Path, kind: str, *, second: bool = False) -> bool:
-    """Whether `work` holds this worker's result for this very spec (from an earlier run)."""
+    """Whether `work` holds this worker's result for this very spec (from an earlier run), with
+    no case a time budget skipped (such a result is measured again)."""
     text, spec_path, result = _worker_spec(spec, work, kind, second)
-    return result.is_file() and spec_path.is_file() and spec_path.read_text() == text
+    return (result.is_file() and spec_path.is_file() and spec_path.read_text() == text
+            and not json.loads(result.read_text()).get("skipped"))
 
 
-def _worker(spec: dict[str, Any], work: Path, kind: str, *, second: bool = False) -> dict[str, Any]:
+def _worker(spec: dict[str, Any], work: Path, kind: str, *, second: bool = False,
+            deadline: float | None = None) -> dict[str, Any]:
     text, spec_path, result = _worker_spec(spec, work, kind, second)
     if _done(spec, work, kind, second=second):
         log(f"{result.stem}: result reused from {result}")
         return json.loads(result.read_text())
     result.unlink(missing_ok=True)
     spec_path.write_text(text)
-    return run_worker(kind, spec_path, result)
+    return run_worker(kind, spec_path, result, extra=() if deadline is None else ("--deadline", repr(deadline)))
 
 
 def save_partial(spec: dict[str, Any], out: dict[str, Any]) -> None:
@@ -1208,14 +1393,14 @@ def save_partial(spec: dict[str, Any], out: dict[str, Any]) -> None:
     Path(spec["result"] + ".partial").write_text(json.dumps(out))
 
 
-def worker_main(kind: str, spec_path: Path) -> None:
+def worker_main(kind: str, spec_path: Path, *, deadline: float | None = None) -> None:
     spec = json.loads(spec_path.read_text())
     if kind == "write":
         out = write_worker(spec)
     elif kind == "fast_dllm":
-        out = fast_dllm_worker(spec)
+        out = fast_dllm_worker(spec, deadline=deadline)
     else:
-        out = dlm_jax_worker(spec, second=spec["second"])
+        out = dlm_jax_worker(spec, second=spec["second"], deadline=deadline)
     Path(spec["result"]).write_text(json.dumps(out))
 
 
@@ -1232,7 +1417,7 @@ def print_targets(report: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        worker_main(args.worker, args.spec)
+        worker_main(args.worker, args.spec, deadline=args.deadline)
         return 0
     report = merge([(part_name(path), read_part(path)) for path in args.merge]) if args.merge else run(args)
     out = args.out

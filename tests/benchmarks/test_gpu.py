@@ -32,7 +32,7 @@ PEER_ENV = "DLM_JAX_PEER_SRC"
 def test_arguments_take_each_modes_defaults_and_the_flags_given():
     full = gpu.parse_args([])
     assert (full.mode, full.batches, full.dtype, full.reps, full.prompt_len, full.gen_len) == (
-        "full", [1, 8, 32], "bfloat16", 3, 128, 256)
+        "full", [1, 8, 16, 32], "bfloat16", 3, 128, 256)
     assert (full.block_len, full.threshold, full.caches, full.tie_tol) == (32, 0.9, ["prefix", "dual"], 1.0)
     assert full.out == ROOT / "benchmarks" / "results" / "gpu"
     small = gpu.parse_args(["--small", "--batches", "4", "--peer-src", "/x"])
@@ -41,7 +41,9 @@ def test_arguments_take_each_modes_defaults_and_the_flags_given():
 
 
 @pytest.mark.parametrize("argv", [["--block-len", "48"], ["--batches", "0"], ["--threshold", "1.5"],
-                                  ["--caches", "none"], ["--sides", "torch"], ["--merge", "a.json", "--batches", "8"]])
+                                  ["--caches", "none"], ["--sides", "torch"], ["--merge", "a.json", "--batches", "8"],
+                                  ["--quant", "int4"], ["--attention", "flash"], ["--budget-s", "0"],
+                                  ["--merge", "a.json", "--quant", "int8"]])
 def test_arguments_refuse_what_cannot_run(argv, capsys):
     with pytest.raises(SystemExit) as e:
         gpu.parse_args(argv)
@@ -215,17 +217,20 @@ def test_work_folder_reuses_a_result_only_for_the_same_spec(tmp_path, monkeypatc
 # Run records, one side alone, --merge, and the committed result
 
 
-def fake_run(monkeypatch, argv: list[str]) -> tuple[dict, list[str]]:
+def fake_run(monkeypatch, argv: list[str], *, results=fake_results,
+             specs: dict | None = None) -> tuple[dict, list[str]]:
     """`gpu.run` over the fake worker results above (no peer code, no model): a report as the
-    script writes it, and the workers it asked for."""
-    _, fd, dj, dj2 = fake_results()
+    script writes it, and the workers it asked for (their specs and deadlines into `specs`)."""
+    _, fd, dj, dj2 = results()
     fd = {**fd, "device": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "transformers": "5.23.0", "shims": [],
           "params": 8}
     dj = {**dj, "device": "gpu: NVIDIA H100 80GB HBM3", "jax": "0.10.2", "params": 8, "peak_memory_bytes": 2**34}
     calls: list[str] = []
 
-    def worker(spec, work, kind, *, second=False):
+    def worker(spec, work, kind, *, second=False, deadline=None):
         calls.append(kind + ("2" if second else ""))
+        if specs is not None:
+            specs[calls[-1]] = (spec, deadline)
         return {"fast_dllm": fd, "dlm_jax": dj2 if second else dj}[kind]
 
     monkeypatch.setattr(gpu, "peer_source", lambda given: (Path("/peer"), False))
@@ -335,6 +340,171 @@ def test_committed_result_is_the_merge_of_its_committed_parts(tmp_path):
     assert gpu.main(["--merge", *(str(ROOT / f) for f in files), "--out", str(tmp_path / "gpu")]) == 0
     assert (tmp_path / "gpu.json").read_text() == RESULT.read_text()
     assert (tmp_path / "gpu.md").read_text() == RESULT.with_suffix(".md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# --quant, --attention and --budget-s
+
+
+def test_quant_attention_and_budget_arguments():
+    args = gpu.parse_args(["--quant", "int8", "none", "int8", "--attention", "split", "--budget-s", "500"])
+    assert args.quant == ["none", "int8"] and args.attention == "split"  # each mode once, unquantized first
+    assert args.budget_s == 500 and 495 < args.deadline - gpu.time.time() <= 500
+    default = gpu.parse_args(["--small"])
+    assert (default.quant, default.attention, default.budget_s, default.deadline) == (["none"], None, None, None)
+    assert [gpu.case_name(8, "prefix", q) for q in gpu.QUANTS] == ["prefix b8", "prefix b8 int8", "prefix b8 fp8"]
+    assert gpu.row_quant({"case": "dual b1"}) == "none"  # a row written before --quant
+    assert gpu.worker_quants({"quants": ["int8", "none", "fp8"]}, second=False) == ["none", "int8", "fp8"]
+    assert gpu.worker_quants({"quants": ["int8", "none"]}, second=True) == ["none"]  # the second process: one
+    assert gpu.worker_quants({"quants": ["fp8", "int8"]}, second=True) == ["int8"]
+    assert gpu.worker_quants({}, second=False) == ["none"]
+
+
+def quant_results() -> tuple[dict, dict, dict, dict]:
+    """`fake_results` with dlm-jax's int8 cases: prefix b1 int8 gives the unquantized answers at
+    5 ms a step (unquantized 8 ms); dual b8 int8 changes 2 of its 8 answers by one token."""
+    spec, fd, dj, dj2 = fake_results()
+    spec = {**spec, "quants": ["none", "int8"]}
+    dj["cases"]["prefix b1 int8"] = {"nfe": 40, "seconds": [0.125, 0.13, 0.125], "tokens": [[5] * 256],
+                                     "first_seconds": 30.0, "median_step_seconds": 0.005,
+                                     "buckets": {"b1_w256_p128_r32": 8, "b1_w32_p352_r32": 32}}
+    dj["cases"]["dual b8 int8"] = {"nfe": 50, "seconds": [0.5], "tokens": [[5] * 256] * 6 + [[6] + [5] * 255] * 2,
+                                   "first_seconds": 3.0}
+    return spec, fd, dj, dj2
+
+
+def test_an_int8_case_is_timed_against_fast_dllms_case_and_compared_with_its_own_unquantized_answers(tmp_path):
+    """An int8 case compared with nothing, or counted as a wrong answer against Fast-dLLM's
+    bf16 one, or its time put in the unquantized targets, would say nothing about what
+    quantization costs: it is timed against Fast-dLLM's case of its batch and cache, its answers
+    also compared with dlm-jax's unquantized ones, and its step ratio is the int8 target."""
+    spec, fd, dj, dj2 = quant_results()
+    rows = gpu.compare(spec, fd, dj, dj2, gpu.device_limits("NVIDIA H100 80GB HBM3"))
+    assert [r["case"] for r in rows] == ["prefix b1", "prefix b1 int8", "dual b8", "dual b8 int8"]
+    bf16, int8, _, int8_b8 = rows
+    assert int8["quant"] == "int8" and int8["ratio"] == pytest.approx(1.1 / 0.125)
+    assert bf16["ratio"] == pytest.approx(5.5)
+    assert int8["agrees"] is None and bf16["agrees"] is True and int8["token_agreement"] == 1.0
+    assert int8["vs_unquantized"] == {"same_answers": 1.0, "token_agreement": 1.0, "step_ratio": pytest.approx(0.625)}
+    # 1 byte a weight: half the unquantized weight read.
+    assert int8["limits"]["weight_read_s"] == pytest.approx(bf16["limits"]["weight_read_s"] / 2, rel=1e-3)
+    assert int8_b8["ratio"] is None and int8_b8["agrees"] is None  # Fast-dLLM failed its dual b8
+    assert int8_b8["vs_unquantized"]["same_answers"] == 6 / 8
+    assert int8_b8["vs_unquantized"]["token_agreement"] == pytest.approx(1 - 2 / (8 * 256))
+    table = {t["target"]: t for t in gpu.targets(rows, {"fast_dllm": 10.0, "dlm_jax": 12.0})}
+    int8_target = table["dlm-jax int8 median step / unquantized median step, prefix b1"]
+    assert (int8_target["value"], int8_target["limit"], int8_target["pass"]) == (0.625, 0.6, False)
+    assert not any("dual b1" in t and "int8" in t for t in table)  # no int8 dual b1 case: no target
+    assert table["Fast-dLLM s / dlm-jax s, prefix b1"]["value"] == 5.5  # the unquantized case's
+    assert table["dlm-jax first decode s (cold cache, worst case)"]["value"] == 20.0  # not the int8 case's 30 s
+    report = {"mode": "full", "settings": {"dtype": "bfloat16", "prompt_len": 128, "gen_len": 256, "block_len": 32,
+                                           "threshold": 0.9, "reps": 3, "quants": ["none", "int8"],
+                                           "attention": "split"},
+              "checkpoint": {"recipe": {"shape": "llada-8b"}, "params": 8_000_000_000},
+              "device": {"jax": "gpu: NVIDIA H100 80GB HBM3", "torch": "NVIDIA H100 80GB HBM3"},
+              "versions": {"jax": "0.10.2", "torch": "2.13.0", "transformers": "5.23.0"},
+              "peer": {"commit": None, "sha256": {}, "shims": []}, "load_seconds": {"fast_dllm": 10.0, "dlm_jax": 12.0},
+              "peak_memory_bytes": {"dlm_jax": None, "fast_dllm": None}, "cases": rows,
+              "targets": list(table.values()), "notes": []}
+    md = gpu.markdown(report)
+    assert "| prefix b1 int8 | 1.100 | 0.125 | 8.80 |" in md and "75% of answers = dlm-jax unquantized" in md
+    assert "dlm-jax attention: split." in md
+    assert "| dlm-jax int8 median step / unquantized median step, prefix b1 |" in md
+    gpu.plot(report, tmp_path / "gpu.png")
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_quant_and_attention_reach_the_dlm_jax_worker_only(monkeypatch):
+    """Fast-dLLM measured again (or not at all) because of a dlm-jax option would waste a
+    lease: its worker's spec holds no quant modes or attention, dlm-jax's holds both, and every
+    worker gets the --budget-s deadline."""
+    specs: dict = {}
+    report, calls = fake_run(monkeypatch, ["--batches", "1", "--quant", "none", "int8", "--attention", "split",
+                                           "--budget-s", "300"], results=quant_results, specs=specs)
+    assert calls == ["fast_dllm", "dlm_jax", "dlm_jax2"]
+    fd_spec, deadline = specs["fast_dllm"]
+    assert "quants" not in fd_spec and "attention" not in fd_spec and 295 < deadline - gpu.time.time() <= 300
+    assert specs["dlm_jax"][0]["quants"] == ["none", "int8"] and specs["dlm_jax"][0]["attention"] == "split"
+    assert specs["dlm_jax2"][1] == deadline
+    assert report["settings"]["quants"] == ["none", "int8"] and report["settings"]["attention"] == "split"
+    assert report["settings"]["budget_s"] == 300
+    assert [r["case"] for r in report["cases"]] == ["prefix b1", "prefix b1 int8", "dual b1", "dual b1 int8"]
+
+
+def test_a_spent_budget_skips_the_remaining_cases_and_the_report_still_writes(tmp_path):
+    """A run killed at the end of its lease writes nothing: with --budget-s the workers record
+    what the budget left as skipped (not as failed or disagreeing), and a result holding a
+    skipped case is measured again under --work rather than reused."""
+    spec = {"cases": [{"batch": 1, "cache": "prefix"}, {"batch": 8, "cache": "dual"}], "quants": ["none", "int8"],
+            "checkpoint": str(tmp_path / "absent"), "gen_len": 256, "dtype": "bfloat16", "tie_tol": 1.0}
+    fd = gpu.fast_dllm_worker(spec, deadline=0.0)  # spent: nothing imports or loads (no checkpoint here)
+    dj = gpu.dlm_jax_worker(spec, second=False, deadline=0.0)
+    assert fd["skipped"] == ["prefix b1", "dual b8"]
+    assert dj["skipped"] == ["prefix b1", "dual b8", "prefix b1 int8", "dual b8 int8"]
+    rows = gpu.compare(spec, fd, dj, None, gpu.device_limits("NVIDIA H100"))
+    assert [r["agrees"] for r in rows] == [None] * 4 and all(r["ratio"] is None for r in rows)
+    report = {"mode": "full", "settings": {"dtype": "bfloat16", "prompt_len": 128, "gen_len": 256, "block_len": 32,
+                                           "threshold": 0.9, "reps": 3, "budget_s": 60},
+              "checkpoint": {"recipe": {"shape": "llada-8b"}, "params": 8_000_000_000},
+              "device": {"jax": None, "torch": None}, "versions": {"jax": None, "torch": None, "transformers": None},
+              "peer": {"commit": "abc", "sha256": {}, "shims": []},
+              "load_seconds": {"fast_dllm": None, "dlm_jax": None},
+              "peak_memory_bytes": {"dlm_jax": None, "fast_dllm": None}, "cases": rows,
+              "targets": gpu.targets(rows, {}), "notes": []}
+    md = gpu.markdown(report)
+    assert "| dual b8 int8 |" in md and "fast_dllm: skipped: time budget; dlm_jax: skipped: time budget" in md
+    text, spec_path, result = gpu._worker_spec(spec, tmp_path, "dlm_jax", False)
+    spec_path.write_text(text)
+    result.write_text(json.dumps(dj))
+    assert not gpu._done(spec, tmp_path, "dlm_jax")
+    result.write_text(json.dumps({**dj, "skipped": []}))
+    assert gpu._done(spec, tmp_path, "dlm_jax")
+
+
+def strip_quant(report: dict) -> dict:
+    """A result as the script wrote it before --quant: no quant modes in its settings or rows."""
+    return {**report, "settings": {k: v for k, v in report["settings"].items() if k not in ("quants", "attention",
+                                                                                          "budget_s")},
+            "cases": [{k: v for k, v in r.items() if k != "quant"} for r in report["cases"]]}
+
+
+def test_merge_takes_parts_without_quant_cases_as_unquantized(tmp_path, monkeypatch):
+    """Parts written before --quant must still merge (the committed gpu_parts are such), their
+    rows as unquantized cases beside a new part's int8 ones, in batch, cache, quant order."""
+    old, _ = fake_run(monkeypatch, ["--batches", "8"])
+    new, _ = fake_run(monkeypatch, ["--batches", "1", "--quant", "none", "int8"], results=quant_results)
+    paths = write_parts(tmp_path, strip_quant(old), new)
+    assert gpu.main(["--merge", *paths, "--out", str(tmp_path / "gpu")]) == 0
+    merged = json.loads((tmp_path / "gpu.json").read_text())
+    assert [r["case"] for r in merged["cases"]] == ["prefix b1", "prefix b1 int8", "dual b1", "dual b1 int8",
+                                                    "prefix b8", "dual b8"]
+    assert merged["settings"]["quants"] == ["none", "int8"] and merged["settings"]["batches"] == [1, 8]
+    assert "settings.quants" in merged["sources"] and merged["sources"]["cases"]["dual b8"] == paths[0]
+    assert merged["targets"] == gpu.targets(merged["cases"], merged["load_seconds"])
+    assert any(t["target"].startswith("dlm-jax int8") and t["value"] == 0.625 for t in merged["targets"])
+    assert "| prefix b1 int8 |" in (tmp_path / "gpu.md").read_text()
+    alone, _ = fake_run(monkeypatch, ["--batches", "1"])
+    assert gpu.merge([("a.json", strip_quant(alone))])["settings"] == strip_quant(alone)["settings"]  # as before
+
+
+def test_dlm_jax_worker_loads_each_quant_mode_and_names_its_cases(tmp_path):
+    """The dlm-jax worker on the shipped llada-tiny, unquantized and int8, in a process of its
+    own as the script runs it (about 5 s): one load per mode (int8 weights held in fewer bytes), the int8
+    case named as such, the attention asked for recorded, and --budget-s's deadline honoured."""
+    spec = {"checkpoint": str(ROOT / "models" / "llada-tiny"), "dtype": "float32", "require_gpu": False,
+            "prompt_len": 8, "gen_len": 32, "block_len": 32, "threshold": 0.9, "reps": 1, "tie_tol": 0.01,
+            "xla_cache": str(tmp_path / "xla"), "cases": [{"batch": 1, "cache": "prefix"}],
+            "quants": ["none", "int8"], "attention": "gather", "prompts": [[11, 12, 13, 14, 15, 16, 17, 18]]}
+    out = gpu._worker(spec, tmp_path, "dlm_jax")
+    assert set(out["cases"]) == {"prefix b1", "prefix b1 int8"} and not out.get("skipped")
+    assert out["attention"] == "gather" and set(out["load_seconds_by_quant"]) == {"none", "int8"}
+    assert out["weight_bytes"]["int8"] < 0.5 * out["weight_bytes"]["none"]  # float32 to int8, but for the embedding
+    for case in out["cases"].values():
+        assert len(case["tokens"][0]) == 32 and len(case["seconds"]) == 1 and case["nfe"] >= 1
+    rows = gpu.compare(spec, {"cases": {}}, out, None, gpu.device_limits("cpu"))
+    assert rows[1]["vs_unquantized"]["same_answers"] in (0.0, 1.0)
+    late = gpu._worker({**spec, "reps": 2}, tmp_path, "dlm_jax", deadline=gpu.time.time() - 1)
+    assert late["skipped"] == ["prefix b1", "prefix b1 int8"]
 
 
 # ---------------------------------------------------------------------------------------------
