@@ -1,0 +1,175 @@
+"""The layers of a `Transformer` stacked along [L] and run under `jax.lax.scan`.
+
+A compiled step over `Transformer` runs its L blocks in a Python loop, so XLA sees L copies
+of a block and compiles each; under a scan it sees one, whatever L, and compiles 3.3-4.6x
+faster at 32 layers on the CPU (`benchmarks/results/compile_scan.md`). The JAX executor's
+`layers="scan"` uses this module.
+
+Ownership of the weights: `stack_layers(model)` moves the blocks' parameters into one
+`[L, ...]` array per parameter, layer by layer (each layer's arrays are copied into the
+stacked buffers, donated, then deleted), so at most one layer's weights exist twice at any
+moment and never the whole model. The model keeps working: its `layers` become a
+`StackedLayers`, which yields each block over its slices of the stacked arrays when iterated
+(inside a jitted forward, slices of the traced weights; eagerly, one layer's copy at a time),
+so `Transformer.__call__` (lm-eval's log-likelihoods, calibration) runs as before.
+`ScannedTransformer` shares the model's modules (the same arrays) and replaces the layer loop
+by the scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dlm_jax._errors import ConfigError
+from dlm_jax.models._transformer import Block, ModelOutput, Routing, Transformer
+
+
+class StackedLayers(nnx.Module):
+    """L blocks of one structure as one `Block` whose arrays carry a leading [L] axis.
+
+    Indexing or iterating yields per-layer `Block`s over slices of the stacked arrays (what
+    `Transformer.__call__` needs); writing into those blocks does not reach the stack."""
+
+    def __init__(self, block: Block, n: int):
+        self.block = block
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Block:
+        if not -self.n <= i < self.n:
+            raise IndexError(f"layer {i} of {self.n}")
+        graphdef, state = nnx.split(self.block)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+
+    def __iter__(self) -> Iterator[Block]:
+        return (self[i] for i in range(self.n))
+
+
+def scan_refusal(model: Transformer) -> str | None:
+    """Why the blocks of `model` cannot be stacked (None: they can): blocks of different
+    structures (MoE and dense layers), split experts (their slots move one layer at a time),
+    LoRA adapters (a gate per layer the executor feeds by name)."""
+    if isinstance(model.layers, StackedLayers):
+        return None
+    blocks = list(model.layers)
+    if any(getattr(b.ffn, "slot_of", None) is not None for b in blocks):
+        return "split experts (expert_slots) are placed one layer at a time"
+    if any(getattr(owner, "lora", None) for b in blocks for _, owner in nnx.iter_graph(b)
+           if isinstance(owner, nnx.Module)):
+        return "LoRA adapters are attached to its layers"
+    first = nnx.graphdef(blocks[0])
+    for i, b in enumerate(blocks[1:], 1):
+        if nnx.graphdef(b) != first:
+            return f"layers 0 and {i} differ in structure ({type(blocks[0].ffn).__name__} / {type(b.ffn).__name__})"
+    return None
+
+
+def _stacked_like(leaf, n: int):
+    """A zero [n, ...] buffer for `leaf`, or its abstract twin for an abstract leaf."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((n, *leaf.shape), leaf.dtype)
+    return jnp.zeros((n, *leaf.shape), leaf.dtype)
+
+
+@jax.jit
+def _put(stacked, leaves, i):
+    return [s.at[i].set(x) for s, x in zip(stacked, leaves)]
+
+
+_put_donated = jax.jit(_put.__wrapped__, donate_argnums=0)
+
+
+def stack_layers(model: Transformer) -> StackedLayers:
+    """Move the blocks of `model` into a `StackedLayers` in place (`model.layers` becomes it);
+    returns it. Each layer's arrays are deleted once copied (see the module docstring); an
+    abstract model (`nnx.eval_shape`) stacks into abstract arrays. Raises ConfigError naming
+    the reason where the blocks do not stack (`scan_refusal`)."""
+    if isinstance(model.layers, StackedLayers):
+        return model.layers
+    reason = scan_refusal(model)
+    if reason is not None:
+        raise ConfigError(f"layers='scan' needs every layer of one structure, and {reason}: use layers='unrolled'")
+    blocks = list(model.layers)
+    graphdef, first = nnx.split(blocks[0])
+    leaves, treedef = jax.tree.flatten(first)
+    n = len(blocks)
+    stacked = [_stacked_like(leaf, n) for leaf in leaves]
+    abstract = isinstance(leaves[0], jax.ShapeDtypeStruct)
+    for i, block in enumerate(blocks):
+        layer = jax.tree.leaves(nnx.state(block))
+        if not abstract:
+            stacked = _put_donated(stacked, layer, i)
+            for x in layer:  # the stacked copy now holds them
+                x.delete()
+    layers = StackedLayers(nnx.merge(graphdef, jax.tree.unflatten(treedef, stacked)), n)
+    model.layers = layers
+    return layers
+
+
+class ScannedTransformer(nnx.Module):
+    """`Transformer` with the layer loop run by `jax.lax.scan` over `StackedLayers`.
+
+    Shares the modules of the model it was built from (`stack_layers` stacks its layers in
+    place first); `__call__` takes and returns what `Transformer.__call__` does."""
+
+    def __init__(self, model: Transformer):
+        stack_layers(model)
+        self.config = model.config
+        self.embed = model.embed
+        self.layers = model.layers
+        self.final_norm = model.final_norm
+        self.lm_head = model.lm_head
+
+    head = Transformer.head
+    layer_inputs = Transformer.layer_inputs
+    output = Transformer.output
+
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None, mask: jax.Array | None = None,
+                 k_cache: jax.Array | None = None, v_cache: jax.Array | None = None,
+                 logit_rows: jax.Array | None = None, lora_gate: jax.Array | None = None,
+                 router_topk: bool = False, ffn_act: bool = False) -> ModelOutput:
+        x, cos, sin, mask = self.layer_inputs(tokens, positions, mask, k_cache, v_cache)
+        if lora_gate is not None and tuple(lora_gate.shape) != tuple(tokens.shape):
+            raise ValueError(f"lora_gate has shape {tuple(lora_gate.shape)}, expected the tokens' {tuple(tokens.shape)}")
+        graphdef, stacked = nnx.split(self.layers.block)
+
+        def body(x, xs):
+            params, kc, vc = xs
+            x, k, v, extra = nnx.merge(graphdef, params)(x, cos, sin, mask, kc, vc, lora_gate)
+            routed = isinstance(extra, Routing)
+            topk = extra.experts.reshape(*tokens.shape, -1) if routed and router_topk else None
+            act = extra if extra is not None and not routed and ffn_act else None
+            return x, (k, v, topk, act)
+
+        x, (ks, vs, topk, acts) = jax.lax.scan(body, x, (stacked, k_cache, v_cache))
+        return ModelOutput(self.output(x, logit_rows), ks, vs, topk, acts)
+
+
+LAYERS = ("unrolled", "scan")
+LAYERS_ENV = "DLM_JAX_LAYERS"
+
+
+def choose_layers(model: Transformer, layers: str | None) -> str:
+    """How the JAX executor runs the blocks of `model`: `layers`, else `$DLM_JAX_LAYERS`, else
+    "unrolled". "scan" asked for by name is refused (ConfigError, with the reason) where the
+    blocks do not stack (`scan_refusal`); asked for by the environment, it falls back to
+    "unrolled" with a warning naming the reason, so one setting serves every model."""
+    import os
+    import warnings
+
+    chosen = layers or os.environ.get(LAYERS_ENV) or "unrolled"
+    if chosen not in LAYERS:
+        source = f"layers={layers!r}" if layers else f"{LAYERS_ENV}={chosen!r}"
+        raise ConfigError(f"{source}: expected one of {', '.join(LAYERS)}")
+    if chosen == "scan" and (reason := scan_refusal(model)) is not None:
+        if layers:
+            raise ConfigError(f"layers='scan' needs every layer of one structure, and {reason}: use layers='unrolled'")
+        warnings.warn(f"{LAYERS_ENV}=scan: {reason}; its layers run unrolled", stacklevel=3)
+        return "unrolled"
+    return chosen
