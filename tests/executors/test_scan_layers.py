@@ -11,6 +11,8 @@ from dlm_jax._errors import ConfigError
 from dlm_jax.executors.jax_executor import JaxExecutor
 from dlm_jax.models._scan import LAYERS_ENV, ScannedTransformer, StackedLayers
 from dlm_jax.runtime.decoder import Decoder
+from dlm_jax.techniques.isd.lora import LoraSpec, attach_lora
+from dlm_jax.techniques.tide.split import split_experts
 from dlm_jax.testing import tiny_model
 
 PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
@@ -83,12 +85,20 @@ def jax_leaves(module):
 
 def test_scan_is_refused_with_its_reason_and_falls_back_under_the_environment(monkeypatch):
     """Guards mixed MoE / dense layers stacked into one structure (a crash deep in the
-    scan, or silently wrong weights); under `$DLM_JAX_LAYERS` the model runs unrolled."""
+    scan, or silently wrong weights), and adapters or expert slots that would stop reaching
+    the stacked weights; under `$DLM_JAX_LAYERS` such a model runs unrolled."""
     mixed = dict(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=16, dense_layers=(0,))
     with pytest.raises(ConfigError, match=r"layers 0 and 1 differ in structure \(DenseFFN / MoEFFN\)"):
         JaxExecutor(tiny_model(**mixed), layers="scan")
     with pytest.raises(ConfigError, match="layers='sideways': expected one of unrolled, scan"):
         JaxExecutor(tiny_model(), layers="sideways")
+    lora = attach_lora(tiny_model(), LoraSpec(rank=2, alpha=4.0, targets=("q_proj",)))
+    with pytest.raises(ConfigError, match="LoRA adapters are attached to its layers: use layers='unrolled'"):
+        JaxExecutor(lora, layers="scan")
+    split = tiny_model(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=16)
+    split_experts(split, split.config.moe_layers, 2)
+    with pytest.raises(ConfigError, match=r"split experts \(expert_slots\) are placed one layer at a time"):
+        JaxExecutor(split, layers="scan")
     monkeypatch.setenv(LAYERS_ENV, "scan")
     with pytest.warns(UserWarning, match="DLM_JAX_LAYERS=scan: layers 0 and 1 differ"):
         assert JaxExecutor(tiny_model(**mixed)).layers == "unrolled"
