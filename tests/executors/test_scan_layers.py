@@ -115,3 +115,18 @@ def test_scanned_moe_reports_the_same_routed_experts():
     want, got = ref(**inputs, router_topk=True), scanned(**inputs, router_topk=True)
     np.testing.assert_array_equal(got.router_topk, want.router_topk)
     np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stacked_model_saves_the_checkpoint_of_the_unstacked_one(tmp_path):
+    """Guards a checkpoint saved from a model whose layers an executor stacked: names of the
+    stack (`layers.block.*`, [L, ...]) instead of each layer's, which no loader reads back."""
+    ref, model = _twins()
+    JaxExecutor(model, layers="scan")
+    want, got = dlm_jax.get_params(ref), dlm_jax.get_params(model)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    dlm_jax.save_pretrained(model, tmp_path / "ckpt")
+    back = dlm_jax.load_pretrained(tmp_path / "ckpt")
+    np.testing.assert_allclose(back(jnp.asarray([[3, 4, 5]])).logits, ref(jnp.asarray([[3, 4, 5]])).logits,
+                               rtol=1e-6, atol=1e-6)
