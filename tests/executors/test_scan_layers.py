@@ -53,12 +53,13 @@ def test_scanned_forward_matches_the_unrolled_one_and_the_model_keeps_working():
     np.testing.assert_allclose(model(inputs["tokens"]).logits, ref(inputs["tokens"]).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache", ["prefix", "dual"])
-def test_scanned_executor_decodes_the_same_tokens(cache):
+@pytest.mark.parametrize("cache, dtype", [("prefix", "float32"), ("dual", "float32"), ("dual", "bfloat16")])
+def test_scanned_executor_decodes_the_same_tokens(cache, dtype):
     """Guards the resident step (gather, step, scatter of the window K/V) over stacked
     layers: the same tokens as the unrolled executor, batch of two prompts of different
-    lengths, with the per-layer K/V written back where the next step reads them."""
-    ref, model = _twins()
+    lengths, with the per-layer K/V written back where the next step reads them (in
+    bfloat16 too, where a carry of another dtype would fail the scan)."""
+    ref, model = _twins(dtype=dtype, param_dtype=dtype)
     cfg = dlm_jax.decode_config(gen_len=24, block_len=8, cache=cache, rule="threshold", threshold=0.9)
     want = Decoder(JaxExecutor(ref), ref.config).decode(PROMPTS, cfg)
     ex = JaxExecutor(model, layers="scan")
@@ -66,6 +67,19 @@ def test_scanned_executor_decodes_the_same_tokens(cache):
     assert ex.layers == "scan"
     np.testing.assert_array_equal(got.sequences, want.sequences)
     assert got.stats.nfe == want.stats.nfe > 3  # several steps, reading the cache
+
+
+def test_scanned_executor_runs_a_cpu_path_fork_the_same():
+    """Guards llada.cpp's CPU path (a fork of the executor stepping over gathered slots,
+    `views`) over stacked layers: the same tokens as unrolled."""
+    ref, model = _twins()
+    cfg = dlm_jax.preset("llada-cpp", gen_len=16, block_len=8)
+    want = Decoder(JaxExecutor(ref), ref.config).decode(PROMPTS, cfg)
+    dec = Decoder(JaxExecutor(model, layers="scan"), model.config)
+    got = dec.decode(PROMPTS, cfg)
+    np.testing.assert_array_equal(got.sequences, want.sequences)
+    assert got.stats.nfe == want.stats.nfe and got.stats.counters == want.stats.counters
+    assert got.stats.counters["refresh_steps"] > 0 and dec.cpu_executor().executor._views.keys  # the path ran
 
 
 def test_stacking_leaves_one_copy_of_the_layer_weights():
