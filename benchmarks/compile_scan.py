@@ -14,6 +14,12 @@ same bucket are built with fresh `jax.jit` objects (nothing reused between repea
             parameters, K/V cache per layer) with nnx.merge inside the body, as `nnx.scan`
             does: one block in the HLO whatever L.
 
+Then, at the LLaDA-8B shape (d 4096, 32 layers, 32 heads, MLP 12288, vocab 126464, bfloat16),
+the JAX executor's own resident step (`JaxExecutor(model, layers=...)`: gather the read
+slots, step, scatter the window K/V) for the buckets a decode of prompt 128 + generation 256
+uses, lowered from abstract shapes (`nnx.eval_shape`: no weights allocated) and compiled,
+`layers="unrolled"` vs `layers="scan"` (`--llada-8b-repeats 0` skips it).
+
 Per case: trace + lower seconds and XLA compile seconds (medians of `--repeats`, the two
 variants alternating so that load from other jobs falls on both), the compiled step's run
 time (median of `--steps` calls, the variants taking turns call by call), the minima of both
@@ -48,8 +54,9 @@ from flax import nnx  # noqa: E402
 from _hardware import machine  # noqa: E402
 
 import dlm_jax  # noqa: E402
+from dlm_jax.models._params import _ShapeOnlyRngs  # noqa: E402
 from dlm_jax.models._transformer import ModelOutput, Transformer  # noqa: E402
-from dlm_jax.executors.jax_executor import abstract_inputs, decode_step  # noqa: E402
+from dlm_jax.executors.jax_executor import JaxExecutor, abstract_inputs, decode_step  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey  # noqa: E402
 
 _T0 = time.perf_counter()
@@ -222,6 +229,59 @@ def measure(cfg: dlm_jax.ModelConfig, key: BucketKey, *, repeats: int = 3, steps
     }
 
 
+LLADA_8B = dict(vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden=12288,
+                mask_token_id=126336, max_seq_len=4096, rope_theta=500000.0, dtype="bfloat16",
+                param_dtype="bfloat16")
+# (batch, window, cache) of the resident steps of a decode of prompt 128 + generation 256 in
+# blocks of 32 (512 slots): the steady step of both caches, and a block's first (full) step.
+LLADA_8B_STEPS = ((1, 32, 384), (1, 384, 0), (8, 32, 384))
+SLOTS = 512
+
+
+def resident_compile(cfg: dlm_jax.ModelConfig, key: BucketKey, slots: int, layers: str) -> tuple[float, float, Any]:
+    """(trace + lower seconds, compile seconds, executable) of the JAX executor's resident step
+    for `key` over a decode of `slots` slots, built over an abstract model (no weights)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=_ShapeOnlyRngs()))
+    fn, specs, options = JaxExecutor(model, layers=layers)._build_resident((key, slots))
+    t0 = time.perf_counter()
+    lowered = jax.jit(fn, **options).lower(*specs)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    return t1 - t0, time.perf_counter() - t1, compiled
+
+
+def measure_resident(cfg: dlm_jax.ModelConfig, steps=LLADA_8B_STEPS, *, slots: int = SLOTS,
+                     repeats: int = 3) -> list[dict[str, Any]]:
+    """Per bucket, the resident step compiled `repeats` times per variant (alternating)."""
+    rows = []
+    for batch, window, cache in steps:
+        key = BucketKey(batch=batch, window=window, cache=cache, rows=min(window, 32))
+        lower: dict[str, list[float]] = {"unrolled": [], "scan": []}
+        comp: dict[str, list[float]] = {"unrolled": [], "scan": []}
+        temp: dict[str, int | None] = {}
+        for r in range(repeats):
+            for layers in (("unrolled", "scan") if r % 2 == 0 else ("scan", "unrolled")):
+                lo, co, exe = resident_compile(cfg, key, slots, layers)
+                lower[layers].append(lo)
+                comp[layers].append(co)
+                mem = exe.memory_analysis()
+                temp[layers] = getattr(mem, "temp_size_in_bytes", None)
+        med = {f"{'scanned' if v == 'scan' else v}_{what}_s": round(statistics.median(d[v]), 4)
+               for what, d in (("lower", lower), ("compile", comp)) for v in d}
+        row = {"bucket": str(key), "slots": slots, **med,
+               "compile_ratio": round(med["unrolled_compile_s"] / med["scanned_compile_s"], 2),
+               "total_ratio": round((med["unrolled_lower_s"] + med["unrolled_compile_s"])
+                                    / (med["scanned_lower_s"] + med["scanned_compile_s"]), 2),
+               "unrolled_temp_mb": None if temp["unrolled"] is None else round(temp["unrolled"] / 2**20, 1),
+               "scanned_temp_mb": None if temp["scan"] is None else round(temp["scan"] / 2**20, 1),
+               "samples": {"unrolled_compile_s": [round(x, 4) for x in comp["unrolled"]],
+                           "scanned_compile_s": [round(x, 4) for x in comp["scan"]]}}
+        log(f"8B {row['bucket']}: compile unrolled {row['unrolled_compile_s']:.2f}s scanned "
+            f"{row['scanned_compile_s']:.2f}s ({row['compile_ratio']:.2f}x)")
+        rows.append(row)
+    return rows
+
+
 def environment() -> dict[str, Any]:
     return {**machine(), "jax": jax.__version__, "flax": __import__("flax").__version__,
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
@@ -271,6 +331,22 @@ def markdown(rep: dict[str, Any]) -> str:
               "the minima, less sensitive to other jobs on this shared machine. Widths: "
               + "; ".join(sorted({f"d {r['d_model']}: {r['n_heads']} heads, ffn {r['ffn_hidden']}, "
                                   f"vocab {r['vocab']}" for r in rep["rows"]})) + "."]
+    if rep.get("llada_8b"):
+        lines += ["", "## The JAX executor's resident step at the LLaDA-8B shape", "",
+                  "`JaxExecutor(model, layers=\"unrolled\" | \"scan\")` over an abstract model (d 4096, 32 layers, "
+                  "32 heads, MLP 12288, vocab 126464, bfloat16; no weights allocated), its resident step (gather, "
+                  f"step, scatter) lowered and compiled on this CPU for a decode of {SLOTS} slots; medians of "
+                  f"{rep['llada_8b']['repeats']} compiles per variant, alternating. Temp: the compiled program's "
+                  "scratch memory (XLA's memory analysis); XLA:CPU runs bfloat16 dots in float32, so here it "
+                  "holds float32 copies of the weights: read the difference between the variants, not the size "
+                  "a GPU needs.", "",
+                  "| bucket | unrolled lower s | unrolled compile s | scanned lower s | scanned compile s "
+                  "| compile ratio | total ratio | temp MB (unrolled / scanned) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rep["llada_8b"]["rows"]:
+            lines.append(f"| `{r['bucket']}` | {r['unrolled_lower_s']:.3f} | {r['unrolled_compile_s']:.3f} "
+                         f"| {r['scanned_lower_s']:.3f} | {r['scanned_compile_s']:.3f} | {r['compile_ratio']:.2f}x "
+                         f"| {r['total_ratio']:.2f}x | {r['unrolled_temp_mb']} / {r['scanned_temp_mb']} |")
     if "wall_s" in rep:
         lines += ["", f"Wall time of the run: {rep['wall_s']:.0f} s."]
     return "\n".join(lines) + "\n"
@@ -322,6 +398,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--cache", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="compiles per variant and case (median)")
     p.add_argument("--steps", type=int, default=10, help="timed calls per variant and case (median)")
+    p.add_argument("--llada-8b-repeats", type=int, default=3,
+                   help="compiles per variant of each resident step at the LLaDA-8B shape (0: skip)")
     args = p.parse_args(argv)
     disable_persistent_cache()
     assert jax.config.jax_compilation_cache_dir is None, "the persistent cache must be off"
@@ -341,6 +419,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{row['unrolled_step_ms']:.1f} / {row['scanned_step_ms']:.1f} ms; diff {row['max_abs_diff']:.1e}")
             rows.append(row)
     rep = report(rows, key, vars(args))
+    if args.llada_8b_repeats:
+        rep["llada_8b"] = {"config": LLADA_8B, "repeats": args.llada_8b_repeats,
+                           "rows": measure_resident(dlm_jax.ModelConfig(**LLADA_8B),
+                                                    repeats=args.llada_8b_repeats)}
     rep["wall_s"] = round(time.perf_counter() - t_start, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
