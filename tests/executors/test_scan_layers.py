@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import dlm_jax
+import dlm_jax.testing
 from dlm_jax._errors import ConfigError
 from dlm_jax.executors.jax_executor import JaxExecutor
 from dlm_jax.models._scan import LAYERS_ENV, ScannedTransformer, StackedLayers
@@ -51,6 +52,9 @@ def test_scanned_forward_matches_the_unrolled_one_and_the_model_keeps_working():
         np.testing.assert_allclose(got.v, want.v, rtol=1e-6, atol=1e-6)
     assert isinstance(model.layers, StackedLayers) and len(model.layers) == 3
     np.testing.assert_allclose(model(inputs["tokens"]).logits, ref(inputs["tokens"]).logits, rtol=1e-5, atol=1e-5)
+    graphdef, state = nnx.split(model)  # as lm-eval runs it: split, jitted, merged in the trace
+    jitted = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t).logits)
+    np.testing.assert_allclose(jitted(state, inputs["tokens"]), ref(inputs["tokens"]).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cache, dtype", [("prefix", "float32"), ("dual", "float32"), ("dual", "bfloat16")])
@@ -144,3 +148,18 @@ def test_a_stacked_model_saves_the_checkpoint_of_the_unstacked_one(tmp_path):
     back = dlm_jax.load_pretrained(tmp_path / "ckpt")
     np.testing.assert_allclose(back(jnp.asarray([[3, 4, 5]])).logits, ref(jnp.asarray([[3, 4, 5]])).logits,
                                rtol=1e-6, atol=1e-6)
+
+
+def test_the_environment_picks_scan_for_load_but_not_beside_the_bundle_cache(monkeypatch, tmp_path):
+    """Guards `$DLM_JAX_LAYERS=scan` stacking a model that the default CPU executor's bundle
+    cache then exports from (its layers are exported one by one, from the unstacked model),
+    and the variable not reaching `dlm_jax.load` (the GPU benchmark picks scan through it)."""
+    from dlm_jax.api import EXECUTORS
+
+    monkeypatch.setenv(LAYERS_ENV, "scan")
+    model = tiny_model()
+    auto = EXECUTORS["jax-then-litert"](model, source="")
+    assert auto.jax.layers == "unrolled" and not isinstance(model.layers, StackedLayers)
+    ckpt = dlm_jax.testing.tiny_checkpoint(tmp_path / "ckpt")
+    loaded = dlm_jax.load(ckpt, executor="jax")
+    assert loaded.executor.layers == "scan" and isinstance(loaded.model.layers, StackedLayers)
