@@ -20,6 +20,12 @@ slots, step, scatter the window K/V) for the buckets a decode of prompt 128 + ge
 uses, lowered from abstract shapes (`nnx.eval_shape`: no weights allocated) and compiled,
 `layers="unrolled"` vs `layers="scan"` (`--llada-8b-repeats 0` skips it).
 
+Last, the first decode of a fresh process (`--first-decode`): per model, cache and layers, a
+new Python process with the persistent cache off builds the JAX executor over random weights
+of the checkpoint's shape (so that blocks take many steps, as in `benchmarks/gpu.py`) and
+decodes prompt 128 + generation 256 in blocks of 32 at threshold 0.9; the decode's wall time,
+its compiles and the seconds it waited for them (`DecodeStats.compile_wait_seconds`).
+
 Per case: trace + lower seconds and XLA compile seconds (medians of `--repeats`, the two
 variants alternating so that load from other jobs falls on both), the compiled step's run
 time (median of `--steps` calls, the variants taking turns call by call), the minima of both
@@ -282,6 +288,42 @@ def measure_resident(cfg: dlm_jax.ModelConfig, steps=LLADA_8B_STEPS, *, slots: i
     return rows
 
 
+def first_decode_worker(model: str, cache: str, batch: int, gen_len: int) -> dict[str, Any]:
+    """In this (fresh) process: the first decode over random weights of `model`'s shape."""
+    from dlm_jax._model import Model
+    from dlm_jax.api import jax_executor, stored_tokenizer
+
+    t0 = time.perf_counter()
+    cfg, _ = dlm_jax.load_config(model, eos_token_id=None)  # random weights: no early end
+    net = dlm_jax.init_model(cfg, seed=0)
+    m = Model(net, stored_tokenizer(model), executor=jax_executor(net))
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.mask_token_id, 128).tolist() for _ in range(batch)]
+    dc = dlm_jax.decode_config(gen_len=gen_len, block_len=32, cache=cache, rule="threshold", threshold=0.9)
+    t0 = time.perf_counter()
+    out = m.decoder.decode(prompts, dc)
+    s = out.stats
+    return {"model": model, "cache": cache, "batch": batch, "layers": m.executor.layers,
+            "first_decode_s": round(time.perf_counter() - t0, 3), "setup_s": round(load_s, 3), "nfe": s.nfe,
+            "buckets": len(s.buckets), "compiles": s.compiles, "compile_s": round(s.compile_seconds, 3),
+            "compile_wait_s": round(s.compile_wait_seconds, 3), "steps_s": round(sum(s.step_seconds), 3)}
+
+
+def first_decode(model: str, cache: str, batch: int, layers: str, *, gen_len: int = 256) -> dict[str, Any]:
+    """`first_decode_worker` in a new process (`DLM_JAX_LAYERS=layers`, no persistent cache)."""
+    import subprocess
+
+    env = {**os.environ, "DLM_JAX_CACHE_DIR": "off", "DLM_JAX_LAYERS": layers}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--first-decode-worker", model, cache, str(batch),
+           str(gen_len)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"first decode of {model} ({cache}, {layers}) failed: {done.stderr[-1000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def environment() -> dict[str, Any]:
     return {**machine(), "jax": jax.__version__, "flax": __import__("flax").__version__,
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
@@ -347,6 +389,18 @@ def markdown(rep: dict[str, Any]) -> str:
             lines.append(f"| `{r['bucket']}` | {r['unrolled_lower_s']:.3f} | {r['unrolled_compile_s']:.3f} "
                          f"| {r['scanned_lower_s']:.3f} | {r['scanned_compile_s']:.3f} | {r['compile_ratio']:.2f}x "
                          f"| {r['total_ratio']:.2f}x | {r['unrolled_temp_mb']} / {r['scanned_temp_mb']} |")
+    if rep.get("first_decode"):
+        lines += ["", "## The first decode of a fresh process", "",
+                  "Random weights of each checkpoint's shape, prompt 128 + generation 256, blocks of 32, threshold "
+                  "0.9, persistent compilation cache off, background compile threads as the machine's default "
+                  f"(`DLM_JAX_COMPILE_THREADS`: {os.environ.get('DLM_JAX_COMPILE_THREADS', 'unset')}; none under "
+                  "4 cores). Seconds of one run each.", "",
+                  "| model | cache | batch | layers | first decode s | buckets | compiles | compile s | waited s "
+                  "| steps s |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rep["first_decode"]:
+            lines.append(f"| {r['model']} | {r['cache']} | {r['batch']} | {r['layers']} | {r['first_decode_s']:.2f} "
+                         f"| {r['buckets']} | {r['compiles']} | {r['compile_s']:.2f} | {r['compile_wait_s']:.2f} "
+                         f"| {r['steps_s']:.2f} |")
     if "wall_s" in rep:
         lines += ["", f"Wall time of the run: {rep['wall_s']:.0f} s."]
     return "\n".join(lines) + "\n"
@@ -400,7 +454,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=10, help="timed calls per variant and case (median)")
     p.add_argument("--llada-8b-repeats", type=int, default=3,
                    help="compiles per variant of each resident step at the LLaDA-8B shape (0: skip)")
+    p.add_argument("--first-decode", nargs="*", default=["models/llada-tiny", "models/llada-12m"],
+                   help="checkpoints whose first decode in a fresh process is measured (none: skip)")
+    p.add_argument("--first-decode-worker", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.first_decode_worker:
+        model, cache, batch, gen = args.first_decode_worker
+        row = first_decode_worker(model, cache, int(batch), int(gen))
+        print(json.dumps(row))
+        return row
     disable_persistent_cache()
     assert jax.config.jax_compilation_cache_dir is None, "the persistent cache must be off"
     key = BucketKey(batch=args.batch, window=args.window, cache=args.cache, rows=args.window, full_logits=True)
@@ -423,6 +485,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rep["llada_8b"] = {"config": LLADA_8B, "repeats": args.llada_8b_repeats,
                            "rows": measure_resident(dlm_jax.ModelConfig(**LLADA_8B),
                                                     repeats=args.llada_8b_repeats)}
+    rep["first_decode"] = []
+    for model in args.first_decode:
+        for cache in ("prefix", "dual"):
+            for layers in ("unrolled", "scan"):
+                row = first_decode(model, cache, 1, layers)
+                log(f"first decode {model} {cache} {layers}: {row['first_decode_s']:.2f}s, waited "
+                    f"{row['compile_wait_s']:.2f}s for {row['compiles']} compiles")
+                rep["first_decode"].append(row)
     rep["wall_s"] = round(time.perf_counter() - t_start, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -82,3 +82,14 @@ def test_the_executors_resident_step_compiles_from_abstract_shapes_both_ways(no_
     rep = compile_scan.report([], KEY, {})
     rep["llada_8b"] = {"config": {}, "repeats": 1, "rows": rows}
     assert "| `b1_w8_p16_r8` |" in compile_scan.markdown(rep)
+
+
+def test_the_first_decode_reports_what_it_waited_for(monkeypatch):
+    monkeypatch.setenv("DLM_JAX_LAYERS", "scan")
+    row = compile_scan.first_decode_worker(str(ROOT / "models" / "llada-tiny"), "dual", 1, 32)
+    assert row["layers"] == "scan" and row["nfe"] > 1  # random weights: many steps
+    assert row["buckets"] >= 2 and row["compiles"] > row["buckets"]  # and the cache's allocation
+    assert 0 < row["compile_wait_s"] <= row["first_decode_s"]
+    rep = compile_scan.report([], KEY, {})
+    rep["first_decode"] = [row]
+    assert "| dual | 1 | scan |" in compile_scan.markdown(rep)
