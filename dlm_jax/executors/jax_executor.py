@@ -263,7 +263,7 @@ class JaxExecutor(Executor):
     "scan" (`dlm_jax.models._scan`: the blocks' weights stacked [L, ...] and run by
     `jax.lax.scan`, one block compiled whatever L); default `$DLM_JAX_LAYERS`, else
     "unrolled". With "scan" the model's layers are stacked in place (`stack_layers`: each
-    layer's arrays deleted once copied, so the weights are never held twice); the model
+    parameter's per-layer arrays deleted once stacked, so the weights are held once); the model
     stays usable (`Transformer.__call__` runs over slices of the stack), but its layers no
     longer take adapters or split experts, and a model whose blocks differ is refused."""
 
