@@ -19,6 +19,8 @@ by the scan.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Iterator
 
 import jax
@@ -128,7 +130,8 @@ class ScannedTransformer(nnx.Module):
                  router_topk: bool = False, ffn_act: bool = False) -> ModelOutput:
         x, cos, sin, mask = self.layer_inputs(tokens, positions, mask, k_cache, v_cache)
         if lora_gate is not None and tuple(lora_gate.shape) != tuple(tokens.shape):
-            raise ValueError(f"lora_gate has shape {tuple(lora_gate.shape)}, expected the tokens' {tuple(tokens.shape)}")
+            raise ValueError(f"lora_gate has shape {tuple(lora_gate.shape)}, "
+                             f"expected the tokens' {tuple(tokens.shape)}")
         graphdef, stacked = nnx.split(self.layers.block)
 
         def body(x, xs):
@@ -152,9 +155,6 @@ def choose_layers(model: Transformer, layers: str | None) -> str:
     "unrolled". "scan" asked for by name is refused (ConfigError, with the reason) where the
     blocks do not stack (`scan_refusal`); asked for by the environment, it falls back to
     "unrolled" with a warning naming the reason, so one setting serves every model."""
-    import os
-    import warnings
-
     chosen = layers or os.environ.get(LAYERS_ENV) or "unrolled"
     if chosen not in LAYERS:
         source = f"layers={layers!r}" if layers else f"{LAYERS_ENV}={chosen!r}"
