@@ -14,6 +14,18 @@ same bucket are built with fresh `jax.jit` objects (nothing reused between repea
             parameters, K/V cache per layer) with nnx.merge inside the body, as `nnx.scan`
             does: one block in the HLO whatever L.
 
+Then, at the LLaDA-8B shape (d 4096, 32 layers, 32 heads, MLP 12288, vocab 126464, bfloat16),
+the JAX executor's own resident step (`JaxExecutor(model, layers=...)`: gather the read
+slots, step, scatter the window K/V) for the buckets a decode of prompt 128 + generation 256
+uses, lowered from abstract shapes (`nnx.eval_shape`: no weights allocated) and compiled,
+`layers="unrolled"` vs `layers="scan"` (`--llada-8b-repeats 0` skips it).
+
+Last, the first decode of a fresh process (`--first-decode`): per model, cache and layers, a
+new Python process with the persistent cache off builds the JAX executor over random weights
+of the checkpoint's shape (so that blocks take many steps, as in `benchmarks/gpu.py`) and
+decodes prompt 128 + generation 256 in blocks of 32 at threshold 0.9; the decode's wall time,
+its compiles and the seconds it waited for them (`DecodeStats.compile_wait_seconds`).
+
 Per case: trace + lower seconds and XLA compile seconds (medians of `--repeats`, the two
 variants alternating so that load from other jobs falls on both), the compiled step's run
 time (median of `--steps` calls, the variants taking turns call by call), the minima of both
@@ -48,8 +60,9 @@ from flax import nnx  # noqa: E402
 from _hardware import machine  # noqa: E402
 
 import dlm_jax  # noqa: E402
+from dlm_jax.models._params import _ShapeOnlyRngs  # noqa: E402
 from dlm_jax.models._transformer import ModelOutput, Transformer  # noqa: E402
-from dlm_jax.executors.jax_executor import abstract_inputs, decode_step  # noqa: E402
+from dlm_jax.executors.jax_executor import JaxExecutor, abstract_inputs, decode_step  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey  # noqa: E402
 
 _T0 = time.perf_counter()
@@ -222,6 +235,95 @@ def measure(cfg: dlm_jax.ModelConfig, key: BucketKey, *, repeats: int = 3, steps
     }
 
 
+LLADA_8B = dict(vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden=12288,
+                mask_token_id=126336, max_seq_len=4096, rope_theta=500000.0, dtype="bfloat16",
+                param_dtype="bfloat16")
+# (batch, window, cache) of the resident steps of a decode of prompt 128 + generation 256 in
+# blocks of 32 (512 slots): the steady step of both caches, and a block's first (full) step.
+LLADA_8B_STEPS = ((1, 32, 384), (1, 384, 0), (8, 32, 384))
+SLOTS = 512
+
+
+def resident_compile(cfg: dlm_jax.ModelConfig, key: BucketKey, slots: int, layers: str) -> tuple[float, float, Any]:
+    """(trace + lower seconds, compile seconds, executable) of the JAX executor's resident step
+    for `key` over a decode of `slots` slots, built over an abstract model (no weights)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=_ShapeOnlyRngs()))
+    fn, specs, options = JaxExecutor(model, layers=layers)._build_resident((key, slots))
+    t0 = time.perf_counter()
+    lowered = jax.jit(fn, **options).lower(*specs)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    return t1 - t0, time.perf_counter() - t1, compiled
+
+
+def measure_resident(cfg: dlm_jax.ModelConfig, steps=LLADA_8B_STEPS, *, slots: int = SLOTS,
+                     repeats: int = 3) -> list[dict[str, Any]]:
+    """Per bucket, the resident step compiled `repeats` times per variant (alternating)."""
+    rows = []
+    for batch, window, cache in steps:
+        key = BucketKey(batch=batch, window=window, cache=cache, rows=min(window, 32))
+        lower: dict[str, list[float]] = {"unrolled": [], "scan": []}
+        comp: dict[str, list[float]] = {"unrolled": [], "scan": []}
+        temp: dict[str, int | None] = {}
+        for r in range(repeats):
+            for layers in (("unrolled", "scan") if r % 2 == 0 else ("scan", "unrolled")):
+                lo, co, exe = resident_compile(cfg, key, slots, layers)
+                lower[layers].append(lo)
+                comp[layers].append(co)
+                mem = exe.memory_analysis()
+                temp[layers] = getattr(mem, "temp_size_in_bytes", None)
+        med = {f"{'scanned' if v == 'scan' else v}_{what}_s": round(statistics.median(d[v]), 4)
+               for what, d in (("lower", lower), ("compile", comp)) for v in d}
+        row = {"bucket": str(key), "slots": slots, **med,
+               "compile_ratio": round(med["unrolled_compile_s"] / med["scanned_compile_s"], 2),
+               "total_ratio": round((med["unrolled_lower_s"] + med["unrolled_compile_s"])
+                                    / (med["scanned_lower_s"] + med["scanned_compile_s"]), 2),
+               "unrolled_temp_mb": None if temp["unrolled"] is None else round(temp["unrolled"] / 2**20, 1),
+               "scanned_temp_mb": None if temp["scan"] is None else round(temp["scan"] / 2**20, 1),
+               "samples": {"unrolled_compile_s": [round(x, 4) for x in comp["unrolled"]],
+                           "scanned_compile_s": [round(x, 4) for x in comp["scan"]]}}
+        log(f"8B {row['bucket']}: compile unrolled {row['unrolled_compile_s']:.2f}s scanned "
+            f"{row['scanned_compile_s']:.2f}s ({row['compile_ratio']:.2f}x)")
+        rows.append(row)
+    return rows
+
+
+def first_decode_worker(model: str, cache: str, batch: int, gen_len: int) -> dict[str, Any]:
+    """In this (fresh) process: the first decode over random weights of `model`'s shape."""
+    from dlm_jax._model import Model
+    from dlm_jax.api import jax_executor, stored_tokenizer
+
+    t0 = time.perf_counter()
+    cfg, _ = dlm_jax.load_config(model, eos_token_id=None)  # random weights: no early end
+    net = dlm_jax.init_model(cfg, seed=0)
+    m = Model(net, stored_tokenizer(model), executor=jax_executor(net))
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.mask_token_id, 128).tolist() for _ in range(batch)]
+    dc = dlm_jax.decode_config(gen_len=gen_len, block_len=32, cache=cache, rule="threshold", threshold=0.9)
+    t0 = time.perf_counter()
+    out = m.decoder.decode(prompts, dc)
+    s = out.stats
+    return {"model": model, "cache": cache, "batch": batch, "layers": m.executor.layers,
+            "first_decode_s": round(time.perf_counter() - t0, 3), "setup_s": round(load_s, 3), "nfe": s.nfe,
+            "buckets": len(s.buckets), "compiles": s.compiles, "compile_s": round(s.compile_seconds, 3),
+            "compile_wait_s": round(s.compile_wait_seconds, 3), "steps_s": round(sum(s.step_seconds), 3)}
+
+
+def first_decode(model: str, cache: str, batch: int, layers: str, *, gen_len: int = 256) -> dict[str, Any]:
+    """`first_decode_worker` in a new process (`DLM_JAX_LAYERS=layers`, no persistent cache)."""
+    import subprocess
+
+    env = {**os.environ, "DLM_JAX_CACHE_DIR": "off", "DLM_JAX_LAYERS": layers}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--first-decode-worker", model, cache, str(batch),
+           str(gen_len)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"first decode of {model} ({cache}, {layers}) failed: {done.stderr[-1000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def environment() -> dict[str, Any]:
     return {**machine(), "jax": jax.__version__, "flax": __import__("flax").__version__,
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
@@ -271,6 +373,34 @@ def markdown(rep: dict[str, Any]) -> str:
               "the minima, less sensitive to other jobs on this shared machine. Widths: "
               + "; ".join(sorted({f"d {r['d_model']}: {r['n_heads']} heads, ffn {r['ffn_hidden']}, "
                                   f"vocab {r['vocab']}" for r in rep["rows"]})) + "."]
+    if rep.get("llada_8b"):
+        lines += ["", "## The JAX executor's resident step at the LLaDA-8B shape", "",
+                  "`JaxExecutor(model, layers=\"unrolled\" | \"scan\")` over an abstract model (d 4096, 32 layers, "
+                  "32 heads, MLP 12288, vocab 126464, bfloat16; no weights allocated), its resident step (gather, "
+                  f"step, scatter) lowered and compiled on this CPU for a decode of {SLOTS} slots; medians of "
+                  f"{rep['llada_8b']['repeats']} compiles per variant, alternating. Temp: the compiled program's "
+                  "scratch memory (XLA's memory analysis); XLA:CPU runs bfloat16 dots in float32, so here it "
+                  "holds float32 copies of the weights: read the difference between the variants, not the size "
+                  "a GPU needs.", "",
+                  "| bucket | unrolled lower s | unrolled compile s | scanned lower s | scanned compile s "
+                  "| compile ratio | total ratio | temp MB (unrolled / scanned) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rep["llada_8b"]["rows"]:
+            lines.append(f"| `{r['bucket']}` | {r['unrolled_lower_s']:.3f} | {r['unrolled_compile_s']:.3f} "
+                         f"| {r['scanned_lower_s']:.3f} | {r['scanned_compile_s']:.3f} | {r['compile_ratio']:.2f}x "
+                         f"| {r['total_ratio']:.2f}x | {r['unrolled_temp_mb']} / {r['scanned_temp_mb']} |")
+    if rep.get("first_decode"):
+        lines += ["", "## The first decode of a fresh process", "",
+                  "Random weights of each checkpoint's shape, prompt 128 + generation 256, blocks of 32, threshold "
+                  "0.9, persistent compilation cache off, background compile threads as the machine's default "
+                  f"(`DLM_JAX_COMPILE_THREADS`: {os.environ.get('DLM_JAX_COMPILE_THREADS', 'unset')}; none under "
+                  "4 cores). Seconds of one run each.", "",
+                  "| model | cache | batch | layers | first decode s | buckets | compiles | compile s | waited s "
+                  "| steps s |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rep["first_decode"]:
+            lines.append(f"| {r['model']} | {r['cache']} | {r['batch']} | {r['layers']} | {r['first_decode_s']:.2f} "
+                         f"| {r['buckets']} | {r['compiles']} | {r['compile_s']:.2f} | {r['compile_wait_s']:.2f} "
+                         f"| {r['steps_s']:.2f} |")
     if "wall_s" in rep:
         lines += ["", f"Wall time of the run: {rep['wall_s']:.0f} s."]
     return "\n".join(lines) + "\n"
@@ -322,7 +452,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--cache", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="compiles per variant and case (median)")
     p.add_argument("--steps", type=int, default=10, help="timed calls per variant and case (median)")
+    p.add_argument("--llada-8b-repeats", type=int, default=3,
+                   help="compiles per variant of each resident step at the LLaDA-8B shape (0: skip)")
+    p.add_argument("--first-decode", nargs="*", default=["models/llada-tiny", "models/llada-12m"],
+                   help="checkpoints whose first decode in a fresh process is measured (none: skip)")
+    p.add_argument("--first-decode-worker", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.first_decode_worker:
+        model, cache, batch, gen = args.first_decode_worker
+        row = first_decode_worker(model, cache, int(batch), int(gen))
+        print(json.dumps(row))
+        return row
     disable_persistent_cache()
     assert jax.config.jax_compilation_cache_dir is None, "the persistent cache must be off"
     key = BucketKey(batch=args.batch, window=args.window, cache=args.cache, rows=args.window, full_logits=True)
@@ -341,6 +481,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{row['unrolled_step_ms']:.1f} / {row['scanned_step_ms']:.1f} ms; diff {row['max_abs_diff']:.1e}")
             rows.append(row)
     rep = report(rows, key, vars(args))
+    if args.llada_8b_repeats:
+        rep["llada_8b"] = {"config": LLADA_8B, "repeats": args.llada_8b_repeats,
+                           "rows": measure_resident(dlm_jax.ModelConfig(**LLADA_8B),
+                                                    repeats=args.llada_8b_repeats)}
+    rep["first_decode"] = []
+    for model in args.first_decode:
+        for cache in ("prefix", "dual"):
+            for layers in ("unrolled", "scan"):
+                row = first_decode(model, cache, 1, layers)
+                log(f"first decode {model} {cache} {layers}: {row['first_decode_s']:.2f}s, waited "
+                    f"{row['compile_wait_s']:.2f}s for {row['compiles']} compiles")
+                rep["first_decode"].append(row)
     rep["wall_s"] = round(time.perf_counter() - t_start, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,13 +24,14 @@ class ExecutorFactory(Protocol):
     def __call__(self, model: Transformer, *, source: str | os.PathLike) -> Executor: ...
 
 
-def jax_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
-    """The JAX executor over `model` (`dlm_jax.executors.jax_executor.JaxExecutor`: compiled per bucket)."""
+def jax_executor(model: Transformer, *, source: str | os.PathLike = "", layers: str | None = None) -> Executor:
+    """The JAX executor over `model` (`dlm_jax.executors.jax_executor.JaxExecutor`: compiled per bucket;
+    `layers` "unrolled" or "scan", default `$DLM_JAX_LAYERS`)."""
     from dlm_jax.executors._compile import enable_default_cache
     from dlm_jax.executors.jax_executor import JaxExecutor
 
     enable_default_cache()  # compiled buckets persist across processes
-    return JaxExecutor(model)
+    return JaxExecutor(model, layers=layers)
 
 
 def litert_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
@@ -48,7 +49,8 @@ def jax_then_litert_executor(model: Transformer, *, source: str | os.PathLike = 
     the lowest priority), the LiteRT runner for one whose buckets it holds."""
     from dlm_jax.executors.auto import AutoExecutor
 
-    return AutoExecutor(jax_executor(model), litert_executor(model, source=source), source=source)
+    # Unrolled: the bundle cache exports this same model, layer by layer.
+    return AutoExecutor(jax_executor(model, layers="unrolled"), litert_executor(model, source=source), source=source)
 
 
 EXECUTORS: dict[str, ExecutorFactory] = {"jax": jax_executor, "litert": litert_executor,

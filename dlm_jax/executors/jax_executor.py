@@ -30,6 +30,7 @@ from flax import nnx
 from dlm_jax._errors import ConfigError
 from dlm_jax.executors._compile import CompiledBuckets
 from dlm_jax._config import ModelConfig
+from dlm_jax.models._scan import ScannedTransformer, choose_layers
 from dlm_jax.models._transformer import ATTENTION_FORMS, Transformer, attention_form
 from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, Transfers
@@ -220,7 +221,6 @@ class DeviceKVCache(KVCache):
     place (the cache's buffers are donated to the step)."""
 
     def __init__(self, executor: JaxExecutor, positions: np.ndarray, valid: np.ndarray):
-        cfg = executor.config
         self.executor = executor
         b, s = positions.shape
         self.slots = executor.capacity(s)
@@ -293,9 +293,21 @@ class JaxExecutor(Executor):
     """Executor over AOT-compiled `decode_step`s, one per bucket key, compiled on first use
     (or ahead of time by `warmup`). `compile_count` counts its compilations. It runs every
     bucket of `capabilities` (default: `Capabilities.for_length(max_seq_len)` with batches up to 64,
-    `JAX_BATCH_BUCKETS`)."""
+    `JAX_BATCH_BUCKETS`).
 
-    def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None, attention: str | None = None):
+    `layers`: "unrolled" (a Python loop over the blocks: XLA compiles L copies of a block) or
+    "scan" (`dlm_jax.models._scan`: the blocks' weights stacked [L, ...] and run by
+    `jax.lax.scan`, one block compiled whatever L); default `$DLM_JAX_LAYERS`, else
+    "unrolled". With "scan" the model's layers are stacked in place (`stack_layers`: each
+    parameter's per-layer arrays deleted once stacked, so the weights are held once); the model
+    stays usable (`Transformer.__call__` runs over slices of the stack), but its layers no
+    longer take adapters or split experts, and a model whose blocks differ is refused.
+
+    `attention`: how a decode's step reads its resident cache (`RESIDENT_ATTENTION`); default
+    `$DLM_JAX_ATTENTION`, else "split" (in place)."""
+
+    def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None, layers: str | None = None,
+                 attention: str | None = None):
         from dlm_jax.techniques.isd.lora import lora_spec
 
         attention = attention or os.environ.get(ATTENTION_ENV) or "split"
@@ -303,6 +315,7 @@ class JaxExecutor(Executor):
             raise ConfigError(f"attention={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
         self.attention = attention
         self.config = model.config
+        self.layers = choose_layers(model, layers)
         self.gated = lora_spec(model) is not None  # adapters: every step takes a `lora_gate`
         self._capabilities = capabilities or Capabilities.for_length(self.config.max_seq_len,
                                                                      batches=JAX_BATCH_BUCKETS)
@@ -311,7 +324,7 @@ class JaxExecutor(Executor):
                                                      inputs=self._capabilities.inputs | {"lora_gate"})
         self._capabilities = dataclasses.replace(self._capabilities,
                                                  outputs=self._capabilities.outputs | model_outputs(self.config))
-        self._graphdef, state = nnx.split(model)
+        self._graphdef, state = nnx.split(ScannedTransformer(model) if self.layers == "scan" else model)
         # Flattened once: the state pytree is not re-walked on every step.
         paths, self._treedef = jax.tree_util.tree_flatten_with_path(state)
         # Linear kernels are held [d_out, d_in] and transposed back inside the program, where
@@ -321,7 +334,7 @@ class JaxExecutor(Executor):
         cpu = jax.default_backend() == "cpu"
         self._transposed = tuple(cpu and _is_kernel(path, leaf) for path, leaf in paths)
         self._leaves = [_transposed(leaf) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
-        self._slots = _split_layers(model, paths)
+        self._slots = _split_layers(model, paths) if self.layers == "unrolled" else {}
         if self._slots:
             s = next(iter(self._slots.values())).resident.size
             self._capabilities = dataclasses.replace(self._capabilities, expert_slots=s)

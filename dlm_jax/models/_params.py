@@ -55,9 +55,21 @@ def param_shapes(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def get_params(model: Transformer) -> dict[str, np.ndarray]:
-    """Name -> host copy of every parameter."""
+    """Name -> host copy of every parameter. Layers stacked for a scan (`dlm_jax.models._scan`)
+    are named per layer as the unstacked model names them, so a checkpoint saved from a
+    stacked model, or its fingerprint, is the one of the model before."""
     state = nnx.state(model, nnx.Param)
-    return {_path_name(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+    out = {}
+    for p, v in nnx.to_flat_state(state):
+        name, value = _path_name(p), np.asarray(v.get_value())
+        if name.startswith(_STACKED):
+            out.update({f"layers.{i}.{name[len(_STACKED):]}": layer for i, layer in enumerate(value)})
+        else:
+            out[name] = value
+    return out
+
+
+_STACKED = "layers.block."  # a `StackedLayers`' one block, its arrays [L, ...]
 
 
 def model_from_params(cfg: ModelConfig, params: Mapping[str, np.ndarray | jax.Array]) -> Transformer:

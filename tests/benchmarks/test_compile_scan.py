@@ -73,6 +73,17 @@ def test_a_case_reports_every_field(tmp_path, no_persistent_cache):
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+def test_the_executors_resident_step_compiles_from_abstract_shapes_both_ways(no_persistent_cache):
+    cfg = compile_scan.model_config(3, 64, heads=2, ffn=128, vocab=128)
+    rows = compile_scan.measure_resident(cfg, ((1, 8, 16), (2, 16, 0)), slots=32, repeats=1)
+    assert [r["bucket"] for r in rows] == ["b1_w8_p16_r8", "b2_w16_p0_r16"]
+    for r in rows:
+        assert r["unrolled_compile_s"] > 0 and r["scanned_compile_s"] > 0 and r["compile_ratio"] > 0
+    rep = compile_scan.report([], KEY, {})
+    rep["llada_8b"] = {"config": {}, "repeats": 1, "rows": rows}
+    assert "| `b1_w8_p16_r8` |" in compile_scan.markdown(rep)
+
+
 def test_the_first_decode_reports_what_it_waited_for(monkeypatch):
     monkeypatch.setenv("DLM_JAX_LAYERS", "scan")
     row = compile_scan.first_decode_worker(str(ROOT / "models" / "llada-tiny"), "dual", 1, 32)
