@@ -28,11 +28,10 @@ part after 230 $PY $S --batches 1 8 16 32 --kinds dual prefix --quant none int8 
 part cudnn 40 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 --out "$OUT/cudnn" $X
 part scan 45 $PY $S --batches 1 8 --kinds dual prefix --layers scan --reps 10 --out "$OUT/scan" $X
 F=benchmarks/first_decode.py
-for layers in unrolled scan; do
-  for run in cold cache; do
-    DLM_JAX_LAYERS=$layers part "first $layers $run" 42 $PY $F --xla-cache "/tmp/xla-$layers" --label "$run" \
-      --out "$OUT/first_decode" $X
-  done
+for spec in unrolled:cold:60 unrolled:cache:30 scan:cold:40 scan:cache:30; do
+  IFS=: read -r layers run limit <<< "$spec"
+  DLM_JAX_LAYERS=$layers part "first $layers $run" "$limit" $PY $F --xla-cache "/tmp/xla-$layers" --label "$run" \
+    --out "$OUT/first_decode" $X
 done
 rm -f "$OUT"/*.md "$OUT"/*.png "$OUT"/*.tmp
 grep -E "exit|first_decode_seconds" "$log" | tail -20
