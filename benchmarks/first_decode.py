@@ -41,10 +41,23 @@ def main(argv=None) -> int:
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--head-std", type=float, default=20.0, help="standard deviation of the scaled head's logits")
-    p.add_argument("--xla-cache", type=Path, required=True)
+    p.add_argument("--xla-cache", type=Path)
+    p.add_argument("--render", type=Path, nargs="+", metavar="RESULT.json",
+                   help="measure nothing: write --out's .json and .md from these results of this script (runs "
+                   "joined in order)")
+    p.add_argument("--note", action="append", default=[], metavar="TEXT", help="a remark for --render's report")
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    if args.render:
+        runs = [r for path in args.render for r in json.loads(path.read_text())["runs"]]
+        rep = {"benchmark": "benchmarks/first_decode.py", "runs": runs, "notes": args.note,
+               "sources": [str(path) for path in args.render]}
+        _write(args.out, rep)
+        print(markdown(rep))
+        return 0
+    if args.xla_cache is None:
+        p.error("--xla-cache is required (the persistent compilation cache this process reads and fills)")
     cold = not (args.xla_cache.exists() and any(args.xla_cache.iterdir()))
 
     import jax
@@ -101,6 +114,29 @@ def main(argv=None) -> int:
     tmp.replace(path)
     print(json.dumps(record))
     return 0
+
+
+def markdown(rep: dict) -> str:
+    lines = ["# The first decode of a fresh process (`benchmarks/first_decode.py`)", "",
+             *[f"- {n}" for n in rep.get("notes", [])], "",
+             "| run | device | shape | cache | batch | layers | XLA cache at start | first decode s | second decode s | "
+             "waited s | compile s (all threads) | persistent-cache hits | NFE | process s |",
+             "|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rep["runs"]:
+        lines.append(f"| {r['label']} | {r['device']} | {r['shape']} {r['dtype']} | {r['cache']} | {r['batch']} | "
+                     f"{r['layers']} | {'empty' if r['xla_cache_empty_at_start'] else 'filled'} | "
+                     f"{r['first_decode_seconds']:.2f} | {r['second_decode_seconds']:.3f} | {r['waited_seconds']:.2f} | "
+                     f"{r['first_compile_seconds']:.1f} | {r['persistent_cache_hits']} | {r['nfe']} | "
+                     f"{r['process_seconds']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(out: Path, rep: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in ((".json", json.dumps(rep, indent=1) + "\n"), (".md", markdown(rep))):
+        tmp = out.with_suffix(suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out.with_suffix(suffix))
 
 
 if __name__ == "__main__":

@@ -166,9 +166,11 @@ def cost(compiled) -> dict[str, float | None]:
     try:
         ca = compiled.cost_analysis()
     except Exception as e:  # noqa: BLE001 (a backend without it)
-        return {"flops": None, "bytes_accessed": None, "error": str(e).splitlines()[0]}
+        return {"flops": None, "bytes_accessed": None, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
     if isinstance(ca, list):
-        ca = ca[0] if ca else {}
+        ca = ca[0] if ca else None
+    if not isinstance(ca, dict):  # XLA:GPU gives None for a lowered (not yet compiled) program
+        return {"flops": None, "bytes_accessed": None, "error": f"no cost analysis ({type(ca).__name__})"}
     return {"flops": ca.get("flops"), "bytes_accessed": ca.get("bytes accessed")}
 
 
@@ -237,7 +239,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
         "machine": f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPU cores)",
         "command": " ".join(["benchmarks/gpu_step.py", *args.argv]), "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "setting": dataclasses.asdict(Geometry("dual")) | {"kinds": args.kinds}, "cases": []}
+        "setting": dataclasses.asdict(Geometry("dual")) | {"kinds": args.kinds}, "notes": list(args.note),
+        "cases": []}
     if not args.abstract:
         report["device"]["copy_gbps"] = copy_bandwidth() / 1e9
         log(f"copy bandwidth {report['device']['copy_gbps']:.0f} GB/s on {name}")
@@ -277,7 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             fn, specs, *kw = executor._build_resident((steps[c].key, slots))
             lowered = jax.jit(fn, **(kw[0] if kw else {})).lower(*specs)
             exe = lowered.compile()
-            return exe, time.perf_counter() - t0, cost(lowered)
+            return exe, time.perf_counter() - t0, lowered
 
         log(f"compiling {len(cases)} steps ({attention}, {quant}, {layers or 'unrolled'}) on {args.threads} threads")
         with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
@@ -289,22 +292,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    "window_rows": len(geo.window()), "read_slots": len(geo.read()),
                                    "weight_bytes": weight_bytes}
             try:
-                exe, secs, hlo = futures[(b, kind)].result()
+                exe, secs, lowered = futures[(b, kind)].result()
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 report["cases"].append(row)
                 log(f"b{b} {kind} {attention}/{quant}: {row['error']}")
                 continue
             row["compile_s"] = secs
-            c = cost(exe)
+            # Neither cost analysis may stop the timing: a backend without one gives None (noted).
+            c, hlo = cost(exe), cost(lowered)
             dense_flops = 2 * params * b * len(geo.window())
             row.update(flops=c["flops"], bytes_accessed=c["bytes_accessed"],
                        bytes_over_weights=c["bytes_accessed"] / weight_bytes if c["bytes_accessed"] else None,
                        flops_over_dense=c["flops"] / dense_flops if c["flops"] else None,
                        hlo_bytes_over_weights=hlo["bytes_accessed"] / weight_bytes if hlo["bytes_accessed"] else None)
+            row.update({f"{name}_cost_error": x["error"] for name, x in (("compiled", c), ("traced", hlo)) if "error" in x})
             if not args.abstract:
-                row.update(time_step(executor, exe, req, slots, geo, b, args, report["device"], weight_bytes,
-                                     dense_flops))
+                try:
+                    row.update(time_step(executor, exe, req, slots, geo, b, args, report["device"], weight_bytes,
+                                         dense_flops))
+                except Exception as e:  # noqa: BLE001 - one case's failure is its own; the others still run
+                    row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             report["cases"].append(row)
             log(f"b{b} {kind} {attention}/{quant}/{layers or 'unrolled'}: " + ", ".join(
                 f"{k} {row[k]:.3g}" for k in ("compile_s", "bytes_over_weights", "step_ms", "step_over_weight_read")
@@ -368,6 +376,9 @@ def markdown(rep: dict[str, Any]) -> str:
              f"{rep['params'] / 1e9:.3f}B parameters, {rep['dtype']}; setting {rep['setting']}; "
              f"jax {rep['versions']['jax']}; {rep['date']}; `{rep['command']}`."
              + ("" if rep["abstract"] else f" Copy bandwidth {d.get('copy_gbps', 0):.0f} GB/s."), "",
+             *[f"- {n}" for n in rep.get("notes", [])], *([""] if rep.get("notes") else []),
+             *[f"- source: `{src['file']}`: `{src['command']}` ({src['date']}, {src['device']['kind']}, "
+               f"{src['cases']} cases)" for src in rep.get("sources", [])], *([""] if rep.get("sources") else []),
              "| batch | step | attention | quant | layers | bucket | compile s | bytes / weights | FLOPs / dense | "
              "traced bytes / weights | step ms | weight-read ms | roofline ms | step / weight read | error |",
              "|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -462,6 +473,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path)
+    p.add_argument("--note", action="append", default=[], metavar="TEXT",
+                   help="a remark kept in the result (repeatable; with --render, added to the rendered one)")
     p.add_argument("--render", type=Path, nargs="+", metavar="RESULT.json",
                    help="measure nothing: rewrite --out's .md and .png from these results of this script (their "
                    "cases joined, in order; the first gives the device and setting)")
@@ -472,6 +485,7 @@ def main(argv=None) -> int:
             p.error("--render needs --out")
         reps = [json.loads(path.read_text()) for path in args.render]
         rep = {**reps[0], "cases": [c for r in reps for c in r["cases"]],
+               "notes": [n for r in reps for n in r.get("notes", [])] + args.note,
                "sources": [{"file": str(path), "command": r["command"], "date": r["date"],
                             "device": r["device"], "cases": len(r["cases"])} for path, r in zip(args.render, reps)]}
         write(rep, args.out, final=True)

@@ -83,27 +83,26 @@ _POOL_LOCK = threading.Lock()
 
 def background_workers(*, backend: str | None = None) -> int:
     """Threads that compile ahead of use (`CompiledBuckets.prefetch`): `DLM_JAX_COMPILE_THREADS`,
-    else by where the step runs (`backend`, default JAX's). XLA's compiler is mostly
-    single-threaded per program, so each bucket compiled at once needs a core of its own.
+    else by the cores (`backend`, where the step runs, changes nothing today; see below).
+    XLA's compiler is mostly single-threaded per program, so each bucket compiled at once
+    needs a core of its own.
 
     - CPU: a quarter of the cores, at most 4, none under 4 cores: the decode's steps run on
       the same cores, and a compile beside them only slows both (on 2 shared cores a llada-12m
       first decode took 20.5 s with none, 31.6 s with one, 25.6 s with two).
-    - GPU / TPU: every core but two, at most 12: the steps run on the device and the host's
-      share of a step is under a millisecond, so the cores are free for the decode's buckets
-      (9 for a prefix-cache decode of 256 tokens in blocks of 32), which then compile side by
-      side instead of four at a time (XLA:GPU takes 8-12 s per bucket at LLaDA-8B). The cap
-      bounds the host memory of concurrent compiles."""
+    - GPU / TPU: the same rule (4 on a 16-core GPU machine). Every core but two was tried: on
+      one H200 (LLaDA-8B shape, bfloat16) a dual-cache first decode at batch 1 waited 13.9 s
+      for its 3 programs, but a prefix-cache one (about 10 programs) had not finished after
+      60 s, where 4 threads had taken 35.7 s: XLA:GPU autotunes each program on the device,
+      so concurrent compiles queue there, and the first bucket the decode needs waits behind
+      all the others. `DLM_JAX_COMPILE_THREADS` sets another number."""
     given = os.environ.get("DLM_JAX_COMPILE_THREADS")
     if given is not None:
         try:
             return max(0, int(given))
         except ValueError:
             raise ConfigError(f"DLM_JAX_COMPILE_THREADS={given!r} must be a whole number") from None
-    cores = os.cpu_count() or 1
-    if (backend or jax.default_backend()) != "cpu":
-        return min(12, max(1, cores - 2))
-    return min(4, cores // 4)
+    return min(4, (os.cpu_count() or 1) // 4)
 
 
 def _pool() -> ThreadPoolExecutor | None:

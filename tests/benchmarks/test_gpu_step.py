@@ -41,6 +41,27 @@ def test_abstract_mode_lowers_from_shapes(tmp_path):
     assert case["bytes_over_weights"] > 0.5 and case["hlo_bytes_over_weights"] > 0.5 and "step_ms" not in case
 
 
+def test_a_backend_without_cost_analysis_still_times_the_step(tmp_path, monkeypatch):
+    """XLA:GPU answers `cost_analysis()` of a lowered program with None (jax 0.11.2 on an H200):
+    once that turned every case of a lease into an error and nothing was timed. Both analyses
+    failing must leave the case timed, the failure named."""
+    import jax
+
+    monkeypatch.setattr(jax.stages.Lowered, "cost_analysis", lambda self: None)
+
+    def refuse(self):
+        raise NotImplementedError("no cost model here")
+
+    monkeypatch.setattr(jax.stages.Compiled, "cost_analysis", refuse)
+    out = tmp_path / "step"
+    assert gpu_step.main(["--shape", "small", "--dtype", "float32", "--batches", "1", "--kinds", "dual", "--reps", "1",
+                          "--threads", "1", "--out", str(out)]) == 0
+    (case,) = json.loads(out.with_suffix(".json").read_text())["cases"]
+    assert "error" not in case and case["step_ms"] > 0
+    assert case["bytes_over_weights"] is None and case["hlo_bytes_over_weights"] is None
+    assert "NotImplementedError" in case["compiled_cost_error"] and "NoneType" in case["traced_cost_error"]
+
+
 @pytest.mark.slow
 def test_small_shape_reports_costs_times_and_kernels(tmp_path):
     out = tmp_path / "step"
