@@ -457,7 +457,16 @@ def write(rep: dict[str, Any], out: Path | None, *, final: bool = False) -> None
         plot(rep, out.with_suffix(".png"))
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.render and args.out is None:
+        p.error("--render needs --out")
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llada-8b")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -478,11 +487,12 @@ def main(argv=None) -> int:
     p.add_argument("--render", type=Path, nargs="+", metavar="RESULT.json",
                    help="measure nothing: rewrite --out's .md and .png from these results of this script (their "
                    "cases joined, in order; the first gives the device and setting)")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.render:
-        if args.out is None:
-            p.error("--render needs --out")
         reps = [json.loads(path.read_text()) for path in args.render]
         rep = {**reps[0], "cases": [c for r in reps for c in r["cases"]],
                "notes": [n for r in reps for n in r.get("notes", [])] + args.note,

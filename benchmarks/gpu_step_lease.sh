@@ -8,7 +8,10 @@
 #                 with each case's ten costliest kernels
 #   cudnn, scan   the cuDNN fused attention form and the layers under jax.lax.scan
 #   first_decode  the first decode of a fresh process: cold, then a second process over the
-#                 persistent compilation cache; unrolled and scanned layers
+#                 persistent compilation cache; dual and prefix cache, unrolled layers (scanned
+#                 layers were measured on 2026-11-28: benchmarks/results/first_decode.md)
+# On an H200 on 2026-11-28 (9ed53ff) the parts before first_decode took 232 s, the dual first
+# decodes 29 s; allow about 8 minutes of device time with the machine's start.
 # Then: benchmarks/gpu_step.py --render <the json files> --out benchmarks/results/gpu_step
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -28,9 +31,9 @@ part after 230 $PY $S --batches 1 8 16 32 --kinds dual prefix --quant none int8 
 part cudnn 40 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 --out "$OUT/cudnn" $X
 part scan 45 $PY $S --batches 1 8 --kinds dual prefix --layers scan --reps 10 --out "$OUT/scan" $X
 F=benchmarks/first_decode.py
-for spec in unrolled:cold:60 unrolled:cache:30 scan:cold:40 scan:cache:30; do
-  IFS=: read -r layers run limit <<< "$spec"
-  DLM_JAX_LAYERS=$layers part "first $layers $run" "$limit" $PY $F --xla-cache "/tmp/xla-$layers" --label "$run" \
+for spec in dual:cold:45 dual:cache:20 prefix:cold:100 prefix:cache:30; do
+  IFS=: read -r cache run limit <<< "$spec"
+  part "first $cache $run" "$limit" $PY $F --cache "$cache" --xla-cache "/tmp/xla-$cache" --label "$run" \
     --out "$OUT/first_decode" $X
 done
 rm -f "$OUT"/*.md "$OUT"/*.png "$OUT"/*.tmp

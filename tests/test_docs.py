@@ -330,13 +330,13 @@ def test_training_block(block, tmp_path, monkeypatch, capsys):
 
 
 def gpu_commands() -> list[str]:
-    """The lines of the ```bash block in "On a GPU" of docs/benchmarks.md (commands for a GPU
-    machine)."""
+    """The lines of the ```bash blocks in "On a GPU" of docs/benchmarks.md (commands for a GPU
+    machine), in order."""
     page = DOCS / "benchmarks.md"
     section = page.read_text(encoding="utf-8").split("\n## On a GPU\n", 1)[1].split("\n## ", 1)[0]
     found = [body for lang, _, body in FENCE.findall(section) if lang == "bash"]
-    assert len(found) == 1, "the GPU section shows one bash block"
-    return [line for line in found[0].splitlines() if line.strip()]
+    assert found, "the GPU section shows no bash block"
+    return [line for body in found for line in body.splitlines() if line.strip()]
 
 
 def test_gpu_commands_install_extras_that_exist_and_parse():
@@ -359,10 +359,18 @@ def test_gpu_commands_install_extras_that_exist_and_parse():
     jax = next(r for r in map(Requirement, project["dependencies"]) if r.name == "jax")
     cuda = [Requirement(r) for r in project["optional-dependencies"]["cuda"]]
     assert [(r.name, r.extras, r.specifier) for r in cuda] == [("jax", {"cuda12"}, jax.specifier)]
-    assert len(bench) == 2
-    for line in bench:
+    import gpu_step
+
+    peers = [line for line in bench if "benchmarks/gpu.py" in line]
+    assert len(peers) == 2
+    for line in peers:
         argv = shlex.split(line.replace("PATH/TO/Fast-dLLM", "/src"))
         assert argv[:2] == [".venv/bin/python", "benchmarks/gpu.py"]
         args = gpu.parse_args(argv[2:])
         assert args.peer_src == Path("/src")
-    assert gpu.parse_args(shlex.split(bench[0])[2:]).mode == "small"
+    assert gpu.parse_args(shlex.split(peers[0])[2:]).mode == "small"
+    steps = [line for line in bench if "benchmarks/gpu_step.py" in line]
+    assert len(steps) == 2 and len(peers) + len(steps) == len(bench), bench
+    for line in steps:  # the CPU one runs in tests/benchmarks/test_gpu_step.py
+        argv = shlex.split(line)
+        gpu_step.parse_args(argv[argv.index("benchmarks/gpu_step.py") + 1:])
