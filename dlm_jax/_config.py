@@ -24,6 +24,9 @@ FFN_KINDS: tuple[str, ...] = ("swiglu", "relu", "reglu", "moe")
 SPARSE_FFN_KINDS: tuple[str, ...] = ("relu", "reglu")
 ROUTER_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# Weight-only quantization the JAX executor applies at load (`dlm_jax.models.quant`): named here,
+# without JAX, so that the command line offers them without importing it.
+WEIGHT_QUANTS: tuple[str, ...] = ("int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

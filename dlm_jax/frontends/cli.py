@@ -547,7 +547,7 @@ def _add_executor_option(p: argparse.ArgumentParser) -> None:
 
 
 def _add_quant_option(p: argparse.ArgumentParser) -> None:
-    from dlm_jax.models.quant import QUANT_MODES
+    from dlm_jax._config import WEIGHT_QUANTS as QUANT_MODES  # (dlm_jax.models.quant imports JAX)
 
     # dest weight_quant: `export --quant` (a bundle's quantisation) is another option
     p.add_argument("--quant", dest="weight_quant", choices=QUANT_MODES,

@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dlm_jax._config import WEIGHT_QUANTS
 from dlm_jax._errors import ConfigError
 
-QUANT_MODES = ("int8", "fp8")
+QUANT_MODES = WEIGHT_QUANTS
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 

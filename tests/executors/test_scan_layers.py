@@ -57,7 +57,8 @@ def test_scanned_forward_matches_the_unrolled_one_and_the_model_keeps_working():
     np.testing.assert_allclose(jitted(state, inputs["tokens"]), ref(inputs["tokens"]).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache, dtype", [("prefix", "float32"), ("dual", "float32"), ("dual", "bfloat16")])
+@pytest.mark.parametrize("cache, dtype", [pytest.param("prefix", "float32", marks=pytest.mark.slow), ("dual", "float32"),
+                                          pytest.param("dual", "bfloat16", marks=pytest.mark.slow)])
 def test_scanned_executor_decodes_the_same_tokens(cache, dtype):
     """Guards the resident step (gather, step, scatter of the window K/V) over stacked
     layers: the same tokens as the unrolled executor, batch of two prompts of different
@@ -73,6 +74,7 @@ def test_scanned_executor_decodes_the_same_tokens(cache, dtype):
     assert got.stats.nfe == want.stats.nfe > 3  # several steps, reading the cache
 
 
+@pytest.mark.slow
 def test_scanned_executor_runs_a_cpu_path_fork_the_same():
     """Guards llada.cpp's CPU path (a fork of the executor stepping over gathered slots,
     `views`) over stacked layers: the same tokens as unrolled."""
