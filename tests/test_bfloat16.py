@@ -40,20 +40,20 @@ FLOAT32_LEAVES = ("expert_bias",)
 # (model, load options, decode options): every preset on the models it is made for, and the
 # techniques' decoders (ISD / left to right with and without R-ISD's gated LoRA; llada.cpp's
 # MBSD with DPPR's CPU path; TIDE sparse dispatch, split execution and its expert placement).
-# The default pass keeps one case per kind of path (a cache, DPPR's CPU path, ISD with gated
-# LoRA, a ReLU-family FFN, block-causal attention); the rest run with --runslow.
+# The default pass keeps three cases (the dual cache, DPPR's CPU path, a ReLU-family FFN); the
+# rest (ISD with gated LoRA, block-causal attention, MoE, ...) run with --runslow.
 SLOW = pytest.mark.slow
 CASES = [
     *[pytest.param("llada-tiny", {}, {"preset": p}, marks=() if p in ("fast-dllm-dual", "llada-cpp") else SLOW)
       for p in ("llada", "fast-dllm", "fast-dllm-dual", "fast-dllm-factor", "frechet", "llada-cpp")],
     pytest.param("llada-tiny", {}, {"preset": "fast-dllm", "temperature": 0.7}, marks=SLOW),  # float64 Gumbel sampling
     *[pytest.param("idlm-tiny", {}, {"preset": p}, marks=SLOW) for p in ("isd", "ar")],
-    *[pytest.param("idlm-tiny", {"lora": str(MODELS / "idlm-tiny" / "risd")}, {"preset": p},
-                   marks=() if p == "isd" else SLOW) for p in ("isd", "ar")],
+    *[pytest.param("idlm-tiny", {"lora": str(MODELS / "idlm-tiny" / "risd")}, {"preset": p}, marks=SLOW)
+      for p in ("isd", "ar")],
     ("sparse-tiny", {}, {"preset": "fast-dllm"}),
     # LLaDA2.0's block-causal attention (blocks at absolute multiples of 16; no trained
     # block-causal checkpoint ships, so the trained llada-tiny decodes under that mask)
-    *[pytest.param("llada-tiny", BLOCK_CAUSAL, {"preset": p, "block_len": 16}, marks=() if p == "fast-dllm" else SLOW)
+    *[pytest.param("llada-tiny", BLOCK_CAUSAL, {"preset": p, "block_len": 16}, marks=SLOW)
       for p in ("fast-dllm", "fast-dllm-dual")],
     pytest.param("llada-12m", {}, {"preset": "fast-dllm"}, marks=pytest.mark.slow),
     pytest.param("moe-tiny", {}, {"preset": "fast-dllm"}, marks=pytest.mark.slow),  # sparse dispatch
