@@ -6,7 +6,11 @@ each decode in a fresh process, the two alternating (this machine is noisy).
 `--base`'s `dlm_jax/` is extracted with `git archive` to a temporary directory and put first
 on PYTHONPATH; the random checkpoints come from `benchmarks/_models.py`. Per case: seconds
 of one timed decode after warm-up (a 64-token random prompt, block 32, threshold 0.9) and
-whether both produced the same tokens.
+whether both produced the same tokens. `DLM_JAX_ATTENTION` / `DLM_JAX_LAYERS` set in the
+environment pick the working tree's executor options (recorded in the result):
+
+    DLM_JAX_ATTENTION=split .venv/bin/python benchmarks/before_after.py --base 2694d72 --workdir W --cases 8 \
+        --out benchmarks/results/before_after_split.json
 """
 
 from __future__ import annotations
@@ -78,7 +82,9 @@ def main() -> None:
                          "speedup": round(res["before"]["seconds"] / res["after"]["seconds"], 2),
                          "nfe": res["after"]["nfe"], "same_tokens": res["before"]["tokens"] == res["after"]["tokens"]})
             print(json.dumps(rows[-1]), flush=True)
-    args.out.write_text(json.dumps({"base": args.base, "cases": rows}, indent=1) + "\n")
+    # The executor options the environment chose (both sides inherit them; an older base may ignore them).
+    env = {k: os.environ[k] for k in ("DLM_JAX_ATTENTION", "DLM_JAX_LAYERS", "DLM_JAX_COMPILE_THREADS") if k in os.environ}
+    args.out.write_text(json.dumps({"base": args.base, "environment": env, "cases": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,16 @@ from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, B
 # read slots copied out first, [L, B, P, Hkv, Dh], as before).
 RESIDENT_ATTENTION = (*ATTENTION_FORMS, "gather")
 ATTENTION_ENV = "DLM_JAX_ATTENTION"
+
+
+def default_attention() -> str:
+    """"split" (the cache read in place) on an accelerator, "gather" on a CPU, as measured: on
+    one H200 at LLaDA-8B shape the in-place step took 6.66 ms against 7.29 ms gathered at batch
+    1 with the dual cache, and as long elsewhere (`benchmarks/results/gpu_step.md`); on this
+    project's 2-core CPU a 29M model's prefix-cache decodes took about 13% longer in place
+    (reading every slot costs more there than copying the read ones) and as long gathered as
+    before this change (`benchmarks/results/before_after_split.json`, `before_after_gather.json`)."""
+    return "gather" if jax.default_backend() == "cpu" else "split"
 _PREDICTIONS = ("top_token", "top_prob", "second_prob", "entropy")
 
 
@@ -304,13 +314,13 @@ class JaxExecutor(Executor):
     longer take adapters or split experts, and a model whose blocks differ is refused.
 
     `attention`: how a decode's step reads its resident cache (`RESIDENT_ATTENTION`); default
-    `$DLM_JAX_ATTENTION`, else "split" (in place)."""
+    `$DLM_JAX_ATTENTION`, else `default_attention()`."""
 
     def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None, layers: str | None = None,
                  attention: str | None = None):
         from dlm_jax.techniques.isd.lora import lora_spec
 
-        attention = attention or os.environ.get(ATTENTION_ENV) or "split"
+        attention = attention or os.environ.get(ATTENTION_ENV) or default_attention()
         if attention not in RESIDENT_ATTENTION:
             raise ConfigError(f"attention={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
         self.attention = attention

@@ -167,3 +167,18 @@ def test_the_in_place_step_copies_no_cache(model):
         f"tensor<{req.key.batch}x{keys[f]}x{cfg.n_kv_heads}x{cfg.head_dim}xf32>")] for f, t in texts.items()}
     assert concats["concat"], "the control joins no keys: the check is blind"
     assert not concats["split"], concats["split"][:2]
+
+
+@pytest.mark.parametrize("name", ["fast-dllm", "fast-dllm-dual", "llada-cpp"])
+def test_in_place_decodes_the_gathered_tokens(model, name):
+    """Whole decodes (the CPU's default reads gathered slots, an accelerator's reads in place):
+    the same tokens and NFE either way, for a prefix cache, a dual cache and DPPR's CPU path."""
+    from dlm_jax.runtime import Decoder, preset
+
+    cfg = preset(name, gen_len=48)
+    prompts = [[5, 17, 3, 44, 9, 21, 30], [8, 1]]
+    outs = [Decoder(JaxExecutor(model, attention=a), model.config).decode(prompts, cfg, seeds=[0, 1])
+            for a in ("gather", "split")]
+    for a, b in zip(outs[0].sequences, outs[1].sequences):
+        np.testing.assert_array_equal(a, b)
+    assert outs[0].stats.nfe == outs[1].stats.nfe
