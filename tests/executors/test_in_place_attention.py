@@ -175,7 +175,7 @@ def test_in_place_decodes_the_gathered_tokens(model, name):
     the same tokens and NFE either way, for a prefix cache, a dual cache and DPPR's CPU path."""
     from dlm_jax.runtime import Decoder, preset
 
-    cfg = preset(name, gen_len=48)
+    cfg = preset(name, gen_len=64)
     prompts = [[5, 17, 3, 44, 9, 21, 30], [8, 1]]
     outs = [Decoder(JaxExecutor(model, attention=a), model.config).decode(prompts, cfg, seeds=[0, 1])
             for a in ("gather", "split")]
