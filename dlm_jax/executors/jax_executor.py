@@ -9,10 +9,12 @@ for row i - 1 to predict slot i).
 
 A decode does not feed it from the host: `JaxExecutor.open` makes a `DeviceKVCache`, the
 decode's K/V as device arrays [L, B, Hkv, S, Dh] (S: the decode's slots, bucketed), and each
-step is one program (`_build_resident`) that reads the cache in place (every slot, the unread
-ones masked: `slot_reads`), builds the visibility there from the slot positions uploaded once,
-runs `decode_step` and scatters the window rows' K/V into the cache, whose buffers it donates. Per step the host sends the
-`SlotStep` (ids, positions, flags, slot indices) and reads back the rows' predictions.
+step is one program (`_build_resident`) that reads the cache (in place on an accelerator,
+every slot with the unread ones masked: `slot_reads`; the read slots gathered first on a CPU:
+`default_attention`), builds the visibility there from the slot positions uploaded once, runs
+`decode_step` and scatters the window rows' K/V into the cache, whose buffers it donates. Per
+step the host sends the `SlotStep` (ids, positions, flags, slot indices) and reads back the
+rows' predictions.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def default_attention() -> str:
     (reading every slot costs more there than copying the read ones) and as long gathered as
     before this change (`benchmarks/results/before_after_split.json`, `before_after_gather.json`)."""
     return "gather" if jax.default_backend() == "cpu" else "split"
+
+
 _PREDICTIONS = ("top_token", "top_prob", "second_prob", "entropy")
 
 
@@ -225,7 +229,8 @@ def device_specs(key: BucketKey, gated: bool = False) -> tuple[jax.ShapeDtypeStr
 class DeviceKVCache(KVCache):
     """The K/V of one decode on the JAX executor's device: [L, B, Hkv, S, Dh] keys and values
     (each head's slots contiguous: the layout the step's score and value products read in
-    place, where [.., S, Hkv, Dh] cost a transposed copy of the whole cache per step on a GPU),
+    place; with [.., S, Hkv, Dh] a GPU profile showed one transposed copy of the cache per
+    step, `benchmarks/results/gpu_step.md`),
     the slots' positions, validity and whether each (row, slot) holds K/V, all device arrays.
     A step sends its `SlotStep` and reads back the rows' predictions; its K/V are written in
     place (the cache's buffers are donated to the step)."""

@@ -143,8 +143,8 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.A
                   mask: jax.Array, *, heads_first: bool = False) -> jax.Array:
     """`attend(q, [k_cache; k], [v_cache; v], mask)` without building the concatenation.
 
-    q: [B, T, H, Dh]; k_cache, v_cache: [B, P, Hkv, Dh] ([B, Hkv, P, Dh] with `heads_first`); k, v: [B, T, Hkv, Dh]; mask: [B, T, P+T] bool, cache
-    columns first. The scores of both parts are joined ([B, Hkv, G, T, P+T] float32, small next
+    q: [B, T, H, Dh]; k_cache, v_cache: [B, P, Hkv, Dh] ([B, Hkv, P, Dh] with `heads_first`);
+    k, v: [B, T, Hkv, Dh]; mask: [B, T, P+T] bool, cache columns first. The scores of both parts are joined ([B, Hkv, G, T, P+T] float32, small next
     to the cache) and one softmax taken over them, so the cache is read once, in place: no
     [B, P+T] copy of K/V per layer. Returns [B, T, H, Dh]."""
     b, t, h, dh = q.shape
