@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{k} {row[k]:.3g}" for k in ("compile_s", "bytes_over_weights", "step_ms", "step_over_weight_read")
                 if row.get(k) is not None))
             write(report, args.out)
-        del executor
+        executor = None  # (its compiled steps and leaves released before the next variant)
     return report
 
 
@@ -363,7 +363,7 @@ def time_step(executor, exe, req: SlotStep, slots: int, geo: Geometry, batch: in
     mem = getattr(jax.devices()[0], "memory_stats", lambda: None)()
     if mem:
         out["peak_bytes_in_use"] = mem.get("peak_bytes_in_use")
-    del cache, state
+
     return out
 
 
