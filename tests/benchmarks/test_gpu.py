@@ -487,6 +487,7 @@ def test_merge_takes_parts_without_quant_cases_as_unquantized(tmp_path, monkeypa
     assert gpu.merge([("a.json", strip_quant(alone))])["settings"] == strip_quant(alone)["settings"]  # as before
 
 
+@pytest.mark.slow
 def test_dlm_jax_worker_loads_each_quant_mode_and_names_its_cases(tmp_path):
     """The dlm-jax worker on the shipped llada-tiny, unquantized and int8, in a process of its
     own as the script runs it (about 5 s): one load per mode (int8 weights held in fewer bytes), the int8

@@ -169,7 +169,8 @@ def test_the_in_place_step_copies_no_cache(model):
     assert not concats["split"], concats["split"][:2]
 
 
-@pytest.mark.parametrize("name", ["fast-dllm", "fast-dllm-dual", "llada-cpp"])
+@pytest.mark.parametrize("name", [pytest.param("fast-dllm", marks=pytest.mark.slow), "fast-dllm-dual",
+                                  pytest.param("llada-cpp", marks=pytest.mark.slow)])
 def test_in_place_decodes_the_gathered_tokens(model, name):
     """Whole decodes (the CPU's default reads gathered slots, an accelerator's reads in place):
     the same tokens and NFE either way, for a prefix cache, a dual cache and DPPR's CPU path."""
