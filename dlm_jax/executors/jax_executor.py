@@ -325,9 +325,11 @@ class JaxExecutor(Executor):
                  attention: str | None = None):
         from dlm_jax.techniques.isd.lora import lora_spec
 
+        from_env = attention is None and bool(os.environ.get(ATTENTION_ENV))
         attention = attention or os.environ.get(ATTENTION_ENV) or default_attention()
         if attention not in RESIDENT_ATTENTION:
-            raise ConfigError(f"attention={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
+            name = ATTENTION_ENV if from_env else "attention"
+            raise ConfigError(f"{name}={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
         self.attention = attention
         self.config = model.config
         self.layers = choose_layers(model, layers)

@@ -183,3 +183,13 @@ def test_in_place_decodes_the_gathered_tokens(model, name):
     for a, b in zip(outs[0].sequences, outs[1].sequences):
         np.testing.assert_array_equal(a, b)
     assert outs[0].stats.nfe == outs[1].stats.nfe
+
+
+def test_an_unknown_attention_is_refused_naming_where_it_came_from(model, monkeypatch):
+    from dlm_jax._errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^attention='flash': known split, concat, cudnn, gather$"):
+        JaxExecutor(model, attention="flash")
+    monkeypatch.setenv("DLM_JAX_ATTENTION", "flash")
+    with pytest.raises(ConfigError, match=r"^DLM_JAX_ATTENTION='flash': known split"):
+        JaxExecutor(model)
