@@ -122,14 +122,16 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
         for the attention, FFN, expert and head matmuls, dequantised inside them; None
         (default) keeps the weights as stored. "auto" then picks the JAX executor; the LiteRT
         executor is refused (bundles quantize at export: `dlm-jax export --quant`), and so is
-        `expert_slots`.
+        `expert_slots`. A checkpoint saved quantized (`save_pretrained` of such a model, config
+        `weight_quant`) loads quantized from its stored int8 / fp8 weights and scales; another
+        `quant` than the stored one is refused.
       overrides: `ModelConfig` fields to change (`mask_token_id=N` for a checkpoint that
         declares none, `attention=...`, `dtype=...`).
 
     A checkpoint without tokenizer files loads too: token-id prompts decode, text raises.
     """
     from dlm_jax._hub import resolve_checkpoint
-    from dlm_jax.checkpoint._io import load_pretrained
+    from dlm_jax.checkpoint._io import load_pretrained, stored_quant
 
     path = resolve_checkpoint(path)  # a cached Hugging Face model id: its snapshot directory
     if executor is not None:  # before the weights load
@@ -138,6 +140,13 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
         from dlm_jax.models.quant import check_quant
 
         check_quant(quant)
+    stored = stored_quant(path) if path.is_dir() else None  # (no directory: load_pretrained names it)
+    if stored is not None:  # saved quantized: it loads as stored, and only as stored
+        if quant not in (None, stored):
+            raise ConfigError(f"quant={quant!r}: {path} is stored weight-only quantized as {stored!r}; "
+                              f"load it with quant={stored!r} or None")
+        quant = stored
+    if quant is not None:
         if expert_slots is not None:
             raise ConfigError(f"quant={quant!r} with expert_slots={expert_slots} (split expert execution) is not "
                               f"supported; drop one of them")
@@ -173,7 +182,7 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
             raise ConfigError(f"split expert execution (expert_slots) runs on the JAX executor, not {executor!r}")
         name = "jax"
         split_experts(model, model.config.moe_layers, expert_slots)
-    if quant is not None:
+    if quant is not None and getattr(model, "quant", None) != quant:  # (one stored quantized loads quantized)
         from dlm_jax.models.quant import quantize
 
         quantize(model, quant)  # after the adapters attach (they stay as stored)

@@ -455,6 +455,7 @@ def _parse_native(fam: Family, r: _Reader) -> dict[str, Any]:
     version = r.get("format_version", FORMAT_VERSION)
     if version != FORMAT_VERSION:
         raise ConfigError(f"{r.source}: format_version={version} is not supported (expected {FORMAT_VERSION})")
+    r.get("weight_quant")  # the stored weights' quantization: read and checked by `_io.stored_quant`
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     kw = {k: r.get(k) for k in r.data if k in known}
     if "dense_layers" in kw:

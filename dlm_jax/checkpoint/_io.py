@@ -30,10 +30,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from dlm_jax import _integrity
-from dlm_jax._config import ConfigError, ModelConfig
+from dlm_jax._config import WEIGHT_QUANTS, ConfigError, ModelConfig
 from dlm_jax._hub import resolve_checkpoint
 from dlm_jax._tokenizer import declared_mask_token_id
 from dlm_jax.checkpoint import _names, _stream
@@ -197,21 +198,39 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
     path = resolve_checkpoint(path)
     verify_checkpoint(path, verify)
     cfg, family = load_config(path, strict=strict, **overrides)
-    specs = param_shapes(cfg)
-    plan = _plan(path, cfg, family, {name: tuple(s.shape) for name, s in specs.items()})
+    quant = stored_quant(path)
+    specs = param_shapes(cfg, quant=quant)
+    quantized = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) in _QUANT_DTYPES)
+    plan = _plan(path, cfg, family, {name: tuple(s.shape) for name, s in specs.items()}, quantized=quantized)
     params = _stream.load_params(plan, {name: s.dtype for name, s in specs.items()})
-    return model_from_params(cfg, params)
+    return model_from_params(cfg, params, quant=quant)
 
 
-def _plan(path: Path, cfg: ModelConfig, family: Family,
-          shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[TensorInfo]]:
+# The dtypes of weight-only quantized kernels (`dlm_jax.models.quant`): int8, float8_e4m3fn.
+_QUANT_DTYPES = (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn))
+
+
+def stored_quant(path: str | os.PathLike) -> str | None:
+    """The weight-only quantization ("int8" / "fp8") the checkpoint directory `path` is stored
+    in (config.json `weight_quant`, written by `save_pretrained` for a quantized model), or None."""
+    data = _read_json(Path(path) / CONFIG_NAME)
+    quant = data.get("weight_quant") if data.get("model_type") == "dlm_jax" else None  # (only it stores one)
+    if quant is not None and quant not in WEIGHT_QUANTS:
+        raise ConfigError(f"{Path(path) / CONFIG_NAME}: weight_quant={quant!r} is not supported "
+                          f"(supported: {list(WEIGHT_QUANTS)})")
+    return quant
+
+
+def _plan(path: Path, cfg: ModelConfig, family: Family, shapes: Mapping[str, tuple[int, ...]], *,
+          quantized: frozenset[str] = frozenset()) -> dict[str, list[TensorInfo]]:
     """Parameter name -> its checkpoint tensors, every header, name and shape checked (a fused
-    tensor's row blocks stand for its parts, see `NameScheme.split`)."""
+    tensor's row blocks stand for its parts, see `NameScheme.split`); the parameters named in
+    `quantized` hold int8 / float8 kernels (`NameScheme.sources`)."""
     infos = family.scheme.split(_tensor_index(path), shapes)
     used: set[str] = set()
     missing: list[str] = []
     plan: dict[str, list[TensorInfo]] = {}
-    for name, sources in _names.iter_sources(family.scheme, shapes):
+    for name, sources in _names.iter_sources(family.scheme, shapes, quantized=quantized):
         want = _names.checkpoint_shape(name, shapes[name])
         found = []
         for src in sources:
@@ -221,6 +240,9 @@ def _plan(path: Path, cfg: ModelConfig, family: Family,
             if infos[src].shape != want:
                 raise CheckpointError(f"{infos[src].path}: tensor {src!r} has shape {infos[src].shape}, "
                                       f"expected {want} for this config")
+            if name in quantized and infos[src].dtype not in _QUANT_DTYPES:  # (a cast would make new weights)
+                raise CheckpointError(f"{infos[src].path}: tensor {src!r} is {infos[src].dtype}, "
+                                      f"expected a weight-only quantized kernel (int8 or float8_e4m3fn)")
             found.append(infos[src])
             used.add(src)
         plan[name] = found
@@ -269,10 +291,22 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
 
     Everything goes into one temporary directory renamed into place; `manifest.json` lists
     every file (size, sha256); the directory and files get the umask's permissions.
+
+    A weight-only quantized model (`dlm_jax.models.quant`, `model.quant`) saves only in the
+    `dlm_jax` family: each quantized kernel as its int8 / float8_e4m3fn tensor named as the
+    float kernel's with `.qkernel` appended, and its float32 scales [out] with `.scale`
+    (`NameScheme.sources`); config.json records `weight_quant`, and `load_pretrained` builds
+    the quantized model from them.
     """
     path = Path(path)
     fam = get_family(family)
     config = fam.config_to_json(model.config)  # fails before anything is written
+    quant = getattr(model, "quant", None)
+    if quant is not None:
+        if fam.name != "dlm_jax":
+            raise CheckpointError(f"a weight-only quantized model ({quant}) saves only with family='dlm_jax', "
+                                  f"not {fam.name!r}")
+        config["weight_quant"] = quant
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path}: already exists (pass overwrite=True to replace it)")
     extra = dict(extra_files or {})
@@ -281,7 +315,9 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
             raise CheckpointError(f"extra file {name!r}: not a plain file name, or one save_pretrained writes itself")
     tensors: dict[str, np.ndarray] = {}
     for name, value in get_params(model).items():
-        for src, arr in zip(fam.scheme.sources(name, value.shape), _names.to_checkpoint(name, value)):
+        quantized = quant is not None and value.dtype in _QUANT_DTYPES
+        for src, arr in zip(fam.scheme.sources(name, value.shape, quantized=quantized),
+                            _names.to_checkpoint(name, value)):
             tensors[src] = arr
     tensors = fam.scheme.join(tensors)  # fused tensors (LLaDA2.0's query_key_value) from their parts
     path.parent.mkdir(parents=True, exist_ok=True)

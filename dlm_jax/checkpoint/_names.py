@@ -24,6 +24,19 @@ ArrayT = TypeVar("ArrayT")
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 EXPERT_KEYS = ("ffn.gate", "ffn.up", "ffn.down")
+# A weight-only quantized kernel and its per-output-channel scales, beside the float kernel's name.
+QKERNEL_SUFFIX = ".qkernel"
+SCALE_SUFFIX = ".scale"
+
+
+def _quant_scale_of(suffix: str) -> str | None:
+    """The layer parameter (after `layers.i.`) whose scales the layer parameter `suffix` holds,
+    if it is one: `attn.q_proj.scale` -> `attn.q_proj.kernel`, `ffn.gate_scale` -> `ffn.gate`."""
+    if suffix.endswith(".scale"):
+        return suffix[:-len(".scale")] + ".kernel"
+    if suffix.endswith("_scale") and suffix[:-len("_scale")] in EXPERT_KEYS:
+        return suffix[:-len("_scale")]
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +57,21 @@ class NameScheme:
     experts: Mapping[str, str] = dataclasses.field(default_factory=dict)
     ignorable: tuple[str, ...] = (r".*rotary_emb\.inv_freq$",)
 
-    def sources(self, name: str, shape: tuple[int, ...]) -> list[str]:
-        """Checkpoint tensor names that make up the dlm-jax parameter `name` of `shape`."""
+    def sources(self, name: str, shape: tuple[int, ...], *, quantized: bool = False) -> list[str]:
+        """Checkpoint tensor names that make up the dlm-jax parameter `name` of `shape`.
+
+        A weight-only quantized model (`dlm_jax.models.quant`) stores each quantized kernel
+        under the names of the float kernel it stands for, with `QKERNEL_SUFFIX` (`quantized`:
+        the parameter holds int8 / float8 weights: `X.qkernel` or the experts' `ffn.gate`),
+        and its float32 scales [O] (one per expert) with `SCALE_SUFFIX` (`X.scale` beside
+        `X.qkernel`, `ffn.gate_scale`)."""
+        if quantized:
+            base = name[:-len(".qkernel")] + ".kernel" if name.endswith(".qkernel") else name
+            return [src + QKERNEL_SUFFIX for src in self.sources(base, shape)]
         if name in self.top:
             return [self.top[name]]
+        if name.endswith(".scale") and name[:-len(".scale")] + ".kernel" in self.top:  # a quantized head's
+            return [self.top[name[:-len(".scale")] + ".kernel"] + SCALE_SUFFIX]
         m = _LAYER.fullmatch(name)
         if m is None:
             raise KeyError(f"parameter {name!r} has no name in this checkpoint family")
@@ -56,6 +80,9 @@ class NameScheme:
         if suffix in self.experts:
             return [prefix + self.experts[suffix].format(e=e) for e in range(shape[0])]
         if suffix not in self.layer:
+            scaled = _quant_scale_of(suffix)
+            if scaled is not None and (scaled in self.layer or scaled in self.experts):
+                return [src + SCALE_SUFFIX for src in self.sources(f"layers.{i}.{scaled}", shape)]
             raise KeyError(f"parameter {name!r} has no name in this checkpoint family")
         return [prefix + self.layer[suffix]]
 
@@ -115,25 +142,38 @@ def _is_expert(name: str) -> bool:
     return m is not None and m.group(2) in EXPERT_KEYS
 
 
+def _is_expert_scale(name: str) -> bool:
+    m = _LAYER.fullmatch(name)
+    return m is not None and m.group(2) in tuple(f"{k}_scale" for k in EXPERT_KEYS)
+
+
+_KERNELS = (".kernel", ".qkernel")
+
+
 def to_checkpoint(name: str, value: np.ndarray) -> list[np.ndarray]:
     """One dlm-jax parameter -> the checkpoint tensors (in `sources` order)."""
     if _is_expert(name):
         return [np.ascontiguousarray(value[e].T) for e in range(value.shape[0])]
-    if name.endswith(".kernel"):
+    if _is_expert_scale(name):
+        return [np.ascontiguousarray(value[e]) for e in range(value.shape[0])]
+    if name.endswith(_KERNELS):
         return [np.ascontiguousarray(value.T)]
     return [value]
 
 
 # How the checkpoint tensors of a parameter become its array (`layout`, `from_layout`).
-EXPERTS, KERNEL, PLAIN = "experts", "kernel", "plain"
+EXPERTS, STACKED, KERNEL, PLAIN = "experts", "stacked", "kernel", "plain"
 
 
 def layout(name: str) -> str:
     """EXPERTS: one [out, in] tensor per expert, stacked then transposed to [E, in, out];
+    STACKED: one tensor per expert (a quantized expert kernel's scales [out]), stacked;
     KERNEL: one [out, in] tensor, transposed; PLAIN: one tensor, as stored."""
     if _is_expert(name):
         return EXPERTS
-    return KERNEL if name.endswith(".kernel") else PLAIN
+    if _is_expert_scale(name):
+        return STACKED
+    return KERNEL if name.endswith(_KERNELS) else PLAIN
 
 
 def from_layout(kind: str, x: ArrayT) -> ArrayT:
@@ -147,7 +187,9 @@ def from_layout(kind: str, x: ArrayT) -> ArrayT:
 def from_checkpoint(name: str, tensors: list[np.ndarray]) -> np.ndarray:
     """The checkpoint tensors of one parameter (in `sources` order) -> the dlm-jax array."""
     kind = layout(name)
-    stacked = np.stack(tensors) if kind == EXPERTS else tensors[0]
+    stacked = np.stack(tensors) if kind in (EXPERTS, STACKED) else tensors[0]
+    if kind == STACKED:
+        return stacked
     return stacked if kind == PLAIN else np.ascontiguousarray(from_layout(kind, stacked))
 
 
@@ -155,14 +197,19 @@ def checkpoint_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Shape of each checkpoint tensor of parameter `name` whose dlm-jax shape is `shape`."""
     if _is_expert(name):
         return (shape[2], shape[1])
-    if name.endswith(".kernel"):
+    if _is_expert_scale(name):
+        return (shape[1],)
+    if name.endswith(_KERNELS):
         return tuple(reversed(shape))
     return tuple(shape)
 
 
-def iter_sources(scheme: NameScheme, shapes: Mapping[str, tuple[int, ...]]) -> Iterator[tuple[str, list[str]]]:
+def iter_sources(scheme: NameScheme, shapes: Mapping[str, tuple[int, ...]], *,
+                 quantized: frozenset[str] = frozenset()) -> Iterator[tuple[str, list[str]]]:
+    """(name, its checkpoint tensor names) for every parameter of `shapes`; those named in
+    `quantized` hold int8 / float8 weights (`NameScheme.sources`)."""
     for name, shape in shapes.items():
-        yield name, scheme.sources(name, tuple(shape))
+        yield name, scheme.sources(name, tuple(shape), quantized=name in quantized)
 
 
 # -- the schemes ----------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def read_host(kind: str, infos: Sequence[TensorInfo]) -> np.ndarray:
     """The checkpoint tensors of one parameter in one host array, as stored: [E, *shape] for
     the experts of an EXPERTS parameter, else its one tensor."""
     first = infos[0]
-    if kind != _names.EXPERTS:
+    if kind not in (_names.EXPERTS, _names.STACKED):
         return first.read(host_buffer(first.shape, first.dtype))
     if any(i.dtype != first.dtype for i in infos):  # a mixed-dtype expert set: promote as NumPy does
         return np.stack([i.read() for i in infos])

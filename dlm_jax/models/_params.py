@@ -16,6 +16,7 @@ from flax import nnx
 
 from dlm_jax._config import ModelConfig
 from dlm_jax.models._transformer import Transformer
+from dlm_jax.models.quant import quantize
 
 
 def init_model(cfg: ModelConfig, *, seed: int = 0) -> Transformer:
@@ -43,14 +44,20 @@ class _ShapeOnlyRngs:
 
 
 @functools.lru_cache(maxsize=4)
-def _abstract_model(cfg: ModelConfig) -> Transformer:
-    """The model of `cfg` with `jax.ShapeDtypeStruct`s for arrays (read, never mutated)."""
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=_ShapeOnlyRngs()))
+def _abstract_model(cfg: ModelConfig, quant: str | None = None) -> Transformer:
+    """The model of `cfg` with `jax.ShapeDtypeStruct`s for arrays (read, never mutated);
+    weight-only quantized to `quant` (`dlm_jax.models.quant.quantize`) unless None."""
+    def build() -> Transformer:
+        model = Transformer(cfg, rngs=_ShapeOnlyRngs())
+        return model if quant is None else quantize(model, quant)
+
+    return nnx.eval_shape(build)
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
-    """Name -> shape/dtype of every parameter, without allocating any."""
-    state = nnx.state(_abstract_model(cfg), nnx.Param)
+def param_shapes(cfg: ModelConfig, *, quant: str | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """Name -> shape/dtype of every parameter, without allocating any (of the model quantized
+    to `quant`, int8 / float8 kernels and float32 scales, unless None)."""
+    state = nnx.state(_abstract_model(cfg, quant), nnx.Param)
     return {_path_name(p): v.get_value() for p, v in nnx.to_flat_state(state)}
 
 
@@ -72,14 +79,17 @@ def get_params(model: Transformer) -> dict[str, np.ndarray]:
 _STACKED = "layers.block."  # a `StackedLayers`' one block, its arrays [L, ...]
 
 
-def model_from_params(cfg: ModelConfig, params: Mapping[str, np.ndarray | jax.Array]) -> Transformer:
+def model_from_params(cfg: ModelConfig, params: Mapping[str, np.ndarray | jax.Array], *,
+                      quant: str | None = None) -> Transformer:
     """Build a model whose parameters are exactly `params` (names and shapes must match).
 
     No random initialisation runs: the module graph is built abstractly and filled in. A
     device array already in the parameter's dtype is used as it is (no copy); anything else is
-    converted once (`jnp.asarray`).
+    converted once (`jnp.asarray`). `quant` ("int8" / "fp8"): the model is weight-only
+    quantized (`dlm_jax.models.quant`) and `params` hold its quantized kernels and scales
+    (`param_shapes(cfg, quant=quant)` names them); no float kernel is made.
     """
-    graphdef, state = nnx.split(_abstract_model(cfg))
+    graphdef, state = nnx.split(_abstract_model(cfg, quant))
     flat = []
     expected = set()
     for path, var in nnx.to_flat_state(state):
