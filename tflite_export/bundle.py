@@ -307,8 +307,9 @@ def load_checkpoint(model_dir: str | os.PathLike, *, strict: bool = False,
                     verify: bool = True) -> tuple[Transformer, Tokenizer | MissingTokenizer]:
     """The Flax model and the tokenizer of a checkpoint (a `MissingTokenizer`, which saves
     nothing, when it ships none)."""
-    from dlm_jax.checkpoint._io import load_pretrained
+    from dlm_jax.checkpoint._io import load_pretrained, refuse_stored_quant
 
+    refuse_stored_quant(model_dir, "a LiteRT bundle (its own int8 / int4 with --quant)")
     return load_pretrained(model_dir, strict=strict, verify=verify), stored_tokenizer(model_dir)
 
 

@@ -146,7 +146,7 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, *, quant: 
     from dlm_jax._integrity import atomic_path
     from dlm_jax._model import stored_tokenizer
     from dlm_jax._tokenizer import ByteTokenizer
-    from dlm_jax.checkpoint._io import load_pretrained
+    from dlm_jax.checkpoint._io import load_pretrained, refuse_stored_quant
     from dlm_jax.models._params import get_params
 
     t0 = time.perf_counter()
@@ -157,6 +157,7 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, *, quant: 
         raise ConfigError(f"{out} is a directory: a GGUF export writes one file (e.g. --out {out / 'model.gguf'})")
     if out.exists() and not overwrite:
         raise ConfigError(f"{out} exists; pass --overwrite to replace it")
+    refuse_stored_quant(model_dir, "a GGUF export (its own quantisations with --quant)")
     model = load_pretrained(model_dir, strict=strict, verify=verify)
     cfg = model.config
     if (why := unsupported(cfg)) is not None:

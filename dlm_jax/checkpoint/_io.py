@@ -221,6 +221,14 @@ def stored_quant(path: str | os.PathLike) -> str | None:
     return quant
 
 
+def refuse_stored_quant(path: str | os.PathLike, what: str) -> None:
+    """One line, before any weight is read, when `path` is stored weight-only quantized: `what`
+    (an export) starts from float weights; the checkpoint it was quantized from is the input."""
+    if Path(path).is_dir() and (quant := stored_quant(path)) is not None:
+        raise ConfigError(f"{path} is stored weight-only quantized ({quant}, for the JAX executor); {what} "
+                          f"starts from float weights: give the checkpoint it was quantized from")
+
+
 def _plan(path: Path, cfg: ModelConfig, family: Family, shapes: Mapping[str, tuple[int, ...]], *,
           quantized: frozenset[str] = frozenset()) -> dict[str, list[TensorInfo]]:
     """Parameter name -> its checkpoint tensors, every header, name and shape checked (a fused

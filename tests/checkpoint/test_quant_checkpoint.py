@@ -1,6 +1,8 @@
 """Weight-only quantized checkpoints: `save_pretrained` of a model loaded with `quant=...`, and
 `dlm_jax.load` of what it wrote (`dlm_jax.checkpoint._io`, docs/checkpoints.md)."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -93,3 +95,18 @@ def test_quantized_checkpoint_refusals_are_one_line(tmp_path):
     with pytest.raises(CheckpointError, match=r"saves only with family='dlm_jax', not 'llada'$"):
         save_pretrained(handle.model, tmp_path / "as-llada", family="llada")
     assert not (tmp_path / "as-llada").exists()
+
+
+@pytest.mark.parametrize("fmt", ["bundle", "gguf"])
+def test_exporting_a_stored_quantized_checkpoint_is_refused_in_one_line(tmp_path, fmt):
+    """Exports start from float weights: a weight-only quantized folder used to reach the
+    exporter and fail inside it; now one `error:` line names the folder, before any weight loads."""
+    saved = tmp_path / "int8"
+    save_pretrained(dlm_jax.load(TINY, quant="int8").model, saved)
+    out = tmp_path / ("bundle" if fmt == "bundle" else "model.gguf")
+    proc = subprocess.run([sys.executable, "-m", "dlm_jax.frontends.cli", "export", "--model", str(saved), "--out",
+                           str(out), "--format", fmt], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "stored weight-only quantized (int8" in lines[0] and "Traceback" not in proc.stderr
+    assert not out.exists()
