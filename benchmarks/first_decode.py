@@ -31,6 +31,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 T0 = time.perf_counter()  # before JAX is imported: the process's start
 
+from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402 (imports no JAX)
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -109,9 +111,7 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     path = args.out.with_suffix(".json")
     runs = json.loads(path.read_text())["runs"] if path.exists() else []
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"benchmark": "benchmarks/first_decode.py", "runs": runs + [record]}, indent=1) + "\n")
-    tmp.replace(path)
+    atomic_write_json(path, {"benchmark": "benchmarks/first_decode.py", "runs": runs + [record]}, indent=1)
     print(json.dumps(record))
     return 0
 
@@ -133,10 +133,8 @@ def markdown(rep: dict) -> str:
 
 def _write(out: Path, rep: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, text in ((".json", json.dumps(rep, indent=1) + "\n"), (".md", markdown(rep))):
-        tmp = out.with_suffix(suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out.with_suffix(suffix))
+    atomic_write_json(out.with_suffix(".json"), rep, indent=1)
+    atomic_write(out.with_suffix(".md"), markdown(rep))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -56,6 +57,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import dlm_jax  # noqa: E402
+from _plots import png_bytes  # noqa: E402
+from dlm_jax._integrity import atomic_write  # noqa: E402
 from dlm_jax.executors.jax_executor import JaxExecutor  # noqa: E402
 
 try:  # an executor that reads its cache in place names its ways of reading it
@@ -408,8 +411,6 @@ def plot(rep: dict[str, Any], path: Path) -> bool:
     timed = [r for r in rep["cases"] if r.get("step_ms") is not None]
     if not timed:
         return False
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -434,17 +435,8 @@ def plot(rep: dict[str, Any], path: Path) -> bool:
         ax.set_title(f"{kind} step, {rep['device']['kind']}")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    _atomic(path, buf.getvalue())
+    atomic_write(path, png_bytes(fig))
     return True
-
-
-def _atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def write(rep: dict[str, Any], out: Path | None, *, final: bool = False) -> None:
@@ -453,7 +445,7 @@ def write(rep: dict[str, Any], out: Path | None, *, final: bool = False) -> None
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     for suffix, text in ((".json", json.dumps(rep, indent=1) + "\n"), (".md", markdown(rep))):
-        _atomic(out.with_suffix(suffix), text.encode())
+        atomic_write(out.with_suffix(suffix), text)
     if final:
         plot(rep, out.with_suffix(".png"))
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dlm_jax  # noqa: E402
 from _hardware import machine  # noqa: E402
+from _plots import png_bytes  # noqa: E402
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402
 from dlm_jax.executors.runner import load_bundle  # noqa: E402
 from dlm_jax.tflite_export.bundle import buckets_for_prompts, export_bundle  # noqa: E402
@@ -158,7 +159,6 @@ def write(result: dict, out: Path) -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    import io
 
     import matplotlib
 
@@ -180,10 +180,7 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    atomic_write(path, png_bytes(fig))
 
 
 if __name__ == "__main__":

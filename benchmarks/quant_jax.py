@@ -24,7 +24,6 @@ the embedding and norms as loaded). Writes <out>.json, <out>.md and <out>.png.
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import numpy as np  # noqa: E402
 
 import dlm_jax  # noqa: E402
 from _hardware import machine  # noqa: E402
+from _plots import png_bytes  # noqa: E402
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402
 from dlm_jax.models.quant import weight_bytes  # noqa: E402
 from dlm_jax.runtime.registry import decode_options  # noqa: E402
@@ -166,10 +166,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title)
     axes[0].legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    atomic_write(path, png_bytes(fig))
 
 
 if __name__ == "__main__":

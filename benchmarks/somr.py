@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _plots import png_bytes  # noqa: E402
 from dlm_jax import ModelConfig  # noqa: E402
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey  # noqa: E402
@@ -178,10 +179,7 @@ def plot(result: dict) -> bytes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)
 
 
 def main() -> None:
