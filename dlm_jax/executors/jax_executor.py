@@ -170,50 +170,58 @@ def abstract_inputs(config, key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
     return tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in input_specs(config, key))
 
 
-def gather_view(k_res, v_res, pos, valid, written, read, read_len, *, written_only: bool):
-    """The read slots of a resident cache ([L, B, Hkv, S, Dh]): K/V [L, B, P, Hkv, Dh] (zeros where `read` is -1),
-    their positions and whether each batch row may see them, [B, P] (a row sees its first
-    `read_len` [B] columns)."""
-    ok = read >= 0
+def gather_view(k_res, v_res, pos, valid, written, read, read_len, rows, *, written_only: bool):
+    """The read slots of a resident cache ([L, B_pool, Hkv, S, Dh]), per batch row: `read`
+    [B, P] of cache row `rows` [B] (-1: a padding row, which sees nothing). Returns K/V [L, B,
+    P, Hkv, Dh] (zeros where `read` is -1), their positions and whether each batch row may see
+    them, [B, P] (a row sees its first `read_len` [B] columns). Each (row, slot) pair is
+    gathered directly: nothing but the read entries is copied."""
+    ok = (read >= 0) & (rows >= 0)[:, None]  # [B, P]
     idx = jnp.where(ok, read, 0)
-    keep = ok[None, None, :, None, None]
-    k = jnp.where(keep, jnp.take(k_res, idx, axis=3).swapaxes(2, 3), 0)
-    v = jnp.where(keep, jnp.take(v_res, idx, axis=3).swapaxes(2, 3), 0)
-    k_pos = jnp.where(ok[None, :], jnp.take(pos, idx, axis=1), 0)
-    k_ok = ok[None, :] & jnp.take(valid, idx, axis=1) & (jnp.arange(read.shape[0])[None, :] < read_len[:, None])
+    r = jnp.where(rows >= 0, rows, 0)[:, None]  # [B, 1]
+    keep = ok[None, :, :, None, None]
+    # k_res[:, r, :, idx]: the advanced indices (axes 1 and 3) are split by a slice, so their
+    # [B, P] dimensions come first: [B, P, L, Hkv, Dh].
+    k = jnp.where(keep, k_res[:, r, :, idx].transpose(2, 0, 1, 3, 4), 0)
+    v = jnp.where(keep, v_res[:, r, :, idx].transpose(2, 0, 1, 3, 4), 0)
+    k_pos = jnp.where(ok, pos[r, idx], 0)
+    k_ok = ok & valid[r, idx] & (jnp.arange(read.shape[1])[None, :] < read_len[:, None])
     if written_only:
-        k_ok = k_ok & jnp.take(written, idx, axis=1)
+        k_ok = k_ok & written[r, idx]
     return k, v, k_pos, k_ok
 
 
 def slot_reads(valid, read, read_len, hide):
     """The read slots of a resident cache as a mask over all of its slots, for attention that
     reads the cache in place: [B, S] whether each batch row sees each slot (one of its first
-    `read_len` [B] entries of `read` [P], and valid), and `hide` [W] re-indexed from the read
-    columns (cache columns 0..P-1, then the window's) to the slots (0..S-1, then S + window
-    row). The same visibility as `gather_view`'s over the gathered columns, column for column."""
+    `read_len` [B] entries of its `read` row [B, P], and `valid` [B, S], the batch rows' own),
+    and `hide` [B, W] re-indexed from the read columns (cache columns 0..P-1, then the
+    window's) to the slots (0..S-1, then S + window row). The same visibility as
+    `gather_view`'s over the gathered columns, column for column."""
     b, s = valid.shape
-    p = read.shape[0]
-    ok = (read >= 0)[None, :] & (jnp.arange(p)[None, :] < read_len[:, None])  # [B, P]
+    p = read.shape[1]
+    ok = (read >= 0) & (jnp.arange(p)[None, :] < read_len[:, None])  # [B, P]
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, p))
-    cols = jnp.broadcast_to(jnp.where(read >= 0, read, s)[None, :], (b, p))  # s: dropped
+    cols = jnp.where(read >= 0, read, s)  # s: dropped
     seen = jnp.zeros((b, s), bool).at[rows, cols].max(ok, mode="drop") & valid
-    from_read = jnp.take(read, jnp.clip(hide, 0, max(p - 1, 0)), axis=0) if p else jnp.full_like(hide, -1)
+    from_read = (jnp.take_along_axis(read, jnp.clip(hide, 0, max(p - 1, 0)), axis=1) if p
+                 else jnp.full_like(hide, -1))
     hide = jnp.where(hide < 0, -1, jnp.where(hide < p, from_read, hide - p + s))
     return seen, hide
 
 
-def scatter_rows(k_res, v_res, written, k_new, v_new, write):
-    """Store window rows' K/V [L, B, W, Hkv, Dh] at their slots of a resident cache [L, B, Hkv,
-    S, Dh], per batch row (`write` [B, W], -1: none); the rest of the cache is untouched (in
-    place when donated)."""
-    b, s = written.shape
-    target = jnp.where(write >= 0, write, s)  # s: dropped
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
+def scatter_rows(k_res, v_res, written, k_new, v_new, write, rows):
+    """Store window rows' K/V [L, B, W, Hkv, Dh] at their slots of a resident cache [L, B_pool,
+    Hkv, S, Dh], batch row b into cache row `rows[b]` (`write` [B, W], -1: none; a padding
+    row, `rows` -1, stores nothing); the rest of the cache is untouched (in place when
+    donated)."""
+    s = written.shape[1]
+    target = jnp.where((write >= 0) & (rows >= 0)[:, None], write, s)  # s: dropped
+    at = jnp.broadcast_to(jnp.where(rows >= 0, rows, 0)[:, None], target.shape)
     # The cache is [L, B, Hkv, S, Dh]: indexed at (rows, slots), the updates are [B, W, L, Hkv, Dh].
-    k_res = k_res.at[:, rows, :, target].set(k_new.transpose(1, 2, 0, 3, 4).astype(k_res.dtype), mode="drop")
-    v_res = v_res.at[:, rows, :, target].set(v_new.transpose(1, 2, 0, 3, 4).astype(v_res.dtype), mode="drop")
-    return k_res, v_res, written.at[rows, target].set(True, mode="drop")
+    k_res = k_res.at[:, at, :, target].set(k_new.transpose(1, 2, 0, 3, 4).astype(k_res.dtype), mode="drop")
+    v_res = v_res.at[:, at, :, target].set(v_new.transpose(1, 2, 0, 3, 4).astype(v_res.dtype), mode="drop")
+    return k_res, v_res, written.at[at, target].set(True, mode="drop")
 
 
 def request_names(gated: bool) -> tuple[str, ...]:
@@ -238,17 +246,59 @@ class DeviceKVCache(KVCache):
     def __init__(self, executor: JaxExecutor, positions: np.ndarray, valid: np.ndarray):
         self.executor = executor
         b, s = positions.shape
-        self.slots = executor.capacity(s)
-        self.k, self.v, self.written = executor._allocs.get((b, self.slots))()  # made on the device, nothing sent
-        pos = pad_axis(np.asarray(positions, np.int32), self.slots, axis=1)
-        ok = pad_axis(np.asarray(valid, bool), self.slots, axis=1, value=False)
-        self.pos, self.valid = jax.device_put(pos), jax.device_put(ok)
-        self.transfers = Transfers(opened=pos.nbytes + ok.nbytes)
+        self._slots = executor.capacity(s)
+        self.k, self.v, self.written = executor._allocs.get((b, self._slots))()  # made on the device, nothing sent
+        # Host mirrors of the slot positions and validity (`assign` edits a row and uploads again).
+        self._pos = pad_axis(np.asarray(positions, np.int32), self._slots, axis=1)
+        self._ok = pad_axis(np.asarray(valid, bool), self._slots, axis=1, value=False)
+        self.pos, self.valid = jax.device_put(self._pos), jax.device_put(self._ok)
+        self.transfers = Transfers(opened=self._pos.nbytes + self._ok.nbytes)
         self._writer: JaxExecutor = executor  # whose scatter programs `write` uses
+
+    @property
+    def slots(self) -> int:
+        return self._slots
+
+    @property
+    def rows(self) -> int:
+        """The cache rows (a pool's: more than a step's batch bucket)."""
+        return self._pos.shape[0]
+
+    @property
+    def read_bucket_free(self) -> bool:
+        # In place, attention reads all S slots, the unread ones masked (`slot_reads`): the
+        # read bucket P only sizes the index list, so -1 padding to a larger P changes nothing
+        # (steps with P > 0; a step reading nothing, P = 0, runs the cache-less forward). The
+        # gathered form attends over P columns, whose padding changes the reductions' shape.
+        return self.executor.attention != "gather"
+
+    def assign(self, row: int, positions: np.ndarray, valid: np.ndarray) -> None:
+        n = len(positions)
+        if n > self._slots or len(valid) != n:
+            raise ValueError(f"a request of {n} slots (valid: {len(valid)}) does not fit a cache row of {self._slots}")
+        self._pos[row] = 0
+        self._pos[row, :n] = positions
+        self._ok[row] = False
+        self._ok[row, :n] = valid
+        self.pos, self.valid = jax.device_put(self._pos), jax.device_put(self._ok)
+        clear = self._writer._clears.get((self.rows, self._slots))
+        self.k, self.v, self.written = clear(self.k, self.v, self.written, np.int32(row))
+        self.transfers.add(self._pos.nbytes + self._ok.nbytes, 0)
+
+    def _resident_key(self, req: SlotStep) -> tuple:
+        """The program of `req` on this cache: today's in-place program where the step's batch
+        rows are the cache's rows in order (every solo decode), else the pooled one."""
+        key = req.key
+        if self.executor.attention == "gather" or key.cache == 0:
+            pooled = self.rows != key.batch  # (row, slot) pairs gathered either way
+        else:
+            rows = req.rows
+            pooled = not (self.rows == key.batch and (rows is None or np.array_equal(rows, np.arange(key.batch))))
+        return (key, self._slots) if not pooled else (key, self._slots, self.rows, True)
 
     def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
         ex = self.executor
-        program = ex._resident.get((req.key, self.slots))
+        program = ex._resident.get(self._resident_key(req))
         given = req.arrays()
         arrays = [given[n] for n in request_names(ex.gated)]
         names = [n for n in output_names(req.key) if n not in ("k_new", "v_new")]
@@ -273,8 +323,8 @@ class DeviceKVCache(KVCache):
         """Gather the read slots now (a device copy, dispatched before the main step donates
         the cache); the returned callable runs the step over them on `executor`'s programs."""
         key = req.key
-        gather = executor._gathers.get((key.batch, key.cache, self.slots, req.written_only))
-        view = gather(self.k, self.v, self.pos, self.valid, self.written, req.read, req.lengths())
+        gather = executor._gathers.get((key.batch, key.cache, self._slots, req.written_only, self.rows))
+        view = gather(self.k, self.v, self.pos, self.valid, self.written, req.read, req.lengths(), req.cache_rows())
         self._writer = executor
         given = req.arrays()
         arrays = [given[n] for n in VIEW_NAMES + ((LORA_GATE.name,) if executor.gated else ())]
@@ -284,21 +334,22 @@ class DeviceKVCache(KVCache):
         def run() -> StepOutputs:
             named = executor._views.get(key)(executor._leaves, *view, *arrays)
             out = {n: np.asarray(v) for n, v in jax.device_get({n: named[n] for n in names}).items()}
-            transfers.add(req.read.nbytes + req.lengths().nbytes + sum(a.nbytes for a in arrays),
+            transfers.add(req.read.nbytes + req.lengths().nbytes + req.cache_rows().nbytes + sum(a.nbytes for a in arrays),
                           sum(v.nbytes for v in out.values()))
             return StepOutputs(**out, kv=(named["k_new"], named["v_new"]))
 
         return run
 
-    def write(self, kv, slots: np.ndarray, rows: np.ndarray) -> None:
+    def write(self, kv, slots: np.ndarray, rows: np.ndarray, *, at: np.ndarray | None = None) -> None:
         k_new, v_new = kv
         width = k_new.shape[2]
         rows = np.asarray(rows, bool)
         write = pad_axis(np.where(rows, np.asarray(slots, np.int32)[None, :], -1).astype(np.int32), width, axis=1,
                          value=-1)
-        scatter = self._writer._scatters.get((write.shape[0], width, self.slots))
-        self.k, self.v, self.written = scatter(self.k, self.v, self.written, k_new, v_new, write)
-        self.transfers.add(write.nbytes, 0)
+        at = np.arange(write.shape[0], dtype=np.int32) if at is None else np.asarray(at, np.int32)
+        scatter = self._writer._scatters.get((write.shape[0], width, self._slots, self.rows))
+        self.k, self.v, self.written = scatter(self.k, self.v, self.written, k_new, v_new, write, at)
+        self.transfers.add(write.nbytes + at.nbytes, 0)
 
     def close(self) -> None:
         self.k = self.v = self.written = None
@@ -361,13 +412,14 @@ class JaxExecutor(Executor):
         self._programs = CompiledBuckets(self._build)  # the dense step (the contract, bundles' reference)
         self._resident = CompiledBuckets(self._build_resident)  # (key, slots): a decode's step
         self._views = CompiledBuckets(self._build_view)  # key: a CPU path's step over gathered slots
-        self._gathers = CompiledBuckets(self._build_gather)  # (batch, read, slots, written_only)
-        self._scatters = CompiledBuckets(self._build_scatter)  # (batch, rows, slots)
+        self._gathers = CompiledBuckets(self._build_gather)  # (batch, read, slots, written_only, cache rows)
+        self._scatters = CompiledBuckets(self._build_scatter)  # (batch, width, slots, cache rows)
         self._allocs = CompiledBuckets(self._build_alloc)  # (batch, slots): a decode's empty cache
+        self._clears = CompiledBuckets(self._build_clear)  # (cache rows, slots): `DeviceKVCache.assign`
 
     @property
     def _all_programs(self) -> tuple[CompiledBuckets, ...]:
-        return self._programs, self._resident, self._views, self._gathers, self._scatters, self._allocs
+        return self._programs, self._resident, self._views, self._gathers, self._scatters, self._allocs, self._clears
 
     def place(self, resident) -> int:
         """Move experts into the slots of the split layers (`dlm_jax.techniques.tide.split_experts`):
@@ -430,26 +482,43 @@ class JaxExecutor(Executor):
 
         return view
 
-    def _build_resident(self, key_slots: tuple[BucketKey, int]):
-        key, slots = key_slots
+    def _build_resident(self, spec: tuple):
+        """The resident step of `spec`: (key, slots), a decode's own cache (batch rows are the
+        cache's rows in order), or (key, slots, cache rows, True), a step on a pool whose
+        batch rows map to cache rows by `rows`."""
+        key, slots = spec[:2]
+        pool = spec[2] if len(spec) > 2 else key.batch
+        pooled = len(spec) > 2
         view = self._view_fn(key)
 
         in_place = self.attention != "gather" and key.cache > 0  # (a step reading nothing gathers nothing)
 
         def program(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, read_len, probes,
-                    hide, write, logit_rows, *gate):
+                    hide, write, logit_rows, rows, *gate):
             if in_place:  # attention reads all S slots where they lie, the unread ones masked
-                seen, hide_slots = slot_reads(valid, read, read_len, hide)
+                if pooled:
+                    # The batch rows' caches gathered first, [L, B, Hkv, S, Dh]: on a GPU a
+                    # copy of those rows' whole caches per step, as many bytes again as the
+                    # attention reads (a pool whose step covers all its rows in order runs the
+                    # in-place program instead).
+                    r = jnp.where(rows >= 0, rows, 0)
+                    k_rows, v_rows = jnp.take(k_res, r, axis=1), jnp.take(v_res, r, axis=1)
+                    pos_rows, valid_rows = jnp.take(pos, r, axis=0), jnp.take(valid, r, axis=0) & (rows >= 0)[:, None]
+                else:
+                    k_rows, v_rows, pos_rows, valid_rows = k_res, v_res, pos, valid
+                seen, hide_slots = slot_reads(valid_rows, read, read_len, hide)
                 with attention_form(self.attention, heads_first=True):
-                    named = view(leaves, k_res, v_res, pos, seen, tokens, positions, q_valid, probes, hide_slots,
-                                 logit_rows, *gate)
+                    named = view(leaves, k_rows, v_rows, pos_rows, seen, tokens, positions, q_valid, probes,
+                                 hide_slots, logit_rows, *gate)
             else:
-                k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, read_len, written_only=False)
+                k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, read_len, rows,
+                                                written_only=False)
                 named = view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate)
-            k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"), write)
+            k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"), write,
+                                                 rows)
             return named, k_res, v_res, written
 
-        return program, (self._leaves, *self._cache_specs(key.batch, slots), *device_specs(key, self.gated)), {
+        return program, (self._leaves, *self._cache_specs(pool, slots), *device_specs(key, self.gated)), {
             "donate_argnums": (1, 2, 3)}
 
     def _build_view(self, key: BucketKey):
@@ -457,19 +526,20 @@ class JaxExecutor(Executor):
         kv = jax.ShapeDtypeStruct((cfg.n_layers, key.batch, key.cache, cfg.n_kv_heads, cfg.head_dim),
                                   jnp.dtype(cfg.dtype))
         view_inputs = [s for n, s in zip(request_names(self.gated), device_specs(key, self.gated))
-                       if n not in ("read", "read_len", "write")]
+                       if n not in ("read", "read_len", "write", "rows")]
         return self._view_fn(key), (self._leaves, kv, kv, jax.ShapeDtypeStruct((key.batch, key.cache), jnp.int32),
                                     jax.ShapeDtypeStruct((key.batch, key.cache), bool), *view_inputs)
 
-    def _build_gather(self, spec: tuple[int, int, int, bool]):
-        batch, read, slots, written_only = spec
+    def _build_gather(self, spec: tuple[int, int, int, bool, int]):
+        batch, read, slots, written_only, pool = spec
 
-        def gather(k_res, v_res, pos, valid, written, read_slots, read_len):
-            return gather_view(k_res, v_res, pos, valid, written, read_slots, read_len, written_only=written_only)
+        def gather(k_res, v_res, pos, valid, written, read_slots, read_len, rows):
+            return gather_view(k_res, v_res, pos, valid, written, read_slots, read_len, rows,
+                               written_only=written_only)
 
-        k, v, written, pos, valid = self._cache_specs(batch, slots)
-        return gather, (k, v, pos, valid, written, jax.ShapeDtypeStruct((read,), jnp.int32),
-                        jax.ShapeDtypeStruct((batch,), jnp.int32))
+        k, v, written, pos, valid = self._cache_specs(pool, slots)
+        return gather, (k, v, pos, valid, written, jax.ShapeDtypeStruct((batch, read), jnp.int32),
+                        jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
 
     def _build_alloc(self, spec: tuple[int, int]):
         batch, slots = spec
@@ -480,13 +550,23 @@ class JaxExecutor(Executor):
 
         return alloc, ()
 
-    def _build_scatter(self, spec: tuple[int, int, int]):
-        batch, width, slots = spec
+    def _build_scatter(self, spec: tuple[int, int, int, int]):
+        batch, width, slots, pool = spec
         cfg = self.config
-        k, v, written, _, _ = self._cache_specs(batch, slots)
+        k, v, written, _, _ = self._cache_specs(pool, slots)
         new = jax.ShapeDtypeStruct((cfg.n_layers, batch, width, cfg.n_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
-        return scatter_rows, (k, v, written, new, new, jax.ShapeDtypeStruct((batch, width), jnp.int32)), {
-            "donate_argnums": (0, 1, 2)}
+        return scatter_rows, (k, v, written, new, new, jax.ShapeDtypeStruct((batch, width), jnp.int32),
+                              jax.ShapeDtypeStruct((batch,), jnp.int32)), {"donate_argnums": (0, 1, 2)}
+
+    def _build_clear(self, spec: tuple[int, int]):
+        pool, slots = spec
+        k, v, written, _, _ = self._cache_specs(pool, slots)
+
+        def clear(k_res, v_res, written, row):
+            # A row handed to a new request: zeros and unwritten, as a fresh cache's.
+            return (k_res.at[:, row].set(0), v_res.at[:, row].set(0), written.at[row].set(False))
+
+        return clear, (k, v, written, jax.ShapeDtypeStruct((), jnp.int32)), {"donate_argnums": (0, 1, 2)}
 
     @property
     def capabilities(self) -> Capabilities:
@@ -526,7 +606,7 @@ class JaxExecutor(Executor):
     @property
     def compiled_keys(self) -> list[BucketKey]:
         """The buckets compiled, as dense steps or as a decode's resident steps."""
-        return sorted(set(self._programs.keys) | {k for k, _ in self._resident.keys})
+        return sorted(set(self._programs.keys) | {k[0] for k in self._resident.keys})
 
     def _program_keys(self, keys: Sequence[BucketKey], slots: int, views: bool):
         """(programs, their keys in order) that run the buckets `keys` as `warmup` describes."""
@@ -536,8 +616,9 @@ class JaxExecutor(Executor):
         if not views:
             return [(self._allocs, list(dict.fromkeys((k.batch, cap) for k in keys))),
                     (self._resident, [(k, cap) for k in keys])]
-        return [(self._gathers, list(dict.fromkeys((k.batch, k.cache, cap, True) for k in keys))),
-                (self._views, list(keys)), (self._scatters, list(dict.fromkeys((k.batch, k.window, cap) for k in keys)))]
+        return [(self._gathers, list(dict.fromkeys((k.batch, k.cache, cap, True, k.batch) for k in keys))),
+                (self._views, list(keys)),
+                (self._scatters, list(dict.fromkeys((k.batch, k.window, cap, k.batch) for k in keys)))]
 
     def warmup(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> int:
         """Compile every bucket of `keys`: with `slots`, as the resident steps of a decode of

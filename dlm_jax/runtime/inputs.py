@@ -112,11 +112,12 @@ class StepInputBuilder:
         tokens = pad_axis(state.fed_tokens(slots), key.window, axis=1, value=state.mask_id)
         positions = pad_axis(np.take_along_axis(state.positions, slots, axis=1), key.window, axis=1).astype(np.int32)
         q_valid = pad_axis(np.take_along_axis(state.valid, slots, axis=1), key.window, axis=1, value=False)
-        read = pad_axis(plan.cached.astype(np.int32), key.cache, axis=0, value=-1)
+        read = _rows(pad_axis(plan.cached.astype(np.int32), key.cache, axis=0, value=-1), state.batch)
         rows = pad_axis(plan.rows, key.rows, axis=0)
         logit_rows = np.ascontiguousarray(np.broadcast_to(rows, (state.batch, key.rows)).astype(np.int32))
         return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read,
-                        probes=np.zeros(key.window, bool), hide=np.full(key.window, -1, np.int32),
+                        probes=np.zeros((state.batch, key.window), bool),
+                        hide=np.full((state.batch, key.window), -1, np.int32),
                         write=self._write(plan, state, key, slots),
                         logit_rows=logit_rows, want=dataclasses.replace(want, kv=False),
                         read_len=self._lengths(plan), lora_gate=self._gate(tokens, state))
@@ -153,9 +154,16 @@ class StepInputBuilder:
             hide[w:w + d] = np.where(own >= 0, key.cache + own, -1)
         rows = pad_axis(np.concatenate([plan.rows, np.arange(w, w + d)]), key.rows, axis=0)
         logit_rows = np.ascontiguousarray(np.broadcast_to(rows, (state.batch, key.rows)).astype(np.int32))
-        return positions, q_valid, read, is_probe, hide, logit_rows
+        b = state.batch
+        return positions, q_valid, _rows(read, b), _rows(is_probe, b), _rows(hide, b), logit_rows
 
     def _no_write(self, batch: int, width: int) -> np.ndarray:
         if (batch, width) not in self._empty:
             self._empty[(batch, width)] = np.full((batch, width), -1, np.int32)
         return self._empty[(batch, width)]
+
+
+def _rows(shared: np.ndarray, batch: int) -> np.ndarray:
+    """[batch, n] contiguous copies of a list every batch row of one decode shares (the step
+    contract's per-row `read`, `probes`, `hide`)."""
+    return np.ascontiguousarray(np.broadcast_to(shared, (batch, len(shared))))

@@ -10,7 +10,10 @@ positions, flags, slot indices); what comes back is what the proposer reads.
 
   KVCache        the protocol: `step` (read, compute, write in place), `snapshot` (read now,
                  run later, possibly on a fork on another thread: the CPU path), `write`
-                 (store a snapshot's K/V at the step boundary), `close`.
+                 (store a snapshot's K/V at the step boundary), `close`; for a pool (one
+                 cache whose rows hold the requests of a continuous batch, each step's
+                 batch rows mapped to cache rows by `SlotStep.rows`): `assign` (a row
+                 handed to a new request), `slots`, `read_bucket_free`.
   HostKVCache    the cache of any executor with a dense step (`Executor.step(StepInputs)`:
                  the LiteRT runner, the bundle cache, test mocks): NumPy K/V gathered into the
                  step's `k_cache`/`v_cache` inputs, which the executor then copies into its own
@@ -69,7 +72,7 @@ class KVCache(HookBase):
     then) and `write` at the step boundary; `close` after the decode. `transfers` counts the
     bytes each step moved."""
 
-    HOOKS = ("step", "snapshot", "write", "close")
+    HOOKS = ("step", "snapshot", "write", "close", "assign", "slots", "read_bucket_free")
     transfers: Transfers
 
     def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
@@ -83,14 +86,33 @@ class KVCache(HookBase):
         the rows' K/V kept (`kv`) for `write`. Nothing is stored."""
         raise NotImplementedError
 
-    def write(self, kv: Any, slots: np.ndarray, rows: np.ndarray) -> None:
+    def write(self, kv: Any, slots: np.ndarray, rows: np.ndarray, *, at: np.ndarray | None = None) -> None:
         """Store the K/V of window rows 0..n-1 of a snapshot's outputs (`kv`) at `slots` [n],
-        in the batch rows `rows` [B, n] bool."""
+        in the batch rows `rows` [B, n] bool; batch row b goes to cache row `at[b]` [B] (-1:
+        nowhere; None: cache row b)."""
         raise NotImplementedError
 
     def close(self) -> None:
         """Release the decode's K/V (default: nothing; dropped with the cache)."""
         return None
+
+    def assign(self, row: int, positions: np.ndarray, valid: np.ndarray) -> None:
+        """Cache row `row` now holds a new request: its slot `positions` [S'] int and `valid`
+        [S'] bool, S' <= `slots` (the slots past S' invalid). Every K/V entry of the row is
+        forgotten, so nothing of its previous occupant can be read."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hand a row to a new request (no pooled cache)")
+
+    @property
+    def slots(self) -> int:
+        """The slots per row this cache holds (a pooled request's S' at most)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how many slots a row holds")
+
+    @property
+    def read_bucket_free(self) -> bool:
+        """True when a batch row's outputs are bit for bit independent of the read bucket P
+        (a step padded with -1 reads to a larger P computes the same), so steps of different
+        P may be merged into one call. Default False."""
+        return False
 
 
 class HostKVCache(KVCache):
@@ -109,32 +131,66 @@ class HostKVCache(KVCache):
         self.transfers = Transfers()
         self._vis: tuple[Any, np.ndarray] | None = None  # (geometry, visibility)
 
+    @property
+    def slots(self) -> int:
+        return self.positions.shape[1]
+
+    def assign(self, row: int, positions: np.ndarray, valid: np.ndarray) -> None:
+        n = len(positions)
+        if n > self.slots or len(valid) != n:
+            raise ValueError(f"a request of {n} slots (valid: {len(valid)}) does not fit a cache row of {self.slots}")
+        # Copies: the arrays the cache was opened with may be the caller's.
+        self.positions = np.array(self.positions)
+        self.valid = np.array(self.valid)
+        self.positions[row] = 0
+        self.positions[row, :n] = positions
+        self.valid[row] = False
+        self.valid[row, :n] = valid
+        self.store.forget(row)
+        self._vis = None
+
+    def _pooled(self, req: SlotStep) -> bool:
+        return req.rows is not None and not (len(req.rows) == self.positions.shape[0]
+                                             and np.array_equal(req.rows, np.arange(len(req.rows))))
+
     def _visibility(self, req: SlotStep) -> np.ndarray:
         if req.geometry is not None and self._vis is not None and self._vis[0] == req.geometry:
             return self._vis[1]
-        written = self.store.written if req.written_only else None
-        vis = slot_visibility(self.config, req, self.positions, self.valid, written)
+        positions, valid, written = self.positions, self.valid, self.store.written if req.written_only else None
+        if self._pooled(req):
+            r = np.maximum(req.rows, 0)
+            live = (req.rows >= 0)[:, None]
+            positions, valid = positions[r], valid[r] & live
+            written = None if written is None else written[r] & live
+        vis = slot_visibility(self.config, req, positions, valid, written)
         if req.geometry is not None:
             self._vis = (req.geometry, vis)
         return vis
 
     def _inputs(self, req: SlotStep, *, kv: bool) -> StepInputs:
-        read = req.read
-        used = np.flatnonzero(read >= 0)
+        read = req.read  # [B, P]
+        used = np.flatnonzero((read >= 0).any(axis=0))
         n = int(used[-1]) + 1 if len(used) else 0  # past the last read slot: padding
         # Excluded slots (-1) inside the list take any slot's K/V: nobody sees them.
-        k_cache, v_cache = self.store.gather(np.maximum(read[:n], 0), req.key.cache)
+        if not self._pooled(req) and (read[:, :n] == read[:1, :n]).all():
+            # One list for every row (every decode's own steps): gathered as one slice copy.
+            k_cache, v_cache = self.store.gather(np.maximum(read[0, :n], 0), req.key.cache)
+        else:
+            k_cache, v_cache = self.store.gather(np.maximum(read[:, :n], 0), req.key.cache, rows=req.cache_rows())
         return StepInputs(tokens=req.tokens, positions=req.positions, visibility=self._visibility(req),
                           k_cache=k_cache, v_cache=v_cache, logit_rows=req.logit_rows,
                           want=dataclasses.replace(req.want, kv=kv), lora_gate=req.lora_gate)
 
     def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
         writes = req.write >= 0
+        if req.rows is not None:
+            writes = writes & (req.rows >= 0)[:, None]  # a padding row writes nothing
         inputs = self._inputs(req, kv=bool(writes.any()))
         out = self.executor.step(inputs) if timings is None else self.executor.step(inputs, timings=timings)
         if writes.any():
             rows = np.flatnonzero(writes.any(axis=0))
-            self.store.write_at(req.write[:, rows], out.k_new[:, :, rows], out.v_new[:, :, rows])
+            self.store.write_at(np.where(writes, req.write, -1)[:, rows], out.k_new[:, :, rows], out.v_new[:, :, rows],
+                                at=req.rows)
         self.transfers.add(sum(a.nbytes for a in inputs.arrays()), _nbytes(out))
         return dataclasses.replace(out, k_new=None, v_new=None)
 
@@ -148,10 +204,14 @@ class HostKVCache(KVCache):
 
         return run
 
-    def write(self, kv: Any, slots: np.ndarray, rows: np.ndarray) -> None:
+    def write(self, kv: Any, slots: np.ndarray, rows: np.ndarray, *, at: np.ndarray | None = None) -> None:
         k, v = kv
         n = len(slots)
-        self.store.write(slots, k[:, :, :n], v[:, :, :n], stable=False, rows=rows)
+        if at is None and k.shape[1] == self.store.k.shape[1]:
+            self.store.write(slots, k[:, :, :n], v[:, :, :n], stable=False, rows=rows)
+        else:
+            at = np.arange(k.shape[1]) if at is None else at
+            self.store.write_rows(slots, k, v, keep=rows, at=at)
 
 
 def _nbytes(out: StepOutputs) -> int:

@@ -57,30 +57,89 @@ class KVStore:
         self.v[:, :, slots] = v[:, :, :n]
         self.writes += 1
 
-    def write_at(self, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    def write_at(self, slots: np.ndarray, k: np.ndarray, v: np.ndarray, *, at: np.ndarray | None = None) -> None:
         """Store k, v [L, B, n, Hkv, Dh] at per-row `slots` [B, n] (-1: not stored), as
-        revisable entries. Rows that store nothing are untouched."""
-        b, j = np.nonzero(slots >= 0)
+        revisable entries, batch row b into store row `at[b]` (-1: nowhere; None: row b).
+        Rows that store nothing are untouched."""
+        keep = slots >= 0
+        if at is not None:
+            keep &= (np.asarray(at) >= 0)[:, None]
+        b, j = np.nonzero(keep)
         if not len(b):
             return
         s = slots[b, j]
-        self.k[:, b, s] = k[:, b, j]
-        self.v[:, b, s] = v[:, b, j]
-        self.version[b, s] += 1
-        self.stable[b, s] = False
+        r = b if at is None else np.asarray(at)[b]
+        self.k[:, r, s] = k[:, b, j]
+        self.v[:, r, s] = v[:, b, j]
+        self.version[r, s] += 1
+        self.stable[r, s] = False
         self.writes += 1
 
-    def gather(self, slots: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """(k, v) [L, B, size, Hkv, Dh] of `slots` [n], zero-padded to `size` >= n. The last
-        result is reused when the slots and their versions are unchanged; do not write into
-        it."""
+    def write_rows(self, slots: np.ndarray, k: np.ndarray, v: np.ndarray, *, keep: np.ndarray,
+                   at: np.ndarray) -> None:
+        """Store k, v [L, B, n, Hkv, Dh] (entries past n ignored) at `slots` [n] of store rows
+        `at` [B] (-1: a batch row stored nowhere), where `keep` [B, n] bool, as revisable
+        entries: a snapshot's K/V written back into a pooled store."""
+        b, j = np.nonzero(np.asarray(keep, bool) & (np.asarray(at)[:, None] >= 0))
+        if not len(b):
+            return
+        r, s = np.asarray(at)[b], np.asarray(slots)[j]
+        self.k[:, r, s] = k[:, b, j]
+        self.v[:, r, s] = v[:, b, j]
+        self.version[r, s] += 1
+        self.stable[r, s] = False
+        self.writes += 1
+
+    def forget(self, row: int) -> None:
+        """Row `row` holds nothing: its K/V zeroed, its entries unwritten (a pooled store's row
+        handed to a new request; nothing of the previous one can be read)."""
+        self.k[:, row] = 0
+        self.v[:, row] = 0
+        self.version[row] = 0
+        self.stable[row] = False
+        self.writes += 1
+        # Versions restart at 0, so a memo built before could match again: drop it.
+        self._memo = None
+
+    def gather(self, slots: np.ndarray, size: int, *, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(k, v) [L, B, size, Hkv, Dh] of `slots`, zero-padded to `size` >= n: [n] read by
+        every row of the store, or [B', n] per batch row from store rows `rows` [B'] (-1: a
+        padding row, zeros; None: row b is store row b). The last result is reused when the
+        slots, rows and their versions are unchanged; do not write into it."""
         slots = np.asarray(slots)
+        if slots.ndim == 2 or rows is not None:
+            return self._gather_rows(slots, size, rows)
         memo = self._memo
         if memo is not None and memo[0] == slots.tobytes() and memo[1] == size:
             if memo[2] == self.writes or memo[3] == self.version[:, slots].tobytes():
                 return memo[4]
         self._memo = (slots.tobytes(), size, self.writes, self.version[:, slots].tobytes(),
                       (self._take(self.k, slots, size), self._take(self.v, slots, size)))
+        return self._memo[4]
+
+    def _gather_rows(self, slots: np.ndarray, size: int, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        batch = slots.shape[0] if slots.ndim == 2 else len(rows)
+        rows = np.arange(batch) if rows is None else np.asarray(rows)
+        slots = np.ascontiguousarray(np.broadcast_to(slots, (batch, slots.shape[-1])))
+        n = slots.shape[1]
+        if n > size:
+            raise ValueError(f"{n} cached slots do not fit a cache bucket of {size}")
+        r = np.maximum(rows, 0)[:, None]
+        # The memo key holds the rows (and a padding row's -1), and the versions of every
+        # (row, slot) pair read: a write or a `forget` anywhere else keeps it.
+        tag = ("rows", slots.tobytes(), rows.tobytes())
+        memo = self._memo
+        versions = self.version[r, slots].tobytes()
+        if memo is not None and memo[0] == tag and memo[1] == size and (memo[2] == self.writes or memo[3] == versions):
+            return memo[4]
+        live = (rows >= 0)[None, :, None, None, None]
+        out = []
+        for x in (self.k, self.v):
+            got = np.zeros(x.shape[:1] + (batch, size) + x.shape[3:], x.dtype)
+            # x[:, r, slots]: [L, B', n, Hkv, Dh], the (row, slot) pairs
+            got[:, :, :n] = np.where(live, x[:, r, slots], 0)
+            out.append(got)
+        self._memo = (tag, size, self.writes, versions, tuple(out))
         return self._memo[4]
 
     @staticmethod

@@ -212,14 +212,20 @@ class SlotStep:
 
     tokens, positions: [B, W] the window rows' inputs (padding rows: anything).
     q_valid: [B, W] bool, rows that are real (not bucket padding, not left padding).
-    read: [P] int32 slots whose stored K/V the step reads, in order (-1: none, padding).
-    read_len: [B] int32, how many of `read`'s columns each batch row reads (a row's cache
-      length when rows hold caches of different lengths, ISD); None: all of them.
-    probes: [W] bool, leave-one-out rows: no other row sees their keys.
-    hide: [W] int32 key column (0..P+W, cache columns first) a row may not see (-1: none).
+    read: [B, P] int32, per batch row the slots whose stored K/V that row reads, in order
+      (-1: none, padding). A [P] list shared by every row is broadcast to [B, P].
+    read_len: [B] int32, how many of its `read` row's columns each batch row reads (a row's
+      cache length when rows hold caches of different lengths, ISD); None: all of them.
+    probes: [B, W] bool, leave-one-out rows: no other row sees their keys ([W]: broadcast).
+    hide: [B, W] int32 key column (0..P+W, cache columns first, per batch row) a row may not
+      see (-1: none; [W]: broadcast).
     write: [B, W] int32 the slot each window row's K/V are stored to, per batch row (-1: not
       stored).
     logit_rows: [B, R] int32 rows whose predictions are returned.
+    rows: [B] int32, the cache row each batch row reads and writes (a pooled cache: batch rows
+      of several requests, each at its own cache row); -1 marks a padding batch row, which
+      reads nothing, writes nothing and whose outputs mean nothing. None: batch row b is
+      cache row b.
     want: `logits` asks for the rows' logits; `kv` keeps the rows' K/V (`StepOutputs.kv`) for
       a later `KVCache.write` instead of storing them now.
     written_only: read slots count only in the batch rows that have stored them (the CPU
@@ -242,23 +248,51 @@ class SlotStep:
     geometry: int | None = None
     read_len: np.ndarray | None = None
     lora_gate: np.ndarray | None = None  # [B, W] float32 (`StepInputs.lora_gate`), for a gated executor
+    rows: np.ndarray | None = None  # [B] int32 cache row per batch row (-1: padding row); None: identity
+
+    def __post_init__(self):
+        # Shared lists ([P] reads, [W] probes and hide: every row of one decode alike) are
+        # broadcast to the per-row form every cache and device program takes.
+        b = self.tokens.shape[0]
+        for name in ("read", "probes", "hide"):
+            value = getattr(self, name)
+            if value.ndim == 1:
+                object.__setattr__(self, name, np.ascontiguousarray(np.broadcast_to(value, (b, len(value)))))
 
     def lengths(self) -> np.ndarray:
         """[B] int32 `read_len`, all of `read` where it is None."""
         if self.read_len is not None:
             return self.read_len
-        return np.full(self.tokens.shape[0], len(self.read), np.int32)
+        return np.full(self.tokens.shape[0], self.read.shape[1], np.int32)
+
+    def cache_rows(self) -> np.ndarray:
+        """[B] int32 `rows`, `arange(B)` where it is None."""
+        if self.rows is not None:
+            return self.rows
+        return _identity_rows(self.tokens.shape[0])
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-step arrays a device receives, by name."""
         return {"tokens": self.tokens, "positions": self.positions, "q_valid": self.q_valid, "read": self.read,
                 "read_len": self.lengths(), "probes": self.probes, "hide": self.hide, "write": self.write,
-                "logit_rows": self.logit_rows, **({} if self.lora_gate is None else {"lora_gate": self.lora_gate})}
+                "logit_rows": self.logit_rows, "rows": self.cache_rows(),
+                **({} if self.lora_gate is None else {"lora_gate": self.lora_gate})}
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays().values())
 
+
+
+_IDENTITY: dict[int, np.ndarray] = {}
+
+
+def _identity_rows(batch: int) -> np.ndarray:
+    if batch not in _IDENTITY:
+        rows = np.arange(batch, dtype=np.int32)
+        rows.flags.writeable = False
+        _IDENTITY[batch] = rows
+    return _IDENTITY[batch]
 
 
 # --------------------------------------------------------------------------- by index
@@ -271,12 +305,13 @@ REQUEST: tuple[TensorSpec, ...] = (
     TensorSpec("tokens", ("B", "W"), "int32"),
     TensorSpec("positions", ("B", "W"), "int32"),
     TensorSpec("q_valid", ("B", "W"), "bool"),  # rows that are real (not bucket or left padding)
-    TensorSpec("read", ("P",), "int32"),  # slots whose stored K/V the step reads (-1: none)
-    TensorSpec("read_len", ("B",), "int32"),  # how many of `read` each batch row reads
-    TensorSpec("probes", ("W",), "bool"),  # leave-one-out rows: no other row sees their keys
-    TensorSpec("hide", ("W",), "int32"),  # a key column (cache columns first) the row may not see (-1: none)
+    TensorSpec("read", ("B", "P"), "int32"),  # per batch row, slots whose stored K/V it reads (-1: none)
+    TensorSpec("read_len", ("B",), "int32"),  # how many of its `read` row each batch row reads
+    TensorSpec("probes", ("B", "W"), "bool"),  # leave-one-out rows: no other row sees their keys
+    TensorSpec("hide", ("B", "W"), "int32"),  # a key column (cache columns first) the row may not see (-1: none)
     TensorSpec("write", ("B", "W"), "int32"),  # the slot each row's K/V go to, per batch row (-1: none)
     TensorSpec("logit_rows", ("B", "R"), "int32"),
+    TensorSpec("rows", ("B",), "int32"),  # the cache row of each batch row (-1: a padding row)
 )
 LORA_GATE = TensorSpec("lora_gate", ("B", "W"), "float32")  # a gated model's: 1.0 where adapters apply
 # What a CPU path's view of a snapshot takes (the read slots are resolved when it is taken).
@@ -304,30 +339,32 @@ def visibility(xp, config: ModelConfig, positions, q_valid, k_pos, k_ok, probes,
     positions, q_valid: [B, W] the rows' positions and reality; k_pos, k_ok: [B, P] the read
     slots' positions and whether each row may read them. Cache columns come first, then the
     window's rows, seen by the attention rule where valid. A probe row's key is seen by that
-    row only; `hide` [W] takes one more column from a row (-1: none)."""
-    p, w = k_pos.shape[1], positions.shape[1]
+    row only; `hide` [B, W] takes one more column from a row (-1: none); probes are [B, W]."""
+    b, p, w = positions.shape[0], k_pos.shape[1], positions.shape[1]
     keys = xp.concatenate([k_pos, positions], axis=1)
     vis = attention_rule(config.attention, positions[:, :, None], keys[:, None, :], config.block_size)
     vis = vis & xp.concatenate([k_ok, q_valid], axis=1)[:, None, :]
     col = xp.arange(p + w)
-    probe_col = xp.concatenate([xp.zeros(p, bool), probes])
+    probe_col = xp.concatenate([xp.zeros((b, p), bool), probes], axis=1)  # [B, P+W]
     own = col[None, :] == (p + xp.arange(w))[:, None]  # [W, P+W]
-    vis = xp.where(probe_col[None, None, :], own[None], vis)
-    return vis & ~(col[None, :] == hide[:, None])[None]
+    vis = xp.where(probe_col[:, None, :], own[None], vis)
+    return vis & ~(col[None, None, :] == hide[:, :, None])
 
 
 def slot_visibility(config: ModelConfig, req: SlotStep, positions: np.ndarray, valid: np.ndarray,
                     written: np.ndarray | None = None) -> np.ndarray:
-    """[B, W, P+W] bool: `visibility` of `req` on the host, from the decode's slot `positions`
-    / `valid` [B, S] (and `written` [B, S] for `req.written_only`)."""
-    read = req.read
+    """[B, W, P+W] bool: `visibility` of `req` on the host, from the slot `positions` / `valid`
+    [B, S] of the step's batch rows (and `written` [B, S] for `req.written_only`): a pooled
+    cache passes its rows `req.rows`, with a padding row's `valid` all False."""
+    read = req.read  # [B, P]
     ok = read >= 0
     idx = np.where(ok, read, 0)
-    k_ok = ok & valid[:, idx] & (np.arange(len(read))[None, :] < req.lengths()[:, None])
+    k_ok = (ok & np.take_along_axis(valid, idx, axis=1)
+            & (np.arange(read.shape[1])[None, :] < req.lengths()[:, None]))
     if req.written_only:
-        k_ok = k_ok & written[:, idx]
-    return visibility(np, config, req.positions, req.q_valid, np.where(ok, positions[:, idx], 0), k_ok,
-                      req.probes, req.hide)
+        k_ok = k_ok & np.take_along_axis(written, idx, axis=1)
+    return visibility(np, config, req.positions, req.q_valid, np.where(ok, np.take_along_axis(positions, idx, axis=1), 0),
+                      k_ok, req.probes, req.hide)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -133,7 +133,7 @@ def test_an_unread_slot_does_not_reach_the_step(model):
     cache = _filled_cache(executor, rng, req.key.batch, slots)
     seen = np.zeros((req.key.batch, cache.slots), bool)
     for row, n in enumerate(req.read_len):
-        cols = req.read[:n]
+        cols = req.read[row, :n]
         seen[row, cols[cols >= 0]] = True
     poison = np.where(seen[None, :, None, :, None], np.asarray(cache.k), np.float32(1e3))
     cache.k = jnp.asarray(poison.astype(cache.k.dtype))
