@@ -83,7 +83,8 @@ def test_the_visibility_rule_is_the_same_on_the_host_and_the_device(attention):
         b, w, p = rng.integers(1, 4), rng.integers(1, 9), rng.integers(0, 12)
         args = (rng.integers(0, 24, (b, w)).astype(np.int32), rng.random((b, w)) < 0.8,
                 rng.integers(0, 24, (b, p)).astype(np.int32), rng.random((b, p)) < 0.7,
-                rng.random(w) < 0.3, np.where(rng.random(w) < 0.4, rng.integers(0, p + w, w), -1).astype(np.int32))
+                rng.random((b, w)) < 0.3,
+                np.where(rng.random((b, w)) < 0.4, rng.integers(0, p + w, (b, w)), -1).astype(np.int32))
         host = visibility(np, cfg, *args)
         assert host.shape == (b, w, p + w) and host.dtype == bool
         np.testing.assert_array_equal(host, np.asarray(fn(*args)))
