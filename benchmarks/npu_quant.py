@@ -54,7 +54,7 @@ def decode_all(runner, n: int, cfg) -> tuple[dict, list]:
 
     acc, texts = {}, []
     for task in TASKS:
-        r = evaluate(runner, task, cfg, n=n, batch_size=1, keep=n, progress=False)
+        r = evaluate(runner, task, cfg, n=n, max_batch=1, keep=n, progress=False)
         acc[task] = round(r["accuracy"], 4)
         texts += [s["completion"] for s in r["samples"]]
     return acc, texts

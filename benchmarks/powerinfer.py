@@ -302,7 +302,7 @@ def accuracy(args, tmp: Path, cfg) -> dict:
     for name, kwargs in (("dense", None), ("oracle", {"oracle": True}), ("predictor", {"audit": True})):
         path = tmp / ("dense" if kwargs is None else f"engine{BUDGETS[0]}")
         runner = load_bundle(path, **(kwargs or {}))
-        out[name] = {t: evaluate(runner, t, cfg, n=args.eval_n, batch_size=1, progress=False)["accuracy"]
+        out[name] = {t: evaluate(runner, t, cfg, n=args.eval_n, max_batch=1, progress=False)["accuracy"]
                      for t in TASKS}
         cold = getattr(runner.executor, "cold", None)
         if cold is not None:

@@ -343,7 +343,7 @@ def accuracy(handles: dict[str, Any], tasks: Sequence[str], n: int) -> dict[str,
     completions: dict[str, list[str]] = {name: [] for name in handles}
     for task in tasks:
         for name, h in handles.items():
-            r = evaluate(h, task, cfg, n=n, batch_size=8, progress=False, keep=n)
+            r = evaluate(h, task, cfg, n=n, max_batch=8, progress=False, keep=n)
             out[name]["per_task"][task] = {"accuracy": r["accuracy"], "mean_nfe": r["mean_nfe"],
                                            "seconds": round(r["seconds"], 3)}
             completions[name] += [s["completion"] for s in r["samples"]]

@@ -48,6 +48,8 @@ _EXPORTS = {
     "decode_options": "dlm_jax.runtime.registry",
     "preset": "dlm_jax.runtime.registry",
     "Model": "dlm_jax._model",
+    "Engine": "dlm_jax._engine",
+    "Completion": "dlm_jax._engine",
     "GenerateResult": "dlm_jax._model",
     "load": "dlm_jax.api",
     "CheckpointError": "dlm_jax._errors",

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dlm_jax._config import ModelConfig
-from dlm_jax._errors import CheckpointError, InputError
+from dlm_jax._errors import CheckpointError, ConfigError, InputError
 from dlm_jax._tokenizer import NoTokenizerError, Tokenizer, load_tokenizer
 from dlm_jax.runtime.config import DecodeConfig
-from dlm_jax.runtime.decoder import DecodeStats, Decoder
+from dlm_jax.runtime.decoder import DecodeStats, Decoder, merge_speculation
 from dlm_jax.runtime.step import Executor
 
 if TYPE_CHECKING:
@@ -121,32 +121,61 @@ class Model:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], config: DecodeConfig | None = None, *,
                  chat: bool | None = None, seeds: Sequence[int] | None = None,
-                 on_block: Callable[[int, list[str]], None] | None = None) -> GenerateResult:
-        """Decode a completion for each prompt (text or token ids).
+                 on_block: Callable[[int, list[str]], None] | None = None,
+                 max_batch: int | None = None) -> GenerateResult:
+        """Decode a completion for each prompt (text or token ids), on the continuous-batching
+        engine (`dlm_jax.Engine`): at most `max_batch` requests decode at once (default: the
+        largest batch bucket whose K/V fit), each joining as another ends, so a list longer
+        than the batch streams through it. Each completion is the one its prompt gets alone.
 
         `chat`: wrap text prompts in the chat template (None: as the model was trained, see
         `prompt_format`; False: the raw text). `on_block(i, texts)` receives the committed text
-        of every request after block i.
+        of every request when the first of them completes its block i.
         """
+        from dlm_jax.runtime.engine import Engine
+
         config = config or DecodeConfig()
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         batch = [prompts] if single else list(prompts)
         ids = [self.encode(p, chat=chat) for p in batch]
         self.decoder.check_prompts(ids, seeds)
-        callback = None
-        if on_block is not None:
-            callback = lambda i, seqs: on_block(i, [self._text(s) for s in seqs])  # noqa: E731
+        if not ids:
+            raise ConfigError("no prompts given")
+        empty = next((n for n, i in enumerate(ids) if len(i) == 0), None)
+        if empty is not None:
+            raise ConfigError(f"prompt {empty} is empty")
+        if seeds is not None and len(seeds) != len(ids):
+            raise InputError(f"{len(seeds)} seeds for {len(ids)} prompts")
         # An executor that builds in batches (the bundle cache exports the buckets of nearby
         # prompt lengths as one part) prepares every reachable bucket first. Others build only
-        # what the decode reaches, when it first does (ahead of use on spare cores,
-        # `Executor.prefetch`): the stats count those compiles and the seconds waited for them.
+        # what the decode reaches, when it first does: the stats count those compiles.
         if self.decoder.executor.prepares_ahead:
             self.decoder.warmup([len(i) for i in ids], config)
         config = self.calibrated(config, ids, seeds=seeds)
-        out = self.decoder.decode(ids, config, seeds=seeds, on_block=callback)
-        trimmed = [self._trim(s) for s in out.sequences]
+        built = self.decoder.build_counts()
+        engine = Engine(self.decoder, max_batch=max_batch)
+        try:
+            requests = [engine.submit(i, config, seed=None if seeds is None else seeds[n]) for n, i in enumerate(ids)]
+            if on_block is not None:  # once per block index, when the first request completes it
+                reached = [-1]
+
+                def unit_done(unit: int, _) -> None:
+                    if unit > reached[0]:
+                        reached[0] = unit
+                        on_block(unit, [self._text(q.final) for q in requests])
+
+                for r in requests:
+                    r.on_unit = unit_done
+            engine.run()
+        finally:
+            engine.close()
+        failed = next((r for r in requests if r.status == "failed"), None)
+        if failed is not None:
+            raise failed.error
+        trimmed = [[int(t) for t in r.tokens()] for r in requests]
         texts = [self.tokenizer.decode(t) for t in trimmed] if self.has_tokenizer else None
-        return GenerateResult(texts, trimmed, out.stats)
+        stats = engine_stats(engine, requests, self.decoder.build_counts() - built)
+        return GenerateResult(texts, trimmed, stats)
 
     def calibrated(self, config: DecodeConfig, ids: list[list[int]], *, seeds=None) -> DecodeConfig:
         """`config` with its placement calibrated where it asks for it (`PlacementPolicy.probe`;
@@ -168,3 +197,38 @@ class Model:
     def _text(self, seq: np.ndarray) -> str:
         mask = self.config.mask_token_id
         return self.tokenizer.decode([t for t in self._trim(seq) if t != mask])
+
+
+def engine_stats(engine, requests, built) -> DecodeStats:
+    """One `DecodeStats` for a set of requests run on an engine (`Model.generate`): `nfe` the
+    engine's calls (forwards run), `request_nfe` each request's own, the rest summed or merged
+    over the requests (`speculation`, `counters`, `commit_histogram`), the compiles and
+    exports `built` while they ran."""
+    own = [r.stats.decode for r in requests if r.stats.decode is not None]
+    es = engine.stats
+    stats = DecodeStats(nfe=es.calls, request_nfe=[r.stats.nfe for r in requests])
+    stats.tokens_committed = sum(s.tokens_committed for s in own)
+    stats.seconds = max((r.stats.seconds or 0.0 for r in requests), default=0.0)
+    firsts = [r.stats.first_block_seconds for r in requests if r.stats.first_block_seconds is not None]
+    stats.first_block_seconds = min(firsts) if firsts else None
+    stats.step_seconds, stats.host_seconds = list(es.call_seconds), list(es.tick_host_seconds)
+    stats.buckets = dict(es.buckets)
+    stats.h2d_bytes, stats.d2h_bytes = list(es.h2d_bytes), list(es.d2h_bytes)
+    for s in own:
+        for k, v in s.commit_histogram.items():
+            stats.commit_histogram[k] = stats.commit_histogram.get(k, 0) + v
+        for k, v in s.counters.items():
+            stats.counters[k] = stats.counters.get(k, 0) + v
+        stats.speculation = merge_speculation(stats.speculation, s.speculation)
+        stats.peak_rss_mb = max(stats.peak_rss_mb, s.peak_rss_mb)
+    stats.counters = dict(sorted(stats.counters.items()))
+    if own and own[0].placement:
+        stats.placement = dict(own[0].placement)
+        for s in own[1:]:
+            for k, v in s.placement.items():
+                if k in ("steps", "refreshes", "migrations", "misses", "assignments"):
+                    stats.placement[k] = stats.placement.get(k, 0) + v
+    stats.compiles, stats.compile_seconds = built.compiles, built.compile_seconds
+    stats.compile_wait_seconds = built.compile_wait_seconds
+    stats.exports, stats.export_seconds = built.exports, built.export_seconds
+    return stats

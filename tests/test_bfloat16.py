@@ -71,7 +71,7 @@ class Spy:
         self.kv_dtypes: set[str] = set()
         self.outputs = 0
         self.nonfinite: list[str] = []
-        self.sequences: list[np.ndarray] = []  # the last decode's generated ids, untrimmed
+        self.sequences: list[np.ndarray] = []  # the decodes' generated ids, untrimmed (in the order they ended)
         self.reference: list[np.ndarray] = []  # float32's, in `decode_both`
 
     def outputs_seen(self, out) -> None:
@@ -90,7 +90,7 @@ class Spy:
 @pytest.fixture
 def spy(monkeypatch) -> Spy:
     seen = Spy()
-    step, write, dense, decode = DeviceKVCache.step, DeviceKVCache.write, JaxExecutor.step, Decoder.decode
+    step, write, dense, steps = DeviceKVCache.step, DeviceKVCache.write, JaxExecutor.step, Decoder.steps
 
     def cache_step(self, req, **kw):
         seen.kv_dtypes |= {str(self.k.dtype), str(self.v.dtype)}
@@ -99,8 +99,8 @@ def spy(monkeypatch) -> Spy:
         seen.outputs_seen(out)
         return out
 
-    def cache_write(self, kv, slots, rows):
-        write(self, kv, slots, rows)
+    def cache_write(self, kv, slots, rows, **kw):
+        write(self, kv, slots, rows, **kw)
         seen.kv_dtypes |= {str(self.k.dtype), str(self.v.dtype)}
 
     def dense_step(self, inputs, **kw):
@@ -108,12 +108,12 @@ def spy(monkeypatch) -> Spy:
         seen.outputs_seen(out)
         return out
 
-    def decoder_decode(self, *args, **kw):
-        out = decode(self, *args, **kw)
-        seen.sequences = list(out.sequences)
+    def decoder_steps(self, *args, **kw):  # every decode loop, the engine's requests' included
+        out = yield from steps(self, *args, **kw)
+        seen.sequences += list(out.sequences)
         return out
 
-    monkeypatch.setattr(Decoder, "decode", decoder_decode)
+    monkeypatch.setattr(Decoder, "steps", decoder_steps)
     monkeypatch.setattr(DeviceKVCache, "step", cache_step)
     monkeypatch.setattr(DeviceKVCache, "write", cache_write)
     monkeypatch.setattr(JaxExecutor, "step", dense_step)

@@ -101,8 +101,8 @@ def test_missing_mask_token_says_how_to_supply_one(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["eval", "--model", "m", "--task", "addition", "--n", "0"], "argument --n: 0 must be a positive integer"),
-    (["eval", "--model", "m", "--task", "addition", "--batch", "0"], "argument --batch: 0 must be a positive integer"),
-    (["eval", "--model", "m", "--task", "addition", "--batch", "-1"], "argument --batch: -1 must be a positive integer"),
+    (["eval", "--model", "m", "--task", "addition", "--max-batch", "0"], "argument --max-batch: 0 must be a positive integer"),
+    (["eval", "--model", "m", "--task", "addition", "--max-batch", "-1"], "argument --max-batch: -1 must be a positive integer"),
     (["demo", "--per-task", "0"], "argument --per-task: 0 must be a positive integer"),
     (["generate", "--model", "m", "--prompt", "a", "--chat", "--raw"], "not allowed with argument"),
     (["generate", "--model", "m"], "one of the arguments --prompt --prompt-ids is required"),

@@ -163,6 +163,23 @@ class AutoExecutor(Executor):
             self._want(keys)
         return decode_ended
 
+    def session(self, keys: Sequence[BucketKey], *, slots: int = 0) -> Callable[[], None]:
+        """An engine's run of requests starts: on LiteRT if the cache holds their buckets (at
+        batch 1, the batch its calls then take: `engine_batches`), else on JAX; its missing
+        buckets are exported in the background once the run ends."""
+        if self._covered(keys):
+            self._current = self.litert
+            self.litert.warmup(keys, slots=slots)
+            self.decodes["litert"] += 1
+            return self.litert.session(keys, slots=slots)
+        self._current = self.jax
+        self.decodes["jax"] += 1
+        return lambda: self._want(keys)
+
+    @property
+    def engine_batches(self) -> tuple[int, ...] | None:
+        return self._current.engine_batches
+
     def open(self, config, positions, valid):
         return self._current.open(config, positions, valid)
 

@@ -145,6 +145,11 @@ class BundleCacheExecutor(Executor):
         its weights for the entry's key): False means it holds none of its buckets."""
         return self._path is not None or any(self._root.glob(f"{self._name}-*/part-*"))
 
+    # An engine's calls take one row each: the cache then exports only the batch-1 buckets a
+    # request's steps use (an export costs seconds per bucket), and a row's arithmetic is that
+    # of its solo decode (batch invariance on LiteRT by construction).
+    engine_batches = (1,)
+
     @property
     def capabilities(self) -> Capabilities:
         return self._capabilities

@@ -45,6 +45,30 @@ from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, B
 # read slots copied out first, [L, B, P, Hkv, Dh], as before).
 RESIDENT_ATTENTION = (*ATTENTION_FORMS, "gather")
 ATTENTION_ENV = "DLM_JAX_ATTENTION"
+# How a step computes its batch rows: "batched" (one forward over all of them: the matmuls'
+# rows are every batch row's window rows) or "each" (the batch-1 forward once per row, in one
+# program, `jax.lax.map`): a row's arithmetic is then the same whatever the batch bucket, so a
+# request's outputs are bit for bit those it gets alone (batch invariance, `docs/engine.md`).
+ROW_MODES = ("batched", "each")
+ROWS_ENV = "DLM_JAX_ROWS"
+_NOT_BATCH_LEADING = ("k_new", "v_new", "router_topk", "ffn_active")  # [L or M, B, ...]
+
+
+def each_row(view):
+    """`view` (a step over [.., B, ..] inputs) computed one batch row at a time: the batch-1
+    step mapped over the rows (`jax.lax.map`), outputs stacked back on their batch axes."""
+
+    def run(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate):
+        def one(xs):
+            k1, v1, *rest = xs
+            named = view(leaves, k1[:, None], v1[:, None], *(x[None] for x in rest))
+            return {n: (a[:, 0] if n in _NOT_BATCH_LEADING else a[0]) for n, a in named.items()}
+
+        out = jax.lax.map(one, (jnp.moveaxis(k, 1, 0), jnp.moveaxis(v, 1, 0), k_pos, k_ok, tokens, positions, q_valid,
+                                probes, hide, logit_rows, *gate))
+        return {n: (jnp.moveaxis(a, 0, 1) if n in _NOT_BATCH_LEADING else a) for n, a in out.items()}
+
+    return run
 
 
 def default_attention() -> str:
@@ -373,8 +397,14 @@ class JaxExecutor(Executor):
     `$DLM_JAX_ATTENTION`, else `default_attention()`."""
 
     def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None, layers: str | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, rows: str | None = None):
         from dlm_jax.techniques.isd.lora import lora_spec
+
+        rows_from_env = rows is None and bool(os.environ.get(ROWS_ENV))
+        rows = rows or os.environ.get(ROWS_ENV) or "batched"
+        if rows not in ROW_MODES:
+            raise ConfigError(f"{ROWS_ENV if rows_from_env else 'rows'}={rows!r}: known {', '.join(ROW_MODES)}")
+        self.rows = rows
 
         from_env = attention is None and bool(os.environ.get(ATTENTION_ENV))
         attention = attention or os.environ.get(ATTENTION_ENV) or default_attention()
@@ -490,6 +520,8 @@ class JaxExecutor(Executor):
         pool = spec[2] if len(spec) > 2 else key.batch
         pooled = len(spec) > 2
         view = self._view_fn(key)
+        if self.rows == "each":
+            view = each_row(view)
 
         in_place = self.attention != "gather" and key.cache > 0  # (a step reading nothing gathers nothing)
 

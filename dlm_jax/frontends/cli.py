@@ -120,7 +120,7 @@ def decode_config(args: argparse.Namespace):
     return config_from_args(args)
 
 
-def _run_generate(handle, prompts: list, cfg, *, chat: bool | None, stream: bool) -> dict:
+def _run_generate(handle, prompts: list, cfg, *, chat: bool | None, stream: bool, max_batch: int | None = None) -> dict:
     """Decode `prompts` (texts or token-id lists) as one batch; with `stream`, print the
     completions (one prompt: as its blocks commit; a batch: one line each when done; ids,
     space-separated, for a checkpoint without a tokenizer)."""
@@ -132,7 +132,8 @@ def _run_generate(handle, prompts: list, cfg, *, chat: bool | None, stream: bool
         shown[0] = texts[0]
         print(new, end="", flush=True)
 
-    result = handle.generate(prompts, cfg, chat=chat, on_block=on_block if stream and single else None)
+    result = handle.generate(prompts, cfg, chat=chat, on_block=on_block if stream and single else None,
+                             max_batch=max_batch)
     completions = result.texts if result.texts is not None else [" ".join(map(str, t)) for t in result.token_ids]
     if stream:
         if single:
@@ -219,7 +220,7 @@ def _demo_tasks(handle, cfg, args: argparse.Namespace) -> dict:
 
     total = {"correct": 0, "n": 0, "nfe": 0.0, "seconds": 0.0}
     for task in TASKS:
-        report = evaluate(handle, task, cfg, n=args.per_task, batch_size=args.per_task, progress=False,
+        report = evaluate(handle, task, cfg, n=args.per_task, max_batch=args.per_task, progress=False,
                           keep=args.per_task, chat=_chat(args))
         for s_ in report["samples"]:
             mark = "ok " if s_["correct"] else "BAD"
@@ -275,7 +276,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_prompts(args.prompt or [])
     cfg = decode_config(args)  # bad options fail before the model loads
     handle = _load(args, args.model)
-    report = _run_generate(handle, args.prompt or args.prompt_ids, cfg, chat=_chat(args), stream=True)
+    report = _run_generate(handle, args.prompt or args.prompt_ids, cfg, chat=_chat(args), stream=True,
+                           max_batch=args.max_batch)
     print(json.dumps(report["stats"]), file=sys.stderr)
     return 0
 
@@ -313,7 +315,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     handle = _load_bundle(args, args.bundle)
     if handle.accelerator_note:
         print(f"warning: {handle.accelerator_note}", file=sys.stderr)
-    report = _run_generate(handle, args.prompt or args.prompt_ids, cfg, chat=_chat(args), stream=True)
+    report = _run_generate(handle, args.prompt or args.prompt_ids, cfg, chat=_chat(args), stream=True,
+                           max_batch=args.max_batch)
     cold = getattr(handle.executor, "cold", None)
     extra = {"neurons": cold.counters.to_dict()} if cold is not None else {}
     print(json.dumps({**report["stats"], "bundle": bundle.describe(), **extra}), file=sys.stderr)
@@ -483,7 +486,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     cfg = decode_config(args)
     handle = _load(args, args.model)
-    report = evaluate(handle, args.task, cfg, n=args.n, batch_size=args.batch, keep=args.show, chat=_chat(args))
+    report = evaluate(handle, args.task, cfg, n=args.n, max_batch=args.max_batch, keep=args.show, chat=_chat(args))
     report["decoder"] = decode_options(cfg)
     print(json.dumps(report, indent=2, ensure_ascii=False))
     return 0
@@ -495,6 +498,12 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     from dlm_jax.frontends.lmeval import run
 
     return run(args.lm_eval_args)
+
+
+def _add_max_batch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch", type=positive_int, default=None,
+                   help="prompts decoding at once on the continuous-batching engine (default: the largest "
+                        "batch bucket whose K/V fit)")
 
 
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
@@ -620,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decode_options(p)
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("generate", help="decode prompts, printing text as blocks commit (stats on stderr)")
+    _add_max_batch(p)
     p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
     _add_prompt_options(p, required=True, help_="prompt text", ids=True)
     _add_model_options(p)
@@ -666,6 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decode_options(p)
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("run", help="decode prompts with an exported bundle through LiteRT (no JAX), streaming text")
+    _add_max_batch(p)
     p.add_argument("bundle", help="bundle directory (dlm-jax export)")
     _add_prompt_options(p, required=True, help_="prompt text", ids=True)
     p.add_argument("--accelerator", choices=ACCELERATORS,
@@ -721,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--task", required=True, help="addition, sorting or gsm_lite")
     p.add_argument("--n", type=positive_int, default=200, help="held-out examples")
-    p.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
+    _add_max_batch(p)
     p.add_argument("--show", type=int, default=3, help="sample completions to print")
     _add_format_options(p)
     _add_model_options(p)

@@ -12,10 +12,11 @@ own command line (`lm_eval.__main__.cli_evaluate`) on ARGS.
 
 The three request types:
 
-- `generate_until`: `Model.generate` with the decode config the model args describe (a
-  `preset` plus any decode option, as `dlm-jax eval` takes them), in batches of
-  `batch_size` requests in the order lm-eval gives them, each completion cut at the first of
-  its `until` strings. The generation length is the config's when `gen_len` is given (or the
+- `generate_until`: every request through one continuous-batching engine (`dlm_jax.Engine`)
+  with the decode config the model args describe (a `preset` plus any decode option, as
+  `dlm-jax eval` takes them), at most `batch_size` decoding at once, each joining as another
+  ends; each request's `until` strings are its stop strings (it ends at the first, which the
+  completion leaves out). The generation length is the config's when `gen_len` is given (or the
   preset or a bundle fixes it); otherwise the request's `max_gen_toks` rounded up to a whole
   number of blocks (a block schedule must divide it). Greedy unless the decode config samples:
   a task's `do_sample` / `temperature` do not override it (a warning says so once).
@@ -138,12 +139,13 @@ ADAPTER_ARGS: dict[str, tuple[type, Any, str]] = {
     "mc_num": (int, 128, "Monte Carlo samples per masked-diffusion log-likelihood"),
     "mc_batch": (int, 32, "samples per forward (mc_num must be a multiple of it)"),
     "is_check_greedy": (bool, False, "masked diffusion: compute is_greedy by LLaDA's greedy unmasking"),
-    "batch_size": (int, 8, "prompts decoded together (lm-eval's --batch_size; 'auto': max_batch_size or 8)"),
+    "batch_size": (int, 8, "requests decoding at once on the engine (lm-eval's --batch_size; 'auto': "
+                           "max_batch_size or 8)"),
     "max_batch_size": (int, None, "the batch size 'auto' takes"),
     "device": (str, None, "ignored: JAX places the model (JAX_PLATFORMS picks the backend)"),
 }
 DEFAULT_PRESET = "fast-dllm"  # what `dlm-jax eval` decodes with when --preset is not given
-DEFAULT_BATCH = 8  # `dlm-jax eval --batch`'s default
+DEFAULT_BATCH = 8  # the engine's max_batch when lm-eval's batch_size is 'auto' without max_batch_size
 PAD_MULTIPLE = 32  # log-likelihood forwards pad the sequence length to a multiple of this
 TASK_PREFIX = "dlmjax_"
 SCORING_MODULE = "dlmjax_scoring"
@@ -553,27 +555,33 @@ class DlmJaxLM(LM):
             until = [until] if isinstance(until, str) else [s for s in until if s]
             self._warn_sampling(gen_kwargs)
             jobs.append((i, context, req.args[1], until, self._gen_config(gen_kwargs)))
-        groups: dict[int, list[tuple]] = {}  # by generation length: one decode config per batch
-        for job in jobs:  # (the configs differ in gen_len only), the order kept within each
-            groups.setdefault(job[4].gen_len, []).append(job)
+        # Every request streams through one continuous-batching engine (`dlm_jax.Engine`), at
+        # most `batch_size` at once; generation lengths and stop strings are per request.
+        from dlm_jax._engine import Engine
+
         out: list[str | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="dlm-jax generate_until", file=sys.stderr, disable=disable_tqdm)
+        engine = Engine(self.handle, self.decode_config, max_batch=self.batch_size)
         try:
-            for group in groups.values():
-                cfg = group[0][4]
-                for start in range(0, len(group), self.batch_size):
-                    chunk = group[start:start + self.batch_size]
-                    prompts = [self.handle.encode(context, chat=self._chat) for _, context, *_ in chunk]
-                    self.handle.decoder.warmup([len(p) for p in prompts], cfg)
-                    result = self.handle.generate(prompts, cfg)
-                    texts = result.texts if result.texts is not None else \
-                        [" ".join(map(str, t)) for t in result.token_ids]
-                    for (i, context, raw_kwargs, until, _), text in zip(chunk, texts):
-                        cut = min((k for k in (text.find(s) for s in until) if k >= 0), default=len(text))
-                        out[i] = text[:cut]
-                        self.cache_hook.add_partial("generate_until", (context, raw_kwargs), out[i])
-                    bar.update(len(chunk))
+            handles = []
+            for i, context, raw_kwargs, until, cfg in jobs:
+                prompt = self.handle.encode(context, chat=self._chat)
+                stop = until if self.handle.has_tokenizer else ()
+                handles.append((i, context, raw_kwargs, until, engine.submit(prompt, cfg, stop=stop)))
+            done = 0
+            while engine.step():
+                now = sum(h.done for *_, h in handles)
+                bar.update(now - done)
+                done = now
+            bar.update(len(requests) - done)
+            for i, context, raw_kwargs, until, h in handles:
+                result = h.result()
+                text = result.text if result.text is not None else " ".join(map(str, result.token_ids))
+                cut = min((k for k in (text.find(s) for s in until) if k >= 0), default=len(text))
+                out[i] = text[:cut]
+                self.cache_hook.add_partial("generate_until", (context, raw_kwargs), out[i])
         finally:
+            engine.close()
             bar.close()
         return out  # type: ignore[return-value]
 

@@ -19,7 +19,9 @@ strategies live in `dlm_jax.techniques` and plug in through the hook bases defin
     config     DecodeConfig (the strategy objects of one decode)
     registry   names -> strategies, presets, flat options, CLI flags (the one core module that
                imports the techniques, `dlm_jax.techniques`)
-    decoder    Decoder (the loop), DecodeStats, DecodeOutput
+    decoder    Decoder (the loop, also as a generator of steps: `steps`), DecodeStats, DecodeOutput
+    engine     Engine (continuous batching: each request its own loop, steps of one shape in one
+               call over a pooled K/V cache), Request, RequestStats
     buckets    BucketKey, BucketSet, padding
     latency    LatencyTable (median step latency per bucket), PhoneCostModel
 """
@@ -31,6 +33,7 @@ _EXPORTS = {
     "RequestStatus": "dlm_jax.runtime.state",
     "TokenState": "dlm_jax.runtime.state",
     "KVStore": "dlm_jax.runtime.kvstore",
+    "Engine": "dlm_jax.runtime.engine",
     "KVCache": "dlm_jax.runtime.kvcache",
     "HostKVCache": "dlm_jax.runtime.kvcache",
     "SlotStep": "dlm_jax.runtime.step",

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import numpy as np
 
@@ -50,10 +50,10 @@ from dlm_jax._errors import ConfigError, InputError
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
-from dlm_jax.runtime.kvcache import HostKVCache
+from dlm_jax.runtime.kvcache import HostKVCache, KVCache
 from dlm_jax.runtime.cpu_path import CpuExecutor
 from dlm_jax.runtime.state import DecodeState, TokenState, take
-from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, OutputRequest
+from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, OutputRequest, SlotStep, StepOutputs
 
 _USEFUL = np.zeros(max(TokenState) + 1, bool)
 _USEFUL[[TokenState.MASK, TokenState.CANDIDATE, TokenState.DRAFT]] = True
@@ -197,6 +197,20 @@ def speculation_summary(spec: dict) -> dict:
 class DecodeOutput:
     sequences: list[np.ndarray]  # per request: the gen_len generated ids (EOS-filled after a stop)
     stats: DecodeStats
+
+
+def drive(steps: Generator[SlotStep, StepOutputs, DecodeOutput],
+          run: Callable[[SlotStep], StepOutputs]) -> DecodeOutput:
+    """Run a decode generator (`Decoder.steps`) to its end, each step through `run`; the
+    generator is closed (its cache and CPU path with it) if `run` raises."""
+    try:
+        req = next(steps)
+        while True:
+            req = steps.send(run(req))
+    except StopIteration as stop:
+        return stop.value
+    finally:
+        steps.close()
 
 
 def _wants_logits(cfg: DecodeConfig) -> bool:
@@ -364,7 +378,7 @@ class Decoder:
     def decode(self, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, *,
                seeds: Sequence[int] | None = None,
                on_block: Callable[[int, list[np.ndarray]], None] | None = None) -> DecodeOutput:
-        """Decode `cfg.gen_len` tokens after each prompt.
+        """Decode `cfg.gen_len` tokens after each prompt, as one fixed batch.
 
         Args:
           prompts: token ids per request (non-empty).
@@ -372,12 +386,37 @@ class Decoder:
           on_block: called after each commit unit (block) with (unit index, each request's final
             generated ids so far: `DecodeState.final_prefixes`, which only grow).
         """
+        opened: list = []
+
+        def open_cache(state: DecodeState):
+            cache = (self.executor.open(self.model_config, state.positions, state.valid)
+                     or HostKVCache(self.executor, self.model_config, state.positions, state.valid))
+            opened.append(cache)
+            return cache
+
+        return drive(self.steps(prompts, cfg, seeds=seeds, on_block=on_block, open_cache=open_cache),
+                     lambda req: opened[0].step(req))
+
+    def steps(self, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, *,
+              seeds: Sequence[int] | None = None,
+              on_block: Callable[[int, list[np.ndarray]], None] | None = None,
+              on_step: Callable[[DecodeState], None] | None = None,
+              open_cache: Callable[[DecodeState], KVCache],
+              prefetch: bool = True, batch: int | None = None) -> Generator[SlotStep, StepOutputs, DecodeOutput]:
+        """The decode loop as a generator: it yields each step's `SlotStep` and takes back the
+        step's outputs (whoever runs it: `decode` on the decode's own cache, the engine in a
+        step shared with other requests, `dlm_jax.runtime.engine`), and returns the
+        `DecodeOutput`. `open_cache(state)` gives the decode's `KVCache` (its `snapshot` and
+        `write` serve a CPU path; `step` is the driver's); `on_step(state)` runs after every
+        step; `prefetch` hands the decode's buckets to `Executor.prefetch`; `batch` the rows of
+        its state (default: the executor's batch bucket for the prompts). Closing the
+        generator ends the decode early (its cache closed, its CPU path stopped)."""
         mc = self.model_config
         cfg = self._for_model(cfg)
         n = len(prompts)
         self.check_prompts(prompts, seeds)
         main_keys, cpu_keys = self._keys_of([len(p) for p in prompts], cfg)  # every check first (memoised)
-        state = DecodeState.create(prompts, gen_len=cfg.gen_len, batch=self.capabilities.batches.select(n),
+        state = DecodeState.create(prompts, gen_len=cfg.gen_len, batch=batch or self.capabilities.batches.select(n),
                                    mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_ids=mc.eos_ids,
                                    shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n,
                                    tail=cfg.scheduler.overhang())
@@ -393,11 +432,10 @@ class Decoder:
         built = self.build_counts()  # the fork, if any, exists now
         # The decode's K/V, held by the executor (or in NumPy beside one that takes them densely).
         # Buckets not built yet compile in the background, first needed first; a step waits for its own.
-        cancels = [self.executor.prefetch(_use_order(main_keys), slots=state.total)]
-        if cpu is not None and cpu_keys:
+        cancels = [self.executor.prefetch(_use_order(main_keys), slots=state.total)] if prefetch else []
+        if prefetch and cpu is not None and cpu_keys:
             cancels.append(self.cpu_executor().executor.prefetch(_use_order(cpu_keys), slots=state.total, views=True))
-        cache = self.executor.open(mc, state.positions, state.valid) or HostKVCache(self.executor, mc, state.positions,
-                                                                                    state.valid)
+        cache = open_cache(state)
         stored = False
         placed = placement.begin(state, mc)
         try:
@@ -424,7 +462,7 @@ class Decoder:
                 if decision is not None:
                     state.count("placement_bytes", self.executor.place(decision))
                 t1 = time.perf_counter()
-                out = cache.step(req)  # stores the plan's K/V where the step runs
+                out = yield req  # the driver runs it; K/V stored where the step runs
                 t2 = time.perf_counter()
                 if plan.store is not None:
                     state.stored(plan.slots(plan.window[plan.store]), req.tokens[:, plan.store], plan.store_rows)
@@ -459,6 +497,8 @@ class Decoder:
                         stats.first_block_seconds = time.perf_counter() - start
                     if on_block is not None:
                         on_block(plan.unit, state.final_prefixes())
+                if on_step is not None:
+                    on_step(state)
         finally:
             for cancel in cancels:  # buckets this decode did not reach are not built for it
                 cancel()

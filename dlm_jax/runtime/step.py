@@ -535,8 +535,10 @@ class Executor(HookBase):
     `set_progress(progress)` hands it a `(stage, done, total)` callback for long builds."""
 
     HOOKS = ("capabilities", "step", "warmup", "prefetch", "prepare", "fork", "open", "close", "build_counts",
-             "set_progress", "place")
+             "set_progress", "place", "session")
     prepares_ahead: bool = False  # `prepare` builds in batches: give it the buckets of nearby prompt lengths too
+    # The batch sizes an engine's calls may take (None: every batch bucket of `capabilities`).
+    engine_batches: tuple[int, ...] | None = None
 
     @property
     def capabilities(self) -> Capabilities:
@@ -564,6 +566,12 @@ class Executor(HookBase):
     def prepare(self, keys: Sequence[BucketKey]) -> None:
         """Build the buckets of `keys` in one batch, ahead of their warm-up (default: nothing)."""
         return None
+
+    def session(self, keys: Sequence[BucketKey], *, slots: int = 0) -> Callable[[], None]:
+        """An engine (`dlm_jax.runtime.engine`) starts a run of requests whose steps use `keys`
+        (at batch 1) over `slots` slots per row, before it opens its K/V cache; returns what it
+        calls when the run ends (the engine is idle again). Default: nothing."""
+        return _nothing
 
     def fork(self) -> Executor:
         """An executor over the same weights for a second thread (default: this one)."""

@@ -126,7 +126,7 @@ def test_simple_evaluate_scores_exactly_as_dlm_jax_eval(hf_sandbox, task_dir, lm
         model="dlm-jax", model_args=f"pretrained={LLADA},executor=jax,preset=fast-dllm,gen_len=64,mc_num=64",
         tasks=["dlmjax_sorting", "dlmjax_addition_mc"], task_manager=_task_manager(task_dir), log_samples=True)
     handle = dlm_jax.load(LLADA, executor="jax")
-    report = evaluate(handle, "sorting", dlm_jax.preset("fast-dllm", gen_len=64), n=N, batch_size=8, progress=False,
+    report = evaluate(handle, "sorting", dlm_jax.preset("fast-dllm", gen_len=64), n=N, max_batch=8, progress=False,
                       keep=N)
     got = results["results"]["dlmjax_sorting"]["exact_match,none"]
     assert got == report["accuracy"]
@@ -379,7 +379,7 @@ def test_cli_run_scores_as_dlm_jax_eval_and_unknown_tasks_fail_in_one_line(hf_sa
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
     handle = dlm_jax.load(LLADA, executor="jax")
-    report = evaluate(handle, "sorting", dlm_jax.preset("fast-dllm", gen_len=64), n=N, batch_size=8, progress=False)
+    report = evaluate(handle, "sorting", dlm_jax.preset("fast-dllm", gen_len=64), n=N, max_batch=8, progress=False)
     assert result["results"]["dlmjax_sorting"]["exact_match,none"] == report["accuracy"]
     assert "dlmjax_sorting" in run.stdout  # lm-eval's table
     run = subprocess.run([*base, "--tasks", "no_such_task"], capture_output=True, text=True, env=env, timeout=600)

@@ -178,7 +178,7 @@ def test_eval_calibrates_once_and_sums_the_placement(tmp_path):
 
     handle = dlm_jax.load(tiny_checkpoint(tmp_path / "moe", seed=1, vocab_size=264, **MOE))
     report = evaluate(handle, "sorting", preset("fast-dllm", gen_len=16, block_len=8, experts="tide",
-                                                expert_budget=3), n=4, batch_size=2, progress=False)
+                                                expert_budget=3), n=4, max_batch=2, progress=False)
     placed = report["placement"]
     assert isinstance(placed["tau"], int) and placed["experts"] == "tide" and "trace" not in placed
     assert 0 < placed["misses"] <= placed["assignments"]

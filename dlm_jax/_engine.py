@@ -1,0 +1,186 @@
+"""`Engine`: continuous batching over a `Model`, in text (the NumPy engine of
+`dlm_jax.runtime.engine` with the model's tokenizer, chat template and stop strings).
+
+    engine = dlm_jax.Engine(model, dlm_jax.preset("fast-dllm", gen_len=64), max_batch=8)
+    handle = engine.submit("564+894=", {"threshold": 0.8}, stop=["\\n"])
+    for text in handle.stream():   # committed text as it becomes final
+        print(text, end="")
+    completion = handle.result()   # text, token ids, status, its own stats
+
+Requests may be submitted at any time, from any thread; each decodes with its own options
+(flat decode options over the engine's config, or a `DecodeConfig`) and its tokens do not
+depend on what else the engine runs ([docs/engine.md](../docs/engine.md)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dlm_jax._errors import InputError
+from dlm_jax.runtime.config import DecodeConfig
+from dlm_jax.runtime.engine import Engine as _Core
+from dlm_jax.runtime.engine import Request, RequestStats
+
+if TYPE_CHECKING:
+    from dlm_jax._model import Model, Prompt
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str | None  # None without a tokenizer
+    token_ids: list[int]  # up to the first EOS (or the stop string)
+    status: str  # done, stopped (a stop string), cancelled
+    stats: RequestStats
+
+
+class Handle:
+    """One submitted request (`Engine.submit`)."""
+
+    def __init__(self, model: Model, request: Request, stops: Sequence[str]):
+        self.model = model
+        self.request = request
+        self.stops = tuple(stops)
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+    @property
+    def done(self) -> bool:
+        return self.request.done
+
+    def cancel(self) -> None:
+        """Stop decoding it; its row is free for the next request from the engine's next step."""
+        self.request.cancel()
+
+    def stream(self) -> Iterator[str]:
+        """Its completion's text as it becomes final (a commit unit at a time, or a token at a
+        time where the schedule commits one per step); the pieces join to `result().text`.
+        Token ids, space-separated, for a model without a tokenizer."""
+        shown = ""
+        for event in self.request.events():
+            if event.end is not None and self.request.status == "failed":
+                raise self.request.error
+            text = self._text(self.request.tokens() if event.end is not None else self.request.final)
+            if text.startswith(shown) and len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Its completion once it has ended (raises a failed request's error)."""
+        ids = [int(t) for t in self.request.result(timeout)]
+        return Completion(self._text(ids) if self.model.has_tokenizer else None, ids, self.request.status,
+                          self.request.stats)
+
+    def _text(self, ids) -> str:
+        ids = [int(t) for t in ids]
+        cut = _eos_cut(ids, self.model.config.eos_ids)
+        if not self.model.has_tokenizer:
+            return " ".join(map(str, ids[:cut]))
+        return self.model.tokenizer.decode(ids[:cut])
+
+
+def _eos_cut(ids: list[int], eos_ids: Sequence[int]) -> int:
+    eos = set(eos_ids)
+    return next((i for i, t in enumerate(ids) if t in eos), len(ids))
+
+
+class Engine:
+    """Continuous batching over `model` (`dlm_jax.load(...)`): `submit` requests at any time;
+    between steps the engine admits waiting requests into free batch rows and retires finished
+    ones. `config` is the decode every request starts from (default `DecodeConfig()`);
+    `max_batch` the most requests decoding at once (default: the largest batch bucket whose
+    K/V fit, `dlm_jax.runtime.engine.POOL_BYTES`); `max_tokens` the longest prompt +
+    generation a request may have (default the model's limit); `max_waiting` bounds the queue.
+
+    Without `start()`, handles drive the engine from the caller's thread while they wait;
+    with it, a background thread does."""
+
+    def __init__(self, model: Model, config: DecodeConfig | None = None, *, max_batch: int | None = None,
+                 max_tokens: int | None = None, max_waiting: int | None = None):
+        self.model = model
+        self.config = config or DecodeConfig()
+        self.core = _Core(model.decoder, max_batch=max_batch, max_tokens=max_tokens, max_waiting=max_waiting)
+
+    @property
+    def max_batch(self) -> int:
+        return self.core.max_batch
+
+    @property
+    def stats(self):
+        return self.core.stats
+
+    def options(self, options: DecodeConfig | Mapping[str, Any] | None) -> DecodeConfig:
+        """A request's `DecodeConfig`: the engine's, with flat decode `options` changed
+        (`{"threshold": 0.8, "gen_len": 32}`; `"preset"` picks another base), or one given whole."""
+        if options is None:
+            return self.config
+        if isinstance(options, DecodeConfig):
+            return options
+        from dlm_jax.runtime.registry import decode_config, preset
+
+        options = dict(options)
+        name = options.pop("preset", None)
+        return preset(name, **options) if name is not None else decode_config(self.config, **options)
+
+    def submit(self, prompt: Prompt, options: DecodeConfig | Mapping[str, Any] | None = None, *,
+               seed: int | None = None, chat: bool | None = None, stop: Sequence[str] = ()) -> Handle:
+        """Queue a request; returns its handle at once. `chat`: as in `Model.generate`; `stop`:
+        strings that end the completion (not included). A request the engine cannot serve (too
+        long, options the model or executor cannot run, a full queue) is refused here, with one
+        line naming the limit."""
+        if isinstance(stop, str):
+            stop = [stop]
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise InputError(f"stop must be a list of non-empty strings, got {stop!r}")
+        if stop and not self.model.has_tokenizer:
+            raise InputError("stop strings need a tokenizer; this model has none")
+        ids = self.model.encode(prompt, chat=chat)
+        rule = _stop_rule(self.model, tuple(stop)) if stop else None
+        return Handle(self.model, self.core.submit(ids, self.options(options), seed=seed, stop=rule), stop)
+
+    def step(self) -> bool:
+        return self.core.step()
+
+    def run(self) -> None:
+        """Decode until every submitted request has ended."""
+        self.core.run()
+
+    def start(self) -> None:
+        """Run the engine on a background thread until `close`."""
+        self.core.start()
+
+    def close(self) -> None:
+        self.core.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _stop_rule(model: Model, stops: tuple[str, ...]):
+    """A stop rule for the engine (`Request.stop`): the final ids to keep when their text holds
+    one of `stops` (the ids whose text ends before it), else None."""
+    decode = model.tokenizer.decode
+    eos = model.config.eos_ids
+
+    def rule(final: np.ndarray) -> int | None:
+        ids = [int(t) for t in final]
+        ids = ids[:_eos_cut(ids, eos)]
+        text = decode(ids)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if not hits:
+            return None
+        at = min(hits)
+        keep = 0
+        while keep < len(ids) and len(decode(ids[:keep + 1])) <= at:
+            keep += 1
+        return keep
+
+    return rule

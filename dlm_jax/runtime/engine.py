@@ -1,0 +1,614 @@
+"""Continuous batching: requests join and leave a running decode between steps (NumPy only).
+
+The engine runs every request as its own decode: the loop of `Decoder.steps` over a batch of
+one, with its own `DecodeState`, scheduler cursor, commit rule, proposer generator and
+revision policy, exactly as that request would run alone. What requests share is the
+executor's step. Each tick, every running request has planned one step (a batch-1
+`SlotStep`); the engine puts the steps of the same shape into one call of the executor
+(`merge`), each request in its own batch row, reading and writing its own row of one K/V cache
+held for all requests (`KVCache.assign`, `SlotStep.rows`), and hands each request its row
+of the outputs. A request's host decisions therefore never see another request, and its
+row of a step is computed from the same arrays, in a program of the same window, cache and
+row sizes, as when it runs alone: batch invariance by construction, up to the batch bucket
+(a call's batch size), which `tests/runtime/test_engine_invariance.py` checks leaves every
+row's outputs bit for bit unchanged on the executors shipped.
+
+Between ticks the engine retires finished requests (done: at the generation's end or an EOS
+block; stopped by a stop rule; cancelled; failed), freeing their rows and K/V, and admits waiting requests into free rows.
+A request's first step (its prompt's forward) joins a call with other rows' decode steps
+when it has their shape, and runs as a call of its own otherwise.
+
+  Engine      submit / step / run / start (a background thread) / close
+  Request     the handle: status, streamed events, the result and its own `RequestStats`
+
+Which steps share a call: those with the same bucket (window, cache, rows, outputs). Where the
+cache reads its slots in place whatever the read bucket (`KVCache.read_bucket_free`: the JAX
+executor's `split` attention), steps of several cache sizes share one call, padded to the
+largest. Nothing else is padded across requests: a wider window or more logit rows would
+change the reductions of a request's row.
+
+Axes: B batch rows of a call, S slots of a cache row, W window, P read slots, R logit rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from dlm_jax._errors import ConfigError, InputError
+from dlm_jax.runtime.buckets import BucketKey
+from dlm_jax.runtime.config import DecodeConfig
+from dlm_jax.runtime.decoder import DecodeOutput, DecodeStats, Decoder
+from dlm_jax.runtime.kvcache import HostKVCache, KVCache, Transfers
+from dlm_jax.runtime.state import DecodeState
+from dlm_jax.runtime.step import SlotStep, StepOutputs
+
+# Request statuses: waiting -> running -> one of the ends.
+WAITING, RUNNING = "waiting", "running"
+DONE, STOPPED, CANCELLED, FAILED = "done", "stopped", "cancelled", "failed"
+ENDS = (DONE, STOPPED, CANCELLED, FAILED)
+
+POOL_BYTES = 1 << 30  # the default `max_batch` keeps the engine's K/V within this many bytes
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """One request's own figures (seconds from its `submit`)."""
+
+    nfe: int = 0  # steps it took part in (`DecodeStats.request_nfe`)
+    steps: int = 0  # calls its row was in (its steps, whether or not it had a slot left to decide)
+    tokens: int = 0  # generated tokens up to the first EOS (all final)
+    queued_seconds: float | None = None  # until it took a row
+    first_block_seconds: float | None = None  # until its first commit unit was done
+    first_token_seconds: float | None = None  # until its first final token
+    last_token_seconds: float | None = None  # until its last final token
+    seconds: float | None = None  # until it ended
+    decode: DecodeStats | None = None  # its loop's own stats (None if it never ended normally)
+
+    def to_dict(self) -> dict:
+        out = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()
+               if k != "decode"}
+        if self.decode is not None:
+            out["speculation"] = self.decode.to_dict().get("speculation")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request streams: `ids` newly final (only ever appended), `unit` the last commit
+    unit it had completed then; `end` set on the last event (the request's status)."""
+
+    ids: np.ndarray
+    unit: int | None = None
+    end: str | None = None
+
+
+class Request:
+    """A submitted request: its status, its stream of final ids, its result. Made by
+    `Engine.submit`; `wait`, `events` and `result` drive the engine themselves when no
+    background thread does (`Engine.start`)."""
+
+    def __init__(self, engine: Engine, rid: int, ids: np.ndarray, config: DecodeConfig, seed: int,
+                 stop: Callable[[np.ndarray], int | None] | None):
+        self.engine = engine
+        self.id = rid
+        self.prompt = ids
+        self.config = config
+        self.seed = seed
+        self.stop = stop
+        self.status = WAITING
+        self.error: BaseException | None = None
+        self.output: DecodeOutput | None = None
+        self.stats = RequestStats()
+        self.final = np.zeros(0, np.int32)  # its generated ids that no later step can change
+        self.unit = -1  # the last commit unit it completed
+        self.on_unit: Callable[[int, list[np.ndarray]], None] | None = None  # after each of its units
+        self._events: collections.deque[Event] = collections.deque()
+        self._submitted = time.perf_counter()
+        self._cancel = False
+        self._gen = None
+        self._row = -1
+        self._pending: SlotStep | None = None
+        self._ended = threading.Event()
+
+    # -- the caller's side ------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.status in ENDS
+
+    def cancel(self) -> None:
+        """End the request: it is retired, its row freed, before the engine's next step."""
+        self._cancel = True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the request has ended (driving the engine when no thread does); False on timeout."""
+        if self.engine.running_in_background:
+            return self._ended.wait(timeout)
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        self.engine.run(until=lambda: self.done or (deadline is not None and time.perf_counter() > deadline))
+        return self.done
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """The request's events as they happen: newly final ids, then one with `end` set."""
+        while True:
+            while self._events:
+                event = self._events.popleft()
+                yield event
+                if event.end is not None:
+                    return
+            if self.engine.running_in_background:
+                with self.engine._cond:
+                    if not self._events:
+                        self.engine._cond.wait(timeout=0.5 if timeout is None else timeout)
+            else:
+                self.engine.step()
+
+    def tokens(self) -> np.ndarray:
+        """The generated ids: up to the first EOS when the request ran to its end (or its stop
+        rule), what was final when it was cancelled."""
+        if self.output is not None and self.status in (DONE, STOPPED):
+            seq = self.output.sequences[0]
+            return seq[:_eos_cut(seq, self.engine.decoder.model_config.eos_ids)]
+        return self.final
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        """Its tokens once it has ended; raises the error of a failed request."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"request {self.id} still {self.status} after {timeout} s")
+        if self.status == FAILED:
+            raise self.error
+        return self.tokens()
+
+    def __repr__(self) -> str:
+        return f"Request({self.id}, {self.status}, row {self._row}, {len(self.final)} final tokens)"
+
+    # -- the engine's side ------------------------------------------------------------------
+
+    def _emit(self, ids: np.ndarray, end: str | None = None) -> None:
+        self._events.append(Event(np.asarray(ids, np.int32), self.unit, end))
+
+
+def _eos_cut(seq: np.ndarray, eos_ids: Sequence[int]) -> int:
+    hit = np.flatnonzero(np.isin(seq, list(eos_ids))) if eos_ids else ()
+    return int(hit[0]) if len(hit) else len(seq)
+
+
+class RowCache(KVCache):
+    """A request's view of the engine's cache: its one row. The engine runs the steps; a CPU
+    path's `snapshot` / `write` (llada.cpp's refresh) go to the row."""
+
+    def __init__(self, pool: KVCache, row: int):
+        self.pool = pool
+        self.row = row
+        self.transfers = Transfers()
+
+    def step(self, req: SlotStep, *, timings=None) -> StepOutputs:
+        raise RuntimeError("an engine request's steps run in the engine's shared calls")
+
+    def snapshot(self, req: SlotStep, executor: Any):
+        return self.pool.snapshot(dataclasses.replace(req, rows=np.array([self.row], np.int32)), executor)
+
+    def write(self, kv: Any, slots: np.ndarray, rows: np.ndarray, *, at: np.ndarray | None = None) -> None:
+        self.pool.write(kv, slots, rows, at=np.array([self.row], np.int32))
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """What the engine ran: `ticks` (rounds in which every running request took one step),
+    `calls` (executor steps), `rows` (batch rows of those calls, bucket padding included) and
+    `busy_rows` (rows that held a request's step): `utilisation` = busy / rows."""
+
+    ticks: int = 0
+    calls: int = 0
+    rows: int = 0
+    busy_rows: int = 0
+    admitted: int = 0
+    retired: dict = dataclasses.field(default_factory=dict)  # status -> count
+    buckets: dict = dataclasses.field(default_factory=dict)  # call bucket -> calls
+    step_seconds: float = 0.0  # in the executor
+    host_seconds: float = 0.0  # the rest of the ticks
+    call_seconds: list = dataclasses.field(default_factory=list)  # per call, in the executor
+    tick_host_seconds: list = dataclasses.field(default_factory=list)  # per tick, the host's share
+    h2d_bytes: list = dataclasses.field(default_factory=list)  # per call, to where the step runs
+    d2h_bytes: list = dataclasses.field(default_factory=list)  # per call, back
+
+    @property
+    def utilisation(self) -> float:
+        return self.busy_rows / self.rows if self.rows else 0.0
+
+    def to_dict(self) -> dict:
+        lists = ("buckets", "call_seconds", "tick_host_seconds", "h2d_bytes", "d2h_bytes")
+        return {**{k: v for k, v in dataclasses.asdict(self).items() if k not in lists},
+                "buckets": dict(sorted(self.buckets.items())), "utilisation": round(self.utilisation, 4),
+                "step_seconds": round(self.step_seconds, 4), "host_seconds": round(self.host_seconds, 4)}
+
+
+class Engine:
+    """Continuous batching over a `Decoder`'s executor.
+
+    Args:
+      decoder: the decoder whose executor runs the steps and whose checks requests pass.
+      max_batch: the most requests decoding at once (rows of the shared K/V cache); default
+        the largest batch bucket of the executor whose cache fits `POOL_BYTES`.
+      max_tokens: slots per row (prompt + generation + a schedule's overhang), default the
+        decoder's limit (`Decoder.max_tokens`).
+      max_waiting: requests that may wait for a row (None: unbounded); `submit` refuses more.
+    """
+
+    def __init__(self, decoder: Decoder, *, max_batch: int | None = None, max_tokens: int | None = None,
+                 max_waiting: int | None = None):
+        self.decoder = decoder
+        caps = decoder.capabilities
+        limit = decoder.max_tokens
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
+            raise ConfigError(f"max_tokens={max_tokens!r} must be a positive integer")
+        self.max_tokens = min(max_tokens or limit, limit)
+        if max_batch is None:
+            max_batch = self._default_batch()
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch <= 0:
+            raise ConfigError(f"max_batch={max_batch!r} must be a positive integer")
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self._batches = caps.batches.sizes
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: dict[int, Request] = {}  # row -> request
+        self._ids = itertools.count()
+        self._pool: KVCache | None = None
+        self._end_session: Callable[[], None] | None = None
+        self._lock = threading.RLock()  # submit from any thread; one tick at a time
+        self._cond = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.stats = EngineStats()
+
+    def _default_batch(self) -> int:
+        mc = self.decoder.model_config
+        per_row = 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * np.dtype(
+            "float32" if mc.dtype == "float32" else "float16").itemsize * self.max_tokens
+        fits = [b for b in self.decoder.capabilities.batches.sizes if b * per_row <= POOL_BYTES]
+        return max(fits) if fits else 1
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], config: DecodeConfig, *, seed: int | None = None,
+               stop: Callable[[np.ndarray], int | None] | None = None) -> Request:
+        """Queue a request (token ids) decoded with `config`; returns its handle at once.
+
+        `seed` seeds its sampling (default `config.proposer.seed`); `stop(final_ids)` may end
+        it after any step: it returns how many of the final ids to keep, or None to go on.
+
+        Raises (before the request takes a row or a place in the queue): InputError for ids
+        outside the vocabulary or a bad seed; ConfigError for options the decoder refuses and
+        for a prompt + generation longer than a row (`max_tokens`), naming the limit; and
+        ConfigError when `max_waiting` requests already wait.
+        """
+        ids = np.asarray(prompt)
+        seed = config.proposer.seed if seed is None else seed
+        dec = self.decoder
+        dec.check_prompts([ids], [seed])
+        if ids.ndim != 1 or len(ids) == 0:
+            raise InputError("a request's prompt must be a non-empty sequence of token ids")
+        cfg = dec._for_model(config)
+        dec.bucket_keys([len(ids)], cfg)  # every check of the decoder, with its own messages
+        total = len(ids) + cfg.gen_len + cfg.scheduler.overhang()
+        if total > self.max_tokens:
+            raise ConfigError(f"prompt ({len(ids)} tokens) + gen_len ({cfg.gen_len}) = {total} tokens exceeds "
+                              f"the engine's {self.max_tokens} slots per request (max_tokens)")
+        with self._cond:
+            if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+                raise ConfigError(f"the engine's queue is full ({self.max_waiting} requests waiting)")
+            req = Request(self, next(self._ids), ids.astype(np.int32), cfg, int(seed), stop)
+            self._waiting.append(req)
+            self._cond.notify_all()
+        return req
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._running
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One tick: retire cancelled requests, admit waiting ones into free rows, run one step
+        of every running request (in as few calls as their shapes allow), retire those that
+        ended. Returns False when there was nothing to do."""
+        with self._cond:
+            t0 = time.perf_counter()
+            for row, req in list(self._running.items()):
+                if req._cancel:
+                    self._end(req, CANCELLED)
+            for req in [r for r in self._waiting if r._cancel]:
+                self._waiting.remove(req)
+                self._end(req, CANCELLED)
+            if self._waiting and self._pool is None:
+                self._open()
+            self._admit()
+            if not self._running:
+                self._close_pool()
+                self._cond.notify_all()
+                return False
+            ran = 0.0
+            for group in self._groups():
+                ran += self._call(group)
+            self.stats.ticks += 1
+            host = time.perf_counter() - t0 - ran
+            self.stats.step_seconds += ran
+            self.stats.host_seconds += host
+            self.stats.tick_host_seconds.append(host)
+            self._cond.notify_all()
+            return True
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Tick until every request has ended (or `until()` holds)."""
+        while not (until is not None and until()):
+            if not self.step():
+                return
+
+    @property
+    def running_in_background(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and threading.current_thread() is not self._thread
+
+    def start(self) -> None:
+        """Run the ticks on a background thread (daemon) until `close`: handles then wait for it."""
+        if self._thread is not None:
+            return
+        self._stop = False
+
+        def loop() -> None:
+            while True:
+                with self._cond:
+                    while self.idle and not self._stop:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                self.step()
+
+        self._thread = threading.Thread(target=loop, name="dlm-jax-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Cancel what is left, stop the thread, release the shared cache."""
+        with self._cond:
+            for req in list(self._waiting) + list(self._running.values()):
+                req.cancel()
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._thread.join()
+        self._thread = None
+        with self._cond:
+            self.step()
+            self._close_pool()
+
+    def _close_pool(self) -> None:
+        """The run of requests is over: the cache released, the executor told (`session`)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+            end, self._end_session = self._end_session, None
+            if end is not None:
+                end()
+
+    # -- inside a tick ----------------------------------------------------------------------
+
+    def _open(self) -> KVCache:
+        """The engine's K/V cache, opened when a run of requests starts (`Executor.session`
+        over the buckets of the requests waiting then; the default executor on a CPU picks
+        JAX or LiteRT there) and closed when the engine is idle again."""
+        if self._pool is None:
+            dec = self.decoder
+            keys = set()
+            for req in list(self._waiting)[:self.max_batch]:
+                keys.update(dec.bucket_keys([len(req.prompt)], req.config))
+            self._end_session = dec.executor.session(sorted(keys), slots=self.max_tokens)
+            shape = (self.max_batch, self.max_tokens)
+            positions, valid = np.zeros(shape, np.int32), np.zeros(shape, bool)
+            self._pool = dec.executor.open(dec.model_config, positions, valid) or HostKVCache(
+                dec.executor, dec.model_config, positions, valid)
+        return self._pool
+
+    def _admit(self) -> None:
+        free = [r for r in range(self.max_batch) if r not in self._running]
+        while free and self._waiting:
+            req = self._waiting.popleft()
+            row = free.pop(0)
+            pool = self._pool
+            req._row = row
+            req.status = RUNNING
+            req.stats.queued_seconds = time.perf_counter() - req._submitted
+            self._running[row] = req
+            self.stats.admitted += 1
+
+            def open_cache(state: DecodeState, req=req, row=row) -> KVCache:
+                pool.assign(row, state.positions[0], state.valid[0])
+                return RowCache(pool, row)
+
+            def on_step(state: DecodeState, req=req) -> None:
+                self._after_step(req, state)
+
+            def on_block(unit: int, prefixes, req=req) -> None:
+                req.unit = unit
+                if req.stats.first_block_seconds is None:
+                    req.stats.first_block_seconds = time.perf_counter() - req._submitted
+                if req.on_unit is not None:
+                    req.on_unit(unit, prefixes)
+
+            req._gen = self.decoder.steps([req.prompt], req.config, seeds=[req.seed], on_block=on_block,
+                                          on_step=on_step, open_cache=open_cache, prefetch=False, batch=1)
+            self._advance(req, None)
+
+    def _after_step(self, req: Request, state: DecodeState) -> None:
+        """After each of the request's steps: stream what became final, ask its stop rule."""
+        final = state.final_prefixes()[0]
+        req.stats.steps += 1
+        if len(final) > len(req.final):
+            now = time.perf_counter() - req._submitted
+            if req.stats.first_token_seconds is None:
+                req.stats.first_token_seconds = now
+            req.stats.last_token_seconds = now
+            req._emit(final[len(req.final):])
+            req.final = final
+        if req.stop is not None:
+            keep = req.stop(final)
+            if keep is not None:
+                req.final = final[:keep]
+                req._cancel = "stop"
+
+    def _advance(self, req: Request, out: StepOutputs | None) -> None:
+        """Hand a request its outputs (None: start it); keep its next step, or retire it."""
+        try:
+            req._pending = req._gen.send(out) if out is not None else next(req._gen)
+        except StopIteration as stop:
+            req.output = stop.value
+            self._end(req, DONE)
+            return
+        except Exception as e:  # noqa: BLE001 - a request's fault ends that request only
+            req.error = e
+            self._end(req, FAILED)
+            return
+        if req._cancel == "stop":
+            self._end(req, STOPPED)
+
+    def _end(self, req: Request, status: str) -> None:
+        if req._gen is not None:
+            req._gen.close()
+            req._gen = None
+        req._pending = None
+        if self._running.get(req._row) is req:
+            del self._running[req._row]
+        req.status = status
+        now = time.perf_counter() - req._submitted
+        req.stats.seconds = now
+        if req.output is not None:
+            stats = req.output.stats
+            req.stats.decode = stats
+            req.stats.nfe = stats.request_nfe[0] if stats.request_nfe else 0
+        tokens = req.tokens()
+        req.stats.tokens = len(tokens)
+        tail = tokens[len(req.final):] if len(tokens) >= len(req.final) else np.zeros(0, np.int32)
+        req._emit(tail, end=status)
+        self.stats.retired[status] = self.stats.retired.get(status, 0) + 1
+        req._ended.set()
+
+    def _groups(self) -> list[list[Request]]:
+        """The running requests' pending steps, in groups that share one call: the same bucket
+        (the cache size aside where the cache reads in place), first admitted first."""
+        free = getattr(self._pool, "read_bucket_free", False)
+        groups: dict[tuple, list[Request]] = {}
+        for row in sorted(self._running, key=lambda r: self._running[r].id):
+            req = self._running[row]
+            if req._pending is None:
+                continue
+            k = req._pending.key
+            cache = ("any", k.cache > 0) if free else k.cache
+            flags = (k.full_logits, k.router_topk, k.ffn_active, req._pending.want, req._pending.lora_gate is not None)
+            groups.setdefault((k.window, cache, k.rows, flags), []).append(req)
+        out = []
+        for _, reqs in sorted(groups.items(), key=lambda kv: kv[1][0].id):
+            sizes = self._call_sizes(reqs[0]._pending.key)
+            while reqs:
+                n = next((b for b in sizes if b >= len(reqs)), sizes[-1])
+                out.append(reqs[:n])
+                reqs = reqs[n:]
+        return out
+
+    def _call_sizes(self, key: BucketKey) -> list[int]:
+        """The batch sizes a call of this bucket can have (a fixed bucket set may lack some)."""
+        caps = self.decoder.capabilities
+        allowed = self.decoder.executor.engine_batches or caps.batches.sizes
+        sizes = [b for b in allowed if caps.keys is None or dataclasses.replace(key, batch=b) in caps.keys]
+        return sizes or [1]
+
+    def _call(self, reqs: list[Request]) -> float:
+        """Run one call of these requests' steps; hand each its row. Returns the seconds it took."""
+        sizes = self._call_sizes(reqs[0]._pending.key)
+        batch = next(b for b in sizes if b >= len(reqs))
+        merged = merge([r._pending for r in reqs], [r._row for r in reqs], batch,
+                       mask_id=self.decoder.model_config.mask_token_id)
+        t0 = time.perf_counter()
+        try:
+            out = self._pool.step(merged)
+        except Exception as e:  # noqa: BLE001 - the call failed: so did its requests, not the others
+            for req in reqs:
+                req.error = e
+                self._end(req, FAILED)
+            return time.perf_counter() - t0
+        ran = time.perf_counter() - t0
+        self.stats.calls += 1
+        self.stats.rows += batch
+        self.stats.busy_rows += len(reqs)
+        self.stats.buckets[str(merged.key)] = self.stats.buckets.get(str(merged.key), 0) + 1
+        self.stats.call_seconds.append(ran)
+        moved = self._pool.transfers
+        self.stats.h2d_bytes.append(moved.h2d[-1] if moved.h2d else 0)
+        self.stats.d2h_bytes.append(moved.d2h[-1] if moved.d2h else 0)
+        for i, req in enumerate(reqs):
+            self._advance(req, split(out, i))
+        return ran
+
+
+def merge(steps: Sequence[SlotStep], rows: Sequence[int], batch: int, *, mask_id: int) -> SlotStep:
+    """One `SlotStep` of `batch` rows from batch-1 steps of one shape (the read bucket may
+    differ: each row's reads are padded with -1 to the largest, and its hidden window columns
+    moved with them), batch row i on cache row `rows[i]`; the rows past them are padding (read
+    and write nothing)."""
+    first = steps[0]
+    n = len(steps)
+    if n > batch:
+        raise ValueError(f"{n} steps do not fit a call of batch {batch}")
+    p = max(s.key.cache for s in steps)
+    key = dataclasses.replace(first.key, batch=batch, cache=p)
+    pad = batch - n
+
+    def rows_of(name: str, fill, dtype) -> np.ndarray:
+        parts = [np.atleast_2d(getattr(s, name)) for s in steps]
+        if pad:
+            parts.append(np.full((pad,) + parts[0].shape[1:], fill, dtype))
+        return np.concatenate(parts, axis=0).astype(dtype, copy=False)
+
+    reads, hides = [], []
+    for s in steps:
+        read = np.atleast_2d(s.read)
+        own = read.shape[1]
+        reads.append(np.pad(read, ((0, 0), (0, p - own)), constant_values=-1))
+        hide = np.atleast_2d(s.hide)
+        hides.append(np.where(hide >= own, hide + (p - own), hide))  # window columns follow the cache's
+    if pad:
+        reads.append(np.full((pad, p), -1, np.int32))
+        hides.append(np.full((pad, hides[0].shape[1]), -1, np.int32))
+    lengths = [int(s.lengths()[0]) for s in steps] + [0] * pad
+    return SlotStep(key=key, tokens=rows_of("tokens", mask_id, np.int32), positions=rows_of("positions", 0, np.int32),
+                    q_valid=rows_of("q_valid", False, bool), read=np.concatenate(reads).astype(np.int32),
+                    probes=rows_of("probes", False, bool), hide=np.concatenate(hides).astype(np.int32),
+                    write=rows_of("write", -1, np.int32), logit_rows=rows_of("logit_rows", 0, np.int32),
+                    want=first.want, written_only=first.written_only, geometry=None,
+                    read_len=np.asarray(lengths, np.int32),
+                    lora_gate=None if first.lora_gate is None else rows_of("lora_gate", 1.0, np.float32),
+                    rows=np.asarray(list(rows) + [-1] * pad, np.int32))
+
+
+def split(out: StepOutputs, i: int) -> StepOutputs:
+    """Batch row `i` of a call's outputs, as a batch-1 step's."""
+    def row(name: str, axis: int):
+        x = getattr(out, name)
+        return None if x is None else np.take(x, [i], axis=axis)
+
+    return StepOutputs(top_token=row("top_token", 0), top_prob=row("top_prob", 0), second_prob=row("second_prob", 0),
+                       entropy=row("entropy", 0), logits=row("logits", 0), router_topk=row("router_topk", 1),
+                       ffn_active=row("ffn_active", 1))
