@@ -1,8 +1,8 @@
 """Continuous batching against fixed batches: tokens/s, row utilisation, time to first block
 and per-request latency, on the held-out task prompts of a shipped model.
 
-    .venv/bin/python benchmarks/batching.py [--model models/llada-12m] [--n 300] [--gen 256]
-        [--batches 8 16] [--presets fast-dllm fast-dllm-dual] [--rates 1 2 4] [--stream-n 48]
+    .venv/bin/python benchmarks/batching.py [--cases llada-12m:fast-dllm llada-12m:fast-dllm-dual
+        idlm-tiny:isd] [--n 300] [--gen 256] [--batches 8 16] [--rates 1 2 4] [--stream-n 48]
         [--out benchmarks/results/batching]
 
 Two servers decode the same requests with the same decode config, in one run:
@@ -99,12 +99,12 @@ def run_fixed(decoder, cfg, prompts, arrivals, b: int) -> dict:
     return _summary("fixed", b, prompts, arrivals, tokens, done_at, first_at, makespan, useful / max(rows, 1))
 
 
-def run_engine(decoder, cfg, prompts, arrivals, b: int) -> dict:
+def run_engine(decoder, cfg, prompts, arrivals, b: int, padding: str | None = None) -> dict:
     from dlm_jax.runtime.engine import Engine
 
     eos = set(decoder.model_config.eos_ids)
     n = len(prompts)
-    engine = Engine(decoder, max_batch=b)
+    engine = Engine(decoder, max_batch=b, padding=padding)
     reqs = [None] * n
     t0 = time.perf_counter()
     excluded = 0.0
@@ -122,16 +122,17 @@ def run_engine(decoder, cfg, prompts, arrivals, b: int) -> dict:
         w0 = _waited(decoder)
         engine.step()
         excluded += _waited(decoder) - w0
+        now = time.perf_counter() - t0 - excluded
         for r in reqs[:nxt]:
+            if r.stats.first_block_seconds is not None and not hasattr(r, "first_at"):
+                r.first_at = now
             if r.done and not hasattr(r, "done_at"):
-                r.done_at = time.perf_counter() - t0 - excluded
+                r.done_at = now
     engine.close()
     tokens = [_trim(r.output.sequences[0], eos) for r in reqs]
     done_at = [r.done_at for r in reqs]
-    # A request's first block, on the excluded clock: its submit time plus what the engine measured
-    # (compile waits after its submit are in that figure; small once the buckets are built).
-    first_at = [r.arrived + (r.stats.first_block_seconds or 0.0) for r in reqs]
-    s = _summary("engine", b, prompts, arrivals, tokens, done_at, first_at, max(done_at), engine.stats.utilisation)
+    first_at = [getattr(r, "first_at", r.done_at) for r in reqs]
+    s = _summary("engine" if padding is None else f"engine-{padding}", b, prompts, arrivals, tokens, done_at, first_at, max(done_at), engine.stats.utilisation)
     s["calls"], s["ticks"] = engine.stats.calls, engine.stats.ticks
     s["calls_per_tick"] = round(engine.stats.calls / max(engine.stats.ticks, 1), 3)
     return s
@@ -149,12 +150,12 @@ def _summary(server, b, prompts, arrivals, tokens, done_at, first_at, makespan, 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(ROOT / "models" / "llada-12m"))
+    p.add_argument("--cases", nargs="+", default=["llada-12m:fast-dllm", "llada-12m:fast-dllm-dual", "idlm-tiny:isd"],
+                   help="shipped model:preset pairs")
     p.add_argument("--n", type=int, default=300, help="prompts of the all-at-once workload")
     p.add_argument("--gen", type=int, default=256)
     p.add_argument("--block", type=int, default=32)
     p.add_argument("--batches", type=int, nargs="+", default=[8, 16])
-    p.add_argument("--presets", nargs="+", default=["fast-dllm", "fast-dllm-dual"])
     p.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0], help="Poisson arrivals, requests/s")
     p.add_argument("--stream-n", type=int, default=48, help="requests per Poisson workload")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "batching"))
@@ -162,12 +163,14 @@ def main(argv=None) -> int:
 
     import dlm_jax
 
-    model = dlm_jax.load(args.model, executor="jax")
-    decoder = model.decoder
-    prompts = _prompts(model, max(args.n, args.stream_n))
     rows, identical = [], {}
-    for name in args.presets:
-        cfg = dlm_jax.preset(name, gen_len=args.gen, block_len=args.block)
+    for case in args.cases:
+        model_name, name = case.split(":")
+        model = dlm_jax.load(ROOT / "models" / model_name, executor="jax")
+        decoder = model.decoder
+        prompts = _prompts(model, max(args.n, args.stream_n))
+        options = {} if name in ("isd", "ar") else {"block_len": args.block}
+        cfg = dlm_jax.preset(name, gen_len=args.gen, **options)
         workloads = [("all at once", prompts[:args.n], [0.0] * args.n)]
         rng = np.random.default_rng(1)
         for rate in args.rates:
@@ -179,12 +182,15 @@ def main(argv=None) -> int:
                 for server in (run_fixed, run_engine):
                     rec = server(decoder, cfg, ps, arrivals, b)
                     pair[rec["server"]] = rec.pop("_tokens")
-                    rec.update(preset=name, workload=label)
+                    rec.update(preset=name, model=model_name, workload=label)
                     rows.append(rec)
                     print(json.dumps(rec), flush=True)
                 same = sum(a == e for a, e in zip(pair["fixed"], pair["engine"]))
                 identical[f"{name} b{b} {label}"] = [same, len(ps)]
-    report = {"benchmark": "benchmarks/batching.py", "model": str(Path(args.model).name), "gen_len": args.gen,
+    import jax
+
+    report = {"benchmark": "benchmarks/batching.py", "cases": args.cases, "gen_len": args.gen,
+              "device": jax.devices()[0].device_kind, "rows": getattr(decoder.executor, "rows", None),
               "block_len": args.block, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "cores": __import__("os").cpu_count(), "rows": rows, "identical_tokens": identical,
               "ratios": _ratios(rows)}
@@ -199,12 +205,12 @@ def main(argv=None) -> int:
 def _ratios(rows) -> list[dict]:
     """Engine over fixed, per (preset, batch, workload): tokens/s, utilisation, latency."""
     out = []
-    keyed = {(r["preset"], r["max_batch"], r["workload"], r["server"]): r for r in rows}
-    for (preset, b, workload, server), e in keyed.items():
+    keyed = {(r["model"], r["preset"], r["max_batch"], r["workload"], r["server"]): r for r in rows}
+    for (model, preset, b, workload, server), e in keyed.items():
         if server != "engine":
             continue
-        f = keyed[(preset, b, workload, "fixed")]
-        out.append({"preset": preset, "max_batch": b, "workload": workload,
+        f = keyed[(model, preset, b, workload, "fixed")]
+        out.append({"model": model, "preset": preset, "max_batch": b, "workload": workload,
                     "tokens_per_second_ratio": round(e["tokens_per_second"] / f["tokens_per_second"], 3),
                     "utilisation": [f["row_utilisation"], e["row_utilisation"]],
                     "latency_p50_ratio": round(e["latency_p50"] / f["latency_p50"], 3) if f["latency_p50"] else None,
@@ -213,13 +219,13 @@ def _ratios(rows) -> list[dict]:
 
 
 def markdown(rep: dict) -> str:
-    lines = [f"# Continuous batching against fixed batches ({rep['model']}, gen {rep['gen_len']}, block "
-             f"{rep['block_len']}, EOS stop; {rep['cores']} cores)", "",
+    lines = [f"# Continuous batching against fixed batches (gen {rep['gen_len']}, block {rep['block_len']}, EOS "
+             f"stop; {rep['device']}, {rep['cores']} cores, JAX executor rows={rep['rows']})", "",
              "Written by `benchmarks/batching.py`. Seconds exclude compile waits.", "",
-             "| preset | batch | workload | server | tokens/s | row util. | latency p50 / p99 (s) | "
-             "first block p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|"]
+             "| model | preset | batch | workload | server | tokens/s | row util. | latency p50 / p99 (s) | "
+             "first block p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rep["rows"]:
-        lines.append(f"| {r['preset']} | {r['max_batch']} | {r['workload']} | {r['server']} | "
+        lines.append(f"| {r['model']} | {r['preset']} | {r['max_batch']} | {r['workload']} | {r['server']} | "
                      f"{r['tokens_per_second']} | {r['row_utilisation']} | {r['latency_p50']} / {r['latency_p99']} | "
                      f"{r['first_block_p50']} / {r['first_block_p99']} |")
     lines += ["", "Engine over fixed (same run):", "", "| preset | batch | workload | tokens/s ratio | "

@@ -95,16 +95,19 @@ class Engine:
     ones. `config` is the decode every request starts from (default `DecodeConfig()`);
     `max_batch` the most requests decoding at once (default: the largest batch bucket whose
     K/V fit, `dlm_jax.runtime.engine.POOL_BYTES`); `max_tokens` the longest prompt +
-    generation a request may have (default the model's limit); `max_waiting` bounds the queue.
+    generation a request may have (default the model's limit); `max_waiting` bounds the queue;
+    `padding` how a group of steps that fills no batch bucket runs ("pad", "split" or "free";
+    default the executor's).
 
     Without `start()`, handles drive the engine from the caller's thread while they wait;
     with it, a background thread does."""
 
     def __init__(self, model: Model, config: DecodeConfig | None = None, *, max_batch: int | None = None,
-                 max_tokens: int | None = None, max_waiting: int | None = None):
+                 max_tokens: int | None = None, max_waiting: int | None = None, padding: str | None = None):
         self.model = model
         self.config = config or DecodeConfig()
-        self.core = _Core(model.decoder, max_batch=max_batch, max_tokens=max_tokens, max_waiting=max_waiting)
+        self.core = _Core(model.decoder, max_batch=max_batch, max_tokens=max_tokens, max_waiting=max_waiting,
+                          padding=padding)
 
     @property
     def max_batch(self) -> int:
@@ -141,7 +144,11 @@ class Engine:
             raise InputError("stop strings need a tokenizer; this model has none")
         ids = self.model.encode(prompt, chat=chat)
         rule = _stop_rule(self.model, tuple(stop)) if stop else None
-        return Handle(self.model, self.core.submit(ids, self.options(options), seed=seed, stop=rule), stop)
+        config = self.options(options)
+        if config.placement.probe() is not None:  # TIDE's tau='auto' / static sets: from this prompt's probe
+            self.model.decoder.check_prompts([ids], None)
+            config = self.model.calibrated(config, [ids], seeds=None if seed is None else [seed])
+        return Handle(self.model, self.core.submit(ids, config, seed=seed, stop=rule), stop)
 
     def step(self) -> bool:
         return self.core.step()

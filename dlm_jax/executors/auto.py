@@ -180,6 +180,10 @@ class AutoExecutor(Executor):
     def engine_batches(self) -> tuple[int, ...] | None:
         return self._current.engine_batches
 
+    @property
+    def engine_padding(self) -> str:
+        return self._current.engine_padding
+
     def open(self, config, positions, valid):
         return self._current.open(config, positions, valid)
 

@@ -38,6 +38,7 @@ from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, Transfers
 from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, BuildCounts, Capabilities, Executor,
                                   SlotStep, StepInputs, StepOutputs, input_specs, model_outputs, output_names,
+                                  output_specs,
                                   request_specs, visibility)
 
 # How a decode's step reads its resident K/V: in place ("split", "concat" or "cudnn", the
@@ -45,30 +46,43 @@ from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, B
 # read slots copied out first, [L, B, P, Hkv, Dh], as before).
 RESIDENT_ATTENTION = (*ATTENTION_FORMS, "gather")
 ATTENTION_ENV = "DLM_JAX_ATTENTION"
-# How a step computes its batch rows: "batched" (one forward over all of them: the matmuls'
-# rows are every batch row's window rows) or "each" (the batch-1 forward once per row, in one
-# program, `jax.lax.map`): a row's arithmetic is then the same whatever the batch bucket, so a
-# request's outputs are bit for bit those it gets alone (batch invariance, `docs/engine.md`).
+# How an engine's call (a cache whose rows are assigned to requests) computes its batch rows:
+# "batched" (one forward over all of them: the matmuls' rows are every batch row's window rows)
+# or "each" (the batch-1 forward once per live row, in a loop inside one program): a row's
+# arithmetic is then the same whatever the batch, so a request's outputs are bit for bit those
+# it gets alone (batch invariance, `docs/engine.md`). A decode's own fixed batch
+# (`Decoder.decode`) runs batched either way.
 ROW_MODES = ("batched", "each")
 ROWS_ENV = "DLM_JAX_ROWS"
+
+
+def default_rows() -> str:
+    """"each" on a CPU, where a step's cost is its rows' arithmetic either way (measured on this
+    project's 2-core CPU: llada-12m decodes as fast row by row, `docs/engine.md`), so batch
+    invariance costs nothing; "batched" on an accelerator, whose step at small batches is
+    bound by reading the weights once per call, not once per row."""
+    return "each" if jax.default_backend() == "cpu" else "batched"
 _NOT_BATCH_LEADING = ("k_new", "v_new", "router_topk", "ffn_active")  # [L or M, B, ...]
 
 
-def each_row(view):
-    """`view` (a step over [.., B, ..] inputs) computed one batch row at a time: the batch-1
-    step mapped over the rows (`jax.lax.map`), outputs stacked back on their batch axes."""
+def each_row(row_step, live, shapes: dict[str, tuple[tuple[int, ...], str]], cache: tuple):
+    """A step computed one batch row at a time: `row_step(i, cache)` (the batch-1 step of batch
+    row i, which reads and then writes `cache`, returning its outputs with batch axes of 1 and
+    the cache) in a loop over the first `live` rows (a traced count; the rows after it, padding,
+    are not computed and read back as zeros). The loop's body is the same program whatever
+    the batch, so a row's bytes do not depend on it, and one program serves every number of
+    live rows. `shapes`: {output name: (shape, dtype)} of the whole step (`output_specs`, the
+    window K/V left out: each row stores its own in the loop). Returns (outputs, cache)."""
+    init = {n: jnp.zeros(shape, dtype) for n, (shape, dtype) in shapes.items()}
 
-    def run(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate):
-        def one(xs):
-            k1, v1, *rest = xs
-            named = view(leaves, k1[:, None], v1[:, None], *(x[None] for x in rest))
-            return {n: (a[:, 0] if n in _NOT_BATCH_LEADING else a[0]) for n, a in named.items()}
+    def body(i, carry):
+        acc, cache = carry
+        named, cache = row_step(i, cache)
+        acc = {n: jax.lax.dynamic_update_slice_in_dim(acc[n], named[n].astype(acc[n].dtype), i,
+                                                       axis=1 if n in _NOT_BATCH_LEADING else 0) for n in acc}
+        return acc, cache
 
-        out = jax.lax.map(one, (jnp.moveaxis(k, 1, 0), jnp.moveaxis(v, 1, 0), k_pos, k_ok, tokens, positions, q_valid,
-                                probes, hide, logit_rows, *gate))
-        return {n: (jnp.moveaxis(a, 0, 1) if n in _NOT_BATCH_LEADING else a) for n, a in out.items()}
-
-    return run
+    return jax.lax.fori_loop(0, live, body, (init, cache))
 
 
 def default_attention() -> str:
@@ -278,6 +292,7 @@ class DeviceKVCache(KVCache):
         self.pos, self.valid = jax.device_put(self._pos), jax.device_put(self._ok)
         self.transfers = Transfers(opened=self._pos.nbytes + self._ok.nbytes)
         self._writer: JaxExecutor = executor  # whose scatter programs `write` uses
+        self.shared = False  # rows handed to requests (`assign`): an engine's cache, stepped by pooled programs
 
     @property
     def slots(self) -> int:
@@ -300,6 +315,7 @@ class DeviceKVCache(KVCache):
         n = len(positions)
         if n > self._slots or len(valid) != n:
             raise ValueError(f"a request of {n} slots (valid: {len(valid)}) does not fit a cache row of {self._slots}")
+        self.shared = True
         self._pos[row] = 0
         self._pos[row, :n] = positions
         self._ok[row] = False
@@ -313,6 +329,8 @@ class DeviceKVCache(KVCache):
         """The program of `req` on this cache: today's in-place program where the step's batch
         rows are the cache's rows in order (every solo decode), else the pooled one."""
         key = req.key
+        if self.shared:  # an engine's calls: batch rows mapped to requests' rows, row by row with rows="each"
+            return (key, self._slots, self.rows, True)
         if self.executor.attention == "gather" or key.cache == 0:
             pooled = self.rows != key.batch  # (row, slot) pairs gathered either way
         else:
@@ -401,7 +419,7 @@ class JaxExecutor(Executor):
         from dlm_jax.techniques.isd.lora import lora_spec
 
         rows_from_env = rows is None and bool(os.environ.get(ROWS_ENV))
-        rows = rows or os.environ.get(ROWS_ENV) or "batched"
+        rows = rows or os.environ.get(ROWS_ENV) or default_rows()
         if rows not in ROW_MODES:
             raise ConfigError(f"{ROWS_ENV if rows_from_env else 'rows'}={rows!r}: known {', '.join(ROW_MODES)}")
         self.rows = rows
@@ -478,6 +496,19 @@ class JaxExecutor(Executor):
             moved += len(incoming) * cpu.expert_bytes
         return moved
 
+    @property
+    def engine_padding(self) -> str:
+        """How an engine runs a group of steps that fills no batch bucket
+        (`dlm_jax.runtime.engine.PADDING`): row by row (`rows="each"`), "free": only the live
+        rows are computed, so every call takes the engine's whole batch and one program serves
+        each step shape (as fast as "split" on this project's CPU, with a program per shape
+        instead of one per shape and batch size); batched, "split" on a CPU (a padding row
+        costs what a real one does) and "pad" on an accelerator (one call reads the weights
+        once)."""
+        if self.rows == "each":
+            return "free"
+        return "split" if jax.default_backend() == "cpu" else "pad"
+
     def capacity(self, slots: int) -> int:
         """The slot count a decode's cache is allocated with: a power of two from 256 that holds
         `slots` (capped at the largest cache bucket), so that decodes of nearby lengths share
@@ -519,16 +550,16 @@ class JaxExecutor(Executor):
         key, slots = spec[:2]
         pool = spec[2] if len(spec) > 2 else key.batch
         pooled = len(spec) > 2
-        view = self._view_fn(key)
-        if self.rows == "each":
-            view = each_row(view)
-
         in_place = self.attention != "gather" and key.cache > 0  # (a step reading nothing gathers nothing)
 
-        def program(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, read_len, probes,
-                    hide, write, logit_rows, rows, *gate):
+        view = self._view_fn(key)
+        out_shapes = {n: (shape, jnp.dtype(dtype)) for n, shape, dtype in output_specs(self.config, key)
+                      if n not in ("k_new", "v_new")}
+
+        def forward(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, read_len, probes,
+                    hide, logit_rows, rows, *gate, take_rows: bool):
             if in_place:  # attention reads all S slots where they lie, the unread ones masked
-                if pooled:
+                if take_rows:
                     # The batch rows' caches gathered first, [L, B, Hkv, S, Dh]: on a GPU a
                     # copy of those rows' whole caches per step, as many bytes again as the
                     # attention reads (a pool whose step covers all its rows in order runs the
@@ -540,12 +571,29 @@ class JaxExecutor(Executor):
                     k_rows, v_rows, pos_rows, valid_rows = k_res, v_res, pos, valid
                 seen, hide_slots = slot_reads(valid_rows, read, read_len, hide)
                 with attention_form(self.attention, heads_first=True):
-                    named = view(leaves, k_rows, v_rows, pos_rows, seen, tokens, positions, q_valid, probes,
-                                 hide_slots, logit_rows, *gate)
-            else:
-                k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, read_len, rows,
-                                                written_only=False)
-                named = view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate)
+                    return view(leaves, k_rows, v_rows, pos_rows, seen, tokens, positions, q_valid, probes,
+                                hide_slots, logit_rows, *gate)
+            k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, read_len, rows,
+                                            written_only=False)
+            return view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate)
+
+        def program(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, read_len, probes,
+                    hide, write, logit_rows, rows, *gate):
+            per_row = (tokens, positions, q_valid, read, read_len, probes, hide, logit_rows, rows, *gate)
+            if self.rows == "each" and pooled:  # batch row i alone: its inputs sliced, its cache row read and written
+                # in the loop (only the live rows, which come first: the padding rows, -1, after them)
+                def row_step(i, cache):
+                    k_c, v_c, w_c = cache
+                    mine = [jax.lax.dynamic_slice_in_dim(x, i, 1, axis=0) for x in per_row]
+                    named = forward(leaves, k_c, v_c, w_c, pos, valid, *mine, take_rows=True)
+                    cache = scatter_rows(k_c, v_c, w_c, named.pop("k_new"), named.pop("v_new"),
+                                         jax.lax.dynamic_slice_in_dim(write, i, 1, axis=0), mine[8])
+                    return named, cache
+
+                named, (k_res, v_res, written) = each_row(row_step, jnp.sum(rows >= 0), out_shapes,
+                                                          (k_res, v_res, written))
+                return named, k_res, v_res, written
+            named = forward(leaves, k_res, v_res, written, pos, valid, *per_row, take_rows=pooled)
             k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"), write,
                                                  rows)
             return named, k_res, v_res, written

@@ -56,6 +56,12 @@ DONE, STOPPED, CANCELLED, FAILED = "done", "stopped", "cancelled", "failed"
 ENDS = (DONE, STOPPED, CANCELLED, FAILED)
 
 POOL_BYTES = 1 << 30  # the default `max_batch` keeps the engine's K/V within this many bytes
+# A group of steps whose count is not a batch bucket: "pad" runs one call of the next bucket
+# (padding rows computed for nothing), "split" runs calls of the buckets that it fills (7 steps:
+# 4 + 2 + 1), more calls and no padding row; "free", for an executor that computes only the
+# live rows of a call, runs every call in the bucket of the engine's whole batch (one program
+# per step shape, whatever the number of requests).
+PADDING = ("pad", "split", "free")
 
 
 @dataclasses.dataclass
@@ -241,10 +247,19 @@ class Engine:
       max_tokens: slots per row (prompt + generation + a schedule's overhang), default the
         decoder's limit (`Decoder.max_tokens`).
       max_waiting: requests that may wait for a row (None: unbounded); `submit` refuses more.
+      padding: how a group of steps that fills no batch bucket runs (`PADDING`; default the
+        executor's `engine_padding`).
     """
 
     def __init__(self, decoder: Decoder, *, max_batch: int | None = None, max_tokens: int | None = None,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, padding: str | None = None):
+        if padding is not None and padding not in PADDING:
+            raise ConfigError(f"padding={padding!r}: known {', '.join(PADDING)}")
+        if padding == "free" and decoder.executor.engine_padding != "free":
+            raise ConfigError("padding='free' needs an executor that computes only a call's live rows "
+                              "(JaxExecutor(rows='each'))")
+        self._padding = padding
+        self.padding = padding or decoder.executor.engine_padding  # settled when a run starts (`_open`)
         self.decoder = decoder
         caps = decoder.capabilities
         limit = decoder.max_tokens
@@ -298,6 +313,10 @@ class Engine:
             raise InputError("a request's prompt must be a non-empty sequence of token ids")
         cfg = dec._for_model(config)
         dec.bucket_keys([len(ids)], cfg)  # every check of the decoder, with its own messages
+        if cfg.placement.probe() is not None:
+            raise ConfigError(f"{type(cfg.placement).__name__} is calibrated by a probe decode first "
+                              f"(`Model.calibrated(config, prompts)`; `dlm_jax.Engine` does it per request): "
+                              f"submit the calibrated config")
         total = len(ids) + cfg.gen_len + cfg.scheduler.overhang()
         if total > self.max_tokens:
             raise ConfigError(f"prompt ({len(ids)} tokens) + gen_len ({cfg.gen_len}) = {total} tokens exceeds "
@@ -417,6 +436,7 @@ class Engine:
             for req in list(self._waiting)[:self.max_batch]:
                 keys.update(dec.bucket_keys([len(req.prompt)], req.config))
             self._end_session = dec.executor.session(sorted(keys), slots=self.max_tokens)
+            self.padding = self._padding or dec.executor.engine_padding  # the executor the session picked
             shape = (self.max_batch, self.max_tokens)
             positions, valid = np.zeros(shape, np.int32), np.zeros(shape, bool)
             self._pool = dec.executor.open(dec.model_config, positions, valid) or HostKVCache(
@@ -524,6 +544,10 @@ class Engine:
             sizes = self._call_sizes(reqs[0]._pending.key)
             while reqs:
                 n = next((b for b in sizes if b >= len(reqs)), sizes[-1])
+                if self.padding == "free":
+                    n = len(reqs[:sizes[-1]])
+                if self.padding == "split" and n > len(reqs):  # no padding row: the largest call that fills
+                    n = max((b for b in sizes if b <= len(reqs)), default=n)
                 out.append(reqs[:n])
                 reqs = reqs[n:]
         return out
@@ -538,7 +562,8 @@ class Engine:
     def _call(self, reqs: list[Request]) -> float:
         """Run one call of these requests' steps; hand each its row. Returns the seconds it took."""
         sizes = self._call_sizes(reqs[0]._pending.key)
-        batch = next(b for b in sizes if b >= len(reqs))
+        want = self.max_batch if self.padding == "free" else len(reqs)
+        batch = next((b for b in sizes if b >= want), sizes[-1])
         merged = merge([r._pending for r in reqs], [r._row for r in reqs], batch,
                        mask_id=self.decoder.model_config.mask_token_id)
         t0 = time.perf_counter()
@@ -551,7 +576,7 @@ class Engine:
             return time.perf_counter() - t0
         ran = time.perf_counter() - t0
         self.stats.calls += 1
-        self.stats.rows += batch
+        self.stats.rows += len(reqs) if self.padding == "free" else batch  # free padding rows are not computed
         self.stats.busy_rows += len(reqs)
         self.stats.buckets[str(merged.key)] = self.stats.buckets.get(str(merged.key), 0) + 1
         self.stats.call_seconds.append(ran)

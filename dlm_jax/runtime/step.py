@@ -537,8 +537,10 @@ class Executor(HookBase):
     HOOKS = ("capabilities", "step", "warmup", "prefetch", "prepare", "fork", "open", "close", "build_counts",
              "set_progress", "place", "session")
     prepares_ahead: bool = False  # `prepare` builds in batches: give it the buckets of nearby prompt lengths too
-    # The batch sizes an engine's calls may take (None: every batch bucket of `capabilities`).
+    # The batch sizes an engine's calls may take (None: every batch bucket of `capabilities`),
+    # and how it runs a group of steps that fills none (`dlm_jax.runtime.engine.PADDING`).
     engine_batches: tuple[int, ...] | None = None
+    engine_padding: str = "split"
 
     @property
     def capabilities(self) -> Capabilities:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -65,7 +66,10 @@ def test_the_cache_decodes_exactly_like_jax_and_exports_each_bucket_once(cache):
         for batch in (prompts[:1], prompts[:3]):
             want, got = jax_model.generate(batch, cfg), model.generate(batch, cfg)
             assert got.token_ids == want.token_ids and got.texts == want.texts
-            assert got.stats.nfe == want.stats.nfe and got.stats.buckets == want.stats.buckets
+            # The engine's calls on the bundle cache take one row each (`engine_batches`): the
+            # forwards each request took part in are JAX's, in batch-1 buckets of the same sizes.
+            assert got.stats.request_nfe == want.stats.request_nfe
+            assert {re.sub(r"^b[0-9]+_", "b1_", k) for k in want.stats.buckets} == set(got.stats.buckets)
     exported = list(model.executor.exported)
     assert exported and len(set(exported)) == len(exported)  # no bucket exported twice
     # Each decode first exported every bucket of its prompts up to 64 tokens.

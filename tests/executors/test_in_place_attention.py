@@ -150,7 +150,7 @@ def test_the_in_place_step_copies_no_cache(model):
     rng = np.random.default_rng(0)
     texts, keys = {}, {}
     for form in ("split", "gather", "concat"):
-        executor = JaxExecutor(model, attention=form)
+        executor = JaxExecutor(model, attention=form, rows="batched")
         req = _random_step(executor, rng, batch=2, slots=40, window=9)
         cap = executor.capacity(40)
         fn, specs, kw = executor._build_resident((req.key, cap))

@@ -179,7 +179,7 @@ def test_merged_requests_give_their_solo_outputs_and_kv_bit_for_bit(model, host)
     on its own batch-1 cache (`executor.open`): the same tokens, the rest to float rounding
     (XLA's CPU GEMM is not batch-invariant: a [32, 32] x [32, 32] product differs in the last
     bit between batch 1 and batch 4)."""
-    executor = JaxExecutor(model, attention="gather")
+    executor = JaxExecutor(model, attention="gather", rows="batched")
     vocab = model.config.vocab_size
     (a1, a2), (b1, b2) = A.steps(KEY, vocab), B.steps(KEY, vocab)
     solo_a, cache_a = solo(executor, host, A, (a1, a2))
@@ -215,7 +215,7 @@ def test_in_place_pool_merges_bit_for_bit_and_ignores_the_read_bucket(model):
     bucket against both merged in one step, and the merged step with its reads padded from a
     32 to a 64 bucket: every output and the K/V stored bit-identical (`read_bucket_free`); the
     same tokens as the gathered step on a request's own batch-1 cache."""
-    executor = JaxExecutor(model, attention="split")
+    executor = JaxExecutor(model, attention="split", rows="batched")
     vocab = model.config.vocab_size
     (a1, a2), (b1, b2) = A.steps(KEY, vocab), B.steps(KEY, vocab)
     alone_a, pool_a = alone(executor, False, (a1, a2), 3, 256)
@@ -233,7 +233,7 @@ def test_in_place_pool_merges_bit_for_bit_and_ignores_the_read_bucket(model):
         np.testing.assert_array_equal(x[:, 3], z[:, 3])
         np.testing.assert_array_equal(x[:, 1], a[:, 1])
         assert not b[:, [0, 2]].any()
-    gathered, _ = solo(JaxExecutor(model, attention="gather"), False, A, (a1, a2))
+    gathered, _ = solo(JaxExecutor(model, attention="gather", rows="batched"), False, A, (a1, a2))
     assert_close(alone_a[1], gathered[1], 0, "in place on the pool vs gathered on its own cache")
 
 
@@ -241,7 +241,7 @@ def test_in_place_pool_merges_bit_for_bit_and_ignores_the_read_bucket(model):
 def test_assign_forgets_the_previous_occupant(model, host):
     """Row 1 held request B (its prompt stored); handed to A, A's decode step reads slots B
     had written: the outputs are those of a pool whose row 1 never held anything."""
-    executor = JaxExecutor(model, attention="gather")
+    executor = JaxExecutor(model, attention="gather", rows="batched")
     vocab = model.config.vocab_size
     (_, a2), (b1, _) = A.steps(KEY, vocab), B.steps(KEY, vocab)
     used = pool_cache(executor, host, 256)
@@ -260,7 +260,7 @@ def test_assign_forgets_the_previous_occupant(model, host):
 def test_cpu_path_snapshot_and_write_into_a_pool_row(model, host):
     """A CPU path's step (`snapshot`: only written slots count, K/V kept) on a pool row, then
     `write(at=...)` into that row: the outputs and the row's K/V equal the solo cache's."""
-    executor = JaxExecutor(model, attention="gather")
+    executor = JaxExecutor(model, attention="gather", rows="batched")
     vocab = model.config.vocab_size
     a1, a2 = A.steps(KEY, vocab)
     probe = dataclasses.replace(a2, want=OutputRequest(kv=True), written_only=True,

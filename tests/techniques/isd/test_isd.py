@@ -95,6 +95,7 @@ def test_greedy_isd_emits_left_to_right_tokens_in_fewer_forwards(idlm, stride):
     assert sum(spec["accept_histogram"].values()) == spec["verified"][0]
 
 
+@pytest.mark.slow  # the default suite checks this byte for byte on the engine (tests/runtime/test_engine_invariance.py)
 def test_requests_of_a_batch_advance_on_their_own(idlm):
     """Each request of a batch (prompts of different lengths, different acceptance) decodes
     exactly as it does alone."""
