@@ -48,10 +48,11 @@ RESIDENT_ATTENTION = (*ATTENTION_FORMS, "gather")
 ATTENTION_ENV = "DLM_JAX_ATTENTION"
 # How an engine's call (a cache whose rows are assigned to requests) computes its batch rows:
 # "batched" (one forward over all of them: the matmuls' rows are every batch row's window rows)
-# or "each" (the batch-1 forward once per live row, in a loop inside one program): a row's
-# arithmetic is then the same whatever the batch, so a request's outputs are bit for bit those
-# it gets alone (batch invariance, `docs/engine.md`). A decode's own fixed batch
-# (`Decoder.decode`) runs batched either way.
+# or "each" (the batch-1 forward once per live row, in a loop inside one program): every row
+# runs the same code, whichever batch row it sits in and whatever the others hold, and with the
+# engine's "free" padding every call is the one program of its bucket, so a request's outputs
+# are the same bytes alone and under load (batch invariance, `docs/engine.md`). A decode's own
+# fixed batch (`Decoder.decode`) runs batched either way.
 ROW_MODES = ("batched", "each")
 ROWS_ENV = "DLM_JAX_ROWS"
 
@@ -69,9 +70,9 @@ def each_row(row_step, live, shapes: dict[str, tuple[tuple[int, ...], str]], cac
     """A step computed one batch row at a time: `row_step(i, cache)` (the batch-1 step of batch
     row i, which reads and then writes `cache`, returning its outputs with batch axes of 1 and
     the cache) in a loop over the first `live` rows (a traced count; the rows after it, padding,
-    are not computed and read back as zeros). The loop's body is the same program whatever
-    the batch, so a row's bytes do not depend on it, and one program serves every number of
-    live rows. `shapes`: {output name: (shape, dtype)} of the whole step (`output_specs`, the
+    are not computed and read back as zeros). Every row runs the same loop body, so in one
+    program a row's bytes depend neither on its batch row nor on the others, and the program
+    serves every number of live rows. `shapes`: {output name: (shape, dtype)} of the whole step (`output_specs`, the
     window K/V left out: each row stores its own in the loop). Returns (outputs, cache)."""
     init = {n: jnp.zeros(shape, dtype) for n, (shape, dtype) in shapes.items()}
 

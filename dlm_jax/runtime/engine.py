@@ -9,9 +9,10 @@ executor's step. Each tick, every running request has planned one step (a batch-
 held for all requests (`KVCache.assign`, `SlotStep.rows`), and hands each request its row
 of the outputs. A request's host decisions therefore never see another request, and its
 row of a step is computed from the same arrays, in a program of the same window, cache and
-row sizes, as when it runs alone: batch invariance by construction, up to the batch bucket
-(a call's batch size), which `tests/runtime/test_engine_invariance.py` checks leaves every
-row's outputs bit for bit unchanged on the executors shipped.
+row sizes, as when it runs alone. With an executor that computes rows one at a time and
+"free" padding (the JAX executor's CPU defaults), every call of one shape is the same
+program, so a request's outputs are the same bytes alone and under load
+(`tests/runtime/test_engine_invariance.py`); otherwise a call's batch size may move low bits.
 
 Between ticks the engine retires finished requests (done: at the generation's end or an EOS
 block; stopped by a stop rule; cancelled; failed), freeing their rows and K/V, and admits waiting requests into free rows.
