@@ -159,13 +159,13 @@ class Model:
             if on_block is not None:  # once per block index, when the first request completes it
                 reached = [-1]
 
-                def unit_done(unit: int, _) -> None:
+                def unit_done(unit: int, prefixes, me) -> None:
                     if unit > reached[0]:
                         reached[0] = unit
-                        on_block(unit, [self._text(q.final) for q in requests])
+                        on_block(unit, [self._text(prefixes[0] if q is me else q.final) for q in requests])
 
                 for r in requests:
-                    r.on_unit = unit_done
+                    r.on_unit = lambda unit, prefixes, me=r: unit_done(unit, prefixes, me)
             engine.run()
         finally:
             engine.close()

@@ -168,7 +168,8 @@ def test_decodes_in_bfloat16_like_float32(name, load_options, decode, loaded, sp
     assert spy.outputs > 0 and not spy.nonfinite
     assert spy.kv_dtypes == {"bfloat16"}
     mask = bf16.config.mask_token_id
-    assert [len(seq) for seq in spy.sequences] == [GEN] * len(PROMPTS)
+    # The requests' loops end last (a placement's calibration decode, if any, runs first).
+    assert [len(seq) for seq in spy.sequences[-len(PROMPTS):]] == [GEN] * len(PROMPTS)
     assert not any(mask in ids for ids in got.token_ids)  # every slot before EOS decided
     agree = sum(a == b for a, b in zip(want.token_ids, got.token_ids))
     assert agree >= AGREE, (agree, want.texts, got.texts)

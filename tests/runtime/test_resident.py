@@ -101,8 +101,10 @@ def test_steps_send_their_plan_not_the_cache(model, name):
         # Step plans: < 16 bytes per (row, window slot) + 4 per read slot. The widest window
         # and read set hold at most the whole sequence, whose K/V alone are far larger.
         total = max(len(p) for p in PROMPTS) + cfg.gen_len
-        assert host <= 16 * batch * 2 * total + 4 * total + 64, (kind, host)
-        assert host < per_slot * 8, f"{kind}: {host} host bytes, as much as the K/V of 8 slots"
+        # (each batch row sends its own read list, probes and hidden columns: continuous
+        # batching, docs/engine.md)
+        assert host <= 24 * batch * 2 * total + 4 * batch * total + 64, (kind, host)
+        assert host < per_slot * 12, f"{kind}: {host} host bytes, as much as the K/V of 12 slots"
     stats = out.stats
     assert stats.opened_bytes <= 5 * batch * executor.capacity(max(len(p) for p in PROMPTS) + cfg.gen_len)
     # The cache's own accounting is what the programs received.
