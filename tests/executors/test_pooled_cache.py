@@ -170,7 +170,8 @@ def alone(executor: JaxExecutor, host: bool, steps, at: int, slots: int):
     return [pool.step(merged([s], [at], 4)) for s in steps], pool
 
 
-@pytest.mark.parametrize("host", [False, True], ids=["jax-cache", "numpy-cache"])
+# The NumPy cache's pool also runs under the engine's state machine (tests/runtime/test_engine.py).
+@pytest.mark.parametrize("host", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["jax-cache", "numpy-cache"])
 def test_merged_requests_give_their_solo_outputs_and_kv_bit_for_bit(model, host):
     """Gathered reads (the CPU's default on the JAX executor; `HostKVCache` over a dense step):
     two requests of other lengths at other places, each alone in the batch-4 bucket of a pool,
@@ -256,6 +257,7 @@ def test_assign_forgets_the_previous_occupant(model, host):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow  # llada.cpp's CPU path on the engine: tests/runtime/test_engine_invariance.py (slow) too
 @pytest.mark.parametrize("host", [False, True], ids=["jax-cache", "numpy-cache"])
 def test_cpu_path_snapshot_and_write_into_a_pool_row(model, host):
     """A CPU path's step (`snapshot`: only written slots count, K/V kept) on a pool row, then
