@@ -40,11 +40,12 @@ def _prompts(model, n: int, seed: int = 0) -> list[list[int]]:
             for ex in make_split(TASKS[t], -(-n // len(tasks)), split="heldout", seed=seed)][:n]
 
 
-def _staggered(model, cfg, prompts, *, max_batch: int, seed: int) -> list:
-    """Submit `prompts` into a running engine at random steps (a few at once, then one every
-    few steps), run it dry, return the requests in submission order."""
+def _staggered(model, cfg, prompts, *, max_batch: int, seed: int, engine: Engine | None = None) -> list:
+    """Submit `prompts` into a running engine (a new one of `max_batch` rows, or `engine`) at
+    random steps (a few at once, then one every few steps), run it dry, return the requests in
+    submission order."""
     rng = np.random.default_rng(seed)
-    engine = Engine(model.decoder, max_batch=max_batch)
+    engine = engine or Engine(model.decoder, max_batch=max_batch)
     reqs, todo = [], list(prompts)
     while todo or not engine.idle:
         for _ in range(int(rng.integers(0, 3)) if todo else 0):
@@ -136,13 +137,7 @@ def test_requests_joining_a_running_batch_decode_byte_for_byte_as_alone(idlm):
         alone.append(engine.submit(p, cfg))
         engine.run()
     engine = _Recording(idlm.decoder, max_batch=4, log=log, tag="loaded")
-    rng = np.random.default_rng(1)
-    loaded, todo = [], list(prompts)
-    while todo or not engine.idle:
-        for _ in range(int(rng.integers(0, 3)) if todo else 0):
-            if todo:
-                loaded.append(engine.submit(todo.pop(0), cfg))
-        engine.step()
+    loaded = _staggered(idlm, cfg, prompts, max_batch=4, seed=1, engine=engine)
     assert engine.stats.busy_rows > engine.stats.calls  # calls did share rows
     for p, a, b in zip(prompts, alone, loaded):
         assert log[("alone", tuple(p))] == log[("loaded", tuple(p))]
