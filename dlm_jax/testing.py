@@ -74,6 +74,16 @@ def tiny_checkpoint(path: str | os.PathLike, *, seed: int = 0, **overrides: Any)
 Script = np.ndarray | Sequence[float] | Callable[[StepInputs, np.ndarray], np.ndarray]
 
 
+def echo_kv(config: ModelConfig, inputs: StepInputs) -> dict[str, np.ndarray]:
+    """The window K/V a scripted executor returns when asked (`inputs.want.kv`): each row's fed
+    token id in `k_new` and its position in `v_new`, [L, B, W, Hkv, Dh]; empty otherwise."""
+    if not inputs.want.kv:
+        return {}
+    shape = (config.n_layers, *inputs.tokens.shape, config.n_kv_heads, config.head_dim)
+    return {"k_new": np.broadcast_to(inputs.tokens[None, :, :, None, None], shape).astype(config.dtype),
+            "v_new": np.broadcast_to(inputs.positions[None, :, :, None, None], shape).astype(config.dtype)}
+
+
 class MockExecutor(Executor):
     """An `Executor` whose predictions are a script, by the position each row predicts.
 
@@ -122,10 +132,7 @@ class MockExecutor(Executor):
         entropy = -(prob * np.log(np.maximum(prob, 1e-300)) + others * np.where(rest > 0, rest * np.log(np.maximum(rest, 1e-300)), 0.0))
         out: dict[str, np.ndarray] = {"top_token": top, "top_prob": prob.astype(np.float32),
                                       "second_prob": rest.astype(np.float32), "entropy": entropy.astype(np.float32)}
-        if inputs.want.kv:
-            shape = (cfg.n_layers, *inputs.tokens.shape, cfg.n_kv_heads, cfg.head_dim)
-            out["k_new"] = np.broadcast_to(inputs.tokens[None, :, :, None, None], shape).astype(cfg.dtype)
-            out["v_new"] = np.broadcast_to(inputs.positions[None, :, :, None, None], shape).astype(cfg.dtype)
+        out.update(echo_kv(cfg, inputs))
         if inputs.want.logits:
             probs = np.broadcast_to(rest[..., None], (*top.shape, cfg.vocab_size)).copy()
             np.put_along_axis(probs, top[..., None], prob[..., None], axis=-1)
@@ -193,10 +200,7 @@ class ToyCausalExecutor(MockExecutor):
         ent = -(probs * np.log(np.maximum(probs, 1e-300))).sum(-1)
         out: dict[str, np.ndarray] = {"top_token": top.astype(np.int32), "top_prob": srt[..., -1].astype(np.float32),
                                       "second_prob": srt[..., -2].astype(np.float32), "entropy": ent.astype(np.float32)}
-        if inputs.want.kv:
-            shape = (cfg.n_layers, b, w, cfg.n_kv_heads, cfg.head_dim)
-            out["k_new"] = np.broadcast_to(inputs.tokens[None, :, :, None, None], shape).astype(cfg.dtype)
-            out["v_new"] = np.broadcast_to(inputs.positions[None, :, :, None, None], shape).astype(cfg.dtype)
+        out.update(echo_kv(cfg, inputs))
         if inputs.want.logits:
             out["logits"] = logits.astype(np.float32)
         del p

@@ -17,7 +17,7 @@ from dlm_jax.runtime.decoder import Decoder
 from dlm_jax.runtime.engine import CANCELLED, DONE, ENDS, Engine, merge, split
 from dlm_jax.runtime.registry import preset
 from dlm_jax.runtime.step import Capabilities, StepOutputs
-from dlm_jax.testing import ToyCausalExecutor, tiny_config
+from dlm_jax.testing import ToyCausalExecutor, echo_kv, tiny_config
 
 V = 5  # the toy's tokens 0..V-1; the tiny config's EOS (62) and mask (63) lie past them
 _rng = np.random.default_rng(7)
@@ -65,10 +65,7 @@ class Hashing(ToyCausalExecutor):
         entropy = -(prob * np.log(prob) + (1.0 - prob) * np.log(np.maximum(second, 1e-300)))
         out = {"top_token": top, "top_prob": prob.astype(np.float32), "second_prob": second.astype(np.float32),
                "entropy": entropy.astype(np.float32)}
-        if inputs.want.kv:
-            shape = (cfg.n_layers, b, w, cfg.n_kv_heads, cfg.head_dim)
-            out["k_new"] = np.broadcast_to(inputs.tokens[None, :, :, None, None], shape).astype(cfg.dtype)
-            out["v_new"] = np.broadcast_to(inputs.positions[None, :, :, None, None], shape).astype(cfg.dtype)
+        out.update(echo_kv(cfg, inputs))
         if inputs.want.logits:
             out["logits"] = logits.astype(np.float32)
         return StepOutputs.from_named(out)
