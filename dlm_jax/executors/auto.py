@@ -145,6 +145,13 @@ class AutoExecutor(Executor):
         self._want(keys)  # after the compiles, which it would slow
         return new
 
+    def warmup_engine(self, keys: Sequence[BucketKey], *, slots: int, rows: int, views: bool = False) -> int:
+        """An engine's programs: loaded from the cache if it holds them all (its runs will take
+        LiteRT, `session`), else compiled with JAX."""
+        if self._covered(keys):
+            return self.litert.warmup_engine(keys, slots=slots, rows=rows, views=views)
+        return self.jax.warmup_engine(keys, slots=slots, rows=rows, views=views)
+
     def prefetch(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> Callable[[], None]:
         """A decode starts: run it on LiteRT if the cache holds all its buckets, else on JAX."""
         if self._covered(keys):

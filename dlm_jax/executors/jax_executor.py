@@ -712,6 +712,25 @@ class JaxExecutor(Executor):
             new += 0 if programs is self._allocs else n
         return new
 
+    def warmup_engine(self, keys: Sequence[BucketKey], *, slots: int, rows: int, views: bool = False) -> int:
+        """Compile an engine's programs: the pooled steps of `keys` on a cache of `rows` rows
+        (`DeviceKVCache.assign` makes a cache shared), its allocation and row clearing; with
+        `views`, a CPU path's gather, step and write on one row of it. Queued on the background
+        compile threads first, so that they build side by side. Returns how many step programs
+        were new."""
+        cap = self.capacity(slots)
+        if views:
+            groups = [(self._gathers, list(dict.fromkeys((k.batch, k.cache, cap, True, rows) for k in keys))),
+                      (self._views, list(keys)),
+                      (self._scatters, list(dict.fromkeys((k.batch, k.window, cap, rows) for k in keys)))]
+        else:
+            groups = [(self._allocs, [(rows, cap)]), (self._clears, [(rows, cap)]),
+                      (self._resident, [(k, cap, rows, True) for k in keys])]
+        for programs, ks in groups:
+            programs.prefetch(ks)
+        built = [programs.warmup(ks) for programs, ks in groups]
+        return sum(n for (programs, _), n in zip(groups, built) if programs in (self._resident, self._views))
+
     def prefetch(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False):
         """Compile the programs of `keys` (as `warmup` would) on background threads, in order."""
         groups = self._program_keys(keys, slots, views)

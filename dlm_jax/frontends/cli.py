@@ -282,6 +282,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dlm_jax.frontends import server
+
+    cfg = decode_config(args)  # bad options fail before the model loads
+    name = args.served_model_name or server.default_name(args.model)
+    sock = server.bind(args.host, args.port)  # a port in use fails before the model loads, too
+    sock.close()
+    handle = _load(args, args.model)
+    service = server.Service(handle, cfg, name=name, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                             max_tokens=args.max_tokens, max_body=args.max_body, warmup=args.warmup)
+    return server.serve(service, host=args.host, port=args.port, grace=args.grace, log_level=args.log_level)
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535; 0: any free port)")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0")
+    return value
+
+
 def _load_bundle(args: argparse.Namespace, path: str | Path):
     from dlm_jax.executors.runner import load_bundle
 
@@ -637,6 +670,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_executor_option(p)
     _add_decode_options(p)
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the continuous-batching engine "
+                                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0: any free port, printed)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model id clients name in their requests (default: the checkpoint directory's name)")
+    _add_max_batch(p)
+    p.add_argument("--max-waiting", type=positive_int, default=64,
+                   help="requests that may wait for a batch row; more are answered 429 with Retry-After (default 64)")
+    p.add_argument("--max-tokens", type=positive_int, metavar="T",
+                   help="slots per request, prompt + generation (default: the model's limit)")
+    p.add_argument("--max-body", type=positive_int, default=1 << 20, metavar="BYTES",
+                   help="largest request body (default 1 MiB; larger: 413)")
+    p.add_argument("--grace", type=positive_float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds running requests get to finish before they are cancelled (default 30)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="report healthy at once; programs then compile when a request first needs them")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info adds a line per request; default warning)")
+    _add_model_options(p)
+    _add_lora_option(p)
+    _add_executor_option(p)
+    for action in p._actions:
+        if action.dest == "executor":
+            action.default = "jax"
+            action.help = "what runs the decode steps (default jax: compiled at warm-up; " + action.help.split(": ", 1)[1]
+    _add_decode_options(p)
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("export", help="export a checkpoint as a LiteRT bundle: one .tflite signature per bucket, "
                                       "tokenizer, decode defaults, latency table, lowering plan, manifest")
     p.add_argument("--model", required=True, help="checkpoint directory")

@@ -117,6 +117,7 @@ class Request:
         self.final = np.zeros(0, np.int32)  # its generated ids that no later step can change
         self.unit = -1  # the last commit unit it completed
         self.on_unit: Callable[[int, list[np.ndarray]], None] | None = None  # after each of its units
+        self._listener: Callable[[], None] | None = None
         self._events: collections.deque[Event] = collections.deque()
         self._submitted = time.perf_counter()
         self._cancel = False
@@ -158,6 +159,22 @@ class Request:
             else:
                 self.engine.step()
 
+    def listen(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback()` whenever events are ready to `poll` (from the engine's thread,
+        inside its tick: it must only hand the news on, e.g. `loop.call_soon_threadsafe`);
+        called at once if some are ready already."""
+        self._listener = callback
+        if callback is not None and self._events:
+            callback()
+
+    def poll(self) -> list[Event]:
+        """The events ready now, without waiting or driving the engine (for an event loop
+        told by `listen`; `events` is the blocking way; use one or the other)."""
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
     def tokens(self) -> np.ndarray:
         """The generated ids: up to the first EOS when the request ran to its end (or its stop
         rule), what was final when it was cancelled."""
@@ -181,11 +198,17 @@ class Request:
 
     def _emit(self, ids: np.ndarray, end: str | None = None) -> None:
         self._events.append(Event(np.asarray(ids, np.int32), self.unit, end))
+        if self._listener is not None:
+            self._listener()
 
 
 def _eos_cut(seq: np.ndarray, eos_ids: Sequence[int]) -> int:
     hit = np.flatnonzero(np.isin(seq, list(eos_ids))) if eos_ids else ()
     return int(hit[0]) if len(hit) else len(seq)
+
+
+class QueueFull(ConfigError):
+    """`Engine.submit` with `max_waiting` requests waiting already."""
 
 
 class RowCache(KVCache):
@@ -292,6 +315,45 @@ class Engine:
         fits = [b for b in self.decoder.capabilities.batches.sizes if b * per_row <= POOL_BYTES]
         return max(fits) if fits else 1
 
+    # -- before the first request ---------------------------------------------------------
+
+    def warmup(self, configs: Sequence[DecodeConfig], *, prompt_lens: Sequence[int] | None = None) -> int:
+        """Build every program the engine's calls can run for requests decoded with `configs`
+        and prompts of `prompt_lens` tokens (default: every length whose prompt + generation
+        fits a row), so that such requests wait for no compile: each step shape those decodes
+        plan, at each batch size a call may take under the engine's padding, on the engine's
+        pooled cache, and a CPU path's steps on a row of it. Returns how many step programs
+        were new (0 when everything was built before, in this process or the persistent
+        compile cache's earlier ones are loaded instead of compiled)."""
+        dec = self.decoder
+        main: set[BucketKey] = set()
+        cpu: set[BucketKey] = set()
+        for config in configs:
+            cfg = dec._for_model(config)
+            top = self.max_tokens - cfg.gen_len - cfg.scheduler.overhang()
+            for n in prompt_lens if prompt_lens is not None else range(1, top + 1):
+                if n > top:
+                    continue
+                ours, theirs = dec._keys_of([n], cfg)
+                main.update(ours)
+                cpu.update(theirs)
+        calls = {dataclasses.replace(k, batch=b) for k in main for b in self._warm_batches(k)}
+        new = dec.executor.warmup_engine(sorted(calls), slots=self.max_tokens, rows=self.max_batch)
+        if cpu:  # llada.cpp's refresh: a request's CPU-path steps run alone, on its row (`RowCache.snapshot`)
+            new += dec.cpu_executor().executor.warmup_engine(sorted(cpu), slots=self.max_tokens,
+                                                              rows=self.max_batch, views=True)
+        return new
+
+    def _warm_batches(self, key: BucketKey) -> list[int]:
+        """The batch sizes of the calls a step of `key` may join (`_groups`, `_call`)."""
+        sizes = self._call_sizes(key)
+        top = next((b for b in sizes if b >= self.max_batch), sizes[-1])
+        if self.padding == "free":
+            return [top]
+        if self.padding == "split":
+            return [b for b in sizes if b <= self.max_batch] or sizes[:1]
+        return [b for b in sizes if b <= top]
+
     # -- requests ---------------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], config: DecodeConfig, *, seed: int | None = None,
@@ -324,7 +386,7 @@ class Engine:
                               f"the engine's {self.max_tokens} slots per request (max_tokens)")
         with self._cond:
             if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
-                raise ConfigError(f"the engine's queue is full ({self.max_waiting} requests waiting)")
+                raise QueueFull(f"the engine's queue is full ({self.max_waiting} requests waiting)")
             req = Request(self, next(self._ids), ids.astype(np.int32), cfg, int(seed), stop)
             self._waiting.append(req)
             self._cond.notify_all()

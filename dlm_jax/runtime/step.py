@@ -565,6 +565,13 @@ class Executor(HookBase):
         ends). Default: nothing is built ahead; steps build on first use."""
         return _nothing
 
+    def warmup_engine(self, keys: Sequence[BucketKey], *, slots: int, rows: int, views: bool = False) -> int:
+        """Prepare the programs an engine's calls run (`dlm_jax.runtime.engine.Engine.warmup`):
+        the steps `keys` (their batch the call's) on a pooled cache of `rows` rows and `slots`
+        slots each (`views`: a CPU path's steps on a row of it). Default: the dense `warmup`
+        (an executor whose steps the engine feeds dense inputs, `HostKVCache`)."""
+        return self.warmup(keys, slots=slots, views=views)
+
     def prepare(self, keys: Sequence[BucketKey]) -> None:
         """Build the buckets of `keys` in one batch, ahead of their warm-up (default: nothing)."""
         return None

@@ -1,0 +1,926 @@
+"""`dlm-jax serve`: an OpenAI-compatible HTTP server on the continuous-batching engine
+([docs/serve.md](../../docs/serve.md)).
+
+    POST /v1/completions        text (or token ids) in, completion out; `stream` for SSE
+    POST /v1/chat/completions   messages through the checkpoint's chat template
+    GET  /v1/models             the one model served
+    GET  /health                200 once warm; 503 while warming up or draining
+    GET  /metrics               Prometheus text: requests, rows, tokens/s, latencies, refusals
+
+The stack is Starlette (routing, requests, responses) under uvicorn (HTTP/1.1, its
+connection handling and signal capture): a small, well-kept ASGI pair. FastAPI was not
+taken: its request models would validate fields a second time, beside the registry that
+validates every decode option of the command line and of this server, and its validation
+errors have a shape of their own, not OpenAI's error object.
+
+Every request runs as its own decode on the engine (`dlm_jax.Engine`), sharing the compiled
+steps with whatever else runs, so its tokens are those it gets alone
+([docs/engine.md](../../docs/engine.md)). The event loop never waits for a step: the engine
+runs on its own thread and tells the loop when a request has news (`Request.listen`).
+
+Lifecycle: warm-up (every program the configured decode reaches is built before /health
+reports 200; requests meanwhile get 503), serving, and on SIGTERM a drain: new requests get
+503, running ones finish within the grace period (those still running then end with an
+error object, in the stream or as the response), then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dlm_jax._errors import CheckpointError, ConfigError
+from dlm_jax.runtime import registry
+from dlm_jax.runtime.engine import CANCELLED, DONE, FAILED, STOPPED, QueueFull
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+
+    from dlm_jax._model import Model
+    from dlm_jax.runtime.config import DecodeConfig
+
+log = logging.getLogger("dlm_jax.serve")
+
+MAX_BODY = 1 << 20  # bytes of a request body (--max-body)
+MAX_STOPS = 4  # stop strings per request, as OpenAI allows
+HISTOGRAM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# Fields of OpenAI's requests that dlm-jax does not implement, accepted at their neutral value only.
+NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
+           "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",), "tools": ([],),
+           "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "parallel_tool_calls": (False, True),
+           "service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """`value` is None or `accepted` (numbers by value, never a boolean for a number)."""
+    if value is None:
+        return True
+    if isinstance(accepted, bool) or isinstance(value, bool):
+        return value is accepted
+    return value == accepted and type(value) in ((int, float) if isinstance(accepted, (int, float)) else (type(accepted),))
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+                     "stream_options", "user", "dlm_jax", "n", "best_of", "echo", "logprobs", "presence_penalty",
+                     "frequency_penalty", "logit_bias", "suffix"}
+CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+               "stream", "stream_options", "user", "dlm_jax", "n", "logprobs", "top_logprobs", "presence_penalty",
+               "frequency_penalty", "logit_bias", "tools", "tool_choice", "response_format", "parallel_tool_calls",
+               "service_tier", "store", "metadata"}
+# Decode options set by OpenAI's own fields, not inside `dlm_jax`.
+OWN_FIELDS = {"gen_len": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
+
+
+class ApiError(Exception):
+    """A request the server answers with an OpenAI error object (`status`, `param`, and the
+    `reason` counted by /metrics' refusals)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, reason: str = "invalid_request",
+                 kind: str = "invalid_request_error", code: str | None = None, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.reason = status, message, param, reason
+        self.kind, self.code, self.headers = kind, code, dict(headers or {})
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+# ---------------------------------------------------------------------------- reading a request
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object: 413 over `limit` bytes (the rest is read and dropped up to 16x
+    the limit, so that the client gets the answer instead of a broken pipe), 400 for bytes
+    that are not UTF-8, text that is not JSON, or JSON that is not an object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and not declared.isdigit():
+        raise ApiError(400, f"Content-Length {declared!r} is not a byte count", reason="bad_body")
+    if declared is not None and int(declared) > 16 * limit:
+        raise ApiError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes",
+                       reason="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > 16 * limit:
+            break
+    if size > limit:
+        raise ApiError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes", reason="body_too_large")
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})",
+                       reason="bad_body") from None
+
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(text, parse_constant=no_constant)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {_one_line(e)}", reason="bad_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, not {type(body).__name__}", reason="bad_json")
+    return body
+
+
+def _typed(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str, *, where: str = "") -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise ApiError(400, f"{where}{name} must be {what}, got {json.dumps(value)[:80]}", param=where + name)
+    return value
+
+
+def _number(body, name, lo: float, hi: float, *, integer: bool = False, where: str = "", open_lo: bool = False):
+    value = _typed(body, name, (int,) if integer else (int, float), "an integer" if integer else "a number",
+                   where=where)
+    if value is None:
+        return None
+    if not math.isfinite(value) or value < lo or value > hi or (open_lo and value == lo):
+        lower = f"> {lo}" if open_lo else f">= {lo}"
+        raise ApiError(400, f"{where}{name}={value} is out of range ({lower} and <= {hi})", param=where + name)
+    return value
+
+
+def _stops(body: Mapping[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "stop must be a non-empty string or a list of them", param="stop")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"stop holds {len(stops)} strings; at most {MAX_STOPS}", param="stop")
+    return stops
+
+
+def decode_changes(body: Mapping[str, Any], max_tokens: int | None, config_of: Callable[[dict], DecodeConfig]) -> dict:
+    """The flat decode options of a request: its `dlm_jax` object (any option of the registry,
+    and `preset`), OpenAI's temperature / top_p, typed as the registry types them. An option
+    the registry does not know, or one it refuses for the chosen decoder, is a 400 naming it."""
+    extra = body.get("dlm_jax")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise ApiError(400, "dlm_jax must be an object of decode options", param="dlm_jax")
+    known = registry.options()
+    changes: dict[str, Any] = {}
+    for name, value in extra.items():
+        where = f"dlm_jax.{name}"
+        if name in OWN_FIELDS:
+            raise ApiError(400, f"{where}: give it as the request's {OWN_FIELDS[name]!r} field", param=where)
+        if name == "chat":
+            if not isinstance(value, bool):
+                raise ApiError(400, f"{where} must be true or false", param=where)
+            continue
+        if name == "preset":
+            if value not in registry.PRESETS:
+                raise ApiError(400, f"{where}={json.dumps(value)[:80]} is not a preset; known: "
+                                    f"{', '.join(sorted(registry.PRESETS))}", param=where, reason="unknown_preset")
+            changes[name] = value
+            continue
+        opt = known.get(name)
+        if opt is None:
+            raise ApiError(400, f"unknown decode option {where}; known: preset, chat, "
+                                f"{', '.join(sorted(set(known) - set(OWN_FIELDS)))}", param=where)
+        kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(opt.type, (object,))
+        if value is None or (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            raise ApiError(400, f"{where} must be {opt.type.__name__}, got {json.dumps(value)[:80]}", param=where)
+        if opt.choices is not None and value not in opt.choices:
+            raise ApiError(400, f"{where}={value!r} is not one of {list(opt.choices)}", param=where)
+        changes[name] = float(value) if opt.type is float else value
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    if temperature is not None:
+        changes["temperature"] = float(temperature)
+    top_p = _number(body, "top_p", 0.0, 1.0, open_lo=True)
+    if top_p is not None:
+        changes["top_p"] = float(top_p)
+    try:
+        config = config_of(changes)
+    except ConfigError as e:
+        raise ApiError(400, f"dlm_jax: {_one_line(e)}", param="dlm_jax") from None
+    if max_tokens is not None:
+        block = getattr(config.scheduler, "block_len", None)
+        changes["gen_len"] = -(-max_tokens // block) * block if block else max_tokens
+    return changes
+
+
+@dataclass
+class Job:
+    """One HTTP request's decodes (one per prompt) on the engine."""
+
+    kind: str  # "text_completion" or "chat.completion"
+    id: str
+    created: int
+    handles: list  # dlm_jax._engine.Handle
+    prompt_tokens: list[int]
+    max_tokens: int
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    started: float
+
+
+# ---------------------------------------------------------------------------- text as it becomes final
+
+
+class TextStream:
+    """A request's completion text as it becomes final: `update(ids)` returns the new piece
+    (the pieces join to the completion's text). Held back until they are sure: a trailing
+    incomplete UTF-8 character, and a tail that may be the start of a stop string. The ids are
+    cut at the first EOS and at `limit` tokens."""
+
+    def __init__(self, model: Model, stops: Sequence[str], limit: int):
+        self.model, self.stops, self.limit = model, list(stops), limit
+        self.eos = set(model.config.eos_ids)
+        self.shown = ""
+
+    def ids(self, final: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in final[:self.limit]]
+        return ids[:next((i for i, t in enumerate(ids) if t in self.eos), len(ids))]
+
+    def text(self, final: Sequence[int]) -> str:
+        ids = self.ids(final)
+        if not self.model.has_tokenizer:
+            return "".join(f"{t} " for t in ids)
+        text = self.model.tokenizer.decode(ids)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return text[:min(hits)] if hits else text
+
+    def update(self, final: Sequence[int], *, end: bool = False) -> str:
+        text = self.text(final)
+        if not end:
+            text = text.rstrip("\ufffd")
+            for s in self.stops:
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        text = text[:-k]
+                        break
+        if not text.startswith(self.shown) or len(text) <= len(self.shown):
+            if end and not text.startswith(self.shown):
+                log.warning("a stream's final text does not extend what it sent (%r vs %r)", text, self.shown)
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+class Metrics:
+    """The Prometheus series of /metrics (a registry of this server's own)."""
+
+    def __init__(self, service: Service):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        core = service.engine.core
+        Gauge("dlm_jax_requests_running", "requests decoding (holding a batch row)", registry=r).set_function(
+            lambda: core.running)
+        Gauge("dlm_jax_requests_waiting", "requests queued for a batch row", registry=r).set_function(
+            lambda: core.waiting)
+        Gauge("dlm_jax_batch_rows", "batch rows of the engine (max batch)", registry=r).set(core.max_batch)
+        Gauge("dlm_jax_batch_rows_busy", "batch rows holding a request", registry=r).set_function(lambda: core.running)
+        Gauge("dlm_jax_batch_utilisation", "busy rows over computed rows, over every engine call so far",
+              registry=r).set_function(lambda: core.stats.utilisation)
+        Gauge("dlm_jax_tokens_per_second", "generated tokens per second over the last 10 s",
+              registry=r).set_function(service.tokens_per_second)
+        Gauge("dlm_jax_ready", "1 once warm and not draining", registry=r).set_function(
+            lambda: float(service.state == "ready"))
+        self.tokens = Counter("dlm_jax_generated_tokens", "completion tokens sent", registry=r)
+        self.prompt_tokens = Counter("dlm_jax_prompt_tokens", "prompt tokens decoded", registry=r)
+        self.engine_calls = Gauge("dlm_jax_engine_calls", "executor calls the engine made", registry=r)
+        self.engine_calls.set_function(lambda: core.stats.calls)
+        self.requests = Counter("dlm_jax_requests", "requests answered, by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.refusals = Counter("dlm_jax_refusals", "requests refused, by reason", ["reason"], registry=r)
+        self.first_chunk = Histogram("dlm_jax_time_to_first_chunk_seconds",
+                                     "from the request's arrival to its first completion text (streamed or not)",
+                                     buckets=HISTOGRAM_BUCKETS, registry=r)
+        self.latency = Histogram("dlm_jax_request_latency_seconds", "from arrival to the last byte of the answer",
+                                 buckets=HISTOGRAM_BUCKETS, registry=r)
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+# ---------------------------------------------------------------------------- the service
+
+
+class Service:
+    """The server's state: the model, its engine (on a background thread), the lifecycle
+    (`state`: warming, ready, draining) and the metrics.
+
+    Args:
+      model: `dlm_jax.load(...)`.
+      config: the decode every request starts from (`--preset` and the decode flags).
+      name: the model id clients name (`model` field; /v1/models).
+      max_batch, max_waiting, max_tokens: the engine's (`dlm_jax.Engine`).
+      max_body: the largest request body, bytes.
+      warmup: build every program `config` reaches before reporting healthy.
+    """
+
+    def __init__(self, model: Model, config: DecodeConfig, *, name: str, max_batch: int | None = None,
+                 max_waiting: int | None = 64, max_tokens: int | None = None, max_body: int = MAX_BODY,
+                 warmup: bool = True):
+        from dlm_jax._engine import Engine
+
+        self.model, self.config, self.name = model, config, name
+        self.engine = Engine(model, config, max_batch=max_batch, max_waiting=max_waiting, max_tokens=max_tokens)
+        self.max_body = max_body
+        self.warm = warmup
+        self.state = "warming"
+        self.warmup_seconds: float | None = None
+        self.warmup_programs: int | None = None
+        self.in_flight = 0  # decode requests (HTTP) being answered
+        self.created = int(time.time())
+        self._finished: deque[tuple[float, int]] = deque()  # (time, tokens) of recent completions
+        self._latency = 5.0  # a running mean of request seconds (Retry-After)
+        self._drained = threading.Event()
+        self.hurry = False  # a second SIGTERM: cancel what runs now
+        self.metrics = Metrics(self)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine's thread and warm up on another (the server answers meanwhile)."""
+        self.engine.start()
+        threading.Thread(target=self._warm_up, name="dlm-jax-warmup", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.warm:
+                cfg = self.config
+                block = getattr(cfg.scheduler, "block_len", None)
+                lens = range(block, cfg.gen_len + 1, block) if block else [cfg.gen_len]
+                configs = [registry.decode_config(cfg, gen_len=g) for g in lens]
+                self.warmup_programs = self.engine.core.warmup(configs)
+        except Exception:  # noqa: BLE001 - a server that cannot warm up still serves (compiling on use)
+            log.exception("warm-up failed; programs will compile on first use")
+        self.warmup_seconds = time.perf_counter() - t0
+        if self.state == "warming":
+            self.state = "ready"
+        print(f"ready: {self.warmup_programs or 0} programs built in {self.warmup_seconds:.1f} s", flush=True)
+
+    def drain(self, grace: float) -> None:
+        """Stop admitting (503), let running requests finish for up to `grace` seconds, then
+        cancel what is left (their clients get an error object)."""
+        self.state = "draining"
+        deadline = time.monotonic() + grace
+        while self.in_flight and time.monotonic() < deadline and not self.hurry:
+            time.sleep(0.05)
+        left = self.in_flight
+        if left:
+            log.warning("grace period over: cancelling %d request(s)", left)
+            with self.engine.core._cond:
+                for req in list(self.engine.core._waiting) + list(self.engine.core._running.values()):
+                    req.cancel()
+        self._drained.set()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # -- figures ----------------------------------------------------------------------------
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        while self._finished and self._finished[0][0] < now - 10.0:
+            self._finished.popleft()
+        return sum(n for _, n in self._finished) / 10.0
+
+    def retry_after(self) -> int:
+        core = self.engine.core
+        waves = (core.waiting + 1) / max(core.max_batch, 1)
+        return max(1, min(60, math.ceil(waves * self._latency)))
+
+    def _done(self, seconds: float, tokens: int) -> None:
+        self._finished.append((time.monotonic(), tokens))
+        self._latency = 0.9 * self._latency + 0.1 * seconds
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        if self.state == "warming":
+            raise ApiError(503, "the server is warming up (building its programs); retry shortly", reason="not_ready",
+                           kind="server_error", code="warming_up", headers={"Retry-After": "5"})
+        if self.state == "draining":
+            raise ApiError(503, "the server is shutting down and admits no new requests", reason="draining",
+                           kind="server_error", code="shutting_down")
+
+    def parse(self, body: dict, kind: str) -> tuple[list[list[int]], dict, dict]:
+        """(prompts as ids, decode changes, the rest) of a request body, or an ApiError."""
+        fields = COMPLETION_FIELDS if kind == "text_completion" else CHAT_FIELDS
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise ApiError(400, f"unknown field(s) {unknown} for {'/v1/completions' if kind == 'text_completion' else '/v1/chat/completions'}",
+                           param=unknown[0])
+        model = body.get("model")
+        if model is None:
+            raise ApiError(400, "model is required", param="model")
+        if not isinstance(model, str):
+            raise ApiError(400, "model must be a string", param="model")
+        if model != self.name:
+            raise ApiError(404, f"model {model!r} is not served here; this server serves {self.name!r}",
+                           param="model", reason="unknown_model", code="model_not_found")
+        for name, accepted in NEUTRAL.items():
+            if name in body and not any(_same(body[name], a) for a in accepted):
+                what = f"{name} other than 1" if name in ("n", "best_of") else name
+                raise ApiError(400, f"{what} is not supported by dlm-jax serve ({name}={json.dumps(body[name])[:60]})",
+                               param=name)
+        _typed(body, "user", (str,), "a string")
+        stream = _typed(body, "stream", (bool,), "true or false") or False
+        options = _typed(body, "stream_options", (dict,), "an object")
+        include_usage = False
+        if options is not None:
+            if not stream:
+                raise ApiError(400, "stream_options needs stream: true", param="stream_options")
+            if set(options) - {"include_usage"}:
+                raise ApiError(400, f"unknown stream_options {sorted(set(options) - {'include_usage'})}",
+                               param="stream_options")
+            include_usage = bool(_typed(options, "include_usage", (bool,), "true or false", where="stream_options."))
+        limit = self.engine.core.max_tokens
+        max_tokens = _number(body, "max_tokens", 1, limit, integer=True)
+        if kind == "chat.completion":
+            alt = _number(body, "max_completion_tokens", 1, limit, integer=True)
+            if alt is not None and max_tokens is not None and alt != max_tokens:
+                raise ApiError(400, "max_tokens and max_completion_tokens differ", param="max_completion_tokens")
+            max_tokens = alt if max_tokens is None else max_tokens
+        seed = _number(body, "seed", 0, 2**31 - 1, integer=True)
+        stops = _stops(body)
+        if stops and not self.model.has_tokenizer:
+            raise ApiError(400, "stop strings need a tokenizer; this model has none", param="stop")
+        changes = decode_changes(body, max_tokens, self.engine.options)
+        chat = (body.get("dlm_jax") or {}).get("chat")
+        prompts = self._prompts(body, kind, chat)
+        gen = self.engine.options(changes).gen_len
+        return prompts, changes, {"stream": stream, "include_usage": include_usage, "seed": seed, "stops": stops,
+                                  "max_tokens": max_tokens or gen}
+
+    def _prompts(self, body: dict, kind: str, chat: bool | None) -> list[list[int]]:
+        model = self.model
+        if kind == "chat.completion":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+            chat_messages = []
+            for i, m in enumerate(messages):
+                where = f"messages[{i}]"
+                if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+                    raise ApiError(400, f"{where} must be an object with role and content", param=where)
+                role, content = m.get("role"), m.get("content")
+                if role not in ("system", "user", "assistant", "developer"):
+                    raise ApiError(400, f"{where}.role must be system, user, assistant or developer, got "
+                                        f"{json.dumps(role)[:40]}", param=where + ".role")
+                if isinstance(content, list):  # content parts: text only
+                    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                               for p in content):
+                        raise ApiError(400, f"{where}.content parts must be {{type: text, text}}",
+                                       param=where + ".content")
+                    content = "".join(p["text"] for p in content)
+                if not isinstance(content, str):
+                    raise ApiError(400, f"{where}.content must be a string", param=where + ".content")
+                chat_messages.append({"role": "system" if role == "developer" else role, "content": content})
+            if not model.has_tokenizer:
+                raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids", param="messages")
+            try:
+                return [list(model.tokenizer.apply_chat(chat_messages))]
+            except (ConfigError, CheckpointError) as e:
+                raise ApiError(400, f"messages: {_one_line(e)}", param="messages") from None
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt or not all(
+                isinstance(p, str) or (isinstance(p, list) and p and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompt):
+            raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                                "such lists (none empty)", param="prompt")
+        if len(prompt) > self.engine.core.max_batch * 4:
+            raise ApiError(400, f"{len(prompt)} prompts in one request; at most {self.engine.core.max_batch * 4}",
+                           param="prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str) and not model.has_tokenizer:
+                raise ApiError(400, "this model has no tokenizer: give prompts as token ids", param="prompt")
+            try:
+                out.append(list(model.encode(p, chat=chat)) if isinstance(p, str) else p)
+            except (ConfigError, CheckpointError) as e:
+                raise ApiError(400, f"prompt: {_one_line(e)}", param="prompt") from None
+        return out
+
+    def submit(self, prompts: list[list[int]], changes: dict, rest: dict) -> list:
+        """Each prompt on the engine (called on a worker thread: `submit` may wait for a tick).
+        A prompt the engine refuses (too long, options it cannot run, a full queue) cancels the
+        ones submitted before it."""
+        handles = []
+        try:
+            for ids in prompts:
+                handles.append(self.engine.submit(ids, changes, seed=rest["seed"], chat=False, stop=rest["stops"]))
+        except QueueFull as e:
+            for h in handles:
+                h.cancel()
+            raise ApiError(429, f"{_one_line(e)}; retry later", reason="queue_full", kind="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(self.retry_after())}) from None
+        except ConfigError as e:
+            for h in handles:
+                h.cancel()
+            msg = _one_line(e)
+            raise ApiError(400, msg, param="prompt" if "prompt" in msg or "token id" in msg else "dlm_jax") from None
+        return handles
+
+
+# ---------------------------------------------------------------------------- the answers
+
+
+def _finish(handle, text: TextStream) -> tuple[str, list[int], str]:
+    """(text, ids, finish reason) of an ended request."""
+    req = handle.request
+    full = [int(t) for t in req.tokens()]
+    ids = text.ids(full)
+    if req.status == STOPPED:
+        return text.text(full), ids, "stop"
+    eos = len(full) < req.config.gen_len  # cut at an EOS (tokens() stops there)
+    reason = "stop" if eos and len(full) <= text.limit else "length"
+    return text.text(full), ids, reason
+
+
+def _usage(job: Job, completion: int) -> dict:
+    prompt = sum(job.prompt_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _chunk(job: Job, index: int, piece: str | None, reason: str | None, *, role: bool = False) -> dict:
+    if job.kind == "text_completion":
+        choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    else:
+        delta = {} if piece is None and not role else {"content": piece or ""}
+        if role:
+            delta["role"] = "assistant"
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion.chunk"
+    return {"id": job.id, "object": obj, "created": job.created, "model": "", "choices": [choice]}
+
+
+class EventStream:
+    """A server-sent event response that watches the client while it streams: a client that
+    disconnects cancels `body` at once (its `finally` cancels the engine requests), whatever
+    the ASGI server's spec version (Starlette's own response notices only on its next send)."""
+
+    def __init__(self, body: AsyncIterator[bytes], headers: Mapping[str, str] | None = None):
+        self.body, self.headers = body, dict(headers or {})
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")] + [(k.encode(), v.encode()) for k, v in self.headers.items()]
+
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for chunk in self.body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        task = asyncio.ensure_future(stream())
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, watch):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
+            await self.body.aclose()
+        if task.done() and not task.cancelled() and isinstance(task.exception(), OSError):
+            return  # the client went while we wrote
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(service: Service) -> Starlette:
+    """The Starlette application of `service` (its lifespan starts and closes the engine)."""
+    import contextlib
+
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    metrics = service.metrics
+
+    def error(e: ApiError, endpoint: str) -> JSONResponse:
+        metrics.refusals.labels(e.reason).inc()
+        metrics.requests.labels(endpoint, str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    async def watch(job: Job, receive) -> bool:
+        """Until every request of `job` ended (True) or the client went (False)."""
+        loop = asyncio.get_running_loop()
+        news = asyncio.Event()
+        for h in job.handles:
+            h.request.listen(lambda: loop.call_soon_threadsafe(news.set))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            while not all(h.done for h in job.handles):
+                if gone.done():
+                    return False
+                news.clear()
+                if all(h.done for h in job.handles):
+                    break
+                waiter = asyncio.ensure_future(news.wait())
+                await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            return True
+        finally:
+            gone.cancel()
+
+    async def answer(job: Job, receive, endpoint: str) -> Response:
+        t_first = None
+        try:
+            finished = await watch(job, receive)
+        finally:
+            if not all(h.done for h in job.handles):
+                for h in job.handles:
+                    h.cancel()
+        if not finished:
+            metrics.requests.labels(endpoint, "disconnected").inc()
+            return Response(status_code=499)
+        choices, completion = [], 0
+        for i, h in enumerate(job.handles):
+            req = h.request
+            if req.status == FAILED:
+                log.error("request failed: %s", _one_line(req.error), exc_info=req.error)
+                metrics.requests.labels(endpoint, "500").inc()
+                return JSONResponse(ApiError(500, f"decoding failed: {_one_line(req.error)}", kind="server_error",
+                                             reason="failed").body(), status_code=500)
+            if req.status == CANCELLED:
+                metrics.requests.labels(endpoint, "503").inc()
+                return JSONResponse(ApiError(503, "the server shut down before this request finished",
+                                             kind="server_error", code="shutting_down").body(), status_code=503)
+            text = TextStream(service.model, job.stops, job.max_tokens)
+            content, ids, reason = _finish(h, text)
+            completion += len(ids)
+            first = req.stats.first_token_seconds
+            t_first = first if t_first is None or (first is not None and first < t_first) else t_first
+            stats = req.stats.to_dict()
+            if job.kind == "text_completion":
+                choices.append({"index": i, "text": content, "logprobs": None, "finish_reason": reason,
+                                "dlm_jax": stats})
+            else:
+                choices.append({"index": i, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                                "finish_reason": reason, "dlm_jax": stats})
+        seconds = time.perf_counter() - job.started
+        metrics.tokens.inc(completion)
+        metrics.latency.observe(seconds)
+        metrics.first_chunk.observe(t_first if t_first is not None else seconds)
+        metrics.requests.labels(endpoint, "200").inc()
+        service._done(seconds, completion)
+        return JSONResponse({"id": job.id, "object": job.kind, "created": job.created, "model": service.name,
+                             "choices": choices, "usage": _usage(job, completion)})
+
+    async def events(job: Job, endpoint: str) -> AsyncIterator[bytes]:
+        """The SSE body: a chunk per newly final piece of text, each choice's finish, the
+        usage (stream_options.include_usage), `data: [DONE]`."""
+        loop = asyncio.get_running_loop()
+        news = asyncio.Event()
+        texts = [TextStream(service.model, job.stops, job.max_tokens) for _ in job.handles]
+        ended = [False] * len(job.handles)
+        completion, first = 0, None
+        ok = False
+
+        def sse(obj: dict) -> bytes:
+            obj["model"] = service.name
+            return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+        try:
+            for h in job.handles:
+                h.request.listen(lambda: loop.call_soon_threadsafe(news.set))
+            if job.kind == "chat.completion":
+                for i in range(len(job.handles)):
+                    yield sse(_chunk(job, i, "", None, role=True))
+            while not all(ended):
+                news.clear()
+                for i, h in enumerate(job.handles):
+                    if ended[i]:
+                        continue
+                    req = h.request
+                    batch = req.poll()
+                    if not batch:
+                        continue
+                    end = batch[-1].end
+                    if end == FAILED:
+                        log.error("request failed: %s", _one_line(req.error), exc_info=req.error)
+                        yield sse(ApiError(500, f"decoding failed: {_one_line(req.error)}", kind="server_error").body())
+                        metrics.requests.labels(endpoint, "500").inc()
+                        return
+                    if end == CANCELLED:
+                        yield sse(ApiError(503, "the server shut down before this request finished",
+                                           kind="server_error", code="shutting_down").body())
+                        metrics.requests.labels(endpoint, "503").inc()
+                        return
+                    if end in (DONE, STOPPED):
+                        _, ids, reason = _finish(h, texts[i])
+                        piece = texts[i].update(req.tokens(), end=True)
+                        ended[i] = True
+                        completion += len(ids)
+                    else:
+                        piece, reason = texts[i].update(req.final), None
+                    if piece and first is None:
+                        first = time.perf_counter() - job.started
+                        metrics.first_chunk.observe(first)
+                    if piece or reason:
+                        chunk = _chunk(job, i, piece or None, reason)
+                        if reason:
+                            chunk["usage"] = _usage(job, completion) if all(ended) else None
+                        yield sse(chunk)
+                if not all(ended):
+                    await news.wait()
+            if job.include_usage:
+                yield sse({"id": job.id, "object": _chunk(job, 0, "", None)["object"], "created": job.created,
+                           "choices": [], "usage": _usage(job, completion)})
+            yield b"data: [DONE]\n\n"
+            ok = True
+        finally:
+            if not ok:
+                for h in job.handles:
+                    h.cancel()
+                if not any(ended) or not all(ended):
+                    metrics.requests.labels(endpoint, "disconnected").inc()
+            else:
+                seconds = time.perf_counter() - job.started
+                metrics.tokens.inc(completion)
+                metrics.latency.observe(seconds)
+                if first is None:
+                    metrics.first_chunk.observe(seconds)
+                metrics.requests.labels(endpoint, "200").inc()
+                service._done(seconds, completion)
+
+    def completion_endpoint(kind: str, endpoint: str):
+        async def handle(request: Request) -> Response:
+            from starlette.concurrency import run_in_threadpool
+
+            started = time.perf_counter()
+            service.in_flight += 1
+            release = True
+            try:
+                service.admit()
+                body = await read_json(request, service.max_body)
+                prompts, changes, rest = await run_in_threadpool(service.parse, body, kind)
+                handles = await run_in_threadpool(service.submit, prompts, changes, rest)
+                job = Job(kind, ("cmpl-" if kind == "text_completion" else "chatcmpl-") + secrets.token_hex(12),
+                          int(time.time()), handles, [len(p) for p in prompts], rest["max_tokens"], rest["stops"],
+                          rest["stream"], rest["include_usage"], started)
+                metrics.prompt_tokens.inc(sum(job.prompt_tokens))
+                if job.stream:
+                    release = False
+                    return EventStream(_released(events(job, endpoint), service))
+                return await answer(job, request.receive, endpoint)
+            except ApiError as e:
+                return error(e, endpoint)
+            finally:
+                if release:
+                    service.in_flight -= 1
+
+        return handle
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": service.name, "object": "model",
+                                                          "created": service.created, "owned_by": "dlm-jax"}]})
+
+    async def health(request: Request) -> Response:
+        core = service.engine.core
+        body = {"status": {"warming": "warming up"}.get(service.state, service.state), "model": service.name,
+                "running": core.running, "waiting": core.waiting, "max_batch": core.max_batch,
+                "warmup_seconds": None if service.warmup_seconds is None else round(service.warmup_seconds, 2)}
+        return JSONResponse(body, status_code=200 if service.state == "ready" else 503)
+
+    async def prometheus(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        reason = "not_found" if exc.status_code == 404 else "method_not_allowed"
+        what = (f"no route {request.url.path}" if exc.status_code == 404
+                else f"{request.method} is not allowed on {request.url.path}")
+        return error(ApiError(exc.status_code, what, reason=reason), request.url.path)
+
+    async def crashed(request: Request, exc: Exception) -> Response:
+        log.error("internal error on %s", request.url.path, exc_info=exc)
+        return JSONResponse(ApiError(500, "internal server error", kind="server_error").body(), status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.start()
+        try:
+            yield
+        finally:
+            service.close()
+
+    routes = [Route("/v1/completions", completion_endpoint("text_completion", "/v1/completions"), methods=["POST"]),
+              Route("/v1/chat/completions", completion_endpoint("chat.completion", "/v1/chat/completions"),
+                    methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/metrics", prometheus, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: not_found, Exception: crashed})
+
+
+async def _released(body: AsyncIterator[bytes], service: Service) -> AsyncIterator[bytes]:
+    """`body`, counting as in flight until it ends (streamed, cancelled or cut)."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        await body.aclose()
+        service.in_flight -= 1
+
+
+# ---------------------------------------------------------------------------- running it
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: any free one). A port in use is a one-line error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(service: Service, *, host: str = "127.0.0.1", port: int = 8000, grace: float = 30.0,
+          log_level: str = "warning") -> int:
+    """Serve until SIGTERM / SIGINT: then drain (`Service.drain`, `grace` seconds) and return 0.
+    Prints the address it listens on, then `ready` once warm."""
+    import uvicorn
+
+    sock = bind(host, port)
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving {service.name} on http://{shown}:{bound} (OpenAI API under /v1; /health, /metrics)", flush=True)
+
+    class Server(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig: int, frame) -> None:
+            # Not uvicorn's own: it re-raises the signal after its shutdown (the process would
+            # die of it); a drained server exits 0.
+            if self.draining:  # a second signal: the grace period is over
+                service.hurry = True
+                return
+            self.draining = True
+            print(f"{signal.Signals(sig).name}: draining ({service.in_flight} in flight, grace {grace:g} s)",
+                  flush=True)
+
+            def drain() -> None:
+                service.drain(grace)
+                self.should_exit = True
+
+            threading.Thread(target=drain, name="dlm-jax-drain", daemon=True).start()
+
+    config = uvicorn.Config(build_app(service), log_level=log_level, timeout_graceful_shutdown=max(1.0, grace),
+                            access_log=log_level in ("info", "debug"), lifespan="on", timeout_keep_alive=5)
+    server = Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    print("stopped", flush=True)
+    return 0
+
+
+def default_name(path: str | os.PathLike) -> str:
+    """The model id a checkpoint is served as: its directory's name."""
+    return os.path.basename(os.path.normpath(str(path))) or "model"
