@@ -16,6 +16,11 @@ Conventions this test reads (README.md and docs/**/*.md alike):
   that a block runs.
 - the README's set-up block (`make demo`, `make test`) runs `make demo`; `make test` is the
   command running this file.
+- a server: a console command `dlm-jax serve ... --port 8000 ... &` starts the server (on a
+  free port instead of 8000) and waits for its /health; the block's later commands, and any
+  ```python block of the page that names `127.0.0.1:8000`, reach it there. At the block's end
+  (the snippet's, for which the page's serve command starts a server of its own) it gets
+  SIGTERM and must exit 0 without a traceback.
 
 The training commands take hours as written; they run in-process with their config cut to two
 steps on a few hundred examples (slow); an eval of a run (`runs/...`) in their block scores two
@@ -26,6 +31,7 @@ this test lays out with a copy of models/llada-tiny.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import os
 import re
@@ -163,6 +169,55 @@ def newcomer_env() -> dict[str, str]:
             "HF_DATASETS_CACHE": str(hub.with_name(hub.name + "-datasets"))}  # lm-eval's local tasks
 
 
+SERVE = re.compile(r"^dlm-jax serve .*--port 8000\b.*&$")
+SERVED_AT = "127.0.0.1:8000"
+
+
+def serve_command(page: Path) -> str | None:
+    """The page's first `dlm-jax serve ... &` command."""
+    return next((c for b in BLOCKS[page] if b.lang == "console" for c, _ in b.commands if SERVE.match(c)), None)
+
+
+@contextlib.contextmanager
+def served(command: str, cwd: Path):
+    """The server of a page's `dlm-jax serve ... --port 8000 &`, on a free port, until the block
+    ends; yields what rewrites a command or snippet's 127.0.0.1:8000 to reach it."""
+    import signal
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = shlex.split(command.rstrip("&").strip().replace("--port 8000", f"--port {port}"))
+    log = cwd / f"serve-{port}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=newcomer_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"{command} exited early:\n{log.read_text()[-3000:]}"
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
+                    break
+            except (urllib.error.URLError, OSError):
+                pass
+            assert time.monotonic() < deadline, f"{command} not healthy after 600 s:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield lambda text: text.replace(SERVED_AT, f"127.0.0.1:{port}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    output = log.read_text()
+    assert code == 0 and "Traceback" not in output, f"{command} at SIGTERM: exit {code}\n{output[-3000:]}"
+
+
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, shell=True, cwd=cwd, env=newcomer_env(), capture_output=True, text=True,
                           timeout=600)
@@ -262,18 +317,29 @@ def test_the_map_lists_every_page():
 def test_console_block(block, tmp_path):
     """The block's commands, in order, in one scratch directory."""
     cwd = scratch_dir(tmp_path / "block")
-    for command, expected in block.commands:
-        result = run(command, cwd)
-        assert result.returncode == 0, f"{block.where}: {command}\n{result.stderr[-3000:]}"
-        assert "Traceback" not in result.stderr, f"{block.where}: {command}\n{result.stderr[-3000:]}"
-        assert_prints(result.stdout, expected, f"{block.where}: {command}")
+    with contextlib.ExitStack() as servers:
+        at = lambda text: text  # noqa: E731 - no server yet
+        for command, expected in block.commands:
+            if SERVE.match(command):
+                at = servers.enter_context(served(command, cwd))
+                continue
+            result = run(at(command), cwd)
+            assert result.returncode == 0, f"{block.where}: {command}\n{result.stderr[-3000:]}"
+            assert "Traceback" not in result.stderr, f"{block.where}: {command}\n{result.stderr[-3000:]}"
+            assert_prints(result.stdout, expected, f"{block.where}: {command}")
 
 
 @pytest.mark.parametrize("snippet,expected", [pytest.param(b, e, id=b.where, marks=_marks(b))
                                               for b, e in python_snippets()])
-def test_python_snippet(snippet, expected):
-    result = subprocess.run([sys.executable, "-c", snippet.body], cwd=ROOT, env=newcomer_env(), capture_output=True,
-                            text=True, timeout=600)
+def test_python_snippet(snippet, expected, tmp_path):
+    with contextlib.ExitStack() as servers:
+        body = snippet.body
+        if SERVED_AT in body:
+            command = serve_command(snippet.page)
+            assert command, f"{snippet.where} reaches {SERVED_AT}, but its page starts no server"
+            body = servers.enter_context(served(command, scratch_dir(tmp_path / "serve")))(body)
+        result = subprocess.run([sys.executable, "-c", body], cwd=ROOT, env=newcomer_env(), capture_output=True,
+                                text=True, timeout=600)
     assert result.returncode == 0, f"{snippet.where}\n{result.stderr[-3000:]}"
     assert_prints(result.stdout, expected, f"{snippet.where} (python)")
 

@@ -107,6 +107,9 @@ def test_missing_mask_token_says_how_to_supply_one(tmp_path):
     (["generate", "--model", "m", "--prompt", "a", "--chat", "--raw"], "not allowed with argument"),
     (["generate", "--model", "m"], "one of the arguments --prompt --prompt-ids is required"),
     (["generate", "--model", "m", "--prompt", "a", "--cache", "ring"], "invalid choice: 'ring'"),
+    (["serve", "--model", "m", "--port", "70000"], "argument --port: 70000 is not a port number"),
+    (["serve", "--model", "m", "--grace", "-1"], "argument --grace: -1 must be a number of seconds >= 0"),
+    (["serve", "--model", "m", "--max-waiting", "0"], "argument --max-waiting: 0 must be a positive integer"),
 ])
 def test_bad_flags_end_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -125,6 +128,22 @@ def test_bad_decode_options_end_in_one_line(argv, message, ckpt, capsys):
     for command in (["generate", "--model", str(ckpt), "--prompt", "a"], ["demo", "--model", str(ckpt)]):
         assert main(command + ["--gen", "32"] + argv) == 2
         assert one_error_line(capsys.readouterr().err) .startswith(message)
+
+
+def test_serve_refuses_bad_options_and_a_taken_port_before_loading(ckpt, capsys):
+    """`serve` names a decode option out of range and a port another process holds in one
+    line, before it loads the model."""
+    assert main(["serve", "--model", str(ckpt), "--threshold", "2"]) == 2
+    assert one_error_line(capsys.readouterr().err).startswith("error: ThresholdRule.threshold=2.0 must be in (0, 1]")
+    from dlm_jax.frontends.server import bind
+
+    taken = bind("127.0.0.1", 0)
+    try:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(ckpt), "--port", str(port)]) == 2
+        assert one_error_line(capsys.readouterr().err).startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+    finally:
+        taken.close()
 
 
 def test_non_utf8_prompt_is_named(ckpt):

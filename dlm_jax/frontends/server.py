@@ -27,6 +27,7 @@ error object, in the stream or as the response), then the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -174,7 +175,8 @@ def _stops(body: Mapping[str, Any]) -> list[str]:
     return stops
 
 
-def decode_changes(body: Mapping[str, Any], max_tokens: int | None, config_of: Callable[[dict], DecodeConfig]) -> dict:
+def decode_changes(body: Mapping[str, Any], max_tokens: int | None, config_of: Callable[[dict], DecodeConfig], *,
+                   base: DecodeConfig) -> dict:
     """The flat decode options of a request: its `dlm_jax` object (any option of the registry,
     and `preset`), OpenAI's temperature / top_p, typed as the registry types them. An option
     the registry does not know, or one it refuses for the chosen decoder, is a 400 naming it."""
@@ -215,14 +217,26 @@ def decode_changes(body: Mapping[str, Any], max_tokens: int | None, config_of: C
     top_p = _number(body, "top_p", 0.0, 1.0, open_lo=True)
     if top_p is not None:
         changes["top_p"] = float(top_p)
+    if max_tokens is not None:  # the decode runs whole blocks
+        block = _block_len(registry.PRESETS[changes["preset"]] if "preset" in changes else registry.decode_options(base),
+                           changes)
+        changes["gen_len"] = -(-max_tokens // block) * block if block else max_tokens
     try:
-        config = config_of(changes)
+        config_of(changes)
     except ConfigError as e:
         raise ApiError(400, f"dlm_jax: {_one_line(e)}", param="dlm_jax") from None
-    if max_tokens is not None:
-        block = getattr(config.scheduler, "block_len", None)
-        changes["gen_len"] = -(-max_tokens // block) * block if block else max_tokens
     return changes
+
+
+def _block_len(base: Mapping[str, Any], changes: Mapping[str, Any]) -> int | None:
+    """The block length flat options decode with (None: a schedule without blocks), read from
+    the options themselves: building the config first would check what depends on the
+    generation length (a step count per token) before the blocks have rounded it."""
+    options = {**base, **changes}
+    fields = {f.name: f for f in dataclasses.fields(registry.SCHEDULERS[options.get("cache", "prefix")])}
+    if "block_len" not in fields:
+        return None
+    return options.get("block_len", fields["block_len"].default)
 
 
 @dataclass
@@ -472,7 +486,7 @@ class Service:
         stops = _stops(body)
         if stops and not self.model.has_tokenizer:
             raise ApiError(400, "stop strings need a tokenizer; this model has none", param="stop")
-        changes = decode_changes(body, max_tokens, self.engine.options)
+        changes = decode_changes(body, max_tokens, self.engine.options, base=self.config)
         chat = (body.get("dlm_jax") or {}).get("chat")
         prompts = self._prompts(body, kind, chat)
         gen = self.engine.options(changes).gen_len
@@ -712,10 +726,11 @@ def build_app(service: Service) -> Starlette:
         texts = [TextStream(service.model, job.stops, job.max_tokens) for _ in job.handles]
         ended = [False] * len(job.handles)
         completion, first = 0, None
-        ok = False
+        outcome = None
 
         def sse(obj: dict) -> bytes:
-            obj["model"] = service.name
+            if "error" not in obj:
+                obj["model"] = service.name
             return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
         try:
@@ -737,12 +752,14 @@ def build_app(service: Service) -> Starlette:
                     if end == FAILED:
                         log.error("request failed: %s", _one_line(req.error), exc_info=req.error)
                         yield sse(ApiError(500, f"decoding failed: {_one_line(req.error)}", kind="server_error").body())
-                        metrics.requests.labels(endpoint, "500").inc()
+                        yield b"data: [DONE]\n\n"
+                        outcome = "500"
                         return
                     if end == CANCELLED:
                         yield sse(ApiError(503, "the server shut down before this request finished",
                                            kind="server_error", code="shutting_down").body())
-                        metrics.requests.labels(endpoint, "503").inc()
+                        yield b"data: [DONE]\n\n"
+                        outcome = "503"
                         return
                     if end in (DONE, STOPPED):
                         _, ids, reason = _finish(h, texts[i])
@@ -765,13 +782,12 @@ def build_app(service: Service) -> Starlette:
                 yield sse({"id": job.id, "object": _chunk(job, 0, "", None)["object"], "created": job.created,
                            "choices": [], "usage": _usage(job, completion)})
             yield b"data: [DONE]\n\n"
-            ok = True
+            outcome = "200"
         finally:
-            if not ok:
+            if outcome != "200":  # the client went (None), or a request failed or was cut: end the others
                 for h in job.handles:
                     h.cancel()
-                if not any(ended) or not all(ended):
-                    metrics.requests.labels(endpoint, "disconnected").inc()
+                metrics.requests.labels(endpoint, outcome or "disconnected").inc()
             else:
                 seconds = time.perf_counter() - job.started
                 metrics.tokens.inc(completion)

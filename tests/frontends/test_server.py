@@ -1,0 +1,487 @@
+"""`dlm-jax serve` against real clients: OpenAI's Python client and httpx, over loopback, to
+the real ASGI server (uvicorn) started in the test on an ephemeral port.
+
+The module's server decodes llada-tiny with fast-dllm (generation 32, 4 batch rows); its
+warm-up builds the programs those requests reach. Every loop waiting on the server is
+bounded in time. The SIGTERM test runs the command itself, in a process of its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+import dlm_jax
+from dlm_jax.frontends import server as srv
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "models" / "llada-tiny"
+NAME = "llada-tiny"
+PROMPTS = ["564+894=", "66+76=", "sort: 37 44 13 33 47 48", "sort: 9 3 27",
+           "Uma has 4 keys. She sells 2. She loses 1. She buys 2 more. How many keys does Uma have now?"]
+DEADLINE = 60.0  # seconds any one wait on the server may take
+
+
+class LiveServer:
+    """`build_app(service)` under uvicorn on a thread, listening on 127.0.0.1:<free port>."""
+
+    def __init__(self, service: srv.Service):
+        import uvicorn
+
+        self.service = service
+        self.sock = srv.bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(srv.build_app(service), log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: _health(self.url) == 200, what="the server to be ready")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(DEADLINE)
+        self.sock.close()
+
+
+def _health(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+def wait_until(check, *, what: str, timeout: float = DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout} s for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dlm_jax.load(TINY, executor="jax")
+
+
+@pytest.fixture(scope="module")
+def live(model):
+    service = srv.Service(model, dlm_jax.preset("fast-dllm", gen_len=32), name=NAME, max_batch=4, max_tokens=128)
+    server = LiveServer(service)
+    yield server
+    server.stop()
+
+
+def post(live, path: str, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(live.url + path, content=content, headers={"content-type": "application/json"},
+                      timeout=DEADLINE, **kw)
+
+
+def stream_text(live, path: str, body: dict) -> tuple[str, list[dict]]:
+    """A streamed request's text (the pieces joined) and its chunks, read to `[DONE]`."""
+    chunks, done = [], False
+    with httpx.stream("POST", live.url + path, json={**body, "stream": True}, timeout=DEADLINE) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunks.append(json.loads(line[6:]))
+    assert done, "the stream ended without data: [DONE]"
+    assert not any("error" in c for c in chunks), chunks
+    key = "text" if path.endswith("/completions") and "chat" not in path else None
+    pieces = [c["choices"][0]["text"] if key else c["choices"][0]["delta"].get("content", "")
+              for c in chunks if c.get("choices")]
+    return "".join(pieces), chunks
+
+
+# ---------------------------------------------------------------------------- the OpenAI client
+
+
+def test_openai_client_completions_and_chat(live, model):
+    """OpenAI's own client, streaming and not, gets what `Model.generate` decodes for the
+    same prompts (the checkpoint's chat format for text prompts), with usage."""
+    import openai
+
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
+    assert [m.id for m in client.models.list().data] == [NAME]
+    cfg = dlm_jax.preset("fast-dllm", gen_len=32)
+    want = model.generate(PROMPTS[:3], cfg)
+    for prompt, text, ids in zip(PROMPTS[:3], want.texts, want.token_ids):
+        got = client.completions.create(model=NAME, prompt=prompt, max_tokens=32)
+        assert got.choices[0].text == text and got.choices[0].finish_reason == "stop"
+        assert got.usage.completion_tokens == len(ids)
+        assert got.usage.prompt_tokens == len(model.encode(prompt))
+        pieces = [c.choices[0].text for c in client.completions.create(model=NAME, prompt=prompt, max_tokens=32,
+                                                                        stream=True)]
+        assert "".join(pieces) == text
+        chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=32)
+        assert chat.choices[0].message.content == text  # the same prompt: llada-tiny's format is chat
+        assert chat.choices[0].message.role == "assistant"
+        stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=32, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert chunks[-1].usage.completion_tokens == len(ids)
+    # The decode options of the registry, through the client's extra body.
+    frechet = model.generate([PROMPTS[2]], dlm_jax.preset("frechet", gen_len=32)).texts[0]
+    got = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=32,
+                                    extra_body={"dlm_jax": {"preset": "frechet"}})
+    assert got.choices[0].text == frechet
+    with pytest.raises(openai.BadRequestError, match="delta"):
+        client.completions.create(model=NAME, prompt="1+1=", extra_body={"dlm_jax": {"delta": "big"}})
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4", prompt="1+1=")
+
+
+def test_completion_forms_stop_and_max_tokens(live, model):
+    """Token-id prompts and several prompts per request (one choice each, in order); a stop
+    string ends the text before it, streamed or not; max_tokens cuts the completion (the
+    decode runs whole blocks) with finish_reason "length"."""
+    ids = model.encode(PROMPTS[0])
+    r = post(live, "/v1/completions", {"model": NAME, "prompt": [ids, PROMPTS[1]], "max_tokens": 32}).json()
+    want = model.generate([PROMPTS[0], PROMPTS[1]], dlm_jax.preset("fast-dllm", gen_len=32)).texts
+    assert [c["text"] for c in r["choices"]] == want and [c["index"] for c in r["choices"]] == [0, 1]
+    full = want[0]
+    stop = full[1:3]
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 32, "stop": [stop, "zzz"]}
+    r = post(live, "/v1/completions", body).json()["choices"][0]
+    assert r["text"] == full[:1] and r["finish_reason"] == "stop"
+    assert stream_text(live, "/v1/completions", body)[0] == full[:1]
+    sorted_ = model.generate([PROMPTS[2]], dlm_jax.preset("fast-dllm", gen_len=32)).token_ids[0]
+    r = post(live, "/v1/completions", {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 5}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 5
+    assert r["choices"][0]["text"] == model.tokenizer.decode(sorted_[:5])
+
+
+# ---------------------------------------------------------------------------- under load
+
+
+def _mixed_requests(n: int, *, presets: bool = False) -> list[tuple[str, dict]]:
+    """`n` requests of mixed prompts and options: steps of the warm decode's shapes, and with
+    `presets` other decoders too (Frechet, the dual cache, LLaDA's, another block length)."""
+    rng = np.random.default_rng(0)
+    out = []
+    kinds = [{}, {"threshold": 0.7}, {"threshold": 0.95}, {"temperature": 0.8, "seed": 1},
+             {"stop": ["3"]}, {"top_p": 0.9, "temperature": 1.0, "seed": 7}]
+    if presets:
+        kinds += [{"preset": "frechet"}, {"preset": "fast-dllm-dual"}, {"preset": "llada", "steps": 16},
+                  {"block_len": 16}]
+    for i in range(n):
+        body = {"model": NAME, "max_tokens": int(rng.choice([8, 16, 32]))}
+        options = dict(kinds[i % len(kinds)])
+        if "seed" in options:
+            options["seed"] += i
+        body.update({k: options.pop(k) for k in ("temperature", "seed", "stop", "top_p") if k in options})
+        if options:
+            body["dlm_jax"] = options
+        if i % 3 == 2:
+            body["messages"] = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+            out.append(("/v1/chat/completions", body))
+        else:
+            body["prompt"] = PROMPTS[i % len(PROMPTS)]
+            out.append(("/v1/completions", body))
+    return out
+
+
+def _concurrent_clients_get_their_solo_answers(live, n: int, *, presets: bool = False) -> None:
+    requests = _mixed_requests(n, presets=presets)
+    alone = [stream_text(live, path, body)[0] for path, body in requests]
+    start = threading.Barrier(n, timeout=DEADLINE)
+
+    def client(i: int) -> str:
+        start.wait()
+        return stream_text(live, *requests[i])[0]
+
+    with futures.ThreadPoolExecutor(n) as pool:
+        together = list(pool.map(client, range(n), timeout=4 * DEADLINE))
+    wrong = [(i, a, t) for i, (a, t) in enumerate(zip(alone, together)) if a != t]
+    assert not wrong, f"{len(wrong)} of {n} concurrent clients got other text than alone: {wrong[:3]}"
+    assert live.service.engine.core.stats.utilisation > 0
+
+
+def test_concurrent_streaming_clients_get_their_solo_answers(live):
+    """8 streaming clients at once, mixed prompts and options (threshold, sampling with a seed,
+    top-p, stop strings, chat and text, lengths): each receives exactly the text it receives
+    alone (32 clients: the slow test below)."""
+    _concurrent_clients_get_their_solo_answers(live, 8)
+
+
+@pytest.mark.slow
+def test_32_concurrent_streaming_clients_get_their_solo_answers(live):
+    """32 clients at once, with other decoders among them (Frechet, the dual cache, LLaDA's
+    one-token steps, block 16), each receive the text they receive alone."""
+    _concurrent_clients_get_their_solo_answers(live, 32, presets=True)
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+def _cancelled(live) -> int:
+    return live.service.engine.core.stats.retired.get("cancelled", 0)
+
+
+# LLaDA's decoder, one token a step to the end (no early stop at an EOS block): 96 steps.
+LONG = {"model": NAME, "prompt": "1+1=", "max_tokens": 96,
+        "dlm_jax": {"preset": "llada", "steps": 96, "stop_on_eos_block": False}}
+
+
+def test_a_client_that_disconnects_frees_its_row(live):
+    """A client gone mid-stream, or gone while waiting for a whole answer, cancels its
+    request: the engine retires it at its next step, long before the decode would end
+    (128 steps), and frees its row."""
+    core = live.service.engine.core
+    before = _cancelled(live)
+    with httpx.stream("POST", live.url + "/v1/completions", json={**LONG, "stream": True}, timeout=DEADLINE) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    wait_until(lambda: _cancelled(live) == before + 1, what="the streamed request's cancellation")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", json=LONG, timeout=httpx.Timeout(DEADLINE, read=0.15))
+    wait_until(lambda: _cancelled(live) == before + 2, what="the waiting request's cancellation")
+    wait_until(lambda: core.running == 0, what="the rows to be free")
+    metrics = httpx.get(live.url + "/metrics").text
+    assert 'dlm_jax_requests_total{endpoint="/v1/completions",outcome="disconnected"}' in metrics
+
+
+def test_a_full_queue_answers_429_with_retry_after(live):
+    """With the queue full the server answers 429 (rate_limit_error, Retry-After in seconds)
+    and serves the next request once there is room."""
+    core = live.service.engine.core
+    core.max_waiting = 0  # no request may wait: every submit finds the queue full
+    try:
+        r = post(live, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0]})
+    finally:
+        core.max_waiting = 64
+    assert r.status_code == 429, r.text
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["type"] == "rate_limit_error" and "queue is full" in r.json()["error"]["message"]
+    assert post(live, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0]}).status_code == 200
+
+
+BAD = {  # class: (body bytes or object, status, words the message names)
+    "malformed JSON": (b'{"model": "llada-tiny", "prompt": ', 400, "not valid JSON"),
+    "not an object": (b"[1, 2]", 400, "JSON object"),
+    "NaN": (b'{"model": "llada-tiny", "prompt": "1", "temperature": NaN}', 400, "NaN"),
+    "unknown field": ({"model": NAME, "prompt": "1", "frobnicate": 1}, 400, "frobnicate"),
+    "wrong type": ({"model": NAME, "prompt": "1", "max_tokens": "32"}, 400, "max_tokens must be an integer"),
+    "bool for int": ({"model": NAME, "prompt": "1", "max_tokens": True}, 400, "max_tokens must be an integer"),
+    "prompt too long": ({"model": NAME, "prompt": "9" * 200}, 400, "exceeds"),
+    "max_tokens out of range": ({"model": NAME, "prompt": "1", "max_tokens": 0}, 400, "max_tokens=0 is out of range"),
+    "unknown preset": ({"model": NAME, "prompt": "1", "dlm_jax": {"preset": "fastest"}}, 400, "not a preset"),
+    "unknown decode option": ({"model": NAME, "prompt": "1", "dlm_jax": {"speed": 2}}, 400, "dlm_jax.speed"),
+    "option of another decoder": ({"model": NAME, "prompt": "1", "dlm_jax": {"stride": 2}}, 400, "stride"),
+    "token id outside the vocabulary": ({"model": NAME, "prompt": [1, 99999]}, 400, "99999"),
+    "n > 1": ({"model": NAME, "prompt": "1", "n": 3}, 400, "n other than 1"),
+    "no model": ({"prompt": "1"}, 400, "model is required"),
+    "unknown model": ({"model": "gpt-4", "prompt": "1"}, 404, "not served here"),
+    "non-UTF-8 bytes": (b'{"model": "llada-tiny", "prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+    "10 MB body": (b'{"model": "llada-tiny", "prompt": "' + b"a" * (10 << 20) + b'"}', 413, "exceeds the limit"),
+    "stop list too long": ({"model": NAME, "prompt": "1", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_bad_input_gets_a_4xx_error_object(live, kind, capfd):
+    """Each class of bad request gets its 4xx and an OpenAI error object whose message names
+    the problem; nothing of it reaches the log as a traceback, and the server goes on serving."""
+    body, status, words = BAD[kind]
+    r = post(live, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"] and "\n" not in error["message"]
+    assert "Traceback" not in capfd.readouterr().err
+    assert post(live, "/v1/completions", {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 32}).status_code == 200
+
+
+def test_bad_chat_requests_and_routes(live):
+    cases = [({"model": NAME, "messages": []}, 400, "messages must be a non-empty list"),
+             ({"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+             ({"model": NAME, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+             ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+              "tools is not supported"),
+             ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream_options": {}}, 400,
+              "stream_options needs stream")]
+    for body, status, words in cases:
+        r = post(live, "/v1/chat/completions", body)
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    r = httpx.get(live.url + "/v1/completions")
+    assert r.status_code == 405 and "GET is not allowed" in r.json()["error"]["message"]
+    r = httpx.get(live.url + "/v1/engines")
+    assert r.status_code == 404 and "/v1/engines" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------- health, metrics
+
+
+def test_health_models_and_metrics(live):
+    """/health is 200 when warm; /metrics parses with Prometheus' own parser and holds the
+    series the docs list."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    health = httpx.get(live.url + "/health").json()
+    assert health["status"] == "ready" and health["max_batch"] == 4
+    assert httpx.get(live.url + "/v1/models").json()["data"][0]["id"] == NAME
+    post(live, "/v1/completions", {"model": NAME, "prompt": "1", "frobnicate": 1})
+    post(live, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0]})
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(live.url + "/metrics").text)}
+    for name in ("dlm_jax_requests_running", "dlm_jax_requests_waiting", "dlm_jax_batch_rows_busy",
+                 "dlm_jax_tokens_per_second", "dlm_jax_time_to_first_chunk_seconds",
+                 "dlm_jax_request_latency_seconds", "dlm_jax_refusals", "dlm_jax_generated_tokens"):
+        assert name in families, sorted(families)
+    refusals = {s.labels["reason"]: s.value for s in families["dlm_jax_refusals"].samples
+                if s.name.endswith("_total")}
+    assert refusals["invalid_request"] >= 1
+    latency = {s.name: s.value for s in families["dlm_jax_request_latency_seconds"].samples}
+    assert latency["dlm_jax_request_latency_seconds_count"] >= 1
+
+
+def test_requests_wait_for_warm_up(model):
+    """Before its warm-up is over the server refuses decodes with 503 (and /health says so)."""
+    service = srv.Service(model, dlm_jax.preset("fast-dllm", gen_len=32), name=NAME, max_batch=4, max_tokens=128)
+    with pytest.raises(srv.ApiError) as e:
+        service.admit()
+    assert e.value.status == 503 and e.value.code == "warming_up"
+
+
+def test_warm_up_leaves_nothing_to_compile(model):
+    """After `Engine.warmup` for a decode config, requests of that config with any prompt
+    length compile nothing: no request waits for a compile."""
+    from dlm_jax.runtime.engine import Engine
+
+    cfg = dlm_jax.preset("fast-dllm", gen_len=32)
+    engine = Engine(model.decoder, max_batch=3, max_tokens=80)
+    engine.warmup([cfg])
+    built = model.executor.build_counts().compiles
+    rng = np.random.default_rng(1)
+    reqs = [engine.submit(rng.integers(0, 200, size=int(n)), cfg) for n in (1, 9, 17, 33, 47, 48)]
+    engine.run()
+    assert all(r.status == "done" for r in reqs)
+    assert model.executor.build_counts().compiles == built
+
+
+# ---------------------------------------------------------------------------- SIGTERM
+
+
+# 480 steps of LLaDA's decoder over a 484-token window (~30 ms each here): seconds of work.
+LONGER = {"model": NAME, "prompt": "1+1=", "max_tokens": 480, "stream": True,
+          "dlm_jax": {"preset": "llada", "steps": 480, "stop_on_eos_block": False}}
+
+
+def test_drain_finishes_requests_in_flight_and_ends_the_rest_with_an_error(model):
+    """A draining server (`Service.drain`, what SIGTERM starts) answers new requests 503 and
+    lets requests in flight finish; when the grace period is cut short (a second SIGTERM),
+    one still running ends with an error event (shutting_down), never a silent cut."""
+    service = srv.Service(model, dlm_jax.preset("fast-dllm", gen_len=32), name=NAME, max_batch=4, warmup=False)
+    live = LiveServer(service)
+    try:
+        lines: list[str] = []
+        first = threading.Event()
+
+        def long_client() -> None:
+            with httpx.stream("POST", live.url + "/v1/completions", json=LONGER, timeout=DEADLINE) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first.set()
+
+        client = threading.Thread(target=long_client)
+        client.start()
+        assert first.wait(DEADLINE)
+        short = futures.ThreadPoolExecutor(1).submit(stream_text, live, "/v1/completions",
+                                                     {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 32})
+        wait_until(lambda: service.engine.core.running == 2 or short.done(), what="the short request to start")
+        drain = threading.Thread(target=service.drain, args=(DEADLINE,))
+        drain.start()
+        wait_until(lambda: service.state == "draining", what="draining")
+        refused = post(live, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0]})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(live.url + "/health").status_code == 503
+        text, chunks = short.result(DEADLINE)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and text
+        service.hurry = True  # the grace period is over (a second SIGTERM)
+        drain.join(DEADLINE)
+        client.join(DEADLINE)
+        assert any("shutting_down" in line for line in lines[-2:]), lines[-2:]
+        assert lines[-1] == "data: [DONE]"
+    finally:
+        live.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_running_requests_then_exits(tmp_path):
+    """`dlm-jax serve` itself, in its own process: on SIGTERM it refuses new requests (503),
+    finishes the ones in flight within the grace period (each stream ends with [DONE]), ends
+    one longer than the grace period with an error event, and exits 0."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dlm_jax.frontends.cli", "serve", "--model", str(TINY), "--port", "0",
+                             "--gen", "32", "--max-batch", "4", "--grace", "5", "--no-warmup"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("serving llada-tiny on http://127.0.0.1:"), first + proc.stderr.read()
+        url = first.split()[3]
+        wait_until(lambda: _health(url) == 200, what="the server to start")
+        # The long request: LLaDA's decoder over 480 tokens, one a step (~30 ms each here), far
+        # past the grace period; the short ones: 64 steps of the prefix cache (threshold 1: one
+        # token a step), well within it.
+        long_body = LONGER
+        short_body = {"model": NAME, "max_tokens": 64, "stream": True,
+                      "dlm_jax": {"threshold": 1.0, "stop_on_eos_block": False}}
+        results: dict[str, list[str]] = {}
+        started = threading.Barrier(4, timeout=DEADLINE)
+
+        def client(name: str, body: dict) -> None:
+            lines: list[str] = []
+            results[name] = lines
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=DEADLINE) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        if len(lines) == 1:
+                            started.wait()
+
+        threads = [threading.Thread(target=client, args=("long", long_body))]
+        threads += [threading.Thread(target=client, args=(f"short{i}", {**short_body, "prompt": PROMPTS[i]}))
+                    for i in range(2)]
+        for t in threads:
+            t.start()
+        started.wait()
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: _status(url) in (503, None), what="the server to refuse new requests", timeout=10)
+        for t in threads:
+            t.join(DEADLINE)
+        assert proc.wait(DEADLINE) == 0
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for i in range(2):
+        lines = results[f"short{i}"]
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"], lines[-3:]
+    assert any("shutting_down" in line for line in results["long"][-2:]), results["long"][-2:]
+    assert "draining" in out and "stopped" in out and "Traceback" not in err, (out, err)
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "1"}, timeout=5).status_code
+    except httpx.TransportError:
+        return None
