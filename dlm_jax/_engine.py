@@ -37,6 +37,46 @@ class Completion:
     stats: RequestStats
 
 
+class TextStream:
+    """A request's completion text as it becomes final: `update(ids)` returns the new piece
+    (the pieces join to the completion's text). Held back until they are sure: a trailing
+    incomplete UTF-8 character, and a tail that may be the start of a stop string. The ids are
+    cut at the first EOS and at `limit` tokens."""
+
+    def __init__(self, model: Model, stops: Sequence[str] = (), limit: int | None = None):
+        self.model, self.stops, self.limit = model, list(stops), limit
+        self.eos = set(model.config.eos_ids)
+        self.shown = ""
+
+    def ids(self, final: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in (final if self.limit is None else final[:self.limit])]
+        return ids[:next((i for i, t in enumerate(ids) if t in self.eos), len(ids))]
+
+    def text(self, final: Sequence[int]) -> str:
+        """The completion's text if `final` were all of it (token ids, space-separated, for a
+        model without a tokenizer), cut before the first stop string."""
+        ids = self.ids(final)
+        if not self.model.has_tokenizer:
+            return " ".join(map(str, ids))
+        text = self.model.tokenizer.decode(ids)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return text[:min(hits)] if hits else text
+
+    def update(self, final: Sequence[int], *, end: bool = False) -> str:
+        """The text newly final since the last call: `final` the ids final so far (`end`: the
+        completion's own ids, once it has ended)."""
+        text = self.text(final)
+        if not end:
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 character (byte-level tokenizers)
+            held = max((k for s in self.stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
+                       default=0)
+            text = text[:len(text) - held]
+        if not text.startswith(self.shown) or len(text) <= len(self.shown):
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+
 class Handle:
     """One submitted request (`Engine.submit`)."""
 
@@ -61,14 +101,14 @@ class Handle:
         """Its completion's text as it becomes final (a commit unit at a time, or a token at a
         time where the schedule commits one per step); the pieces join to `result().text`.
         Token ids, space-separated, for a model without a tokenizer."""
-        shown = ""
+        text = TextStream(self.model, self.stops)
         for event in self.request.events():
             if event.end is not None and self.request.status == "failed":
                 raise self.request.error
-            text = self._text(self.request.tokens() if event.end is not None else self.request.final)
-            if text.startswith(shown) and len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
+            piece = text.update(self.request.tokens() if event.end is not None else self.request.final,
+                                end=event.end is not None)
+            if piece:
+                yield piece
 
     def result(self, timeout: float | None = None) -> Completion:
         """Its completion once it has ended (raises a failed request's error)."""

@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dlm_jax._engine import TextStream
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax.runtime import registry
 from dlm_jax.runtime.engine import CANCELLED, DONE, FAILED, STOPPED, QueueFull
@@ -255,49 +256,6 @@ class Job:
     started: float
 
 
-# ---------------------------------------------------------------------------- text as it becomes final
-
-
-class TextStream:
-    """A request's completion text as it becomes final: `update(ids)` returns the new piece
-    (the pieces join to the completion's text). Held back until they are sure: a trailing
-    incomplete UTF-8 character, and a tail that may be the start of a stop string. The ids are
-    cut at the first EOS and at `limit` tokens."""
-
-    def __init__(self, model: Model, stops: Sequence[str], limit: int):
-        self.model, self.stops, self.limit = model, list(stops), limit
-        self.eos = set(model.config.eos_ids)
-        self.shown = ""
-
-    def ids(self, final: Sequence[int]) -> list[int]:
-        ids = [int(t) for t in final[:self.limit]]
-        return ids[:next((i for i, t in enumerate(ids) if t in self.eos), len(ids))]
-
-    def text(self, final: Sequence[int]) -> str:
-        ids = self.ids(final)
-        if not self.model.has_tokenizer:
-            return "".join(f"{t} " for t in ids)
-        text = self.model.tokenizer.decode(ids)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return text[:min(hits)] if hits else text
-
-    def update(self, final: Sequence[int], *, end: bool = False) -> str:
-        text = self.text(final)
-        if not end:
-            text = text.rstrip("\ufffd")
-            for s in self.stops:
-                for k in range(min(len(s) - 1, len(text)), 0, -1):
-                    if text.endswith(s[:k]):
-                        text = text[:-k]
-                        break
-        if not text.startswith(self.shown) or len(text) <= len(self.shown):
-            if end and not text.startswith(self.shown):
-                log.warning("a stream's final text does not extend what it sent (%r vs %r)", text, self.shown)
-            return ""
-        piece, self.shown = text[len(self.shown):], text
-        return piece
-
-
 # ---------------------------------------------------------------------------- metrics
 
 
@@ -409,9 +367,7 @@ class Service:
         left = self.in_flight
         if left:
             log.warning("grace period over: cancelling %d request(s)", left)
-            with self.engine.core._cond:
-                for req in list(self.engine.core._waiting) + list(self.engine.core._running.values()):
-                    req.cancel()
+            self.engine.core.cancel_all()
         self._drained.set()
 
     def close(self) -> None:

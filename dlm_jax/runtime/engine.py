@@ -464,6 +464,16 @@ class Engine:
         self._thread = threading.Thread(target=loop, name="dlm-jax-engine", daemon=True)
         self._thread.start()
 
+    def cancel_all(self) -> int:
+        """Cancel every waiting and running request (each ends `cancelled` at the next tick);
+        returns how many there were."""
+        with self._cond:
+            reqs = list(self._waiting) + list(self._running.values())
+            for req in reqs:
+                req.cancel()
+            self._cond.notify_all()
+        return len(reqs)
+
     def close(self) -> None:
         """Cancel what is left, stop the thread, release the shared cache."""
         with self._cond:

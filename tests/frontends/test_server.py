@@ -169,6 +169,23 @@ def test_completion_forms_stop_and_max_tokens(live, model):
     assert r["choices"][0]["text"] == model.tokenizer.decode(sorted_[:5])
 
 
+def test_streamed_text_never_takes_back_what_it_sent(model):
+    """The pieces a stream sends join to the final text, token by token: a multibyte UTF-8
+    character is held back until all its bytes are final (no replacement character is sent),
+    and so is a tail that may begin a stop string, until the next token settles it."""
+    from dlm_jax._engine import TextStream
+
+    text = "é→ 12 ab12x cd"
+    ids = model.tokenizer.encode(text)
+    assert len(ids) > len(text)  # bytes: the accented letter and the arrow take several tokens
+    stream = TextStream(model, stops=["12x", "zz"])
+    pieces = [stream.update(ids[:n]) for n in range(1, len(ids) + 1)]
+    pieces.append(stream.update(ids, end=True))
+    assert "".join(pieces) == "é→ 12 ab" == stream.text(ids)
+    assert not any("\ufffd" in p for p in pieces)
+    assert "é→ 12 ab1" not in ["".join(pieces[:n]) for n in range(len(pieces))]  # "1", "12": held back
+
+
 # ---------------------------------------------------------------------------- under load
 
 
