@@ -190,6 +190,15 @@ class Engine:
             config = self.model.calibrated(config, [ids], seeds=None if seed is None else [seed])
         return Handle(self.model, self.core.submit(ids, config, seed=seed, stop=rule), stop)
 
+    def warmup(self, configs: Sequence[DecodeConfig | Mapping[str, Any]] | None = None, *,
+               prompt_lens: Sequence[int] | None = None) -> int:
+        """Build, before the first request, every program requests decoded with `configs`
+        (options as `submit` takes them; default the engine's config) reach for prompts of
+        `prompt_lens` tokens (default every length that fits a row), so that none of them waits
+        for a compile (`dlm_jax.runtime.engine.Engine.warmup`). Returns how many were new."""
+        configs = [self.config] if configs is None else [self.options(c) for c in configs]
+        return self.core.warmup(configs, prompt_lens=prompt_lens)
+
     def step(self) -> bool:
         return self.core.step()
 
