@@ -141,7 +141,26 @@ async def read_json(request: Request, limit: int) -> dict:
         raise ApiError(400, f"request body is not valid JSON: {_one_line(e)}", reason="bad_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, not {type(body).__name__}", reason="bad_json")
+    _no_surrogates(body, "")
     return body
+
+
+def _no_surrogates(value: Any, where: str) -> None:
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which no text encoding holds: a 400
+    naming the field, not a tokenizer's exception."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError(400, f"{where or 'a key'} holds an unpaired surrogate \\u{ord(value[e.start]):04x} "
+                                f"(not text)", param=where or None, reason="bad_body") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_surrogates(k, where)
+            _no_surrogates(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _no_surrogates(v, f"{where}[{i}]")
 
 
 def _typed(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str, *, where: str = "") -> Any:

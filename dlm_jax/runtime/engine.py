@@ -459,10 +459,28 @@ class Engine:
                         self._cond.wait()
                     if self._stop:
                         return
-                self.step()
+                try:
+                    self.step()
+                except Exception as e:  # noqa: BLE001 - a fault outside any one request's step (opening
+                    self._fail_all(e)  # the cache, say) ends the requests it reached; the thread goes on
 
         self._thread = threading.Thread(target=loop, name="dlm-jax-engine", daemon=True)
         self._thread.start()
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every request with `error` (failed) and release the cache, so that a thread
+        whose tick raised serves the next requests afresh instead of leaving these waiting."""
+        with self._cond:
+            for req in list(self._waiting) + list(self._running.values()):
+                if req in self._waiting:
+                    self._waiting.remove(req)
+                req.error = error
+                self._end(req, FAILED)
+            try:
+                self._close_pool()
+            except Exception:  # noqa: BLE001 - the pool may be what failed; drop it
+                self._pool = self._end_session = None
+            self._cond.notify_all()
 
     def cancel_all(self) -> int:
         """Cancel every waiting and running request (each ends `cancelled` at the next tick);

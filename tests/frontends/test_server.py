@@ -308,6 +308,7 @@ BAD = {  # class: (body bytes or object, status, words the message names)
     "no model": ({"prompt": "1"}, 400, "model is required"),
     "unknown model": ({"model": "gpt-4", "prompt": "1"}, 404, "not served here"),
     "non-UTF-8 bytes": (b'{"model": "llada-tiny", "prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+    "half a surrogate pair": (b'{"model": "llada-tiny", "prompt": "a\\ud800"}', 400, "prompt holds an unpaired surrogate"),
     "10 MB body": (b'{"model": "llada-tiny", "prompt": "' + b"a" * (10 << 20) + b'"}', 413, "exceeds the limit"),
     "stop list too long": ({"model": NAME, "prompt": "1", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
 }

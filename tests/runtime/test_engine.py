@@ -195,6 +195,36 @@ def test_a_full_queue_refuses_at_submit():
         engine.submit([1], cfg)
 
 
+def test_a_fault_outside_any_request_fails_those_it_reached_and_the_thread_serves_on():
+    """Regression: an exception in a tick outside any one request's step (the executor failing
+    to open the engine's cache, say) killed the background thread, and every request then
+    waited forever. Now the requests it reached fail with the error and later ones are served."""
+    dec = _decoder()
+    real_open, fails = dec.executor.open, [True]
+
+    def open_(*args):
+        if fails.pop(0) if fails else False:
+            raise MemoryError("no room for the cache")
+        return real_open(*args)
+
+    dec.executor.open = open_
+    engine = Engine(dec, max_batch=2)
+    engine.start()
+    try:
+        cfg = preset("fast-dllm", gen_len=8, block_len=4)
+        first = engine.submit([1, 2], cfg)
+        with pytest.raises(MemoryError, match="no room"):
+            first.result(timeout=30)
+        assert first.status == "failed"
+        second = engine.submit([1, 2], cfg)
+        alone = _decoder().decode([[1, 2]], cfg).sequences[0]
+        np.testing.assert_array_equal(second.result(timeout=30), alone[:len(second.tokens())])
+        assert len(second.tokens()) > 0
+        assert second.status == DONE
+    finally:
+        engine.close()
+
+
 def test_rows_are_reused_and_every_row_is_busy_while_requests_wait():
     """Eight requests through two rows: a row freed by one request takes the next at once, so
     while requests wait no call runs a padding row."""
