@@ -107,13 +107,15 @@ def _one_line(e: BaseException) -> str:
 
 
 async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object: 413 over `limit` bytes (the rest is read and dropped up to 16x
-    the limit, so that the client gets the answer instead of a broken pipe), 400 for bytes
-    that are not UTF-8, text that is not JSON, or JSON that is not an object."""
+    """The body as a JSON object: 413 over `limit` bytes (at once when its Content-Length says
+    so: a client sending `Expect: 100-continue`, as curl does for large bodies, then sends
+    nothing; a body of unannounced length is read and dropped up to 16x the limit, so that the
+    client gets the answer rather than a broken pipe), 400 for bytes that are not UTF-8, text
+    that is not JSON, or JSON that is not an object."""
     declared = request.headers.get("content-length")
     if declared is not None and not declared.isdigit():
         raise ApiError(400, f"Content-Length {declared!r} is not a byte count", reason="bad_body")
-    if declared is not None and int(declared) > 16 * limit:
+    if declared is not None and int(declared) > limit:
         raise ApiError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes",
                        reason="body_too_large")
     chunks, size = [], 0
