@@ -338,6 +338,9 @@ def test_bad_chat_requests_and_routes(live):
     for body, status, words in cases:
         r = post(live, "/v1/chat/completions", body)
         assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    chunks = (b'{"model": "llada-tiny", "prompt": "' if i == 0 else b"a" * (1 << 16) for i in range(40))
+    r = httpx.post(live.url + "/v1/completions", content=chunks, timeout=DEADLINE)  # chunked: no Content-Length
+    assert r.status_code == 413 and "exceeds the limit of 1048576 bytes" in r.json()["error"]["message"]
     r = httpx.get(live.url + "/v1/completions")
     assert r.status_code == 405 and "GET is not allowed" in r.json()["error"]["message"]
     r = httpx.get(live.url + "/v1/engines")
