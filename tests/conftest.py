@@ -13,12 +13,6 @@ os.environ.setdefault("DLM_JAX_CACHE_DIR", os.path.join(tempfile.gettempdir(), f
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["DLM_JAX_CACHE_DIR"])
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# The suite's programs are tiny and run a few times each: compiling them dominates its time, so
-# XLA compiles at backend optimisation level 0 without its expensive LLVM passes (JAX's
-# `jax_disable_most_optimizations`: "useful if the cost of optimization is greater than that of
-# running a less-optimized program"): about a fifth less CPU time for the default suite, which
-# passes whole under it. The commands tests run inherit it; users' programs are unaffected.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 # Tests are about the executor they name, the JAX one by default; the default executor
 # (auto: the LiteRT runner over the bundle cache on a CPU) is tested where a test clears this
@@ -38,6 +32,18 @@ import pytest  # noqa: E402
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="run tests marked slow")
     parser.addoption("--device", action="store_true", help="run tests that need an accelerator")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The default pass's programs are tiny and run a few times each: compiling them dominates
+    # its time, so XLA compiles them at backend optimisation level 0 without its expensive LLVM
+    # passes (JAX's `jax_disable_most_optimizations`: "useful if the cost of optimization is
+    # greater than that of running a less-optimized program"): about a fifth less CPU time, and
+    # the default pass passes whole under it. Set before any test module imports JAX; the
+    # commands tests run inherit it. The slow pass (--runslow: long training runs and decodes,
+    # where running time counts) compiles as users do.
+    if not config.getoption("--runslow"):
+        os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
