@@ -79,8 +79,8 @@ def test_gradients_equal_dense():
     def loss(fn, x, weights, *w):
         return (fn(x, Routing(routing.experts, weights), *w) ** 2).sum()
 
-    got = jax.grad(lambda *a: loss(dispatch_experts, *a), argnums=(0, 1, 2, 3, 4))(x, routing.weights, *w)
-    want = jax.grad(lambda *a: loss(dense_experts, *a), argnums=(0, 1, 2, 3, 4))(x, routing.weights, *w)
+    got = jax.jit(jax.grad(lambda *a: loss(dispatch_experts, *a), argnums=(0, 1, 2, 3, 4)))(x, routing.weights, *w)
+    want = jax.jit(jax.grad(lambda *a: loss(dense_experts, *a), argnums=(0, 1, 2, 3, 4)))(x, routing.weights, *w)
     for g, h in zip(got, want):
         np.testing.assert_allclose(g, h, rtol=1e-4, atol=1e-5)
 
@@ -94,7 +94,8 @@ def _model_logits(model, tokens, experts):
     original = tr.MoEFFN.__call__
     try:
         tr.MoEFFN.__call__ = lambda self, x, gate=None: original(self, x, gate, experts=experts)
-        return np.asarray(model(tokens).logits)
+        # One jit (the executor's form): op by op, each expert and capacity branch compiles alone.
+        return np.asarray(jax.jit(lambda t: model(t).logits)(tokens))
     finally:
         tr.MoEFFN.__call__ = original
 
