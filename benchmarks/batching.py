@@ -64,16 +64,16 @@ def _pct(xs, q) -> float | None:
     return round(float(np.percentile(xs, q)), 4) if len(xs) else None
 
 
-def run_fixed(decoder, cfg, prompts, arrivals, b: int) -> dict:
+def fixed_batches(decoder, cfg, prompts, arrivals, b: int):
     """Static batching: whenever the decoder is free, the next (up to) b arrived requests
-    decode as one batch until all of them are done."""
-    eos = set(decoder.model_config.eos_ids)
+    decode as one batch until all of them are done. Yields (the batch's request indices, its
+    `DecodeOutput`, start, end, first block), seconds since the first arrival's clock with
+    compile waits excluded. The first block's own seconds include the batch's compile waits:
+    taking all of them off (down to 0) may also take off waits that came after it, so the
+    first block errs early."""
     n = len(prompts)
-    done_at, first_at, tokens = [0.0] * n, [0.0] * n, [None] * n
-    rows = useful = 0
     excluded = 0.0
     t0 = time.perf_counter()
-    clock = 0.0  # seconds since t0, compile waits excluded
     nxt = 0
     while nxt < n:
         clock = time.perf_counter() - t0 - excluded
@@ -85,8 +85,20 @@ def run_fixed(decoder, cfg, prompts, arrivals, b: int) -> dict:
         w0 = _waited(decoder)
         start = time.perf_counter() - t0 - excluded
         out = decoder.decode([prompts[i] for i in batch], cfg)
-        excluded += _waited(decoder) - w0
+        waited = _waited(decoder) - w0
+        excluded += waited
         end = time.perf_counter() - t0 - excluded
+        first = start + min(end - start, max(0.0, (out.stats.first_block_seconds or (end - start)) - waited))
+        yield batch, out, start, end, first
+
+
+def run_fixed(decoder, cfg, prompts, arrivals, b: int) -> dict:
+    """The fixed batches of `fixed_batches`: the workload's summary."""
+    eos = set(decoder.model_config.eos_ids)
+    n = len(prompts)
+    done_at, first_at, tokens = [0.0] * n, [0.0] * n, [None] * n
+    rows = useful = 0
+    for batch, out, _, end, first in fixed_batches(decoder, cfg, prompts, arrivals, b):
         st = out.stats
         bucket = decoder.capabilities.batches.select(len(batch))
         rows += st.nfe * bucket
@@ -94,7 +106,7 @@ def run_fixed(decoder, cfg, prompts, arrivals, b: int) -> dict:
         for j, i in enumerate(batch):
             tokens[i] = _trim(out.sequences[j], eos)
             done_at[i] = end
-            first_at[i] = start + (st.first_block_seconds or (end - start))
+            first_at[i] = first
     makespan = max(done_at)
     return _summary("fixed", b, prompts, arrivals, tokens, done_at, first_at, makespan, useful / max(rows, 1))
 
@@ -190,7 +202,7 @@ def main(argv=None) -> int:
     import jax
 
     report = {"benchmark": "benchmarks/batching.py", "cases": args.cases, "gen_len": args.gen,
-              "device": jax.devices()[0].device_kind, "rows": getattr(decoder.executor, "rows", None),
+              "device": jax.devices()[0].device_kind, "executor_rows": getattr(decoder.executor, "rows", None),
               "block_len": args.block, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "cores": __import__("os").cpu_count(), "rows": rows, "identical_tokens": identical,
               "ratios": _ratios(rows)}
@@ -220,7 +232,7 @@ def _ratios(rows) -> list[dict]:
 
 def markdown(rep: dict) -> str:
     lines = [f"# Continuous batching against fixed batches (gen {rep['gen_len']}, block {rep['block_len']}, EOS "
-             f"stop; {rep['device']}, {rep['cores']} cores, JAX executor rows={rep['rows']})", "",
+             f"stop; {rep['device']}, {rep['cores']} cores, JAX executor rows={rep['executor_rows']})", "",
              "Written by `benchmarks/batching.py`. Seconds exclude compile waits.", "",
              "| model | preset | batch | workload | server | tokens/s | row util. | latency p50 / p99 (s) | "
              "first block p50 / p99 (s) |", "|---|---|---|---|---|---|---|---|---|"]

@@ -62,7 +62,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.batching import _pct, _prompts, _trim, _waited  # noqa: E402
+from benchmarks.batching import _pct, _prompts, _trim, fixed_batches  # noqa: E402
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402 (imports no JAX)
 
 BAD_CLASSES = ("malformed_json", "unknown_field", "wrong_type", "prompt_too_long", "max_tokens_out_of_range",
@@ -126,31 +126,11 @@ def bad_body(kind: str, name: str, max_len: int) -> bytes:
 
 
 def run_fixed(decoder, cfg, prompts, arrivals, b: int) -> list[dict]:
-    """Static batching (benchmarks/batching.py's fixed server): whenever the decoder is free,
-    the next (up to) b arrived requests decode as one batch until all of them are done.
-    Per request: tokens, latency and time to first chunk, seconds since its arrival."""
+    """benchmarks/batching.py's fixed server (`fixed_batches`). Per request: tokens, latency
+    and time to first chunk, seconds since its arrival."""
     eos = set(decoder.model_config.eos_ids)
-    n = len(prompts)
-    out = [None] * n
-    excluded = 0.0
-    t0 = time.perf_counter()
-    nxt = 0
-    while nxt < n:
-        clock = time.perf_counter() - t0 - excluded
-        if arrivals[nxt] > clock:
-            time.sleep(arrivals[nxt] - clock)
-            continue
-        batch = [i for i in range(nxt, n) if arrivals[i] <= clock][:b]
-        nxt = batch[-1] + 1
-        w0 = _waited(decoder)
-        start = time.perf_counter() - t0 - excluded
-        res = decoder.decode([prompts[i] for i in batch], cfg)
-        waited = _waited(decoder) - w0
-        excluded += waited
-        end = time.perf_counter() - t0 - excluded
-        # The first block's seconds include the batch's compile waits; taking all of them off
-        # (down to 0) may also take off waits that came after it: fixed's first chunk errs early.
-        first = start + min(end - start, max(0.0, (res.stats.first_block_seconds or (end - start)) - waited))
+    out = [None] * len(prompts)
+    for batch, res, _, end, first in fixed_batches(decoder, cfg, prompts, arrivals, b):
         for j, i in enumerate(batch):
             out[i] = {"tokens": _trim(res.sequences[j], eos), "done": end, "latency": end - arrivals[i],
                       "ttfc": max(0.0, first - arrivals[i])}
