@@ -50,7 +50,7 @@ class TextStream:
 
     def ids(self, final: Sequence[int]) -> list[int]:
         ids = [int(t) for t in (final if self.limit is None else final[:self.limit])]
-        return ids[:next((i for i, t in enumerate(ids) if t in self.eos), len(ids))]
+        return ids[:_eos_cut(ids, self.eos)]
 
     def text(self, final: Sequence[int]) -> str:
         """The completion's text if `final` were all of it (token ids, space-separated, for a
@@ -113,15 +113,8 @@ class Handle:
     def result(self, timeout: float | None = None) -> Completion:
         """Its completion once it has ended (raises a failed request's error)."""
         ids = [int(t) for t in self.request.result(timeout)]
-        return Completion(self._text(ids) if self.model.has_tokenizer else None, ids, self.request.status,
-                          self.request.stats)
-
-    def _text(self, ids) -> str:
-        ids = [int(t) for t in ids]
-        cut = _eos_cut(ids, self.model.config.eos_ids)
-        if not self.model.has_tokenizer:
-            return " ".join(map(str, ids[:cut]))
-        return self.model.tokenizer.decode(ids[:cut])
+        text = TextStream(self.model, self.stops).text(ids) if self.model.has_tokenizer else None
+        return Completion(text, ids, self.request.status, self.request.stats)
 
 
 def _eos_cut(ids: list[int], eos_ids: Sequence[int]) -> int:

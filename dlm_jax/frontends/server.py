@@ -559,6 +559,18 @@ def _finish(handle, text: TextStream) -> tuple[str, list[int], str]:
     return text.text(full), ids, reason
 
 
+def _cut_short(req) -> ApiError | None:
+    """The error object of a request that ended without its completion: failed (500, logged
+    with its traceback: the server's fault) or cancelled by the drain (503); None otherwise."""
+    if req.status == FAILED:
+        log.error("request failed: %s", _one_line(req.error), exc_info=req.error)
+        return ApiError(500, f"decoding failed: {_one_line(req.error)}", kind="server_error", reason="failed")
+    if req.status == CANCELLED:
+        return ApiError(503, "the server shut down before this request finished", kind="server_error",
+                        code="shutting_down")
+    return None
+
+
 def _usage(job: Job, completion: int) -> dict:
     prompt = sum(job.prompt_tokens)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -665,15 +677,10 @@ def build_app(service: Service) -> Starlette:
         choices, completion = [], 0
         for i, h in enumerate(job.handles):
             req = h.request
-            if req.status == FAILED:
-                log.error("request failed: %s", _one_line(req.error), exc_info=req.error)
-                metrics.requests.labels(endpoint, "500").inc()
-                return JSONResponse(ApiError(500, f"decoding failed: {_one_line(req.error)}", kind="server_error",
-                                             reason="failed").body(), status_code=500)
-            if req.status == CANCELLED:
-                metrics.requests.labels(endpoint, "503").inc()
-                return JSONResponse(ApiError(503, "the server shut down before this request finished",
-                                             kind="server_error", code="shutting_down").body(), status_code=503)
+            cut = _cut_short(req)
+            if cut is not None:
+                metrics.requests.labels(endpoint, str(cut.status)).inc()
+                return JSONResponse(cut.body(), status_code=cut.status)
             text = TextStream(service.model, job.stops, job.max_tokens)
             content, ids, reason = _finish(h, text)
             completion += len(ids)
@@ -726,17 +733,11 @@ def build_app(service: Service) -> Starlette:
                     if not batch:
                         continue
                     end = batch[-1].end
-                    if end == FAILED:
-                        log.error("request failed: %s", _one_line(req.error), exc_info=req.error)
-                        yield sse(ApiError(500, f"decoding failed: {_one_line(req.error)}", kind="server_error").body())
+                    cut = _cut_short(req) if end in (FAILED, CANCELLED) else None
+                    if cut is not None:
+                        yield sse(cut.body())
                         yield b"data: [DONE]\n\n"
-                        outcome = "500"
-                        return
-                    if end == CANCELLED:
-                        yield sse(ApiError(503, "the server shut down before this request finished",
-                                           kind="server_error", code="shutting_down").body())
-                        yield b"data: [DONE]\n\n"
-                        outcome = "503"
+                        outcome = str(cut.status)
                         return
                     if end in (DONE, STOPPED):
                         _, ids, reason = _finish(h, texts[i])
