@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -37,6 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlm_jax import _partition
 from dlm_jax._errors import ConfigError
 from dlm_jax._integrity import atomic_write
 from dlm_jax._tokenizer import ByteTokenizer
@@ -46,16 +46,11 @@ from dlm_jax.models._params import init_model, model_from_params
 from dlm_jax.training.config import RunConfig
 from dlm_jax.training.objectives import Batch, Objective, get_objective
 
-# Megatron-style rules: column-parallel in-projections, row-parallel out-projections.
-PARTITION_RULES: tuple[tuple[str, P], ...] = (
-    (r"attn\.(q|k|v)_proj\.kernel$", P(None, "model")),
-    (r"attn\.o_proj\.kernel$", P("model", None)),
-    (r"(ffn|shared)\.(gate|up)_proj\.kernel$", P(None, "model")),
-    (r"(ffn|shared)\.down_proj\.kernel$", P("model", None)),
-    (r"ffn\.(gate|up)$", P(None, None, "model")),
-    (r"ffn\.down$", P(None, "model", None)),
-    (r"lm_head\.kernel$", P(None, "model")),
-)
+# Megatron-style rules, the ones mesh decoding uses (`dlm_jax._partition`): column-parallel
+# in-projections, row-parallel out-projections, vocabulary-parallel embedding and head; the
+# logical axis `model` is this mesh's `model` axis (experts are split by their neurons: a
+# training mesh has no expert axis).
+PARTITION_RULES = _partition.PARTITION_RULES
 
 
 def build_mesh(data: int, model: int, devices: list | None = None) -> Mesh:
@@ -68,22 +63,16 @@ def build_mesh(data: int, model: int, devices: list | None = None) -> Mesh:
     return Mesh(np.asarray(devices[: data * model]).reshape(data, model), ("data", "model"))
 
 
-def _name(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path if not (
-        isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value"))
+_name = _partition.param_name
 
 
 def param_sharding(state, mesh: Mesh):
     """NamedSharding per parameter from `PARTITION_RULES` (replicated when no rule matches or
     the dimension does not divide by the axis size)."""
+    axes = {_partition.MODEL: ("model", mesh.shape["model"])}
 
     def rule(path, leaf):
-        name = _name(path)
-        for pattern, spec in PARTITION_RULES:
-            if re.search(pattern, name) and len(spec) == leaf.ndim and all(
-                    ax is None or leaf.shape[i] % mesh.shape[ax] == 0 for i, ax in enumerate(spec)):
-                return NamedSharding(mesh, spec)
-        return NamedSharding(mesh, P())
+        return NamedSharding(mesh, P(*_partition.leaf_axes(_name(path), leaf.shape, axes)))
 
     return jax.tree_util.tree_map_with_path(rule, state)
 

@@ -1,0 +1,186 @@
+"""Partition rules and mesh shapes: which axis of each parameter a device mesh splits, shared by
+training (`dlm_jax.training.loop`), the JAX executor's mesh decoding
+(`dlm_jax.executors.sharding`) and the planner (`dlm_jax.planner`). No JAX here: the planner
+reads a config and these rules alone, and the command line checks a mesh before JAX loads.
+
+Logical axes: `MODEL` (tensor parallel: attention heads, FFN neurons, vocabulary rows) and
+`EXPERT` (expert parallel: the routed experts of an MoE layer). A mesh maps each to one of its
+axes: training's mesh has `data` and `model` (no expert axis: experts are split over `model`
+by their neurons, as before), decoding's has `dp`, `ep` and `tp` (`MeshShape`).
+
+The rules are Megatron's: column-parallel q/k/v and FFN in-projections (each device holds whole
+heads, whole neurons), row-parallel o and down projections (their products summed over the
+axis), a vocabulary-parallel embedding and output head, routed experts split by expert over
+`EXPERT` and by neuron over `MODEL`. A parameter no rule names, or a dimension the axis does
+not divide, is replicated (`leaf_axes`): the norms, the router, the biases of row-parallel
+layers, quantization scales of row-parallel kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+
+from dlm_jax._errors import ConfigError
+
+MODEL, EXPERT = "model", "expert"
+
+_COL = r"(kernel|qkernel)$"
+PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"attn\.(q|k|v)_proj\." + _COL, (None, MODEL)),
+    (r"attn\.(q|k|v)_proj\.(bias|scale)$", (MODEL,)),
+    (r"attn\.o_proj\." + _COL, (MODEL, None)),
+    (r"(ffn|shared)\.(gate|up)_proj\." + _COL, (None, MODEL)),
+    (r"(ffn|shared)\.(gate|up)_proj\.scale$", (MODEL,)),
+    (r"(ffn|shared)\.down_proj\." + _COL, (MODEL, None)),
+    (r"ffn\.(gate|up)$", (EXPERT, None, MODEL)),
+    (r"ffn\.(gate|up)_scale$", (EXPERT, MODEL)),
+    (r"ffn\.down$", (EXPERT, MODEL, None)),
+    (r"ffn\.down_scale$", (EXPERT, None)),
+    (r"lm_head\." + _COL, (None, MODEL)),
+    (r"lm_head\.scale$", (MODEL,)),
+    (r"embed\.embedding$", (MODEL, None)),
+)
+
+
+def param_name(path: Sequence) -> str:
+    """The dotted name (`layers.0.attn.q_proj.kernel`) of a parameter's pytree path (JAX's key
+    objects, or plain strings and ints); an nnx Variable's trailing `value` is left out."""
+    parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    return ".".join(parts[:-1] if parts and parts[-1] == "value" else parts)
+
+
+def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
+    """The logical axis of each dimension of parameter `name` (None: not split), by the first
+    rule whose pattern matches and whose rank is `ndim` or `ndim - 1` (a scanned stack's leading
+    [L] axis, never split)."""
+    for pattern, spec in PARTITION_RULES:
+        if re.search(pattern, name):
+            if len(spec) == ndim:
+                return spec
+            if len(spec) == ndim - 1:
+                return (None, *spec)
+    return (None,) * ndim
+
+
+def leaf_axes(name: str, shape: Sequence[int], axes: Mapping[str, tuple[str, int]], *,
+              transposed: bool = False) -> tuple[str | None, ...]:
+    """The mesh axis splitting each dimension of parameter `name` of `shape` on a mesh whose
+    logical axes map to (mesh axis, size) in `axes` (a logical axis absent or of size 1 splits
+    nothing); a dimension the size does not divide stays whole. `transposed`: a 2-D leaf held
+    [out, in] (the JAX executor's CPU layout), whose rule is read reversed."""
+    logical = logical_axes(name, len(shape))
+    if transposed:
+        logical = logical[::-1]
+    out = []
+    for dim, ax in zip(shape, logical):
+        mesh_axis, size = axes.get(ax, (None, 1)) if ax is not None else (None, 1)
+        out.append(mesh_axis if size > 1 and dim % size == 0 else None)
+    return tuple(out)
+
+
+def split_factor(spec: Sequence[str | None], sizes: Mapping[str, int]) -> int:
+    """How many ways a leaf with mesh axes `spec` is split (its bytes per device: total / this)."""
+    n = 1
+    for ax in spec:
+        if ax is not None:
+            n *= sizes[ax]
+    return n
+
+
+MESH_AXES = ("tp", "ep", "dp")  # as `--mesh` spells them
+MESH_ORDER = ("dp", "ep", "tp")  # the device grid's order: tp innermost (neighbouring devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """A decode mesh: `tp` tensor-parallel (heads, neurons, vocabulary), `ep` expert-parallel
+    (routed experts), `dp` data-parallel replicas (the K/V cache's rows and a step's batch rows).
+    It takes tp * ep * dp devices."""
+
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+
+    @classmethod
+    def parse(cls, text: str | Mapping[str, int] | MeshShape) -> MeshShape:
+        """`tp=N[,ep=M][,dp=K]` (any order; a missing axis is 1), a mapping of the same, or a
+        `MeshShape`; anything else is refused in one line."""
+        if isinstance(text, MeshShape):
+            return text
+        if isinstance(text, Mapping):
+            items = list(text.items())
+        else:
+            items = []
+            for part in str(text).replace(" ", "").split(","):
+                if not part:
+                    continue
+                key, eq, value = part.partition("=")
+                if not eq:
+                    raise ConfigError(f"mesh {text!r}: {part!r} is not axis=size (axes: {', '.join(MESH_AXES)})")
+                items.append((key, value))
+            if not items:
+                raise ConfigError(f"mesh {text!r}: give at least one axis, e.g. tp=2")
+        sizes: dict[str, int] = {}
+        for key, value in items:
+            if key not in MESH_AXES:
+                raise ConfigError(f"mesh {text!r}: unknown axis {key!r}; known: {', '.join(MESH_AXES)}")
+            if key in sizes:
+                raise ConfigError(f"mesh {text!r}: axis {key} given twice")
+            whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+                isinstance(value, str) and value.isdigit())
+            if not whole or int(value) < 1:
+                raise ConfigError(f"mesh {text!r}: {key}={value!r} must be a whole number >= 1")
+            sizes[key] = int(value)
+        return cls(**sizes)
+
+    def __post_init__(self) -> None:
+        for ax in MESH_AXES:
+            v = getattr(self, ax)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"mesh {ax}={v!r} must be a whole number >= 1")
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.ep * self.dp
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "ep": self.ep, "dp": self.dp}
+
+    @property
+    def logical(self) -> dict[str, tuple[str, int]]:
+        """The logical axes of `PARTITION_RULES` on this mesh (`leaf_axes`'s `axes`)."""
+        return {MODEL: ("tp", self.tp), EXPERT: ("ep", self.ep)}
+
+    def __str__(self) -> str:
+        return ",".join(f"{ax}={getattr(self, ax)}" for ax in MESH_AXES
+                        if getattr(self, ax) > 1 or ax == "tp")
+
+    def check(self, config, *, devices: int | None = None, expert_slots: int | None = None) -> None:
+        """Refuse, in one line naming the axis and the sizes, a mesh that does not divide the
+        model's query or K/V heads (tp), its routed experts or expert slots (ep), or that needs
+        more than `devices` devices."""
+        if self.tp > 1:
+            for what, n in (("attention heads (n_heads)", config.n_heads),
+                            ("K/V heads (n_kv_heads)", config.n_kv_heads)):
+                if n % self.tp:
+                    raise ConfigError(f"mesh tp={self.tp} does not divide the model's {n} {what}")
+        if self.ep > 1:
+            if not config.n_experts:
+                raise ConfigError(f"mesh ep={self.ep}: the model has no routed experts to split (ffn={config.ffn!r})")
+            if config.n_experts % self.ep:
+                raise ConfigError(f"mesh ep={self.ep} does not divide the model's {config.n_experts} routed experts")
+            if expert_slots is not None and expert_slots % self.ep:
+                raise ConfigError(f"mesh ep={self.ep} does not divide the {expert_slots} expert slots "
+                                  f"(expert_slots) of each split layer")
+        if devices is not None and self.size > devices:
+            raise ConfigError(f"mesh {self} needs {self.size} devices (tp*ep*dp = {self.tp}*{self.ep}*{self.dp}); "
+                              f"{devices} available")
+
+
+def cache_axes(mesh: MeshShape, rows: int) -> tuple[str | None, ...]:
+    """The mesh axes of a K/V cache [L, rows, Hkv, S, Dh]: K/V heads over tp, rows over dp (when
+    dp divides them; a step of fewer rows keeps them whole)."""
+    return (None, "dp" if mesh.dp > 1 and rows % mesh.dp == 0 else None, "tp" if mesh.tp > 1 else None, None, None)
