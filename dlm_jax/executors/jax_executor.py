@@ -33,7 +33,8 @@ from dlm_jax._errors import ConfigError
 from dlm_jax.executors._compile import CompiledBuckets
 from dlm_jax._config import ModelConfig
 from dlm_jax.models._scan import ScannedTransformer, choose_layers
-from dlm_jax.models._transformer import ATTENTION_FORMS, Transformer, attention_form
+from dlm_jax._partition import param_name
+from dlm_jax.models._transformer import ATTENTION_FORMS, Transformer, attention_form, expert_mesh
 from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, Transfers
 from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, BuildCounts, Capabilities, Executor,
@@ -194,6 +195,33 @@ def _split_layers(model: Transformer, paths) -> dict[int, _SplitLayer]:
     return out
 
 
+def _placement(mesh, model: Transformer, slots: dict):
+    """The `MeshPlacement` of `mesh` for `model`, refused in one line where it does not divide
+    the model (`MeshShape.check`) or cannot run it yet."""
+    from dlm_jax._partition import MeshShape
+    from dlm_jax.executors.sharding import MeshPlacement
+
+    placement = mesh if isinstance(mesh, MeshPlacement) else MeshPlacement(MeshShape.parse(mesh))
+    shape = placement.shape
+    slot_count = next(iter(slots.values())).resident.size if slots else None
+    shape.check(model.config, devices=placement.mesh.devices.size, expert_slots=slot_count)
+    if (shape.tp > 1 or shape.ep > 1) and getattr(model, "quant", None) and model.config.ffn == "moe":
+        raise ConfigError(f"mesh {shape} with weight-only quantized experts (quant={model.quant!r}) is not "
+                          f"supported yet; drop one of them")
+    return placement
+
+
+def _sharded_leaf(placement, leaf, sharding, transposed: bool):
+    """A parameter on its shards, transposed ([out, in]) where the executor holds it so: put on the
+    mesh first, then transposed there, each device its own shard."""
+    if not transposed:
+        return placement.put(leaf, sharding)
+    spec = sharding.spec
+    placed = placement.put(leaf, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+        *tuple(spec)[::-1]) if len(spec) else spec))
+    return jax.jit(lambda a: a.T, out_shardings=sharding)(placed)
+
+
 def top2(probs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(argmax, max, runner-up) over the last axis, as `jax.lax.top_k(probs, 2)` gives them
     (ties: the lower index first; a tied runner-up equals the max), from two max reductions:
@@ -290,7 +318,7 @@ class DeviceKVCache(KVCache):
         # Host mirrors of the slot positions and validity (`assign` edits a row and uploads again).
         self._pos = pad_axis(np.asarray(positions, np.int32), self._slots, axis=1)
         self._ok = pad_axis(np.asarray(valid, bool), self._slots, axis=1, value=False)
-        self.pos, self.valid = jax.device_put(self._pos), jax.device_put(self._ok)
+        self.pos, self.valid = executor._put(self._pos), executor._put(self._ok)
         self.transfers = Transfers(opened=self._pos.nbytes + self._ok.nbytes)
         self._writer: JaxExecutor = executor  # whose scatter programs `write` uses
         self.shared = False  # rows handed to requests (`assign`): an engine's cache, stepped by pooled programs
@@ -321,9 +349,9 @@ class DeviceKVCache(KVCache):
         self._pos[row, :n] = positions
         self._ok[row] = False
         self._ok[row, :n] = valid
-        self.pos, self.valid = jax.device_put(self._pos), jax.device_put(self._ok)
+        self.pos, self.valid = self.executor._put(self._pos), self.executor._put(self._ok)
         clear = self._writer._clears.get((self.rows, self._slots))
-        self.k, self.v, self.written = clear(self.k, self.v, self.written, np.int32(row))
+        self.k, self.v, self.written = clear(self.k, self.v, self.written, self.executor._put(np.int32(row)))
         self.transfers.add(self._pos.nbytes + self._ok.nbytes, 0)
 
     def _resident_key(self, req: SlotStep) -> tuple:
@@ -343,20 +371,20 @@ class DeviceKVCache(KVCache):
         ex = self.executor
         program = ex._resident.get(self._resident_key(req))
         given = req.arrays()
-        arrays = [given[n] for n in request_names(ex.gated)]
+        arrays = ex._send([given[n] for n in request_names(ex.gated)])
         names = [n for n in output_names(req.key) if n not in ("k_new", "v_new")]
         if timings is None:
             named, self.k, self.v, self.written = program(ex._leaves, self.k, self.v, self.written, self.pos,
                                                           self.valid, *arrays)
-            fetched = jax.device_get({n: named[n] for n in names})
+            fetched = ex._get({n: named[n] for n in names})
         else:
             t0 = time.perf_counter()
-            args = jax.block_until_ready(jax.device_put(arrays))
+            args = jax.block_until_ready(ex._send(arrays, put=True))
             t1 = time.perf_counter()
             named, self.k, self.v, self.written = jax.block_until_ready(
                 program(ex._leaves, self.k, self.v, self.written, self.pos, self.valid, *args))
             t2 = time.perf_counter()
-            fetched = jax.device_get({n: named[n] for n in names})
+            fetched = ex._get({n: named[n] for n in names})
             timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
         out = {n: np.asarray(v) for n, v in fetched.items()}
         self.transfers.add(req.nbytes, sum(v.nbytes for v in out.values()))
@@ -367,16 +395,17 @@ class DeviceKVCache(KVCache):
         the cache); the returned callable runs the step over them on `executor`'s programs."""
         key = req.key
         gather = executor._gathers.get((key.batch, key.cache, self._slots, req.written_only, self.rows))
-        view = gather(self.k, self.v, self.pos, self.valid, self.written, req.read, req.lengths(), req.cache_rows())
+        view = gather(self.k, self.v, self.pos, self.valid, self.written,
+                      *executor._send([req.read, req.lengths(), req.cache_rows()]))
         self._writer = executor
         given = req.arrays()
-        arrays = [given[n] for n in VIEW_NAMES + ((LORA_GATE.name,) if executor.gated else ())]
+        arrays = executor._send([given[n] for n in VIEW_NAMES + ((LORA_GATE.name,) if executor.gated else ())])
         names = [n for n in output_names(key) if n not in ("k_new", "v_new")]
         transfers = self.transfers
 
         def run() -> StepOutputs:
             named = executor._views.get(key)(executor._leaves, *view, *arrays)
-            out = {n: np.asarray(v) for n, v in jax.device_get({n: named[n] for n in names}).items()}
+            out = executor._get({n: named[n] for n in names})
             transfers.add(req.read.nbytes + req.lengths().nbytes + req.cache_rows().nbytes + sum(a.nbytes for a in arrays),
                           sum(v.nbytes for v in out.values()))
             return StepOutputs(**out, kv=(named["k_new"], named["v_new"]))
@@ -391,7 +420,8 @@ class DeviceKVCache(KVCache):
                          value=-1)
         at = np.arange(write.shape[0], dtype=np.int32) if at is None else np.asarray(at, np.int32)
         scatter = self._writer._scatters.get((write.shape[0], width, self._slots, self.rows))
-        self.k, self.v, self.written = scatter(self.k, self.v, self.written, k_new, v_new, write, at)
+        self.k, self.v, self.written = scatter(self.k, self.v, self.written, k_new, v_new,
+                                               *self._writer._send([write, at]))
         self.transfers.add(write.nbytes + at.nbytes, 0)
 
     def close(self) -> None:
@@ -413,10 +443,16 @@ class JaxExecutor(Executor):
     longer take adapters or split experts, and a model whose blocks differ is refused.
 
     `attention`: how a decode's step reads its resident cache (`RESIDENT_ATTENTION`); default
-    `$DLM_JAX_ATTENTION`, else `default_attention()`."""
+    `$DLM_JAX_ATTENTION`, else `default_attention()`.
+
+    `mesh`: decode on a device mesh (`dlm_jax._partition.MeshShape`, its `tp=2,ep=2` text, or a
+    `dlm_jax.executors.sharding.MeshPlacement` over chosen devices): the parameters split by the
+    partition rules training uses, the K/V cache by its heads (and rows over dp), every program
+    compiled with those shardings (`dlm_jax.executors.sharding`); the host runtime sends and
+    receives the same arrays as on one device. None: the default device, as before."""
 
     def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None, layers: str | None = None,
-                 attention: str | None = None, rows: str | None = None):
+                 attention: str | None = None, rows: str | None = None, mesh=None):
         from dlm_jax.techniques.isd.lora import lora_spec
 
         rows_from_env = rows is None and bool(os.environ.get(ROWS_ENV))
@@ -450,21 +486,96 @@ class JaxExecutor(Executor):
         # Elsewhere (GPU) the kernels stay as stored: no second copy of the weights.
         cpu = jax.default_backend() == "cpu"
         self._transposed = tuple(cpu and _is_kernel(path, leaf) for path, leaf in paths)
-        self._leaves = [_transposed(leaf) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
         self._slots = _split_layers(model, paths) if self.layers == "unrolled" else {}
         if self._slots:
             s = next(iter(self._slots.values())).resident.size
             self._capabilities = dataclasses.replace(self._capabilities, expert_slots=s)
+        self.placement = None if mesh is None else _placement(mesh, model, self._slots)
+        if self.placement is None:
+            self._leaves = [_transposed(leaf) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
+        else:  # each leaf placed on its shards (transposed there: no whole copy on one device)
+            self._leaf_shardings = [self.placement.leaf(param_name(path), leaf.shape[::-1] if t else leaf.shape,
+                                                        transposed=t)
+                                    for (path, leaf), t in zip(paths, self._transposed)]
+            self._leaves = [_sharded_leaf(self.placement, leaf, sharding, t)
+                            for (_, leaf), sharding, t in zip(paths, self._leaf_shardings, self._transposed)]
         self._new_programs()
 
     def _new_programs(self) -> None:
-        self._programs = CompiledBuckets(self._build)  # the dense step (the contract, bundles' reference)
-        self._resident = CompiledBuckets(self._build_resident)  # (key, slots): a decode's step
-        self._views = CompiledBuckets(self._build_view)  # key: a CPU path's step over gathered slots
-        self._gathers = CompiledBuckets(self._build_gather)  # (batch, read, slots, written_only, cache rows)
-        self._scatters = CompiledBuckets(self._build_scatter)  # (batch, width, slots, cache rows)
-        self._allocs = CompiledBuckets(self._build_alloc)  # (batch, slots): a decode's empty cache
-        self._clears = CompiledBuckets(self._build_clear)  # (cache rows, slots): `DeviceKVCache.assign`
+        m = self._meshed
+        self._programs = CompiledBuckets(m(self._build))  # the dense step (the contract, bundles' reference)
+        self._resident = CompiledBuckets(m(self._build_resident, lambda spec: (
+            None, *self._cache_out(spec[2] if len(spec) > 2 else spec[0].batch))))  # (key, slots): a decode's step
+        self._views = CompiledBuckets(m(self._build_view))  # key: a CPU path's step over gathered slots
+        self._gathers = CompiledBuckets(m(self._build_gather))  # (batch, read, slots, written_only, cache rows)
+        self._scatters = CompiledBuckets(m(self._build_scatter, lambda spec: self._cache_out(spec[3])))  # (batch, width, slots, cache rows)
+        self._allocs = CompiledBuckets(m(self._build_alloc, lambda spec: self._cache_out(spec[0])))  # (batch, slots): a decode's empty cache
+        self._clears = CompiledBuckets(m(self._build_clear, lambda spec: self._cache_out(spec[0])))  # (cache rows, slots): `DeviceKVCache.assign`
+
+    # -- the mesh (`dlm_jax.executors.sharding`); each is the one-device behaviour without one --
+
+    def _cache_out(self, rows: int) -> tuple:
+        """Output shardings of (K, V, written) of a cache of `rows` rows."""
+        p = self.placement
+        return p.cache(rows), p.cache(rows), p.replicated
+
+    def _meshed(self, build, outputs=None):
+        """`build` as it runs on this executor's mesh: its program traced with the MoE layers'
+        experts split over the mesh (`expert_mesh`), every argument spec without a sharding
+        replicated, and its outputs replicated except where `outputs(spec)` names a sharding
+        (a pytree prefix of the outputs; None entries replicated)."""
+        if self.placement is None:
+            return build
+        placement = self.placement
+
+        def meshed(spec):
+            fn, specs, *options = build(spec)
+            options = dict(options[0]) if options else {}
+
+            def traced(*args):
+                with expert_mesh(placement.mesh):
+                    return fn(*args)
+
+            specs = tuple(placement.spec(s) if isinstance(s, jax.ShapeDtypeStruct) and s.sharding is None else s
+                          for s in specs)
+            outs = placement.replicated if outputs is None else tuple(
+                placement.replicated if o is None else o for o in outputs(spec))
+            return traced, specs, {**options, "out_shardings": outs}
+
+        return meshed
+
+    def _row_specs(self, specs) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Per-row input specs [B, ...] with their mesh sharding (`MeshPlacement.batch`)."""
+        if self.placement is None:
+            return tuple(specs)
+        return tuple(self.placement.spec(s, self.placement.batch(s.shape)) for s in specs)
+
+    def _put(self, x) -> jax.Array:
+        """A host array on the device (replicated over the mesh)."""
+        return jax.device_put(x) if self.placement is None else self.placement.put(x)
+
+    def _send(self, arrays, *, put: bool = False, rows: bool = True):
+        """A step's host arrays as its program takes them: as they are on one device (or put
+        there with `put`), per-row arrays with their mesh sharding (`rows`; else replicated)
+        on a mesh of several processes, whose programs take global arrays only."""
+        p = self.placement
+        if p is None:
+            return jax.device_put(list(arrays)) if put else arrays
+        if p.processes == 1 and not put:
+            return arrays
+        return [x if isinstance(x, jax.Array) else p.put(x, p.batch(np.shape(x)) if rows else None) for x in arrays]
+
+    def _get(self, named: dict) -> dict[str, np.ndarray]:
+        """Outputs on the host (a mesh's replicated outputs read from a local replica)."""
+        if self.placement is None:
+            return {n: np.asarray(v) for n, v in jax.device_get(named).items()}
+        return {n: self.placement.fetch(v) for n, v in named.items()}
+
+    def param_bytes_per_device(self) -> dict:
+        """{device: bytes of the parameters it holds} (one entry without a mesh)."""
+        if self.placement is None:
+            return {"default": sum(getattr(leaf, "nbytes", 0) for leaf in self._leaves)}
+        return self.placement.per_device_bytes(self._leaves)
 
     @property
     def _all_programs(self) -> tuple[CompiledBuckets, ...]:
@@ -489,13 +600,17 @@ class JaxExecutor(Executor):
             held.resident[free] = incoming
             cpu = held.cpu
             for index, host in zip(held.weights, (cpu.gate, cpu.up, cpu.down)):
-                self._leaves[index] = self._leaves[index].at[free].set(jnp.asarray(host[incoming],
-                                                                                     self._leaves[index].dtype))
+                self._leaves[index] = self._keep_sharding(index, self._leaves[index].at[free].set(
+                    jnp.asarray(host[incoming], self._leaves[index].dtype)))
             slot_of = np.full(len(cpu.gate), -1, np.int32)
             slot_of[held.resident] = np.arange(len(held.resident), dtype=np.int32)
-            self._leaves[held.slot_map] = jnp.asarray(slot_of)
+            self._leaves[held.slot_map] = self._keep_sharding(held.slot_map, jnp.asarray(slot_of))
             moved += len(incoming) * cpu.expert_bytes
         return moved
+
+    def _keep_sharding(self, index: int, leaf: jax.Array) -> jax.Array:
+        """A replaced leaf back on its mesh sharding (what the compiled programs take)."""
+        return leaf if self.placement is None else self.placement.put(leaf, self._leaf_shardings[index])
 
     @property
     def engine_padding(self) -> str:
@@ -529,7 +644,9 @@ class JaxExecutor(Executor):
     def _cache_specs(self, batch: int, slots: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         cfg = self.config
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, slots, cfg.head_dim)  # heads first: see `DeviceKVCache`
-        return (jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)), jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype)),
+        kv = None if self.placement is None else self.placement.cache(batch)
+        return (jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=kv),
+                jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=kv),
                 jax.ShapeDtypeStruct((batch, slots), bool), jax.ShapeDtypeStruct((batch, slots), jnp.int32),
                 jax.ShapeDtypeStruct((batch, slots), bool))
 
@@ -599,14 +716,14 @@ class JaxExecutor(Executor):
                                                  rows)
             return named, k_res, v_res, written
 
-        return program, (self._leaves, *self._cache_specs(pool, slots), *device_specs(key, self.gated)), {
+        return program, (self._leaves, *self._cache_specs(pool, slots), *self._row_specs(device_specs(key, self.gated))), {
             "donate_argnums": (1, 2, 3)}
 
     def _build_view(self, key: BucketKey):
         cfg = self.config
         kv = jax.ShapeDtypeStruct((cfg.n_layers, key.batch, key.cache, cfg.n_kv_heads, cfg.head_dim),
                                   jnp.dtype(cfg.dtype))
-        view_inputs = [s for n, s in zip(request_names(self.gated), device_specs(key, self.gated))
+        view_inputs = [s for n, s in zip(request_names(self.gated), self._row_specs(device_specs(key, self.gated)))
                        if n not in ("read", "read_len", "write", "rows")]
         return self._view_fn(key), (self._leaves, kv, kv, jax.ShapeDtypeStruct((key.batch, key.cache), jnp.int32),
                                     jax.ShapeDtypeStruct((key.batch, key.cache), bool), *view_inputs)
@@ -619,8 +736,9 @@ class JaxExecutor(Executor):
                                written_only=written_only)
 
         k, v, written, pos, valid = self._cache_specs(pool, slots)
-        return gather, (k, v, pos, valid, written, jax.ShapeDtypeStruct((batch, read), jnp.int32),
-                        jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
+        return gather, (k, v, pos, valid, written, *self._row_specs((
+            jax.ShapeDtypeStruct((batch, read), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))))
 
     def _build_alloc(self, spec: tuple[int, int]):
         batch, slots = spec
@@ -636,8 +754,9 @@ class JaxExecutor(Executor):
         cfg = self.config
         k, v, written, _, _ = self._cache_specs(pool, slots)
         new = jax.ShapeDtypeStruct((cfg.n_layers, batch, width, cfg.n_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
-        return scatter_rows, (k, v, written, new, new, jax.ShapeDtypeStruct((batch, width), jnp.int32),
-                              jax.ShapeDtypeStruct((batch,), jnp.int32)), {"donate_argnums": (0, 1, 2)}
+        return scatter_rows, (k, v, written, new, new, *self._row_specs((
+            jax.ShapeDtypeStruct((batch, width), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32)))), {
+            "donate_argnums": (0, 1, 2)}
 
     def _build_clear(self, spec: tuple[int, int]):
         pool, slots = spec
@@ -758,14 +877,14 @@ class JaxExecutor(Executor):
                 raise ValueError("this executor's model has LoRA adapters: every step needs a lora_gate")
             arrays = (*arrays, inputs.lora_gate)
         if timings is None:
-            out = program(self._leaves, *arrays)
-            fetched = jax.device_get({n: out[n] for n in names})
+            out = program(self._leaves, *self._send(arrays, rows=False))
+            fetched = self._get({n: out[n] for n in names})
         else:
             t0 = time.perf_counter()
-            args = jax.block_until_ready(jax.device_put(arrays))
+            args = jax.block_until_ready(self._send(arrays, put=True, rows=False))
             t1 = time.perf_counter()
             out = jax.block_until_ready(program(self._leaves, *args))
             t2 = time.perf_counter()
-            fetched = jax.device_get({n: out[n] for n in names})
+            fetched = self._get({n: out[n] for n in names})
             timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
         return StepOutputs.from_named({n: np.asarray(v) for n, v in fetched.items()})

@@ -414,6 +414,53 @@ def _top_k(x: jax.Array, k: int) -> jax.Array:
     return jnp.stack(picked, axis=-1)
 
 
+# The mesh the routed experts are split over while a program is traced (`expert_mesh`): None on
+# one device.
+_EXPERT_MESH = contextvars.ContextVar("dlm_jax_expert_mesh", default=None)
+
+
+@contextlib.contextmanager
+def expert_mesh(mesh) -> Iterator[None]:
+    """Trace MoE layers inside this context with their routed experts split over `mesh` (a
+    `jax.sharding.Mesh` with axes "ep" and "tp", as the partition rules split them:
+    `dlm_jax._partition`), computed by `sharded_experts`."""
+    token = _EXPERT_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _EXPERT_MESH.reset(token)
+
+
+def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,
+                    down: jax.Array) -> jax.Array:
+    """`experts(x, routing, gate, up, down)` with the expert weights split over `mesh`: each
+    device holds E / ep experts ("ep") and F / tp of their neurons ("tp"), sees every row (the
+    rows and their routing are replicated: a decode step's rows are few), computes the
+    assignments to its own experts (the others marked -1, which `dispatch_experts` skips) over
+    its own neurons, and the partial outputs are summed over the axes the weights are split
+    on (one all-reduce per layer). Rows [N, D] -> [N, D], replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    from dlm_jax._partition import EXPERT, MODEL, leaf_axes
+
+    sizes = dict(mesh.shape)
+    logical = {MODEL: ("tp", sizes.get("tp", 1)), EXPERT: ("ep", sizes.get("ep", 1))}
+    specs = [leaf_axes(f"ffn.{name}", w.shape, logical) for name, w in (("gate", gate), ("up", up), ("down", down))]
+    split_experts, split_neurons = specs[0][0], specs[0][2]  # "ep" / "tp" or None (not divisible: whole)
+
+    def local(x, ids, weights, g, u, d):
+        if split_experts is not None:
+            first = jax.lax.axis_index("ep") * g.shape[0]
+            mine = (ids >= first) & (ids < first + g.shape[0])
+            ids, weights = jnp.where(mine, ids - first, -1), jnp.where(mine, weights, 0.0)
+        out = experts(x, Routing(ids, weights), g, u, d)
+        axes = tuple(a for a in (split_experts, split_neurons) if a is not None)
+        return jax.lax.psum(out, axes) if axes else out
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *(P(*s) for s in specs)), out_specs=P(),
+                         check_vma=False)(x, routing.experts, routing.weights, gate, up, down)
+
+
 class ExpertSlotMap(nnx.Variable):
     """[E] int32: the slot of each routed expert in a split layer's slot buffers, -1 if none."""
 
@@ -464,7 +511,12 @@ class MoEFFN(nnx.Module):
         if self.slot_of is not None:
             slot = self.slot_of[...][routing.experts]
             resident = Routing(slot, jnp.where(slot >= 0, routing.weights, 0.0))
-        out = experts(flat, resident, *(self.expert_weights(name, dt) for name in ("gate", "up", "down")))
+        weights = [self.expert_weights(name, dt) for name in ("gate", "up", "down")]
+        mesh = _EXPERT_MESH.get()
+        if mesh is None:
+            out = experts(flat, resident, *weights)
+        else:
+            out = sharded_experts(mesh, experts, flat, resident, *weights)
         if self.slot_of is not None:  # the misses, on the host, added at the layer output
             out = out + jax.pure_callback(self.cpu_experts, jax.ShapeDtypeStruct(flat.shape, dt), flat,
                                           routing.experts, routing.weights, resident.experts < 0)

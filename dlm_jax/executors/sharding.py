@@ -1,0 +1,94 @@
+"""Where the JAX executor's arrays live on a device mesh (`JaxExecutor(mesh=...)`).
+
+The mesh is `jax.sharding.Mesh` over tp * ep * dp devices with axes ("dp", "ep", "tp")
+(`dlm_jax._partition.MeshShape`). Parameters are split by the partition rules training uses
+(`dlm_jax._partition.leaf_axes`), the K/V cache [L, rows, Hkv, S, Dh] by its K/V heads over tp
+and its rows over dp (`cache_axes`), a step's per-row inputs by their batch rows over dp, and
+everything else (the slot positions, validity, what each step returns) is replicated. The
+compiled programs take these shardings as their in/out shardings and XLA's SPMD partitioner
+inserts the collectives: the row-parallel projections' all-reduce, the vocabulary-parallel
+embedding's and head's reductions; the MoE layers' routed experts run under `shard_map`
+(`dlm_jax.models._transformer.sharded_experts`).
+
+Several processes (`jax.distributed.initialize`): each drives its own devices of the one mesh
+and runs the same host loop on the same inputs (every decision of the host runtime is a
+deterministic function of the step outputs, which are replicated), so nothing but the compiled
+programs' collectives crosses processes. Host arrays enter as global arrays built from each
+process's identical copy (`put`), and outputs are read from the local replica (`fetch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dlm_jax._partition import MESH_ORDER, MeshShape, cache_axes, leaf_axes
+
+
+class MeshPlacement:
+    """The mesh of a `MeshShape` over `devices` (default: all of `jax.devices()`, every process's)
+    and the sharding of each kind of array the executor holds or sends."""
+
+    def __init__(self, shape: MeshShape, devices: Sequence | None = None):
+        devices = list(jax.devices() if devices is None else devices)
+        if shape.size > len(devices):
+            from dlm_jax._errors import ConfigError
+
+            raise ConfigError(f"mesh {shape} needs {shape.size} devices (tp*ep*dp); {len(devices)} available "
+                              f"({devices[0].platform})")
+        self.shape = shape
+        grid = np.asarray(devices[: shape.size], dtype=object).reshape([getattr(shape, ax) for ax in MESH_ORDER])
+        self.mesh = Mesh(grid, MESH_ORDER)
+        self.replicated = NamedSharding(self.mesh, P())
+        self.processes = len({d.process_index for d in grid.flat})
+
+    def __repr__(self) -> str:
+        return f"MeshPlacement({self.shape}, {self.mesh.devices.size} devices)"
+
+    def leaf(self, name: str, shape: Sequence[int], *, transposed: bool = False) -> NamedSharding:
+        """A parameter's sharding (`leaf_axes` of the shared rules)."""
+        return NamedSharding(self.mesh, P(*leaf_axes(name, shape, self.shape.logical, transposed=transposed)))
+
+    def cache(self, rows: int) -> NamedSharding:
+        """K or V [L, rows, Hkv, S, Dh]."""
+        return NamedSharding(self.mesh, P(*cache_axes(self.shape, rows)))
+
+    def batch(self, shape: Sequence[int]) -> NamedSharding:
+        """A step's per-row array [B, ...]: rows over dp where dp divides B, else replicated."""
+        dp = self.shape.dp
+        if dp > 1 and len(shape) and shape[0] % dp == 0:
+            return NamedSharding(self.mesh, P("dp"))
+        return self.replicated
+
+    def spec(self, spec: jax.ShapeDtypeStruct, sharding: NamedSharding | None = None) -> jax.ShapeDtypeStruct:
+        """`spec` with a sharding (default: replicated)."""
+        return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding or self.replicated)
+
+    def put(self, x, sharding: NamedSharding | None = None) -> jax.Array:
+        """A host (or single-device) array as a global array of `sharding` (default: replicated).
+        With several processes, each builds its devices' shards from its own copy of `x`, which
+        every process holds alike (the same deterministic host loop)."""
+        sharding = sharding or self.replicated
+        if self.processes == 1:
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    @staticmethod
+    def fetch(x: jax.Array) -> np.ndarray:
+        """A replicated output as a host array, read from a replica on this process's devices."""
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(x.addressable_data(0))
+
+    def per_device_bytes(self, arrays) -> dict:
+        """{device: bytes of `arrays`' shards on it} (what each device of the mesh holds)."""
+        out: dict = {}
+        for a in arrays:
+            for shard in a.addressable_shards:
+                out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+        return out
