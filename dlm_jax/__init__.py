@@ -52,6 +52,7 @@ _EXPORTS = {
     "Completion": "dlm_jax._engine",
     "GenerateResult": "dlm_jax._model",
     "load": "dlm_jax.api",
+    "MeshShape": "dlm_jax._partition",
     "CheckpointError": "dlm_jax._errors",
     "InputError": "dlm_jax._errors",
     "ModelConfig": "dlm_jax._config",

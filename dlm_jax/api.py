@@ -24,14 +24,16 @@ class ExecutorFactory(Protocol):
     def __call__(self, model: Transformer, *, source: str | os.PathLike) -> Executor: ...
 
 
-def jax_executor(model: Transformer, *, source: str | os.PathLike = "", layers: str | None = None) -> Executor:
+def jax_executor(model: Transformer, *, source: str | os.PathLike = "", layers: str | None = None,
+                 mesh=None) -> Executor:
     """The JAX executor over `model` (`dlm_jax.executors.jax_executor.JaxExecutor`: compiled per bucket;
-    `layers` "unrolled" or "scan", default `$DLM_JAX_LAYERS`)."""
+    `layers` "unrolled" or "scan", default `$DLM_JAX_LAYERS`; `mesh` a `MeshPlacement` or
+    `MeshShape`: decoding on a device mesh)."""
     from dlm_jax.executors._compile import enable_default_cache
     from dlm_jax.executors.jax_executor import JaxExecutor
 
     enable_default_cache()  # compiled buckets persist across processes
-    return JaxExecutor(model, layers=layers)
+    return JaxExecutor(model, layers=layers, mesh=mesh)
 
 
 def litert_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
@@ -88,7 +90,7 @@ def resolve_executor(name: str | None, config: ModelConfig) -> str:
 
 def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = True, executor: str | None = None,
          lora: str | os.PathLike | None = None, expert_slots: int | None = None, quant: str | None = None,
-         **overrides: Any) -> Model:
+         mesh=None, **overrides: Any) -> Model:
     """Load a checkpoint directory (model + tokenizer) ready to generate.
 
     Args:
@@ -125,6 +127,16 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
         `expert_slots`. A checkpoint saved quantized (`save_pretrained` of such a model, config
         `weight_quant`) loads quantized from its stored int8 / fp8 weights and scales; another
         `quant` than the stored one is refused.
+      mesh: decode on a device mesh (docs/mesh.md): `"tp=N[,ep=M][,dp=K]"`, a
+        mapping of the same, a `dlm_jax.MeshShape`, or a `dlm_jax.executors.sharding.MeshPlacement`
+        over chosen devices. Tensor parallel (tp) splits attention heads, FFN neurons and the
+        vocabulary, expert parallel (ep) an MoE model's routed experts, data parallel (dp) the K/V
+        cache's rows and each step's batch rows; parameters stream from the files onto their
+        shards. A mesh that does not divide the heads, experts or devices, or whose per-device
+        share (`dlm_jax.planner`) does not fit a device's memory, is refused before any weight is
+        read. The JAX executor only ("auto" picks it). With several processes
+        (`jax.distributed.initialize` first) the mesh spans every process's devices and each
+        process runs the same decode.
       overrides: `ModelConfig` fields to change (`mask_token_id=N` for a checkpoint that
         declares none, `attention=...`, `dtype=...`).
 
@@ -150,7 +162,13 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
         if expert_slots is not None:
             raise ConfigError(f"quant={quant!r} with expert_slots={expert_slots} (split expert execution) is not "
                               f"supported; drop one of them")
-    model = load_pretrained(path, strict=strict, verify=verify, **overrides)
+    placement = None
+    if mesh is not None:  # checked against the config, the devices and their memory before any weight loads
+        if executor not in (None, AUTO, "jax"):
+            raise ConfigError(f"mesh {mesh}: mesh decoding runs on the JAX executor, not {executor!r}")
+        placement = mesh_placement(path, mesh, expert_slots=expert_slots, quant=quant, **overrides)
+        executor = "jax"
+    model = load_pretrained(path, strict=strict, verify=verify, placement=placement, **overrides)
     tokenizer = stored_tokenizer(path)
     name = resolve_executor(executor, model.config)
     if overrides and name == "jax-then-litert":
@@ -187,4 +205,32 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
 
         quantize(model, quant)  # after the adapters attach (they stay as stored)
     factory = EXECUTORS[name]
+    if placement is not None:
+        return Model(model, tokenizer, executor=jax_executor(model, source=path, mesh=placement))
     return Model(model, tokenizer, executor=factory(model, source=path))
+
+
+def mesh_placement(path, mesh, *, expert_slots: int | None = None, quant: str | None = None,
+                   batch: int = 1, context: int | None = None, **overrides: Any):
+    """The `MeshPlacement` a checkpoint at `path` decodes on: `mesh` parsed and checked against
+    the checkpoint's config (heads, K/V heads, experts, expert slots), the devices JAX sees, and
+    their memory (the planner's per-device share of weights, a K/V cache of `batch` rows of
+    `context` slots, default the model's `max_seq_len`, and activations). Reads the config
+    only; refuses in one line."""
+    from dlm_jax._partition import MeshShape
+    from dlm_jax.checkpoint._io import load_config
+
+    shape = MeshShape.parse(mesh) if not hasattr(mesh, "mesh") else mesh.shape
+    config = load_config(path, **overrides)[0]
+    import jax
+
+    shape.check(config, devices=jax.device_count(), expert_slots=expert_slots)
+    from dlm_jax.executors.sharding import MeshPlacement, device_memory
+    from dlm_jax.planner import check_fits
+
+    placement = mesh if hasattr(mesh, "mesh") else MeshPlacement(shape)
+    memory = device_memory(placement)
+    if memory is not None:
+        check_fits(config, shape, memory_bytes=memory, batch=batch,
+                   context=min(context or config.max_seq_len, config.max_seq_len), quant=quant)
+    return placement

@@ -173,7 +173,7 @@ def verify_checkpoint(path: str | os.PathLike, verify: bool | str = True) -> boo
 
 
 def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = True,
-                    **overrides: Any) -> Transformer:
+                    placement=None, **overrides: Any) -> Transformer:
     """Load an HF-layout checkpoint (any supported family) into a `Transformer`.
 
     Args:
@@ -183,6 +183,9 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
       verify: check the files `manifest.json` lists before reading anything (`verify_checkpoint`:
         weights by size and sha256, big ones by size and sampled chunks; "full": every byte of
         every file; hand-edited text files warn); a checkpoint without a manifest loads unchecked.
+      placement: a `dlm_jax.executors.sharding.MeshPlacement`: each parameter goes onto its
+        shards of the mesh as it loads (the partition rules, `dlm_jax._partition`), so no device
+        ever holds more than its share of the model plus the parameters in flight.
       overrides: `ModelConfig` fields to change after parsing (attention, logit_shift,
         mask_token_id, dtype, param_dtype, block_size, ...).
 
@@ -202,7 +205,8 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
     specs = param_shapes(cfg, quant=quant)
     quantized = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) in _QUANT_DTYPES)
     plan = _plan(path, cfg, family, {name: tuple(s.shape) for name, s in specs.items()}, quantized=quantized)
-    params = _stream.load_params(plan, {name: s.dtype for name, s in specs.items()})
+    place = None if placement is None else (lambda name, x: placement.put(x, placement.leaf(name, x.shape)))
+    params = _stream.load_params(plan, {name: s.dtype for name, s in specs.items()}, place=place)
     return model_from_params(cfg, params, quant=quant)
 
 

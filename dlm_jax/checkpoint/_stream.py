@@ -71,8 +71,9 @@ def to_param(x: np.ndarray | jax.Array, *, kind: str, dtype: np.dtype) -> np.nda
     return np.ascontiguousarray(_names.from_layout(kind, x), dtype=dtype)
 
 
-def load_param(name: str, infos: Sequence[TensorInfo], dtype: np.dtype) -> jax.Array:
-    """One parameter on the default device, ready; its host buffer is released on return.
+def load_param(name: str, infos: Sequence[TensorInfo], dtype: np.dtype, place=None) -> jax.Array:
+    """One parameter on the default device (or where `place(name, array)` puts it: a mesh's
+    shards), ready; its host buffer is released on return.
 
     A tensor under `DEVICE_TRANSFORM_BYTES` is transposed / cast on the host: NumPy does that
     in less time than compiling a device program for its shape would take (tiny models have
@@ -86,21 +87,24 @@ def load_param(name: str, infos: Sequence[TensorInfo], dtype: np.dtype) -> jax.A
         value = jax.device_put(to_param(host, kind=kind, dtype=dtype))
     else:
         value = to_param(jax.device_put(host), kind=kind, dtype=dtype)
+    if place is not None:
+        value = place(name, value)
     return value.block_until_ready()
 
 
 def load_params(plan: Mapping[str, Sequence[TensorInfo]], dtypes: Mapping[str, np.dtype], *,
-                workers: int | None = None) -> dict[str, jax.Array]:
+                workers: int | None = None, place=None) -> dict[str, jax.Array]:
     """{name: device array} for every parameter of `plan` (name -> its checkpoint tensors, in
     `_names.NameScheme.sources` order), each in `dtypes[name]`, read by `workers` threads
-    (default: one per core, at most `MAX_WORKERS`) in file order."""
+    (default: one per core, at most `MAX_WORKERS`) in file order; `place(name, array)`: where
+    each goes once loaded (default: the default device)."""
     workers = workers or min(MAX_WORKERS, os.cpu_count() or 1)
     order = sorted(plan, key=lambda n: (str(plan[n][0].path), plan[n][0].begin))
     if workers <= 1:
-        return {name: load_param(name, plan[name], dtypes[name]) for name in order}
+        return {name: load_param(name, plan[name], dtypes[name], place) for name in order}
     pool = ThreadPoolExecutor(workers, thread_name_prefix="dlm-jax-load")
     try:
-        futures = {name: pool.submit(load_param, name, plan[name], dtypes[name]) for name in order}
+        futures = {name: pool.submit(load_param, name, plan[name], dtypes[name], place) for name in order}
         return {name: futures[name].result() for name in order}
     finally:  # on an error, the parameters not started yet are not read at all
         pool.shutdown(wait=True, cancel_futures=True)

@@ -19,6 +19,7 @@ process's identical copy (`put`), and outputs are read from the local replica (`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import jax
@@ -92,3 +93,39 @@ class MeshPlacement:
             for shard in a.addressable_shards:
                 out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
         return out
+
+
+def device_memory(placement: MeshPlacement) -> int | None:
+    """The bytes each device of the mesh can hold: the smallest `bytes_limit` JAX's allocator
+    reports for this process's devices of the mesh (GPU, TPU); on a CPU, whose host devices share
+    the machine's memory, that memory divided among them; None where neither is known."""
+    mine = [d for d in placement.mesh.devices.flat if d.process_index == jax.process_index()]
+    limits = []
+    for d in mine:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # backends without allocator statistics
+            stats = None
+        if stats and stats.get("bytes_limit"):
+            limits.append(int(stats["bytes_limit"]))
+    if limits:
+        return min(limits)
+    if mine and mine[0].platform == "cpu":
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+        return ram // len(mine)
+    return None
+
+
+def join_processes(coordinator: str, *, num_processes: int, process_id: int) -> None:
+    """Join a run of several processes that decode on one mesh (`jax.distributed.initialize`;
+    before JAX starts its backends): `coordinator` is process 0's HOST:PORT. On a CPU the
+    processes' collectives go through gloo."""
+    if process_id < 0 or process_id >= num_processes:
+        from dlm_jax._errors import ConfigError
+
+        raise ConfigError(f"process id {process_id} must be in 0 .. {num_processes - 1}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)

@@ -53,6 +53,9 @@ def _load(args: argparse.Namespace, path: str | Path):
 
     path = resolve_checkpoint(path)
     if (Path(path) / BUNDLE_FILE).exists():
+        if getattr(args, "mesh", None):
+            raise ConfigError(f"--mesh {args.mesh}: {path} is a bundle, which runs on one device (LiteRT); "
+                              f"mesh decoding takes a checkpoint")
         if getattr(args, "lora", None):
             raise ConfigError(f"--lora {args.lora}: a bundle carries its adapters from its export "
                               f"(dlm-jax export --lora); {path} is a bundle")
@@ -65,11 +68,45 @@ def _load(args: argparse.Namespace, path: str | Path):
 
     mask = getattr(args, "mask_token_id", None)
     overrides = {} if mask is None else {"mask_token_id": mask}
+    mesh = _mesh_setup(args)
     handle = dlm_jax.load(path, strict=args.strict, verify=args.verify_manifest, executor=getattr(args, "executor", None),
                           lora=getattr(args, "lora", None), expert_slots=getattr(args, "expert_slots", None),
-                          quant=getattr(args, "weight_quant", None), **overrides)
+                          quant=getattr(args, "weight_quant", None), **({"mesh": mesh} if mesh else {}),
+                          **overrides)
     handle.executor.set_progress(_export_progress())  # the bundle cache draws its exports
     return handle
+
+
+def _mesh_setup(args: argparse.Namespace):
+    """The `--mesh` of a decode command (a `MeshShape`, or None), after joining the processes of
+    `--coordinator` (`jax.distributed.initialize`). As the command's own process, on a CPU it
+    also splits the host into as many devices as this process's part of the mesh needs (XLA's
+    host device count, unless XLA_FLAGS already sets one): both must happen before JAX starts
+    its backends."""
+    from dlm_jax._errors import ConfigError
+
+    mesh = getattr(args, "mesh", None)
+    coordinator = getattr(args, "coordinator", None)
+    processes, rank = getattr(args, "num_processes", None), getattr(args, "process_id", None)
+    if coordinator is None:
+        if processes is not None or rank is not None:
+            raise ConfigError("--num-processes / --process-id need --coordinator HOST:PORT (the first process's address)")
+        processes = 1
+    elif processes is None or rank is None:
+        raise ConfigError(f"--coordinator {coordinator} needs --num-processes N and --process-id I (0 <= I < N)")
+    elif not 0 <= rank < processes:
+        raise ConfigError(f"--process-id {rank} must be in 0 .. {processes - 1} (--num-processes {processes})")
+    if mesh is not None and getattr(args, "entry_point", False):
+        if mesh.size % processes:
+            raise ConfigError(f"--mesh {mesh} ({mesh.size} devices) does not divide over {processes} processes")
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={mesh.size // processes}".strip()
+    if coordinator is not None:
+        from dlm_jax.executors.sharding import join_processes
+
+        join_processes(coordinator, num_processes=processes, process_id=rank)
+    return mesh
 
 
 def _export_progress():
@@ -586,6 +623,29 @@ def _add_executor_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-slots", type=int, metavar="S", help="split expert execution of an MoE model: S routed "
                    "experts per layer in the compiled step, the rest on a NumPy CPU path; --experts moves them "
                    "(previous-step hits, --expert-budget S + shared); JAX executor")
+    _add_mesh_options(p)
+
+
+def mesh_shape(text: str):
+    from dlm_jax._errors import ConfigError
+    from dlm_jax._partition import MeshShape
+
+    try:
+        return MeshShape.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_mesh_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", type=mesh_shape, metavar="tp=N[,ep=M][,dp=K]",
+                   help="decode on a device mesh (docs/mesh.md): tp splits heads, FFN neurons and the vocabulary, "
+                        "ep an MoE model's experts, dp the batch rows; JAX executor. On a CPU the host is split "
+                        "into that many devices")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="several processes, one mesh: the first process's address (jax.distributed); every "
+                        "process runs the same command with its own --process-id")
+    p.add_argument("--num-processes", type=positive_int, metavar="N", help="processes of --coordinator's run")
+    p.add_argument("--process-id", type=int, metavar="I", help="this process's rank, 0 .. N-1 (0 hosts the coordinator)")
 
 
 def _add_quant_option(p: argparse.ArgumentParser) -> None:
