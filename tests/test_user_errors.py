@@ -110,6 +110,12 @@ def test_missing_mask_token_says_how_to_supply_one(tmp_path):
     (["serve", "--model", "m", "--port", "70000"], "argument --port: 70000 is not a port number"),
     (["serve", "--model", "m", "--grace", "-1"], "argument --grace: -1 must be a number of seconds >= 0"),
     (["serve", "--model", "m", "--max-waiting", "0"], "argument --max-waiting: 0 must be a positive integer"),
+    (["plan", "--model", "m", "--devices", "0", "--memory", "80"], "argument --devices: 0 must be a positive integer"),
+    (["plan", "--model", "m", "--devices", "8", "--memory", "80", "--batch", "0"],
+     "argument --batch: 0 must be a positive integer"),
+    (["plan", "--model", "m", "--devices", "8", "--memory", "80", "--context", "-1"],
+     "argument --context: -1 must be a positive integer"),
+    (["plan", "--model", "m", "--devices", "8", "--memory", "lots"], "argument --memory: invalid float value: 'lots'"),
 ])
 def test_bad_flags_end_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -480,6 +480,27 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`plan`: the bytes per device of every mesh of --devices devices, from the config alone
+    (`dlm_jax.planner`); exit status 1 when no mesh fits."""
+    from dlm_jax._errors import ConfigError
+
+    if not args.memory > 0:
+        raise ConfigError(f"--memory {args.memory:g}: GiB per device must be > 0")
+    from dlm_jax.planner import format_plan, plan, read_config
+
+    cfg, family = read_config(args.model, strict=args.strict)
+    if args.context is not None and args.context > cfg.max_seq_len:
+        raise ConfigError(f"--context {args.context} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    result = plan(cfg, devices=args.devices, memory_gib=args.memory, batch=args.batch, context=args.context,
+                  quant=args.weight_quant)
+    if args.json:
+        print(json.dumps({"model": args.model, "family": family, **result.to_dict()}, indent=2))
+    else:
+        print(format_plan(result, model=f"{args.model}, {family}"))
+    return 0 if result.pick is not None else 1
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from dlm_jax.checkpoint import convert_checkpoint
 
@@ -824,6 +845,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     _add_model_options(p, verify=False, mask=False)
     p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("plan", help="bytes per device of each decode mesh (tp, ep, dp) of N devices, from the config "
+                                    "alone, and the mesh to pick (docs/mesh.md)")
+    p.add_argument("--model", required=True, help="checkpoint directory or config.json file")
+    p.add_argument("--devices", type=positive_int, required=True, help="devices of the mesh")
+    p.add_argument("--memory", type=float, required=True, metavar="GIB", help="memory of each device, GiB")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch rows (the engine's) (default 1)")
+    p.add_argument("--context", type=positive_int, help="positions per row (default: the model's max_seq_len)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    _add_quant_option(p)
+    _add_model_options(p, verify=False, mask=False)
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("convert", help="rewrite a checkpoint in another family's layout")
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
