@@ -130,7 +130,6 @@ def test_flash_on_eight_80gb_devices(flash, monkeypatch):
     experts, rest = _flash_bytes(flash)
     assert full_name(pick.mesh) == "tp=1,ep=4,dp=2" and pick.weights == experts // 4 + rest
     assert pick.kv == 32 * 4 * 32768 * 128 * 4 * 2 + 32768 * 6
-    assert p.seconds < 3  # the target is well under a second (docs/mesh.md); loose on a shared CPU
 
 
 def test_memory_fraction_from_the_environment(flash, monkeypatch):
