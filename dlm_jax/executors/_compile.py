@@ -162,6 +162,7 @@ class CompiledBuckets:
             mine = exe is None and (queued is None or queued.cancel())  # not started: compile it here
             if mine:
                 queued = self._pending[key] = Future()  # other threads wait for this compile
+                queued.set_running_or_notify_cancel()  # running: `cancel` leaves it (its result is set below)
         if mine:
             try:
                 exe = self._compile(key)

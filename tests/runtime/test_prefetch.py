@@ -76,6 +76,23 @@ def test_cancel_drops_what_has_not_started(threads):
     assert programs.keys == [1] and set(builds.by) == {1}
 
 
+def test_cancel_leaves_a_compile_a_caller_runs_on_its_own_thread():
+    """Regression: a key compiling on a caller's own thread (not queued) sits in the pending
+    table as a bare Future, which `cancel` (the end of another decode, e.g. the main thread's
+    while a CPU path's thread compiles its view) could cancel: the caller's `get` then failed
+    with InvalidStateError setting its result, found by a mesh decode's llada-cpp refresh."""
+    builds = Builds()
+    programs = CompiledBuckets(builds)
+    got = {}
+    caller = threading.Thread(target=lambda: got.update(exe=programs.get(1)))
+    caller.start()
+    assert builds.started.wait(30)  # compiling on `caller`'s thread
+    programs.cancel()
+    builds.release.set()
+    caller.join(30)
+    assert float(got["exe"](jnp.ones(3))[0]) == 1.0 and programs.keys == [1]
+
+
 def test_a_failed_background_compile_raises_where_its_key_is_needed(threads):
     builds = Builds()
     builds.release.set()

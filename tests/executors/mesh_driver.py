@@ -1,0 +1,100 @@
+"""Decodes on meshes against one device, in a process of its own with host devices.
+
+    python tests/executors/mesh_driver.py '<JSON spec>'
+
+Run by tests/executors/test_mesh.py (the test process itself keeps one device: training's
+meshes take every device there is). The spec: {"devices": D (host devices of this process),
+"cases": [{"model": path or "random:<kind>", "mesh": "tp=2", "presets": [a preset name, or
+decode options as a mapping], "gen_len": G, "max_batch": B, "load": {other `dlm_jax.load` options}}], "processes": [coordinator, N, rank] (optional: join a run of N processes)}.
+
+For each case the model loads twice through `dlm_jax.load` (once on the default device, once
+with `mesh=`: parameters streamed onto their shards) and both decode the same prompts with each
+preset, through the engine (`Model.generate`, `max_batch` rows) and as one fixed batch
+(`Decoder.decode`). Prints one JSON line: per case and preset the token ids and NFE of both
+(their equality is the test's to assert), the per-device parameter bytes, the K/V bytes per
+device of an open cache, and the planner's figures for the same mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+spec = json.loads(sys.argv[1])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec.get('devices', 8)}"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if spec.get("processes"):
+    from dlm_jax.executors.sharding import join_processes
+
+    coordinator, n, rank = spec["processes"]
+    join_processes(coordinator, num_processes=n, process_id=rank)
+
+import numpy as np  # noqa: E402
+
+import dlm_jax  # noqa: E402
+from dlm_jax._partition import MeshShape  # noqa: E402
+from dlm_jax.planner import kv_bytes_per_device, weight_bytes_per_device  # noqa: E402
+
+PROMPTS = ["564+894=", "sort: 37 44 13 33 47 48", "66+76=", "12+9="]
+
+
+def random_model(kind: str, directory: Path) -> Path:
+    """A random float32 model with 8 query and 8 K/V heads (tp up to 8 divides them): `bidir`
+    (LLaDA-style) or `causal` (logit shift, I-DLM / AR-style), saved with the byte tokenizer."""
+    from dlm_jax.models._params import tiny_byte_config
+
+    tok, cfg = tiny_byte_config()
+    cfg = cfg.replace(n_heads=8, n_kv_heads=8, d_model=128, ffn_hidden=256,
+                      **({"attention": "causal", "logit_shift": True} if kind == "causal" else {}))
+    return Path(dlm_jax.save_pretrained(dlm_jax.init_model(cfg, seed=3), directory / kind, tokenizer=tok))
+
+
+def decode(model, preset, gen_len: int, max_batch: int) -> dict:
+    cfg = (dlm_jax.preset(preset, gen_len=gen_len) if isinstance(preset, str)
+           else dlm_jax.decode_config(**preset, gen_len=gen_len))
+    out = model.generate(PROMPTS, cfg, max_batch=max_batch)
+    ids = [model.encode(p) for p in PROMPTS[:2]]
+    fixed = model.decoder.decode(ids, cfg)
+    return {"engine": out.token_ids, "engine_nfe": out.stats.nfe, "request_nfe": list(out.stats.request_nfe or []),
+            "fixed": [np.asarray(s).tolist() for s in fixed.sequences], "fixed_nfe": fixed.stats.nfe}
+
+
+def main() -> None:
+    report = {"cases": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in spec["cases"]:
+            path = case["model"]
+            if path.startswith("random:"):
+                path = str(random_model(path.split(":", 1)[1], Path(tmp)))
+            one = dlm_jax.load(path, executor="jax", **case.get("load", {}))
+            mesh = dlm_jax.load(path, mesh=case["mesh"], **case.get("load", {}))
+            shape = MeshShape.parse(case["mesh"])
+            per_device = mesh.executor.param_bytes_per_device()
+            slots = 256
+            cache = mesh.executor.open(mesh.config, np.zeros((2, slots), np.int32), np.ones((2, slots), bool))
+            kv = {}
+            for a in (cache.k, cache.v, cache.pos, cache.valid, cache.written):
+                for s in a.addressable_shards:
+                    kv[str(s.device)] = kv.get(str(s.device), 0) + s.data.nbytes
+            cache.close()
+            row = {"model": case["model"], "mesh": case["mesh"], "load": case.get("load", {}), "presets": {},
+                   "param_bytes": sorted(per_device.values()), "devices": len(per_device),
+                   "plan_param_bytes": weight_bytes_per_device(mesh.config, shape),
+                   "kv_bytes": sorted(kv.values()),
+                   "plan_kv_bytes": kv_bytes_per_device(mesh.config, shape, batch=2, context=slots),
+                   "total_param_bytes": sum(int(np.asarray(x).nbytes) for x in
+                                            dlm_jax.get_params(one.model).values())}
+            for preset in case["presets"]:
+                a = decode(one, preset, case.get("gen_len", 32), case.get("max_batch", 2))
+                b = decode(mesh, preset, case.get("gen_len", 32), case.get("max_batch", 2))
+                row["presets"][json.dumps(preset)] = {"one": a, "mesh": b}
+            report["cases"].append(row)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Mesh decoding (`dlm_jax.load(path, mesh=...)`, docs/mesh.md): the same tokens and NFE as one
+device on tensor-, expert- and data-parallel meshes of host devices, per-device bytes equal to
+the planner's, two processes equal to one, and bad meshes refused before loading.
+
+The decodes run in processes of their own (tests/executors/mesh_driver.py) with 8 host devices:
+this test process keeps one device, as training's tests need (a training mesh takes every
+device there is).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dlm_jax
+from dlm_jax._errors import ConfigError
+from dlm_jax.frontends.cli import main
+
+DRIVER = Path(__file__).with_name("mesh_driver.py")
+ROOT = Path(__file__).resolve().parents[2]
+BIDIRECTIONAL = ["fast-dllm", "fast-dllm-dual", "fast-dllm-factor", "frechet", "llada", "llada-cpp"]
+
+
+def drive(spec: dict, *, timeout: float = 600) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_same(report: dict) -> None:
+    """Every case's mesh decode gave one device's tokens and NFE, through the engine and as a
+    fixed batch, for every preset."""
+    for case in report["cases"]:
+        for preset, got in case["presets"].items():
+            one, mesh = got["one"], got["mesh"]
+            where = f"{case['model']} {case['mesh']} {preset}"
+            assert mesh["engine"] == one["engine"], where
+            assert (mesh["engine_nfe"], mesh["request_nfe"]) == (one["engine_nfe"], one["request_nfe"]), where
+            assert mesh["fixed"] == one["fixed"] and mesh["fixed_nfe"] == one["fixed_nfe"], where
+            assert any(len(ids) for ids in one["engine"]), where  # something was generated
+
+
+def assert_bytes(report: dict) -> None:
+    """Each device holds the planner's figure of parameters and K/V (the same rules split
+    both), and tp or ep split the parameters: no device holds all of them."""
+    for case in report["cases"]:
+        if case["load"].get("expert_slots"):  # split layers hold slots, not the planner's whole experts
+            continue
+        assert set(case["param_bytes"]) == {case["plan_param_bytes"]}, case["mesh"]
+        assert set(case["kv_bytes"]) == {case["plan_kv_bytes"]}, case["mesh"]
+        shape = dlm_jax.MeshShape.parse(case["mesh"])
+        if shape.tp * shape.ep > 1:  # (dp replicates them)
+            assert case["plan_param_bytes"] < case["total_param_bytes"], case["mesh"]
+
+
+def test_tensor_and_data_parallel_decode_as_one_device():
+    report = drive({"devices": 4, "cases": [
+        {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "presets": ["fast-dllm-dual"]},
+        {"model": "models/moe-tiny", "mesh": "ep=2", "presets": ["fast-dllm"]}]})
+    assert_same(report)
+    assert_bytes(report)
+    tiny = report["cases"][0]
+    # Dense layers split over tp: attention and FFN kernels halve, so the per-device total sits
+    # between half and all of it (embedding rows split too; norms replicated).
+    assert tiny["devices"] == 4 and tiny["plan_param_bytes"] < 0.55 * tiny["total_param_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_every_preset_on_tensor_parallel_meshes(tp):
+    cases = [{"model": "random:bidir", "mesh": f"tp={tp}", "presets": BIDIRECTIONAL},
+             {"model": "random:causal", "mesh": f"tp={tp}", "presets": ["isd", "ar"]}]
+    if tp == 2:  # the shipped (trained) models: decodes that commit many tokens per step
+        cases += [{"model": "models/llada-tiny", "mesh": "tp=2", "presets": BIDIRECTIONAL},
+                  {"model": "models/idlm-tiny", "mesh": "tp=2", "presets": ["isd"]},
+                  {"model": "models/ar-tiny", "mesh": "tp=2", "presets": ["ar"]}]
+    report = drive({"devices": 8, "cases": cases})
+    assert_same(report)
+    assert_bytes(report)
+
+
+@pytest.mark.slow
+def test_every_preset_on_expert_and_data_parallel_meshes():
+    report = drive({"devices": 8, "cases": [
+        {"model": "models/moe-tiny", "mesh": "ep=2", "presets": BIDIRECTIONAL},
+        {"model": "models/moe-tiny", "mesh": "ep=4", "presets": BIDIRECTIONAL},
+        {"model": "models/moe-tiny", "mesh": "ep=4,tp=2", "presets": ["fast-dllm", "fast-dllm-dual"]},
+        # TIDE's split execution, its 8 expert slots per layer split over the devices (4 each),
+        # experts moving into them between steps
+        {"model": "models/moe-tiny", "mesh": "ep=2", "load": {"expert_slots": 8},
+         "presets": [{"experts": "tide", "tau": "2", "hits": "previous_step"}]},
+        {"model": "models/llada-tiny", "mesh": "dp=2", "presets": BIDIRECTIONAL},
+        {"model": "models/idlm-tiny", "mesh": "dp=2", "presets": ["isd"]},
+        {"model": "models/ar-tiny", "mesh": "dp=2", "presets": ["ar"]}]})
+    assert_same(report)
+    assert_bytes(report)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_decode_as_one():
+    """One mesh over two processes (jax.distributed on 127.0.0.1, gloo collectives), each with
+    two host devices, each running the same host loop: the tokens of one process on one device."""
+    case = {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "presets": ["fast-dllm", "fast-dllm-dual"]}
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(DRIVER), json.dumps(
+        {"devices": 2, "cases": [case], "processes": [coordinator, 2, rank]})], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for rank in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
+    finally:
+        for p in procs:
+            p.kill()
+    for report in outs:
+        assert report["cases"][0]["devices"] == 2  # this process's share of the 4 devices
+        assert_same(report)
+    assert outs[0]["cases"][0]["presets"] == outs[1]["cases"][0]["presets"]
+
+
+# -- refusals: one line, before any weight is read ----------------------------------------------
+
+
+@pytest.mark.parametrize("mesh, words", [
+    ("tp=3", "tp=3 does not divide the model's 4 attention heads"),
+    ("tp=4", "tp=4 does not divide the model's 2 K/V heads"),
+    ("ep=2", "ep=2: the model has no routed experts"),
+    ("tp=2", "needs 2 devices"),
+])
+def test_bad_meshes_are_refused_before_loading(monkeypatch, mesh, words):
+    import dlm_jax.checkpoint._io as io
+
+    monkeypatch.setattr(io, "load_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")) as err:
+        dlm_jax.load("models/llada-tiny", mesh=mesh)
+    assert "\n" not in str(err.value)
+
+
+def test_a_mesh_that_does_not_fit_the_memory_is_refused(monkeypatch):
+    import dlm_jax.checkpoint._io as io
+    import dlm_jax.executors.sharding as sharding
+
+    monkeypatch.setattr(io, "load_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr(sharding, "device_memory", lambda placement: 1 << 20)  # 1 MiB devices
+    with pytest.raises(ConfigError, match=r"mesh tp=1,ep=1,dp=1 does not fit: it needs .* a device has 1.00 MiB"):
+        dlm_jax.load("models/moe-tiny", mesh="tp=1")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--mesh", "tq=2"], "unknown axis 'tq'"),
+    (["--mesh", "tp=0"], "tp='0' must be a whole number >= 1"),
+    (["--mesh", "ep=2"], "ep=2: the model has no routed experts"),
+    (["--mesh", "tp=3"], "tp=3 does not divide the model's 4 attention heads"),
+    (["--coordinator", "127.0.0.1:1"], "needs --num-processes N and --process-id I"),
+    (["--num-processes", "2"], "need --coordinator HOST:PORT"),
+    (["--mesh", "tp=2", "--executor", "litert"], "mesh decoding runs on the JAX executor"),
+])
+def test_cli_mesh_errors_are_one_line(capsys, argv, words):
+    with pytest.raises(SystemExit) as ex:
+        sys.exit(main(["generate", "--model", "models/llada-tiny", "--prompt", "1+1=", *argv]))
+    assert ex.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
