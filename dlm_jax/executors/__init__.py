@@ -2,6 +2,8 @@
 
     jax_executor        `JaxExecutor`: one AOT-compiled program per bucket (`_compile`), K/V
                         resident on the device (`DeviceKVCache`); every model, every dtype
+    sharding            `MeshPlacement`: the JAX executor's arrays on a device mesh (tp, ep,
+                        dp), several processes (`join_processes`)
     runner              `LiteRTExecutor`: an exported bundle on LiteRT (no JAX), `load_bundle`
     partitioned         `PartitionedExecutor`: a partitioned bundle's NPU programs and CPU heads
                         (`partition_contract` names them), with PowerInfer-2's cold path
