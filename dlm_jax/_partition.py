@@ -67,8 +67,9 @@ def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
 def leaf_axes(name: str, shape: Sequence[int], axes: Mapping[str, tuple[str, int]], *,
               transposed: bool = False) -> tuple[str | None, ...]:
     """The mesh axis splitting each dimension of parameter `name` of `shape` on a mesh whose
-    logical axes map to (mesh axis, size) in `axes` (a logical axis absent or of size 1 splits
-    nothing); a dimension the size does not divide stays whole. `transposed`: a 2-D leaf held
+    logical axes map to (mesh axis, size) in `axes` (a logical axis absent splits
+    nothing; one of size 1 is named, as training's one-device mesh names `model`); a dimension
+    the size does not divide stays whole. `transposed`: a 2-D leaf held
     [out, in] (the JAX executor's CPU layout), whose rule is read reversed."""
     logical = logical_axes(name, len(shape))
     if transposed:
@@ -76,7 +77,7 @@ def leaf_axes(name: str, shape: Sequence[int], axes: Mapping[str, tuple[str, int
     out = []
     for dim, ax in zip(shape, logical):
         mesh_axis, size = axes.get(ax, (None, 1)) if ax is not None else (None, 1)
-        out.append(mesh_axis if size > 1 and dim % size == 0 else None)
+        out.append(mesh_axis if mesh_axis is not None and dim % size == 0 else None)
     return tuple(out)
 
 

@@ -226,10 +226,13 @@ class Plan:
 
     @property
     def pick(self) -> MeshPlan | None:
-        """Among the meshes that fit: the most data-parallel replicas (throughput), then the
-        fewest tp (less communication per layer), then the fewest ep; None if none fits."""
+        """Among the meshes that fit: the most data-parallel replicas the batch keeps busy (dp
+        dividing the batch: a replica without rows of its own only repeats another's work),
+        then the fewest tp (less communication per layer), then the fewest ep; None if none
+        fits."""
         fitting = self.fitting
-        return min(fitting, key=lambda m: (-m.mesh.dp, m.mesh.tp, m.mesh.ep)) if fitting else None
+        busy = lambda m: m.mesh.dp if self.batch % m.mesh.dp == 0 else 0  # noqa: E731
+        return min(fitting, key=lambda m: (-busy(m), -m.mesh.dp, m.mesh.tp, m.mesh.ep)) if fitting else None
 
     @property
     def smallest(self) -> MeshPlan:

@@ -101,15 +101,18 @@ def test_kv_bytes_by_hand():
     assert kv_bytes_per_device(cfg, "dp=2", batch=3, context=40) == 3 * 256 * (per_slot_row + flags)  # rows whole
 
 
-def _toy(totals: dict[str, int]) -> Plan:
+def _toy(totals: dict[str, int], batch: int = 4) -> Plan:
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, ffn_hidden=64)
     meshes = tuple(MeshPlan(MeshShape.parse(m), total, 0, 0, usable=100) for m, total in totals.items())
-    return Plan(cfg, 4, 1.0, 0.75, 1, 64, None, 0, meshes, (), 0.0)
+    return Plan(cfg, 4, 1.0, 0.75, batch, 64, None, 0, meshes, (), 0.0)
 
 
-def test_pick_prefers_replicas_then_fewer_tp_then_fewer_ep():
+def test_pick_prefers_busy_replicas_then_fewer_tp_then_fewer_ep():
     assert full_name(_toy({"tp=4": 10, "tp=2,dp=2": 90, "ep=2,dp=2": 90, "dp=4": 101}).pick.mesh) == "tp=1,ep=2,dp=2"
     assert full_name(_toy({"tp=4": 10, "tp=2,ep=2": 50, "tp=1,ep=4": 100}).pick.mesh) == "tp=1,ep=4,dp=1"
+    # A batch of one keeps one replica busy: more would repeat its work.
+    assert full_name(_toy({"tp=2,ep=2": 90, "ep=2,dp=2": 50}, batch=1).pick.mesh) == "tp=2,ep=2,dp=1"
+    assert full_name(_toy({"tp=1,ep=1,dp=4": 50, "ep=2,dp=2": 50}, batch=2).pick.mesh) == "tp=1,ep=2,dp=2"
     nothing = _toy({"tp=4": 101, "tp=2,ep=2": 150})
     assert nothing.pick is None and nothing.smallest.mesh == MeshShape(tp=4)
 
@@ -117,8 +120,8 @@ def test_pick_prefers_replicas_then_fewer_tp_then_fewer_ep():
 def test_flash_on_eight_80gb_devices(flash, monkeypatch):
     """By hand: the routed experts take 186 GiB in bf16 and a device 60 GiB (0.75 of 80), so
     only meshes with tp * ep >= 4 fit (with 4: weights 46.5 + ~5.7 GiB of the rest at tp=1, K/V
-    4 GiB for 32768 float32 slots); tp=8 does not divide the 4 K/V heads. The most replicas
-    among those is dp=2, with the fewest tp: tp=1, ep=4."""
+    4 GiB for 32768 float32 slots); tp=8 does not divide the 4 K/V heads. A batch of one keeps
+    one replica busy (dp=1), and the fewest tp among those is tp=1, ep=8."""
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     p = plan(flash, devices=8, memory_gib=80)
     assert p.usable == 60 * GIB and p.context == p.slots == 32768
@@ -128,7 +131,7 @@ def test_flash_on_eight_80gb_devices(flash, monkeypatch):
     assert [full_name(m) for m, _ in p.refused] == ["tp=8,ep=1,dp=1"]
     pick = p.pick
     experts, rest = _flash_bytes(flash)
-    assert full_name(pick.mesh) == "tp=1,ep=4,dp=2" and pick.weights == experts // 4 + rest
+    assert full_name(pick.mesh) == "tp=1,ep=8,dp=1" and pick.weights == experts // 8 + rest
     assert pick.kv == 32 * 4 * 32768 * 128 * 4 * 2 + 32768 * 6
 
 
@@ -158,7 +161,7 @@ def test_plan_command_text_and_json(capsys, monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     assert main(["plan", "--model", str(FLASH), "--devices", "8", "--memory", "80"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "pick: tp=1,ep=4,dp=2" in lines and lines[0].endswith("(102.9B parameters, bfloat16 weights)")
+    assert "pick: tp=1,ep=8,dp=1" in lines and lines[0].endswith("(102.9B parameters, bfloat16 weights)")
     row = next(line for line in lines if line.startswith("tp=1,ep=4,dp=2"))
     assert row.split()[1:6] == ["52.15", "4.00", "1.79", "57.94", "yes"]
 
@@ -166,7 +169,7 @@ def test_plan_command_text_and_json(capsys, monkeypatch):
     assert main(["plan", "--model", moe, "--devices", "4", "--memory", "1", "--batch", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     cfg = read_config(moe)[0]
-    assert out["pick"] == "tp=1,ep=1,dp=4" and out["family"] == "dlm_jax" and out["context"] == 512
+    assert out["pick"] == "tp=1,ep=2,dp=2" and out["family"] == "dlm_jax" and out["context"] == 512
     by_mesh = {m["mesh"]: m for m in out["meshes"]}
     assert by_mesh["tp=1,ep=4,dp=1"]["weights_bytes"] == weight_bytes_per_device(cfg, "ep=4")
     assert by_mesh["tp=2,ep=1,dp=2"]["kv_bytes"] == kv_bytes_per_device(cfg, "tp=2,dp=2", batch=2, context=512)

@@ -323,6 +323,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dlm_jax.frontends import server
 
     cfg = decode_config(args)  # bad options fail before the model loads
+    if args.coordinator:
+        from dlm_jax._errors import ConfigError
+
+        raise ConfigError(f"--coordinator {args.coordinator}: serve runs on one process (its requests arrive at "
+                          f"times other processes do not share); --mesh spans that process's devices")
     name = args.served_model_name or server.default_name(args.model)
     sock = server.bind(args.host, args.port)  # a port in use fails before the model loads, too
     sock.close()

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # (tests/executors/test_mesh.py checks mesh decodes in the default pass)
 def test_small_run_reports_identical_tokens_and_split_memory(tmp_path):
     out = tmp_path / "mesh"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}

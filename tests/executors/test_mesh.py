@@ -64,8 +64,8 @@ def assert_bytes(report: dict) -> None:
 
 def test_tensor_and_data_parallel_decode_as_one_device():
     report = drive({"devices": 4, "cases": [
-        {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "presets": ["fast-dllm-dual"]},
-        {"model": "models/moe-tiny", "mesh": "ep=2", "presets": ["fast-dllm"]}]})
+        {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "presets": ["fast-dllm-dual"], "prompts": 3},
+        {"model": "models/moe-tiny", "mesh": "ep=2", "presets": ["fast-dllm"], "prompts": 2, "fixed": False}]})
     assert_same(report)
     assert_bytes(report)
     tiny = report["cases"][0]
@@ -180,3 +180,12 @@ def test_cli_mesh_errors_are_one_line(capsys, argv, words):
     assert ex.value.code == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_serve_refuses_several_processes(capsys):
+    with pytest.raises(SystemExit) as ex:
+        sys.exit(main(["serve", "--model", "models/llada-tiny", "--port", "0", "--coordinator", "127.0.0.1:1",
+                       "--num-processes", "2", "--process-id", "0"]))
+    assert ex.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "serve runs on one process" in err and len(err.splitlines()) == 1
