@@ -37,6 +37,17 @@ machine's cores: the step times show what the sharded program costs over the one
 "gpu"`) the meshes are those the visible GPUs allow: on one GPU, tp=1 against no mesh, the
 sharded program's overhead at tp=1.
 
+Expert parallelism (`--ep`, default 2 4 8; none with `--small`): the shipped MoE model
+`models/moe-tiny` (32 routed experts, 4 per token) on `ep=N` meshes with each way of bringing
+routed rows to their experts (`JaxExecutor(expert_exchange=...)`): "psum" (every device computes
+its own experts for all rows, partial outputs summed: one all-reduce of the rows per MoE layer)
+and "all_to_all" (each device sends its share of the rows' assignments to the experts' devices
+and gets the results back, then the rows are gathered). Per case: a 4-prompt batch decoded in
+one batched call per step (`rows="batched"`, generation 64, fast-dllm), its tokens against one
+device's, the step time (median of `--repeats` decodes), and the bytes the collectives of the
+compiled step program move (their output shapes read from the program's HLO after SPMD
+partitioning, summed per kind: one pass of the step, each MoE layer once).
+
 Prints the JSON; writes <out>.json, <out>.md and <out>.png (step time and per-device weight MB
 against tp) through a temporary file and a rename.
 """
@@ -84,6 +95,59 @@ SHARPEN = {"full": (8.0, 4.0), "small": (20.0, 8.0)}
 DENSE_KERNEL = re.compile(r"(attn\.(q|k|v|o)_proj|ffn\.(gate|up|down)_proj)\.kernel$")
 FLASH_CONFIG = ROOT / "examples" / "configs" / "llada2.0-flash" / "config.json"
 MB = 1e6
+MOE_MODEL = ROOT / "models" / "moe-tiny"
+MOE_PROMPTS = ["564+894=", "sort: 37 44 13 33 47 48", "66+76=", "12+9="]
+_COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|[\w\[\],{}:#\s]*?)\s+(all-reduce|all-to-all|all-gather|reduce-scatter|"
+                         r"collective-permute)(?:-start)?\(")
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8}
+
+
+def collective_bytes(hlo: str) -> dict[str, dict[str, int]]:
+    """{kind: {"ops": n, "bytes": output bytes}} of the collectives in an HLO module's text."""
+    out: dict[str, dict[str, int]] = {}
+    for m in _COLLECTIVE.finditer(hlo):
+        size = sum(_DTYPE_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                   for t, dims in _SHAPE.findall(m.group(1)))
+        entry = out.setdefault(m.group(2), {"ops": 0, "bytes": 0})
+        entry["ops"] += 1
+        entry["bytes"] += size
+    return out
+
+
+def run_experts(eps: list[int], repeats: int, gen: int) -> dict[str, Any]:
+    """The expert-exchange comparison of the module docstring."""
+    handle = dlm_jax.load(MOE_MODEL, executor="jax")
+    cfg = dlm_jax.preset("fast-dllm", gen_len=gen)
+    one = Model(handle.model, handle.tokenizer, executor=JaxExecutor(handle.model, rows="batched"))
+    base = one.generate(MOE_PROMPTS, cfg, max_batch=len(MOE_PROMPTS))  # one device, rows batched alike
+    rows = []
+    for ep in [e for e in eps if e <= len(jax.devices())]:
+        for exchange in ("psum", "all_to_all"):
+            executor = JaxExecutor(handle.model, mesh=f"ep={ep}", rows="batched", expert_exchange=exchange)
+            model = Model(handle.model, handle.tokenizer, executor=executor)
+            warm = model.generate(MOE_PROMPTS, cfg, max_batch=len(MOE_PROMPTS))
+            step_ms = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                res = model.generate(MOE_PROMPTS, cfg, max_batch=len(MOE_PROMPTS))
+                step_ms.append(1e3 * (time.perf_counter() - t0) / res.stats.nfe)
+            keys = executor._resident.keys
+            texts = [executor._resident.get(k).as_text() for k in keys]
+            per_program = [collective_bytes(t) for t in texts]
+            biggest = max(per_program, key=lambda c: sum(v["bytes"] for v in c.values()))
+            rows.append({"ep": ep, "exchange": exchange, "identical": warm.token_ids == base.token_ids
+                         and warm.stats.nfe == base.stats.nfe, "nfe": warm.stats.nfe,
+                         "step_ms_median": round(statistics.median(step_ms), 3),
+                         "programs": len(keys), "collectives": biggest,
+                         "collective_bytes": sum(v["bytes"] for v in biggest.values())})
+            assert rows[-1]["identical"], f"ep={ep} {exchange}: tokens differ from one device"
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            executor.close()
+    return {"model": str(MOE_MODEL.relative_to(ROOT)), "experts": handle.config.n_experts,
+            "experts_per_token": handle.config.n_experts_per_tok, "prompts": len(MOE_PROMPTS), "gen_len": gen,
+            "rows": rows}
 
 
 def model_config(*, small: bool) -> dlm_jax.ModelConfig:
@@ -279,7 +343,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "decode": {"preset": "fast-dllm", "prompt_tokens": 32, "gen_len": args.gen, "block_len": args.block,
                        "repeats": args.repeats},
             "tp_skipped": skipped, "identical": all(r["identical"] for r in rows), "rows": rows,
-            "planner": plan_flash(), "wall_s": round(time.perf_counter() - t_start, 1)}
+            "planner": plan_flash(),
+            "experts": run_experts(args.ep, args.repeats, args.gen) if args.ep else None,
+            "wall_s": round(time.perf_counter() - t_start, 1)}
 
 
 def markdown(rep: dict[str, Any]) -> str:
@@ -324,6 +390,19 @@ def markdown(rep: dict[str, Any]) -> str:
         lines += ["", f"Planner on LLaDA2.0-flash (`{p['config']}`, {p['parameters'] / 1e9:.1f}B parameters) for "
                   f"{p['devices']} x {p['memory_gib']} GiB: {p['total_s'] * 1e3:.0f} ms (read config "
                   f"{p['read_config_s'] * 1e3:.0f} ms, plan {p['plan_s'] * 1e3:.0f} ms); picks {p['pick']}."]
+    ex = rep.get("experts")
+    if ex:
+        lines += ["", "## Expert parallelism: psum or all-to-all", "",
+                  f"`{ex['model']}` ({ex['experts']} routed experts, {ex['experts_per_token']} per token), "
+                  f"{ex['prompts']} prompts in one batched call per step, generation {ex['gen_len']}, fast-dllm. "
+                  "Collective bytes: the output bytes of the collectives in the step program's HLO (the largest of "
+                  "the decode's step programs), one pass of the step.", "",
+                  "| ep | exchange | step ms | collective MB per step | ops (kind: count) | identical |",
+                  "|---:|---|---:|---:|---|---|"]
+        for r in ex["rows"]:
+            ops = ", ".join(f"{k} {v['ops']}" for k, v in sorted(r["collectives"].items()))
+            lines.append(f"| {r['ep']} | {r['exchange']} | {r['step_ms_median']:.1f} | "
+                         f"{r['collective_bytes'] / MB:.3f} | {ops} | {'yes' if r['identical'] else 'no'} |")
     if rep["tp_skipped"]:
         lines += ["", f"Not run (more devices than the {env['devices']} visible): tp "
                   + ", ".join(map(str, rep["tp_skipped"])) + "."]
@@ -380,10 +459,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--persistent-cache", action="store_true",
                    help="keep JAX's persistent compilation cache as the environment sets it (default: off, so "
                         "the compile seconds are real compiles)")
+    p.add_argument("--ep", type=int, nargs="*", help="expert-parallel sizes of the expert-exchange comparison "
+                   "(default 2 4 8; --small: none; --ep with no size: none)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mesh"), help="output path stem")
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.small else 3
+    if args.ep is None:
+        args.ep = [] if args.small else [2, 4, 8]
     if args.repeats < 1 or any(t < 1 for t in args.tp):
         p.error("--repeats and --tp take whole numbers >= 1")
     rep = run(args)

@@ -34,7 +34,8 @@ from dlm_jax.executors._compile import CompiledBuckets
 from dlm_jax._config import ModelConfig
 from dlm_jax.models._scan import ScannedTransformer, choose_layers
 from dlm_jax._partition import param_name
-from dlm_jax.models._transformer import ATTENTION_FORMS, Transformer, attention_form, expert_mesh
+from dlm_jax.models._transformer import (ATTENTION_FORMS, EXPERT_EXCHANGES, Transformer, attention_form,
+                                         expert_mesh)
 from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, Transfers
 from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, BuildCounts, Capabilities, Executor,
@@ -56,6 +57,7 @@ ATTENTION_ENV = "DLM_JAX_ATTENTION"
 # fixed batch (`Decoder.decode`) runs batched either way.
 ROW_MODES = ("batched", "each")
 ROWS_ENV = "DLM_JAX_ROWS"
+EXCHANGE_ENV = "DLM_JAX_EXPERT_EXCHANGE"
 
 
 def default_rows() -> str:
@@ -449,10 +451,15 @@ class JaxExecutor(Executor):
     `dlm_jax.executors.sharding.MeshPlacement` over chosen devices): the parameters split by the
     partition rules training uses, the K/V cache by its heads (and rows over dp), every program
     compiled with those shardings (`dlm_jax.executors.sharding`); the host runtime sends and
-    receives the same arrays as on one device. None: the default device, as before."""
+    receives the same arrays as on one device. None: the default device, as before.
+
+    `expert_exchange`: how an expert-parallel MoE layer brings rows to their experts on a mesh
+    (`dlm_jax.models._transformer.EXPERT_EXCHANGES`): "psum" (default) or "all_to_all";
+    default `$DLM_JAX_EXPERT_EXCHANGE`, else "psum"."""
 
     def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None, layers: str | None = None,
-                 attention: str | None = None, rows: str | None = None, mesh=None):
+                 attention: str | None = None, rows: str | None = None, mesh=None,
+                 expert_exchange: str | None = None):
         from dlm_jax.techniques.isd.lora import lora_spec
 
         rows_from_env = rows is None and bool(os.environ.get(ROWS_ENV))
@@ -467,6 +474,12 @@ class JaxExecutor(Executor):
             name = ATTENTION_ENV if from_env else "attention"
             raise ConfigError(f"{name}={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
         self.attention = attention
+        exchange_from_env = expert_exchange is None and bool(os.environ.get(EXCHANGE_ENV))
+        expert_exchange = expert_exchange or os.environ.get(EXCHANGE_ENV) or "psum"
+        if expert_exchange not in EXPERT_EXCHANGES:
+            name = EXCHANGE_ENV if exchange_from_env else "expert_exchange"
+            raise ConfigError(f"{name}={expert_exchange!r}: known {', '.join(EXPERT_EXCHANGES)}")
+        self.expert_exchange = expert_exchange
         self.config = model.config
         self.layers = choose_layers(model, layers)
         self.gated = lora_spec(model) is not None  # adapters: every step takes a `lora_gate`
@@ -533,7 +546,7 @@ class JaxExecutor(Executor):
             options = dict(options[0]) if options else {}
 
             def traced(*args):
-                with expert_mesh(placement.mesh):
+                with expert_mesh(placement.mesh, self.expert_exchange):
                     return fn(*args)
 
             specs = tuple(placement.spec(s) if isinstance(s, jax.ShapeDtypeStruct) and s.sharding is None else s

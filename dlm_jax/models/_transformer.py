@@ -414,17 +414,23 @@ def _top_k(x: jax.Array, k: int) -> jax.Array:
     return jnp.stack(picked, axis=-1)
 
 
-# The mesh the routed experts are split over while a program is traced (`expert_mesh`): None on
-# one device.
+# The mesh the routed experts are split over while a program is traced, and how routed rows
+# reach their experts there (`expert_mesh`): None on one device.
 _EXPERT_MESH = contextvars.ContextVar("dlm_jax_expert_mesh", default=None)
+# How an expert-parallel step brings rows to their experts (`sharded_experts`): "psum" (every
+# device computes its own experts for all rows, the partial outputs summed) or "all_to_all"
+# (each device's share of the rows sent to the experts' devices and the results sent back).
+EXPERT_EXCHANGES = ("psum", "all_to_all")
 
 
 @contextlib.contextmanager
-def expert_mesh(mesh) -> Iterator[None]:
+def expert_mesh(mesh, exchange: str = "psum") -> Iterator[None]:
     """Trace MoE layers inside this context with their routed experts split over `mesh` (a
     `jax.sharding.Mesh` with axes "ep" and "tp", as the partition rules split them:
-    `dlm_jax._partition`), computed by `sharded_experts`."""
-    token = _EXPERT_MESH.set(mesh)
+    `dlm_jax._partition`), computed by `sharded_experts` with `exchange`."""
+    if exchange not in EXPERT_EXCHANGES:
+        raise ValueError(f"unknown expert exchange {exchange!r}; known: {', '.join(EXPERT_EXCHANGES)}")
+    token = _EXPERT_MESH.set((mesh, exchange))
     try:
         yield
     finally:
@@ -432,13 +438,21 @@ def expert_mesh(mesh) -> Iterator[None]:
 
 
 def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,
-                    down: jax.Array) -> jax.Array:
+                    down: jax.Array, *, exchange: str = "psum") -> jax.Array:
     """`experts(x, routing, gate, up, down)` with the expert weights split over `mesh`: each
-    device holds E / ep experts ("ep") and F / tp of their neurons ("tp"), sees every row (the
-    rows and their routing are replicated: a decode step's rows are few), computes the
-    assignments to its own experts (the others marked -1, which `dispatch_experts` skips) over
-    its own neurons, and the partial outputs are summed over the axes the weights are split
-    on (one all-reduce per layer). Rows [N, D] -> [N, D], replicated."""
+    device holds E / ep experts ("ep") and F / tp of their neurons ("tp"). Rows [N, D] and
+    their routing come in on every device (the model's activations are replicated over ep and
+    tp) and the result [N, D] leaves on every device.
+
+    - "psum": each device computes, for every row, the assignments to its own experts (the
+      others marked -1, which `dispatch_experts` skips) over its own neurons, and the partial
+      outputs are summed over the axes the weights are split on: one all-reduce of [N, D].
+    - "all_to_all": each device takes N / ep of the rows and sends each of their k assignments
+      to the device holding its expert ([ep, N k / ep, D], every assignment a slot: none is
+      dropped), which computes them over its own neurons and sends the results back; each
+      device combines its rows' k results, and the rows are gathered again (and summed over
+      tp). Rows that ep does not divide: "psum".
+    """
     from jax.sharding import PartitionSpec as P
 
     from dlm_jax._partition import EXPERT, MODEL, leaf_axes
@@ -446,19 +460,51 @@ def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Arr
     sizes = dict(mesh.shape)
     logical = {MODEL: ("tp", sizes.get("tp", 1)), EXPERT: ("ep", sizes.get("ep", 1))}
     specs = [leaf_axes(f"ffn.{name}", w.shape, logical) for name, w in (("gate", gate), ("up", up), ("down", down))]
-    split_experts, split_neurons = specs[0][0], specs[0][2]  # "ep" / "tp" or None (not divisible: whole)
-
-    def local(x, ids, weights, g, u, d):
-        if split_experts is not None:
-            first = jax.lax.axis_index("ep") * g.shape[0]
-            mine = (ids >= first) & (ids < first + g.shape[0])
-            ids, weights = jnp.where(mine, ids - first, -1), jnp.where(mine, weights, 0.0)
-        out = experts(x, Routing(ids, weights), g, u, d)
-        axes = tuple(a for a in (split_experts, split_neurons) if a is not None)
-        return jax.lax.psum(out, axes) if axes else out
+    # "ep" / "tp", or None where the weights are whole on every device (not divisible, or size 1)
+    split_experts, split_neurons = (ax if ax is not None and sizes.get(ax, 1) > 1 else None
+                                    for ax in (specs[0][0], specs[0][2]))
+    ep = sizes["ep"] if split_experts is not None else 1
+    n, k = routing.experts.shape
+    if exchange == "all_to_all" and ep > 1 and n % ep == 0:
+        local = functools.partial(_exchanged_experts, experts, ep=ep, split_neurons=split_neurons)
+    else:
+        def local(x, ids, weights, g, u, d):
+            if split_experts is not None:
+                first = jax.lax.axis_index("ep") * g.shape[0]
+                mine = (ids >= first) & (ids < first + g.shape[0])
+                ids, weights = jnp.where(mine, ids - first, -1), jnp.where(mine, weights, 0.0)
+            out = experts(x, Routing(ids, weights), g, u, d)
+            axes = tuple(a for a in (split_experts, split_neurons) if a is not None)
+            return jax.lax.psum(out, axes) if axes else out
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *(P(*s) for s in specs)), out_specs=P(),
                          check_vma=False)(x, routing.experts, routing.weights, gate, up, down)
+
+
+def _exchanged_experts(experts, x, ids, weights, g, u, d, *, ep: int, split_neurons: str | None):
+    """The "all_to_all" form of `sharded_experts`, on one device (inside `shard_map`)."""
+    n, k = ids.shape
+    local_e = g.shape[0]
+    me = jax.lax.axis_index("ep")
+    rows = n // ep
+    a = rows * k  # this device's assignments
+    mine = jax.lax.dynamic_slice_in_dim(x, me * rows, rows)  # [rows, D]
+    my_ids = jax.lax.dynamic_slice_in_dim(ids, me * rows, rows).reshape(a)
+    my_w = jax.lax.dynamic_slice_in_dim(weights, me * rows, rows).reshape(a)
+    dest = jnp.where(my_ids >= 0, my_ids // local_e, -1)  # the device of each assignment's expert
+    to = dest[None, :] == jnp.arange(ep)[:, None]  # [ep, A]: assignment a goes to device p
+    send = jnp.where(to[..., None], jnp.repeat(mine, k, axis=0)[None], 0).astype(x.dtype)  # [ep, A, D]
+    send_ids = jnp.where(to, my_ids[None, :] % local_e, -1)
+    got = jax.lax.all_to_all(send, "ep", 0, 0, tiled=True)  # [ep, A, D]: what each device sent here
+    got_ids = jax.lax.all_to_all(send_ids, "ep", 0, 0, tiled=True)
+    flat_ids = got_ids.reshape(ep * a, 1)
+    y = experts(got.reshape(ep * a, -1), Routing(flat_ids, jnp.where(flat_ids >= 0, 1.0, 0.0)), g, u, d)
+    back = jax.lax.all_to_all(y.reshape(ep, a, -1), "ep", 0, 0, tiled=True)  # [ep, A, D]: results, by device
+    picked = jnp.take_along_axis(back, jnp.maximum(dest, 0)[None, :, None], axis=0)[0]  # [A, D]
+    picked = jnp.where((dest >= 0)[:, None], picked, 0)
+    out = jnp.einsum("rk,rkd->rd", my_w.reshape(rows, k).astype(x.dtype), picked.reshape(rows, k, -1))
+    out = jax.lax.all_gather(out, "ep", axis=0, tiled=True)  # [N, D]
+    return jax.lax.psum(out, split_neurons) if split_neurons is not None else out
 
 
 class ExpertSlotMap(nnx.Variable):
@@ -512,11 +558,11 @@ class MoEFFN(nnx.Module):
             slot = self.slot_of[...][routing.experts]
             resident = Routing(slot, jnp.where(slot >= 0, routing.weights, 0.0))
         weights = [self.expert_weights(name, dt) for name in ("gate", "up", "down")]
-        mesh = _EXPERT_MESH.get()
-        if mesh is None:
+        on_mesh = _EXPERT_MESH.get()
+        if on_mesh is None:
             out = experts(flat, resident, *weights)
         else:
-            out = sharded_experts(mesh, experts, flat, resident, *weights)
+            out = sharded_experts(on_mesh[0], experts, flat, resident, *weights, exchange=on_mesh[1])
         if self.slot_of is not None:  # the misses, on the host, added at the layer output
             out = out + jax.pure_callback(self.cpu_experts, jax.ShapeDtypeStruct(flat.shape, dt), flat,
                                           routing.experts, routing.weights, resident.experts < 0)

@@ -6,7 +6,8 @@ Run by tests/executors/test_mesh.py (the test process itself keeps one device: t
 meshes take every device there is). The spec: {"devices": D (host devices of this process),
 "cases": [{"model": path or "random:<kind>", "mesh": "tp=2", "presets": [a preset name, or
 decode options as a mapping], "gen_len": G, "max_batch": B, "load": {other `dlm_jax.load` options},
-"prompts": P (the first P prompts), "fixed": false (the engine's decode only)}], "processes": [coordinator, N, rank] (optional: join a run of N processes)}.
+"prompts": P (the first P prompts), "fixed": false (the engine's decode only), "exchange": an MoE
+layer's expert exchange on the mesh (`JaxExecutor(expert_exchange=...)`)}], "processes": [coordinator, N, rank] (optional: join a run of N processes)}.
 
 For each case the model loads twice through `dlm_jax.load` (once on the default device, once
 with `mesh=`: parameters streamed onto their shards) and both decode the same prompts with each
@@ -75,6 +76,7 @@ def main() -> None:
             if path.startswith("random:"):
                 path = str(random_model(path.split(":", 1)[1], Path(tmp)))
             one = dlm_jax.load(path, executor="jax", **case.get("load", {}))
+            os.environ["DLM_JAX_EXPERT_EXCHANGE"] = case.get("exchange", "psum")
             mesh = dlm_jax.load(path, mesh=case["mesh"], **case.get("load", {}))
             shape = MeshShape.parse(case["mesh"])
             per_device = mesh.executor.param_bytes_per_device()

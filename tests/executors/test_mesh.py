@@ -94,6 +94,9 @@ def test_every_preset_on_expert_and_data_parallel_meshes():
         {"model": "models/moe-tiny", "mesh": "ep=2", "presets": BIDIRECTIONAL},
         {"model": "models/moe-tiny", "mesh": "ep=4", "presets": BIDIRECTIONAL},
         {"model": "models/moe-tiny", "mesh": "ep=4,tp=2", "presets": ["fast-dllm", "fast-dllm-dual"]},
+        # routed rows exchanged with all-to-all instead of every device computing its experts for all rows
+        {"model": "models/moe-tiny", "mesh": "ep=4", "exchange": "all_to_all", "presets": ["fast-dllm", "llada-cpp"]},
+        {"model": "models/moe-tiny", "mesh": "ep=2,tp=2", "exchange": "all_to_all", "presets": ["fast-dllm-dual"]},
         # TIDE's split execution, its 8 expert slots per layer split over the devices (4 each),
         # experts moving into them between steps
         {"model": "models/moe-tiny", "mesh": "ep=2", "load": {"expert_slots": 8},
