@@ -97,8 +97,7 @@ FLASH_CONFIG = ROOT / "examples" / "configs" / "llada2.0-flash" / "config.json"
 MB = 1e6
 MOE_MODEL = ROOT / "models" / "moe-tiny"
 MOE_PROMPTS = ["564+894=", "sort: 37 44 13 33 47 48", "66+76=", "12+9="]
-_COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|[\w\[\],{}:#\s]*?)\s+(all-reduce|all-to-all|all-gather|reduce-scatter|"
-                         r"collective-permute)(?:-start)?\(")
+_COLLECTIVE = re.compile(r"\s(all-reduce|all-to-all|all-gather|reduce-scatter|collective-permute)(-start)?\(")
 _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8}
@@ -107,10 +106,14 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16
 def collective_bytes(hlo: str) -> dict[str, dict[str, int]]:
     """{kind: {"ops": n, "bytes": output bytes}} of the collectives in an HLO module's text."""
     out: dict[str, dict[str, int]] = {}
-    for m in _COLLECTIVE.finditer(hlo):
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m is None or "=" not in line[:m.start()]:
+            continue
+        shapes = line[line.index("=") + 1:m.start()]  # the op's output shape(s): `%name = <shapes> op(`
         size = sum(_DTYPE_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                   for t, dims in _SHAPE.findall(m.group(1)))
-        entry = out.setdefault(m.group(2), {"ops": 0, "bytes": 0})
+                   for t, dims in _SHAPE.findall(shapes))
+        entry = out.setdefault(m.group(1), {"ops": 0, "bytes": 0})
         entry["ops"] += 1
         entry["bytes"] += size
     return out

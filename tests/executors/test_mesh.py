@@ -148,13 +148,16 @@ def test_two_processes_decode_as_one():
     ("tp=4", "tp=4 does not divide the model's 2 K/V heads"),
     ("ep=2", "ep=2: the model has no routed experts"),
     ("tp=2", "needs 2 devices"),
+    ("ep=2 int8", "with weight-only quantized experts (quant='int8') is not supported"),
 ])
 def test_bad_meshes_are_refused_before_loading(monkeypatch, mesh, words):
     import dlm_jax.checkpoint._io as io
 
     monkeypatch.setattr(io, "load_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    mesh, _, quant = mesh.partition(" ")
+    model = "models/moe-tiny" if quant else "models/llada-tiny"
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")) as err:
-        dlm_jax.load("models/llada-tiny", mesh=mesh)
+        dlm_jax.load(model, mesh=mesh, quant=quant or None)
     assert "\n" not in str(err.value)
 
 
