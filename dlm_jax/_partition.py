@@ -3,10 +3,12 @@ training (`dlm_jax.training.loop`), the JAX executor's mesh decoding
 (`dlm_jax.executors.sharding`) and the planner (`dlm_jax.planner`). No JAX here: the planner
 reads a config and these rules alone, and the command line checks a mesh before JAX loads.
 
-Logical axes: `MODEL` (tensor parallel: attention heads, FFN neurons, vocabulary rows) and
-`EXPERT` (expert parallel: the routed experts of an MoE layer). A mesh maps each to one of its
-axes: training's mesh has `data` and `model` (no expert axis: experts are split over `model`
-by their neurons, as before), decoding's has `dp`, `ep` and `tp` (`MeshShape`).
+Logical axes: `MODEL` (tensor parallel: query heads, FFN neurons, vocabulary rows), `KV_HEADS`
+(the K/V heads: tensor parallel too where the mesh's tp divides them, else whole on every
+device, each device computing every K/V head for its query heads) and `EXPERT` (expert
+parallel: the routed experts of an MoE layer). A mesh maps each to one of its axes: training's
+mesh has `data` and `model` (no expert axis: experts are split over `model` by their neurons,
+as before), decoding's has `dp`, `ep` and `tp` (`MeshShape.axes_for`).
 
 The rules are Megatron's: column-parallel q/k/v and FFN in-projections (each device holds whole
 heads, whole neurons), row-parallel o and down projections (their products summed over the
@@ -24,12 +26,14 @@ from collections.abc import Mapping, Sequence
 
 from dlm_jax._errors import ConfigError
 
-MODEL, EXPERT = "model", "expert"
+MODEL, EXPERT, KV_HEADS = "model", "expert", "kv_heads"
 
 _COL = r"(kernel|qkernel)$"
 PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"attn\.(q|k|v)_proj\." + _COL, (None, MODEL)),
-    (r"attn\.(q|k|v)_proj\.(bias|scale)$", (MODEL,)),
+    (r"attn\.q_proj\." + _COL, (None, MODEL)),
+    (r"attn\.q_proj\.(bias|scale)$", (MODEL,)),
+    (r"attn\.(k|v)_proj\." + _COL, (None, KV_HEADS)),
+    (r"attn\.(k|v)_proj\.(bias|scale)$", (KV_HEADS,)),
     (r"attn\.o_proj\." + _COL, (MODEL, None)),
     (r"(ffn|shared)\.(gate|up)_proj\." + _COL, (None, MODEL)),
     (r"(ffn|shared)\.(gate|up)_proj\.scale$", (MODEL,)),
@@ -150,10 +154,11 @@ class MeshShape:
     def sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "ep": self.ep, "dp": self.dp}
 
-    @property
-    def logical(self) -> dict[str, tuple[str, int]]:
-        """The logical axes of `PARTITION_RULES` on this mesh (`leaf_axes`'s `axes`)."""
-        return {MODEL: ("tp", self.tp), EXPERT: ("ep", self.ep)}
+    def axes_for(self, config) -> dict[str, tuple[str, int]]:
+        """The logical axes of `PARTITION_RULES` on this mesh for a model of `config`
+        (`leaf_axes`'s `axes`): K/V heads over tp where tp divides them, else whole."""
+        return {MODEL: ("tp", self.tp), EXPERT: ("ep", self.ep),
+                KV_HEADS: ("tp", self.tp) if kv_heads_split(self, config) else (None, 1)}
 
     def __str__(self) -> str:
         return ",".join(f"{ax}={getattr(self, ax)}" for ax in MESH_AXES
@@ -161,13 +166,12 @@ class MeshShape:
 
     def check(self, config, *, devices: int | None = None, expert_slots: int | None = None) -> None:
         """Refuse, in one line naming the axis and the sizes, a mesh that does not divide the
-        model's query or K/V heads (tp), its routed experts or expert slots (ep), or that needs
-        more than `devices` devices."""
-        if self.tp > 1:
-            for what, n in (("attention heads (n_heads)", config.n_heads),
-                            ("K/V heads (n_kv_heads)", config.n_kv_heads)):
-                if n % self.tp:
-                    raise ConfigError(f"mesh tp={self.tp} does not divide the model's {n} {what}")
+        model's query heads (tp), its routed experts or expert slots (ep), or that needs more
+        than `devices` devices. (A tp the K/V heads do not divide keeps them whole on every
+        device: `kv_heads_split`.)"""
+        if self.tp > 1 and config.n_heads % self.tp:
+            raise ConfigError(f"mesh tp={self.tp} does not divide the model's {config.n_heads} attention heads "
+                              f"(n_heads)")
         if self.ep > 1:
             if not config.n_experts:
                 raise ConfigError(f"mesh ep={self.ep}: the model has no routed experts to split (ffn={config.ffn!r})")
@@ -181,7 +185,15 @@ class MeshShape:
                               f"{devices} available")
 
 
-def cache_axes(mesh: MeshShape, rows: int) -> tuple[str | None, ...]:
-    """The mesh axes of a K/V cache [L, rows, Hkv, S, Dh]: K/V heads over tp, rows over dp (when
-    dp divides them; a step of fewer rows keeps them whole)."""
-    return (None, "dp" if mesh.dp > 1 and rows % mesh.dp == 0 else None, "tp" if mesh.tp > 1 else None, None, None)
+def kv_heads_split(mesh: MeshShape, config) -> bool:
+    """Whether `mesh` splits the model's K/V heads over tp (tp divides them); else each device
+    holds and computes every K/V head (a tp past a grouped-query model's K/V heads)."""
+    return mesh.tp > 1 and config.n_kv_heads % mesh.tp == 0
+
+
+def cache_axes(mesh: MeshShape, rows: int, config) -> tuple[str | None, ...]:
+    """The mesh axes of a K/V cache [L, rows, Hkv, S, Dh] of a model of `config`: K/V heads over
+    tp (where tp divides them, `kv_heads_split`; else whole), rows over dp (where dp divides
+    them; a step of fewer rows keeps them whole)."""
+    return (None, "dp" if mesh.dp > 1 and rows % mesh.dp == 0 else None,
+            "tp" if kv_heads_split(mesh, config) else None, None, None)

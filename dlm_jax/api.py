@@ -231,7 +231,7 @@ def mesh_placement(path, mesh, *, expert_slots: int | None = None, quant: str | 
     from dlm_jax.executors.sharding import MeshPlacement, device_memory
     from dlm_jax.planner import check_fits
 
-    placement = mesh if hasattr(mesh, "mesh") else MeshPlacement(shape)
+    placement = (mesh if hasattr(mesh, "mesh") else MeshPlacement(shape)).for_model(config)
     memory = device_memory(placement)
     if memory is not None:
         check_fits(config, shape, memory_bytes=memory, batch=batch,

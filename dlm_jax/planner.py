@@ -29,7 +29,8 @@ import numpy as np
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
-from dlm_jax._partition import MESH_AXES, MeshShape, cache_axes, leaf_axes, logical_axes, split_factor
+from dlm_jax._partition import (MESH_AXES, MeshShape, cache_axes, kv_heads_split, leaf_axes, logical_axes,
+                                split_factor)
 
 GIB = 2**30
 FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -81,15 +82,16 @@ def _grouped(config: ModelConfig, quant: str | None) -> Counter:
                    for name, s in param_shapes(config, quant=quant).items())
 
 
-def _weights(groups: Counter, mesh: MeshShape) -> tuple[int, tuple[str, ...]]:
+def _weights(config: ModelConfig, groups: Counter, mesh: MeshShape) -> tuple[int, tuple[str, ...]]:
     """(bytes per device, names whose rule splits a dimension the mesh does not divide)."""
     total, replicated = 0, []
+    logical = mesh.axes_for(config)
     for (name, shape, dtype), count in groups.items():
-        spec = leaf_axes(name, shape, mesh.logical)
+        spec = leaf_axes(name, shape, logical)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         total += count * nbytes // split_factor(spec, mesh.sizes)  # a split dimension divides exactly
         wanted = logical_axes(name, len(shape))
-        if any(ax is not None and mesh.logical.get(ax, (None, 1))[1] > 1 and got is None
+        if any(ax is not None and logical.get(ax, (None, 1))[1] > 1 and got is None
                for ax, got in zip(wanted, spec)):
             replicated.append(name)
     return total, tuple(sorted(replicated))
@@ -99,13 +101,13 @@ def weight_bytes_per_device(config: ModelConfig, mesh: MeshShape | str, *, quant
     """The parameter bytes each device of `mesh` holds: every parameter of `param_shapes` (in its
     stored dtype; `quant`: int8 / fp8 kernels and their float32 scales) divided by how many ways
     `leaf_axes` splits it."""
-    return _weights(_grouped(config, quant), MeshShape.parse(mesh))[0]
+    return _weights(config, _grouped(config, quant), MeshShape.parse(mesh))[0]
 
 
 def _local_rows(mesh: MeshShape, batch: int) -> int:
     """The cache rows (and batch rows) one device holds: batch / dp where dp divides the batch
     (`cache_axes`), else all of them."""
-    return batch // mesh.dp if cache_axes(mesh, batch)[1] else batch
+    return batch // mesh.dp if mesh.dp > 1 and batch % mesh.dp == 0 else batch
 
 
 def kv_bytes_per_device(config: ModelConfig, mesh: MeshShape | str, *, batch: int, context: int) -> int:
@@ -116,7 +118,7 @@ def kv_bytes_per_device(config: ModelConfig, mesh: MeshShape | str, *, batch: in
     [B, S] and whole on every device."""
     mesh = MeshShape.parse(mesh)
     slots = cache_slots(config, context)
-    axes = cache_axes(mesh, batch)
+    axes = cache_axes(mesh, batch, config)
     shape = (config.n_layers, batch, config.n_kv_heads, slots, config.head_dim)
     kv = 2 * int(np.prod(shape, dtype=np.int64)) * np.dtype(config.dtype).itemsize // split_factor(axes, mesh.sizes)
     return kv + batch * slots * (4 + 1 + 1)
@@ -147,7 +149,8 @@ def activation_bytes_per_device(config: ModelConfig, mesh: MeshShape | str, *, b
     it = np.dtype(cfg.dtype).itemsize
     rows = _local_rows(mesh, batch)
     n = rows * WINDOW
-    heads, kv_heads = _part(cfg.n_heads, mesh.tp), _part(cfg.n_kv_heads, mesh.tp)
+    heads = _part(cfg.n_heads, mesh.tp)
+    kv_heads = cfg.n_kv_heads // mesh.tp if kv_heads_split(mesh, cfg) else cfg.n_kv_heads
     span = cache_slots(cfg, context) + WINDOW
     attention = (n * (heads + 2 * kv_heads) * cfg.head_dim * it + n * heads * cfg.head_dim * 4
                  + 2 * rows * heads * WINDOW * span * 4)
@@ -269,9 +272,12 @@ def _check_request(config: ModelConfig, *, batch: int, context: int) -> None:
 
 def _mesh_plan(config: ModelConfig, groups: Counter, mesh: MeshShape, *, usable: int, batch: int, context: int,
                quant: str | None) -> MeshPlan:
-    weights, replicated = _weights(groups, mesh)
-    if mesh.dp > 1 and not cache_axes(mesh, batch)[1]:
+    weights, replicated = _weights(config, groups, mesh)
+    if mesh.dp > 1 and batch % mesh.dp:
         replicated += (f"K/V rows (dp={mesh.dp} does not divide batch {batch})",)
+    if mesh.tp > 1 and not kv_heads_split(mesh, config):
+        replicated += (f"K/V heads (tp={mesh.tp} does not divide the {config.n_kv_heads} K/V heads: each device "
+                       f"holds them all)",)
     return MeshPlan(mesh, weights, kv_bytes_per_device(config, mesh, batch=batch, context=context),
                     activation_bytes_per_device(config, mesh, batch=batch, context=context, quant=quant),
                     usable, replicated)

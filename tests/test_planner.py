@@ -41,6 +41,16 @@ def _flash_bytes(c: ModelConfig) -> tuple[int, int]:
     return experts, rest
 
 
+def _flash_unsplit_at_8(c: ModelConfig) -> int:
+    """What tp=8 leaves whole on every device of LLaDA2.0-flash beyond `rest // 8`, by hand:
+    the k and v projections (4 K/V heads: not split), the norms, the router and the expert
+    bias (whole anyway), less their eighth already counted in rest // 8."""
+    d, dh, hkv, e = c.d_model, c.head_dim, c.n_kv_heads, c.n_experts
+    moe = c.n_layers - 1
+    whole = c.n_layers * (2 * d * hkv * dh + 2 * dh + 2 * d) * 2 + d * 2 + moe * (d * e * 2 + e * 4)
+    return whole - whole // 8
+
+
 def test_flash_config_is_the_100b_moe(flash):
     experts, rest = _flash_bytes(flash)
     p = plan(flash, devices=1, memory_gib=1000)
@@ -120,17 +130,22 @@ def test_pick_prefers_busy_replicas_then_fewer_tp_then_fewer_ep():
 def test_flash_on_eight_80gb_devices(flash, monkeypatch):
     """By hand: the routed experts take 186 GiB in bf16 and a device 60 GiB (0.75 of 80), so
     only meshes with tp * ep >= 4 fit (with 4: weights 46.5 + ~5.7 GiB of the rest at tp=1, K/V
-    4 GiB for 32768 float32 slots); tp=8 does not divide the 4 K/V heads. A batch of one keeps
-    one replica busy (dp=1), and the fewest tp among those is tp=1, ep=8."""
+    4 GiB for 32768 float32 slots); tp=8 fits with the 4 K/V heads whole on every device (the
+    cache as at tp=1). A batch of one keeps one replica busy (dp=1), and the fewest tp among
+    those is tp=1, ep=8."""
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     p = plan(flash, devices=8, memory_gib=80)
     assert p.usable == 60 * GIB and p.context == p.slots == 32768
     fitting = {full_name(m.mesh) for m in p.fitting}
     assert fitting == {"tp=1,ep=4,dp=2", "tp=1,ep=8,dp=1", "tp=2,ep=2,dp=2", "tp=2,ep=4,dp=1",
-                       "tp=4,ep=1,dp=2", "tp=4,ep=2,dp=1"}
-    assert [full_name(m) for m, _ in p.refused] == ["tp=8,ep=1,dp=1"]
-    pick = p.pick
+                       "tp=4,ep=1,dp=2", "tp=4,ep=2,dp=1", "tp=8,ep=1,dp=1"}
+    assert p.refused == ()
     experts, rest = _flash_bytes(flash)
+    tp8 = next(m for m in p.meshes if full_name(m.mesh) == "tp=8,ep=1,dp=1")
+    assert tp8.kv == 32 * 4 * 32768 * 128 * 4 * 2 + 32768 * 6  # K/V heads whole: as at tp=1
+    assert tp8.weights == experts // 8 + rest // 8 + _flash_unsplit_at_8(flash)
+    assert any("K/V heads (tp=8 does not divide the 4 K/V heads" in r for r in tp8.replicated)
+    pick = p.pick
     assert full_name(pick.mesh) == "tp=1,ep=8,dp=1" and pick.weights == experts // 8 + rest
     assert pick.kv == 32 * 4 * 32768 * 128 * 4 * 2 + 32768 * 6
 
@@ -151,8 +166,8 @@ def test_check_fits_refuses_in_one_line(flash):
     message = str(e.value)
     assert "\n" not in message and message.startswith("mesh tp=2,ep=2,dp=1 does not fit: it needs 5")
     assert message.endswith("for batch 1, context 4096) and a device has 40.00 GiB")
-    with pytest.raises(ConfigError, match="mesh tp=8 does not divide the model's 4 K/V heads"):
-        check_fits(flash, "tp=8", memory_bytes=80 * GIB, batch=1, context=4096)
+    with pytest.raises(ConfigError, match=r"mesh tp=3 does not divide the model's 32 attention heads \(n_heads\)"):
+        check_fits(flash, "tp=3", memory_bytes=80 * GIB, batch=1, context=4096)
     with pytest.raises(ConfigError, match=r"context=40000 must be in \[1, 32768\]"):
         check_fits(flash, "tp=4", memory_bytes=80 * GIB, batch=1, context=40000)
 

@@ -69,7 +69,7 @@ _name = _partition.param_name
 def param_sharding(state, mesh: Mesh):
     """NamedSharding per parameter from `PARTITION_RULES` (replicated when no rule matches or
     the dimension does not divide by the axis size)."""
-    axes = {_partition.MODEL: ("model", mesh.shape["model"])}
+    axes = {_partition.MODEL: ("model", mesh.shape["model"]), _partition.KV_HEADS: ("model", mesh.shape["model"])}
 
     def rule(path, leaf):
         return NamedSharding(mesh, P(*_partition.leaf_axes(_name(path), leaf.shape, axes)))

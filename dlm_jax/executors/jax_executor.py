@@ -203,7 +203,8 @@ def _placement(mesh, model: Transformer, slots: dict):
     from dlm_jax._partition import MeshShape
     from dlm_jax.executors.sharding import MeshPlacement
 
-    placement = mesh if isinstance(mesh, MeshPlacement) else MeshPlacement(MeshShape.parse(mesh))
+    placement = (mesh if isinstance(mesh, MeshPlacement) else MeshPlacement(MeshShape.parse(mesh))).for_model(
+        model.config)
     shape = placement.shape
     slot_count = next(iter(slots.values())).resident.size if slots else None
     shape.check(model.config, devices=placement.mesh.devices.size, expert_slots=slot_count)

@@ -34,7 +34,7 @@ class MeshPlacement:
     """The mesh of a `MeshShape` over `devices` (default: all of `jax.devices()`, every process's)
     and the sharding of each kind of array the executor holds or sends."""
 
-    def __init__(self, shape: MeshShape, devices: Sequence | None = None):
+    def __init__(self, shape: MeshShape, devices: Sequence | None = None, *, config=None):
         devices = list(jax.devices() if devices is None else devices)
         if shape.size > len(devices):
             from dlm_jax._errors import ConfigError
@@ -42,6 +42,7 @@ class MeshPlacement:
             raise ConfigError(f"mesh {shape} needs {shape.size} devices (tp*ep*dp); {len(devices)} available "
                               f"({devices[0].platform})")
         self.shape = shape
+        self.config = config  # the model's (`for_model`): whether tp splits its K/V heads
         grid = np.asarray(devices[: shape.size], dtype=object).reshape([getattr(shape, ax) for ax in MESH_ORDER])
         self.mesh = Mesh(grid, MESH_ORDER)
         self.replicated = NamedSharding(self.mesh, P())
@@ -50,13 +51,21 @@ class MeshPlacement:
     def __repr__(self) -> str:
         return f"MeshPlacement({self.shape}, {self.mesh.devices.size} devices)"
 
+    def for_model(self, config) -> MeshPlacement:
+        """This placement for a model of `config` (set once; another model's is refused)."""
+        if self.config is not None and self.config != config:
+            raise ValueError("this MeshPlacement is for another model's config")
+        self.config = config
+        return self
+
     def leaf(self, name: str, shape: Sequence[int], *, transposed: bool = False) -> NamedSharding:
         """A parameter's sharding (`leaf_axes` of the shared rules)."""
-        return NamedSharding(self.mesh, P(*leaf_axes(name, shape, self.shape.logical, transposed=transposed)))
+        axes = self.shape.axes_for(self.config)
+        return NamedSharding(self.mesh, P(*leaf_axes(name, shape, axes, transposed=transposed)))
 
     def cache(self, rows: int) -> NamedSharding:
         """K or V [L, rows, Hkv, S, Dh]."""
-        return NamedSharding(self.mesh, P(*cache_axes(self.shape, rows)))
+        return NamedSharding(self.mesh, P(*cache_axes(self.shape, rows, self.config)))
 
     def batch(self, shape: Sequence[int]) -> NamedSharding:
         """A step's per-row array [B, ...]: rows over dp where dp divides B, else replicated."""
