@@ -132,11 +132,18 @@ def attention_form(form: str, *, heads_first: bool = False) -> Iterator[None]:
     read them) instead of [L, B, P, Hkv, Dh]."""
     if form not in ATTENTION_FORMS:
         raise ValueError(f"unknown attention form {form!r}; known: {', '.join(ATTENTION_FORMS)}")
-    token = _ATTENTION.set((form, heads_first))
+    with _scoped(_ATTENTION, (form, heads_first)):
+        yield
+
+
+@contextlib.contextmanager
+def _scoped(var: contextvars.ContextVar, value) -> Iterator[None]:
+    """`var` set to `value` inside the context (what a trace inside it reads), reset after."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _ATTENTION.reset(token)
+        var.reset(token)
 
 
 def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
@@ -384,11 +391,8 @@ _LITERT = contextvars.ContextVar("dlm_jax_litert_lowering", default=False)
 def litert_lowering() -> Iterator[None]:
     """Trace the model for TFLite inside this context (`tflite_export` does): its multi-way
     control flow becomes ops LiteRT runs (`_switch`)."""
-    token = _LITERT.set(True)
-    try:
+    with _scoped(_LITERT, True):
         yield
-    finally:
-        _LITERT.reset(token)
 
 
 def _switch(index: jax.Array, branches: list) -> jax.Array:
@@ -430,11 +434,8 @@ def expert_mesh(mesh, exchange: str = "psum") -> Iterator[None]:
     `dlm_jax._partition`), computed by `sharded_experts` with `exchange`."""
     if exchange not in EXPERT_EXCHANGES:
         raise ValueError(f"unknown expert exchange {exchange!r}; known: {', '.join(EXPERT_EXCHANGES)}")
-    token = _EXPERT_MESH.set((mesh, exchange))
-    try:
+    with _scoped(_EXPERT_MESH, (mesh, exchange)):
         yield
-    finally:
-        _EXPERT_MESH.reset(token)
 
 
 def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,
