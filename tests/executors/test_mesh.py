@@ -104,6 +104,11 @@ def test_every_preset_on_expert_and_data_parallel_meshes():
         {"model": "models/moe-tiny", "mesh": "ep=2", "load": {"expert_slots": 8},
          "presets": [{"experts": "tide", "tau": "2", "hits": "previous_step"}]},
         {"model": "models/llada-tiny", "mesh": "dp=2", "presets": BIDIRECTIONAL},
+        # weight-only int8 (kernels and scales split alike) and bfloat16, on tp and dp
+        {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "load": {"quant": "int8"},
+         "presets": ["fast-dllm", "fast-dllm-dual"]},
+        {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "load": {"dtype": "bfloat16", "param_dtype": "bfloat16"},
+         "presets": ["fast-dllm", "fast-dllm-dual"]},
         {"model": "models/idlm-tiny", "mesh": "dp=2", "presets": ["isd"]},
         {"model": "models/ar-tiny", "mesh": "dp=2", "presets": ["ar"]}]})
     assert_same(report)
