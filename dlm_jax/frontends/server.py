@@ -883,7 +883,10 @@ def serve(service: Service, *, host: str = "127.0.0.1", port: int = 8000, grace:
     sock = bind(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    print(f"serving {service.name} on http://{shown}:{bound} (OpenAI API under /v1; /health, /metrics)", flush=True)
+    placement = getattr(service.model.executor, "placement", None)
+    where = "" if placement is None else f"; mesh {placement.shape}, {placement.mesh.devices.size} devices"
+    print(f"serving {service.name} on http://{shown}:{bound} (OpenAI API under /v1; /health, /metrics{where})",
+          flush=True)
 
     class Server(uvicorn.Server):
         draining = False

@@ -202,3 +202,54 @@ def test_serve_refuses_several_processes(capsys):
     assert ex.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "serve runs on one process" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_serve_on_a_mesh_answers_as_one_device(tmp_path):
+    """`dlm-jax serve --mesh tp=2,dp=2` in its own process (the command splits the CPU into 4
+    host devices): concurrent completions equal this process's one-device decodes."""
+    import threading
+    import time
+
+    import httpx
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dlm_jax.frontends.cli", "serve", "--model",
+                             str(ROOT / "models" / "llada-tiny"), "--port", "0", "--mesh", "tp=2,dp=2", "--gen", "32",
+                             "--max-batch", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tmp_path)
+    prompts = ["564+894=", "sort: 37 44 13 33 47 48", "66+76="]
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("serving llada-tiny on http://127.0.0.1:"), first + proc.stderr.read()
+        assert "mesh tp=2,dp=2, 4 devices" in first, first
+        url = first.split()[3]
+        deadline = time.monotonic() + 300
+        while True:  # warm-up compiles the mesh's programs first
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not become healthy"
+            time.sleep(0.5)
+        got: dict[str, str] = {}
+
+        def ask(prompt: str) -> None:
+            r = httpx.post(url + "/v1/completions", json={"model": "llada-tiny", "prompt": prompt, "max_tokens": 32},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            got[prompt] = r.json()["choices"][0]["text"]
+
+        clients = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(150)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    alone = dlm_jax.load(ROOT / "models" / "llada-tiny", executor="jax")
+    want = {p: alone.generate([p], dlm_jax.preset("fast-dllm", gen_len=32)).texts[0] for p in prompts}
+    assert got == want and "1458" in got.values()
