@@ -110,15 +110,16 @@ class MeshShape:
 
     @classmethod
     def parse(cls, text: str | Mapping[str, int] | MeshShape) -> MeshShape:
-        """`tp=N[,ep=M][,dp=K]` (any order; a missing axis is 1), a mapping of the same, or a
-        `MeshShape`; anything else is refused in one line."""
+        """`tp=N[,ep=M][,dp=K]` (any order; a missing axis is 1; `;` separates axes too, for
+        lm-eval's model args, which split at commas), a mapping of the same, or a `MeshShape`;
+        anything else is refused in one line."""
         if isinstance(text, MeshShape):
             return text
         if isinstance(text, Mapping):
             items = list(text.items())
         else:
             items = []
-            for part in str(text).replace(" ", "").split(","):
+            for part in str(text).replace(" ", "").replace(";", ",").split(","):
                 if not part:
                     continue
                 key, eq, value = part.partition("=")

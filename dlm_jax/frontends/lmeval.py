@@ -134,6 +134,8 @@ ADAPTER_ARGS: dict[str, tuple[type, Any, str]] = {
     "executor": (str, None, "auto (default, or $DLM_JAX_EXECUTOR), jax or litert"),
     "lora": (str, None, "a directory of LoRA adapters made for the checkpoint"),
     "quant": (str, None, "weight-only quantization at load on the JAX executor: int8 or fp8"),
+    "mesh": (str, None, "decode on a device mesh, axes separated by ';' (lm-eval splits model args at ','): "
+                        "tp=N;ep=M;dp=K (docs/mesh.md)"),
     "preset": (str, None, "decoder preset (default fast-dllm; a bundle: its recorded decode options)"),
     "chat": (bool, None, "wrap contexts in the chat template (default: the checkpoint's prompt format)"),
     "mc_num": (int, 128, "Monte Carlo samples per masked-diffusion log-likelihood"),
@@ -396,6 +398,7 @@ class ModelSettings:
     executor: str | None
     lora: str | None
     quant: str | None
+    mesh: Any  # a MeshShape, or None
     chat: bool | None
     mc_num: int
     mc_batch: int
@@ -440,13 +443,17 @@ def model_settings(pretrained: str | os.PathLike | None = None, **kwargs: Any) -
     from dlm_jax.models.quant import check_quant
 
     check_quant(args["quant"])
+    if args["mesh"] is not None:
+        from dlm_jax._partition import MeshShape
+
+        args["mesh"] = MeshShape.parse(args["mesh"])
     if not path.is_dir():
         raise CheckpointError(f"pretrained={path}: no such checkpoint directory")
     from dlm_jax.executors.bundle_files import BUNDLE_FILE
 
     bundle = (path / BUNDLE_FILE).exists()
     if bundle:
-        for name in ("executor", "lora", "quant"):
+        for name in ("executor", "lora", "quant", "mesh"):
             if args[name] is not None:
                 raise ConfigError(f"model arg {name}: {path} is a bundle, which runs on LiteRT with what it was "
                                   f"exported with")
@@ -457,7 +464,8 @@ def model_settings(pretrained: str | os.PathLike | None = None, **kwargs: Any) -
         base = PRESETS[preset or DEFAULT_PRESET]
     cfg = build(given, base=base)
     fixed = "gen_len" in given or (bundle and not preset) or "gen_len" in PRESETS.get(preset, {})
-    return ModelSettings(path, bundle, args["executor"], args["lora"], args["quant"], args["chat"], args["mc_num"],
+    return ModelSettings(path, bundle, args["executor"], args["lora"], args["quant"], args["mesh"], args["chat"],
+                         args["mc_num"],
                          args["mc_batch"], args["is_check_greedy"],
                          _batch_size(kwargs.get("batch_size"), args["max_batch_size"]),
                          int(given.get("seed", 0)), cfg, bool(fixed))
@@ -482,7 +490,8 @@ class DlmJaxLM(LM):
         else:
             import dlm_jax
 
-            self.handle = dlm_jax.load(s.pretrained, executor=s.executor, lora=s.lora, quant=s.quant)
+            self.handle = dlm_jax.load(s.pretrained, executor=s.executor, lora=s.lora, quant=s.quant,
+                                       **({"mesh": s.mesh} if s.mesh is not None else {}))
         self._scorer: Scorer | None = None
         self._warned_sampling = False
         self._templated = False  # lm-eval rendered the requests' chat (`apply_chat_template`)

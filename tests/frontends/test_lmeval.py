@@ -190,6 +190,15 @@ def test_generation_length_and_stop_strings(llada, lmeval):
     assert full == "1458" and cut == "14" and several == "1"
 
 
+def test_a_mesh_model_arg_decodes_on_the_mesh(llada, lmeval):
+    """`mesh=` reaches `dlm_jax.load`: a one-device mesh here (tests/executors/test_mesh.py covers
+    meshes of several), whose executor holds a placement and answers as the plain one."""
+    lm = lmeval.DlmJaxLM(pretrained=str(LLADA), executor="jax", gen_len=64, mesh="tp=1")
+    assert lm.handle.executor.placement is not None
+    req = [_req("564+894=", {"until": [], "max_gen_toks": 64})]
+    assert lm.generate_until(req, disable_tqdm=True) == llada.generate_until(req, disable_tqdm=True) == ["1458"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Log-likelihoods
 
@@ -326,6 +335,9 @@ def test_model_args_are_coerced_and_checked(lmeval):
         lmeval.model_settings(None)
     with pytest.raises(ConfigError, match="unknown decode preset"):
         lmeval.model_settings(str(LLADA), preset="nope")
+    assert lmeval.model_settings(str(LLADA), mesh="tp=2;dp=2").mesh == dlm_jax.MeshShape(tp=2, dp=2)
+    with pytest.raises(ConfigError, match="mesh 'tq=2': unknown axis 'tq'"):
+        lmeval.model_settings(str(LLADA), mesh="tq=2")
     # lm-eval's own settings (its CLI always passes batch_size) give way to model_args
     lm = lmeval.DlmJaxLM.create_from_arg_string(f"pretrained={LLADA},executor=jax,batch_size=4",
                                                 {"batch_size": 1, "max_batch_size": None, "device": "cuda"})
