@@ -213,9 +213,10 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
 def mesh_placement(path, mesh, *, expert_slots: int | None = None, quant: str | None = None,
                    batch: int = 1, context: int | None = None, **overrides: Any):
     """The `MeshPlacement` a checkpoint at `path` decodes on: `mesh` parsed and checked against
-    the checkpoint's config (heads, K/V heads, experts, expert slots), the devices JAX sees, and
-    their memory (the planner's per-device share of weights, a K/V cache of `batch` rows of
-    `context` slots, default the model's `max_seq_len`, and activations). Reads the config
+    the checkpoint's config (heads, experts, expert slots), the devices JAX sees, and their
+    memory (the planner's per-device share of the weights, a K/V cache of `batch` rows of
+    `context` positions and a step's activations; by default one row of 256: what any decode
+    needs, since a decode's cache is sized by its own prompt and generation). Reads the config
     only; refuses in one line."""
     from dlm_jax._partition import MeshShape
     from dlm_jax.checkpoint._io import load_config
@@ -235,5 +236,5 @@ def mesh_placement(path, mesh, *, expert_slots: int | None = None, quant: str | 
     memory = device_memory(placement)
     if memory is not None:
         check_fits(config, shape, memory_bytes=memory, batch=batch,
-                   context=min(context or config.max_seq_len, config.max_seq_len), quant=quant)
+                   context=min(context or 256, config.max_seq_len), quant=quant)
     return placement
