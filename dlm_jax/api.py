@@ -223,12 +223,9 @@ def mesh_placement(path, mesh, *, expert_slots: int | None = None, quant: str | 
 
     shape = MeshShape.parse(mesh) if not hasattr(mesh, "mesh") else mesh.shape
     config = load_config(path, **overrides)[0]
-    if quant is not None and config.ffn == "moe" and (shape.tp > 1 or shape.ep > 1):
-        raise ConfigError(f"mesh {shape} with weight-only quantized experts (quant={quant!r}) is not supported yet; "
-                          f"drop one of them")
     import jax
 
-    shape.check(config, devices=jax.device_count(), expert_slots=expert_slots)
+    shape.check(config, devices=jax.device_count(), expert_slots=expert_slots, quant=quant)
     from dlm_jax.executors.sharding import MeshPlacement, device_memory
     from dlm_jax.planner import check_fits
 

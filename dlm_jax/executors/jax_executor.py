@@ -207,10 +207,8 @@ def _placement(mesh, model: Transformer, slots: dict):
         model.config)
     shape = placement.shape
     slot_count = next(iter(slots.values())).resident.size if slots else None
-    shape.check(model.config, devices=placement.mesh.devices.size, expert_slots=slot_count)
-    if (shape.tp > 1 or shape.ep > 1) and getattr(model, "quant", None) and model.config.ffn == "moe":
-        raise ConfigError(f"mesh {shape} with weight-only quantized experts (quant={model.quant!r}) is not "
-                          f"supported yet; drop one of them")
+    shape.check(model.config, devices=placement.mesh.devices.size, expert_slots=slot_count,
+                quant=getattr(model, "quant", None))
     return placement
 
 
