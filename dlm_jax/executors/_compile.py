@@ -24,6 +24,26 @@ from dlm_jax.runtime.buckets import BucketKey
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
+# XLA:CPU's copy insertion, without region analysis, copies a donated buffer twice when the
+# program both reads it and updates it in place: the K/V cache of every decode step (read by
+# the attention, then the window's rows scattered into it), two copies of the whole cache per
+# step. With region analysis those copies go: at LLaDA-8B shape the batch-1 in-place step's
+# compiled bytes fell from 1.23x to 1.17x the weights with the dual cache, 1.45x to 1.39x with
+# the prefix cache (float32; `benchmarks/results/step_cost.md`); a 29M model's decodes on two
+# cores took as long or up to 6% less.
+# XLA:GPU's copy insertion does not add them (no copy kernel in the H200 profiles,
+# `benchmarks/results/gpu_step.md`).
+CPU_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
+def jit_options(options: dict[str, Any] | None = None, platform: str | None = None) -> dict[str, Any]:
+    """`jax.jit` keywords of a program the executors compile: `options` (donation, shardings)
+    with `CPU_COMPILER_OPTIONS` added on a CPU (`platform`, default JAX's default backend)."""
+    options = dict(options or {})
+    if (platform or jax.default_backend()) == "cpu":
+        options["compiler_options"] = {**CPU_COMPILER_OPTIONS, **options.get("compiler_options", {})}
+    return options
+
 
 class XlaCompileCounter:
     """Process-wide count of XLA backend compilations (from `jax.monitoring`)."""
@@ -139,7 +159,7 @@ class CompiledBuckets:
         t0 = time.perf_counter()
         try:
             fn, specs, *options = self._build(key)  # options: jax.jit keywords (donation)
-            exe = jax.jit(fn, **(options[0] if options else {})).lower(*specs).compile()
+            exe = jax.jit(fn, **jit_options(options[0] if options else None)).lower(*specs).compile()
         except BaseException:
             with self._lock:
                 self._pending.pop(key, None)  # a later get tries again (and raises there)

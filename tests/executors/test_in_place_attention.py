@@ -169,6 +169,30 @@ def test_the_in_place_step_copies_no_cache(model):
     assert not concats["split"], concats["split"][:2]
 
 
+def test_the_compiled_step_updates_the_cache_without_copying_it(model):
+    """The step the executor compiles writes its window's K/V into the donated cache where it
+    lies. Guards a silent cost: XLA:CPU's copy insertion, by default, copies a donated buffer
+    that a program both reads and updates, twice (the whole [L, B, Hkv, S, Dh] cache of every
+    step, about as many bytes as the weights of a small model); the executor compiles with
+    region analysis (`_compile.CPU_COMPILER_OPTIONS`), which drops those copies. The control,
+    compiled without it, holds them (or the check would be blind)."""
+    from dlm_jax.executors._compile import jit_options
+
+    executor = JaxExecutor(model, attention="split", rows="batched")
+    req = _random_step(executor, np.random.default_rng(0), batch=2, slots=40, window=9)
+    spec = (req.key, executor.capacity(40))
+    cfg = model.config
+    shape = f"f32[{cfg.n_layers},{req.key.batch},{cfg.n_kv_heads},{spec[1]},{cfg.head_dim}]"
+
+    def copies(text: str) -> list[str]:
+        return [ln.strip()[:120] for ln in text.splitlines() if f"= {shape}" in ln and " copy(" in ln]
+
+    fn, specs, kw = executor._build_resident(spec)
+    assert copies(jax.jit(fn, **kw).lower(*specs).compile().as_text()), "no copy without region analysis: blind"
+    assert not copies(jax.jit(fn, **jit_options(kw, "cpu")).lower(*specs).compile().as_text())
+    assert not copies(executor._resident.get(spec).as_text())  # what the executor itself compiled
+
+
 @pytest.mark.parametrize("name", [pytest.param("fast-dllm", marks=pytest.mark.slow), "fast-dllm-dual",
                                   pytest.param("llada-cpp", marks=pytest.mark.slow)])
 def test_in_place_decodes_the_gathered_tokens(model, name):
