@@ -38,7 +38,11 @@ cases (a process started past it loads nothing), recorded as "skipped: time budg
 command sized to a lease writes the report of what it measured; under `--work` a result with a
 skipped case is measured again. `--peer-budget-s SECONDS` caps Fast-dLLM's worker alone (its
 load included, counted from its start), so that the dlm-jax side, which runs after it, keeps the
-rest of `--budget-s`.
+rest of `--budget-s`; `--second-budget-s SECONDS` keeps that much of it for the second dlm-jax
+process (the first one stops its cases that much sooner).
+
+`--shape small` in full mode runs the table's code path at the tiny shape on any device (no GPU
+required: the dry run of `benchmarks/gpu_lease.sh`); the 8B shape requires a GPU.
 
 `--profile`: after a case's timed decodes, dlm-jax decodes it once more under
 `jax.profiler.trace` and records the ten costliest device kernels of that decode per step
@@ -181,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "keeps the rest of --budget-s")
     p.add_argument("--profile", action="store_true", help="after each case's timed decodes, one more dlm-jax "
                    "decode under jax.profiler: its ten costliest kernels per step (the report's kernel tables)")
+    p.add_argument("--second-budget-s", type=float, metavar="SECONDS", help="of --budget-s, kept for the second "
+                   "dlm-jax process (the cached first decodes): the first one skips its remaining cases that much "
+                   "sooner")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="the checkpoint's shape (default: llada-8b in full mode, "
+                   "small with --small); full mode needs a GPU only at llada-8b")
     p.add_argument("--seed", type=int, default=0, help="of the weights and the prompts")
     p.add_argument("--logit-std", type=float, default=20.0, help="standard deviation of the peaked head's logits")
     p.add_argument("--qk-scale", type=float, default=4.0, help="factor on the query and key projections")
@@ -237,7 +246,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--batches {args.batches}: each must be at least 1")
     if not 0 < args.threshold <= 1:
         p.error(f"--threshold={args.threshold} must be in (0, 1]")
-    for name in ("budget_s", "peer_budget_s"):
+    for name in ("budget_s", "peer_budget_s", "second_budget_s"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
     # Each mode once, unquantized first: its first decode is the fresh process's (the targets').
@@ -1332,7 +1341,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     xla_cache = args.xla_cache or work / "xla"
     cases = [{"batch": b, "cache": c} for b in args.batches for c in args.caches]
     spec = {"peer_src": str(src), "checkpoint": str(ckpt), "recipe": rec, "dtype": args.dtype,
-            "require_gpu": args.mode == "full", "mask_id": shape["mask_token_id"], "prompt_len": args.prompt_len,
+            "require_gpu": args.mode == "full" and args.shape == "llada-8b", "mask_id": shape["mask_token_id"], "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "block_len": args.block_len, "threshold": args.threshold, "reps": args.reps,
             "xla_cache": str(xla_cache), "cases": cases, "tie_tol": args.tie_tol, "quants": args.quant,
             "attention": args.attention, "profile": args.profile,
@@ -1354,7 +1363,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "fast_dllm" in args.sides) else {
             "device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [], "params": None,
             "cases": {}}
-        dj = _worker(spec, work, "dlm_jax", deadline=args.deadline) if "dlm_jax" in args.sides else {
+        dj = _worker(spec, work, "dlm_jax", deadline=first_deadline(args)) if "dlm_jax" in args.sides else {
             "device": None, "jax": None, "load_seconds": None, "params": None, "cases": {}}
         dj2 = (None if args.no_second_process or "dlm_jax" not in args.sides
                else _worker(spec, work, "dlm_jax", second=True, deadline=args.deadline))
@@ -1390,7 +1399,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         | {"temperature": 0.0, "batches": args.batches, "caches": args.caches, "seed": args.seed,
            "untimed_runs": 1, "xla_cache": "given" if args.xla_cache else "fresh (removed after)",
            "quants": args.quant, "attention": dj.get("attention") or args.attention, "budget_s": args.budget_s,
-           "peer_budget_s": args.peer_budget_s, "profile": args.profile},
+           "peer_budget_s": args.peer_budget_s, "second_budget_s": args.second_budget_s, "profile": args.profile},
         "checkpoint": {"path": str(ckpt), "state": state, "recipe": rec if state != "foreign" else {},
                        "params": dj["params"] or fd["params"], **written},
         "device": {"jax": dj["device"], "torch": fd["device"], **limits},
@@ -1416,6 +1425,13 @@ def peer_deadline(args: argparse.Namespace) -> float | None:
     ends = [d for d in (args.deadline, None if args.peer_budget_s is None else time.time() + args.peer_budget_s)
             if d is not None]
     return min(ends) if ends else None
+
+
+def first_deadline(args: argparse.Namespace) -> float | None:
+    """The first dlm-jax process's deadline: the end of --budget-s less --second-budget-s."""
+    if args.deadline is None:
+        return None
+    return args.deadline - (args.second_budget_s or 0.0)
 
 
 def run_record(args: argparse.Namespace, versions: dict[str, Any]) -> dict[str, Any]:
