@@ -9,7 +9,7 @@ set -euo pipefail
 src=${1:?usage: bash benchmarks/peer_src.sh FAST_DLLM_REPO [REV] [DEST]}
 rev=${2:-HEAD}
 dest=${3:-.peer/Fast-dLLM}
-commit=$(git -C "$src" rev-parse --verify --quiet "$rev^{commit}") || {
+commit=$(git -C "$src" rev-parse --verify --quiet "$rev^{commit}" 2>/dev/null) || {
   echo "error: $src has no commit $rev (is it a git checkout or bare repository of Fast-dLLM?)" >&2; exit 2; }
 git -C "$src" cat-file -e "$commit:llada/generate.py" 2>/dev/null || {
   echo "error: $src at $commit has no llada/generate.py: not NVlabs/Fast-dLLM" >&2; exit 2; }
