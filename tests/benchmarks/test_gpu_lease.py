@@ -63,25 +63,25 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     """A part whose flags its script refuses exits at once on the GPU machine (argparse's exit
     status 2 in the log) and its results are simply missing after the lease."""
     parts = lease_parts(tmp_path, **({"DRY": "1"} if dry else {}))
-    assert [p[0] for p in parts] == ["full", "small", "cudnn", "scan", "first cold", "first cache"]
+    assert [p[0] for p in parts] == ["table", "small", "large", "cudnn", "scan", "first cold", "first cache"]
     for name, limit, least, py, script, *argv in parts:
         assert int(least) <= int(limit), name
         assert py == "python3" and (ROOT / script).is_file(), (name, script)
         args = parse(script, argv)
         assert str(args.out).startswith(str(tmp_path / "out")), (name, args.out)  # every result under $OUT
-    full = parse(parts[0][4], parts[0][5:])
-    assert full.mode == "full" and full.reps == 3 and full.profile and full.quant == ["none", "int8"]
-    assert full.sides == ["fast_dllm", "dlm_jax"] and full.xla_cache is not None and not full.no_second_process
-    assert full.budget_s + 30 <= int(parts[0][1])  # the report is written before the part's timeout
-    assert full.second_budget_s < full.budget_s and full.peer_budget_s < full.budget_s
-    assert Path(full.peer_src) == Path(".peer/Fast-dLLM")
-    if dry:
-        assert full.shape == "small" and full.dtype == "float32" and full.batches == [1, 2]
-    else:
-        assert full.shape == "llada-8b" and full.dtype == "bfloat16" and full.batches == [1, 8, 16, 32]
-    assert parse(parts[1][4], parts[1][5:]).small
-    assert parse(parts[2][4], parts[2][5:]).attention == ["cudnn"] and parse(parts[3][4], parts[3][5:]).layers == ["scan"]
-    cold, cache = (parse(p[4], p[5:]) for p in parts[4:])
+    table, small, large = (parse(p[4], p[5:]) for p in parts[:3])
+    for full, part in ((table, parts[0]), (large, parts[2])):
+        assert full.mode == "full" and full.reps == 3 and full.profile and full.quant == ["none", "int8"]
+        assert full.xla_cache is not None and not full.no_second_process
+        assert full.budget_s + 30 <= int(part[1])  # the report is written before the part's timeout
+        assert full.second_budget_s < full.budget_s and Path(full.peer_src) == Path(".peer/Fast-dLLM")
+        assert (full.shape, full.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
+    assert table.sides == ["fast_dllm", "dlm_jax"] and table.peer_budget_s < table.budget_s
+    assert large.sides == ["dlm_jax"] and large.xla_cache != table.xla_cache  # its first decodes cold too
+    assert (table.batches, large.batches) == (([1], [2]) if dry else ([1, 8], [16, 32]))
+    assert table.checkpoint == large.checkpoint and small.small  # one checkpoint written per lease
+    assert parse(parts[3][4], parts[3][5:]).attention == ["cudnn"] and parse(parts[4][4], parts[4][5:]).layers == ["scan"]
+    cold, cache = (parse(p[4], p[5:]) for p in parts[5:])
     assert cold.cache == cache.cache == "prefix" and cold.xla_cache == cache.xla_cache  # the second reads the first's
 
 
@@ -91,7 +91,7 @@ def test_a_shorter_lease_cuts_the_table_part_and_its_budget_alike(tmp_path):
     parts = lease_parts(tmp_path, LIMIT="200")
     name, limit, _, _, script, *argv = parts[0]
     args = parse(script, argv)
-    assert name == "full" and int(limit) == 190 and args.budget_s == 270 - 330 + 190
+    assert name == "table" and int(limit) == 190 and args.budget_s == 190 - 55
 
 
 def test_the_header_s_render_commands_parse():
