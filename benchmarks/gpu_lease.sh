@@ -7,7 +7,7 @@
 #
 #   bash benchmarks/peer_src.sh PATH/TO/Fast-dLLM      (once, here: fills the ignored .peer/Fast-dLLM)
 #   run(command="OUT=$OUT bash benchmarks/gpu_lease.sh", carry=[".peer"], timeout_s=540)
-#   DRY=1 OUT=/tmp/lease PY=.venv/bin/python bash benchmarks/gpu_lease.sh   (a CPU: tiny float32 twin, ~70 s)
+#   DRY=1 OUT=/tmp/lease PY=.venv/bin/python bash benchmarks/gpu_lease.sh   (a CPU: tiny float32 twin, ~90 s)
 #
 # The parts in priority order, their limits (s), and the estimates they rest on (one H200:
 # benchmarks/results/gpu.json, first_decode.json; the compile times are of the commit before
