@@ -34,7 +34,7 @@ T0 = time.perf_counter()  # before JAX is imported: the process's start
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402 (imports no JAX)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llada-8b")
     p.add_argument("--dtype", default="bfloat16")
@@ -50,6 +50,11 @@ def main(argv=None) -> int:
     p.add_argument("--note", action="append", default=[], metavar="TEXT", help="a remark for --render's report")
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, required=True)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.render:
         runs = [r for path in args.render for r in json.loads(path.read_text())["runs"]]

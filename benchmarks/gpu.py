@@ -36,7 +36,20 @@ steps read the resident K/V: `dlm_jax.executors.jax_executor.RESIDENT_ATTENTION`
 the settings. `--budget-s SECONDS`: once the run has spent it, the workers skip their remaining
 cases (a process started past it loads nothing), recorded as "skipped: time budget", so that a
 command sized to a lease writes the report of what it measured; under `--work` a result with a
-skipped case is measured again.
+skipped case is measured again. `--peer-budget-s SECONDS` caps Fast-dLLM's worker alone (its
+load included, counted from its start), so that the dlm-jax side, which runs after it, keeps the
+rest of `--budget-s`; `--second-budget-s SECONDS` keeps that much of it for the second dlm-jax
+process (the first one stops its cases that much sooner).
+
+`--shape small` in full mode runs the table's code path at the tiny shape on any device (no GPU
+required: the dry run of `benchmarks/gpu_lease.sh`); the 8B shape requires a GPU.
+
+`--profile`: after a case's timed decodes, dlm-jax decodes it once more under
+`jax.profiler.trace` and records the ten costliest device kernels of that decode per step
+(kernel ms over the decode's NFE, calls per step, share of all kernel time: the case's
+`dlm_jax.profile`, one table per case in the report). On a CPU the trace has no device plane
+and the host's XLA ops are counted instead (`profile.source`). A profile that fails is the
+case's `profile.error`; the run goes on.
 
 Fast-dLLM's code is never edited; what this script changes in memory is listed in the report
 (`peer.shims`): the per-row `replace_position` fix of their dual cache (it indexes the cache
@@ -90,6 +103,7 @@ from pathlib import Path
 from typing import Any
 
 from _hardware import warm_page_cache  # both sides' load times start from the page cache
+from _profile import top_kernels
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -166,6 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "executor: one of dlm_jax.executors.jax_executor.RESIDENT_ATTENTION; default the executor's)")
     p.add_argument("--budget-s", type=float, metavar="SECONDS", help="time budget of the whole run: once spent, "
                    "the workers skip their remaining cases (reported as skipped) so that a report is still written")
+    p.add_argument("--peer-budget-s", type=float, metavar="SECONDS", help="time budget of Fast-dLLM's worker "
+                   "alone (its load included): once spent, it skips its remaining cases, so that dlm-jax's side "
+                   "keeps the rest of --budget-s")
+    p.add_argument("--profile", action="store_true", help="after each case's timed decodes, one more dlm-jax "
+                   "decode under jax.profiler: its ten costliest kernels per step (the report's kernel tables)")
+    p.add_argument("--second-budget-s", type=float, metavar="SECONDS", help="of --budget-s, kept for the second "
+                   "dlm-jax process (the cached first decodes): the first one skips its remaining cases that much "
+                   "sooner")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="the checkpoint's shape (default: llada-8b in full mode, "
+                   "small with --small); full mode needs a GPU only at llada-8b")
     p.add_argument("--seed", type=int, default=0, help="of the weights and the prompts")
     p.add_argument("--logit-std", type=float, default=20.0, help="standard deviation of the peaked head's logits")
     p.add_argument("--qk-scale", type=float, default=4.0, help="factor on the query and key projections")
@@ -222,8 +246,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--batches {args.batches}: each must be at least 1")
     if not 0 < args.threshold <= 1:
         p.error(f"--threshold={args.threshold} must be in (0, 1]")
-    if args.budget_s is not None and args.budget_s <= 0:
-        p.error(f"--budget-s={args.budget_s} must be positive")
+    for name in ("budget_s", "peer_budget_s", "second_budget_s"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
     # Each mode once, unquantized first: its first decode is the fresh process's (the targets').
     args.quant = [q for q in QUANTS if q in args.quant]
     if args.attention is not None:
@@ -285,7 +310,8 @@ def peer_source(given: Path | None, *, cache: Path = CACHE / "peers") -> tuple[P
 
 
 def peer_identity(src: Path) -> dict[str, Any]:
-    """The commit of a checkout (when it is a git work tree) and the sha256 of the two files used."""
+    """The commit of a checkout (when it is a git work tree, else the COMMIT file that
+    benchmarks/peer_src.sh writes beside the sources it copies) and the sha256 of the files used."""
     commit = None
     try:  # a checkout of its own, not a copy inside some other work tree
         proc = subprocess.run(["git", "-C", str(src), "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
@@ -295,6 +321,8 @@ def peer_identity(src: Path) -> dict[str, Any]:
             commit = head
     except OSError:
         pass
+    if commit is None and (src / "COMMIT").is_file():
+        commit = (src / "COMMIT").read_text().strip() or None
     files = ("llada/generate.py", "llada/model/modeling_llada.py", "llada/model/configuration_llada.py")
     return {"src": str(src), "commit": commit,
             "sha256": {f: hashlib.sha256((src / f).read_bytes()).hexdigest()[:16] for f in files}}
@@ -834,7 +862,31 @@ def dlm_jax_case(m, spec: dict[str, Any], case: dict[str, Any], *, second: bool,
             mean_step_seconds=sum(steps) / len(steps) if steps else None,
             median_host_seconds=stats.get("median_host_seconds"), buckets=stats["buckets"],
             h2d_bytes=stats.get("h2d_bytes"), d2h_bytes=stats.get("d2h_bytes"))
+        if spec.get("profile"):
+            entry["profile"] = profile_decode(lambda: m.decoder.decode(ids, cfg))
     return entry
+
+
+def profile_decode(decode: Callable[[], Any], *, n: int = 10) -> dict[str, Any]:
+    """One decode (`decode()`, returning a `DecodeResult`) under `jax.profiler.trace` in a
+    temporary folder: its `n` costliest kernels per step (`top_kernels` over the decode's NFE),
+    with the NFE and the decode's seconds under the profiler; {"error": ...} if anything fails
+    (a profiler this build lacks, a trace it cannot read), so the run goes on."""
+    import jax
+
+    trace = tempfile.mkdtemp(prefix="dlm-jax-gpu-trace-")
+    try:
+        t = time.perf_counter()
+        with jax.profiler.trace(trace):
+            res = decode()
+        seconds = time.perf_counter() - t
+        nfe = int(res.stats.to_dict()["nfe"])
+        prof = top_kernels(trace, max(nfe, 1), n)
+        return prof if "error" in prof else {**prof, "nfe": nfe, "seconds": round(seconds, 4)}
+    except Exception as e:  # noqa: BLE001 - a failing profile is recorded, never stops the run
+        return {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+    finally:
+        shutil.rmtree(trace, ignore_errors=True)
 
 
 def write_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -1073,6 +1125,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {r['case']} | {_f(dj.get('first_seconds'), '.2f')} | "
                      f"{_f(dj.get('second_process_first_seconds'), '.2f')} | {_f(fd.get('first_seconds'), '.2f')} | "
                      f"{_gib(fd.get('peak_memory_bytes'))} | {err} |")
+    lines += profile_tables(report["cases"])
     load, mem = report["load_seconds"], report["peak_memory_bytes"]
     lines += ["", f"Load: dlm-jax {_f(load['dlm_jax'], '.1f')} s, Fast-dLLM {_f(load['fast_dllm'], '.1f')} s (files in the "
               f"page cache). Peak GPU memory: dlm-jax {_gib(mem['dlm_jax'])} GiB (whole process), Fast-dLLM "
@@ -1101,6 +1154,25 @@ def markdown(report: dict[str, Any]) -> str:
                          + (f". Reconstructed {run['reconstructed']}" if run.get("reconstructed") else ""))
             lines += [f"   - {n}" for n in run.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def profile_tables(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: per case profiled by `--profile`, its costliest kernels per step (or the
+    profile's error); nothing for cases without a profile (parts written before it)."""
+    lines: list[str] = []
+    for r in rows:
+        prof = r["dlm_jax"].get("profile")
+        if not prof:
+            continue
+        if "top" not in prof:
+            lines += ["", f"Kernels of dlm-jax's decode, {r['case']}: profile failed ({prof.get('error')})."]
+            continue
+        lines += ["", f"Kernels of dlm-jax's decode, {r['case']} ({prof['source']}, "
+                  f"{prof['kernel_ms_per_step']:.2f} ms of kernels per step over NFE {prof.get('nfe', '-')}):", "",
+                  "| kernel | ms / step | calls / step | share |", "|---|---:|---:|---:|"]
+        lines += [f"| `{k['kernel'][:90]}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.1f} | "
+                  f"{'-' if k['share'] is None else format(k['share'], '.1%')} |" for k in prof["top"]]
+    return lines
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -1269,10 +1341,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     xla_cache = args.xla_cache or work / "xla"
     cases = [{"batch": b, "cache": c} for b in args.batches for c in args.caches]
     spec = {"peer_src": str(src), "checkpoint": str(ckpt), "recipe": rec, "dtype": args.dtype,
-            "require_gpu": args.mode == "full", "mask_id": shape["mask_token_id"], "prompt_len": args.prompt_len,
+            "require_gpu": args.mode == "full" and args.shape == "llada-8b", "mask_id": shape["mask_token_id"], "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "block_len": args.block_len, "threshold": args.threshold, "reps": args.reps,
             "xla_cache": str(xla_cache), "cases": cases, "tie_tol": args.tie_tol, "quants": args.quant,
-            "attention": args.attention,
+            "attention": args.attention, "profile": args.profile,
             "prompts": make_prompts(max(args.batches), args.prompt_len, vocab_below=shape["mask_token_id"],
                                     avoid=[shape["eos_token_id"]], seed=args.seed)}
     try:
@@ -1287,11 +1359,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elif state == "foreign":
             log(f"{ckpt} was not written by this script: used as it is")
         # A side not run stands as a process that decoded nothing (its cases compare as not run).
-        fd = _worker(side_spec(spec, "fast_dllm"), work, "fast_dllm", deadline=args.deadline) if (
+        fd = _worker(side_spec(spec, "fast_dllm"), work, "fast_dllm", deadline=peer_deadline(args)) if (
             "fast_dllm" in args.sides) else {
             "device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [], "params": None,
             "cases": {}}
-        dj = _worker(spec, work, "dlm_jax", deadline=args.deadline) if "dlm_jax" in args.sides else {
+        dj = _worker(spec, work, "dlm_jax", deadline=first_deadline(args)) if "dlm_jax" in args.sides else {
             "device": None, "jax": None, "load_seconds": None, "params": None, "cases": {}}
         dj2 = (None if args.no_second_process or "dlm_jax" not in args.sides
                else _worker(spec, work, "dlm_jax", second=True, deadline=args.deadline))
@@ -1326,7 +1398,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {k: spec[k] for k in ("prompt_len", "gen_len", "block_len", "threshold", "reps", "dtype")}
         | {"temperature": 0.0, "batches": args.batches, "caches": args.caches, "seed": args.seed,
            "untimed_runs": 1, "xla_cache": "given" if args.xla_cache else "fresh (removed after)",
-           "quants": args.quant, "attention": dj.get("attention") or args.attention, "budget_s": args.budget_s},
+           "quants": args.quant, "attention": dj.get("attention") or args.attention, "budget_s": args.budget_s,
+           "peer_budget_s": args.peer_budget_s, "second_budget_s": args.second_budget_s, "profile": args.profile},
         "checkpoint": {"path": str(ckpt), "state": state, "recipe": rec if state != "foreign" else {},
                        "params": dj["params"] or fd["params"], **written},
         "device": {"jax": dj["device"], "torch": fd["device"], **limits},
@@ -1341,8 +1414,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def side_spec(spec: dict[str, Any], kind: str) -> dict[str, Any]:
     """What a worker of `kind` is given: Fast-dLLM's spec lacks dlm-jax's own options (quant
-    modes, attention), so that changing them does not measure Fast-dLLM again under --work."""
-    return {k: v for k, v in spec.items() if k not in ("quants", "attention")} if kind == "fast_dllm" else spec
+    modes, attention, profile), so that changing them does not measure Fast-dLLM again under --work."""
+    own = ("quants", "attention", "profile")
+    return {k: v for k, v in spec.items() if k not in own} if kind == "fast_dllm" else spec
+
+
+def peer_deadline(args: argparse.Namespace) -> float | None:
+    """Fast-dLLM's worker's deadline (time.time()): the end of --budget-s, or sooner the end of
+    --peer-budget-s counted from now (the worker's start)."""
+    ends = [d for d in (args.deadline, None if args.peer_budget_s is None else time.time() + args.peer_budget_s)
+            if d is not None]
+    return min(ends) if ends else None
+
+
+def first_deadline(args: argparse.Namespace) -> float | None:
+    """The first dlm-jax process's deadline: the end of --budget-s less --second-budget-s."""
+    if args.deadline is None:
+        return None
+    return args.deadline - (args.second_budget_s or 0.0)
 
 
 def run_record(args: argparse.Namespace, versions: dict[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import glob
 import json
 import os
 import platform
@@ -58,6 +57,7 @@ from flax import nnx  # noqa: E402
 
 import dlm_jax  # noqa: E402
 from _plots import png_bytes  # noqa: E402
+from _profile import top_kernels  # noqa: E402
 from dlm_jax._integrity import atomic_write  # noqa: E402
 from dlm_jax.executors._compile import jit_options  # noqa: E402
 from dlm_jax.executors.jax_executor import JaxExecutor  # noqa: E402
@@ -191,35 +191,6 @@ def copy_bandwidth() -> float:
         ts.append(time.perf_counter() - t0)
     del x
     return 2 * 4 * (1 << 30) / statistics.median(ts)
-
-
-def top_kernels(trace_dir: str, steps: int, n: int = 10) -> dict[str, Any]:
-    """The `n` costliest device kernels of a profile (`jax.profiler` trace in `trace_dir`):
-    name, calls and ms per step, share of all kernel time."""
-    from jax.profiler import ProfileData
-
-    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    if not paths:
-        return {"error": "no profile written"}
-    data = ProfileData.from_file(paths[0])
-    totals: dict[str, list[float]] = {}
-    device = [p for p in data.planes if p.name.startswith("/device:")]
-    for plane in device or [p for p in data.planes if p.name == "/host:CPU"]:
-        for line in plane.lines:
-            if device and not line.name.startswith("Stream"):
-                continue  # "XLA Modules" / "XLA Ops" lines repeat the kernels' time
-            for ev in line.events:
-                stats = dict(ev.stats)
-                if not device and "hlo_op" not in stats:
-                    continue
-                t = totals.setdefault(ev.name, [0.0, 0])
-                t[0] += ev.duration_ns
-                t[1] += 1
-    whole = sum(t for t, _ in totals.values())
-    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]
-    return {"kernel_ms_per_step": whole / 1e6 / steps, "source": "device" if device else "host CPU ops",
-            "top": [{"kernel": k[:160], "ms_per_step": t / 1e6 / steps, "calls_per_step": c / steps,
-                     "share": t / whole if whole else None} for k, (t, c) in top]}
 
 
 def build_executor(model, attention: str, layers: str | None) -> JaxExecutor:

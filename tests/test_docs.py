@@ -436,7 +436,11 @@ def test_gpu_commands_install_extras_that_exist_and_parse():
         assert args.peer_src == Path("/src")
     assert gpu.parse_args(shlex.split(peers[0])[2:]).mode == "small"
     steps = [line for line in bench if "benchmarks/gpu_step.py" in line]
-    assert len(steps) == 2 and len(peers) + len(steps) == len(bench), bench
+    # A lease's commands (tests/benchmarks/test_gpu_lease.py parses the script's parts).
+    leases = [line for line in bench if re.search(r"\bbash benchmarks/\w+\.sh\b", line)]
+    assert len(leases) == 3 and all((ROOT / re.search(r"benchmarks/\w+\.sh", line).group()).is_file()
+                                    for line in leases), leases
+    assert len(steps) == 2 and len(peers) + len(steps) + len(leases) == len(bench), bench
     for line in steps:  # the CPU one runs in tests/benchmarks/test_gpu_step.py
         argv = shlex.split(line)
         gpu_step.parse_args(argv[argv.index("benchmarks/gpu_step.py") + 1:])

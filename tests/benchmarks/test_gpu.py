@@ -43,7 +43,9 @@ def test_arguments_take_each_modes_defaults_and_the_flags_given():
 @pytest.mark.parametrize("argv", [["--block-len", "48"], ["--batches", "0"], ["--threshold", "1.5"],
                                   ["--caches", "none"], ["--sides", "torch"], ["--merge", "a.json", "--batches", "8"],
                                   ["--quant", "int4"], ["--attention", "flash"], ["--budget-s", "0"],
-                                  ["--merge", "a.json", "--quant", "int8"]])
+                                  ["--merge", "a.json", "--quant", "int8"], ["--peer-budget-s", "0"],
+                                  ["--second-budget-s", "-1"], ["--shape", "llada-70b"],
+                                  ["--merge", "a.json", "--profile"]])
 def test_arguments_refuse_what_cannot_run(argv, capsys):
     with pytest.raises(SystemExit) as e:
         gpu.parse_args(argv)
@@ -459,6 +461,99 @@ def test_a_spent_budget_skips_the_remaining_cases_and_the_report_still_writes(tm
     assert not gpu._done(spec, tmp_path, "dlm_jax")
     result.write_text(json.dumps({**dj, "skipped": []}))
     assert gpu._done(spec, tmp_path, "dlm_jax")
+
+
+# ---------------------------------------------------------------------------------------------
+# --profile, the per-side budgets and the full mode at the tiny shape (benchmarks/gpu_lease.sh)
+
+
+def test_profile_decode_is_per_step_and_a_failing_profile_is_recorded_not_raised():
+    """A kernel table of a whole decode read as one step's overstates every kernel NFE times,
+    and a profiler that fails on the lease's machine (no CUPTI, an unreadable trace) must not
+    cost the run: the profile divides by the decode's NFE and records its error."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda a: jnp.tanh(a @ a).sum())
+    a = jnp.ones((64, 64))
+    f(a).block_until_ready()
+
+    def decode():
+        for _ in range(3):  # a "decode" of 3 steps, one program call each
+            f(a).block_until_ready()
+        return types.SimpleNamespace(stats=types.SimpleNamespace(to_dict=lambda: {"nfe": 3}))
+
+    prof = gpu.profile_decode(decode)
+    assert prof["nfe"] == 3 and prof["source"] == "host CPU ops" and prof["top"], prof  # (conftest pins the CPU)
+    assert prof["top"][0]["calls_per_step"] == pytest.approx(1.0)  # 3 calls over NFE 3
+    assert sum(k["share"] for k in prof["top"]) == pytest.approx(1.0)  # every op of this program is in the top 10
+    assert prof["kernel_ms_per_step"] == pytest.approx(sum(k["ms_per_step"] for k in prof["top"]))
+
+    def broken():
+        raise RuntimeError("CUPTI not found\nsecond line")
+
+    assert gpu.profile_decode(broken) == {"error": "RuntimeError: CUPTI not found"}
+
+
+FAKE_PROFILE = {"kernel_ms_per_step": 7.5, "source": "device", "nfe": 40, "seconds": 0.3,
+                "top": [{"kernel": "gemm_fusion_dot.12", "ms_per_step": 5.0, "calls_per_step": 64.0, "share": 2 / 3},
+                        {"kernel": "loop_reduce_fusion", "ms_per_step": 2.5, "calls_per_step": 32.0, "share": 1 / 3}]}
+
+
+def profiled_results() -> tuple[dict, dict, dict, dict]:
+    spec, fd, dj, dj2 = fake_results()
+    dj["cases"]["prefix b1"]["profile"] = FAKE_PROFILE
+    dj["cases"]["dual b8"]["profile"] = {"error": "RuntimeError: CUPTI not found"}
+    return spec, fd, dj, dj2
+
+
+def test_profiled_cases_get_a_kernel_table_each_and_merge_beside_parts_without(tmp_path, monkeypatch):
+    """A profile measured but lost on the way to the report (the row copy, the merge) would
+    leave the issue's kernel tables unanswered with no error: each profiled case keeps its
+    profile in the JSON and gets a table in the report, a failed one says so, and a part
+    written without --profile merges beside it."""
+    report, _ = fake_run(monkeypatch, ["--batches", "1", "8", "--profile"], results=profiled_results)
+    assert report["settings"]["profile"] is True
+    rows = {r["case"]: r for r in report["cases"]}
+    assert rows["prefix b1"]["dlm_jax"]["profile"] == FAKE_PROFILE
+    md = gpu.markdown(report)
+    assert "Kernels of dlm-jax's decode, prefix b1 (device, 7.50 ms of kernels per step over NFE 40):" in md
+    assert "| `gemm_fusion_dot.12` | 5.000 | 64.0 | 66.7% |" in md and "| `loop_reduce_fusion` | 2.500 | 32.0 | 33.3% |" in md
+    assert "Kernels of dlm-jax's decode, dual b8: profile failed (RuntimeError: CUPTI not found)." in md
+    assert md.count("Kernels of dlm-jax's decode") == 2
+    old, _ = fake_run(monkeypatch, ["--batches", "32", "--sides", "fast_dllm"])  # no profile anywhere
+    assert "profile" not in old["cases"][0]["dlm_jax"]
+    paths = write_parts(tmp_path, report, old)
+    assert gpu.main(["--merge", *paths, "--out", str(tmp_path / "gpu")]) == 0
+    merged = json.loads((tmp_path / "gpu.json").read_text())
+    assert {r["case"]: r for r in merged["cases"]}["prefix b1"]["dlm_jax"]["profile"] == FAKE_PROFILE
+    assert (tmp_path / "gpu.md").read_text().count("Kernels of dlm-jax's decode") == 2
+
+
+def test_peer_and_second_budgets_leave_dlm_jax_its_share(monkeypatch):
+    """One --budget-s over both sides lets Fast-dLLM (which runs first, its 73 s load included)
+    spend the lease, and dlm-jax's first process the second one's share: --peer-budget-s caps
+    Fast-dLLM from its start, --second-budget-s ends dlm-jax's first process sooner."""
+    specs: dict = {}
+    t0 = __import__("time").time()
+    report, calls = fake_run(monkeypatch, ["--batches", "1", "--budget-s", "300", "--peer-budget-s", "100",
+                                           "--second-budget-s", "40", "--profile"], specs=specs)
+    assert calls == ["fast_dllm", "dlm_jax", "dlm_jax2"]
+    fd_deadline, dj_deadline, dj2_deadline = (specs[k][1] for k in calls)
+    assert fd_deadline == pytest.approx(t0 + 100, abs=5) and dj2_deadline == pytest.approx(t0 + 300, abs=5)
+    assert dj_deadline == pytest.approx(dj2_deadline - 40)
+    assert "profile" not in specs["fast_dllm"][0] and specs["dlm_jax"][0]["profile"] is True  # Fast-dLLM's spec
+    assert specs["dlm_jax"][0]["require_gpu"] is True  # the 8B shape needs a GPU
+    assert (report["settings"]["peer_budget_s"], report["settings"]["second_budget_s"]) == (100, 40)
+    specs.clear()
+    fake_run(monkeypatch, ["--batches", "1", "--peer-budget-s", "500", "--budget-s", "60"], specs=specs)
+    assert specs["fast_dllm"][1] == pytest.approx(specs["dlm_jax2"][1])  # the whole run's budget ends first
+    specs.clear()
+    fake_run(monkeypatch, ["--batches", "1", "--shape", "small", "--dtype", "float32"], specs=specs)
+    assert specs["dlm_jax"][0]["require_gpu"] is False and specs["dlm_jax"][0]["recipe"]["shape"] == "small"
+    assert all(d is None for _, d in specs.values())
 
 
 def strip_quant(report: dict) -> dict:

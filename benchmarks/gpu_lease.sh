@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# One GPU lease's measurements for the GPU-step issue, as one prepared command. Run from the
+# repository root on the GPU machine; every result lands in $OUT as soon as its part has it;
+# each part runs under a hard `timeout`, in priority order, cut to the time left, and the whole
+# stays under $LIMIT s (default 470) whatever happens: a part that no longer fits is skipped,
+# and a part that ends early leaves its time to the next.
+#
+#   bash benchmarks/peer_src.sh PATH/TO/Fast-dLLM      (once, here: fills the ignored .peer/Fast-dLLM)
+#   run(command="OUT=$OUT bash benchmarks/gpu_lease.sh", carry=[".peer"], timeout_s=540)
+#   DRY=1 OUT=/tmp/lease PY=.venv/bin/python bash benchmarks/gpu_lease.sh   (a CPU: tiny float32 twin, ~90 s)
+#
+# The parts in priority order, their limits (s), and the estimates they rest on (one H200:
+# benchmarks/results/gpu.json, first_decode.json; the compile times are of the commit before
+# this issue's compile work, so they are upper bounds):
+#   table   400  benchmarks/gpu.py, both sides, batch 1 and 8, --quant none int8, --reps 3,
+#                --profile; --budget-s = its limit - 55 (a case in flight when it ends, a cold
+#                prefix compile included, and the report), of which --second-budget-s 30 for the
+#                second dlm-jax process (first decodes over the persistent cache $WORK/xla) and
+#                --peer-budget-s 125 for Fast-dLLM. Estimated: the checkpoint written with
+#                Fast-dLLM's code on the CPU (never timed: allow 60-120 s); Fast-dLLM's load 73 s,
+#                then 8 + 6 + 13 + 12 s (prefix/dual b1, b8: first + 3 timed decodes); dlm-jax per
+#                weight mode 10 s of load, 39 s at b1 and 85 s at b8 (cold compiles 36 s and 73 s),
+#                each case + 1 profiled decode; the second process about 25 s. About 510 s in
+#                all: the budget cuts dlm-jax's int8 cases at b8 (and at b1 if the compiles
+#                are no faster than that).
+#   small    50  benchmarks/gpu.py --small (the correctness half; tiny float32 twin; 20-40 s).
+#   large   300  benchmarks/gpu.py --sides dlm_jax at batch 16 and 32, none and int8, --reps 3,
+#                --profile, its own compilation cache; Fast-dLLM's side there is not timed (its
+#                load alone is 73 s; its b32 first decodes are in gpu_parts/). Never measured:
+#                about as long as b8 per case, so it gets what the table leaves.
+#   cudnn    40  benchmarks/gpu_step.py --attention cudnn, batch 1 and 8, dual and prefix.
+#   scan     45  benchmarks/gpu_step.py --layers scan, batch 1 and 8, dual and prefix.
+#   first 60+25  benchmarks/first_decode.py, prefix cache: cold, then a second process over its
+#                cache (the dual cache's are in first_decode.json).
+# Cut first when time runs short: the last parts (first, scan, cudnn, large), then inside the
+# table, by its budgets: dlm-jax's int8 cases (they follow all unquantized ones), Fast-dLLM's
+# b8 (past --peer-budget-s), the second process's cases. Knobs: LIMIT, TABLE_S, LARGE_S,
+# BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S (e.g. QUANTS=int8 LARGE_S=0 for a lease
+# that measures only what an earlier one's budget cut).
+#
+# After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
+# copy gpu.json, gpu_large.json and gpu_small.json into benchmarks/results/gpu_parts/ (named by
+# device and content; git rm an old part whose cases a new one measures again: --merge refuses
+# a case in two parts), then (the first full-mode part gives the load times and devices):
+#   .venv/bin/python benchmarks/gpu.py --merge $LEASE/gpu.json $LEASE/gpu_large.json $LEASE/gpu_small.json --out benchmarks/results/gpu
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/cudnn.json $LEASE/scan.json --out benchmarks/results/gpu_step_lease
+#   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
+#     $LEASE/first_decode.json --out benchmarks/results/first_decode
+set -u -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:?set OUT to the results folder}
+PY=${PY:-python3}             # the GPU machine's python3 holds JAX with its CUDA plugin
+LIMIT=${LIMIT:-470}           # the whole script's wall-clock seconds
+WORK=${WORK:-/tmp/dlm-jax-lease}  # checkpoint and compilation caches (large: not under $OUT)
+PEER=${PEER:-.peer/Fast-dLLM}
+BATCHES=${BATCHES:-1 8} LARGE_BATCHES=${LARGE_BATCHES:-16 32} QUANTS=${QUANTS:-none int8}
+TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30}
+MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
+SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=()
+if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
+  SHAPE=small BATCHES=1 LARGE_BATCHES=2
+  GPU_X=(--shape small --dtype float32 --prompt-len 32 --gen-len 64)
+  STEP_X=(--shape small --dtype float32 --reps 2) FIRST_X=(--shape small --dtype float32)
+  # One thread per process: torch's OpenMP threads spin against whatever else shares the CPU
+  # (their tiny decodes went from 0.05 s to 2-7 s on two shared cores).
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+rm -rf "$WORK/xla" "$WORK/xla-large" "$WORK/xla-first"  # first decodes are measured cold
+mkdir -p "$OUT" "$WORK"
+log=$OUT/log.txt
+start=$SECONDS
+# cap LIMIT: LIMIT cut to the time left less 10 s (the kill's 5 s grace and what follows).
+cap() { local room=$(( LIMIT - (SECONDS - start) - 10 )); echo $(( $1 < room ? $1 : room )); }
+# part NAME LIMIT MIN CMD...: CMD under `timeout` (its whole process group) for `cap LIMIT` s;
+# skipped when that is under MIN s.
+part() {
+  local name=$1 limit min=$3 t0=$SECONDS rc; limit=$(cap "$2"); shift 3
+  if (( limit < min )); then echo "$name: skipped, $limit s left (needs $min)" | tee -a "$log"; return 0; fi
+  echo "$name: limit $limit s: $*" >> "$log"
+  timeout -k 5 "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$log"
+}
+{ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv || true; } > "$OUT/smi.txt" 2>&1
+[ -f "$PEER/llada/generate.py" ] || echo "no Fast-dLLM sources in $PEER: run benchmarks/peer_src.sh and carry .peer" | tee -a "$log"
+
+G=benchmarks/gpu.py
+ALL=(--peer-src "$PEER" --checkpoint "$WORK/ckpt-$SHAPE" --quant $QUANTS --reps 3 --profile "${GPU_X[@]}")
+t=$(cap "$TABLE_S")  # its budget ends MARGIN_S before its timeout, however far the part was cut
+# shellcheck disable=SC2086  # BATCHES and QUANTS are lists of words
+part table "$t" 60 $PY $G "${ALL[@]}" --batches $BATCHES --xla-cache "$WORK/xla" --work "$OUT/gpu_work" \
+  --budget-s $(( t - MARGIN_S )) --peer-budget-s "$PEER_S" --second-budget-s "$SECOND_S" --out "$OUT/gpu"
+part small 50 30 $PY $G --small --peer-src "$PEER" --checkpoint "$WORK/ckpt-small-twin" --out "$OUT/gpu_small"
+t=$(cap "$LARGE_S")
+# shellcheck disable=SC2086
+part large "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --batches $LARGE_BATCHES --xla-cache "$WORK/xla-large" \
+  --work "$OUT/gpu_large_work" --budget-s $(( t - MARGIN_S )) --second-budget-s "$SECOND_S" --out "$OUT/gpu_large"
+S=benchmarks/gpu_step.py
+part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" --out "$OUT/cudnn"
+part scan 45 25 $PY $S --batches 1 8 --kinds dual prefix --layers scan --reps 10 "${STEP_X[@]}" --out "$OUT/scan"
+F=benchmarks/first_decode.py
+part "first cold" 60 40 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cold "${FIRST_X[@]}" \
+  --out "$OUT/first_decode"
+part "first cache" 25 15 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cache "${FIRST_X[@]}" \
+  --out "$OUT/first_decode"
+rm -f "$OUT"/*.tmp
+echo "done in $((SECONDS - start)) s" | tee -a "$log"
+grep -E "^(table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" | tail -40 || true

@@ -1,0 +1,168 @@
+"""`benchmarks/gpu_lease.sh`, the one command of a GPU lease, and `benchmarks/peer_src.sh`,
+which fills the ignored `.peer/Fast-dLLM` the lease carries.
+
+A lease is 15 minutes of device time drawn by chance: a part that dies on a misspelt flag, or a
+Fast-dLLM copy without the files gpu.py imports, costs a lease that may not come again. The
+script's parts are expanded by bash itself (its own `part` replaced by one that prints what it
+would run) and each is parsed by its benchmark's own argparse parser."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LEASE = ROOT / "benchmarks" / "gpu_lease.sh"
+PEER_SRC = ROOT / "benchmarks" / "peer_src.sh"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SEP = "\x1f"
+
+
+def lease_parts(tmp_path: Path, **env: str) -> list[list[str]]:
+    """What each `part` of the lease script would run, as bash expands it: [name, limit, min,
+    command...] per part, in order. Nothing runs (no GPU, no Python)."""
+    text = LEASE.read_text()
+    anchor = "\n{ nvidia-smi"
+    assert text.count(anchor) == 1, "the lease script's parts start after its nvidia-smi line"
+    stub = f"\npart() {{ printf '%s{SEP}' \"$@\"; printf '\\n'; }}" + anchor
+    script = tmp_path / "lease.sh"
+    script.write_text(text.replace(anchor, stub))
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OUT": str(out), "WORK": str(tmp_path / "work"), "PATH": os.environ["PATH"],
+                               **env})
+    assert proc.returncode == 0, proc.stderr
+    return [line.split(SEP)[:-1] for line in proc.stdout.splitlines() if SEP in line]
+
+
+def parse(script: str, argv: list[str]):
+    """`argv` parsed by the named benchmark's parser (gpu.py's with its checks); SystemExit on a
+    flag it does not take."""
+    name = Path(script).stem
+    module = __import__(name)
+    if name == "gpu":
+        return module.parse_args(argv)
+    return module.build_parser().parse_args(argv)
+
+
+def test_lease_script_is_valid_bash():
+    proc = subprocess.run(["bash", "-n", str(LEASE)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["gpu", "dry-run"])
+def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_path, dry):
+    """A part whose flags its script refuses exits at once on the GPU machine (argparse's exit
+    status 2 in the log) and its results are simply missing after the lease."""
+    parts = lease_parts(tmp_path, **({"DRY": "1"} if dry else {}))
+    assert [p[0] for p in parts] == ["table", "small", "large", "cudnn", "scan", "first cold", "first cache"]
+    for name, limit, least, py, script, *argv in parts:
+        assert int(least) <= int(limit), name
+        assert py == "python3" and (ROOT / script).is_file(), (name, script)
+        args = parse(script, argv)
+        assert str(args.out).startswith(str(tmp_path / "out")), (name, args.out)  # every result under $OUT
+    table, small, large = (parse(p[4], p[5:]) for p in parts[:3])
+    for full, part in ((table, parts[0]), (large, parts[2])):
+        assert full.mode == "full" and full.reps == 3 and full.profile and full.quant == ["none", "int8"]
+        assert full.xla_cache is not None and not full.no_second_process
+        assert full.budget_s + 30 <= int(part[1])  # the report is written before the part's timeout
+        assert full.second_budget_s < full.budget_s and Path(full.peer_src) == Path(".peer/Fast-dLLM")
+        assert (full.shape, full.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
+    assert table.sides == ["fast_dllm", "dlm_jax"] and table.peer_budget_s < table.budget_s
+    assert large.sides == ["dlm_jax"] and large.xla_cache != table.xla_cache  # its first decodes cold too
+    assert (table.batches, large.batches) == (([1], [2]) if dry else ([1, 8], [16, 32]))
+    assert table.checkpoint == large.checkpoint and small.small  # one checkpoint written per lease
+    assert parse(parts[3][4], parts[3][5:]).attention == ["cudnn"] and parse(parts[4][4], parts[4][5:]).layers == ["scan"]
+    cold, cache = (parse(p[4], p[5:]) for p in parts[5:])
+    assert cold.cache == cache.cache == "prefix" and cold.xla_cache == cache.xla_cache  # the second reads the first's
+
+
+def test_a_shorter_lease_cuts_the_table_part_and_its_budget_alike(tmp_path):
+    """A --budget-s longer than its part's timeout is a report never written: when the time
+    left is short, the part and its budget shrink together."""
+    parts = lease_parts(tmp_path, LIMIT="200")
+    name, limit, _, _, script, *argv = parts[0]
+    args = parse(script, argv)
+    assert name == "table" and int(limit) == 190 and args.budget_s == 190 - 55
+
+
+def test_the_header_s_render_commands_parse():
+    """The commands that turn a lease's files into benchmarks/results/ are run once per lease,
+    by hand, from the header: each must be one its script takes."""
+    header = "\n".join(line[1:].strip() for line in LEASE.read_text().splitlines() if line.startswith("#"))
+    header = header.replace("\\\n", " ")
+    commands = re.findall(r"\.venv/bin/python (benchmarks/\w+\.py) ([^\n]*)", header)
+    assert {c[0] for c in commands} == {"benchmarks/gpu.py", "benchmarks/gpu_step.py", "benchmarks/first_decode.py"}
+    for script, rest in commands:
+        argv = [a.replace("$LEASE", "/lease") for a in shlex.split(rest)]
+        args = parse(script, argv)
+        assert getattr(args, "merge", None) or args.render, (script, argv)
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=cwd,
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def fast_dllm_repo(tmp_path: Path) -> tuple[Path, str]:
+    """A tiny git repository laid out as NVlabs/Fast-dLLM is (llada/ beside other folders)."""
+    repo = tmp_path / "Fast-dLLM"
+    for rel, text in {"llada/generate.py": "x = 1\n", "llada/model/modeling_llada.py": "m = 1\n",
+                      "llada/model/configuration_llada.py": "c = 1\n", "dream/generate.py": "d = 1\n",
+                      "README.md": "readme\n"}.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    git(tmp_path, "init", "-q", str(repo))
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "one")
+    return repo, git(repo, "rev-parse", "HEAD")
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+@pytest.mark.parametrize("bare", [False, True], ids=["checkout", "bare"])
+def test_peer_src_copies_only_llada_and_names_its_commit(tmp_path, fast_dllm_repo, bare):
+    """A copy of the wrong tree (or of a whole repository, over the lease's 64 MiB carry) and a
+    report that cannot name the Fast-dLLM it ran are both silent: the script copies llada/ at one
+    commit, and gpu.py reports that commit from the copy."""
+    import gpu
+
+    repo, commit = fast_dllm_repo
+    if bare:
+        git(tmp_path, "clone", "-q", "--bare", str(repo), str(tmp_path / "mirror.git"))
+        repo = tmp_path / "mirror.git"
+    dest = tmp_path / "w" / ".peer" / "Fast-dLLM"
+    (dest / "stale").mkdir(parents=True)  # a copy from before is replaced whole
+    proc = subprocess.run(["bash", str(PEER_SRC), str(repo), "HEAD", str(dest)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    files = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    assert files == ["COMMIT", "llada/generate.py", "llada/model/configuration_llada.py",
+                     "llada/model/modeling_llada.py"]
+    assert (dest / "COMMIT").read_text().strip() == commit
+    ident = gpu.peer_identity(dest)
+    assert ident["commit"] == commit and set(ident["sha256"]) == {"llada/generate.py", "llada/model/modeling_llada.py",
+                                                                  "llada/model/configuration_llada.py"}
+    assert gpu.peer_source(dest)[0] == dest.resolve()  # what --peer-src accepts
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_peer_src_refuses_what_is_not_fast_dllm(tmp_path, fast_dllm_repo):
+    repo, _ = fast_dllm_repo
+    dest = tmp_path / "peer"
+    for argv, problem in (([str(repo), "no-such-rev"], "has no commit no-such-rev"),
+                          ([str(tmp_path)], "has no commit HEAD")):
+        proc = subprocess.run(["bash", str(PEER_SRC), *argv, str(dest)] if len(argv) == 2 else
+                              ["bash", str(PEER_SRC), *argv, "HEAD", str(dest)], capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.startswith("error:") and problem in proc.stderr, proc.stderr
+    git(repo, "rm", "-rq", "llada")
+    git(repo, "commit", "-qm", "no llada")
+    proc = subprocess.run(["bash", str(PEER_SRC), str(repo), "HEAD", str(dest)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "no llada/generate.py" in proc.stderr and not dest.exists()
