@@ -173,6 +173,11 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
     name = resolve_executor(executor, model.config)
     if overrides and name == "jax-then-litert":
         name = "jax"  # a background export loads the checkpoint as stored, not as overridden here
+    dtypes = {overrides[k] for k in ("dtype", "param_dtype") if k in overrides} - {"float32"}
+    if dtypes and name == "litert":  # its bundles are exported from the files as stored, in float32
+        raise ConfigError(f"dtype {', '.join(sorted(dtypes))}: the LiteRT runner (executor 'litert') decodes "
+                          f"float32 bundles (or ones quantized at their export); decode in "
+                          f"{', '.join(sorted(dtypes))} on the JAX executor (executor='jax' or 'auto'; --executor jax)")
     if quant is not None:
         if executor in (None, AUTO) and name == "jax-then-litert":
             name = "jax"

@@ -198,3 +198,39 @@ def test_powerinfer_statistics_in_bfloat16(loaded, spy):
     assert x16.dtype == np.float32 and x16.shape == x32.shape and active16.dtype == bool
     assert (active16 != active32).mean() <= 0.01  # measured 8e-5
     np.testing.assert_allclose(x16, x32, atol=0.1 * np.abs(x32).max())  # bfloat16's 8 mantissa bits
+
+
+def test_the_commands_and_lm_eval_decode_a_float32_checkpoint_in_bfloat16(monkeypatch, capsys):
+    """`--dtype bfloat16` (the decode commands) and the lm-eval model arg `dtype=bfloat16` load a
+    float32 checkpoint with bfloat16 weights and arithmetic, as `dlm_jax.load(dtype=...,
+    param_dtype=...)` does, and answer as that model does. Guards the silent failure of a flag
+    that parses but leaves the model in float32 (a GPU user's decode at twice the bytes). The
+    LiteRT runner, whose bundles are exported float32 from the files, is refused in one line."""
+    from dlm_jax.frontends import lmeval
+    from dlm_jax.frontends.cli import main
+
+    loaded = []
+    real_load = dlm_jax.load
+
+    def spy(*args, **kw):
+        handle = real_load(*args, **kw)
+        loaded.append(handle)
+        return handle
+
+    monkeypatch.setattr(dlm_jax, "load", spy)
+    path = MODELS / "llada-tiny"
+    args = ["generate", "--model", str(path), "--prompt", PROMPTS[0], "--gen", str(GEN), "--executor", "jax"]
+    assert main([*args, "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out.strip()
+    (handle,) = loaded
+    assert handle.model.config.dtype == handle.model.config.param_dtype == "bfloat16"
+    assert {leaf.dtype for leaf in jax.tree.leaves(nnx.state(handle.model, nnx.Param))} == {np.dtype(jax.numpy.bfloat16)}
+    want = real_load(path, executor="jax", **BF16).generate([PROMPTS[0]], dlm_jax.decode_config(gen_len=GEN))
+    assert out == want.texts[0]
+    lm = lmeval.DlmJaxLM(pretrained=str(path), dtype="bfloat16", executor="jax")
+    assert lm.handle.model.config.dtype == lm.handle.model.config.param_dtype == "bfloat16"
+    with pytest.raises(dlm_jax.ConfigError, match="model arg dtype='bf16' is not one of"):
+        lmeval.model_settings(str(path), dtype="bf16")
+    assert main([*args[:-1], "litert", "--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: dtype bfloat16: the LiteRT runner"), err

@@ -248,3 +248,18 @@ def test_raw_prompting_is_one_flag_away_in_eval_and_demo(capsys):
     assert scores[()] == 1.0 and scores[("--raw",)] < 1.0
     assert main(["demo", "--per-task", "1", "--gen", "32", "--raw"]) == 0
     assert "[ok ]" not in capsys.readouterr().out.split("== vanilla")[0]
+
+
+@pytest.mark.parametrize("flag,message", [
+    (["--quant", "int8"], "error: --quant int8: "),
+    (["--dtype", "bfloat16"], "error: --dtype bfloat16: "),
+])
+def test_load_time_flags_on_a_bundle_are_refused_in_one_line(flag, message, tmp_path, capsys):
+    """A bundle's weights and arithmetic were fixed at its export: a flag that would change them
+    at load is refused, naming the bundle, before anything is read (not ignored)."""
+    from dlm_jax.executors.bundle_files import BUNDLE_FILE
+
+    (tmp_path / BUNDLE_FILE).write_text("{}")  # the marker `_load` goes by; never opened
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "a", *flag]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(message) and f"{tmp_path} is a bundle" in line

@@ -62,12 +62,17 @@ def _load(args: argparse.Namespace, path: str | Path):
         if getattr(args, "weight_quant", None):
             raise ConfigError(f"--quant {args.weight_quant}: {path} is a bundle, quantized at its export "
                               f"(dlm-jax export --quant)")
+        if getattr(args, "dtype", None):
+            raise ConfigError(f"--dtype {args.dtype}: {path} is a bundle, whose weights and arithmetic were fixed "
+                              f"at its export; --dtype takes a checkpoint")
         return _load_bundle(args, path)
     if getattr(args, "entry_point", False):
         _persistent_compile_cache()
 
     mask = getattr(args, "mask_token_id", None)
     overrides = {} if mask is None else {"mask_token_id": mask}
+    if getattr(args, "dtype", None):  # activations and weights alike
+        overrides |= {"dtype": args.dtype, "param_dtype": args.dtype}
     mesh = _mesh_setup(args)
     handle = dlm_jax.load(path, strict=args.strict, verify=args.verify_manifest, executor=getattr(args, "executor", None),
                           lora=getattr(args, "lora", None), expert_slots=getattr(args, "expert_slots", None),
@@ -646,6 +651,11 @@ def _add_executor_option(p: argparse.ArgumentParser) -> None:
                         "exports them ($DLM_JAX_BACKGROUND_EXPORT=0: off); JAX on a GPU/TPU. jax: the JAX "
                         "executor; litert: the LiteRT runner, exporting what the cache lacks first")
     _add_quant_option(p)
+    from dlm_jax._config import DTYPES
+
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="the dtype of the weights and the arithmetic, JAX executor (default: the checkpoint's, as "
+                        "its config.json records): bfloat16 halves a float32 checkpoint's bytes on a GPU")
     p.add_argument("--expert-slots", type=int, metavar="S", help="split expert execution of an MoE model: S routed "
                    "experts per layer in the compiled step, the rest on a NumPy CPU path; --experts moves them "
                    "(previous-step hits, --expert-budget S + shared); JAX executor")

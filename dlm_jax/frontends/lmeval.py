@@ -134,6 +134,8 @@ ADAPTER_ARGS: dict[str, tuple[type, Any, str]] = {
     "executor": (str, None, "auto (default, or $DLM_JAX_EXECUTOR), jax or litert"),
     "lora": (str, None, "a directory of LoRA adapters made for the checkpoint"),
     "quant": (str, None, "weight-only quantization at load on the JAX executor: int8 or fp8"),
+    "dtype": (str, None, "the dtype of the weights and the arithmetic on the JAX executor: float32, bfloat16 or "
+                         "float16 (default: the checkpoint's)"),
     "mesh": (str, None, "decode on a device mesh, axes separated by ';' (lm-eval splits model args at ','): "
                         "tp=N;ep=M;dp=K (docs/mesh.md)"),
     "preset": (str, None, "decoder preset (default fast-dllm; a bundle: its recorded decode options)"),
@@ -399,6 +401,7 @@ class ModelSettings:
     lora: str | None
     quant: str | None
     mesh: Any  # a MeshShape, or None
+    dtype: str | None  # weights and arithmetic (None: the checkpoint's)
     chat: bool | None
     mc_num: int
     mc_batch: int
@@ -443,6 +446,10 @@ def model_settings(pretrained: str | os.PathLike | None = None, **kwargs: Any) -
     from dlm_jax.models.quant import check_quant
 
     check_quant(args["quant"])
+    from dlm_jax._config import DTYPES
+
+    if args["dtype"] is not None and args["dtype"] not in DTYPES:
+        raise ConfigError(f"model arg dtype={args['dtype']!r} is not one of {', '.join(DTYPES)}")
     if args["mesh"] is not None:
         from dlm_jax._partition import MeshShape
 
@@ -453,7 +460,7 @@ def model_settings(pretrained: str | os.PathLike | None = None, **kwargs: Any) -
 
     bundle = (path / BUNDLE_FILE).exists()
     if bundle:
-        for name in ("executor", "lora", "quant", "mesh"):
+        for name in ("executor", "lora", "quant", "mesh", "dtype"):
             if args[name] is not None:
                 raise ConfigError(f"model arg {name}: {path} is a bundle, which runs on LiteRT with what it was "
                                   f"exported with")
@@ -464,7 +471,8 @@ def model_settings(pretrained: str | os.PathLike | None = None, **kwargs: Any) -
         base = PRESETS[preset or DEFAULT_PRESET]
     cfg = build(given, base=base)
     fixed = "gen_len" in given or (bundle and not preset) or "gen_len" in PRESETS.get(preset, {})
-    return ModelSettings(path, bundle, args["executor"], args["lora"], args["quant"], args["mesh"], args["chat"],
+    return ModelSettings(path, bundle, args["executor"], args["lora"], args["quant"], args["mesh"], args["dtype"],
+                         args["chat"],
                          args["mc_num"],
                          args["mc_batch"], args["is_check_greedy"],
                          _batch_size(kwargs.get("batch_size"), args["max_batch_size"]),
@@ -491,7 +499,8 @@ class DlmJaxLM(LM):
             import dlm_jax
 
             self.handle = dlm_jax.load(s.pretrained, executor=s.executor, lora=s.lora, quant=s.quant,
-                                       **({"mesh": s.mesh} if s.mesh is not None else {}))
+                                       **({"mesh": s.mesh} if s.mesh is not None else {}),
+                                       **({"dtype": s.dtype, "param_dtype": s.dtype} if s.dtype else {}))
         self._scorer: Scorer | None = None
         self._warned_sampling = False
         self._templated = False  # lm-eval rendered the requests' chat (`apply_chat_template`)
