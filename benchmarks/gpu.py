@@ -896,13 +896,49 @@ def write_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return write_checkpoint(peer, Path(spec["checkpoint"]), spec["recipe"])
 
 
-def run_worker(kind: str, spec_path: Path, result: Path, *, extra: Sequence[str] = ()) -> dict[str, Any]:
-    """Run one worker in a fresh process (its log goes to our stderr) and read its result."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec_path), *extra]
-    rc = subprocess.run(cmd, stdout=sys.stderr).returncode
-    if rc != 0:
-        raise SystemExit(f"error: the {kind} process failed with exit status {rc} (its log is above)")
-    return json.loads(result.read_text())
+# A measuring worker still running this long past its deadline (a case in flight when the
+# budget ran out: a cold 8B compile takes a minute) is stopped, so that the report is written
+# before the caller's own time limit (benchmarks/gpu_lease.sh allows 55 s past --budget-s).
+KILL_AFTER_S = 30.0
+# What a measuring worker that measured nothing stands as (the keys its result always has).
+EMPTY_RESULT = {
+    "fast_dllm": {"device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [],
+                  "params": None, "cases": {}},
+    "dlm_jax": {"device": None, "jax": None, "load_seconds": None, "params": None, "config": None,
+                "attention": None, "cases": {}},
+}
+
+
+def run_worker(kind: str, spec_path: Path, result: Path, *, extra: Sequence[str] = (), kill_at: float | None = None,
+               argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run one worker in a fresh process (its log goes to our stderr) and read its result.
+
+    A measuring worker (fast_dllm, dlm_jax) that fails, or is still running at `kill_at`
+    (time.time(); stopped then), stands as what it saved after its last case (`save_partial`,
+    or `EMPTY_RESULT`), with `ended` saying why: one case's crash or a lease's clock costs that
+    worker's remaining cases, not the report. The checkpoint writer's failure ends the run."""
+    cmd = list(argv or [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec_path),
+                        *extra])
+    proc = subprocess.Popen(cmd, stdout=sys.stderr)
+    try:
+        rc = proc.wait(timeout=None if kill_at is None else max(0.0, kill_at - time.time()))
+        ended = None if rc == 0 else f"exit status {rc}"
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        ended = f"stopped {KILL_AFTER_S:.0f} s past its time budget"
+    if ended is None:
+        return json.loads(result.read_text())
+    if kind not in EMPTY_RESULT:
+        raise SystemExit(f"error: the {kind} process failed ({ended}; its log is above)")
+    partial = Path(str(result) + ".partial")
+    out = {**EMPTY_RESULT[kind], **(json.loads(partial.read_text()) if partial.exists() else {})}
+    log(f"{kind} worker: {ended}; its result is what it saved after its last case ({len(out['cases'])} cases)")
+    return {**out, "ended": ended}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1386,6 +1422,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "without them.")
     if fd["params"] and dj["params"] and fd["params"] != dj["params"]:
         notes.append(f"parameter counts differ: Fast-dLLM {fd['params']}, dlm-jax {dj['params']}")
+    notes += [f"the {side} process ended early ({res['ended']}): its cases after the last it saved are not "
+              f"measured" for side, res in (("Fast-dLLM", fd), ("dlm-jax", dj), ("dlm-jax second", dj2))
+              if res and res.get("ended")]
     skipped = [f"{side} {key}" for side, res in (("Fast-dLLM", fd), ("dlm-jax", dj), ("dlm-jax second process", dj2))
                for key in (res or {}).get("skipped", [])]
     if skipped:
@@ -1474,7 +1513,8 @@ def _worker(spec: dict[str, Any], work: Path, kind: str, *, second: bool = False
         return json.loads(result.read_text())
     result.unlink(missing_ok=True)
     spec_path.write_text(text)
-    return run_worker(kind, spec_path, result, extra=() if deadline is None else ("--deadline", repr(deadline)))
+    return run_worker(kind, spec_path, result, extra=() if deadline is None else ("--deadline", repr(deadline)),
+                      kill_at=None if deadline is None else deadline + KILL_AFTER_S)
 
 
 def save_partial(spec: dict[str, Any], out: dict[str, Any]) -> None:

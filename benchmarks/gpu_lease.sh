@@ -13,8 +13,8 @@
 # benchmarks/results/gpu.json, first_decode.json; the compile times are of the commit before
 # this compile work, so they are upper bounds):
 #   table   400  benchmarks/gpu.py, both sides, batch 1 and 8, --quant none int8, --reps 3,
-#                --profile; --budget-s = its limit - 55 (a case in flight when it ends, a cold
-#                prefix compile included, and the report), of which --second-budget-s 30 for the
+#                --profile; --budget-s = its limit - 55 (a case in flight when it ends, stopped by
+#                gpu.py 30 s past its worker's deadline, and the report), of which --second-budget-s 30 for the
 #                second dlm-jax process (first decodes over the persistent cache $WORK/xla) and
 #                --peer-budget-s 125 for Fast-dLLM. Estimated: the checkpoint written with
 #                Fast-dLLM's code on the CPU (never timed: allow 60-120 s); Fast-dLLM's load 73 s,

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -199,7 +200,7 @@ def test_work_folder_reuses_a_result_only_for_the_same_spec(tmp_path, monkeypatc
     short goes on where it stopped); another spec runs it."""
     ran = []
 
-    def fake_run(kind, spec_path, result, extra=()):
+    def fake_run(kind, spec_path, result, extra=(), kill_at=None):
         ran.append(kind)
         result.write_text(json.dumps({"kind": kind, "spec": json.loads(spec_path.read_text())["reps"]}))
         return json.loads(result.read_text())
@@ -461,6 +462,31 @@ def test_a_spent_budget_skips_the_remaining_cases_and_the_report_still_writes(tm
     assert not gpu._done(spec, tmp_path, "dlm_jax")
     result.write_text(json.dumps({**dj, "skipped": []}))
     assert gpu._done(spec, tmp_path, "dlm_jax")
+
+
+@pytest.mark.parametrize("how", ["crash", "overrun"])
+def test_a_worker_that_crashes_or_overruns_stands_as_its_saved_cases(how, tmp_path):
+    """A measuring worker that died (an out-of-memory at batch 32) or was still in a case long
+    past its deadline (a cold compile) used to end the whole run with no report: `gpu_lease.sh`'s
+    hard time limit then killed everything, and the cases measured before were lost. Now the
+    worker is stopped at `kill_at`, and it stands as what it saved after its last case, with why
+    it ended; the checkpoint writer's failure still ends the run."""
+    result = tmp_path / "dlm_jax.json"
+    saved = {**gpu.EMPTY_RESULT["dlm_jax"], "device": "gpu: X", "cases": {"dual b1": {"seconds": [0.4]}}}
+    script = (f"import json, sys, time; open({str(result) + '.partial'!r}, 'w').write({json.dumps(saved)!r}); "
+              + ("sys.exit(3)" if how == "crash" else "time.sleep(60)"))
+    t0 = time.time()
+    out = gpu.run_worker("dlm_jax", tmp_path / "spec.json", result, kill_at=t0 + 3,
+                         argv=[sys.executable, "-c", script])
+    assert time.time() - t0 < 20  # stopped near kill_at (a terminate, then a kill 5 s on), not after 60 s
+    assert out["cases"] == saved["cases"] and out["device"] == "gpu: X"
+    assert out["ended"] == ("exit status 3" if how == "crash" else "stopped 30 s past its time budget")
+    nothing = gpu.run_worker("fast_dllm", tmp_path / "spec.json", tmp_path / "fd.json", argv=[sys.executable, "-c",
+                                                                                           "import sys; sys.exit(1)"])
+    assert nothing == {**gpu.EMPTY_RESULT["fast_dllm"], "ended": "exit status 1"}
+    with pytest.raises(SystemExit, match="the write process failed"):
+        gpu.run_worker("write", tmp_path / "spec.json", tmp_path / "w.json", argv=[sys.executable, "-c",
+                                                                                  "import sys; sys.exit(2)"])
 
 
 # ---------------------------------------------------------------------------------------------
