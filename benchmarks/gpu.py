@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=sorted(SHAPES), help="the checkpoint's shape (default: llada-8b in full mode, "
                    "small with --small); full mode needs a GPU only at llada-8b")
     p.add_argument("--seed", type=int, default=0, help="of the weights and the prompts")
+    p.add_argument("--init-device", choices=("cpu", "cuda"), help="where Fast-dLLM's code initializes the random "
+                   "checkpoint's weights (default: cuda for the 8B shape of the full mode, whose 8B weights take "
+                   "minutes on a CPU, else cpu); part of the recipe (the same seed gives other weights on each)")
     p.add_argument("--logit-std", type=float, default=20.0, help="standard deviation of the peaked head's logits")
     p.add_argument("--qk-scale", type=float, default=4.0, help="factor on the query and key projections")
     p.add_argument("--branch-scale", type=float, default=8.0, help="factor on attn_out and ff_out of each block")
@@ -256,6 +259,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
         if args.attention not in RESIDENT_ATTENTION:
             p.error(f"--attention {args.attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
+    if args.init_device is None:
+        args.init_device = "cuda" if args.mode == "full" and args.shape == "llada-8b" else "cpu"
     args.deadline = None if args.budget_s is None else time.time() + args.budget_s
     return args
 
@@ -580,8 +585,23 @@ def first_divergence(a: list[list[int]], b: list[list[int]], *, margins: list[li
 
 
 def recipe(args: argparse.Namespace) -> dict[str, Any]:
+    """The random checkpoint's recipe (`init_device` only when not the CPU: the recipes of the
+    checkpoints written before it existed, on the CPU, lack it)."""
+    init = {} if getattr(args, "init_device", "cpu") == "cpu" else {"init_device": args.init_device}
     return {"shape": args.shape, **SHAPES[args.shape], "dtype": args.dtype, "seed": args.seed,
-            "logit_std": args.logit_std, "qk_scale": args.qk_scale, "branch_scale": args.branch_scale}
+            "logit_std": args.logit_std, "qk_scale": args.qk_scale, "branch_scale": args.branch_scale, **init}
+
+
+def build_peer_model(peer: Peer, config: Any, device: str | None = None) -> Any:
+    """Fast-dLLM's `LLaDAModelLM` of `config` with its own initialization (seed first). It
+    always builds on the CPU (about 35 ns a parameter on two cores here: minutes for 8B); with
+    `device`, its inner `LLaDAModel` is built and initialized there by the same code
+    (`init_device`) and handed to it."""
+    if device is None:
+        return peer.model_class(config, init_params=True).eval()
+    inner = peer.modeling.create_model_config_from_pretrained_config(config)
+    inner.init_device = device
+    return peer.model_class(config, model=peer.modeling.LLaDAModel(inner, init_params=True)).eval()
 
 
 def checkpoint_state(path: Path, want: dict[str, Any]) -> str:
@@ -607,7 +627,7 @@ def write_checkpoint(peer: Peer, path: Path, rec: dict[str, Any]) -> dict[str, A
     torch.manual_seed(rec["seed"])
     t0 = time.perf_counter()
     config = peer.config_class(**LLADA_KEYS, **shape)
-    model = peer.model_class(config, init_params=True).eval()
+    model = build_peer_model(peer, config, rec.get("init_device"))
     tr = model.model.transformer
     with torch.no_grad():
         for block in tr.blocks:
@@ -619,6 +639,7 @@ def write_checkpoint(peer: Peer, path: Path, rec: dict[str, Any]) -> dict[str, A
         head = tr.ff_out.weight
         head.mul_(rec["logit_std"] / (head.float().std().item() * math.sqrt(shape["d_model"])))
     model.to(getattr(torch, rec["dtype"]))
+    model.to("cpu")  # (saved from host memory, wherever it was initialized)
     params = sum(p.numel() for p in model.parameters())
     tmp = path.with_name(path.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -17,7 +17,9 @@
 #                gpu.py 30 s past its worker's deadline, and the report), of which --second-budget-s 30 for the
 #                second dlm-jax process (first decodes over the persistent cache $WORK/xla) and
 #                --peer-budget-s 125 for Fast-dLLM. Estimated: the checkpoint written with
-#                Fast-dLLM's code on the CPU (never timed: allow 60-120 s); Fast-dLLM's load 73 s,
+#                Fast-dLLM's code, initialized on the GPU (`--init-device cuda`: on a CPU its init
+#                alone takes about 35 ns a parameter on 2 cores, minutes for 8B) and saved, 16 GB
+#                (never timed: allow 30-60 s; the report records write_seconds); Fast-dLLM's load 73 s,
 #                then 8 + 6 + 13 + 12 s (prefix/dual b1, b8: first + 3 timed decodes); dlm-jax per
 #                weight mode 10 s of load, 39 s at b1 and 85 s at b8 (cold compiles 36 s and 73 s),
 #                each case + 1 profiled decode; the second process about 25 s. About 510 s in

@@ -633,6 +633,31 @@ def test_dlm_jax_worker_loads_each_quant_mode_and_names_its_cases(tmp_path):
 # The correctness half, with Fast-dLLM's sources
 
 
+def test_the_peer_model_built_on_a_chosen_device_is_the_one_their_class_builds():
+    """`build_peer_model(device=...)` (the 8B checkpoint initialized on the GPU: minutes on a
+    CPU) must be Fast-dLLM's own model and initialization, not a look-alike: built on the CPU by
+    that path, it holds the same parameters, bit for bit, as `LLaDAModelLM(config,
+    init_params=True)` from the same seed. And the recipe names the device only when it is not
+    the CPU (the recipes written before the option read as the CPU's)."""
+    if PEER_ENV not in os.environ:
+        pytest.skip(f"{PEER_ENV} is not set: point it at a checkout of NVlabs/Fast-dLLM")
+    import torch
+
+    peer = gpu.load_peer(Path(os.environ[PEER_ENV]), device="cpu")
+    config = peer.config_class(**gpu.LLADA_KEYS, **gpu.SHAPES["small"])
+    models = []
+    for device in (None, "cpu"):
+        torch.manual_seed(3)
+        models.append(gpu.build_peer_model(peer, config, device))
+    a, b = (dict(m.named_parameters()) for m in models)
+    assert a.keys() == b.keys() and len(a) > 4
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    args = gpu.parse_args(["--shape", "small"])
+    assert args.init_device == "cpu" and "init_device" not in gpu.recipe(args)
+    args = gpu.parse_args([])
+    assert args.init_device == "cuda" and gpu.recipe(args)["init_device"] == "cuda"
+
+
 def run_small(tmp_path: Path, env: dict[str, str]) -> dict:
     src = os.environ[PEER_ENV]
     out = tmp_path / "gpu"
