@@ -36,3 +36,10 @@ def top_kernels(trace_dir: str, steps: int, n: int = 10) -> dict[str, Any]:
     return {"kernel_ms_per_step": whole / 1e6 / steps, "source": "device" if device else "host CPU ops",
             "top": [{"kernel": k[:160], "ms_per_step": t / 1e6 / steps, "calls_per_step": c / steps,
                      "share": t / whole if whole else None} for k, (t, c) in top]}
+
+
+def kernel_table(profile: dict[str, Any]) -> list[str]:
+    """A profile's costliest kernels (`top_kernels`'s "top") as markdown table lines."""
+    return ["| kernel | ms / step | calls / step | share |", "|---|---:|---:|---:|"] + [
+        f"| `{k['kernel'][:90]}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.1f} | "
+        f"{'-' if k['share'] is None else format(k['share'], '.1%')} |" for k in profile["top"]]

@@ -103,7 +103,7 @@ from pathlib import Path
 from typing import Any
 
 from _hardware import warm_page_cache  # both sides' load times start from the page cache
-from _profile import top_kernels
+from _profile import kernel_table, top_kernels
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -1226,9 +1226,7 @@ def profile_tables(rows: list[dict[str, Any]]) -> list[str]:
             continue
         lines += ["", f"Kernels of dlm-jax's decode, {r['case']} ({prof['source']}, "
                   f"{prof['kernel_ms_per_step']:.2f} ms of kernels per step over NFE {prof.get('nfe', '-')}):", "",
-                  "| kernel | ms / step | calls / step | share |", "|---|---:|---:|---:|"]
-        lines += [f"| `{k['kernel'][:90]}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.1f} | "
-                  f"{'-' if k['share'] is None else format(k['share'], '.1%')} |" for k in prof["top"]]
+                  *kernel_table(prof)]
     return lines
 
 

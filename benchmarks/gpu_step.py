@@ -57,7 +57,7 @@ from flax import nnx  # noqa: E402
 
 import dlm_jax  # noqa: E402
 from _plots import png_bytes  # noqa: E402
-from _profile import top_kernels  # noqa: E402
+from _profile import kernel_table, top_kernels  # noqa: E402
 from dlm_jax._integrity import atomic_write  # noqa: E402
 from dlm_jax.executors._compile import jit_options  # noqa: E402
 from dlm_jax.executors.jax_executor import JaxExecutor  # noqa: E402
@@ -370,10 +370,7 @@ def markdown(rep: dict[str, Any]) -> str:
         if not prof or "top" not in prof:
             continue
         lines += ["", f"Kernels, b{r['batch']} {r['kind']} {r['attention']}/{r['quant']}/{r['layers']} "
-                  f"({prof['source']}, {prof['kernel_ms_per_step']:.2f} ms of kernels per step):", "",
-                  "| kernel | ms / step | calls / step | share |", "|---|---:|---:|---:|"]
-        lines += [f"| `{k['kernel'][:90]}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} | "
-                  f"{_g(k['share'], '.1%')} |" for k in prof["top"]]
+                  f"({prof['source']}, {prof['kernel_ms_per_step']:.2f} ms of kernels per step):", "", *kernel_table(prof)]
     return "\n".join(lines) + "\n"
 
 
