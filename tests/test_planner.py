@@ -194,6 +194,26 @@ def test_plan_command_text_and_json(capsys, monkeypatch):
     assert "nothing fits: the smallest need is" in capsys.readouterr().out
 
 
+def test_plan_dtype_counts_the_bytes_the_decode_commands_load(capsys):
+    """`plan --dtype bfloat16` plans a float32 checkpoint as `--dtype bfloat16` decodes it: its
+    weight bytes are those of the model `dlm_jax.load(dtype=, param_dtype=)` holds (not the
+    stored float32's, twice as many), its K/V in bfloat16."""
+    import jax
+    from flax import nnx
+
+    import dlm_jax
+
+    path = ROOT / "models" / "llada-tiny"
+    assert main(["plan", "--model", str(path), "--devices", "1", "--memory", "1", "--dtype", "bfloat16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = dlm_jax.load(path, executor="jax", dtype="bfloat16", param_dtype="bfloat16").model
+    held = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert out["param_dtype"] == out["kv_dtype"] == "bfloat16"
+    assert out["meshes"][0]["weights_bytes"] == held
+    assert main(["plan", "--model", str(path), "--devices", "1", "--memory", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["meshes"][0]["weights_bytes"] == 2 * held
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "no/such/dir"], "error: no/such/dir: no such checkpoint directory"),
     (["--memory", "0"], "error: --memory 0: GiB per device must be > 0"),

@@ -500,6 +500,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dlm_jax.planner import format_plan, plan, read_config
 
     cfg, family = read_config(args.model, strict=args.strict)
+    if args.dtype:  # as `--dtype` loads it on the decode commands
+        cfg = cfg.replace(dtype=args.dtype, param_dtype=args.dtype)
     if args.context is not None and args.context > cfg.max_seq_len:
         raise ConfigError(f"--context {args.context} exceeds the model's max_seq_len {cfg.max_seq_len}")
     result = plan(cfg, devices=args.devices, memory_gib=args.memory, batch=args.batch, context=args.context,
@@ -651,11 +653,7 @@ def _add_executor_option(p: argparse.ArgumentParser) -> None:
                         "exports them ($DLM_JAX_BACKGROUND_EXPORT=0: off); JAX on a GPU/TPU. jax: the JAX "
                         "executor; litert: the LiteRT runner, exporting what the cache lacks first")
     _add_quant_option(p)
-    from dlm_jax._config import DTYPES
-
-    p.add_argument("--dtype", choices=DTYPES,
-                   help="the dtype of the weights and the arithmetic, JAX executor (default: the checkpoint's, as "
-                        "its config.json records): bfloat16 halves a float32 checkpoint's bytes on a GPU")
+    _add_dtype_option(p)
     p.add_argument("--expert-slots", type=int, metavar="S", help="split expert execution of an MoE model: S routed "
                    "experts per layer in the compiled step, the rest on a NumPy CPU path; --experts moves them "
                    "(previous-step hits, --expert-budget S + shared); JAX executor")
@@ -682,6 +680,14 @@ def _add_mesh_options(p: argparse.ArgumentParser) -> None:
                         "process runs the same command with its own --process-id")
     p.add_argument("--num-processes", type=positive_int, metavar="N", help="processes of --coordinator's run")
     p.add_argument("--process-id", type=int, metavar="I", help="this process's rank, 0 .. N-1 (0 hosts the coordinator)")
+
+
+def _add_dtype_option(p: argparse.ArgumentParser) -> None:
+    from dlm_jax._config import DTYPES
+
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="the dtype of the weights and the arithmetic, JAX executor (default: the checkpoint's, as "
+                        "its config.json records): bfloat16 halves a float32 checkpoint's bytes on a GPU")
 
 
 def _add_quant_option(p: argparse.ArgumentParser) -> None:
@@ -869,6 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=positive_int, help="positions per row (default: the model's max_seq_len)")
     p.add_argument("--json", action="store_true", help="print JSON")
     _add_quant_option(p)
+    _add_dtype_option(p)
     _add_model_options(p, verify=False, mask=False)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("convert", help="rewrite a checkpoint in another family's layout")
