@@ -260,7 +260,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.attention not in RESIDENT_ATTENTION:
             p.error(f"--attention {args.attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
     if args.init_device is None:
-        args.init_device = "cuda" if args.mode == "full" and args.shape == "llada-8b" else "cpu"
+        args.init_device = "cuda" if needs_gpu(args) else "cpu"
     args.deadline = None if args.budget_s is None else time.time() + args.budget_s
     return args
 
@@ -584,6 +584,12 @@ def first_divergence(a: list[list[int]], b: list[list[int]], *, margins: list[li
 # The checkpoint
 
 
+def needs_gpu(args: argparse.Namespace) -> bool:
+    """The full mode at the 8B shape: its workers refuse to run without CUDA, and its checkpoint
+    is initialized there."""
+    return args.mode == "full" and args.shape == "llada-8b"
+
+
 def recipe(args: argparse.Namespace) -> dict[str, Any]:
     """The random checkpoint's recipe (`init_device` only when not the CPU: the recipes of the
     checkpoints written before it existed, on the CPU, lack it)."""
@@ -671,6 +677,15 @@ def _torch_sync(torch, device: str) -> None:
         torch.cuda.synchronize()
 
 
+# What a measuring worker that measured nothing stands as (the keys its result always has).
+EMPTY_RESULT = {
+    "fast_dllm": {"device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [],
+                  "params": None, "cases": {}},
+    "dlm_jax": {"device": None, "jax": None, "load_seconds": None, "params": None, "config": None,
+                "attention": None, "cases": {}},
+}
+
+
 def fast_dllm_worker(spec: dict[str, Any], *, deadline: float | None = None) -> dict[str, Any]:
     """Fast-dLLM's side: load with their from_pretrained, then per case one untimed and `reps`
     timed decodes with their generator; past `deadline` (time.time()) each remaining case is
@@ -678,8 +693,7 @@ def fast_dllm_worker(spec: dict[str, Any], *, deadline: float | None = None) -> 
     if over_budget(deadline):
         keys = [case_name(c["batch"], c["cache"]) for c in spec["cases"]]
         log(f"fast-dllm: {SKIPPED} ({', '.join(keys)})")
-        return {"device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [],
-                "params": None, "cases": {k: {"skipped": SKIPPED} for k in keys}, "skipped": keys}
+        return {**EMPTY_RESULT["fast_dllm"], "cases": {k: {"skipped": SKIPPED} for k in keys}, "skipped": keys}
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -765,8 +779,7 @@ def dlm_jax_worker(spec: dict[str, Any], *, second: bool, deadline: float | None
     if over_budget(deadline):  # spent before this process began: nothing loads
         keys = [case_name(c["batch"], c["cache"], q) for q in worker_quants(spec, second=second) for c in spec["cases"]]
         log(f"dlm-jax: {SKIPPED} ({', '.join(keys)})")
-        return {"device": None, "jax": None, "load_seconds": None, "params": None, "config": None, "attention": None,
-                "cases": {k: {"skipped": SKIPPED} for k in keys}, "skipped": keys}
+        return {**EMPTY_RESULT["dlm_jax"], "cases": {k: {"skipped": SKIPPED} for k in keys}, "skipped": keys}
     import gc
 
     import jax
@@ -921,13 +934,6 @@ def write_worker(spec: dict[str, Any]) -> dict[str, Any]:
 # budget ran out: a cold 8B compile takes a minute) is stopped, so that the report is written
 # before the caller's own time limit (benchmarks/gpu_lease.sh allows 55 s past --budget-s).
 KILL_AFTER_S = 30.0
-# What a measuring worker that measured nothing stands as (the keys its result always has).
-EMPTY_RESULT = {
-    "fast_dllm": {"device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [],
-                  "params": None, "cases": {}},
-    "dlm_jax": {"device": None, "jax": None, "load_seconds": None, "params": None, "config": None,
-                "attention": None, "cases": {}},
-}
 
 
 def run_worker(kind: str, spec_path: Path, result: Path, *, extra: Sequence[str] = (), kill_at: float | None = None,
@@ -1396,7 +1402,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     xla_cache = args.xla_cache or work / "xla"
     cases = [{"batch": b, "cache": c} for b in args.batches for c in args.caches]
     spec = {"peer_src": str(src), "checkpoint": str(ckpt), "recipe": rec, "dtype": args.dtype,
-            "require_gpu": args.mode == "full" and args.shape == "llada-8b", "mask_id": shape["mask_token_id"], "prompt_len": args.prompt_len,
+            "require_gpu": needs_gpu(args), "mask_id": shape["mask_token_id"], "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "block_len": args.block_len, "threshold": args.threshold, "reps": args.reps,
             "xla_cache": str(xla_cache), "cases": cases, "tie_tol": args.tie_tol, "quants": args.quant,
             "attention": args.attention, "profile": args.profile,
@@ -1415,11 +1421,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"{ckpt} was not written by this script: used as it is")
         # A side not run stands as a process that decoded nothing (its cases compare as not run).
         fd = _worker(side_spec(spec, "fast_dllm"), work, "fast_dllm", deadline=peer_deadline(args)) if (
-            "fast_dllm" in args.sides) else {
-            "device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [], "params": None,
-            "cases": {}}
-        dj = _worker(spec, work, "dlm_jax", deadline=first_deadline(args)) if "dlm_jax" in args.sides else {
-            "device": None, "jax": None, "load_seconds": None, "params": None, "cases": {}}
+            "fast_dllm" in args.sides) else dict(EMPTY_RESULT["fast_dllm"])
+        dj = (_worker(spec, work, "dlm_jax", deadline=first_deadline(args)) if "dlm_jax" in args.sides
+              else dict(EMPTY_RESULT["dlm_jax"]))
         dj2 = (None if args.no_second_process or "dlm_jax" not in args.sides
                else _worker(spec, work, "dlm_jax", second=True, deadline=args.deadline))
     finally:
