@@ -74,9 +74,14 @@ The full-mode parts make the table (`cases`: each case from one part, in batch o
 settings' batches and caches their union); the first part gives the settings, checkpoint,
 devices, versions, Fast-dLLM's identity, load times and peak memory; targets and `correct` are
 computed from the merged cases; `--small` parts go to `small`. `parts` keeps every part's run
-record, device and cases, and `sources` names the part each field and case came from. A part
-that is not a result of this script (no run record), a merged result, parts of one mode with
-another checkpoint recipe or decode setting (`MERGE_MATCH`), and a case in two parts are refused.
+record, device and cases, and `sources` names the part each field and case came from. A case in
+several parts takes each side (Fast-dLLM, dlm-jax) from the first part, in the order given, that
+measured it: e.g. a `--sides dlm_jax` run after one whose budget skipped dlm-jax's cases. A row
+whose sides come from two parts gets its ratio from their times and compares no answers
+(`agrees` None: the tokens stay with each run); a side measured again in a later part is listed
+in `superseded`, with its time. A part that is not a result of this script (no run record), a
+merged result, and parts of one mode with another checkpoint recipe or decode setting
+(`MERGE_MATCH`) are refused.
 """
 
 from __future__ import annotations
@@ -1216,6 +1221,15 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{run['machine']}, {part['device']['jax'] or part['device']['torch']}; `{run['command']}`"
                          + (f". Reconstructed {run['reconstructed']}" if run.get("reconstructed") else ""))
             lines += [f"   - {n}" for n in run.get("notes", [])]
+        two = {case: src for case, src in report["sources"]["cases"].items() if isinstance(src, dict)}
+        if two:
+            lines += ["", "Cases whose sides come from two parts (ratio from their times; answers not compared "
+                      "across runs): " + "; ".join(f"{case} (Fast-dLLM {src['fast_dllm']}, dlm-jax {src['dlm_jax']})"
+                                                   for case, src in two.items()) + "."]
+        if report.get("superseded"):
+            lines += ["", "Measured again in a later part, not in the table (the first part's measurement is): "
+                      + "; ".join(f"{s['case']} {s['side']} {_f(s['seconds'])} s in {s['part']}"
+                                  for s in report["superseded"]) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -1317,10 +1331,15 @@ def read_part(path: Path) -> dict[str, Any]:
     return rep
 
 
-def _check_group(group: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
-    """Parts of one mode: same recipe and `MERGE_MATCH` settings, each case in one part. Returns
-    {case: part}."""
-    (first, base), where = group[0], {}
+def _measured(row: dict[str, Any], side: str) -> bool:
+    return row[side].get("seconds") is not None
+
+
+def _check_group(group: list[tuple[str, dict[str, Any]]]) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict]]:
+    """Parts of one mode: same recipe and `MERGE_MATCH` settings. Returns the rows (each side
+    of a case from the first part that measured it, see the module docstring), {case: part, or
+    {side: part} for a row of two parts}, and the superseded measurements."""
+    first, base = group[0]
     for name, rep in group:
         have, want = rep["checkpoint"].get("recipe") or {}, base["checkpoint"].get("recipe") or {}
         if have != want:
@@ -1330,12 +1349,28 @@ def _check_group(group: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
             if rep["settings"].get(k) != base["settings"].get(k):
                 raise SystemExit(f"error: --merge {name} has {k} {rep['settings'].get(k)!r}, {first} "
                                  f"{base['settings'].get(k)!r}: the cases of one table must decode alike")
+    found: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for name, rep in group:
         for row in rep["cases"]:
-            if row["case"] in where:
-                raise SystemExit(f"error: --merge case {row['case']!r} ({rep['mode']}) is in {where[row['case']]} "
-                                 f"and in {name}: keep one")
-            where[row["case"]] = name
-    return where
+            found.setdefault(row["case"], []).append((name, row))
+    rows, where, superseded = [], {}, []
+    for case, held in found.items():
+        side_of = {side: next(((n, r) for n, r in held if _measured(r, side)), None) for side in SIDES}
+        for side, other in (SIDES, SIDES[::-1]):  # a side no part measured: the other side's part's row
+            side_of[side] = side_of[side] or side_of[other] or held[0]
+        superseded += [{"case": case, "side": side, "part": n, "seconds": r[side]["seconds"],
+                        "kept": side_of[side][0]} for side in SIDES for n, r in held
+                       if _measured(r, side) and n != side_of[side][0]]
+        (fd_part, fd_row), (dj_part, dj_row) = side_of["fast_dllm"], side_of["dlm_jax"]
+        if fd_part == dj_part:
+            rows.append(fd_row)
+            where[case] = fd_part
+            continue
+        fs, js = fd_row["fast_dllm"]["seconds"], dj_row["dlm_jax"]["seconds"]
+        rows.append({**dj_row, "fast_dllm": fd_row["fast_dllm"], "same_tokens": None, "token_agreement": None,
+                     "nfe_equal": None, "divergence": None, "agrees": None, "ratio": fs / js if fs and js else None})
+        where[case] = {"fast_dllm": fd_part, "dlm_jax": dj_part}
+    return rows, where, superseded
 
 
 def _union(group: list[tuple[str, dict[str, Any]]], settings: dict[str, Any]) -> dict[str, Any]:
@@ -1359,18 +1394,20 @@ def merge(parts: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     small = [(n, r) for n, r in parts if r["mode"] == "small"]
     if not full:
         raise SystemExit("error: --merge needs a full-mode part (the table); --small parts go beside it")
-    where = _check_group(full)
-    small_where = _check_group(small) if small else {}
+    rows, where, superseded = _check_group(full)
+    srows, small_where, small_superseded = _check_group(small) if small else ([], {}, [])
     first, base = full[0]
-    rows = _in_order([row for _, rep in full for row in rep["cases"]])
+    rows = _in_order(rows)
     notes = list(dict.fromkeys(n for _, rep in parts for n in rep["notes"]))  # the script's own notes, once each
     report: dict[str, Any] = {
         "benchmark": "benchmarks/gpu.py", "mode": "full", "settings": _union(full, base["settings"]),
         **{k: base[k] for k in ("checkpoint", "device", "versions", "peer", "load_seconds", "peak_memory_bytes")},
         "cases": rows, "targets": targets(rows, base["load_seconds"]),
         "correct": all(r["agrees"] for r in rows if r["agrees"] is not None), "notes": notes}
+    if superseded or small_superseded:
+        report["superseded"] = superseded + small_superseded
     if small:
-        srows = _in_order([row for _, rep in small for row in rep["cases"]])
+        srows = _in_order(srows)
         report["small"] = {"settings": _union(small, small[0][1]["settings"]), "device": small[0][1]["device"],
                            "checkpoint": small[0][1]["checkpoint"], "cases": srows,
                            "correct": all(r["agrees"] for r in srows if r["agrees"] is not None)}
@@ -1383,7 +1420,9 @@ def merge(parts: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         **({"settings.quants": "union of the full-mode parts (a part without quants: none)"}
            if "quants" in report["settings"] else {}),
         "targets": "computed from the merged cases", "correct": "computed from the merged cases",
-        "notes": "every part's, once each", "cases": where, **({"small": small_where} if small else {})}
+        "notes": "every part's, once each", "cases": where, **({"small": small_where} if small else {}),
+        **({"superseded": "measured again in a later part: each side is taken from the first part that measured it"}
+           if "superseded" in report else {})}
     return report
 
 

@@ -9,9 +9,19 @@
 #   run(command="OUT=$OUT bash benchmarks/gpu_lease.sh", carry=[".peer"], timeout_s=540)
 #   DRY=1 OUT=/tmp/lease PY=.venv/bin/python bash benchmarks/gpu_lease.sh   (a CPU: tiny float32 twin, ~90 s)
 #
-# The parts in priority order, their limits (s), and the estimates they rest on (one H200:
-# benchmarks/results/gpu.json, first_decode.json; the compile times are of the commit before
-# this compile work, so they are upper bounds):
+# The parts in priority order (PARTS), their limits (s), and the estimates they rest on (one
+# H200: benchmarks/results/gpu.json, gpu_step*.json, first_decode.json):
+#   probe  130+90+150+120  benchmarks/gpu_step.py, the 9 programs of a prefix-cache decode at
+#                batch 1 on 4 threads: no persistent cache; XLA_FLAGS --xla_gpu_autotune_level=0;
+#                the executor's persistent cache; then on 1 thread. Each program's compile s
+#                and step ms (the step at the autotuner's choice of kernels). Never run:
+#                4 gpu_step programs compiled in 10-18 s each side by side, the decode's 9 in
+#                54 s each (542 s on 4 threads).
+#   attention 80 benchmarks/gpu_step.py --attention split cudnn, batch 1 and 8, dual and prefix
+#                (8 programs on 12 threads, about 40 s, then 10 timed steps each).
+#   int8   200  benchmarks/gpu.py --sides dlm_jax --caches dual --quant none int8, batch 1 and 8:
+#                the checkpoint written on the GPU (about 20 s, Fast-dLLM's code), then per mode
+#                a load (9 s) and a cold first decode (3 programs: 14 s at batch 1 before).
 #   table   400  benchmarks/gpu.py, both sides, batch 1 and 8, --quant none int8, --reps 3,
 #                --profile; --budget-s = its limit - 55 (a case in flight when it ends, stopped by
 #                gpu.py 30 s past its worker's deadline, and the report), of which --second-budget-s 30 for the
@@ -34,18 +44,19 @@
 #   scan     45  benchmarks/gpu_step.py --layers scan, batch 1 and 8, dual and prefix.
 #   first 60+25  benchmarks/first_decode.py, prefix cache: cold, then a second process over its
 #                cache (the dual cache's are in first_decode.json).
-# Cut first when time runs short: the last parts (first, scan, cudnn, large), then inside the
-# table, by its budgets: dlm-jax's int8 cases (they follow all unquantized ones), Fast-dLLM's
-# b8 (past --peer-budget-s), the second process's cases. Knobs: LIMIT, TABLE_S, LARGE_S,
-# BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S (e.g. QUANTS=int8 LARGE_S=0 for a lease
-# that measures only what an earlier one's budget cut).
+# Cut first when time runs short: the last parts, then inside a gpu.py part, by its budgets:
+# dlm-jax's int8 cases (they follow all unquantized ones), Fast-dLLM's b8 (past
+# --peer-budget-s), the second process's cases. Knobs: PARTS, LIMIT, TABLE_S, INT8_S, LARGE_S,
+# BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S (e.g. PARTS="table" QUANTS=int8 for a
+# lease that measures only what an earlier one's budget cut).
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
-# copy gpu.json, gpu_large.json and gpu_small.json into benchmarks/results/gpu_parts/ (named by
-# device and content; git rm an old part whose cases a new one measures again: --merge refuses
-# a case in two parts), then (the first full-mode part gives the load times and devices):
-#   .venv/bin/python benchmarks/gpu.py --merge $LEASE/gpu.json $LEASE/gpu_large.json $LEASE/gpu_small.json --out benchmarks/results/gpu
-#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/cudnn.json $LEASE/scan.json --out benchmarks/results/gpu_step_lease
+# copy gpu*.json into benchmarks/results/gpu_parts/ (named by device and content; a case in
+# several parts takes each side from the first part named that measured it, so name the
+# newest first), then (the first full-mode part gives the load times and devices):
+#   .venv/bin/python benchmarks/gpu.py --merge $LEASE/gpu_int8.json $LEASE/gpu.json $LEASE/gpu_large.json $LEASE/gpu_small.json --out benchmarks/results/gpu
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/probe_nocache.json $LEASE/probe_autotune0.json $LEASE/probe_cache.json $LEASE/probe_serial.json --out benchmarks/results/compile_probe
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/cudnn.json $LEASE/scan.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
 set -u -o pipefail
@@ -56,7 +67,10 @@ LIMIT=${LIMIT:-470}           # the whole script's wall-clock seconds
 WORK=${WORK:-/tmp/dlm-jax-lease}  # checkpoint and compilation caches (large: not under $OUT)
 PEER=${PEER:-.peer/Fast-dLLM}
 BATCHES=${BATCHES:-1 8} LARGE_BATCHES=${LARGE_BATCHES:-16 32} QUANTS=${QUANTS:-none int8}
-TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30}
+TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} INT8_S=${INT8_S:-200}
+# The parts this lease runs, in this order's priority (the table's both sides were measured on
+# 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
+PARTS=${PARTS:-probe attention int8 table small large cudnn scan first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
@@ -67,7 +81,7 @@ if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the s
   # (their tiny decodes went from 0.05 s to 2-7 s on two shared cores).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
-rm -rf "$WORK/xla" "$WORK/xla-large" "$WORK/xla-first"  # first decodes are measured cold
+rm -rf "$WORK/xla" "$WORK/xla-large" "$WORK/xla-first" "$WORK/xla-probe" "$WORK/xla-int8"  # measured cold
 mkdir -p "$OUT" "$WORK"
 log=$OUT/log.txt
 start=$SECONDS
@@ -86,25 +100,53 @@ part() {
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv || true; } > "$OUT/smi.txt" 2>&1
 [ -f "$PEER/llada/generate.py" ] || echo "no Fast-dLLM sources in $PEER: run benchmarks/peer_src.sh and carry .peer" | tee -a "$log"
 
-G=benchmarks/gpu.py
-ALL=(--peer-src "$PEER" --checkpoint "$WORK/ckpt-$SHAPE" --quant $QUANTS --reps 3 --profile "${GPU_X[@]}")
-t=$(cap "$TABLE_S")  # its budget ends MARGIN_S before its timeout, however far the part was cut
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+G=benchmarks/gpu.py S=benchmarks/gpu_step.py F=benchmarks/first_decode.py
+# The compile probe: every program of a prefix-cache first decode at batch 1 (9), on the
+# executor's 4 compile threads, timed program by program: without a persistent cache, without
+# XLA's autotuning, with the persistent cache as the executor enables it (XLA's per-fusion
+# autotuning cache under it), and on one thread (autotuning alone on the device). A cold decode waited 142 s for them where one lease before it had waited
+# 36 s (benchmarks/results/gpu.md); the probe tells the cache, the autotuner and the programs
+# apart.
+PROBE=(--batches 1 --kinds refresh prefix --at 0 1 2 3 4 5 6 7 --reps 3 "${STEP_X[@]}")
+want probe && part "probe" 130 40 $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_nocache"
+want probe && part "probe no autotuning" 90 30 env XLA_FLAGS=--xla_gpu_autotune_level=0 \
+  $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_autotune0"
+want probe && part "probe cache" 150 40 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
+  --out "$OUT/probe_cache"
+want probe && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$OUT/probe_serial"
+# The in-place (split) and cuDNN attention in one run (two leases gave them apart).
+want attention && part attention 80 40 $PY $S --batches 1 8 --kinds dual prefix --attention split cudnn --reps 10 \
+  "${STEP_X[@]}" --out "$OUT/attention"
+ALL=(--peer-src "$PEER" --checkpoint "$WORK/ckpt-$SHAPE" --reps 3 --profile "${GPU_X[@]}")
+# int8 against unquantized weights, the dual cache only (its 3 programs compile in seconds;
+# the prefix cache's 9 took minutes): the int8 step's ratio and answers.
+t=$(cap "$INT8_S")
 # shellcheck disable=SC2086  # BATCHES and QUANTS are lists of words
-part table "$t" 60 $PY $G "${ALL[@]}" --batches $BATCHES --xla-cache "$WORK/xla" --work "$OUT/gpu_work" \
-  --budget-s $(( t - MARGIN_S )) --peer-budget-s "$PEER_S" --second-budget-s "$SECOND_S" --out "$OUT/gpu"
-part small 50 30 $PY $G --small --peer-src "$PEER" --checkpoint "$WORK/ckpt-small-twin" --out "$OUT/gpu_small"
+want int8 && part int8 "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --caches dual --quant none int8 --batches $BATCHES \
+  --xla-cache "$WORK/xla-int8" --work "$OUT/gpu_int8_work" --budget-s $(( t - MARGIN_S )) \
+  --second-budget-s "$SECOND_S" --out "$OUT/gpu_int8"
+t=$(cap "$TABLE_S")  # its budget ends MARGIN_S before its timeout, however far the part was cut
+# shellcheck disable=SC2086
+want table && part table "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --batches $BATCHES --xla-cache "$WORK/xla" \
+  --work "$OUT/gpu_work" --budget-s $(( t - MARGIN_S )) --peer-budget-s "$PEER_S" --second-budget-s "$SECOND_S" \
+  --out "$OUT/gpu"
+want small && part small 50 30 $PY $G --small --peer-src "$PEER" --checkpoint "$WORK/ckpt-small-twin" \
+  --out "$OUT/gpu_small"
 t=$(cap "$LARGE_S")
 # shellcheck disable=SC2086
-part large "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --batches $LARGE_BATCHES --xla-cache "$WORK/xla-large" \
-  --work "$OUT/gpu_large_work" --budget-s $(( t - MARGIN_S )) --second-budget-s "$SECOND_S" --out "$OUT/gpu_large"
-S=benchmarks/gpu_step.py
-part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" --out "$OUT/cudnn"
-part scan 45 25 $PY $S --batches 1 8 --kinds dual prefix --layers scan --reps 10 "${STEP_X[@]}" --out "$OUT/scan"
-F=benchmarks/first_decode.py
-part "first cold" 60 40 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cold "${FIRST_X[@]}" \
-  --out "$OUT/first_decode"
-part "first cache" 25 15 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cache "${FIRST_X[@]}" \
-  --out "$OUT/first_decode"
+want large && part large "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --sides dlm_jax --batches $LARGE_BATCHES \
+  --xla-cache "$WORK/xla-large" --work "$OUT/gpu_large_work" --budget-s $(( t - MARGIN_S )) \
+  --second-budget-s "$SECOND_S" --out "$OUT/gpu_large"
+want cudnn && part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" \
+  --out "$OUT/cudnn"
+want scan && part scan 45 25 $PY $S --batches 1 8 --kinds dual prefix --layers scan --reps 10 "${STEP_X[@]}" \
+  --out "$OUT/scan"
+want first && part "first cold" 60 40 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cold \
+  "${FIRST_X[@]}" --out "$OUT/first_decode"
+want first && part "first cache" 25 15 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cache \
+  "${FIRST_X[@]}" --out "$OUT/first_decode"
 rm -f "$OUT"/*.tmp
 echo "done in $((SECONDS - start)) s" | tee -a "$log"
-grep -E "^(table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" | tail -40 || true
+grep -E "^(probe|attention|int8|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \
+  | tail -40 || true

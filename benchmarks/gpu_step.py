@@ -27,6 +27,13 @@ measured device-to-device copy bandwidth) and the roofline (the larger of bytes 
 and FLOPs over the peak), the compile seconds, and with `--profile` the device's ten costliest
 kernels over `--profile-steps` steps with their share of the step's kernel time.
 
+`--at` takes the steps at other blocks (a step whose program another already is, is left
+out): `--kinds refresh prefix --at 0 1 2 3 4 5 6 7` is every program a prefix-cache decode of
+this setting compiles, so `--threads` (the executor's background compile threads: 4 on a
+16-core GPU machine), `--xla-cache DIR` (JAX's persistent cache as the executor enables it, with
+XLA's per-fusion autotuning cache under it; off by default here) and `XLA_FLAGS` (recorded in
+the result) time a cold first decode's compiles program by program.
+
 `--abstract` builds nothing: the programs are lowered from `jax.ShapeDtypeStruct`s, so the
 8B shape's cost analysis runs on any CPU. Writes <out>.json and <out>.md (and, with times,
 <out>.png) after every case, so a run cut short keeps what it measured.
@@ -215,8 +222,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
         "machine": f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPU cores)",
         "command": " ".join(["benchmarks/gpu_step.py", *args.argv]), "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "setting": dataclasses.asdict(Geometry("dual")) | {"kinds": args.kinds}, "notes": list(args.note),
-        "cases": []}
+        "setting": dataclasses.asdict(Geometry("dual")) | {"kinds": args.kinds, "at": args.at},
+        "environment": {"XLA_FLAGS": os.environ.get("XLA_FLAGS"), "xla_cache": str(args.xla_cache or "off"),
+                        "compile_threads": args.threads,
+                        "persistent_cache_enable_xla_caches": jax.config.jax_persistent_cache_enable_xla_caches},
+        "notes": list(args.note), "cases": []}
     if not args.abstract:
         report["device"]["copy_gbps"] = copy_bandwidth() / 1e9
         log(f"copy bandwidth {report['device']['copy_gbps']:.0f} GB/s on {name}")
@@ -247,9 +257,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     "error": f"{type(e).__name__}: {e}".splitlines()[0]})
             continue
         weight_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(executor._leaves))
-        cases = [(b, k) for b in args.batches for k in args.kinds]
         slots = executor.capacity(Geometry(args.kinds[0]).total)
-        steps = {c: slot_step(executor, Geometry(c[1]), c[0], seed=args.seed) for c in cases}
+        steps, seen = {}, set()
+        for c in ((b, k, at) for b in args.batches for k in args.kinds for at in args.at):
+            req = slot_step(executor, Geometry(c[1], at=c[2]), c[0], seed=args.seed)
+            if req.key not in seen:  # one program per bucket: another block's step of that program is left out
+                seen.add(req.key)
+                steps[c] = req
+        cases = list(steps)
 
         def compile_case(c):
             t0 = time.perf_counter()
@@ -261,14 +276,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"compiling {len(cases)} steps ({attention}, {quant}, {layers or 'unrolled'}) on {args.threads} threads")
         with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
             futures = {c: pool.submit(compile_case, c) for c in cases}
-        for (b, kind) in cases:
-            geo, req = Geometry(kind), steps[(b, kind)]
-            row: dict[str, Any] = {"batch": b, "kind": kind, "attention": attention, "quant": quant,
+        for (b, kind, at) in cases:
+            geo, req = Geometry(kind, at=at), steps[(b, kind, at)]
+            row: dict[str, Any] = {"batch": b, "kind": kind, "at": at, "compile_env": compile_env(report["environment"]),
+                                   "attention": attention, "quant": quant,
                                    "layers": layers or "unrolled", "bucket": str(req.key), "slots": slots,
                                    "window_rows": len(geo.window()), "read_slots": len(geo.read()),
                                    "weight_bytes": weight_bytes}
             try:
-                exe, secs, lowered = futures[(b, kind)].result()
+                exe, secs, lowered = futures[(b, kind, at)].result()
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 report["cases"].append(row)
@@ -346,21 +362,35 @@ def _g(x, fmt=".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def compile_env(env: dict[str, Any] | None) -> str:
+    """How a run compiled, in a few words (threads, persistent cache, XLA_FLAGS)."""
+    if not env:
+        return "-"
+    return (f"{env['compile_threads']} threads, persistent cache {env['xla_cache']}, "
+            f"XLA_FLAGS {env['XLA_FLAGS'] or 'unset'}")
+
+
 def markdown(rep: dict[str, Any]) -> str:
     d = rep["device"]
+    envs = {r.get("compile_env", "-") for r in rep["cases"]}
+    env_col = len(envs) > 1  # runs rendered together that compiled differently: a column says which
     lines = [f"# The decode step at the {rep['shape']} shape: {d['kind']} ({d['backend']})", "",
              f"{rep['params'] / 1e9:.3f}B parameters, {rep['dtype']}; setting {rep['setting']}; "
              f"jax {rep['versions']['jax']}; {rep['date']}; `{rep['command']}`."
-             + ("" if rep["abstract"] else f" Copy bandwidth {d.get('copy_gbps', 0):.0f} GB/s."), "",
+             + ("" if rep["abstract"] else f" Copy bandwidth {d.get('copy_gbps', 0):.0f} GB/s.")
+             + ("" if env_col or not rep.get("environment") else f" Compiles: {compile_env(rep['environment'])}."),
+             "",
              *[f"- {n}" for n in rep.get("notes", [])], *([""] if rep.get("notes") else []),
              *[f"- source: `{src['file']}`: `{src['command']}` ({src['date']}, {src['device']['kind']}, "
                f"{src['cases']} cases)" for src in rep.get("sources", [])], *([""] if rep.get("sources") else []),
-             "| batch | step | attention | quant | layers | bucket | compile s | bytes / weights | FLOPs / dense | "
+             "| batch | step | attention | quant | layers | bucket | " + ("compiles | " if env_col else "")
+             + "compile s | bytes / weights | FLOPs / dense | "
              "traced bytes / weights | step ms | weight-read ms | roofline ms | step / weight read | error |",
-             "|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---:|---|---|---|---|---|" + ("---|" if env_col else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rep["cases"]:
         lines.append(f"| {r.get('batch', '-')} | {r.get('kind', '-')} | {r['attention']} | {r['quant']} | "
-                     f"{r['layers']} | {r.get('bucket', '-')} | {_g(r.get('compile_s'), '.1f')} | "
+                     f"{r['layers']} | {r.get('bucket', '-')} | " + (f"{r.get('compile_env', '-')} | " if env_col else "")
+                     + f"{_g(r.get('compile_s'), '.1f')} | "
                      f"{_g(r.get('bytes_over_weights'))} | {_g(r.get('flops_over_dense'))} | "
                      f"{_g(r.get('hlo_bytes_over_weights'))} | "
                      f"{_g(r.get('step_ms'))} | {_g(r.get('weight_read_ms'))} | {_g(r.get('roofline_ms'))} | "
@@ -385,6 +415,21 @@ def plot(rep: dict[str, Any], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if len({r.get("at") for r in timed}) > 1:  # a compile probe: every block's program, by window width
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for env in sorted({r.get("compile_env", "-") for r in timed}):
+            pts = sorted((int(r["bucket"].split("_w")[1].split("_")[0]), r["compile_s"], r["step_ms"])
+                         for r in timed if r.get("compile_env", "-") == env)
+            for ax, i in zip(axes, (1, 2)):
+                ax.plot([p[0] for p in pts], [p[i] for p in pts], "o-", label=env)
+        for ax, what in zip(axes, ("compile s (side by side)", "step ms")):
+            ax.set_xlabel("window width (slots)")
+            ax.set_ylabel(what)
+            ax.set_title(f"{what}, {rep['device']['kind']}")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        atomic_write(path, png_bytes(fig))
+        return True
     kinds = [k for k in KINDS if any(r["kind"] == k for r in timed)]
     fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
@@ -425,6 +470,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.render and args.out is None:
         p.error("--render needs --out")
+    blocks = Geometry("dual").gen // Geometry("dual").block
+    if bad := [a for a in args.at if not 0 <= a < blocks]:
+        p.error(f"--at {bad[0]}: the setting has blocks 0 to {blocks - 1}")
     return args
 
 
@@ -434,6 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32])
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    p.add_argument("--at", type=int, nargs="+", default=[Geometry("dual").at],
+                   help="the blocks whose steps are taken (default: the middle one)")
+    p.add_argument("--xla-cache", type=Path, help="JAX's persistent compilation cache here, as the executor "
+                   "enables it (default: none)")
     p.add_argument("--attention", nargs="+", choices=RESIDENT_ATTENTION, default=[RESIDENT_ATTENTION[0]])
     p.add_argument("--quant", nargs="+", default=["none"], help="none, int8, fp8 (dlm_jax.models.quant)")
     p.add_argument("--layers", nargs="+", default=[None], help="the executor's layer loop (unrolled, scan)")
@@ -464,6 +516,9 @@ def main(argv=None) -> int:
         print(markdown(rep))
         return 0
     os.environ.setdefault("DLM_JAX_CACHE_DIR", "off")
+    if args.xla_cache:
+        from dlm_jax.executors._compile import enable_persistent_cache
+        enable_persistent_cache(args.xla_cache)
     rep = run(args)
     write(rep, args.out, final=True)
     print(markdown(rep))

@@ -305,11 +305,10 @@ def test_merge_keeps_each_parts_run_record_and_names_where_each_case_came_from(t
     (lambda other, main: {**other, "checkpoint": {**other["checkpoint"], "recipe": {
         **other["checkpoint"]["recipe"], "logit_std": 5.0}}}, "another checkpoint recipe"),
     (lambda other, main: {**other, "settings": {**other["settings"], "gen_len": 128}}, "has gen_len 128"),
-    (lambda other, main: main, "'prefix b1' (full) is in"),
 ])
 def test_merge_refuses_parts_that_cannot_share_a_table(tmp_path, monkeypatch, spoil, problem):
-    """A merge that took any JSON, or parts that decode another checkpoint or setting, or one
-    case twice, would put numbers of different benchmarks in one table without a word."""
+    """A merge that took any JSON, or parts that decode another checkpoint or setting, would
+    put numbers of different benchmarks in one table without a word."""
     main, _ = fake_run(monkeypatch, ["--batches", "1"])
     other, _ = fake_run(monkeypatch, ["--batches", "8"])
     paths = write_parts(tmp_path, main, spoil(other, main))
@@ -320,13 +319,47 @@ def test_merge_refuses_parts_that_cannot_share_a_table(tmp_path, monkeypatch, sp
     assert not (tmp_path / "gpu.json").exists()
 
 
+def test_merge_takes_each_side_of_a_case_from_the_first_part_that_measured_it(tmp_path, monkeypatch):
+    """A lease whose budget skipped dlm-jax's cases, then a `--sides dlm_jax` run for them: one
+    row per case, Fast-dLLM's time from the first and dlm-jax's from the second, the ratio of the
+    two, and no answers compared (each run kept its own tokens). A side measured again in a later
+    part stays out of the table and is listed, never silently dropped or averaged in."""
+    fd_only, _ = fake_run(monkeypatch, ["--batches", "1", "--sides", "fast_dllm"])
+    dj_only, _ = fake_run(monkeypatch, ["--batches", "1", "--sides", "dlm_jax"])
+    both, _ = fake_run(monkeypatch, ["--batches", "1"])
+    dj_only["cases"][0]["dlm_jax"]["seconds"] = 0.123  # told apart from both's dlm-jax time
+    paths = write_parts(tmp_path, fd_only, dj_only, both)
+    assert gpu.main(["--merge", *paths, "--out", str(tmp_path / "gpu")]) == 0
+    merged = json.loads((tmp_path / "gpu.json").read_text())
+    timed = [(row, fd, dj) for row, fd, dj in zip(merged["cases"], fd_only["cases"], dj_only["cases"], strict=True)
+             if fd["fast_dllm"]["seconds"] and dj["dlm_jax"]["seconds"]]
+    assert timed and merged["cases"][0]["case"] == fd_only["cases"][0]["case"]
+    for row, fd, dj in timed:
+        assert row["fast_dllm"] == fd["fast_dllm"] and row["dlm_jax"] == dj["dlm_jax"]
+        assert row["ratio"] == pytest.approx(fd["fast_dllm"]["seconds"] / dj["dlm_jax"]["seconds"])
+        assert row["agrees"] is None and row["same_tokens"] is None and row["limits"] == dj["limits"]
+        assert merged["sources"]["cases"][row["case"]] == {"fast_dllm": paths[0], "dlm_jax": paths[1]}
+    assert merged["cases"][0]["ratio"] == pytest.approx(fd_only["cases"][0]["fast_dllm"]["seconds"] / 0.123)
+    again = {(s["case"], s["side"], s["part"], s["kept"]) for s in merged["superseded"]}
+    assert again == {(r["case"], side, paths[2], paths[i]) for r in both["cases"]
+                     for i, side in enumerate(gpu.SIDES) if r[side]["seconds"] is not None}
+    md = (tmp_path / "gpu.md").read_text()
+    assert "sides come from two parts" in md and f"prefix b1 dlm_jax {both['cases'][0]['dlm_jax']['seconds']:.3f}" in md
+    # The part that measured both sides first keeps its compared rows whole.
+    paths = write_parts(tmp_path, both, dj_only)
+    assert gpu.main(["--merge", *paths, "--out", str(tmp_path / "gpu")]) == 0
+    merged = json.loads((tmp_path / "gpu.json").read_text())
+    assert merged["cases"] == both["cases"] and set(merged["sources"]["cases"].values()) == {paths[0]}
+    assert [(s["side"], s["seconds"]) for s in merged["superseded"]][0] == ("dlm_jax", 0.123)
+
+
 def test_committed_result_holds_only_fields_the_script_writes(monkeypatch):
     """benchmarks/results/gpu.json held fields typed in by hand (`run`, `fast_dllm_batch32`,
     `small_on_gpu`): numbers no run of the script wrote or can check. Every top-level field must
     be one that a run or a --merge of this script writes (the set taken from the script)."""
     full, _ = fake_run(monkeypatch, ["--batches", "1"])
     small, _ = fake_run(monkeypatch, ["--small", "--batches", "1"])
-    writable = set(full) | set(gpu.merge([("full.json", full), ("small.json", small)]))
+    writable = set(full) | set(gpu.merge([("full.json", full), ("again.json", full), ("small.json", small)]))
     stray = set(json.loads(RESULT.read_text())) - writable
     assert not stray, f"{RESULT.name} holds fields benchmarks/gpu.py does not write: {sorted(stray)}"
 

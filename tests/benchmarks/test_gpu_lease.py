@@ -43,6 +43,18 @@ def lease_parts(tmp_path: Path, **env: str) -> list[list[str]]:
     return [line.split(SEP)[:-1] for line in proc.stdout.splitlines() if SEP in line]
 
 
+def unenv(part: list[str]) -> list[str]:
+    """A part's [name, limit, min, command...] with a leading `env VAR=value ...` taken off its
+    command (its variables checked: XLA_FLAGS only, each flag one XLA defines)."""
+    name, limit, least, *cmd = part
+    if cmd[0] == "env":
+        cmd = cmd[1:]
+        while "=" in cmd[0]:
+            var, value = cmd.pop(0).split("=", 1)
+            assert var == "XLA_FLAGS" and all(re.fullmatch(r"--xla_\w+=\w+", f) for f in value.split()), (name, var)
+    return [name, limit, least, *cmd]
+
+
 def parse(script: str, argv: list[str]):
     """`argv` parsed by the named benchmark's parser (gpu.py's with its checks); SystemExit on a
     flag it does not take."""
@@ -62,33 +74,46 @@ def test_lease_script_is_valid_bash():
 def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_path, dry):
     """A part whose flags its script refuses exits at once on the GPU machine (argparse's exit
     status 2 in the log) and its results are simply missing after the lease."""
-    parts = lease_parts(tmp_path, **({"DRY": "1"} if dry else {}))
-    assert [p[0] for p in parts] == ["table", "small", "large", "cudnn", "scan", "first cold", "first cache"]
+    parts = [unenv(p) for p in lease_parts(tmp_path, LIMIT="5000", **({"DRY": "1"} if dry else {}))]
+    assert [p[0] for p in parts] == ["probe", "probe no autotuning", "probe cache", "probe serial", "attention",
+                                     "int8", "table", "small", "large", "cudnn", "scan", "first cold", "first cache"]
     for name, limit, least, py, script, *argv in parts:
         assert int(least) <= int(limit), name
         assert py == "python3" and (ROOT / script).is_file(), (name, script)
         args = parse(script, argv)
         assert str(args.out).startswith(str(tmp_path / "out")), (name, args.out)  # every result under $OUT
-    table, small, large = (parse(p[4], p[5:]) for p in parts[:3])
-    for full, part in ((table, parts[0]), (large, parts[2])):
+    args = {p[0]: parse(p[4], p[5:]) for p in parts}
+    table, small, large, int8 = args["table"], args["small"], args["large"], args["int8"]
+    for name in ("table", "large", "int8"):
+        full, limit = args[name], int(next(p[1] for p in parts if p[0] == name))
         assert full.mode == "full" and full.reps == 3 and full.profile and full.quant == ["none", "int8"]
         assert full.xla_cache is not None and not full.no_second_process
-        assert full.budget_s + 30 <= int(part[1])  # the report is written before the part's timeout
+        assert full.budget_s + 30 <= limit  # the report is written before the part's timeout
         assert full.second_budget_s < full.budget_s and Path(full.peer_src) == Path(".peer/Fast-dLLM")
         assert (full.shape, full.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
     assert table.sides == ["fast_dllm", "dlm_jax"] and table.peer_budget_s < table.budget_s
-    assert large.sides == ["dlm_jax"] and large.xla_cache != table.xla_cache  # its first decodes cold too
+    assert large.sides == int8.sides == ["dlm_jax"] and int8.caches == ["dual"]
+    assert len({table.xla_cache, large.xla_cache, int8.xla_cache}) == 3  # each part's first decodes cold
     assert (table.batches, large.batches) == (([1], [2]) if dry else ([1, 8], [16, 32]))
-    assert table.checkpoint == large.checkpoint and small.small  # one checkpoint written per lease
-    assert parse(parts[3][4], parts[3][5:]).attention == ["cudnn"] and parse(parts[4][4], parts[4][5:]).layers == ["scan"]
-    cold, cache = (parse(p[4], p[5:]) for p in parts[5:])
+    assert table.checkpoint == large.checkpoint == int8.checkpoint and small.small  # one checkpoint per lease
+    assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == ["scan"]
+    assert args["attention"].attention == ["split", "cudnn"]
+    probes = [args[n] for n in ("probe", "probe no autotuning", "probe cache", "probe serial")]
+    for probe in probes:  # a prefix-cache decode's programs, on the executor's compile threads and on one
+        assert probe.kinds == ["refresh", "prefix"] and probe.at == list(range(8)) and probe.batches == [1]
+    assert [p.threads for p in probes] == [4, 4, 4, 1]
+    assert [p.xla_cache is not None for p in probes] == [False, False, True, False]
+    assert "XLA_FLAGS=--xla_gpu_autotune_level=0" in lease_parts(tmp_path)[1]
+    cold, cache = args["first cold"], args["first cache"]
     assert cold.cache == cache.cache == "prefix" and cold.xla_cache == cache.xla_cache  # the second reads the first's
+    only = lease_parts(tmp_path, PARTS="table small")
+    assert [p[0] for p in only] == ["table", "small"]
 
 
 def test_a_shorter_lease_cuts_the_table_part_and_its_budget_alike(tmp_path):
     """A --budget-s longer than its part's timeout is a report never written: when the time
     left is short, the part and its budget shrink together."""
-    parts = lease_parts(tmp_path, LIMIT="200")
+    parts = lease_parts(tmp_path, LIMIT="200", PARTS="table")
     name, limit, _, _, script, *argv = parts[0]
     args = parse(script, argv)
     assert name == "table" and int(limit) == 190 and args.budget_s == 190 - 55

@@ -77,3 +77,43 @@ def test_small_shape_reports_costs_times_and_kernels(tmp_path):
         assert case["step_ms"] > 0 and case["weight_read_ms"] > 0
         assert case["profile"]["top"] and abs(sum(k["share"] for k in case["profile"]["top"])) <= 1.0 + 1e-9
     assert "Kernels, b1 dual split" in out.with_suffix(".md").read_text()
+
+
+def test_at_every_block_compiles_the_programs_a_prefix_cache_decode_reaches(tmp_path):
+    """The compile probe (`--kinds refresh prefix --at 0 .. 7`) stands for a cold first decode
+    only if it compiles that decode's programs, no more and no fewer: its buckets against the
+    decoder's own list for a prefix-cache decode of the setting (prompt 128, generation 256,
+    block 32), each program once."""
+    import dlm_jax
+    from dlm_jax.executors.jax_executor import JaxExecutor
+    from dlm_jax.runtime.decoder import Decoder
+
+    out = tmp_path / "probe"
+    assert gpu_step.main(["--shape", "small", "--abstract", "--batches", "1", "--kinds", "refresh", "prefix",
+                          "--at", *map(str, range(8)), "--threads", "1", "--out", str(out)]) == 0
+    probed = [c["bucket"] for c in json.loads(out.with_suffix(".json").read_text())["cases"]]
+    model = gpu_step.random_model(gpu_step.model_config("small", "float32"))
+    decoder = Decoder(JaxExecutor(model), model.config)
+    cfg = dlm_jax.decode_config(gen_len=256, block_len=32, cache="prefix", rule="threshold", threshold=0.9)
+    reached = {str(k) for k in decoder.bucket_keys([128], cfg)}
+    assert len(probed) == len(set(probed)) == 9 and set(probed) == reached
+
+
+def test_runs_that_compiled_differently_render_with_a_column_saying_how(tmp_path, monkeypatch):
+    """The compile probe's three runs differ only in how they compile (the persistent cache,
+    XLA_FLAGS): rendered together, rows of one bucket would be indistinguishable without the
+    column naming each row's compile setting."""
+    argv = ["--shape", "small", "--abstract", "--batches", "1", "--kinds", "prefix", "--at", "0", "7",
+            "--threads", "1"]
+    assert gpu_step.main([*argv, "--out", str(tmp_path / "a")]) == 0
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    assert gpu_step.main([*argv, "--out", str(tmp_path / "b")]) == 0
+    alone = (tmp_path / "a.md").read_text()
+    assert "| compiles |" not in alone and "Compiles: 1 threads, persistent cache off, XLA_FLAGS unset." in alone
+    assert gpu_step.main(["--render", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out",
+                          str(tmp_path / "ab")]) == 0
+    md = (tmp_path / "ab.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| 1 | prefix")]
+    assert "| compiles |" in md and len(rows) == 4
+    assert [("XLA_FLAGS unset" in r, "--xla_gpu_autotune_level=0" in r) for r in rows] == [(True, False)] * 2 + [
+        (False, True)] * 2
