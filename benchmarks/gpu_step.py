@@ -200,6 +200,18 @@ def copy_bandwidth() -> float:
     return 2 * 4 * (1 << 30) / statistics.median(ts)
 
 
+def probe_steps(executor: JaxExecutor, batches, kinds, blocks, *, seed: int = 0) -> dict[tuple, SlotStep]:
+    """{(batch, kind, block): its step} for every combination whose program (bucket) no
+    earlier one has: one step per program."""
+    steps, seen = {}, set()
+    for c in ((b, k, at) for b in batches for k in kinds for at in blocks):
+        req = slot_step(executor, Geometry(c[1], at=c[2]), c[0], seed=seed)
+        if req.key not in seen:  # another block's step of that program is left out
+            seen.add(req.key)
+            steps[c] = req
+    return steps
+
+
 def build_executor(model, attention: str, layers: str | None) -> JaxExecutor:
     kw = {"attention": attention} if len(RESIDENT_ATTENTION) > 1 else {}
     if layers:
@@ -258,12 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         weight_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(executor._leaves))
         slots = executor.capacity(Geometry(args.kinds[0]).total)
-        steps, seen = {}, set()
-        for c in ((b, k, at) for b in args.batches for k in args.kinds for at in args.at):
-            req = slot_step(executor, Geometry(c[1], at=c[2]), c[0], seed=args.seed)
-            if req.key not in seen:  # one program per bucket: another block's step of that program is left out
-                seen.add(req.key)
-                steps[c] = req
+        steps = probe_steps(executor, args.batches, args.kinds, args.at, seed=args.seed)
         cases = list(steps)
 
         def compile_case(c):

@@ -125,8 +125,11 @@ class Model:
                  max_batch: int | None = None) -> GenerateResult:
         """Decode a completion for each prompt (text or token ids), on the continuous-batching
         engine (`dlm_jax.Engine`): at most `max_batch` requests decode at once (default: the
-        largest batch bucket whose K/V fit), each joining as another ends, so a list longer
-        than the batch streams through it. Each completion is the one its prompt gets alone.
+        batch bucket that holds every prompt, capped at the largest whose K/V fit), each
+        joining as another ends, so a list longer than the batch streams through it. The
+        engine's rows are as long as these requests need (the longest prompt, the generation
+        and the schedule's overhang), not the model's limit. Each completion is the one its
+        prompt gets alone.
 
         `chat`: wrap text prompts in the chat template (None: as the model was trained, see
         `prompt_format`; False: the raw text). `on_block(i, texts)` receives the committed text
@@ -153,7 +156,17 @@ class Model:
             self.decoder.warmup([len(i) for i in ids], config)
         config = self.calibrated(config, ids, seeds=seeds)
         built = self.decoder.build_counts()
-        engine = Engine(self.decoder, max_batch=max_batch)
+        # The engine sized to this call: its pooled K/V (allocated and zeroed per call) holds
+        # these requests, not the model's longest rows in the largest batch that fits (a
+        # 64-row pool of 512 slots for one prompt of the shipped tiny model: 60% of its decode).
+        cfg = self.decoder._for_model(config)
+        tokens = min(max(len(i) for i in ids) + cfg.gen_len + cfg.scheduler.overhang(), self.decoder.max_tokens)
+        if max_batch is None:
+            from dlm_jax.runtime.engine import default_batch
+
+            batches = self.decoder.capabilities.batches
+            max_batch = min(batches.select(min(len(ids), batches.largest)), default_batch(self.decoder, tokens))
+        engine = Engine(self.decoder, max_batch=max_batch, max_tokens=tokens)
         try:
             requests = [engine.submit(i, config, seed=None if seeds is None else seeds[n]) for n, i in enumerate(ids)]
             if on_block is not None:  # once per block index, when the first request completes it

@@ -86,3 +86,27 @@ def test_a_background_engine_serves_requests_from_many_threads():
     engine.close()
     assert texts == ["hello"] * 8
     assert engine.stats.admitted == 8 and engine.stats.retired == {"done": 8}
+
+
+def test_generate_sizes_its_engine_to_the_call(monkeypatch):
+    """Every `Model.generate` call allocated and zeroed an engine cache as large as the model
+    allows (64 rows of 512 slots for the shipped tiny model), one prompt or many: 60% of a
+    one-prompt call's time (`benchmarks/results/generate_call.md`). A call's engine holds the
+    batch bucket of its prompts (or `max_batch`) and rows as long as its longest request, and
+    its answers stay the fixed-batch decode's."""
+    from pathlib import Path
+
+    from dlm_jax.runtime.engine import _eos_cut
+
+    model = dlm_jax.load(Path(__file__).resolve().parents[1] / "models" / "llada-tiny", executor="jax")
+    executor, shapes = model.decoder.executor, []
+    real_open = executor.open
+    monkeypatch.setattr(executor, "open", lambda cfg, pos, valid: shapes.append(pos.shape) or real_open(cfg, pos, valid))
+    cfg = decode_config(gen_len=32, block_len=16, cache="dual", rule="threshold", threshold=0.9)
+    prompts = ["1+2=", "33+4=", "5+66="]
+    ids = [model.encode(p) for p in prompts]
+    one = model.generate(prompts[:1], cfg)
+    three = model.generate(prompts, cfg)
+    assert shapes == [(1, len(ids[0]) + 32), (4, max(map(len, ids)) + 32)]
+    fixed = [list(map(int, s[:_eos_cut(s, model.config.eos_ids)])) for s in model.decoder.decode(ids, cfg).sequences]
+    assert one.token_ids == fixed[:1] and three.token_ids == fixed

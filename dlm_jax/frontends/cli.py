@@ -605,8 +605,8 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
 
 def _add_max_batch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=positive_int, default=None,
-                   help="prompts decoding at once on the continuous-batching engine (default: the largest "
-                        "batch bucket whose K/V fit)")
+                   help="prompts decoding at once on the continuous-batching engine (default: the batch "
+                        "bucket that holds them all, at most the largest whose K/V fit)")
 
 
 def _add_decode_options(p: argparse.ArgumentParser) -> None:

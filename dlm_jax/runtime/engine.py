@@ -57,6 +57,16 @@ DONE, STOPPED, CANCELLED, FAILED = "done", "stopped", "cancelled", "failed"
 ENDS = (DONE, STOPPED, CANCELLED, FAILED)
 
 POOL_BYTES = 1 << 30  # the default `max_batch` keeps the engine's K/V within this many bytes
+
+
+def default_batch(decoder: Decoder, max_tokens: int) -> int:
+    """An engine's default `max_batch`: the largest batch bucket whose rows of `max_tokens`
+    slots keep the K/V within `POOL_BYTES` (at least 1)."""
+    mc = decoder.model_config
+    per_row = 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * np.dtype(
+        "float32" if mc.dtype == "float32" else "float16").itemsize * max_tokens
+    fits = [b for b in decoder.capabilities.batches.sizes if b * per_row <= POOL_BYTES]
+    return max(fits) if fits else 1
 # A group of steps whose count is not a batch bucket: "pad" runs one call of the next bucket
 # (padding rows computed for nothing), "split" runs calls of the buckets that it fills (7 steps:
 # 4 + 2 + 1), more calls and no padding row; "free", for an executor that computes only the
@@ -309,11 +319,7 @@ class Engine:
         self.stats = EngineStats()
 
     def _default_batch(self) -> int:
-        mc = self.decoder.model_config
-        per_row = 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * np.dtype(
-            "float32" if mc.dtype == "float32" else "float16").itemsize * self.max_tokens
-        fits = [b for b in self.decoder.capabilities.batches.sizes if b * per_row <= POOL_BYTES]
-        return max(fits) if fits else 1
+        return default_batch(self.decoder, self.max_tokens)
 
     # -- before the first request ---------------------------------------------------------
 

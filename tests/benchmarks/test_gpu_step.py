@@ -88,12 +88,11 @@ def test_at_every_block_compiles_the_programs_a_prefix_cache_decode_reaches(tmp_
     from dlm_jax.executors.jax_executor import JaxExecutor
     from dlm_jax.runtime.decoder import Decoder
 
-    out = tmp_path / "probe"
-    assert gpu_step.main(["--shape", "small", "--abstract", "--batches", "1", "--kinds", "refresh", "prefix",
-                          "--at", *map(str, range(8)), "--threads", "1", "--out", str(out)]) == 0
-    probed = [c["bucket"] for c in json.loads(out.with_suffix(".json").read_text())["cases"]]
     model = gpu_step.random_model(gpu_step.model_config("small", "float32"))
-    decoder = Decoder(JaxExecutor(model), model.config)
+    executor = JaxExecutor(model)
+    args = gpu_step.parse_args(["--batches", "1", "--kinds", "refresh", "prefix", "--at", *map(str, range(8))])
+    probed = [str(req.key) for req in gpu_step.probe_steps(executor, args.batches, args.kinds, args.at).values()]
+    decoder = Decoder(executor, model.config)
     cfg = dlm_jax.decode_config(gen_len=256, block_len=32, cache="prefix", rule="threshold", threshold=0.9)
     reached = {str(k) for k in decoder.bucket_keys([128], cfg)}
     assert len(probed) == len(set(probed)) == 9 and set(probed) == reached
