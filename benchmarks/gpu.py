@@ -1184,13 +1184,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_f(dj['tokens_per_s'], '.0f')} | {_f(fd.get('nfe'))} ({_f(fd.get('idle_forwards'))}) / {_f(dj.get('nfe'))} | "
             f"{verdict(r)} | {_f(r['token_agreement'], '.3f')} | {_f(ms(dj.get('median_step_seconds')), '.2f')} | "
             f"{_f(ms(lim.get('weight_read_s')), '.2f')} | {_f(ms(lim.get('roofline_s')), '.2f')} |")
-    lines += ["", "| case | DJ first decode s (cold) | DJ first decode s (2nd process) | FD first run s | "
+    lines += ["", "| case | DJ first decode s (programs it compiled) | DJ first decode s (2nd process) | FD first run s | "
               "peak GiB FD | errors |", "|---|---|---|---|---|---|"]
     for r in report["cases"]:
         fd, dj = r["fast_dllm"], r["dlm_jax"]
         err = "; ".join(f"{side}: {r[side].get('error') or r[side]['skipped']}" for side in SIDES
                         if r[side].get("error") or r[side].get("skipped")) or ""
-        lines.append(f"| {r['case']} | {_f(dj.get('first_seconds'), '.2f')} | "
+        made = "" if dj.get("xla_programs") is None else f" ({dj['xla_programs']})"
+        lines.append(f"| {r['case']} | {_f(dj.get('first_seconds'), '.2f')}{made} | "
                      f"{_f(dj.get('second_process_first_seconds'), '.2f')} | {_f(fd.get('first_seconds'), '.2f')} | "
                      f"{_gib(fd.get('peak_memory_bytes'))} | {err} |")
     lines += profile_tables(report["cases"])
