@@ -11,10 +11,11 @@
 #
 # The parts in priority order (PARTS), their limits (s), and the estimates they rest on (one
 # H200: benchmarks/results/gpu.json, gpu_step*.json, first_decode.json):
-#   probe  130+90+150+120  benchmarks/gpu_step.py, the 9 programs of a prefix-cache decode at
-#                batch 1 on 4 threads: no persistent cache; XLA_FLAGS --xla_gpu_autotune_level=0;
-#                the executor's persistent cache; then on 1 thread. Each program's compile s
-#                and step ms (the step at the autotuner's choice of kernels). Never run:
+#   probe  130+90+150+60+120  benchmarks/gpu_step.py, the 9 programs of a prefix-cache decode
+#                at batch 1 on 4 threads: no persistent cache; XLA_FLAGS --xla_gpu_autotune_level=0;
+#                the executor's persistent cache; a second process over it (loads, not
+#                compiles); then on 1 thread. Each program's compile (or load) s, first
+#                execution ms and step ms (at the autotuner's choice of kernels). Never run:
 #                4 gpu_step programs compiled in 10-18 s each side by side, the decode's 9 in
 #                54 s each (542 s on 4 threads).
 #   attention 80 benchmarks/gpu_step.py --attention split cudnn, batch 1 and 8, dual and prefix
@@ -55,7 +56,7 @@
 # several parts takes each side from the first part named that measured it, so name the
 # newest first), then (the first full-mode part gives the load times and devices):
 #   .venv/bin/python benchmarks/gpu.py --merge $LEASE/gpu_int8.json $LEASE/gpu.json $LEASE/gpu_large.json $LEASE/gpu_small.json --out benchmarks/results/gpu
-#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/probe_nocache.json $LEASE/probe_autotune0.json $LEASE/probe_cache.json $LEASE/probe_serial.json --out benchmarks/results/compile_probe
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/probe_nocache.json $LEASE/probe_autotune0.json $LEASE/probe_cache.json $LEASE/probe_cache2.json $LEASE/probe_serial.json --out benchmarks/results/compile_probe
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/cudnn.json $LEASE/scan.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
@@ -114,6 +115,10 @@ want probe && part "probe no autotuning" 90 30 env XLA_FLAGS=--xla_gpu_autotune_
   $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_autotune0"
 want probe && part "probe cache" 150 40 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
   --out "$OUT/probe_cache"
+# A second process over that cache: each program loaded instead of compiled, and its first
+# execution (kernels loaded, command buffers recorded): a second process's first decode.
+want probe && part "probe cache again" 60 30 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
+  --out "$OUT/probe_cache2"
 want probe && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$OUT/probe_serial"
 # The in-place (split) and cuDNN attention in one run (two leases gave them apart).
 want attention && part attention 80 40 $PY $S --batches 1 8 --kinds dual prefix --attention split cudnn --reps 10 \

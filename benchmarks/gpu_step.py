@@ -32,7 +32,10 @@ out): `--kinds refresh prefix --at 0 1 2 3 4 5 6 7` is every program a prefix-ca
 this setting compiles, so `--threads` (the executor's background compile threads: 4 on a
 16-core GPU machine), `--xla-cache DIR` (JAX's persistent cache as the executor enables it, with
 XLA's per-fusion autotuning cache under it; off by default here) and `XLA_FLAGS` (recorded in
-the result) time a cold first decode's compiles program by program.
+the result) time a cold first decode's compiles program by program; run again over the same
+`--xla-cache`, the loads of a second process. Each timed case also reports its program's first
+execution (`first_call_ms`: its kernels loaded and, on a GPU, its command buffers recorded),
+which a process's first decode pays once per program.
 
 `--abstract` builds nothing: the programs are lowered from `jax.ShapeDtypeStruct`s, so the
 8B shape's cost analysis runs on any CPU. Writes <out>.json and <out>.md (and, with times,
@@ -335,7 +338,9 @@ def time_step(executor, exe, req: SlotStep, slots: int, geo: Geometry, batch: in
         named, *state[:] = exe(executor._leaves, *state, cache.pos, cache.valid, *arrays)
         return named
 
-    jax.block_until_ready(call())
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())  # the program's first execution: its kernels loaded, its command buffers recorded
+    first = time.perf_counter() - t0
     ts = []
     for _ in range(args.reps):
         t0 = time.perf_counter()
@@ -343,7 +348,7 @@ def time_step(executor, exe, req: SlotStep, slots: int, geo: Geometry, batch: in
         ts.append(time.perf_counter() - t0)
     ms = 1e3 * statistics.median(ts)
     bw = device["copy_gbps"] * 1e9
-    out = {"step_ms": ms, "step_ms_min": 1e3 * min(ts), "reps": args.reps,
+    out = {"step_ms": ms, "step_ms_min": 1e3 * min(ts), "reps": args.reps, "first_call_ms": 1e3 * first,
            "weight_read_ms": 1e3 * weight_bytes / bw,
            "roofline_ms": 1e3 * max(weight_bytes / bw, dense_flops / (device["peak_tflops_datasheet"] or 1e30) / 1e12)}
     out["step_over_weight_read"] = ms / out["weight_read_ms"]
@@ -381,6 +386,7 @@ def markdown(rep: dict[str, Any]) -> str:
     d = rep["device"]
     envs = {r.get("compile_env", "-") for r in rep["cases"]}
     env_col = len(envs) > 1  # runs rendered together that compiled differently: a column says which
+    first_col = any("first_call_ms" in r for r in rep["cases"])  # results before it was timed: no column
     lines = [f"# The decode step at the {rep['shape']} shape: {d['kind']} ({d['backend']})", "",
              f"{rep['params'] / 1e9:.3f}B parameters, {rep['dtype']}; setting {rep['setting']}; "
              f"jax {rep['versions']['jax']}; {rep['date']}; `{rep['command']}`."
@@ -391,14 +397,15 @@ def markdown(rep: dict[str, Any]) -> str:
              *[f"- source: `{src['file']}`: `{src['command']}` ({src['date']}, {src['device']['kind']}, "
                f"{src['cases']} cases)" for src in rep.get("sources", [])], *([""] if rep.get("sources") else []),
              "| batch | step | attention | quant | layers | bucket | " + ("compiles | " if env_col else "")
-             + "compile s | bytes / weights | FLOPs / dense | "
+             + "compile s | " + ("first call ms | " if first_col else "") + "bytes / weights | FLOPs / dense | "
              "traced bytes / weights | step ms | weight-read ms | roofline ms | step / weight read | error |",
-             "|---:|---|---|---|---|---|" + ("---|" if env_col else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---:|---|---|---|---|---|" + ("---|" if env_col else "") + "---:|" + ("---:|" if first_col else "")
+             + "---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rep["cases"]:
         lines.append(f"| {r.get('batch', '-')} | {r.get('kind', '-')} | {r['attention']} | {r['quant']} | "
                      f"{r['layers']} | {r.get('bucket', '-')} | " + (f"{r.get('compile_env', '-')} | " if env_col else "")
-                     + f"{_g(r.get('compile_s'), '.1f')} | "
-                     f"{_g(r.get('bytes_over_weights'))} | {_g(r.get('flops_over_dense'))} | "
+                     + f"{_g(r.get('compile_s'), '.1f')} | " + (f"{_g(r.get('first_call_ms'), '.1f')} | " if first_col else "")
+                     + f"{_g(r.get('bytes_over_weights'))} | {_g(r.get('flops_over_dense'))} | "
                      f"{_g(r.get('hlo_bytes_over_weights'))} | "
                      f"{_g(r.get('step_ms'))} | {_g(r.get('weight_read_ms'))} | {_g(r.get('roofline_ms'))} | "
                      f"{_g(r.get('step_over_weight_read'))} | {r.get('error', '')} |")

@@ -115,7 +115,10 @@ def background_workers(*, backend: str | None = None) -> int:
       for its 3 programs, but a prefix-cache one (about 10 programs) had not finished after
       60 s, where 4 threads had taken 35.7 s: XLA:GPU autotunes each program on the device,
       so concurrent compiles queue there, and the first bucket the decode needs waits behind
-      all the others. `DLM_JAX_COMPILE_THREADS` sets another number."""
+      all the others. A later lease (commit ec3eae8, the cache read in place) waited 142 s on
+      the same 4 threads for that decode's programs (`benchmarks/results/gpu.md`); the compile
+      probe of `benchmarks/gpu_lease.sh` times them program by program, on 4 threads and on
+      one. `DLM_JAX_COMPILE_THREADS` sets another number."""
     given = os.environ.get("DLM_JAX_COMPILE_THREADS")
     if given is not None:
         try:

@@ -10,8 +10,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import generate_call  # noqa: E402
+import pytest  # noqa: E402
 
 
+@pytest.mark.slow
 def test_one_run_times_the_three_ways_on_the_same_answers(tmp_path):
     out = tmp_path / "call"
     assert generate_call.main(["--models", "llada-tiny", "--prompts", "1", "--reps", "2", "--gen", "32",

@@ -75,8 +75,9 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     """A part whose flags its script refuses exits at once on the GPU machine (argparse's exit
     status 2 in the log) and its results are simply missing after the lease."""
     parts = [unenv(p) for p in lease_parts(tmp_path, LIMIT="5000", **({"DRY": "1"} if dry else {}))]
-    assert [p[0] for p in parts] == ["probe", "probe no autotuning", "probe cache", "probe serial", "attention",
-                                     "int8", "table", "small", "large", "cudnn", "scan", "first cold", "first cache"]
+    assert [p[0] for p in parts] == ["probe", "probe no autotuning", "probe cache", "probe cache again",
+                                     "probe serial", "attention", "int8", "table", "small", "large", "cudnn", "scan",
+                                     "first cold", "first cache"]
     for name, limit, least, py, script, *argv in parts:
         assert int(least) <= int(limit), name
         assert py == "python3" and (ROOT / script).is_file(), (name, script)
@@ -98,11 +99,12 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert table.checkpoint == large.checkpoint == int8.checkpoint and small.small  # one checkpoint per lease
     assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == ["scan"]
     assert args["attention"].attention == ["split", "cudnn"]
-    probes = [args[n] for n in ("probe", "probe no autotuning", "probe cache", "probe serial")]
+    probes = [args[n] for n in ("probe", "probe no autotuning", "probe cache", "probe cache again", "probe serial")]
     for probe in probes:  # a prefix-cache decode's programs, on the executor's compile threads and on one
         assert probe.kinds == ["refresh", "prefix"] and probe.at == list(range(8)) and probe.batches == [1]
-    assert [p.threads for p in probes] == [4, 4, 4, 1]
-    assert [p.xla_cache is not None for p in probes] == [False, False, True, False]
+    assert [p.threads for p in probes] == [4, 4, 4, 4, 1]
+    assert [p.xla_cache is not None for p in probes] == [False, False, True, True, False]
+    assert probes[2].xla_cache == probes[3].xla_cache and probes[2].out != probes[3].out  # the second loads the first's
     assert "XLA_FLAGS=--xla_gpu_autotune_level=0" in lease_parts(tmp_path)[1]
     cold, cache = args["first cold"], args["first cache"]
     assert cold.cache == cache.cache == "prefix" and cold.xla_cache == cache.xla_cache  # the second reads the first's

@@ -44,7 +44,9 @@ def test_abstract_mode_lowers_from_shapes(tmp_path):
 def test_a_backend_without_cost_analysis_still_times_the_step(tmp_path, monkeypatch):
     """XLA:GPU answers `cost_analysis()` of a lowered program with None (jax 0.11.2 on an H200):
     once that turned every case of a lease into an error and nothing was timed. Both analyses
-    failing must leave the case timed, the failure named."""
+    failing must leave the case timed, the failure named. The program's first execution (its
+    kernels loaded; on a GPU its command buffers recorded), which a process's first decode pays
+    once per program, is timed apart from the steady steps."""
     import jax
 
     monkeypatch.setattr(jax.stages.Lowered, "cost_analysis", lambda self: None)
@@ -57,7 +59,8 @@ def test_a_backend_without_cost_analysis_still_times_the_step(tmp_path, monkeypa
     assert gpu_step.main(["--shape", "small", "--dtype", "float32", "--batches", "1", "--kinds", "dual", "--reps", "1",
                           "--threads", "1", "--out", str(out)]) == 0
     (case,) = json.loads(out.with_suffix(".json").read_text())["cases"]
-    assert "error" not in case and case["step_ms"] > 0
+    assert "error" not in case and case["step_ms"] > 0 and case["first_call_ms"] > 0
+    assert "| first call ms |" in out.with_suffix(".md").read_text()
     assert case["bytes_over_weights"] is None and case["hlo_bytes_over_weights"] is None
     assert "NotImplementedError" in case["compiled_cost_error"] and "NoneType" in case["traced_cost_error"]
 
@@ -116,3 +119,4 @@ def test_runs_that_compiled_differently_render_with_a_column_saying_how(tmp_path
     assert "| compiles |" in md and len(rows) == 4
     assert [("XLA_FLAGS unset" in r, "--xla_gpu_autotune_level=0" in r) for r in rows] == [(True, False)] * 2 + [
         (False, True)] * 2
+
