@@ -67,6 +67,8 @@ def default_batch(decoder: Decoder, max_tokens: int) -> int:
         "float32" if mc.dtype == "float32" else "float16").itemsize * max_tokens
     fits = [b for b in decoder.capabilities.batches.sizes if b * per_row <= POOL_BYTES]
     return max(fits) if fits else 1
+
+
 # A group of steps whose count is not a batch bucket: "pad" runs one call of the next bucket
 # (padding rows computed for nothing), "split" runs calls of the buckets that it fills (7 steps:
 # 4 + 2 + 1), more calls and no padding row; "free", for an executor that computes only the
