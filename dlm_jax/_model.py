@@ -159,8 +159,7 @@ class Model:
         # The engine sized to this call: its pooled K/V (allocated and zeroed per call) holds
         # these requests, not the model's longest rows in the largest batch that fits (a
         # 64-row pool of 512 slots for one prompt of the shipped tiny model: 60% of its decode).
-        cfg = self.decoder._for_model(config)
-        tokens = min(max(len(i) for i in ids) + cfg.gen_len + cfg.scheduler.overhang(), self.decoder.max_tokens)
+        tokens = min(self.decoder.slots(max(map(len, ids)), self.decoder._for_model(config)), self.decoder.max_tokens)
         if max_batch is None:
             from dlm_jax.runtime.engine import default_batch
 

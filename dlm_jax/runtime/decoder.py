@@ -269,6 +269,12 @@ class Decoder:
         """The longest prompt + generation this decoder can hold."""
         return min(self.capabilities.max_tokens, self.model_config.max_seq_len)
 
+    @staticmethod
+    def slots(prompt_len: int, cfg: DecodeConfig) -> int:
+        """The slots a decode of prompts up to `prompt_len` tokens spans with `cfg` (a model's,
+        `_for_model`): the prompt, the generation and the schedule's overhang (`DecodeState.total`)."""
+        return prompt_len + cfg.gen_len + cfg.scheduler.overhang()
+
     @property
     def shift(self) -> int:
         return 1 if self.model_config.logit_shift else 0
@@ -281,7 +287,7 @@ class Decoder:
             raise ConfigError(f"prompt {list(lens).index(0)} is empty")
         cfg.scheduler.validate(cfg, self.model_config)
         cfg.placement.validate(self.model_config, self.capabilities)
-        total = max(lens) + cfg.gen_len + cfg.scheduler.overhang()
+        total = self.slots(max(lens), cfg)
         if total > self.max_tokens:
             over = cfg.scheduler.overhang()
             raise self.capabilities.refusal(f"prompt ({max(lens)} tokens) + gen_len ({cfg.gen_len})"
@@ -368,7 +374,7 @@ class Decoder:
             span = min(-(-max(prompt_lens) // 64) * 64, self.max_tokens - cfg.gen_len)
             ahead = {k for n in range(1, span + 1) for k in self.bucket_keys([n] * len(prompt_lens), cfg)}
         self.executor.prepare(sorted(ahead | set(main) | set(cpu)))
-        slots = max(prompt_lens) + cfg.gen_len + cfg.scheduler.overhang()  # the slot grid (`DecodeState.total`)
+        slots = self.slots(max(prompt_lens), cfg)  # the slot grid (`DecodeState.total`)
         new = self.executor.warmup(main, slots=slots)
         self._warm |= set(main)
         if cpu:  # the CPU path's steps run as cache snapshots on the fork (or this executor)

@@ -388,7 +388,7 @@ class Engine:
             raise ConfigError(f"{type(cfg.placement).__name__} is calibrated by a probe decode first "
                               f"(`Model.calibrated(config, prompts)`; `dlm_jax.Engine` does it per request): "
                               f"submit the calibrated config")
-        total = len(ids) + cfg.gen_len + cfg.scheduler.overhang()
+        total = dec.slots(len(ids), cfg)
         if total > self.max_tokens:
             raise ConfigError(f"prompt ({len(ids)} tokens) + gen_len ({cfg.gen_len}) = {total} tokens exceeds "
                               f"the engine's {self.max_tokens} slots per request (max_tokens)")
