@@ -10,19 +10,31 @@
 #   DRY=1 OUT=/tmp/lease PY=.venv/bin/python bash benchmarks/gpu_lease.sh   (a CPU: tiny float32 twin, ~90 s)
 #
 # The parts in priority order (PARTS), their limits (s), and the estimates they rest on (one
-# H200: benchmarks/results/gpu.json, gpu_step*.json, first_decode.json):
-#   probe  130+90+150+60+120  benchmarks/gpu_step.py, the 9 programs of a prefix-cache decode
-#                at batch 1 on 4 threads: no persistent cache; XLA_FLAGS --xla_gpu_autotune_level=0;
-#                the executor's persistent cache; a second process over it (loads, not
-#                compiles); then on 1 thread. Each program's compile (or load) s, first
-#                execution ms and step ms (at the autotuner's choice of kernels). Never run:
-#                4 gpu_step programs compiled in 10-18 s each side by side, the decode's 9 in
-#                54 s each (542 s on 4 threads).
+# H200: benchmarks/results/gpu.json, gpu_step*.json, first_decode.json). The table's both sides
+# at batch 1 and 8, unquantized, were measured on 2026-11-28 (benchmarks/results/gpu_parts/);
+# what the issue still lacks comes first: int8, and batch 16 and 32.
+#   dual   330  benchmarks/gpu.py --sides dlm_jax --caches dual --quant none int8, batch 1, 16,
+#                32, 8 (in that order: the budget cuts the last), --reps 3, --profile: the
+#                checkpoint written on the GPU (20-60 s, Fast-dLLM's code), then per mode a load
+#                (9 s) and per batch a cold first decode (3 programs: 14 s at batch 1 before;
+#                batch 16 and 32 never timed) and 4 more decodes (0.4 s at batch 1, 1.3 s at 8);
+#                the second process's first decodes (unquantized) over its persistent cache.
+#                About 400 s if a batch-32 program compiles in 40 s: the budget cuts int8 at
+#                batch 8 first. Fast-dLLM's dual b1 and b8 are in gpu_parts/ (the merge pairs
+#                them); its b16 and b32 are not timed.
+#   probe  130  benchmarks/gpu_step.py, the 9 programs of a prefix-cache decode at batch 1 on
+#                4 threads, no persistent cache: each program's compile s, first execution ms
+#                and step ms (at the autotuner's choice of kernels); XLA writes its autotuning
+#                results to $OUT/autotune.pbtxt. Never run: 4 gpu_step programs compiled in
+#                10-18 s each side by side, the decode's 9 in 54 s each (542 s on 4 threads).
+#                Triton GEMMs off (cuBLAS) had halved the compiles of the dual and prefix steps
+#                (and slowed them): the autotuner is the suspect.
+#   probeload 90 the same, cold again, with XLA reading those results
+#                (--xla_gpu_load_autotune_results_from): the compile a fresh process would see
+#                if dlm-jax shipped the device's autotuning results; skipped without the file.
+#   probe0  90  the same with XLA_FLAGS --xla_gpu_autotune_level=0 (no autotuning).
 #   attention 80 benchmarks/gpu_step.py --attention split cudnn, batch 1 and 8, dual and prefix
 #                (8 programs on 12 threads, about 40 s, then 10 timed steps each).
-#   int8   200  benchmarks/gpu.py --sides dlm_jax --caches dual --quant none int8, batch 1 and 8:
-#                the checkpoint written on the GPU (about 20 s, Fast-dLLM's code), then per mode
-#                a load (9 s) and a cold first decode (3 programs: 14 s at batch 1 before).
 #   table   400  benchmarks/gpu.py, both sides, batch 1 and 8, --quant none int8, --reps 3,
 #                --profile; --budget-s = its limit - 55 (a case in flight when it ends, stopped by
 #                gpu.py 30 s past its worker's deadline, and the report), of which --second-budget-s 30 for the
@@ -37,26 +49,33 @@
 #                all: the budget cuts dlm-jax's int8 cases at b8 (and at b1 if the compiles
 #                are no faster than that).
 #   small    50  benchmarks/gpu.py --small (the correctness half; tiny float32 twin; 20-40 s).
-#   large   300  benchmarks/gpu.py --sides dlm_jax at batch 16 and 32, none and int8, --reps 3,
-#                --profile, its own compilation cache; Fast-dLLM's side there is not timed (its
-#                load alone is 73 s; its b32 first decodes are in gpu_parts/). Never measured:
-#                about as long as b8 per case, so it gets what the table leaves.
+#   large   300  benchmarks/gpu.py --sides dlm_jax at batch 16 and 32, both caches, none and
+#                int8, --reps 3, --profile, its own compilation cache (the prefix cache's there:
+#                about 10 programs a batch, minutes cold); Fast-dLLM's side is not timed (its
+#                load alone is 73 s).
+#   probecache 150+60  the probe with the executor's persistent cache, then a second process
+#                over it (loads, not compiles: a second process's first decode).
+#   probeserial 120  the probe on 1 thread (the autotuner alone on the device).
 #   cudnn    40  benchmarks/gpu_step.py --attention cudnn, batch 1 and 8, dual and prefix.
 #   scan     45  benchmarks/gpu_step.py --layers scan, batch 1 and 8, dual and prefix.
 #   first 60+25  benchmarks/first_decode.py, prefix cache: cold, then a second process over its
 #                cache (the dual cache's are in first_decode.json).
 # Cut first when time runs short: the last parts, then inside a gpu.py part, by its budgets:
 # dlm-jax's int8 cases (they follow all unquantized ones), Fast-dLLM's b8 (past
-# --peer-budget-s), the second process's cases. Knobs: PARTS, LIMIT, TABLE_S, INT8_S, LARGE_S,
-# BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S (e.g. PARTS="table" QUANTS=int8 for a
-# lease that measures only what an earlier one's budget cut).
+# --peer-budget-s), the second process's cases. Knobs: PARTS, LIMIT, DUAL_S, TABLE_S,
+# LARGE_S, DUAL_BATCHES, BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S (e.g. PARTS="table"
+# QUANTS=int8 for a lease that measures only what an earlier one's budget cut; a second call
+# on a still-warm machine: PARTS="probecache probeserial attention").
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
 # copy gpu*.json into benchmarks/results/gpu_parts/ (named by device and content; a case in
 # several parts takes each side from the first part named that measured it, so name the
 # newest first), then (the first full-mode part gives the load times and devices):
-#   .venv/bin/python benchmarks/gpu.py --merge $LEASE/gpu_int8.json $LEASE/gpu.json $LEASE/gpu_large.json $LEASE/gpu_small.json --out benchmarks/results/gpu
-#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/probe_nocache.json $LEASE/probe_autotune0.json $LEASE/probe_cache.json $LEASE/probe_cache2.json $LEASE/probe_serial.json --out benchmarks/results/compile_probe
+#   P=benchmarks/results/gpu_parts   (the lease's parts present, newest first, then the earlier ones)
+#   .venv/bin/python benchmarks/gpu.py --merge $LEASE/gpu_dual.json $LEASE/gpu.json $LEASE/gpu_large.json \
+#     $P/h200_gpu_init_b1_b8.json $P/h200_gpu_init_dlm_jax_b1_b8.json $P/h200_small.json --out benchmarks/results/gpu
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/probe_nocache.json $LEASE/probe_load.json $LEASE/probe_autotune0.json $LEASE/probe_cache.json $LEASE/probe_cache2.json $LEASE/probe_serial.json --out benchmarks/results/compile_probe
+#   (and $LEASE/autotune.pbtxt into benchmarks/results/gpu_parts/, named by device and jaxlib)
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/cudnn.json $LEASE/scan.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
@@ -68,21 +87,22 @@ LIMIT=${LIMIT:-470}           # the whole script's wall-clock seconds
 WORK=${WORK:-/tmp/dlm-jax-lease}  # checkpoint and compilation caches (large: not under $OUT)
 PEER=${PEER:-.peer/Fast-dLLM}
 BATCHES=${BATCHES:-1 8} LARGE_BATCHES=${LARGE_BATCHES:-16 32} QUANTS=${QUANTS:-none int8}
-TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} INT8_S=${INT8_S:-200}
+DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8}
+TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-probe attention int8 table small large cudnn scan first}
+PARTS=${PARTS:-dual probe probeload probe0 attention table small large probecache probeserial cudnn scan first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
-  SHAPE=small BATCHES=1 LARGE_BATCHES=2
+  SHAPE=small BATCHES=1 LARGE_BATCHES=2 DUAL_BATCHES="1 2"
   GPU_X=(--shape small --dtype float32 --prompt-len 32 --gen-len 64)
   STEP_X=(--shape small --dtype float32 --reps 2) FIRST_X=(--shape small --dtype float32)
   # One thread per process: torch's OpenMP threads spin against whatever else shares the CPU
   # (their tiny decodes went from 0.05 s to 2-7 s on two shared cores).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
-rm -rf "$WORK/xla" "$WORK/xla-large" "$WORK/xla-first" "$WORK/xla-probe" "$WORK/xla-int8"  # measured cold
+rm -rf "$WORK/xla" "$WORK/xla-large" "$WORK/xla-first" "$WORK/xla-probe" "$WORK/xla-dual"  # measured cold
 mkdir -p "$OUT" "$WORK"
 log=$OUT/log.txt
 start=$SECONDS
@@ -103,6 +123,14 @@ part() {
 
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 G=benchmarks/gpu.py S=benchmarks/gpu_step.py F=benchmarks/first_decode.py
+ALL=(--peer-src "$PEER" --checkpoint "$WORK/ckpt-$SHAPE" --reps 3 --profile "${GPU_X[@]}")
+# dlm-jax's dual-cache decodes, unquantized and int8, at batch 1, 16, 32 and 8: what the table
+# lacked (its 3 programs a batch compile in seconds; the prefix cache's 9 took minutes).
+t=$(cap "$DUAL_S")
+# shellcheck disable=SC2086  # DUAL_BATCHES is a list of words
+want dual && part dual "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --caches dual --quant none int8 \
+  --batches $DUAL_BATCHES --xla-cache "$WORK/xla-dual" --work "$OUT/gpu_dual_work" --budget-s $(( t - MARGIN_S )) \
+  --second-budget-s "$SECOND_S" --out "$OUT/gpu_dual"
 # The compile probe: every program of a prefix-cache first decode at batch 1 (9), on the
 # executor's 4 compile threads, timed program by program: without a persistent cache, without
 # XLA's autotuning, with the persistent cache as the executor enables it (XLA's per-fusion
@@ -110,27 +138,20 @@ G=benchmarks/gpu.py S=benchmarks/gpu_step.py F=benchmarks/first_decode.py
 # 36 s (benchmarks/results/gpu.md); the probe tells the cache, the autotuner and the programs
 # apart.
 PROBE=(--batches 1 --kinds refresh prefix --at 0 1 2 3 4 5 6 7 --reps 3 "${STEP_X[@]}")
-want probe && part "probe" 130 40 $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_nocache"
-want probe && part "probe no autotuning" 90 30 env XLA_FLAGS=--xla_gpu_autotune_level=0 \
+TUNED=$OUT/autotune.pbtxt  # XLA's autotuning results of the probe's programs (text proto)
+want probe && part "probe" 130 40 env XLA_FLAGS=--xla_gpu_dump_autotune_results_to=$TUNED \
+  $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_nocache"
+if want probeload && [ ! -s "$TUNED" ]; then
+  echo "probe load: skipped, no autotuning results in $TUNED" | tee -a "$log"
+elif want probeload; then
+  part "probe load" 90 30 env XLA_FLAGS=--xla_gpu_load_autotune_results_from=$TUNED \
+    $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_load"
+fi
+want probe0 && part "probe no autotuning" 90 30 env XLA_FLAGS=--xla_gpu_autotune_level=0 \
   $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_autotune0"
-want probe && part "probe cache" 150 40 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
-  --out "$OUT/probe_cache"
-# A second process over that cache: each program loaded instead of compiled, and its first
-# execution (kernels loaded, command buffers recorded): a second process's first decode.
-want probe && part "probe cache again" 60 30 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
-  --out "$OUT/probe_cache2"
-want probe && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$OUT/probe_serial"
 # The in-place (split) and cuDNN attention in one run (two leases gave them apart).
 want attention && part attention 80 40 $PY $S --batches 1 8 --kinds dual prefix --attention split cudnn --reps 10 \
   "${STEP_X[@]}" --out "$OUT/attention"
-ALL=(--peer-src "$PEER" --checkpoint "$WORK/ckpt-$SHAPE" --reps 3 --profile "${GPU_X[@]}")
-# int8 against unquantized weights, the dual cache only (its 3 programs compile in seconds;
-# the prefix cache's 9 took minutes): the int8 step's ratio and answers.
-t=$(cap "$INT8_S")
-# shellcheck disable=SC2086  # BATCHES and QUANTS are lists of words
-want int8 && part int8 "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --caches dual --quant none int8 --batches $BATCHES \
-  --xla-cache "$WORK/xla-int8" --work "$OUT/gpu_int8_work" --budget-s $(( t - MARGIN_S )) \
-  --second-budget-s "$SECOND_S" --out "$OUT/gpu_int8"
 t=$(cap "$TABLE_S")  # its budget ends MARGIN_S before its timeout, however far the part was cut
 # shellcheck disable=SC2086
 want table && part table "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --batches $BATCHES --xla-cache "$WORK/xla" \
@@ -143,6 +164,13 @@ t=$(cap "$LARGE_S")
 want large && part large "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --sides dlm_jax --batches $LARGE_BATCHES \
   --xla-cache "$WORK/xla-large" --work "$OUT/gpu_large_work" --budget-s $(( t - MARGIN_S )) \
   --second-budget-s "$SECOND_S" --out "$OUT/gpu_large"
+want probecache && part "probe cache" 150 40 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
+  --out "$OUT/probe_cache"
+# A second process over that cache: each program loaded instead of compiled, and its first
+# execution (kernels loaded, command buffers recorded): a second process's first decode.
+want probecache && part "probe cache again" 60 30 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
+  --out "$OUT/probe_cache2"
+want probeserial && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$OUT/probe_serial"
 want cudnn && part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" \
   --out "$OUT/cudnn"
 want scan && part scan 45 25 $PY $S --batches 1 8 --kinds dual prefix --layers scan --reps 10 "${STEP_X[@]}" \
@@ -153,5 +181,5 @@ want first && part "first cache" 25 15 $PY $F --cache prefix --xla-cache "$WORK/
   "${FIRST_X[@]}" --out "$OUT/first_decode"
 rm -f "$OUT"/*.tmp
 echo "done in $((SECONDS - start)) s" | tee -a "$log"
-grep -E "^(probe|attention|int8|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \
+grep -E "^(dual|probe|attention|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \
   | tail -40 || true

@@ -3,7 +3,7 @@ weights as stored, on the shipped models.
 
     .venv/bin/python benchmarks/quant_jax.py --out benchmarks/results/quant_jax
 
-Per model (models/llada-tiny, ar-tiny, idlm-tiny, moe-tiny) and variant, all decoded in this
+Per shipped model (models/llada-12m, llada-tiny, ar-tiny, idlm-tiny, moe-tiny, sparse-tiny) and variant, all decoded in this
 run on the JAX executor with the default decoder (`dlm_jax.decode_config`: prefix cache,
 threshold 0.9, block 32, greedy; generation `--gen-len`), on `--n` held-out prompts of each
 task of `dlm_jax.training.data.TASKS`, batched `--batch` at a time:
@@ -41,7 +41,7 @@ from dlm_jax.models.quant import weight_bytes  # noqa: E402
 from dlm_jax.runtime.registry import decode_options  # noqa: E402
 from dlm_jax.training.data import TASKS, make_split  # noqa: E402
 
-MODELS = ("llada-tiny", "ar-tiny", "idlm-tiny", "moe-tiny")
+MODELS = ("llada-12m", "llada-tiny", "ar-tiny", "idlm-tiny", "moe-tiny", "sparse-tiny")  # every shipped model
 BF16 = {"dtype": "bfloat16", "param_dtype": "bfloat16"}
 VARIANTS: dict[str, dict] = {  # name -> dlm_jax.load options
     "float32": {},
@@ -93,7 +93,7 @@ def report_model(name: str, cfg, n: int, batch: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/quant_jax")
-    ap.add_argument("--n", type=int, default=32, help="held-out prompts per task")
+    ap.add_argument("--n", type=int, default=100, help="held-out prompts per task")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
@@ -123,7 +123,8 @@ def write(result: dict, out: Path) -> None:
              f"Held-out prompts: {result['n_per_task']} per task ({', '.join(result['tasks'])}; {n_all} per model), "
              f"decoder {result['decoder']}, machine: {result['machine'].get('cpu', result['machine'])}. int8 / fp8: the bfloat16 model quantized "
              "at load (per output channel; activations in bfloat16). Identical: the share of completions equal, "
-             "character for character, to float32's / bfloat16's.", "",
+             f"character for character, to float32's / bfloat16's. One completion is {100 / n_all:.2f}% of a "
+             f"model's, and one correct answer {100 / n_all:.2f} points of its accuracy.", "",
              "| model | variant | accuracy | identical to float32 | identical to bfloat16 | weight MB |",
              "| --- | --- | --- | --- | --- | --- |"]
     for model, rows in result["models"].items():

@@ -168,6 +168,24 @@ def test_targets_table_passes_fails_and_leaves_unmeasured_open():
     assert table["dlm-jax first decode s, second process (worst case)"]["pass"] is True
 
 
+def test_ratio_at_the_roofline_bounds_what_a_faster_step_can_reach():
+    """A decode's roofline is the sum of its steps' rooflines (40 steps here); the ratio at the
+    roofline is Fast-dLLM's time over it, and a ratio target above it is flagged in the report."""
+    spec, fd, dj, dj2 = fake_results()
+    limits = gpu.device_limits("NVIDIA H100 80GB HBM3")
+    rows = gpu.compare(spec, fd, dj, dj2, limits)
+    cfg = dj["config"]
+    per_step = [max(f / (limits["peak_tflops"] * 1e12), b / (limits["hbm_tbps"] * 1e12))
+                for f, b in (gpu.step_cost(k, cfg, 2) for k in ("b1_w256_p128_r32", "b1_w32_p352_r32"))]
+    roof = 8 * per_step[0] + 32 * per_step[1]
+    assert gpu.decode_roofline_s(rows[0]) == pytest.approx(roof)
+    assert gpu.ratio_at_roofline(rows[0]) == pytest.approx(1.1 / roof)
+    assert gpu.decode_roofline_s(rows[1]) is None  # no buckets recorded
+    table = {t["target"]: t for t in gpu.targets(rows, {})}
+    assert table["Fast-dLLM s / dlm-jax s, prefix b1"]["at_roofline"] == pytest.approx(1.1 / roof, abs=1e-3)
+    assert "at_roofline" not in table["Fast-dLLM s / dlm-jax s, dual b8"]
+
+
 def test_report_renders_with_cases_missing_and_failed(tmp_path):
     spec, fd, dj, dj2 = fake_results()
     rows = gpu.compare(spec, fd, dj, dj2, gpu.device_limits("NVIDIA H100 80GB HBM3"))
