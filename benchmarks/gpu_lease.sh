@@ -33,6 +33,9 @@
 #                (--xla_gpu_load_autotune_results_from): the compile a fresh process would see
 #                if dlm-jax shipped the device's autotuning results; skipped without the file.
 #   probe0  90  the same with XLA_FLAGS --xla_gpu_autotune_level=0 (no autotuning).
+#   gemm    60  benchmarks/gemm_probe.py: one layer's q/k/v and gate/up GEMMs separate against
+#                fused into one, unquantized and int8, at 32 and 256 rows (16 small programs):
+#                whether fusing them at load, or int8, would shorten the step (never run).
 #   attention 80 benchmarks/gpu_step.py --attention split cudnn, batch 1 and 8, dual and prefix
 #                (8 programs on 12 threads, about 40 s, then 10 timed steps each).
 #   table   400  benchmarks/gpu.py, both sides, batch 1 and 8, --quant none int8, --reps 3,
@@ -76,6 +79,7 @@
 #     $P/h200_gpu_init_b1_b8.json $P/h200_gpu_init_dlm_jax_b1_b8.json $P/h200_small.json --out benchmarks/results/gpu
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/probe_nocache.json $LEASE/probe_load.json $LEASE/probe_autotune0.json $LEASE/probe_cache.json $LEASE/probe_cache2.json $LEASE/probe_serial.json --out benchmarks/results/compile_probe
 #   (and $LEASE/autotune.pbtxt into benchmarks/results/gpu_parts/, named by device and jaxlib)
+#   cp $LEASE/gemm_probe.json benchmarks/results/gpu_parts/h200_gemm_probe.json, its .md and .png into benchmarks/results/
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/cudnn.json $LEASE/scan.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
@@ -91,13 +95,14 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-dual probe probeload probe0 attention table small large probecache probeserial cudnn scan first}
+PARTS=${PARTS:-dual probe probeload probe0 gemm attention table small large probecache probeserial cudnn scan first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
-SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=()
+SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
   SHAPE=small BATCHES=1 LARGE_BATCHES=2 DUAL_BATCHES="1 2"
   GPU_X=(--shape small --dtype float32 --prompt-len 32 --gen-len 64)
   STEP_X=(--shape small --dtype float32 --reps 2) FIRST_X=(--shape small --dtype float32)
+  GEMM_X=(--shape small --dtype float32)
   # One thread per process: torch's OpenMP threads spin against whatever else shares the CPU
   # (their tiny decodes went from 0.05 s to 2-7 s on two shared cores).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -149,6 +154,7 @@ elif want probeload; then
 fi
 want probe0 && part "probe no autotuning" 90 30 env XLA_FLAGS=--xla_gpu_autotune_level=0 \
   $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_autotune0"
+want gemm && part gemm 60 20 $PY benchmarks/gemm_probe.py "${GEMM_X[@]}" --out "$OUT/gemm_probe"
 # The in-place (split) and cuDNN attention in one run (two leases gave them apart).
 want attention && part attention 80 40 $PY $S --batches 1 8 --kinds dual prefix --attention split cudnn --reps 10 \
   "${STEP_X[@]}" --out "$OUT/attention"
@@ -181,5 +187,5 @@ want first && part "first cache" 25 15 $PY $F --cache prefix --xla-cache "$WORK/
   "${FIRST_X[@]}" --out "$OUT/first_decode"
 rm -f "$OUT"/*.tmp
 echo "done in $((SECONDS - start)) s" | tee -a "$log"
-grep -E "^(dual|probe|attention|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \
+grep -E "^(dual|probe|gemm|attention|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \
   | tail -40 || true

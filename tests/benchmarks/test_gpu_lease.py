@@ -80,7 +80,8 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     """A part whose flags its script refuses exits at once on the GPU machine (argparse's exit
     status 2 in the log) and its results are simply missing after the lease."""
     parts = [unenv(p) for p in lease_parts(tmp_path, LIMIT="5000", **({"DRY": "1"} if dry else {}))]
-    assert [p[0] for p in parts] == ["dual", "probe", "probe load", "probe no autotuning", "attention", "table", "small", "large",
+    assert [p[0] for p in parts] == ["dual", "probe", "probe load", "probe no autotuning", "gemm", "attention", "table",
+                                     "small", "large",
                                      "probe cache", "probe cache again", "probe serial", "cudnn", "scan",
                                      "first cold", "first cache"]
     for name, limit, least, py, script, *argv in parts:
@@ -106,6 +107,9 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert table.checkpoint == large.checkpoint == dual.checkpoint and small.small  # one checkpoint per lease
     assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == ["scan"]
     assert args["attention"].attention == ["split", "cudnn"]
+    gemm = args["gemm"]  # one layer's GEMMs at the model's shape, both layouts, both weight formats
+    assert (gemm.shape, gemm.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
+    assert gemm.quant == ["none", "int8"] and gemm.groups == ["qkv", "gate_up"] and gemm.rows == [32, 256]
     names = ("probe", "probe load", "probe no autotuning", "probe cache", "probe cache again", "probe serial")
     probes = [args[n] for n in names]
     for probe in probes:  # a prefix-cache decode's programs, on the executor's compile threads and on one
