@@ -117,7 +117,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 
 
 # How `Attention` reads a prefix cache: "split" (default) scores the cache and the window
-# separately and joins only the scores, so the cache is read where it lies; "concat" copies the
+# separately under one softmax (`attend_cached`), so the cache is read where it lies; "concat" copies the
 # cache and the window's K/V into one array first (the form LiteRT bundles are traced in);
 # "cudnn" is "concat" into `jax.nn.dot_product_attention`'s cuDNN kernel (a GPU, bf16/fp16).
 ATTENTION_FORMS = ("split", "concat", "cudnn")
@@ -151,23 +151,29 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.A
     """`attend(q, [k_cache; k], [v_cache; v], mask)` without building the concatenation.
 
     q: [B, T, H, Dh]; k_cache, v_cache: [B, P, Hkv, Dh] ([B, Hkv, P, Dh] with `heads_first`);
-    k, v: [B, T, Hkv, Dh]; mask: [B, T, P+T] bool, cache columns first. The scores of both parts are joined ([B, Hkv, G, T, P+T] float32, small next
-    to the cache) and one softmax taken over them, so the cache is read once, in place: no
-    [B, P+T] copy of K/V per layer. Returns [B, T, H, Dh]."""
+    k, v: [B, T, Hkv, Dh]; mask: [B, T, P+T] bool, cache columns first. One softmax over
+    both parts' scores ([B, Hkv, G, T, P] and [B, Hkv, G, T, T] float32), taken part by part
+    (their joint maximum, then their sums added), so the cache is read once, in place, and
+    neither a [B, P+T] copy of K/V nor a joined [.., P+T] copy of the scores is built per
+    layer. Returns [B, T, H, Dh]."""
     b, t, h, dh = q.shape
     p, hkv = k_cache.shape[2 if heads_first else 1], k.shape[2]
     cache_axes = "bksd" if heads_first else "bskd"
     qg = q.reshape(b, t, hkv, h // hkv, dh)
     k_cache, v_cache = k_cache.astype(k.dtype), v_cache.astype(v.dtype)  # no-ops for a cache of the model's dtype
+    scale = 1.0 / jnp.sqrt(jnp.float32(dh))
     cached = jnp.einsum(f"btkgd,{cache_axes}->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
     own = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.concatenate([cached, own], axis=-1) * (1.0 / jnp.sqrt(jnp.float32(dh)))
-    scores = jnp.where(mask[:, None, None], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1)
+    cached = jnp.where(mask[:, None, None, :, :p], cached * scale, _NEG)
+    own = jnp.where(mask[:, None, None, :, p:], own * scale, _NEG)
+    top = jax.lax.stop_gradient(jnp.maximum(cached.max(-1, keepdims=True), own.max(-1, keepdims=True)))
+    e_cached, e_own = jnp.exp(cached - top), jnp.exp(own - top)
+    total = e_cached.sum(-1, keepdims=True) + e_own.sum(-1, keepdims=True)
     # Each product in the values' dtype, as `attend` takes it (XLA:CPU has no bf16 x bf16 ->
     # f32 kernel for these), the two parts added in float32.
-    out = (jnp.einsum(f"bkgts,{cache_axes}->btkgd", probs[..., :p].astype(v_cache.dtype), v_cache).astype(jnp.float32)
-           + jnp.einsum("bkgts,bskd->btkgd", probs[..., p:].astype(v.dtype), v).astype(jnp.float32))
+    out = (jnp.einsum(f"bkgts,{cache_axes}->btkgd", (e_cached / total).astype(v_cache.dtype), v_cache
+                      ).astype(jnp.float32)
+           + jnp.einsum("bkgts,bskd->btkgd", (e_own / total).astype(v.dtype), v).astype(jnp.float32))
     return out.astype(v.dtype).reshape(b, t, h, dh)
 
 

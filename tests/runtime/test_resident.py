@@ -152,3 +152,34 @@ def test_tokens_equal_the_dense_path(model, name):
             np.testing.assert_array_equal(a, b)
         assert dense.stats.counters == resident.stats.counters, name
         assert dense.stats.request_nfe == resident.stats.request_nfe
+
+
+def test_stored_rows_land_at_their_slots_and_nothing_else_moves():
+    """`scatter_rows` against a NumPy loop: rows stored at their (cache row, slot), padding
+    rows (`rows` -1) and unstored entries (`write` -1) dropped, every other slot untouched; the
+    dropped entries take distinct slots past the cache, so the scatters may be declared
+    unique (XLA:GPU stores each update instead of applying it atomically), and they are."""
+    from dlm_jax.executors.jax_executor import scatter_rows
+
+    rng = np.random.default_rng(3)
+    layers, pool, heads, slots, dh, b, w = 2, 4, 2, 12, 3, 3, 5
+    k = rng.standard_normal((layers, pool, heads, slots, dh)).astype(np.float32)
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    written = rng.random((pool, slots)) < 0.3
+    k_new = rng.standard_normal((layers, b, w, heads, dh)).astype(np.float32)
+    v_new = rng.standard_normal(k_new.shape).astype(np.float32)
+    write = np.array([[4, 5, 6, -1, -1], [0, 2, 11, 7, 9], [1, 2, 3, 4, 5]], np.int32)
+    rows = np.array([2, 0, -1], np.int32)  # batch row 2 is padding: stores nothing
+    want_k, want_v, want_w = k.copy(), v.copy(), written.copy()
+    for i in range(b):
+        for j in range(w):
+            if rows[i] >= 0 and write[i, j] >= 0:
+                want_k[:, rows[i], :, write[i, j]] = k_new[:, i, j]
+                want_v[:, rows[i], :, write[i, j]] = v_new[:, i, j]
+                want_w[rows[i], write[i, j]] = True
+    got = jax.jit(scatter_rows)(k, v, written, k_new, v_new, write, rows)
+    for a, e in zip(got, (want_k, want_v, want_w)):
+        np.testing.assert_array_equal(np.asarray(a), e)
+    hlo = jax.jit(scatter_rows).lower(k, v, written, k_new, v_new, write, rows).as_text()
+    scatters = [ln for ln in hlo.splitlines() if "stablehlo.scatter" in ln]
+    assert len(scatters) == 3 and all("unique_indices = true" in ln for ln in scatters), scatters
