@@ -66,9 +66,10 @@
 # Cut first when time runs short: the last parts, then inside a gpu.py part, by its budgets:
 # dlm-jax's int8 cases (they follow all unquantized ones), Fast-dLLM's b8 (past
 # --peer-budget-s), the second process's cases. Knobs: PARTS, LIMIT, DUAL_S, TABLE_S,
-# LARGE_S, DUAL_BATCHES, BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S (e.g. PARTS="table"
-# QUANTS=int8 for a lease that measures only what an earlier one's budget cut; a second call
-# on a still-warm machine: PARTS="probecache probeserial attention").
+# LARGE_S, DUAL_BATCHES, DUAL_QUANTS, BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S (e.g.
+# PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
+# PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
+# still-warm machine: PARTS="probeload probe0 gemm attention").
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
 # copy gpu*.json into benchmarks/results/gpu_parts/ (named by device and content; a case in
@@ -91,7 +92,7 @@ LIMIT=${LIMIT:-470}           # the whole script's wall-clock seconds
 WORK=${WORK:-/tmp/dlm-jax-lease}  # checkpoint and compilation caches (large: not under $OUT)
 PEER=${PEER:-.peer/Fast-dLLM}
 BATCHES=${BATCHES:-1 8} LARGE_BATCHES=${LARGE_BATCHES:-16 32} QUANTS=${QUANTS:-none int8}
-DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8}
+DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
@@ -132,8 +133,8 @@ ALL=(--peer-src "$PEER" --checkpoint "$WORK/ckpt-$SHAPE" --reps 3 --profile "${G
 # dlm-jax's dual-cache decodes, unquantized and int8, at batch 1, 16, 32 and 8: what the table
 # lacked (its 3 programs a batch compile in seconds; the prefix cache's 9 took minutes).
 t=$(cap "$DUAL_S")
-# shellcheck disable=SC2086  # DUAL_BATCHES is a list of words
-want dual && part dual "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --caches dual --quant none int8 \
+# shellcheck disable=SC2086  # DUAL_BATCHES and DUAL_QUANTS are lists of words
+want dual && part dual "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --caches dual --quant $DUAL_QUANTS \
   --batches $DUAL_BATCHES --xla-cache "$WORK/xla-dual" --work "$OUT/gpu_dual_work" --budget-s $(( t - MARGIN_S )) \
   --second-budget-s "$SECOND_S" --out "$OUT/gpu_dual"
 # The compile probe: every program of a prefix-cache first decode at batch 1 (9), on the

@@ -128,6 +128,9 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert cold.cache == cache.cache == "prefix" and cold.xla_cache == cache.xla_cache  # the second reads the first's
     only = lease_parts(tmp_path, PARTS="table small")
     assert [p[0] for p in only] == ["table", "small"]
+    (again,) = lease_parts(tmp_path, PARTS="dual", DUAL_QUANTS="int8", DUAL_BATCHES="16 32")  # what a cut left
+    again = parse(again[4], again[5:])
+    assert again.quant == ["int8"] and again.batches == [16, 32] and again.caches == ["dual"]
 
 
 def test_a_shorter_lease_cuts_the_table_part_and_its_budget_alike(tmp_path):
