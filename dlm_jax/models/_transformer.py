@@ -158,6 +158,8 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.A
     layer. Returns [B, T, H, Dh]."""
     b, t, h, dh = q.shape
     p, hkv = k_cache.shape[2 if heads_first else 1], k.shape[2]
+    if p == 0:  # no cache columns: the window alone
+        return attend(q, k, v, mask)
     cache_axes = "bksd" if heads_first else "bskd"
     qg = q.reshape(b, t, hkv, h // hkv, dh)
     k_cache, v_cache = k_cache.astype(k.dtype), v_cache.astype(v.dtype)  # no-ops for a cache of the model's dtype

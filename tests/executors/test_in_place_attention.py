@@ -49,6 +49,18 @@ def test_split_attention_is_attention_over_the_concatenation(heads_first, groups
     np.testing.assert_allclose(np.asarray(again), np.asarray(out), rtol=1e-6, atol=1e-6)
 
 
+def test_split_attention_over_an_empty_cache_is_the_window_s_attention():
+    """No cache columns (P = 0): the softmax's parts are the window's alone."""
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((2, 4, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 4, 2, 8)), jnp.float32) for _ in range(2))
+    mask = jnp.asarray((rng.random((2, 4, 4)) < 0.6) | np.eye(4, dtype=bool))
+    for heads_first in (False, True):
+        empty = jnp.zeros((2, 2, 0, 8) if heads_first else (2, 0, 2, 8), jnp.float32)
+        out = attend_cached(q, empty, empty, k, v, mask, heads_first=heads_first)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(attend(q, k, v, mask)))
+
+
 @pytest.fixture(scope="module")
 def model():
     return sharp_model()
