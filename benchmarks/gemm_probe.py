@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 from _plots import png_bytes  # noqa: E402
 from gpu_step import copy_bandwidth  # noqa: E402  (the same measure as the step's weight-read limit)
 from dlm_jax._integrity import atomic_write  # noqa: E402
-from dlm_jax.models.quant import quantize_kernel  # noqa: E402
+from dlm_jax.models.quant import quantize_kernel, quantized_matmul  # noqa: E402
 
 SHAPES = {"llada-8b": dict(d_model=4096, heads=32, kv_heads=32, head_dim=128, ffn_hidden=12288),
           "small": dict(d_model=256, heads=4, kv_heads=4, head_dim=64, ffn_hidden=768)}
@@ -87,9 +87,7 @@ def product(x: jax.Array, w: Any, quant: str) -> jax.Array:
     """x [M, d] @ one kernel, as the model computes it (`nnx.Linear`, or `QuantLinear.product`)."""
     if quant == "none":
         return jnp.dot(x, w)
-    q, scale = w
-    y = jnp.einsum("mi,io->mo", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (y * scale).astype(x.dtype)
+    return quantized_matmul(x, *w).astype(x.dtype)
 
 
 def program(form: str, quant: str):

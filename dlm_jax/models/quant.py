@@ -64,6 +64,13 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     return (q.astype(jnp.float32) * scale[..., None, :]).astype(dtype)
 
 
+def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [..., I] @ the kernel that q [I, O] and scale [O] stand for -> [..., O] float32: q
+    converted to x's dtype inside the matmul, accumulated in float32, then scaled."""
+    y = jnp.einsum("...i,io->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y * scale
+
+
 class QuantLinear(nnx.Module):
     """A weight-only quantized `nnx.Linear`: `qkernel` [I, O] (int8 or float8_e4m3fn), `scale`
     [O] float32 and the stored bias [O] or None; called as the Linear was, x [..., I] ->
@@ -85,8 +92,7 @@ class QuantLinear(nnx.Module):
     def product(self, x: jax.Array) -> jax.Array:
         """x [..., I] @ the dequantised kernel -> [..., O] float32 (no bias): the int8/fp8 weights
         converted to x's dtype inside the matmul, accumulated in float32, then scaled."""
-        y = jnp.einsum("...i,io->...o", x, self.qkernel[...].astype(x.dtype), preferred_element_type=jnp.float32)
-        return y * self.scale[...]
+        return quantized_matmul(x, self.qkernel[...], self.scale[...])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype or x.dtype

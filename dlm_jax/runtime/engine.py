@@ -303,7 +303,7 @@ class Engine:
             raise ConfigError(f"max_tokens={max_tokens!r} must be a positive integer")
         self.max_tokens = min(max_tokens or limit, limit)
         if max_batch is None:
-            max_batch = self._default_batch()
+            max_batch = default_batch(self.decoder, self.max_tokens)
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch <= 0:
             raise ConfigError(f"max_batch={max_batch!r} must be a positive integer")
         self.max_batch = max_batch
@@ -319,9 +319,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.stats = EngineStats()
-
-    def _default_batch(self) -> int:
-        return default_batch(self.decoder, self.max_tokens)
 
     # -- before the first request ---------------------------------------------------------
 
