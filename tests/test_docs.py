@@ -440,7 +440,13 @@ def test_gpu_commands_install_extras_that_exist_and_parse():
     leases = [line for line in bench if re.search(r"\bbash benchmarks/\w+\.sh\b", line)]
     assert len(leases) == 3 and all((ROOT / re.search(r"benchmarks/\w+\.sh", line).group()).is_file()
                                     for line in leases), leases
-    assert len(steps) == 2 and len(peers) + len(steps) + len(leases) == len(bench), bench
+    loads = [line for line in bench if "benchmarks/cache_load.py" in line]  # run in tests/benchmarks/test_cache_load.py
+    assert len(steps) == 2 and len(peers) + len(steps) + len(leases) + len(loads) == len(bench), bench
+    import cache_load
+
+    for line in loads:
+        argv = shlex.split(line)
+        cache_load.build_parser().parse_args(argv[argv.index("benchmarks/cache_load.py") + 1:])
     for line in steps:  # the CPU one runs in tests/benchmarks/test_gpu_step.py
         argv = shlex.split(line)
         gpu_step.parse_args(argv[argv.index("benchmarks/gpu_step.py") + 1:])

@@ -35,7 +35,7 @@ from dlm_jax._config import ModelConfig
 from dlm_jax.models._scan import ScannedTransformer, choose_layers
 from dlm_jax._partition import param_name
 from dlm_jax.models._transformer import (ATTENTION_FORMS, EXPERT_EXCHANGES, Transformer, attention_form,
-                                         expert_mesh)
+                                         expert_mesh, layers_traced_once)
 from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, Transfers
 from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, BuildCounts, Capabilities, Executor,
@@ -112,13 +112,17 @@ def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache
     adapters; R-ISD).
 
     `mask_id` is never proposed: its logit is removed before the softmax, so a commit always
-    unmasks (committing the mask token would leave the slot masked and stall the block)."""
+    unmasks (committing the mask token would leave the slot masked and stall the block).
+
+    Traced, the blocks of one structure are traced once (`layers_traced_once`): the same
+    compiled program, traced and lowered in a fraction of the time."""
     model = nnx.merge(graphdef, state)
     has_cache = k_cache.shape[2] > 0  # static: P == 0 means no cache input is used
-    out = model(tokens, positions=positions, mask=visibility,
-                k_cache=k_cache if has_cache else None, v_cache=v_cache if has_cache else None,
-                logit_rows=logit_rows, **({} if lora_gate is None else {"lora_gate": lora_gate}),
-                **({"router_topk": True} if router_topk else {}), **({"ffn_act": True} if ffn_active else {}))
+    with layers_traced_once():
+        out = model(tokens, positions=positions, mask=visibility,
+                    k_cache=k_cache if has_cache else None, v_cache=v_cache if has_cache else None,
+                    logit_rows=logit_rows, **({} if lora_gate is None else {"lora_gate": lora_gate}),
+                    **({"router_topk": True} if router_topk else {}), **({"ffn_act": True} if ffn_active else {}))
     named = {**predictions(out.logits, mask_id=mask_id, full_logits=full_logits), "k_new": out.k, "v_new": out.v}
     if router_topk:
         named["router_topk"] = out.router_topk

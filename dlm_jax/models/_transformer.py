@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -602,6 +602,53 @@ class Block(nnx.Module):
         return h + y, k, v, extra
 
 
+# A forward traced inside `layers_traced_once()` (the JAX executor's step programs) runs the
+# Python of each distinct block structure once: the blocks are called through one jitted
+# function (per structure and forward) whose traced program JAX caches and inlines (`inline=True`)
+# at each of the L calls. The lowered module, hence the compiled program and its persistent-cache
+# key, is the block-by-block trace's (tests/executors/test_trace_once.py). Not inlined, the
+# calls would stay function calls until XLA inlined them, after passes that had already chosen
+# other roundings: bfloat16 decodes of a random model then differed in a quarter of their tokens.
+# Tracing is paid by every process, also where its programs come from the persistent cache
+# (JAX keys an executable by its lowered module): at the LLaDA-8B shape a second process traced
+# its 16 prefix-cache programs (batch 1 and 8) in 1.8 s instead of 3.4, of the 10 s they took to
+# come from the cache in all on 2 CPU cores (`benchmarks/results/cache_load.md`).
+_TRACE_ONCE = contextvars.ContextVar("dlm_jax_layers_traced_once", default=False)
+
+
+@contextlib.contextmanager
+def layers_traced_once() -> Iterator[None]:
+    """Trace a model's blocks of one structure once inside this context (see `_TRACE_ONCE`);
+    a LiteRT lowering (`litert_lowering`) and an eager forward call each block as before."""
+    with _scoped(_TRACE_ONCE, True):
+        yield
+
+
+def _block_caller(x: jax.Array) -> Callable[..., Any]:
+    """`call(block, *args)`: `block(*args)`, through one jitted function per block structure
+    while a forward is traced inside `layers_traced_once()` (a fresh one per forward: what a
+    trace reads from its context, such as `attention_form`, is never taken from another's)."""
+    if not (_TRACE_ONCE.get() and isinstance(x, jax.core.Tracer)) or _LITERT.get():
+        return lambda block, *args: block(*args)
+    jitted: dict[Any, Callable[..., Any]] = {}
+
+    def call(block, *args):
+        graphdef, state = nnx.split(block)
+        try:
+            fn = jitted.get(graphdef)
+        except TypeError:  # a structure that does not hash: traced where it is called
+            return block(*args)
+        if fn is None:
+            fn = jitted[graphdef] = jax.jit(functools.partial(_merged_call, graphdef), inline=True)
+        return fn(state, *args)
+
+    return call
+
+
+def _merged_call(graphdef, state, *args):
+    return nnx.merge(graphdef, state)(*args)
+
+
 class Transformer(nnx.Module):
     """Embedding, L blocks, final RMSNorm and the output head."""
 
@@ -643,10 +690,11 @@ class Transformer(nnx.Module):
         if lora_gate is not None and tuple(lora_gate.shape) != tuple(tokens.shape):
             raise ValueError(f"lora_gate has shape {tuple(lora_gate.shape)}, expected the tokens' {tuple(tokens.shape)}")
         ks, vs, topk, acts = [], [], [], []
+        call = _block_caller(x)
         for i, layer in enumerate(self.layers):
             kc = None if k_cache is None else k_cache[i]
             vc = None if v_cache is None else v_cache[i]
-            x, k, v, extra = layer(x, cos, sin, mask, kc, vc, lora_gate)
+            x, k, v, extra = call(layer, x, cos, sin, mask, kc, vc, lora_gate)
             ks.append(k)
             vs.append(v)
             if isinstance(extra, Routing):
