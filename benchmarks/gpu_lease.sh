@@ -58,9 +58,19 @@
 #                load alone is 73 s).
 #   probecache 150+60  the probe with the executor's persistent cache, then a second process
 #                over it (loads, not compiles: a second process's first decode).
+#   cacheload 75 benchmarks/cache_load.py over that cache, 1 process per variant: a second
+#                process's wait per program split into trace, lower and load (deserialization),
+#                with the blocks traced once (the executor's default) and one by one. On 2 CPU
+#                cores the load was 0.65 of it at the 8B shape (benchmarks/results/cache_load.md).
 #   probeserial 120  the probe on 1 thread (the autotuner alone on the device).
 #   cudnn    40  benchmarks/gpu_step.py --attention cudnn, batch 1 and 8, dual and prefix.
 #   scan     45  benchmarks/gpu_step.py --layers scan, batch 1 and 8, dual and prefix.
+#   scandsf  40  the same, dual only, with XLA_FLAGS --xla_gpu_enable_dynamic_slice_fusion=true:
+#                scanned steps ran 2-4x the unrolled ones (benchmarks/results/gpu_step_cudnn_scan.md),
+#                about what copying each layer's weights out of the [L, ...] stack would add (a
+#                dynamic slice a GEMM does not read in place); XLA's dynamic-slice fusion lets a
+#                library GEMM read the slice where it lies. On this CPU the scanned step's HLO
+#                has such a copy fusion per weight (a dynamic-slice fusion feeding each dot).
 #   first 60+25  benchmarks/first_decode.py, prefix cache: cold, then a second process over its
 #                cache (the dual cache's are in first_decode.json).
 # Cut first when time runs short: the last parts, then inside a gpu.py part, by its budgets:
@@ -80,8 +90,9 @@
 #     $P/h200_gpu_init_b1_b8.json $P/h200_gpu_init_dlm_jax_b1_b8.json $P/h200_small.json --out benchmarks/results/gpu
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/probe_nocache.json $LEASE/probe_load.json $LEASE/probe_autotune0.json $LEASE/probe_cache.json $LEASE/probe_cache2.json $LEASE/probe_serial.json --out benchmarks/results/compile_probe
 #   (and $LEASE/autotune.pbtxt into benchmarks/results/gpu_parts/, named by device and jaxlib)
+#   cp $LEASE/cache_load.* benchmarks/results/gpu_parts/ (named by device; the CPU's are benchmarks/results/cache_load.*)
 #   cp $LEASE/gemm_probe.json benchmarks/results/gpu_parts/h200_gemm_probe.json, its .md and .png into benchmarks/results/
-#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/cudnn.json $LEASE/scan.json --out benchmarks/results/gpu_step_lease
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
 set -u -o pipefail
@@ -96,14 +107,14 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-dual probe probeload probe0 gemm attention table small large probecache probeserial cudnn scan first}
+PARTS=${PARTS:-dual probe probeload probe0 gemm attention table small large probecache cacheload probeserial cudnn scan scandsf first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
-SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=()
+SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
   SHAPE=small BATCHES=1 LARGE_BATCHES=2 DUAL_BATCHES="1 2"
   GPU_X=(--shape small --dtype float32 --prompt-len 32 --gen-len 64)
   STEP_X=(--shape small --dtype float32 --reps 2) FIRST_X=(--shape small --dtype float32)
-  GEMM_X=(--shape small --dtype float32)
+  GEMM_X=(--shape small --dtype float32) CACHE_X=(--shape small --dtype float32)
   # One thread per process: torch's OpenMP threads spin against whatever else shares the CPU
   # (their tiny decodes went from 0.05 s to 2-7 s on two shared cores).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -177,11 +188,15 @@ want probecache && part "probe cache" 150 40 $PY $S "${PROBE[@]}" --threads 4 --
 # execution (kernels loaded, command buffers recorded): a second process's first decode.
 want probecache && part "probe cache again" 60 30 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
   --out "$OUT/probe_cache2"
+want cacheload && part "cache load" 75 30 $PY benchmarks/cache_load.py --kinds refresh prefix --at 0 1 2 3 4 5 6 7 \
+  --repeats 1 --xla-cache "$WORK/xla-probe" "${CACHE_X[@]}" --out "$OUT/cache_load"
 want probeserial && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$OUT/probe_serial"
 want cudnn && part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" \
   --out "$OUT/cudnn"
 want scan && part scan 45 25 $PY $S --batches 1 8 --kinds dual prefix --layers scan --reps 10 "${STEP_X[@]}" \
   --out "$OUT/scan"
+want scandsf && part "scan dsf" 40 25 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true \
+  $PY $S --batches 1 8 --kinds dual --layers scan --reps 10 "${STEP_X[@]}" --out "$OUT/scan_dsf"
 want first && part "first cold" 60 40 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cold \
   "${FIRST_X[@]}" --out "$OUT/first_decode"
 want first && part "first cache" 25 15 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cache \

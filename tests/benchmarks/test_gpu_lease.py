@@ -81,9 +81,8 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     status 2 in the log) and its results are simply missing after the lease."""
     parts = [unenv(p) for p in lease_parts(tmp_path, LIMIT="5000", **({"DRY": "1"} if dry else {}))]
     assert [p[0] for p in parts] == ["dual", "probe", "probe load", "probe no autotuning", "gemm", "attention", "table",
-                                     "small", "large",
-                                     "probe cache", "probe cache again", "probe serial", "cudnn", "scan",
-                                     "first cold", "first cache"]
+                                     "small", "large", "probe cache", "probe cache again", "cache load",
+                                     "probe serial", "cudnn", "scan", "scan dsf", "first cold", "first cache"]
     for name, limit, least, py, script, *argv in parts:
         assert int(least) <= int(limit), name
         assert py == "python3" and (ROOT / script).is_file(), (name, script)
@@ -105,7 +104,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     # what the issue's table still lacks first: int8 and batch 16 and 32 (batch 8 last: the budget cuts it first)
     assert dual.batches == ([1, 2] if dry else [1, 16, 32, 8])
     assert table.checkpoint == large.checkpoint == dual.checkpoint and small.small  # one checkpoint per lease
-    assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == ["scan"]
+    assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == args["scan dsf"].layers == ["scan"]
     assert args["attention"].attention == ["split", "cudnn"]
     gemm = args["gemm"]  # one layer's GEMMs at the model's shape, both layouts, both weight formats
     assert (gemm.shape, gemm.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
@@ -117,11 +116,16 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert [p.threads for p in probes] == [4, 4, 4, 4, 4, 1]
     assert [p.xla_cache is not None for p in probes] == [False, False, False, True, True, False]
     assert probes[3].xla_cache == probes[4].xla_cache and probes[3].out != probes[4].out  # the second loads the first's
+    cache_load = args["cache load"]  # that cache's programs loaded again, the wait split into its parts
+    assert cache_load.xla_cache == probes[3].xla_cache and cache_load.kinds == probes[3].kinds
+    assert cache_load.at == probes[3].at and cache_load.batches == probes[3].batches
+    assert (cache_load.shape, cache_load.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
     flags = {p[0]: p[4] for p in lease_parts(tmp_path) if p[3] == "env"}
     tuned = tmp_path / "out" / "autotune.pbtxt"  # the probe writes XLA's autotuning results, the next reads them
     assert flags == {"probe": f"XLA_FLAGS=--xla_gpu_dump_autotune_results_to={tuned}",
                      "probe load": f"XLA_FLAGS=--xla_gpu_load_autotune_results_from={tuned}",
-                     "probe no autotuning": "XLA_FLAGS=--xla_gpu_autotune_level=0"}
+                     "probe no autotuning": "XLA_FLAGS=--xla_gpu_autotune_level=0",
+                     "scan dsf": "XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true"}
     # A probe cut before XLA wrote the file: the part reading it is skipped, not failed.
     assert "probe load" not in [p[0] for p in lease_parts(tmp_path, tuned=False)]
     cold, cache = args["first cold"], args["first cache"]
