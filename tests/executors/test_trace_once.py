@@ -27,7 +27,7 @@ def instructions(compiled) -> list[str]:
     return [re.sub(r"\.\d+\b", "", line) for line in text.splitlines() if line.lstrip().startswith(("%", "ROOT"))]
 
 
-def lowered(executor, spec, build):
+def lowered(spec, build):
     fn, specs, *options = build(spec)
     return jax.jit(fn, **jit_options(options[0] if options else None)).lower(*specs)
 
@@ -51,12 +51,12 @@ def test_blocks_are_traced_once_into_the_programs_of_the_plain_trace(monkeypatch
     moe = cfg.ffn == "moe"
     resident = (BucketKey(2, 16, 32, 16, router_topk=moe), ex.capacity(64))
     dense = BucketKey(1, 32, 0, 8, full_logits=True)
-    once = [lowered(ex, resident, ex._build_resident), lowered(ex, dense, ex._build)]
+    once = [lowered(resident, ex._build_resident), lowered(dense, ex._build)]
     structures = len({nnx.graphdef(b) for b in m.model.layers})
     assert len(calls) == 2 * structures < 2 * cfg.n_layers  # one trace per structure and program
     calls.clear()
     monkeypatch.setattr(jax_executor, "layers_traced_once", contextlib.nullcontext)
-    plain = [lowered(ex, resident, ex._build_resident), lowered(ex, dense, ex._build)]
+    plain = [lowered(resident, ex._build_resident), lowered(dense, ex._build)]
     assert len(calls) == 2 * cfg.n_layers  # (the plain trace calls every block)
     for a, b in zip(once, plain):
         x, y = a.compile(), b.compile()
