@@ -5,7 +5,25 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from typing import Any
+
+# What a kernel does, from its name (XLA:GPU's fusion names, cuBLAS's nvjet / cutlass kernels,
+# cuDNN's attention; on a CPU, XLA's op names, its dots in YNNPACK / XNNPACK fusions), first
+# match wins: where a step's time goes besides the GEMMs that read the weights. "gemm" holds every matrix product XLA emits as one,
+# the split attention's score and value products among them; "attention" is a fused kernel's
+# (cuDNN's).
+KINDS = (("attention", re.compile(r"fmha|flash|sdpa|cudnn|attention", re.I)),
+         ("gemm", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|onednn|ynn_fusion|xnn_fusion|"
+                             r"\bdot|_dot|^dot", re.I)),
+         ("data movement", re.compile(r"scatter|gather|copy|memcpy|memset|dynamic[-_]update[-_]slice|"
+                                      r"dynamic[-_]slice|concatenate|transpose", re.I)))
+
+
+def kernel_kind(name: str) -> str:
+    """`KINDS`' name for a kernel, else "other" (elementwise and reduction fusions: norms,
+    RoPE, softmax, activations)."""
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
 
 
 def top_kernels(trace_dir: str, steps: int, n: int = 10) -> dict[str, Any]:
@@ -33,13 +51,26 @@ def top_kernels(trace_dir: str, steps: int, n: int = 10) -> dict[str, Any]:
                 t[1] += 1
     whole = sum(t for t, _ in totals.values())
     top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]
+    kinds: dict[str, float] = {}
+    for name, (t, _) in totals.items():
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + t
     return {"kernel_ms_per_step": whole / 1e6 / steps, "source": "device" if device else "host CPU ops",
+            "kernels": len(totals),
+            "kinds": [{"kind": k, "ms_per_step": t / 1e6 / steps, "share": t / whole if whole else None}
+                      for k, t in sorted(kinds.items(), key=lambda kv: -kv[1])],
             "top": [{"kernel": k[:160], "ms_per_step": t / 1e6 / steps, "calls_per_step": c / steps,
                      "share": t / whole if whole else None} for k, (t, c) in top]}
 
 
 def kernel_table(profile: dict[str, Any]) -> list[str]:
-    """A profile's costliest kernels (`top_kernels`'s "top") as markdown table lines."""
-    return ["| kernel | ms / step | calls / step | share |", "|---|---:|---:|---:|"] + [
+    """A profile's costliest kernels (`top_kernels`'s "top") as markdown table lines, then all
+    its kernels' time by kind (a profile that has it)."""
+    lines = ["| kernel | ms / step | calls / step | share |", "|---|---:|---:|---:|"] + [
         f"| `{k['kernel'][:90]}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.1f} | "
         f"{'-' if k['share'] is None else format(k['share'], '.1%')} |" for k in profile["top"]]
+    if profile.get("kinds"):
+        lines += ["", f"All {profile['kernels']} kernels by kind: " + ", ".join(
+            f"{k['kind']} {k['ms_per_step']:.3f} ms ({'-' if k['share'] is None else format(k['share'], '.1%')})"
+            for k in profile["kinds"]) + "."]
+    return lines

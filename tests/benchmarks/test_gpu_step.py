@@ -79,6 +79,8 @@ def test_small_shape_reports_costs_times_and_kernels(tmp_path):
         assert case["bytes_over_weights"] > 0.5 and case["flops_over_dense"] > 0.5, case
         assert case["step_ms"] > 0 and case["weight_read_ms"] > 0
         assert case["profile"]["top"] and abs(sum(k["share"] for k in case["profile"]["top"])) <= 1.0 + 1e-9
+        kinds = case["profile"]["kinds"]  # every kernel's time, by kind: the matrix products among them
+        assert abs(sum(k["share"] for k in kinds) - 1.0) < 1e-9 and "gemm" in {k["kind"] for k in kinds}
     assert "Kernels, b1 dual split" in out.with_suffix(".md").read_text()
 
 
