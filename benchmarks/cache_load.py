@@ -56,7 +56,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     import gpu_step
     from dlm_jax.executors import jax_executor
-    from dlm_jax.executors._compile import enable_persistent_cache, jit_options
+    from dlm_jax.executors._compile import enable_persistent_cache, jitted
 
     import_s = time.perf_counter() - t0
     enable_persistent_cache(args.xla_cache)
@@ -72,8 +72,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     for (batch, kind, at), step in steps.items():
         hits = events.get("/jax/compilation_cache/cache_hits", 0)
         t = time.perf_counter()
-        fn, specs, *options = executor._build_resident((step.key, slots))
-        traced = jax.jit(fn, **jit_options(options[0] if options else None)).trace(*specs)
+        fn, specs = jitted(executor._build_resident, (step.key, slots))
+        traced = fn.trace(*specs)
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()

@@ -69,7 +69,7 @@ import dlm_jax  # noqa: E402
 from _plots import png_bytes  # noqa: E402
 from _profile import kernel_table, top_kernels  # noqa: E402
 from dlm_jax._integrity import atomic_write  # noqa: E402
-from dlm_jax.executors._compile import jit_options  # noqa: E402
+from dlm_jax.executors._compile import jitted  # noqa: E402
 from dlm_jax.executors.jax_executor import JaxExecutor  # noqa: E402
 
 try:  # an executor that reads its cache in place names its ways of reading it
@@ -278,8 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         def compile_case(c):
             t0 = time.perf_counter()
-            fn, specs, *kw = executor._build_resident((steps[c].key, slots))
-            lowered = jax.jit(fn, **jit_options(kw[0] if kw else None)).lower(*specs)  # as the executor compiles
+            fn, specs = jitted(executor._build_resident, (steps[c].key, slots))  # as the executor compiles
+            lowered = fn.lower(*specs)
             exe = lowered.compile()
             return exe, time.perf_counter() - t0, lowered
 

@@ -97,6 +97,14 @@ def enable_default_cache() -> None:
 
 Build = Callable[[BucketKey], tuple[Callable[..., Any], tuple[Any, ...]]]
 
+
+def jitted(build: Build, key: Any) -> tuple[Any, tuple[Any, ...]]:
+    """(the `jax.jit` of `build(key)`'s function with its keywords and `jit_options`, the
+    arguments to lower it with): what `CompiledBuckets` compiles, for a caller that times or
+    inspects its trace, lowering or compile apart."""
+    fn, specs, *options = build(key)  # options: jax.jit keywords (donation)
+    return jax.jit(fn, **jit_options(options[0] if options else None)), specs
+
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -161,8 +169,8 @@ class CompiledBuckets:
     def _compile(self, key: BucketKey) -> jax.stages.Compiled:
         t0 = time.perf_counter()
         try:
-            fn, specs, *options = self._build(key)  # options: jax.jit keywords (donation)
-            exe = jax.jit(fn, **jit_options(options[0] if options else None)).lower(*specs).compile()
+            fn, specs = jitted(self._build, key)
+            exe = fn.lower(*specs).compile()
         except BaseException:
             with self._lock:
                 self._pending.pop(key, None)  # a later get tries again (and raises there)

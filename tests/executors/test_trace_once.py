@@ -15,7 +15,7 @@ from flax import nnx
 
 import dlm_jax
 from dlm_jax.executors import jax_executor
-from dlm_jax.executors._compile import jit_options
+from dlm_jax.executors._compile import jitted
 from dlm_jax.models import _transformer
 from dlm_jax.runtime.buckets import BucketKey
 
@@ -28,8 +28,8 @@ def instructions(compiled) -> list[str]:
 
 
 def lowered(spec, build):
-    fn, specs, *options = build(spec)
-    return jax.jit(fn, **jit_options(options[0] if options else None)).lower(*specs)
+    fn, specs = jitted(build, spec)
+    return fn.lower(*specs)
 
 
 @pytest.mark.parametrize("name, load_options", [
