@@ -32,8 +32,9 @@ compared with dlm-jax's unquantized ones of that case (`vs_unquantized`: the sha
 answers, the token agreement, the median-step ratio, whose batch-1 int8 value is a target), and
 it does not count for `correct` (quantization changes answers by design). The second process
 times the first mode only. `--attention NAME` sets `$DLM_JAX_ATTENTION` for dlm-jax (how its
-steps read the resident K/V: `dlm_jax.executors.jax_executor.RESIDENT_ATTENTION`), recorded in
-the settings. `--budget-s SECONDS`: once the run has spent it, the workers skip their remaining
+steps read the resident K/V: `dlm_jax.executors.jax_executor.RESIDENT_ATTENTION`), and
+`--projections fused` sets `$DLM_JAX_PROJECTIONS` (q/k/v and gate/up each one GEMM), each
+recorded in the settings. `--budget-s SECONDS`: once the run has spent it, the workers skip their remaining
 cases (a process started past it loads nothing), recorded as "skipped: time budget", so that a
 command sized to a lease writes the report of what it measured; under `--work` a result with a
 skipped case is measured again. `--peer-budget-s SECONDS` caps Fast-dLLM's worker alone (its
@@ -183,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "Fast-dLLM runs unquantized and each quantized case is compared with its unquantized one")
     p.add_argument("--attention", help="how dlm-jax's steps read the resident K/V ($DLM_JAX_ATTENTION of the JAX "
                    "executor: one of dlm_jax.executors.jax_executor.RESIDENT_ATTENTION; default the executor's)")
+    p.add_argument("--projections", choices=("separate", "fused"), help="dlm-jax's projections ($DLM_JAX_PROJECTIONS "
+                   "of the JAX executor: fused runs q/k/v and gate/up each as one GEMM; default the executor's)")
     p.add_argument("--budget-s", type=float, metavar="SECONDS", help="time budget of the whole run: once spent, "
                    "the workers skip their remaining cases (reported as skipped) so that a report is still written")
     p.add_argument("--peer-budget-s", type=float, metavar="SECONDS", help="time budget of Fast-dLLM's worker "
@@ -687,7 +690,7 @@ EMPTY_RESULT = {
     "fast_dllm": {"device": None, "torch": None, "transformers": None, "load_seconds": None, "shims": [],
                   "params": None, "cases": {}},
     "dlm_jax": {"device": None, "jax": None, "load_seconds": None, "params": None, "config": None,
-                "attention": None, "cases": {}},
+                "attention": None, "projections": None, "cases": {}},
 }
 
 
@@ -797,6 +800,8 @@ def dlm_jax_worker(spec: dict[str, Any], *, second: bool, deadline: float | None
 
     if spec.get("attention"):
         os.environ[ATTENTION_ENV] = spec["attention"]  # what JaxExecutor reads
+    if spec.get("projections"):
+        os.environ["DLM_JAX_PROJECTIONS"] = spec["projections"]  # (dlm_jax.models._fuse.PROJECTIONS_ENV)
     enable_persistent_cache(spec["xla_cache"])
     hits = [0]  # executables the persistent cache served (XlaCompileCounter counts those too)
     jax.monitoring.register_event_listener(
@@ -809,7 +814,7 @@ def dlm_jax_worker(spec: dict[str, Any], *, second: bool, deadline: float | None
     path = Path(spec["checkpoint"])
     out: dict[str, Any] = {"device": f"{dev.platform}: {dev.device_kind}", "jax": jax.__version__,
                            "load_seconds": None, "params": None, "config": None, "attention": None,
-                           "load_seconds_by_quant": {}, "weight_bytes": {}, "cases": {}}
+                           "projections": None, "load_seconds_by_quant": {}, "weight_bytes": {}, "cases": {}}
     name = "dlm-jax" + (" (second process)" if second else "")
 
     def skip(key: str, entry: dict[str, Any]) -> None:
@@ -842,6 +847,7 @@ def dlm_jax_worker(spec: dict[str, Any], *, second: bool, deadline: float | None
             out["load_seconds"] = round(load_s, 3)
         out["params"], out["config"] = dlm_jax.param_count(m.config), m.config.to_dict()
         out["attention"] = getattr(m.executor, "attention", None)
+        out["projections"] = getattr(m.executor, "projections", None)
         log(f"{name}: loaded ({quant}) in {load_s:.1f} s on {out['device']}, attention {out['attention']}")
         for case, key in zip(spec["cases"], keys):
             if over_budget(deadline):
@@ -1183,6 +1189,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"JSON). Prompt {s['prompt_len']}, generation {s['gen_len']}, block {s['block_len']}, threshold "
              f"{s['threshold']}, temperature 0. Median of {s['reps']} timed decodes after one untimed."
              + (f" dlm-jax attention: {s['attention']}." if s.get("attention") else "")
+             + (f" dlm-jax projections: {s['projections']}." if s.get("projections") not in (None, "separate") else "")
              + (f" A case named with int8 / fp8 is dlm-jax with those weights (`dlm_jax.load(quant=...)`), "
                 f"timed against Fast-dLLM's unquantized case; its answers are compared with dlm-jax's unquantized "
                 f"ones, its token agreement with Fast-dLLM's." if any(q != "none" for q in s.get("quants", [])) else "")
@@ -1470,7 +1477,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "require_gpu": needs_gpu(args), "mask_id": shape["mask_token_id"], "prompt_len": args.prompt_len,
             "gen_len": args.gen_len, "block_len": args.block_len, "threshold": args.threshold, "reps": args.reps,
             "xla_cache": str(xla_cache), "cases": cases, "tie_tol": args.tie_tol, "quants": args.quant,
-            "attention": args.attention, "profile": args.profile,
+            "attention": args.attention, "projections": args.projections, "profile": args.profile,
             "prompts": make_prompts(max(args.batches), args.prompt_len, vocab_below=shape["mask_token_id"],
                                     avoid=[shape["eos_token_id"]], seed=args.seed)}
     try:
@@ -1525,7 +1532,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {k: spec[k] for k in ("prompt_len", "gen_len", "block_len", "threshold", "reps", "dtype")}
         | {"temperature": 0.0, "batches": args.batches, "caches": args.caches, "seed": args.seed,
            "untimed_runs": 1, "xla_cache": "given" if args.xla_cache else "fresh (removed after)",
-           "quants": args.quant, "attention": dj.get("attention") or args.attention, "budget_s": args.budget_s,
+           "quants": args.quant, "attention": dj.get("attention") or args.attention,
+           "projections": dj.get("projections") or args.projections, "budget_s": args.budget_s,
            "peer_budget_s": args.peer_budget_s, "second_budget_s": args.second_budget_s, "profile": args.profile},
         "checkpoint": {"path": str(ckpt), "state": state, "recipe": rec if state != "foreign" else {},
                        "params": dj["params"] or fd["params"], **written},
@@ -1541,8 +1549,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def side_spec(spec: dict[str, Any], kind: str) -> dict[str, Any]:
     """What a worker of `kind` is given: Fast-dLLM's spec lacks dlm-jax's own options (quant
-    modes, attention, profile), so that changing them does not measure Fast-dLLM again under --work."""
-    own = ("quants", "attention", "profile")
+    modes, attention, projections, profile), so that changing them does not measure Fast-dLLM again
+    under --work."""
+    own = ("quants", "attention", "projections", "profile")
     return {k: v for k, v in spec.items() if k not in own} if kind == "fast_dllm" else spec
 
 

@@ -36,6 +36,11 @@
 #   gemm    60  benchmarks/gemm_probe.py: one layer's q/k/v and gate/up GEMMs separate against
 #                fused into one, unquantized and int8, at 32 and 256 rows (16 small programs):
 #                whether fusing them at load, or int8, would shorten the step (never run).
+#   fused   90  benchmarks/gpu_step.py --projections separate fused, batch 1 and 8, dual and
+#                prefix, --profile: the executor's q/k/v and gate/up fused into one GEMM each
+#                (dlm_jax.models._fuse) against separate, in one run, with each step's kernels.
+#                The 4096-wide projections read their weights at 1.6-2.8 TB/s at batch 1, the
+#                12288-wide ones at 3.5 (gpu_step.md). 8 programs, two sets of weights made.
 #   attention 80 benchmarks/gpu_step.py --attention split cudnn, batch 1 and 8, dual and prefix
 #                (8 programs on 12 threads, about 40 s, then 10 timed steps each).
 #   table   400  benchmarks/gpu.py, both sides, batch 1 and 8, --quant none int8, --reps 3,
@@ -76,10 +81,12 @@
 # Cut first when time runs short: the last parts, then inside a gpu.py part, by its budgets:
 # dlm-jax's int8 cases (they follow all unquantized ones), Fast-dLLM's b8 (past
 # --peer-budget-s), the second process's cases. Knobs: PARTS, LIMIT, DUAL_S, TABLE_S,
-# LARGE_S, DUAL_BATCHES, DUAL_QUANTS, BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S (e.g.
+# LARGE_S, DUAL_BATCHES, DUAL_QUANTS, BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S,
+# PROJECTIONS (dlm-jax's in the gpu.py parts: PROJECTIONS=fused once the fused part has shown
+# fused projections faster; the default is the executor's, separate) (e.g.
 # PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
 # PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
-# still-warm machine: PARTS="probeload probe0 gemm attention").
+# still-warm machine: PARTS="fused attention probeload probe0 gemm").
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
 # copy gpu*.json into benchmarks/results/gpu_parts/ (named by device and content; a case in
@@ -92,6 +99,7 @@
 #   (and $LEASE/autotune.pbtxt into benchmarks/results/gpu_parts/, named by device and jaxlib)
 #   cp $LEASE/cache_load.* benchmarks/results/gpu_parts/ (named by device; the CPU's are benchmarks/results/cache_load.*)
 #   cp $LEASE/gemm_probe.json benchmarks/results/gpu_parts/h200_gemm_probe.json, its .md and .png into benchmarks/results/
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/fused.json --out benchmarks/results/gpu_step_fused
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
@@ -107,7 +115,7 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-dual probe probeload probe0 gemm attention table small large probecache cacheload probeserial cudnn scan scandsf first}
+PARTS=${PARTS:-dual probe fused probeload probe0 gemm attention table small large probecache cacheload probeserial cudnn scan scandsf first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
@@ -141,6 +149,7 @@ part() {
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 G=benchmarks/gpu.py S=benchmarks/gpu_step.py F=benchmarks/first_decode.py
 ALL=(--peer-src "$PEER" --checkpoint "$WORK/ckpt-$SHAPE" --reps 3 --profile "${GPU_X[@]}")
+[ -n "${PROJECTIONS:-}" ] && ALL+=(--projections "$PROJECTIONS")
 # dlm-jax's dual-cache decodes, unquantized and int8, at batch 1, 16, 32 and 8: what the table
 # lacked (its 3 programs a batch compile in seconds; the prefix cache's 9 took minutes).
 t=$(cap "$DUAL_S")
@@ -158,6 +167,9 @@ PROBE=(--batches 1 --kinds refresh prefix --at 0 1 2 3 4 5 6 7 --reps 3 "${STEP_
 TUNED=$OUT/autotune.pbtxt  # XLA's autotuning results of the probe's programs (text proto)
 want probe && part "probe" 130 40 env XLA_FLAGS=--xla_gpu_dump_autotune_results_to=$TUNED \
   $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_nocache"
+# Fused projections against separate ones, in one run, with their kernels.
+want fused && part fused 90 40 $PY $S --batches 1 8 --kinds dual prefix --projections separate fused --reps 10 \
+  --profile "${STEP_X[@]}" --out "$OUT/fused"
 if want probeload && [ ! -s "$TUNED" ]; then
   echo "probe load: skipped, no autotuning results in $TUNED" | tee -a "$log"
 elif want probeload; then
@@ -203,5 +215,5 @@ want first && part "first cache" 25 15 $PY $F --cache prefix --xla-cache "$WORK/
   "${FIRST_X[@]}" --out "$OUT/first_decode"
 rm -f "$OUT"/*.tmp
 echo "done in $((SECONDS - start)) s" | tee -a "$log"
-grep -E "^(dual|probe|gemm|attention|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \
+grep -E "^(dual|probe|fused|gemm|attention|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \
   | tail -40 || true

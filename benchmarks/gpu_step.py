@@ -18,7 +18,9 @@ of 8):
 Variants: how the step reads the resident cache (`--attention`: in place, `split`, the
 default; `gather`, the read slots copied out first; `cudnn`, `jax.nn.dot_product_attention`'s
 fused kernel over a concatenated copy), the weights' storage (`--quant`, where
-`dlm_jax.load` offers it) and the layer loop (`--layers`, where the executor offers it).
+`dlm_jax.load` offers it), the layer loop (`--layers`, where the executor offers it) and the
+projections (`--projections separate fused`: q/k/v and gate/up each one GEMM,
+`dlm_jax.models._fuse`; each variant over weights of its own, as fusing changes a model).
 
 Per case: XLA's cost analysis of the compiled step (FLOPs and bytes accessed, against the
 weight bytes and the dense FLOPs 2 x parameters x window rows), and with weights (not
@@ -76,6 +78,10 @@ try:  # an executor that reads its cache in place names its ways of reading it
     from dlm_jax.executors.jax_executor import RESIDENT_ATTENTION  # noqa: E402
 except ImportError:  # a dlm-jax from before (the read slots gathered, then concatenated with the window)
     RESIDENT_ATTENTION = ("gather",)
+try:  # (a tree from before fused projections: separate ones only)
+    from dlm_jax.models._fuse import PROJECTIONS  # noqa: E402
+except ImportError:
+    PROJECTIONS = ("separate",)
 from dlm_jax.models._params import _abstract_model, model_from_params, param_shapes  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey, pad_axis  # noqa: E402
 from dlm_jax.runtime.step import SlotStep  # noqa: E402
@@ -215,10 +221,12 @@ def probe_steps(executor: JaxExecutor, batches, kinds, blocks, *, seed: int = 0)
     return steps
 
 
-def build_executor(model, attention: str, layers: str | None) -> JaxExecutor:
+def build_executor(model, attention: str, layers: str | None, projections: str = "separate") -> JaxExecutor:
     kw = {"attention": attention} if len(RESIDENT_ATTENTION) > 1 else {}
     if layers:
         kw["layers"] = layers
+    if projections != "separate":
+        kw["projections"] = projections
     return JaxExecutor(model, **kw)
 
 
@@ -245,13 +253,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.abstract:
         report["device"]["copy_gbps"] = copy_bandwidth() / 1e9
         log(f"copy bandwidth {report['device']['copy_gbps']:.0f} GB/s on {name}")
-    variants = [(a, q, lay) for a in args.attention for q in args.quant for lay in args.layers]
-    models: dict[str, Any] = {}
-    for attention, quant, layers in variants:
-        if quant not in models:
+    # Grouped by the weights they run: fused projections and stacked layers change a model in
+    # place, so each (quant, projections) gets weights of its own, and scan comes after unrolled.
+    variants = [(a, q, lay, pj) for q in args.quant for pj in args.projections for a in args.attention
+                for lay in sorted(args.layers, key=lambda x: x == "scan")]
+    models: dict[tuple, Any] = {}
+    for attention, quant, layers, projections in variants:
+        weights = (quant, projections)
+        if weights not in models:
             models.clear()  # one set of weights on the device at a time
-            if args.abstract:
-                models[quant] = _abstract_model(cfg) if quant == "none" else None
+            if args.abstract:  # a fresh abstract model (the cached one is shared, and stays as built)
+                models[weights] = _abstract_model.__wrapped__(cfg) if quant == "none" else None
             else:
                 t0 = time.perf_counter()
                 m = random_model(cfg, args.seed)
@@ -260,17 +272,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
                     quantize(m, quant)
                 jax.block_until_ready(jax.tree.leaves(nnx.state(m)))
-                models[quant] = m
+                models[weights] = m
                 log(f"weights ({quant}) made in {time.perf_counter() - t0:.1f}s")
-        model = models[quant]
+        model = models[weights]
         if model is None:
             continue
         try:
-            executor = build_executor(model, attention, layers)
+            executor = build_executor(model, attention, layers, projections)
         except Exception as e:  # noqa: BLE001
             report["cases"].append({"attention": attention, "quant": quant, "layers": layers,
+                                    "projections": projections,
                                     "error": f"{type(e).__name__}: {e}".splitlines()[0]})
             continue
+        variant = variant_name({"attention": attention, "quant": quant, "layers": layers or "unrolled",
+                                "projections": projections})
         weight_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(executor._leaves))
         slots = executor.capacity(Geometry(args.kinds[0]).total)
         steps = probe_steps(executor, args.batches, args.kinds, args.at, seed=args.seed)
@@ -283,14 +298,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             exe = lowered.compile()
             return exe, time.perf_counter() - t0, lowered
 
-        log(f"compiling {len(cases)} steps ({attention}, {quant}, {layers or 'unrolled'}) on {args.threads} threads")
+        log(f"compiling {len(cases)} steps ({variant}) on {args.threads} threads")
         with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
             futures = {c: pool.submit(compile_case, c) for c in cases}
         for (b, kind, at) in cases:
             geo, req = Geometry(kind, at=at), steps[(b, kind, at)]
             row: dict[str, Any] = {"batch": b, "kind": kind, "at": at, "compile_env": compile_env(report["environment"]),
-                                   "attention": attention, "quant": quant,
-                                   "layers": layers or "unrolled", "bucket": str(req.key), "slots": slots,
+                                   "attention": attention, "quant": quant, "layers": layers or "unrolled",
+                                   "projections": projections, "bucket": str(req.key), "slots": slots,
                                    "window_rows": len(geo.window()), "read_slots": len(geo.read()),
                                    "weight_bytes": weight_bytes}
             try:
@@ -298,7 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 report["cases"].append(row)
-                log(f"b{b} {kind} {attention}/{quant}: {row['error']}")
+                log(f"b{b} {kind} {variant}: {row['error']}")
                 continue
             row["compile_s"] = secs
             # Neither cost analysis may stop the timing: a backend without one gives None (noted).
@@ -316,7 +331,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 except Exception as e:  # noqa: BLE001 - one case's failure is its own; the others still run
                     row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             report["cases"].append(row)
-            log(f"b{b} {kind} {attention}/{quant}/{layers or 'unrolled'}: " + ", ".join(
+            log(f"b{b} {kind} {variant}: " + ", ".join(
                 f"{k} {row[k]:.3g}" for k in ("compile_s", "bytes_over_weights", "step_ms", "step_over_weight_read")
                 if row.get(k) is not None))
             write(report, args.out)
@@ -382,11 +397,18 @@ def compile_env(env: dict[str, Any] | None) -> str:
             f"XLA_FLAGS {env['XLA_FLAGS'] or 'unset'}")
 
 
+def variant_name(row: dict[str, Any], sep: str = "/") -> str:
+    """attention/quant/layers of a case, and /fused where its projections were."""
+    parts = [row["attention"], row["quant"], row["layers"]]
+    return sep.join(parts + (["fused"] if row.get("projections", "separate") != "separate" else []))
+
+
 def markdown(rep: dict[str, Any]) -> str:
     d = rep["device"]
     envs = {r.get("compile_env", "-") for r in rep["cases"]}
     env_col = len(envs) > 1  # runs rendered together that compiled differently: a column says which
     first_col = any("first_call_ms" in r for r in rep["cases"])  # results before it was timed: no column
+    proj_col = any(r.get("projections", "separate") != "separate" for r in rep["cases"])
     lines = [f"# The decode step at the {rep['shape']} shape: {d['kind']} ({d['backend']})", "",
              f"{rep['params'] / 1e9:.3f}B parameters, {rep['dtype']}; setting {rep['setting']}; "
              f"jax {rep['versions']['jax']}; {rep['date']}; `{rep['command']}`."
@@ -396,14 +418,17 @@ def markdown(rep: dict[str, Any]) -> str:
              *[f"- {n}" for n in rep.get("notes", [])], *([""] if rep.get("notes") else []),
              *[f"- source: `{src['file']}`: `{src['command']}` ({src['date']}, {src['device']['kind']}, "
                f"{src['cases']} cases)" for src in rep.get("sources", [])], *([""] if rep.get("sources") else []),
-             "| batch | step | attention | quant | layers | bucket | " + ("compiles | " if env_col else "")
+             "| batch | step | attention | quant | layers | " + ("projections | " if proj_col else "") + "bucket | "
+             + ("compiles | " if env_col else "")
              + "compile s | " + ("first call ms | " if first_col else "") + "bytes / weights | FLOPs / dense | "
              "traced bytes / weights | step ms | weight-read ms | roofline ms | step / weight read | error |",
-             "|---:|---|---|---|---|---|" + ("---|" if env_col else "") + "---:|" + ("---:|" if first_col else "")
+             "|---:|---|---|---|---|" + ("---|" if proj_col else "") + "---|" + ("---|" if env_col else "") + "---:|"
+             + ("---:|" if first_col else "")
              + "---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rep["cases"]:
         lines.append(f"| {r.get('batch', '-')} | {r.get('kind', '-')} | {r['attention']} | {r['quant']} | "
-                     f"{r['layers']} | {r.get('bucket', '-')} | " + (f"{r.get('compile_env', '-')} | " if env_col else "")
+                     f"{r['layers']} | " + (f"{r.get('projections', 'separate')} | " if proj_col else "")
+                     + f"{r.get('bucket', '-')} | " + (f"{r.get('compile_env', '-')} | " if env_col else "")
                      + f"{_g(r.get('compile_s'), '.1f')} | " + (f"{_g(r.get('first_call_ms'), '.1f')} | " if first_col else "")
                      + f"{_g(r.get('bytes_over_weights'))} | {_g(r.get('flops_over_dense'))} | "
                      f"{_g(r.get('hlo_bytes_over_weights'))} | "
@@ -413,7 +438,7 @@ def markdown(rep: dict[str, Any]) -> str:
         prof = r.get("profile")
         if not prof or "top" not in prof:
             continue
-        lines += ["", f"Kernels, b{r['batch']} {r['kind']} {r['attention']}/{r['quant']}/{r['layers']} "
+        lines += ["", f"Kernels, b{r['batch']} {r['kind']} {variant_name(r)} "
                   f"({prof['source']}, {prof['kernel_ms_per_step']:.2f} ms of kernels per step):", "", *kernel_table(prof)]
     return "\n".join(lines) + "\n"
 
@@ -450,10 +475,10 @@ def plot(rep: dict[str, Any], path: Path) -> bool:
         lines: dict[tuple, list] = {}
         for r in timed:
             if r["kind"] == kind:
-                lines.setdefault((r["attention"], r["quant"], r["layers"]), []).append((r["batch"], r["step_ms"]))
-        for (att, quant, layers), pts in sorted(lines.items()):
+                lines.setdefault(variant_name(r, " / "), []).append((r["batch"], r["step_ms"]))
+        for label, pts in sorted(lines.items()):
             pts.sort()
-            ax.plot([b for b, _ in pts], [m for _, m in pts], "o-", label=f"{att} / {quant} / {layers}")
+            ax.plot([b for b, _ in pts], [m for _, m in pts], "o-", label=label)
         limit = {r["batch"]: r["weight_read_ms"] for r in timed if r["kind"] == kind and r["quant"] == "none"}
         if limit:
             ax.plot(sorted(limit), [limit[b] for b in sorted(limit)], "k--", label="bf16 weight-read limit")
@@ -503,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", nargs="+", choices=RESIDENT_ATTENTION, default=[RESIDENT_ATTENTION[0]])
     p.add_argument("--quant", nargs="+", default=["none"], help="none, int8, fp8 (dlm_jax.models.quant)")
     p.add_argument("--layers", nargs="+", default=[None], help="the executor's layer loop (unrolled, scan)")
+    p.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=["separate"],
+                   help="separate, or fused: q/k/v and gate/up each one GEMM (the executor's projections=)")
     p.add_argument("--abstract", action="store_true", help="cost analysis only, lowered from shapes (no weights)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--profile", action="store_true")

@@ -32,6 +32,7 @@ from flax import nnx
 from dlm_jax._errors import ConfigError
 from dlm_jax.executors._compile import CompiledBuckets
 from dlm_jax._config import ModelConfig
+from dlm_jax.models._fuse import choose_projections, fuse_projections, is_fused
 from dlm_jax.models._scan import ScannedTransformer, choose_layers
 from dlm_jax._partition import param_name
 from dlm_jax.models._transformer import (ATTENTION_FORMS, EXPERT_EXCHANGES, Transformer, attention_form,
@@ -461,6 +462,12 @@ class JaxExecutor(Executor):
     `attention`: how a decode's step reads its resident cache (`RESIDENT_ATTENTION`); default
     `$DLM_JAX_ATTENTION`, else `default_attention()`.
 
+    `projections`: "separate" (each projection its own GEMM) or "fused" (`dlm_jax.models._fuse`:
+    q/k/v and gate/up each one wider GEMM, fused in place in the model, each group's arrays
+    deleted once joined, so the weights are held once; the model stays usable and saves as
+    before, but takes no new adapters); default `$DLM_JAX_PROJECTIONS`, else "separate". A model
+    fused before runs fused whatever is asked. Not on a mesh yet (refused in one line).
+
     `mesh`: decode on a device mesh (`dlm_jax._partition.MeshShape`, its `tp=2,ep=2` text, or a
     `dlm_jax.executors.sharding.MeshPlacement` over chosen devices): the parameters split by the
     partition rules training uses, the K/V cache by its heads (and rows over dp), every program
@@ -473,7 +480,7 @@ class JaxExecutor(Executor):
 
     def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None, layers: str | None = None,
                  attention: str | None = None, rows: str | None = None, mesh=None,
-                 expert_exchange: str | None = None):
+                 expert_exchange: str | None = None, projections: str | None = None):
         from dlm_jax.techniques.isd.lora import lora_spec
 
         rows_from_env = rows is None and bool(os.environ.get(ROWS_ENV))
@@ -495,6 +502,12 @@ class JaxExecutor(Executor):
             raise ConfigError(f"{name}={expert_exchange!r}: known {', '.join(EXPERT_EXCHANGES)}")
         self.expert_exchange = expert_exchange
         self.config = model.config
+        self.projections = "fused" if is_fused(model) else choose_projections(model, projections)
+        if self.projections == "fused" and mesh is not None:
+            raise ConfigError("projections='fused' on a mesh is not built yet (its partition rules name each "
+                              "projection): use projections='separate', on a model loaded without it")
+        if self.projections == "fused":
+            fuse_projections(model)  # a no-op for a model fused before
         self.layers = choose_layers(model, layers)
         self.gated = lora_spec(model) is not None  # adapters: every step takes a `lora_gate`
         self._capabilities = capabilities or Capabilities.for_length(self.config.max_seq_len,

@@ -8,6 +8,7 @@ _EXPORTS = {
     "attention_mask": "dlm_jax._masks",
     "padded_mask": "dlm_jax._masks",
     "visibility_from_positions": "dlm_jax._masks",
+    "fuse_projections": "dlm_jax.models._fuse",
     "get_params": "dlm_jax.models._params",
     "init_model": "dlm_jax.models._params",
     "model_from_params": "dlm_jax.models._params",

@@ -63,8 +63,9 @@ def param_shapes(cfg: ModelConfig, *, quant: str | None = None) -> dict[str, jax
 
 def get_params(model: Transformer) -> dict[str, np.ndarray]:
     """Name -> host copy of every parameter. Layers stacked for a scan (`dlm_jax.models._scan`)
-    are named per layer as the unstacked model names them, so a checkpoint saved from a
-    stacked model, or its fingerprint, is the one of the model before."""
+    are named per layer as the unstacked model names them, and fused projections
+    (`dlm_jax.models._fuse`) by the projections they hold, so a checkpoint saved from a
+    stacked or fused model, or its fingerprint, is the one of the model before."""
     state = nnx.state(model, nnx.Param)
     out = {}
     for p, v in nnx.to_flat_state(state):
@@ -73,7 +74,9 @@ def get_params(model: Transformer) -> dict[str, np.ndarray]:
             out.update({f"layers.{i}.{name[len(_STACKED):]}": layer for i, layer in enumerate(value)})
         else:
             out[name] = value
-    return out
+    from dlm_jax.models._fuse import split_fused_params
+
+    return split_fused_params(out, model.config)
 
 
 _STACKED = "layers.block."  # a `StackedLayers`' one block, its arrays [L, ...]

@@ -74,6 +74,19 @@ def _project(linear: nnx.Linear, adapters, name: str, x: jax.Array, gate: jax.Ar
     return y + adapters[name](x, gate)
 
 
+def _project_fused(linear, adapters, names: tuple[str, ...], widths: tuple[int, ...], x: jax.Array,
+                   gate: jax.Array | None) -> tuple[jax.Array, ...]:
+    """The projections `names` of x from one fused linear (`dlm_jax.models._fuse`: their
+    kernels side by side, `widths` output columns each): one product, split in order, each
+    part then given its gated LoRA delta as `_project` adds it."""
+    y = linear(x)
+    cuts = [sum(widths[:i + 1]) for i in range(len(widths) - 1)]
+    parts = jnp.split(y, cuts, axis=-1)
+    if gate is None or adapters is None:
+        return tuple(parts)
+    return tuple(p + adapters[n](x, gate) if n in adapters else p for p, n in zip(parts, names))
+
+
 def rope_tables(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape [B, T, 1, R] in float32 (rotate-half convention) for the R =
     `rotary_dim` rotated features of a head (all Dh of them unless partial rotary)."""
@@ -197,12 +210,20 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(dh, eps=cfg.norm_eps, param_dtype=pd) if cfg.qk_norm else None
         self.k_norm = RMSNorm(dh, eps=cfg.norm_eps, param_dtype=pd) if cfg.qk_norm else None
         self.lora = nnx.data(None)  # {projection name: LoraAdapter} once adapters are attached
+        self.qkv_proj = nnx.data(None)  # q, k and v in one linear once fused (`fuse_projections`)
+
+    QKV = ("q_proj", "k_proj", "v_proj")
 
     def __call__(self, x, cos, sin, mask, k_cache, v_cache, lora_gate=None):
         b, t, _ = x.shape
-        q = _project(self.q_proj, self.lora, "q_proj", x, lora_gate).reshape(b, t, self.n_heads, self.head_dim)
-        k = _project(self.k_proj, self.lora, "k_proj", x, lora_gate).reshape(b, t, self.n_kv_heads, self.head_dim)
-        v = _project(self.v_proj, self.lora, "v_proj", x, lora_gate).reshape(b, t, self.n_kv_heads, self.head_dim)
+        if self.qkv_proj is None:  # (each reshaped as it comes: the traced op order bundles were exported in)
+            q = _project(self.q_proj, self.lora, "q_proj", x, lora_gate).reshape(b, t, self.n_heads, self.head_dim)
+            k = _project(self.k_proj, self.lora, "k_proj", x, lora_gate).reshape(b, t, self.n_kv_heads, self.head_dim)
+            v = _project(self.v_proj, self.lora, "v_proj", x, lora_gate).reshape(b, t, self.n_kv_heads, self.head_dim)
+        else:
+            q, k, v = _project_fused(self.qkv_proj, self.lora, self.QKV, self.qkv_widths, x, lora_gate)
+            q = q.reshape(b, t, self.n_heads, self.head_dim)
+            k, v = (y.reshape(b, t, self.n_kv_heads, self.head_dim) for y in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -219,6 +240,11 @@ class Attention(nnx.Module):
             out = attend_cudnn(q, keys, values, mask) if form == "cudnn" else attend(q, keys, values, mask)
         return _project(self.o_proj, self.lora, "o_proj", out.reshape(b, t, -1), lora_gate), k, v
 
+    @property
+    def qkv_widths(self) -> tuple[int, int, int]:
+        """Output columns of q, k and v."""
+        return (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
+
 
 class DenseFFN(nnx.Module):
     """`swiglu`: down(silu(gate(x)) * up(x)); `relu`: down(relu(up(x)));
@@ -232,6 +258,8 @@ class DenseFFN(nnx.Module):
         self.up_proj = _linear(cfg, cfg.d_model, hidden, bias=False, rngs=rngs)
         self.down_proj = _linear(cfg, hidden, cfg.d_model, bias=False, rngs=rngs)
         self.lora = nnx.data(None)  # {projection name: LoraAdapter} once adapters are attached
+        self.gate_up_proj = nnx.data(None)  # gate and up in one linear once fused (`fuse_projections`)
+        self.hidden = hidden
 
     def __call__(self, x: jax.Array, lora_gate: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
         """(output, neuron activations or None for `swiglu`)."""
@@ -239,9 +267,14 @@ class DenseFFN(nnx.Module):
         if self.kind == "relu":
             act = jax.nn.relu(_project(self.up_proj, a, "up_proj", x, g))
             return _project(self.down_proj, a, "down_proj", act, g), act
-        gate = _project(self.gate_proj, a, "gate_proj", x, g)
+        if self.gate_up_proj is None:
+            gate, up = _project(self.gate_proj, a, "gate_proj", x, g), None
+        else:
+            gate, up = _project_fused(self.gate_up_proj, a, ("gate_proj", "up_proj"), (self.hidden,) * 2, x, g)
         act = jax.nn.relu(gate) if self.kind == "reglu" else jax.nn.silu(gate)
-        out = _project(self.down_proj, a, "down_proj", act * _project(self.up_proj, a, "up_proj", x, g), g)
+        if up is None:  # (after the activation: the traced op order bundles were exported in)
+            up = _project(self.up_proj, a, "up_proj", x, g)
+        out = _project(self.down_proj, a, "down_proj", act * up, g)
         return out, (act if self.kind == "reglu" else None)
 
 

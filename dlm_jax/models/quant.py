@@ -137,7 +137,8 @@ def expert_einsum(spec: str, x: jax.Array, w: jax.Array | QuantExperts) -> jax.A
     return (y * s).astype(x.dtype)
 
 
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+            "qkv_proj", "gate_up_proj")  # the last two: fused (`dlm_jax.models._fuse`)
 
 
 def quantize(model, mode: str):

@@ -122,3 +122,24 @@ def test_runs_that_compiled_differently_render_with_a_column_saying_how(tmp_path
     assert [("XLA_FLAGS unset" in r, "--xla_gpu_autotune_level=0" in r) for r in rows] == [(True, False)] * 2 + [
         (False, True)] * 2
 
+
+
+def test_fused_projections_run_over_weights_of_their_own(tmp_path):
+    """`--projections separate fused` (the lease's `fused` part): fusing changes a model in place,
+    so a separate variant run after a fused one (or a scan after either) over the same weights
+    would measure the fused model twice, under two names; the cached abstract model other
+    callers share must stay as built."""
+    from dlm_jax.models._params import param_shapes
+
+    out = tmp_path / "fused"
+    assert gpu_step.main(["--shape", "small", "--abstract", "--batches", "1", "--kinds", "dual",
+                          "--projections", "fused", "separate", "--layers", "scan", "unrolled",
+                          "--threads", "1", "--out", str(out)]) == 0
+    cases = json.loads(out.with_suffix(".json").read_text())["cases"]
+    assert [(c["projections"], c["layers"]) for c in cases] == [
+        (p, lay) for p in ("fused", "separate") for lay in ("unrolled", "scan")]
+    assert all("error" not in c for c in cases) and len({c["weight_bytes"] for c in cases}) == 1
+    md = out.with_suffix(".md").read_text()
+    assert "| projections |" in md and "| unrolled | fused |" in md and "| scan | separate |" in md
+    cfg = gpu_step.model_config("small", "bfloat16")
+    assert "layers.0.attn.q_proj.kernel" in param_shapes(cfg)

@@ -113,9 +113,15 @@ def attach_lora(model: Transformer, spec: LoraSpec, *, seed: int = 0) -> Transfo
 
     Raises:
       ValueError: the model already has adapters (`remove_lora` first).
+      ConfigError: its projections are fused (`dlm_jax.models._fuse`).
     """
     if lora_spec(model) is not None:
         raise ValueError(f"the model already has LoRA adapters ({lora_spec(model)}); remove_lora first")
+    from dlm_jax.models._fuse import is_fused
+
+    if is_fused(model):
+        raise ConfigError("attach_lora: the model's projections are fused (projections='fused'); "
+                          "attach adapters before building its executor, or use projections='separate'")
     pd = jnp.dtype(model.config.param_dtype)
     key, count = jax.random.key(seed), 0
     for _, owner, names in _owners(model):
