@@ -61,18 +61,17 @@ def _joined(arrays: list):
 def _fused_linear(linears: list):
     """One linear computing `linears` side by side, or None where they do not fuse (different
     kinds, dtypes or quantization; a bias on some only)."""
-    if any(len({key(lin) for lin in linears}) != 1 for key in (type, lambda lin: lin.dtype,
-                                                                 lambda lin: lin.bias is None)):
-        return None
     first = linears[0]
+    quantized = isinstance(first, QuantLinear)
+    if not isinstance(first, (QuantLinear, nnx.Linear)) or any(
+            len({key(lin) for lin in linears}) != 1
+            for key in (type, lambda lin: lin.dtype, lambda lin: lin.bias is None,
+                        lambda lin: (lin.qkernel if quantized else lin.kernel).get_value().dtype)):
+        return None  # (checked before anything is joined: joining deletes the parts)
     bias = None if first.bias is None else _joined([lin.bias.get_value() for lin in linears])
-    if isinstance(first, QuantLinear):
-        if len({lin.qkernel.get_value().dtype for lin in linears}) != 1:
-            return None
+    if quantized:
         return QuantLinear(_joined([lin.qkernel.get_value() for lin in linears]),
                            _joined([lin.scale.get_value() for lin in linears]), bias, dtype=first.dtype)
-    if not isinstance(first, nnx.Linear) or len({lin.kernel.get_value().dtype for lin in linears}) != 1:
-        return None
     kernel = _joined([lin.kernel.get_value() for lin in linears])
     fused = nnx.eval_shape(lambda: nnx.Linear(kernel.shape[0], kernel.shape[1], use_bias=bias is not None,
                                               dtype=first.dtype, param_dtype=kernel.dtype,

@@ -147,3 +147,17 @@ def test_fused_projections_are_refused_in_one_line_where_they_cannot_run(monkeyp
     model = tiny_model()
     fuse_projections(model)  # fused before: it runs fused whatever is asked
     assert JaxExecutor(model, projections="separate").projections == "fused"
+
+
+def test_projections_that_differ_stay_separate_and_whole():
+    """Guards a group that cannot fuse (here q/k/v with biases, k's kernel stored in another
+    dtype) losing its arrays to a join begun before the check (the biases joined, then the
+    kernels refused): the model must run as before, that group unfused."""
+    ref, model = tiny_model(seed=5, qkv_bias=True), tiny_model(seed=5, qkv_bias=True)
+    for m in (ref, model):
+        for block in m.layers:
+            block.attn.k_proj.kernel = nnx.Param(block.attn.k_proj.kernel.get_value().astype(jnp.bfloat16))
+    assert fuse_projections(model) == model.config.n_layers  # the FFNs only
+    assert model.layers[0].attn.qkv_proj is None and model.layers[0].ffn.gate_up_proj is not None
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 60, (1, 7)), jnp.int32)
+    np.testing.assert_allclose(model(tokens).logits, ref(tokens).logits, rtol=1e-5, atol=1e-5)
