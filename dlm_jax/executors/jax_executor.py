@@ -502,7 +502,7 @@ class JaxExecutor(Executor):
             raise ConfigError(f"{name}={expert_exchange!r}: known {', '.join(EXPERT_EXCHANGES)}")
         self.expert_exchange = expert_exchange
         self.config = model.config
-        self.projections = "fused" if is_fused(model) else choose_projections(model, projections)
+        self.projections = "fused" if is_fused(model) else choose_projections(projections)
         if self.projections == "fused" and mesh is not None:
             raise ConfigError("projections='fused' on a mesh is not built yet (its partition rules name each "
                               "projection): use projections='separate', on a model loaded without it")

@@ -28,11 +28,11 @@ from __future__ import annotations
 import os
 import re
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dlm_jax._errors import ConfigError
+from dlm_jax.models._scan import StackedLayers, joined_consuming
 from dlm_jax.models._transformer import Attention, DenseFFN, Transformer
 from dlm_jax.models.quant import QuantLinear
 
@@ -48,14 +48,8 @@ _PARTS = {"qkv_proj": Attention.QKV, "gate_up_proj": ("gate_proj", "up_proj")}
 def _joined(arrays: list):
     """The arrays side by side on their last axis, each deleted once joined (abstract
     `jax.ShapeDtypeStruct`s: their shape)."""
-    if isinstance(arrays[0], jax.ShapeDtypeStruct):
-        shape = (*arrays[0].shape[:-1], sum(a.shape[-1] for a in arrays))
-        return jax.ShapeDtypeStruct(shape, arrays[0].dtype)
-    out = jnp.concatenate(arrays, axis=-1)
-    for a in arrays:
-        if isinstance(a, jax.Array) and not a.is_deleted():
-            a.delete()
-    return out
+    shape = (*arrays[0].shape[:-1], sum(a.shape[-1] for a in arrays))
+    return joined_consuming(arrays, lambda xs: jnp.concatenate(xs, axis=-1), shape)
 
 
 def _fused_linear(linears: list):
@@ -85,8 +79,6 @@ def _fused_linear(linears: list):
 def fuse_refusal(model: Transformer) -> str | None:
     """Why `model`'s projections cannot be fused (None: they can): its layers are stacked for
     a scan (fuse first)."""
-    from dlm_jax.models._scan import StackedLayers
-
     if isinstance(model.layers, StackedLayers):
         return "its layers are stacked for a scan (fuse before stacking)"
     return None
@@ -144,8 +136,8 @@ def split_fused_params(params: dict, config) -> dict:
     return out
 
 
-def choose_projections(model: Transformer, projections: str | None) -> str:
-    """How the JAX executor holds `model`'s projections: `projections`, else
+def choose_projections(projections: str | None) -> str:
+    """How the JAX executor holds a model's projections: `projections`, else
     `$DLM_JAX_PROJECTIONS`, else "separate" (ConfigError naming the source for another value)."""
     chosen = projections or os.environ.get(PROJECTIONS_ENV) or "separate"
     if chosen not in PROJECTIONS:

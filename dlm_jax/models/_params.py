@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from dlm_jax._config import ModelConfig
+from dlm_jax.models._fuse import split_fused_params
 from dlm_jax.models._transformer import Transformer
 from dlm_jax.models.quant import quantize
 
@@ -74,8 +75,6 @@ def get_params(model: Transformer) -> dict[str, np.ndarray]:
             out.update({f"layers.{i}.{name[len(_STACKED):]}": layer for i, layer in enumerate(value)})
         else:
             out[name] = value
-    from dlm_jax.models._fuse import split_fused_params
-
     return split_fused_params(out, model.config)
 
 

@@ -73,15 +73,22 @@ def scan_refusal(model: Transformer) -> str | None:
     return None
 
 
-def _stack(leaves: list):
-    """[n, ...] of equal leaves, deleting them once stacked (abstract leaves: their shape)."""
+def joined_consuming(leaves: list, join, shape: tuple[int, ...]):
+    """`join(leaves)`, each leaf deleted once joined (the result now holds it: what stacking
+    layers and fusing projections do, so that no weight is held twice); abstract leaves
+    (`jax.ShapeDtypeStruct`): a struct of the joined `shape`."""
     if isinstance(leaves[0], jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct((len(leaves), *leaves[0].shape), leaves[0].dtype)
-    stacked = jnp.stack(leaves)
-    for x in leaves:  # the stack now holds them
+        return jax.ShapeDtypeStruct(shape, leaves[0].dtype)
+    out = join(leaves)
+    for x in leaves:
         if isinstance(x, jax.Array) and not x.is_deleted():
             x.delete()
-    return stacked
+    return out
+
+
+def _stack(leaves: list):
+    """[n, ...] of equal leaves, deleting them once stacked (abstract leaves: their shape)."""
+    return joined_consuming(leaves, jnp.stack, (len(leaves), *leaves[0].shape))
 
 
 def stack_layers(model: Transformer) -> StackedLayers:
