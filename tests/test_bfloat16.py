@@ -44,7 +44,7 @@ FLOAT32_LEAVES = ("expert_bias",)
 # rest (ISD with gated LoRA, block-causal attention, MoE, ...) run with --runslow.
 SLOW = pytest.mark.slow
 CASES = [
-    *[pytest.param("llada-tiny", {}, {"preset": p}, marks=() if p in ("fast-dllm-dual", "llada-cpp") else SLOW)
+    *[pytest.param("llada-tiny", {}, {"preset": p}, marks=() if p == "fast-dllm-dual" else SLOW)
       for p in ("llada", "fast-dllm", "fast-dllm-dual", "fast-dllm-factor", "frechet", "llada-cpp")],
     pytest.param("llada-tiny", {}, {"preset": "fast-dllm", "temperature": 0.7}, marks=SLOW),  # float64 Gumbel sampling
     *[pytest.param("idlm-tiny", {}, {"preset": p}, marks=SLOW) for p in ("isd", "ar")],

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # three processes, each loading the programs: about 6 s
 def test_both_variants_load_every_program_from_the_filled_cache(tmp_path):
     out = tmp_path / "cache_load"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cache_load.py"), "--shape", "small",

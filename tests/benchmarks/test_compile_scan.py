@@ -84,6 +84,7 @@ def test_the_executors_resident_step_compiles_from_abstract_shapes_both_ways(no_
     assert "| `b1_w8_p16_r8` |" in compile_scan.markdown(rep)
 
 
+@pytest.mark.slow  # a decode of scanned layers, compiled cold: about 3.5 s
 def test_the_first_decode_reports_what_it_waited_for(monkeypatch):
     monkeypatch.setenv("DLM_JAX_LAYERS", "scan")
     row = compile_scan.first_decode_worker(str(ROOT / "models" / "llada-tiny"), "dual", 1, 32)

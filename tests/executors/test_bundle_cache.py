@@ -54,6 +54,7 @@ def test_auto_is_jax_then_the_litert_runner_on_a_cpu_and_jax_elsewhere(monkeypat
         dlm_jax.load(TINY, executor="tpu")
 
 
+@pytest.mark.slow  # (over the default suite's 5-minute budget on 2 cores; .ci/run runs the slow tests)
 def test_the_cache_decodes_exactly_like_jax_and_exports_each_bucket_once(cache):
     prompts = [ex.prompt for t in TASKS for ex in make_split(TASKS[t], 2, split="heldout")]
     cfgs = [dlm_jax.decode_config(cache="prefix", gen_len=64), dlm_jax.decode_config(cache="dual", gen_len=64),

@@ -42,6 +42,7 @@ def bundles(tmp_path_factory):
     return model, root, prompts, sorted(keys)
 
 
+@pytest.mark.slow  # (over the default suite's 5-minute budget on 2 cores; .ci/run runs the slow tests)
 def test_the_bundle_records_its_programs_and_their_devices(bundles):
     _, root, _, keys = bundles
     meta = json.loads((root / "part" / "bundle.json").read_text())
@@ -57,6 +58,7 @@ def test_the_bundle_records_its_programs_and_their_devices(bundles):
     assert all(plan["programs"][n]["device"] == "npu" for n in part["npu"])
 
 
+@pytest.mark.slow  # (over the default suite's 5-minute budget on 2 cores; .ci/run runs the slow tests)
 def test_partitioned_decodes_exactly_like_the_unpartitioned_bundle(bundles):
     model, root, prompts, _ = bundles
     plain, part = load_bundle(root / "plain"), load_bundle(root / "part")

@@ -34,7 +34,7 @@ def lowered(spec, build):
 
 @pytest.mark.parametrize("name, load_options", [
     ("llada-tiny", {"dtype": "bfloat16"}),  # bfloat16: where XLA's rounding would show a different program
-    ("moe-tiny", {}),  # routed experts, with their outputs
+    pytest.param("moe-tiny", {}, marks=pytest.mark.slow),  # routed experts, with their outputs (about 5.5 s)
     ("idlm-tiny", {"lora": "models/idlm-tiny/risd"}),  # LoRA gates, an extra input
 ])
 def test_blocks_are_traced_once_into_the_programs_of_the_plain_trace(monkeypatch, name, load_options):

@@ -125,6 +125,7 @@ def test_profile_writes_table_and_plot(tmp_path, capsys):
         LatencyTable.load(tmp_path / "lat.json")
 
 
+@pytest.mark.slow  # (over the default suite's 5-minute budget on 2 cores; .ci/run runs the slow tests)
 def test_train_then_eval(tmp_path, capsys):
     """`dlm-jax train --config` writes an HF checkpoint that `dlm-jax eval` scores."""
     config = tmp_path / "tiny.toml"

@@ -114,6 +114,7 @@ def test_written_tasks_hold_the_heldout_split_and_distractors(task_dir, lmeval):
     assert again == lmeval.multiple_choice("addition", "564+894=", "1458")  # deterministic
 
 
+@pytest.mark.slow  # (over the default suite's 5-minute budget on 2 cores; .ci/run runs the slow tests)
 def test_simple_evaluate_scores_exactly_as_dlm_jax_eval(hf_sandbox, task_dir, lmeval):
     """The generative task's exact_match is `dlm-jax eval`'s accuracy on the same prompts with
     the same decoder, completion for completion; the multiple-choice variant of a task the

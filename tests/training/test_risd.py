@@ -48,6 +48,7 @@ def _toy():
     return dlm_jax.init_model(cfg, seed=1)
 
 
+@pytest.mark.slow  # (over the default suite's 5-minute budget on 2 cores; .ci/run runs the slow tests)
 def test_fixed_ce_alpha_weights_the_clean_term_and_its_gradient():
     """ce_alpha: loss = CE_mask + ce_alpha CE_clean exactly, gradient included."""
     model, batch = _toy(), _batch()
@@ -66,6 +67,7 @@ def test_fixed_ce_alpha_weights_the_clean_term_and_its_gradient():
         np.testing.assert_allclose(a, bn + 0.2 * bc, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # (over the default suite's 5-minute budget on 2 cores; .ci/run runs the slow tests)
 def test_auto_balance_weight_is_a_constant_ratio():
     """Eq. 2's lambda = CE_mask / CE_clean carries no gradient: the auto-balanced loss's
     gradient equals that of CE_mask + lambda CE_clean with lambda a fixed number (ce_alpha)."""

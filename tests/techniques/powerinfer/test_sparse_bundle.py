@@ -20,6 +20,10 @@ from dlm_jax.tflite_export.bundle import _Sizes, export_bundle
 from dlm_jax.techniques.powerinfer.sparse import (decode_statistics, ffn_samples, neuron_bytes, plan_sparse, record_windows,
                                   train_predictor)
 
+# A module fixture exports a sparse bundle (about 9 s on 2 cores): over the default suite's
+# 5-minute budget; .ci/run runs the slow tests.
+pytestmark = pytest.mark.slow
+
 CONFIG = dlm_jax.decode_config(cache="prefix", rule="threshold", gen_len=16, block_len=8)
 
 

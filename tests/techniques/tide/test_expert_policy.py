@@ -42,6 +42,7 @@ def _decode(decoder, **options):
     return decoder.decode(PROMPTS, preset("fast-dllm", gen_len=16, block_len=8, threshold=0.7, **options))
 
 
+@pytest.mark.slow  # (over the default suite's 5-minute budget on 2 cores; .ci/run runs the slow tests)
 def test_router_topk_is_the_models_routing_and_only_where_asked(model):
     key = BucketKey(batch=2, window=8, cache=8, rows=8, router_topk=True)
     inputs = dataclasses.replace(random_inputs(model.config, key, seed=1), want=OutputRequest(router_topk=True))
@@ -73,6 +74,7 @@ def _options(decoder, setting):
     return {"placement": ExpertPolicy(experts="static", expert_budget=b, static_sets=static_sets(trace, 2, b - 1))}
 
 
+@pytest.mark.slow  # (over the default suite's 5-minute budget on 2 cores; .ci/run runs the slow tests)
 def test_placement_is_lossless_and_never_changes_routing(decoder):
     """Tokens bit-identical to a decode without placement for every setting; the routing
     trace identical under every setting."""
