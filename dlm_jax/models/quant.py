@@ -141,30 +141,41 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
             "qkv_proj", "gate_up_proj")  # the last two: fused (`dlm_jax.models._fuse`)
 
 
+def quantized_weights(model) -> list[tuple[nnx.Module, str]]:
+    """(module, attribute) of every weight `quantize` replaces, in model order: the routed
+    experts' "gate" / "up" / "down" arrays of an MoE layer, then each dense `nnx.Linear` named in
+    `_LINEARS`, then the untied output head ("lm_head" of the model)."""
+    out: list[tuple[nnx.Module, str]] = []
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(getattr(module, "gate", None), nnx.Param):  # an MoEFFN's routed experts [E, I, O]
+            out += [(module, name) for name in ("gate", "up", "down")]
+        out += [(module, name) for name in _LINEARS if isinstance(getattr(module, name, None), nnx.Linear)]
+    if isinstance(model.lm_head, nnx.Linear):
+        out.append((model, "lm_head"))
+    return out
+
+
 def quantize(model, mode: str):
     """Quantize `model` (a `dlm_jax.models.Transformer`) in place, weight-only, to `mode`
-    ("int8" or "fp8"); returns it. See the module docstring for which weights. A model whose
-    MoE layers are split (TIDE's expert slots) is refused: its experts live on the host too."""
+    ("int8" or "fp8"); returns it. See the module docstring (and `quantized_weights`) for which
+    weights. A model whose MoE layers are split (TIDE's expert slots) is refused: its experts
+    live on the host too."""
     check_quant(mode)
     if mode is None:
         return model
     if getattr(model, "quant", None) is not None:
         raise ConfigError(f"the model is already quantized ({model.quant})")
-    for _, module in list(nnx.iter_modules(model)):
-        if isinstance(getattr(module, "gate", None), nnx.Param):  # an MoEFFN's routed experts [E, I, O]
-            if getattr(module, "slot_of", None) is not None:
-                raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
-                                  f"quantize before splitting is not built yet; drop one of them")
-            for name in ("gate", "up", "down"):
-                q, scale = quantize_kernel(getattr(module, name)[...], mode=mode)
-                setattr(module, name, nnx.Param(q))  # the stored weights are dropped here, one tensor at a time
-                setattr(module, f"{name}_scale", nnx.Param(scale))
-        for name in _LINEARS:
-            linear = getattr(module, name, None)
-            if isinstance(linear, nnx.Linear):
-                setattr(module, name, QuantLinear.from_linear(linear, mode))
-    if isinstance(model.lm_head, nnx.Linear):
-        model.lm_head = QuantLinear.from_linear(model.lm_head, mode)
+    for module, name in quantized_weights(model):
+        weight = getattr(module, name)
+        if isinstance(weight, nnx.Linear):
+            setattr(module, name, QuantLinear.from_linear(weight, mode))
+            continue
+        if getattr(module, "slot_of", None) is not None:
+            raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
+                              f"quantize before splitting is not built yet; drop one of them")
+        q, scale = quantize_kernel(weight[...], mode=mode)
+        setattr(module, name, nnx.Param(q))  # the stored weights are dropped here, one tensor at a time
+        setattr(module, f"{name}_scale", nnx.Param(scale))
     model.quant = mode
     return model
 

@@ -12,7 +12,8 @@ from flax import nnx
 import dlm_jax
 from dlm_jax import ConfigError
 from dlm_jax.frontends.cli import main
-from dlm_jax.models.quant import QuantExperts, QuantLinear, expert_einsum, quantize, quantize_kernel, weight_bytes
+from dlm_jax.models.quant import (QuantExperts, QuantLinear, expert_einsum, quantize, quantize_kernel,
+                                  quantized_weights, weight_bytes)
 from dlm_jax.testing import tiny_config
 from dlm_jax.training.data import TASKS, make_split
 
@@ -107,6 +108,22 @@ def test_quantized_executor_leaves_are_int8_and_smaller():
     assert isinstance(model.layers[0].attn.q_proj, QuantLinear) and isinstance(model.lm_head, QuantLinear)
     linear_bytes = sum(leaf.nbytes for leaf in ex._leaves if leaf.dtype == jnp.int8)
     assert linear_bytes > 0 and weight_bytes(model) < 0.75 * before  # the embedding stays bfloat16
+
+
+def test_quantized_weights_names_exactly_what_quantize_replaces():
+    cfg = tiny_config(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=16, n_shared_experts=1,
+                      dense_layers=(0,), tie_embeddings=False)
+    model = dlm_jax.init_model(cfg, seed=0)
+    listed = quantized_weights(model)
+    names = [name for _, name in listed]
+    assert names.count("gate") == names.count("up") == names.count("down") == 1  # the MoE layer's routed experts
+    assert names.count("q_proj") == 2 and names.count("down_proj") == 2  # the dense layer's FFN and the shared expert
+    assert names[-1] == "lm_head"
+    quantize(model, "int8")
+    replaced = [getattr(module, name) for module, name in listed]
+    assert all(isinstance(w, QuantLinear) or w[...].dtype == jnp.int8 for w in replaced)
+    int8_leaves = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if x.dtype == jnp.int8]
+    assert len(int8_leaves) == len(listed)  # nothing else was quantized
 
 
 def test_moe_experts_quantized_per_expert_and_decode():
