@@ -61,7 +61,7 @@ def test_nudge_refuses_a_float32_model():
 def test_quant_jax_reports_the_floor_beside_int8(tmp_path):
     out = tmp_path / "q"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_jax.py"), "--models", "llada-tiny",
-                    "idlm-tiny:isd", "--n", "2", "--gen-len", "32", "--out", str(out)], check=True,
+                    "idlm-tiny:isd", "--n", "2", "--gen-len", "32", "--nudge-seeds", "2", "--out", str(out)], check=True,
                    capture_output=True, cwd=ROOT)
     result = json.loads(out.with_suffix(".json").read_text())
     assert list(result["models"]) == ["llada-tiny", "idlm-tiny:isd"]
@@ -69,6 +69,7 @@ def test_quant_jax_reports_the_floor_beside_int8(tmp_path):
         assert list(rows) == list(quant_jax.VARIANTS)
         assert rows["bfloat16"]["identical_to_bfloat16"] == 1.0
         assert rows[quant_jax.NUDGED]["weight_bytes"] == rows["bfloat16"]["weight_bytes"]
+        assert len(rows[quant_jax.NUDGED]["identical_to_bfloat16_seeds"]) == 2
     md = out.with_suffix(".md").read_text()
-    assert md.count("1-ulp floor") == 2 and "| idlm-tiny:isd | bf16 1 ulp |" in md
+    assert md.count("1-ulp floor") == 2 and md.count("over 2 seeds") == 2 and "| idlm-tiny:isd | bf16 1 ulp |" in md
     assert out.with_suffix(".png").stat().st_size > 0
