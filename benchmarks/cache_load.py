@@ -65,7 +65,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if args.child == "plain":
         jax_executor.layers_traced_once = contextlib.nullcontext
     cfg = gpu_step.model_config(args.shape, args.dtype)
-    executor = gpu_step.build_executor(gpu_step._abstract_model(cfg), "split", None)
+    # a fresh abstract model: the cached one is shared and never mutated, and $DLM_JAX_LAYERS /
+    # $DLM_JAX_PROJECTIONS would change this one in place
+    executor = gpu_step.build_executor(gpu_step._abstract_model.__wrapped__(cfg), "split", None)
     slots = executor.capacity(gpu_step.Geometry("dual").total)
     steps = gpu_step.probe_steps(executor, args.batches, args.kinds, args.at)
     programs = []

@@ -225,9 +225,7 @@ def build_executor(model, attention: str, layers: str | None, projections: str =
     kw = {"attention": attention} if len(RESIDENT_ATTENTION) > 1 else {}
     if layers:
         kw["layers"] = layers
-    if projections != "separate":
-        kw["projections"] = projections
-    return JaxExecutor(model, **kw)
+    return JaxExecutor(model, projections=projections, **kw)  # named: $DLM_JAX_PROJECTIONS does not decide
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -378,6 +378,12 @@ def export_bundle(model_dir: str | os.PathLike, out: str | os.PathLike, *, keys:
         raise ConfigError("no buckets to export")
     if model is None:
         model, tokenizer = load_checkpoint(model_dir, strict=strict, verify=verify)
+    else:
+        from dlm_jax.models._fuse import layout_refusal
+
+        if (reason := layout_refusal(model)) is not None:
+            raise ConfigError(f"export_bundle(model=...): {reason}; a bundle is exported from the checkpoint's "
+                              f"layout: pass a model loaded without that (or model=None: loaded from {model_dir})")
     adapters = None
     if lora is not None:
         from dlm_jax.techniques.isd.adapters import load_adapters, read_adapter_config

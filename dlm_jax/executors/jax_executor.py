@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Sequence
 
 import jax
@@ -32,8 +33,8 @@ from flax import nnx
 from dlm_jax._errors import ConfigError
 from dlm_jax.executors._compile import CompiledBuckets
 from dlm_jax._config import ModelConfig
-from dlm_jax.models._fuse import choose_projections, fuse_projections, is_fused
-from dlm_jax.models._scan import ScannedTransformer, choose_layers
+from dlm_jax.models._fuse import PROJECTIONS_ENV, choose_projections, fuse_projections, is_fused
+from dlm_jax.models._scan import ScannedTransformer, StackedLayers, choose_layers
 from dlm_jax._partition import param_name
 from dlm_jax.models._transformer import (ATTENTION_FORMS, EXPERT_EXCHANGES, Transformer, attention_form,
                                          expert_mesh, layers_traced_once)
@@ -68,6 +69,10 @@ def default_rows() -> str:
     bound by reading the weights once per call, not once per row."""
     return "each" if jax.default_backend() == "cpu" else "batched"
 _NOT_BATCH_LEADING = ("k_new", "v_new", "router_topk", "ffn_active")  # [L or M, B, ...]
+# The JAX executors built over each model. One that changes its model in place (fusing its
+# projections, stacking its layers: the joined arrays are deleted) marks the others over that
+# model stale, and a stale executor refuses to run in one line (its arrays are gone).
+_HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def each_row(row_step, live, shapes: dict[str, tuple[tuple[int, ...], str]], cache: tuple):
@@ -468,6 +473,9 @@ class JaxExecutor(Executor):
     before, but takes no new adapters); default `$DLM_JAX_PROJECTIONS`, else "separate". A model
     fused before runs fused whatever is asked. Not on a mesh yet (refused in one line).
 
+    Fusing or stacking in place deletes arrays that an executor built earlier over the same
+    model holds: that one then refuses to run, in one line (`_HOLDERS`).
+
     `mesh`: decode on a device mesh (`dlm_jax._partition.MeshShape`, its `tp=2,ep=2` text, or a
     `dlm_jax.executors.sharding.MeshPlacement` over chosen devices): the parameters split by the
     partition rules training uses, the K/V cache by its heads (and rows over dp), every program
@@ -502,13 +510,25 @@ class JaxExecutor(Executor):
             raise ConfigError(f"{name}={expert_exchange!r}: known {', '.join(EXPERT_EXCHANGES)}")
         self.expert_exchange = expert_exchange
         self.config = model.config
-        self.projections = "fused" if is_fused(model) else choose_projections(projections)
+        self._stale: str | None = None
+        chosen = choose_projections(projections)  # (checked even where the model decides)
+        fused_before = is_fused(model)
+        self.projections = "fused" if fused_before else chosen
         if self.projections == "fused" and mesh is not None:
-            raise ConfigError("projections='fused' on a mesh is not built yet (its partition rules name each "
-                              "projection): use projections='separate', on a model loaded without it")
-        if self.projections == "fused":
-            fuse_projections(model)  # a no-op for a model fused before
-        self.layers = choose_layers(model, layers)
+            source = ("this model's projections were fused in place by an executor built before" if fused_before
+                      else "projections='fused'" if projections else f"{PROJECTIONS_ENV}=fused")
+            raise ConfigError(f"{source}: fused projections on a mesh are not built yet (the partition rules name each "
+                              f"projection); decode on a mesh with separate projections"
+                              + (", over the model loaded again" if fused_before else ""))
+        self.layers = choose_layers(model, layers)  # refused before anything changes the model
+        changes = []
+        if self.projections == "fused" and fuse_projections(model):  # 0 for a model fused before
+            changes.append("fused its projections")
+        if self.layers == "scan" and not isinstance(model.layers, StackedLayers):
+            changes.append("stacked its layers")
+        if changes:
+            for other in list(_HOLDERS.get(model, ())):
+                other._stale = " and ".join(changes)
         self.gated = lora_spec(model) is not None  # adapters: every step takes a `lora_gate`
         self._capabilities = capabilities or Capabilities.for_length(self.config.max_seq_len,
                                                                      batches=JAX_BATCH_BUCKETS)
@@ -532,14 +552,23 @@ class JaxExecutor(Executor):
             self._capabilities = dataclasses.replace(self._capabilities, expert_slots=s)
         self.placement = None if mesh is None else _placement(mesh, model, self._slots)
         if self.placement is None:
-            self._leaves = [_transposed(leaf) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
+            self._held = [_transposed(leaf) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
         else:  # each leaf placed on its shards (transposed there: no whole copy on one device)
             self._leaf_shardings = [self.placement.leaf(param_name(path), leaf.shape[::-1] if t else leaf.shape,
                                                         transposed=t)
                                     for (path, leaf), t in zip(paths, self._transposed)]
-            self._leaves = [_sharded_leaf(self.placement, leaf, sharding, t)
-                            for (_, leaf), sharding, t in zip(paths, self._leaf_shardings, self._transposed)]
+            self._held = [_sharded_leaf(self.placement, leaf, sharding, t)
+                          for (_, leaf), sharding, t in zip(paths, self._leaf_shardings, self._transposed)]
+        _HOLDERS.setdefault(model, weakref.WeakSet()).add(self)
         self._new_programs()
+
+    @property
+    def _leaves(self) -> list:
+        """The parameters the compiled steps take (one flat list, the model's state order)."""
+        if self._stale is not None:
+            raise ConfigError(f"this JAX executor's weights are gone: a JAX executor built later over the same model "
+                              f"{self._stale} in place; decode with that one, or load the model again for this one")
+        return self._held
 
     def _new_programs(self) -> None:
         m = self._meshed

@@ -88,9 +88,12 @@ def fuse_projections(model: Transformer) -> int:
     """Fuse, in place, every attention's q/k/v and every gated FFN's gate/up of `model` (see
     the module docstring); returns how many groups were fused (0 for a model fused before).
     A group whose linears differ (kind, dtype, quantization, bias) stays separate. Raises
-    ConfigError where the model cannot be fused (`fuse_refusal`)."""
+    ConfigError where the model cannot be fused (`fuse_refusal`), unless it was fused before
+    (then there is nothing left to do: a model fused, then stacked, returns 0)."""
     reason = fuse_refusal(model)
     if reason is not None:
+        if is_fused(model):
+            return 0
         raise ConfigError(f"projections='fused' cannot fuse this model: {reason}")
     count = 0
     for _, module in list(nnx.iter_modules(model)):
@@ -113,6 +116,21 @@ def is_fused(model) -> bool:
     """Whether any projection of `model` is fused."""
     return any(getattr(m, "qkv_proj", None) is not None or getattr(m, "gate_up_proj", None) is not None
                for _, m in nnx.iter_modules(model))
+
+
+def layout_refusal(model) -> str | None:
+    """Why `model` is no longer in its checkpoint's layout, as the JAX executor can leave it in
+    place (None: it is): projections fused, layers stacked for a scan, weights quantized at
+    load. Code that walks a model's modules by the checkpoint's names (the LiteRT export, the
+    NPU calibration) refuses such a model with this reason."""
+    reasons = []
+    if is_fused(model):
+        reasons.append("its projections are fused (projections='fused')")
+    if isinstance(getattr(model, "layers", None), StackedLayers):
+        reasons.append("its layers are stacked for a scan (layers='scan')")
+    if getattr(model, "quant", None) is not None:
+        reasons.append(f"its weights are quantized for the JAX executor (quant={model.quant!r})")
+    return "; ".join(reasons) or None
 
 
 def split_fused_params(params: dict, config) -> dict:

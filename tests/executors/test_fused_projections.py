@@ -139,14 +139,81 @@ def test_scanned_layers_run_over_fused_projections():
 def test_fused_projections_are_refused_in_one_line_where_they_cannot_run(monkeypatch):
     """Guards a mesh silently running fused weights its partition rules do not name, and an
     unknown setting passing unnoticed."""
-    with pytest.raises(ConfigError, match="projections='fused' on a mesh"):
+    with pytest.raises(ConfigError, match="^projections='fused': fused projections on a mesh are not built"):
         JaxExecutor(tiny_model(), projections="fused", mesh="tp=1")
-    monkeypatch.setenv(PROJECTIONS_ENV, "merged")
-    with pytest.raises(ConfigError, match=f"{PROJECTIONS_ENV}='merged': expected one of separate, fused"):
-        JaxExecutor(tiny_model())
     model = tiny_model()
     fuse_projections(model)  # fused before: it runs fused whatever is asked
     assert JaxExecutor(model, projections="separate").projections == "fused"
+    with pytest.raises(ConfigError, match="^projections='merged': expected"):  # checked even then
+        JaxExecutor(model, projections="merged")
+    with pytest.raises(ConfigError, match="^this model's projections were fused in place by an executor built before"):
+        JaxExecutor(model, mesh="tp=1")
+    monkeypatch.setenv(PROJECTIONS_ENV, "fused")
+    with pytest.raises(ConfigError, match=f"^{PROJECTIONS_ENV}=fused: fused projections on a mesh"):
+        JaxExecutor(tiny_model(), mesh="tp=1")
+    monkeypatch.setenv(PROJECTIONS_ENV, "merged")
+    with pytest.raises(ConfigError, match=f"{PROJECTIONS_ENV}='merged': expected one of separate, fused"):
+        JaxExecutor(tiny_model())
+
+
+def test_a_refused_executor_leaves_its_model_as_it_was():
+    """Guards the model being fused for good by a constructor that then refused (a bad
+    `layers`, or scan over adapters): it would then refuse meshes and adapters."""
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="layers='bogus'"):
+        JaxExecutor(model, projections="fused", layers="bogus")
+    gated = tiny_model()
+    attach_lora(gated, LoraSpec(rank=2))
+    with pytest.raises(ConfigError, match="layers='scan' needs every layer of one structure"):
+        JaxExecutor(gated, projections="fused", layers="scan")
+    assert not is_fused(model) and not is_fused(gated)
+
+
+@pytest.mark.parametrize("change", [dict(projections="fused"), dict(layers="scan")])
+def test_an_executor_whose_model_a_later_one_changed_in_place_refuses_to_run(change):
+    """Guards an executor decoding over arrays a later executor over the same model deleted
+    (fusing and stacking join them in place): it must refuse in one line, not crash on a deleted
+    array, while the later one decodes; an executor that changed nothing leaves the others be."""
+    model = tiny_model(qkv_bias=True, eos_token_id=None)
+    dcfg = dlm_jax.decode_config(gen_len=8, block_len=8)
+    first = JaxExecutor(model)
+    want = Decoder(first, model.config).decode(PROMPTS, dcfg).sequences
+    np.testing.assert_array_equal(Decoder(JaxExecutor(model), model.config).decode(PROMPTS, dcfg).sequences, want)
+    later = JaxExecutor(model, **change)
+    with pytest.raises(ConfigError, match="^this JAX executor's weights are gone: a JAX executor built later over the same "
+                                          "model (fused its projections|stacked its layers) in place"):
+        Decoder(first, model.config).decode(PROMPTS, dcfg)
+    np.testing.assert_array_equal(Decoder(later, model.config).decode(PROMPTS, dcfg).sequences, want)
+    again = JaxExecutor(model, **change)  # changes nothing now: `later` keeps running
+    assert (again.projections, again.layers) == (later.projections, later.layers)
+    np.testing.assert_array_equal(Decoder(later, model.config).decode(PROMPTS, dcfg).sequences, want)
+
+
+def test_a_model_fused_then_stacked_takes_another_executor():
+    model = tiny_model()
+    JaxExecutor(model, layers="scan", projections="fused")
+    ex = JaxExecutor(model, layers="scan")
+    assert (ex.projections, ex.layers) == ("fused", "scan")
+
+
+def test_code_that_walks_the_checkpoint_layout_refuses_a_changed_model():
+    """Guards the LiteRT export and the NPU calibration silently skipping (or crashing on) the
+    q/k/v and gate/up linears of a fused model, or walking stacked or quantized layers."""
+    from dlm_jax.runtime.buckets import BucketKey
+    from dlm_jax.techniques.powerinfer.npu_quant import activation_stats
+    from dlm_jax.tflite_export.bundle import export_bundle
+
+    for model, why in ((tiny_model(), "its projections are fused"), (tiny_model(), "its layers are stacked"),
+                       (quantize(tiny_model(), "int8"), "its weights are quantized")):
+        if why.endswith("fused"):
+            fuse_projections(model)
+        elif why.endswith("stacked"):
+            JaxExecutor(model, layers="scan")
+        with pytest.raises(ConfigError, match=f"^export_bundle\\(model=...\\): {why}"):
+            export_bundle("unused", "unused", keys=[BucketKey(1, 8, 0, 8)], decode=dlm_jax.decode_config(gen_len=8, block_len=8),
+                          model=model)
+        with pytest.raises(ConfigError, match=f"^activation statistics name the checkpoint's linears, and {why}"):
+            activation_stats(model, [[1, 2, 3]])
 
 
 def test_projections_that_differ_stay_separate_and_whole():

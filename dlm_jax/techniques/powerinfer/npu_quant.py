@@ -164,8 +164,12 @@ def activation_stats(model, sequences: Sequence[Sequence[int]]) -> dict[str, np.
 
     from dlm_jax._masks import padded_mask
 
+    from dlm_jax.models._fuse import layout_refusal
+
     if not sequences:
         raise ConfigError("activation statistics need at least one calibration sequence")
+    if (reason := layout_refusal(model)) is not None:
+        raise ConfigError(f"activation statistics name the checkpoint's linears, and {reason}: load the model again")
     cfg = model.config
     sequences = [list(s)[:cfg.max_seq_len] for s in sequences]  # statistics need no more than the model takes
     length = max(len(s) for s in sequences)
