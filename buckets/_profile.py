@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from dlm_jax._config import ModelConfig
+from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.buckets import cache_buckets, window_buckets
 from dlm_jax.runtime.latency import LatencyEntry, LatencyTable
 from dlm_jax.runtime.step import Executor, OutputRequest, StepInputs
@@ -80,7 +81,11 @@ def profile_model(path: str | None, *, out: Path, windows: Sequence[int] | None 
         model = dlm_jax.init_model(tiny_byte_config()[1])
     else:
         model = dlm_jax.load_pretrained(path)
-    if quant is not None:
+    stored = getattr(model, "quant", None)  # a checkpoint stored quantized loads so (as `dlm_jax.load`)
+    if quant is not None and stored not in (None, quant):
+        raise ConfigError(f"quant={quant!r}: {path} is stored weight-only quantized as {stored!r}; profile it with "
+                          f"quant={stored!r} or None")
+    if quant is not None and stored is None:
         from dlm_jax.models.quant import quantize
 
         quantize(model, quant)

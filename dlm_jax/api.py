@@ -181,6 +181,9 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
     if quant is not None:
         if executor in (None, AUTO) and name == "jax-then-litert":
             name = "jax"
+        elif name != "jax" and stored is not None:
+            raise ConfigError(f"{path} is stored weight-only quantized as {stored!r}: it decodes on the JAX executor, "
+                              f"not {name!r} (executor='jax' or 'auto'; --executor jax)")
         elif name != "jax":
             raise ConfigError(f"quant={quant!r} runs on the JAX executor, not {name!r}; a bundle quantizes at "
                               f"export (dlm-jax export --quant int8)")

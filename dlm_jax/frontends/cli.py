@@ -499,13 +499,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--memory {args.memory:g}: GiB per device must be > 0")
     from dlm_jax.planner import format_plan, plan, read_config
 
+    from dlm_jax._hub import resolve_checkpoint
+    from dlm_jax.checkpoint._io import CONFIG_NAME, stored_quant
+
     cfg, family = read_config(args.model, strict=args.strict)
     if args.dtype:  # as `--dtype` loads it on the decode commands
         cfg = cfg.replace(dtype=args.dtype, param_dtype=args.dtype)
     if args.context is not None and args.context > cfg.max_seq_len:
         raise ConfigError(f"--context {args.context} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    source = resolve_checkpoint(args.model)
+    directory = source if source.is_dir() else source.parent if source.name == CONFIG_NAME else None
+    quant = args.weight_quant
+    stored = stored_quant(directory) if directory is not None else None
+    if stored is not None:  # stored quantized: it loads so, and only so (as `dlm_jax.load`)
+        if quant not in (None, stored):
+            raise ConfigError(f"--quant {quant}: {args.model} is stored weight-only quantized as {stored!r}; plan it "
+                              f"with --quant {stored} or without --quant")
+        quant = stored
     result = plan(cfg, devices=args.devices, memory_gib=args.memory, batch=args.batch, context=args.context,
-                  quant=args.weight_quant)
+                  quant=quant)
     if args.json:
         print(json.dumps({"model": args.model, "family": family, **result.to_dict()}, indent=2))
     else:

@@ -519,7 +519,10 @@ def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Arr
             axes = tuple(a for a in (split_experts, split_neurons) if a is not None)
             return jax.lax.psum(out, axes) if axes else out
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *(P(*s) for s in specs)), out_specs=P(),
+    # quantized experts: the [E, O] scales split as their weights' expert and output axes
+    weight_specs = (QuantExperts(P(*s), P(s[0], s[2])) if isinstance(w, QuantExperts) else P(*s)
+                    for s, w in zip(specs, (gate, up, down)))
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *weight_specs), out_specs=P(),
                          check_vma=False)(x, routing.experts, routing.weights, gate, up, down)
 
 

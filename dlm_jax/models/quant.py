@@ -165,14 +165,20 @@ def quantize(model, mode: str):
         return model
     if getattr(model, "quant", None) is not None:
         raise ConfigError(f"the model is already quantized ({model.quant})")
-    for module, name in quantized_weights(model):
+    from dlm_jax.models._scan import StackedLayers
+
+    if isinstance(model.layers, StackedLayers):  # (checked before anything is swapped)
+        raise ConfigError(f"quant={mode!r}: the model's layers are stacked for a scan (layers='scan'); quantize "
+                          f"before the executor stacks them (dlm_jax.load(..., quant=...))")
+    weights = quantized_weights(model)
+    if any(getattr(module, "slot_of", None) is not None for module, _ in weights):
+        raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
+                          f"quantize before splitting is not built yet; drop one of them")
+    for module, name in weights:
         weight = getattr(module, name)
         if isinstance(weight, nnx.Linear):
             setattr(module, name, QuantLinear.from_linear(weight, mode))
             continue
-        if getattr(module, "slot_of", None) is not None:
-            raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
-                              f"quantize before splitting is not built yet; drop one of them")
         q, scale = quantize_kernel(weight[...], mode=mode)
         setattr(module, name, nnx.Param(q))  # the stored weights are dropped here, one tensor at a time
         setattr(module, f"{name}_scale", nnx.Param(scale))

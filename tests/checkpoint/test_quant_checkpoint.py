@@ -95,6 +95,28 @@ def test_quantized_checkpoint_refusals_are_one_line(tmp_path):
     with pytest.raises(CheckpointError, match=r"saves only with family='dlm_jax', not 'llada'$"):
         save_pretrained(handle.model, tmp_path / "as-llada", family="llada")
     assert not (tmp_path / "as-llada").exists()
+    with pytest.raises(ConfigError, match=r"^.* is stored weight-only quantized as 'int8': it decodes on the JAX "
+                                          r"executor, not 'litert'"):  # no quant= given: the folder is named
+        dlm_jax.load(path, executor="litert")
+    from buckets._profile import profile_model
+
+    with pytest.raises(ConfigError, match=r"^quant='fp8': .* is stored weight-only quantized as 'int8'; profile it"):
+        profile_model(str(path), out=tmp_path / "profile", quant="fp8")
+
+
+def test_plan_reads_a_stored_quantized_checkpoint(tmp_path, capsys):
+    """Guards `plan` counting a stored int8 checkpoint's weights as float32 (it loads as int8)."""
+    import json
+
+    from dlm_jax.frontends.cli import main
+
+    _, path = _saved(tmp_path, TINY, "int8")
+    assert main(["plan", "--model", str(path), "--devices", "1", "--memory", "1", "--json"]) == 0
+    stored = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", str(TINY), "--devices", "1", "--memory", "1", "--quant", "int8", "--json"]) == 0
+    assert stored["meshes"][0]["weights_bytes"] == json.loads(capsys.readouterr().out)["meshes"][0]["weights_bytes"]
+    assert main(["plan", "--model", str(path), "--devices", "1", "--memory", "1", "--quant", "fp8"]) == 2
+    assert "is stored weight-only quantized as 'int8'; plan it with --quant int8" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fmt", ["bundle", "gguf"])

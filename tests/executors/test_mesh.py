@@ -110,7 +110,9 @@ def test_every_preset_on_expert_and_data_parallel_meshes():
         {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "load": {"dtype": "bfloat16", "param_dtype": "bfloat16"},
          "presets": ["fast-dllm", "fast-dllm-dual"]},
         {"model": "models/idlm-tiny", "mesh": "dp=2", "presets": ["isd"]},
-        {"model": "models/ar-tiny", "mesh": "dp=2", "presets": ["ar"]}]})
+        {"model": "models/ar-tiny", "mesh": "dp=2", "presets": ["ar"]},
+        # int8 routed experts on a data-parallel mesh (their [E, O] scales take a spec of their own)
+        {"model": "models/moe-tiny", "mesh": "dp=2", "load": {"quant": "int8"}, "presets": ["fast-dllm"]}]})
     assert_same(report)
     assert_bytes(report)
 

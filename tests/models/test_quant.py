@@ -134,6 +134,26 @@ def test_moe_experts_quantized_per_expert_and_decode():
     assert model.generate("1 + 1 =", dlm_jax.decode_config(gen_len=8, block_len=8)).texts[0] is not None
 
 
+def test_quantize_refuses_before_it_swaps_anything():
+    """Guards a refused `quantize` leaving the model half quantized (its attention swapped, its
+    split experts refused after), and a stacked model failing inside the quantizer."""
+    from dlm_jax.executors.jax_executor import JaxExecutor
+    from dlm_jax.techniques.tide.split import split_experts
+
+    model = dlm_jax.load(ROOT / "models" / "moe-tiny", executor="jax", expert_slots=4).model
+    with pytest.raises(ConfigError, match="with split expert execution"):
+        quantize(model, "int8")
+    assert getattr(model, "quant", None) is None
+    assert not any(isinstance(m, QuantLinear) for _, m in nnx.iter_modules(model))
+    stacked = dlm_jax.init_model(tiny_config(), seed=0)
+    JaxExecutor(stacked, layers="scan")
+    with pytest.raises(ConfigError, match="^quant='int8': the model's layers are stacked for a scan"):
+        quantize(stacked, "int8")
+    quantized = dlm_jax.load(ROOT / "models" / "moe-tiny", executor="jax", quant="int8").model
+    with pytest.raises(ConfigError, match="^split expert execution of a model weight-only quantized"):
+        split_experts(quantized, quantized.config.moe_layers, 4)
+
+
 def test_quant_refusals_are_one_line():
     with pytest.raises(ConfigError, match="unknown quant 'int4'"):
         dlm_jax.load(ROOT / "models" / "llada-tiny", quant="int4")

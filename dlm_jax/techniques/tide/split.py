@@ -65,6 +65,9 @@ def split_experts(model: Transformer, layers: Sequence[int], slots: int,
     cfg = model.config
     if not 1 <= slots <= cfg.n_experts:
         raise ConfigError(f"slots={slots} must be in [1, {cfg.n_experts}]")
+    if getattr(model, "quant", None) is not None:
+        raise ConfigError(f"split expert execution of a model weight-only quantized (quant={model.quant!r}) is not "
+                          f"supported: its CPU path computes over float weights; split a model loaded without quant")
     out = {}
     for j, i in enumerate(layers):
         if not (0 <= i < cfg.n_layers and cfg.is_moe_layer(i)):
