@@ -502,6 +502,14 @@ class JaxExecutor(Executor):
         if attention not in RESIDENT_ATTENTION:
             name = ATTENTION_ENV if from_env else "attention"
             raise ConfigError(f"{name}={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
+        if attention == "cudnn":  # refused here, not by the first compile that reads the cache
+            name = ATTENTION_ENV if from_env else "attention"
+            if jax.default_backend() != "gpu":
+                raise ConfigError(f"{name}='cudnn': cuDNN's fused attention runs on a GPU, and JAX's backend here is "
+                                  f"{jax.default_backend()!r}; use split or gather")
+            if str(model.config.dtype) not in ("bfloat16", "float16"):
+                raise ConfigError(f"{name}='cudnn': cuDNN's fused attention takes bfloat16 or float16, and the model "
+                                  f"computes in {model.config.dtype} (load it with dtype='bfloat16')")
         self.attention = attention
         exchange_from_env = expert_exchange is None and bool(os.environ.get(EXCHANGE_ENV))
         expert_exchange = expert_exchange or os.environ.get(EXCHANGE_ENV) or "psum"
@@ -560,6 +568,7 @@ class JaxExecutor(Executor):
             self._held = [_sharded_leaf(self.placement, leaf, sharding, t)
                           for (_, leaf), sharding, t in zip(paths, self._leaf_shardings, self._transposed)]
         _HOLDERS.setdefault(model, weakref.WeakSet()).add(self)
+        self._model_ref = weakref.ref(model)
         self._new_programs()
 
     @property
@@ -861,6 +870,8 @@ class JaxExecutor(Executor):
         twin = object.__new__(JaxExecutor)
         twin.__dict__.update(self.__dict__)
         twin._new_programs()
+        if (model := self._model_ref()) is not None:  # made stale with the others (`_HOLDERS`)
+            _HOLDERS.setdefault(model, weakref.WeakSet()).add(twin)
         return twin
 
     @property

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.models._scan import StackedLayers, joined_consuming
+from dlm_jax.models._scan import StackedLayers, joined_consuming, shared_arrays
 from dlm_jax.models._transformer import Attention, DenseFFN, Transformer
 from dlm_jax.models.quant import QuantLinear
 
@@ -45,14 +45,14 @@ _FUSED_NAME = re.compile(r"^(?P<owner>.*)\.(?P<fused>qkv_proj|gate_up_proj)\.(?P
 _PARTS = {"qkv_proj": Attention.QKV, "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _joined(arrays: list):
-    """The arrays side by side on their last axis, each deleted once joined (abstract
-    `jax.ShapeDtypeStruct`s: their shape)."""
+def _joined(arrays: list, keep: frozenset[int]):
+    """The arrays side by side on their last axis, each deleted once joined but those in `keep`
+    (`shared_arrays`; abstract `jax.ShapeDtypeStruct`s: their shape)."""
     shape = (*arrays[0].shape[:-1], sum(a.shape[-1] for a in arrays))
-    return joined_consuming(arrays, lambda xs: jnp.concatenate(xs, axis=-1), shape)
+    return joined_consuming(arrays, lambda xs: jnp.concatenate(xs, axis=-1), shape, keep)
 
 
-def _fused_linear(linears: list):
+def _fused_linear(linears: list, keep: frozenset[int]):
     """One linear computing `linears` side by side, or None where they do not fuse (different
     kinds, dtypes or quantization; a bias on some only)."""
     first = linears[0]
@@ -62,11 +62,11 @@ def _fused_linear(linears: list):
             for key in (type, lambda lin: lin.dtype, lambda lin: lin.bias is None,
                         lambda lin: (lin.qkernel if quantized else lin.kernel).get_value().dtype)):
         return None  # (checked before anything is joined: joining deletes the parts)
-    bias = None if first.bias is None else _joined([lin.bias.get_value() for lin in linears])
+    bias = None if first.bias is None else _joined([lin.bias.get_value() for lin in linears], keep)
     if quantized:
-        return QuantLinear(_joined([lin.qkernel.get_value() for lin in linears]),
-                           _joined([lin.scale.get_value() for lin in linears]), bias, dtype=first.dtype)
-    kernel = _joined([lin.kernel.get_value() for lin in linears])
+        return QuantLinear(_joined([lin.qkernel.get_value() for lin in linears], keep),
+                           _joined([lin.scale.get_value() for lin in linears], keep), bias, dtype=first.dtype)
+    kernel = _joined([lin.kernel.get_value() for lin in linears], keep)
     fused = nnx.eval_shape(lambda: nnx.Linear(kernel.shape[0], kernel.shape[1], use_bias=bias is not None,
                                               dtype=first.dtype, param_dtype=kernel.dtype,
                                               precision=first.precision, rngs=nnx.Rngs(0)))
@@ -95,16 +95,16 @@ def fuse_projections(model: Transformer) -> int:
         if is_fused(model):
             return 0
         raise ConfigError(f"projections='fused' cannot fuse this model: {reason}")
-    count = 0
+    count, keep = 0, shared_arrays(model)
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, Attention) and module.qkv_proj is None:
-            fused = _fused_linear([getattr(module, n) for n in Attention.QKV])
+            fused = _fused_linear([getattr(module, n) for n in Attention.QKV], keep)
             if fused is not None:
                 module.qkv_proj = fused
                 module.q_proj = module.k_proj = module.v_proj = None
                 count += 1
         elif isinstance(module, DenseFFN) and module.gate_proj is not None and module.gate_up_proj is None:
-            fused = _fused_linear([module.gate_proj, module.up_proj])
+            fused = _fused_linear([module.gate_proj, module.up_proj], keep)
             if fused is not None:
                 module.gate_up_proj = fused
                 module.gate_proj = module.up_proj = None

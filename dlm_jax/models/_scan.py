@@ -37,6 +37,8 @@ class StackedLayers(nnx.Module):
     Indexing or iterating yields per-layer `Block`s over slices of the stacked arrays (what
     `Transformer.__call__` needs); writing into those blocks does not reach the stack."""
 
+    stacked = True  # what code below this module checks (`quant.quantize`) without importing it
+
     def __init__(self, block: Block, n: int):
         self.block = block
         self.n = n
@@ -73,22 +75,33 @@ def scan_refusal(model: Transformer) -> str | None:
     return None
 
 
-def joined_consuming(leaves: list, join, shape: tuple[int, ...]):
+def shared_arrays(model) -> frozenset[int]:
+    """`id`s of the arrays that fill more than one parameter of `model` (`model_from_params`
+    keeps an array that needs no cast as it is, so one array can back several): joining must
+    not delete them."""
+    seen, shared = set(), set()
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        (shared if id(leaf) in seen else seen).add(id(leaf))
+    return frozenset(shared)
+
+
+def joined_consuming(leaves: list, join, shape: tuple[int, ...], keep: frozenset[int] = frozenset()):
     """`join(leaves)`, each leaf deleted once joined (the result now holds it: what stacking
-    layers and fusing projections do, so that no weight is held twice); abstract leaves
+    layers and fusing projections do, so that no weight is held twice) but those whose `id` is
+    in `keep` (`shared_arrays`: still used elsewhere); abstract leaves
     (`jax.ShapeDtypeStruct`): a struct of the joined `shape`."""
     if isinstance(leaves[0], jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(shape, leaves[0].dtype)
     out = join(leaves)
     for x in leaves:
-        if isinstance(x, jax.Array) and not x.is_deleted():
+        if isinstance(x, jax.Array) and not x.is_deleted() and id(x) not in keep:
             x.delete()
     return out
 
 
-def _stack(leaves: list):
+def _stack(leaves: list, keep: frozenset[int]):
     """[n, ...] of equal leaves, deleting them once stacked (abstract leaves: their shape)."""
-    return joined_consuming(leaves, jnp.stack, (len(leaves), *leaves[0].shape))
+    return joined_consuming(leaves, jnp.stack, (len(leaves), *leaves[0].shape), keep)
 
 
 def stack_layers(model: Transformer) -> StackedLayers:
@@ -104,9 +117,10 @@ def stack_layers(model: Transformer) -> StackedLayers:
     blocks = list(model.layers)
     graphdef, first = nnx.split(blocks[0])
     treedef = jax.tree.structure(first)
+    keep = shared_arrays(model)
     per_layer = [jax.tree.leaves(nnx.state(block)) for block in blocks]
     # One parameter at a time across the layers: only its [L, ...] stack exists twice.
-    stacked = [_stack([layer[j] for layer in per_layer]) for j in range(len(per_layer[0]))]
+    stacked = [_stack([layer[j] for layer in per_layer], keep) for j in range(len(per_layer[0]))]
     del per_layer
     layers = StackedLayers(nnx.merge(graphdef, jax.tree.unflatten(treedef, stacked)), len(blocks))
     model.layers = layers

@@ -165,9 +165,7 @@ def quantize(model, mode: str):
         return model
     if getattr(model, "quant", None) is not None:
         raise ConfigError(f"the model is already quantized ({model.quant})")
-    from dlm_jax.models._scan import StackedLayers
-
-    if isinstance(model.layers, StackedLayers):  # (checked before anything is swapped)
+    if getattr(model.layers, "stacked", False):  # a `_scan.StackedLayers` (checked before anything is swapped)
         raise ConfigError(f"quant={mode!r}: the model's layers are stacked for a scan (layers='scan'); quantize "
                           f"before the executor stacks them (dlm_jax.load(..., quant=...))")
     weights = quantized_weights(model)

@@ -229,3 +229,7 @@ def test_an_unknown_attention_is_refused_naming_where_it_came_from(model, monkey
     monkeypatch.setenv("DLM_JAX_ATTENTION", "flash")
     with pytest.raises(ConfigError, match=r"^DLM_JAX_ATTENTION='flash': known split"):
         JaxExecutor(model)
+    if jax.default_backend() != "gpu":  # guards a CPU accepting cudnn, then failing inside its first compile
+        monkeypatch.setenv("DLM_JAX_ATTENTION", "cudnn")
+        with pytest.raises(ConfigError, match=r"^DLM_JAX_ATTENTION='cudnn': cuDNN's fused attention runs on a GPU"):
+            JaxExecutor(model)

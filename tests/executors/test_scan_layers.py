@@ -103,6 +103,36 @@ def jax_leaves(module):
     return jax.tree.leaves(nnx.state(module))
 
 
+def test_stacking_keeps_an_array_that_backs_parameters_elsewhere():
+    """Guards stacking deleting an array that other parameters still hold (`model_from_params`
+    keeps a device array as it is, so one can back every norm scale, the final norm's too):
+    the final norm was deleted and the model left half stacked."""
+    cfg = dlm_jax.testing.tiny_config(eos_token_id=None)
+    params = dlm_jax.get_params(tiny_model(seed=2, eos_token_id=None))
+    ones = jnp.ones((cfg.d_model,), jnp.float32)
+    shared = {k: (ones if k.endswith("norm.scale") else v) for k, v in params.items()}
+    dcfg = dlm_jax.decode_config(gen_len=8, block_len=8, cache="dual")
+    plain = dlm_jax.model_from_params(cfg, shared)
+    want = Decoder(JaxExecutor(plain), cfg).decode([[3, 4, 5]], dcfg).sequences
+    model = dlm_jax.model_from_params(cfg, shared)
+    ex = JaxExecutor(model, layers="scan", projections="fused")
+    assert not ones.is_deleted()
+    np.testing.assert_array_equal(Decoder(ex, cfg).decode([[3, 4, 5]], dcfg).sequences, want)
+
+
+def test_adapters_and_expert_slots_are_refused_on_stacked_layers():
+    """Guards `attach_lora` / `split_experts` writing into the temporary blocks a stack hands
+    out (silently dropped: the executor then ran without them)."""
+    model = tiny_model()
+    JaxExecutor(model, layers="scan")
+    with pytest.raises(ConfigError, match="^attach_lora: the model's layers are stacked for a scan"):
+        attach_lora(model, LoraSpec(rank=2, alpha=4.0, targets=("q_proj",)))
+    moe = tiny_model(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=16)
+    JaxExecutor(moe, layers="scan")
+    with pytest.raises(ConfigError, match="^split expert execution of a model whose layers are stacked"):
+        split_experts(moe, moe.config.moe_layers, 2)
+
+
 def test_scan_is_refused_with_its_reason_and_falls_back_under_the_environment(monkeypatch):
     """Guards mixed MoE / dense layers stacked into one structure (a crash deep in the
     scan, or silently wrong weights), and adapters or expert slots that would stop reaching

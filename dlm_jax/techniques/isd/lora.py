@@ -118,10 +118,14 @@ def attach_lora(model: Transformer, spec: LoraSpec, *, seed: int = 0) -> Transfo
     if lora_spec(model) is not None:
         raise ValueError(f"the model already has LoRA adapters ({lora_spec(model)}); remove_lora first")
     from dlm_jax.models._fuse import is_fused
+    from dlm_jax.models._scan import StackedLayers
 
     if is_fused(model):
         raise ConfigError("attach_lora: the model's projections are fused (projections='fused'); "
                           "attach adapters before building its executor, or use projections='separate'")
+    if isinstance(model.layers, StackedLayers):  # (its blocks are rebuilt per call: adapters would be lost)
+        raise ConfigError("attach_lora: the model's layers are stacked for a scan (layers='scan'); attach adapters "
+                          "before building its executor, or use layers='unrolled'")
     pd = jnp.dtype(model.config.param_dtype)
     key, count = jax.random.key(seed), 0
     for _, owner, names in _owners(model):

@@ -65,6 +65,11 @@ def split_experts(model: Transformer, layers: Sequence[int], slots: int,
     cfg = model.config
     if not 1 <= slots <= cfg.n_experts:
         raise ConfigError(f"slots={slots} must be in [1, {cfg.n_experts}]")
+    from dlm_jax.models._scan import StackedLayers
+
+    if isinstance(model.layers, StackedLayers):  # (its blocks are rebuilt per call: the split would be lost)
+        raise ConfigError("split expert execution of a model whose layers are stacked for a scan (layers='scan') is "
+                          "not supported: split before building its executor, or use layers='unrolled'")
     if getattr(model, "quant", None) is not None:
         raise ConfigError(f"split expert execution of a model weight-only quantized (quant={model.quant!r}) is not "
                           f"supported: its CPU path computes over float weights; split a model loaded without quant")
