@@ -25,15 +25,16 @@ class ExecutorFactory(Protocol):
 
 
 def jax_executor(model: Transformer, *, source: str | os.PathLike = "", layers: str | None = None,
-                 mesh=None) -> Executor:
+                 mesh=None, projections: str | None = None) -> Executor:
     """The JAX executor over `model` (`dlm_jax.executors.jax_executor.JaxExecutor`: compiled per bucket;
-    `layers` "unrolled" or "scan", default `$DLM_JAX_LAYERS`; `mesh` a `MeshPlacement` or
-    `MeshShape`: decoding on a device mesh)."""
+    `layers` "unrolled" or "scan", default `$DLM_JAX_LAYERS`; `projections` "separate" or
+    "fused", default `$DLM_JAX_PROJECTIONS`; `mesh` a `MeshPlacement` or `MeshShape`: decoding
+    on a device mesh)."""
     from dlm_jax.executors._compile import enable_default_cache
     from dlm_jax.executors.jax_executor import JaxExecutor
 
     enable_default_cache()  # compiled buckets persist across processes
-    return JaxExecutor(model, layers=layers, mesh=mesh)
+    return JaxExecutor(model, layers=layers, mesh=mesh, projections=projections)
 
 
 def litert_executor(model: Transformer, *, source: str | os.PathLike = "") -> Executor:
@@ -51,8 +52,10 @@ def jax_then_litert_executor(model: Transformer, *, source: str | os.PathLike = 
     the lowest priority), the LiteRT runner for one whose buckets it holds."""
     from dlm_jax.executors.auto import AutoExecutor
 
-    # Unrolled: the bundle cache exports this same model, layer by layer.
-    return AutoExecutor(jax_executor(model, layers="unrolled"), litert_executor(model, source=source), source=source)
+    # Unrolled and separate: the bundle cache exports this same model, layer by layer, by the
+    # checkpoint's names (`$DLM_JAX_LAYERS` / `$DLM_JAX_PROJECTIONS` do not apply here).
+    return AutoExecutor(jax_executor(model, layers="unrolled", projections="separate"),
+                        litert_executor(model, source=source), source=source)
 
 
 EXECUTORS: dict[str, ExecutorFactory] = {"jax": jax_executor, "litert": litert_executor,

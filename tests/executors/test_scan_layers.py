@@ -188,10 +188,15 @@ def test_the_environment_picks_scan_for_load_but_not_beside_the_bundle_cache(mon
     and the variable not reaching `dlm_jax.load` (the GPU benchmark picks scan through it)."""
     from dlm_jax.api import EXECUTORS
 
+    from dlm_jax.models._fuse import PROJECTIONS_ENV, is_fused
+
     monkeypatch.setenv(LAYERS_ENV, "scan")
+    monkeypatch.setenv(PROJECTIONS_ENV, "fused")
     model = tiny_model()
     auto = EXECUTORS["jax-then-litert"](model, source="")
     assert auto.jax.layers == "unrolled" and not isinstance(model.layers, StackedLayers)
+    assert auto.jax.projections == "separate" and not is_fused(model)
+    monkeypatch.delenv(PROJECTIONS_ENV)
     ckpt = dlm_jax.testing.tiny_checkpoint(tmp_path / "ckpt")
     loaded = dlm_jax.load(ckpt, executor="jax")
     assert loaded.executor.layers == "scan" and isinstance(loaded.model.layers, StackedLayers)
