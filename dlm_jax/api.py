@@ -161,6 +161,9 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
             raise ConfigError(f"quant={quant!r}: {path} is stored weight-only quantized as {stored!r}; "
                               f"load it with quant={stored!r} or None")
         quant = stored
+        if executor == "litert":  # refused before any weight loads
+            raise ConfigError(f"{path} is stored weight-only quantized as {stored!r}: it decodes on the JAX executor, "
+                              f"not 'litert' (executor='jax' or 'auto'; --executor jax)")
     if quant is not None:
         if expert_slots is not None:
             raise ConfigError(f"quant={quant!r} with expert_slots={expert_slots} (split expert execution) is not "
