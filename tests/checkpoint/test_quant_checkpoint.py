@@ -119,15 +119,16 @@ def test_plan_reads_a_stored_quantized_checkpoint(tmp_path, capsys):
     assert "is stored weight-only quantized as 'int8'; plan it with --quant int8" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["bundle", "gguf"])
+@pytest.mark.parametrize("fmt", ["bundle", "gguf", "sparse"])  # sparse: refused before its calibration loads it
 def test_exporting_a_stored_quantized_checkpoint_is_refused_in_one_line(tmp_path, fmt):
     """Exports start from float weights: a weight-only quantized folder used to reach the
     exporter and fail inside it; now one `error:` line names the folder, before any weight loads."""
     saved = tmp_path / "int8"
     save_pretrained(dlm_jax.load(TINY, quant="int8").model, saved)
     out = tmp_path / ("bundle" if fmt == "bundle" else "model.gguf")
+    extra = ["--format", fmt] if fmt != "sparse" else ["--sparse", "--memory-budget", "0.001"]
     proc = subprocess.run([sys.executable, "-m", "dlm_jax.frontends.cli", "export", "--model", str(saved), "--out",
-                           str(out), "--format", fmt], capture_output=True, text=True, timeout=300)
+                           str(out), *extra], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "stored weight-only quantized (int8" in lines[0] and "Traceback" not in proc.stderr
