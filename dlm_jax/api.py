@@ -161,9 +161,8 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
             raise ConfigError(f"quant={quant!r}: {path} is stored weight-only quantized as {stored!r}; "
                               f"load it with quant={stored!r} or None")
         quant = stored
-        if executor == "litert":  # refused before any weight loads
-            raise ConfigError(f"{path} is stored weight-only quantized as {stored!r}: it decodes on the JAX executor, "
-                              f"not 'litert' (executor='jax' or 'auto'; --executor jax)")
+        if executor == "litert":  # refused before any weight loads (one named by the environment: below)
+            raise _stored_quant_refusal(path, stored, executor)
     if quant is not None:
         if expert_slots is not None:
             raise ConfigError(f"quant={quant!r} with expert_slots={expert_slots} (split expert execution) is not "
@@ -188,8 +187,7 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
         if executor in (None, AUTO) and name == "jax-then-litert":
             name = "jax"
         elif name != "jax" and stored is not None:
-            raise ConfigError(f"{path} is stored weight-only quantized as {stored!r}: it decodes on the JAX executor, "
-                              f"not {name!r} (executor='jax' or 'auto'; --executor jax)")
+            raise _stored_quant_refusal(path, stored, name)
         elif name != "jax":
             raise ConfigError(f"quant={quant!r} runs on the JAX executor, not {name!r}; a bundle quantizes at "
                               f"export (dlm-jax export --quant int8)")
@@ -222,6 +220,11 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
     if placement is not None:
         return Model(model, tokenizer, executor=jax_executor(model, source=path, mesh=placement))
     return Model(model, tokenizer, executor=factory(model, source=path))
+
+
+def _stored_quant_refusal(path, stored: str, executor: str) -> ConfigError:
+    return ConfigError(f"{path} is stored weight-only quantized as {stored!r}: it decodes on the JAX executor, "
+                       f"not {executor!r} (executor='jax' or 'auto'; --executor jax)")
 
 
 def mesh_placement(path, mesh, *, expert_slots: int | None = None, quant: str | None = None,

@@ -419,8 +419,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from dlm_jax._hub import resolve_checkpoint
     from dlm_jax.checkpoint._io import refuse_stored_quant
 
-    if resolve_checkpoint(args.model).is_dir():  # before a sparse export's calibration loads it
-        refuse_stored_quant(resolve_checkpoint(args.model), "a LiteRT bundle (its own int8 / int4 with --quant)")
+    if (source := resolve_checkpoint(args.model)).is_dir():  # before a sparse export's calibration loads it
+        refuse_stored_quant(source, "a LiteRT bundle (its own int8 / int4 with --quant)")
     cfg = decode_config(args)
     if args.buckets:
         keys = [parse_bucket(b) for b in args.buckets]
