@@ -169,7 +169,8 @@ def test_a_refused_executor_leaves_its_model_as_it_was():
     assert not is_fused(model) and not is_fused(gated)
 
 
-@pytest.mark.parametrize("change", [dict(projections="fused"), dict(layers="scan")])
+@pytest.mark.parametrize("change", [dict(projections="fused"),
+                                    pytest.param(dict(layers="scan"), marks=pytest.mark.slow)])  # (one mechanism)
 def test_an_executor_whose_model_a_later_one_changed_in_place_refuses_to_run(change):
     """Guards an executor decoding over arrays a later executor over the same model deleted
     (fusing and stacking join them in place): it must refuse in one line, not crash on a deleted
