@@ -19,7 +19,6 @@ rows' predictions.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -729,17 +728,19 @@ class JaxExecutor(Executor):
                 jax.ShapeDtypeStruct((batch, slots), bool), jax.ShapeDtypeStruct((batch, slots), jnp.int32),
                 jax.ShapeDtypeStruct((batch, slots), bool))
 
-    def _view_fn(self, key: BucketKey, *, gathered: bool = False):
-        """The step over a cache view [L, B, P, Hkv, Dh]. `gathered`: the view is a gathered
-        copy of the read slots, scored concatenated with the window's K/V (the form bundles are
+    def _view_fn(self, key: BucketKey, *, in_place: bool = False):
+        """The step over a cache view: the resident cache itself, [L, B, Hkv, S, Dh], read in
+        this executor's `attention` form (`in_place`), or a gathered copy of the read slots,
+        [L, B, P, Hkv, Dh], scored concatenated with the window's K/V (the form bundles are
         traced in): over a copy there is nothing to read in place, and on a CPU the split form's
         extra ops cost llada-tiny's batch-1 dual step 14% (1.14x the concatenated one; a 29M
         model's 1.00-1.02x, a 154M model's 0.97-1.09x)."""
         cfg, graphdef = self.config, self._graphdef
+        form, heads_first = (self.attention, True) if in_place else ("concat", False)
 
         def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, lora_gate=None):
             vis = visibility(jnp, cfg, positions, q_valid, k_pos, k_ok, probes, hide)
-            with attention_form("concat") if gathered else contextlib.nullcontext():
+            with attention_form(form, heads_first=heads_first):
                 return decode_step(graphdef, self._state(leaves), tokens, positions, vis, k, v, logit_rows,
                                    full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=lora_gate,
                                    router_topk=key.router_topk, ffn_active=key.ffn_active)
@@ -755,7 +756,7 @@ class JaxExecutor(Executor):
         pooled = len(spec) > 2
         in_place = self.attention != "gather" and key.cache > 0  # (a step reading nothing gathers nothing)
 
-        view = self._view_fn(key, gathered=not in_place)
+        view = self._view_fn(key, in_place=in_place)
         out_shapes = {n: (shape, jnp.dtype(dtype)) for n, shape, dtype in output_specs(self.config, key)
                       if n not in ("k_new", "v_new")}
 
@@ -773,9 +774,8 @@ class JaxExecutor(Executor):
                 else:
                     k_rows, v_rows, pos_rows, valid_rows = k_res, v_res, pos, valid
                 seen, hide_slots = slot_reads(valid_rows, read, read_len, hide)
-                with attention_form(self.attention, heads_first=True):
-                    return view(leaves, k_rows, v_rows, pos_rows, seen, tokens, positions, q_valid, probes,
-                                hide_slots, logit_rows, *gate)
+                return view(leaves, k_rows, v_rows, pos_rows, seen, tokens, positions, q_valid, probes,
+                            hide_slots, logit_rows, *gate)
             k, v, k_pos, k_ok = gather_view(k_res, v_res, pos, valid, written, read, read_len, rows,
                                             written_only=False)
             return view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate)
@@ -810,7 +810,7 @@ class JaxExecutor(Executor):
                                   jnp.dtype(cfg.dtype))
         view_inputs = [s for n, s in zip(request_names(self.gated), self._row_specs(device_specs(key, self.gated)))
                        if n not in ("read", "read_len", "write", "rows")]
-        return self._view_fn(key, gathered=True), (self._leaves, kv, kv, jax.ShapeDtypeStruct((key.batch, key.cache), jnp.int32),
+        return self._view_fn(key), (self._leaves, kv, kv, jax.ShapeDtypeStruct((key.batch, key.cache), jnp.int32),
                                     jax.ShapeDtypeStruct((key.batch, key.cache), bool), *view_inputs)
 
     def _build_gather(self, spec: tuple[int, int, int, bool, int]):
