@@ -344,6 +344,7 @@ def test_python_snippet(snippet, expected, tmp_path):
     assert_prints(result.stdout, expected, f"{snippet.where} (python)")
 
 
+@pytest.mark.slow  # (the demo itself, in process: tests/frontends/test_cli.py)
 def test_setup_demo_command():
     """`make demo` in this checkout (its .venv exists, so make only runs the demo)."""
     result = run("make demo", ROOT)

@@ -103,6 +103,7 @@ def test_at_every_block_compiles_the_programs_a_prefix_cache_decode_reaches(tmp_
     assert len(probed) == len(set(probed)) == 9 and set(probed) == reached
 
 
+@pytest.mark.slow
 def test_runs_that_compiled_differently_render_with_a_column_saying_how(tmp_path, monkeypatch):
     """The compile probe's three runs differ only in how they compile (the persistent cache,
     XLA_FLAGS): rendered together, rows of one bucket would be indistinguishable without the

@@ -63,6 +63,7 @@ def assert_bytes(report: dict) -> None:
             assert case["plan_param_bytes"] < case["total_param_bytes"], case["mesh"]
 
 
+@pytest.mark.slow  # (by default a tp=2,dp=2 decode runs as docs/mesh.md shows it: tests/test_docs.py)
 def test_tensor_and_data_parallel_decode_as_one_device():
     report = drive({"devices": 4, "cases": [
         {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "presets": ["fast-dllm-dual"], "prompts": 3}]})

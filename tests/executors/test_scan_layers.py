@@ -103,6 +103,7 @@ def jax_leaves(module):
     return jax.tree.leaves(nnx.state(module))
 
 
+@pytest.mark.slow
 def test_stacking_keeps_an_array_that_backs_parameters_elsewhere():
     """Guards stacking deleting an array that other parameters still hold (`model_from_params`
     keeps a device array as it is, so one can back every norm scale, the final norm's too):

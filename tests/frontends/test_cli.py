@@ -40,6 +40,7 @@ def test_numpy_only_parts_import_without_jax():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.slow
 def test_demo_without_a_shipped_model_uses_a_random_one(capsys, monkeypatch, tmp_path):
     import dlm_jax.frontends.cli
 

@@ -72,6 +72,7 @@ def test_dispatch_by_sorting_equals_dense(monkeypatch):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # (training's; the forward's equality runs by default)
 def test_gradients_equal_dense():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((10, D)), jnp.float32)
     routing, w = _routing(10, seed=2), _weights()

@@ -383,6 +383,7 @@ def test_device_cache_decodes_as_the_dense_host_cache_and_compiles_nothing_after
     assert a.stats.speculation == b.stats.speculation
 
 
+@pytest.mark.slow
 def test_the_default_executor_decodes_isd_as_the_jax_executor(idlm, monkeypatch):
     """The shipped model's default executor on a CPU ("auto": the LiteRT runner once the bundle
     cache holds a decode's buckets) gives the JAX executor's tokens. The suite's
