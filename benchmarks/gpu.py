@@ -1277,9 +1277,17 @@ def profile_tables(rows: list[dict[str, Any]]) -> list[str]:
         if "top" not in prof:
             lines += ["", f"Kernels of dlm-jax's decode, {r['case']}: profile failed ({prof.get('error')})."]
             continue
+        dj = r["dlm_jax"]
+        # A step's time outside its kernels: the request's and the predictions' transfers, the
+        # launches, the waits (the host's decisions between steps are apart, `median_host_seconds`).
+        outside = ("" if dj.get("mean_step_seconds") is None else
+                   f"; the timed decodes' mean step {dj['mean_step_seconds'] * 1e3:.2f} ms, "
+                   f"{dj['mean_step_seconds'] * 1e3 - prof['kernel_ms_per_step']:.2f} ms of it outside the kernels"
+                   + ("" if dj.get("median_host_seconds") is None else
+                      f", and {dj['median_host_seconds'] * 1e3:.2f} ms of host decisions between steps (median)"))
         lines += ["", f"Kernels of dlm-jax's decode, {r['case']} ({prof['source']}, "
-                  f"{prof['kernel_ms_per_step']:.2f} ms of kernels per step over NFE {prof.get('nfe', '-')}):", "",
-                  *kernel_table(prof)]
+                  f"{prof['kernel_ms_per_step']:.2f} ms of kernels per step over NFE {prof.get('nfe', '-')}{outside}):",
+                  "", *kernel_table(prof)]
     return lines
 
 

@@ -19,6 +19,12 @@
 #                (9 s) and per batch a cold first decode (3 programs: 14 s at batch 1 before;
 #                batch 16 and 32 never timed) and 4 more decodes (0.4 s at batch 1, 1.3 s at 8);
 #                the second process's first decodes (unquantized) over its persistent cache.
+#                Each profiled case's report gives its step time outside the kernels: since the
+#                last lease a step sends its request as one array and reads its predictions as one
+#                (ten and four transfers before); then, prefix b1 spent 1.76 ms of its 10.64 ms
+#                mean step outside the kernels (gpu.md), and dual b1's mean step, 8.96 ms, was
+#                about 0.9 ms over its isolated steps (8 refreshes at 13.34 ms, 30 steps at 6.66:
+#                gpu_step.md).
 #                About 400 s if a batch-32 program compiles in 40 s: the budget cuts int8 at
 #                batch 8 first. Fast-dLLM's dual b1 and b8 are in gpu_parts/ (the merge pairs
 #                them); its b16 and b32 are not timed.
@@ -43,6 +49,12 @@
 #                12288-wide ones at 3.5 (gpu_step.md). 8 programs, two sets of weights made.
 #   attention 80 benchmarks/gpu_step.py --attention split cudnn, batch 1 and 8, dual and prefix
 #                (8 programs on 12 threads, about 40 s, then 10 timed steps each).
+#   cmdbuf   45  the fused part's separate cases again with XLA_FLAGS
+#                --xla_gpu_enable_command_buffer= (no CUDA graphs: every kernel launched on its
+#                own), with their kernels: whether XLA's command buffers, which it records on a
+#                program's first run and updates when its buffers move, account for the 0.73-0.79
+#                ms of each isolated b1 step outside its kernels (gpu_step.md: 8.51 ms against
+#                7.78 ms of kernels at prefix b1 split, 6.66 against 5.87 at dual).
 #   table   400  benchmarks/gpu.py, both sides, batch 1 and 8, --quant none int8, --reps 3,
 #                --profile; --budget-s = its limit - 55 (a case in flight when it ends, stopped by
 #                gpu.py 30 s past its worker's deadline, and the report), of which --second-budget-s 30 for the
@@ -86,7 +98,7 @@
 # fused projections faster; the default is the executor's, separate) (e.g.
 # PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
 # PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
-# still-warm machine: PARTS="fused attention probeload probe0 gemm").
+# still-warm machine: PARTS="fused cmdbuf attention probeload probe0 gemm").
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
 # copy gpu*.json into benchmarks/results/gpu_parts/ (named by device and content; a case in
@@ -99,7 +111,7 @@
 #   (and $LEASE/autotune.pbtxt into benchmarks/results/gpu_parts/, named by device and jaxlib)
 #   cp $LEASE/cache_load.* benchmarks/results/gpu_parts/ (named by device; the CPU's are benchmarks/results/cache_load.*)
 #   cp $LEASE/gemm_probe.json benchmarks/results/gpu_parts/h200_gemm_probe.json, its .md and .png into benchmarks/results/
-#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/fused.json --out benchmarks/results/gpu_step_fused
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/fused.json $LEASE/cmdbuf_off.json --out benchmarks/results/gpu_step_fused
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
@@ -115,7 +127,7 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-dual probe fused probeload probe0 gemm attention table small large probecache cacheload probeserial cudnn scan scandsf first}
+PARTS=${PARTS:-dual probe fused cmdbuf probeload probe0 gemm attention table small large probecache cacheload probeserial cudnn scan scandsf first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
@@ -170,6 +182,9 @@ want probe && part "probe" 130 40 env XLA_FLAGS=--xla_gpu_dump_autotune_results_
 # Fused projections against separate ones, in one run, with their kernels.
 want fused && part fused 90 40 $PY $S --batches 1 8 --kinds dual prefix --projections separate fused --reps 10 \
   --profile "${STEP_X[@]}" --out "$OUT/fused"
+# The same without command buffers (CUDA graphs), for the time a step spends outside its kernels.
+want cmdbuf && part "command buffers off" 45 25 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+  $PY $S --batches 1 8 --kinds dual prefix --reps 10 --profile "${STEP_X[@]}" --out "$OUT/cmdbuf_off"
 if want probeload && [ ! -s "$TUNED" ]; then
   echo "probe load: skipped, no autotuning results in $TUNED" | tee -a "$log"
 elif want probeload; then

@@ -205,8 +205,9 @@ def copy_bandwidth() -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(f(x))
         ts.append(time.perf_counter() - t0)
+    nbytes = x.nbytes
     del x
-    return 2 * 4 * (1 << 30) / statistics.median(ts)
+    return 2 * nbytes / statistics.median(ts)
 
 
 def probe_steps(executor: JaxExecutor, batches, kinds, blocks, *, seed: int = 0) -> dict[tuple, SlotStep]:
@@ -343,12 +344,15 @@ def time_step(executor, exe, req: SlotStep, slots: int, geo: Geometry, batch: in
     total = geo.total
     positions = np.broadcast_to(np.arange(total, dtype=np.int32), (req.key.batch, total))
     cache = executor.open(executor.config, positions, np.ones_like(positions, bool))
-    names = [n for n in req.arrays() if n != "lora_gate"]
-    arrays = [jax.device_put(req.arrays()[n]) for n in names]
+    if hasattr(executor, "resident_inputs"):  # the request packed into one array (and the predictions)
+        arrays = [jax.device_put(x) for x in executor.resident_inputs(req)]
+    else:  # (a tree from before: one array per request field)
+        arrays = [jax.device_put(req.arrays()[n]) for n in req.arrays() if n != "lora_gate"]
     state = [cache.k, cache.v, cache.written]
 
     def call():
-        named, *state[:] = exe(executor._leaves, *state, cache.pos, cache.valid, *arrays)
+        *named, k, v, written = exe(executor._leaves, *state, cache.pos, cache.valid, *arrays)
+        state[:] = k, v, written
         return named
 
     t0 = time.perf_counter()
@@ -366,6 +370,17 @@ def time_step(executor, exe, req: SlotStep, slots: int, geo: Geometry, batch: in
            "roofline_ms": 1e3 * max(weight_bytes / bw, dense_flops / (device["peak_tflops_datasheet"] or 1e30) / 1e12)}
     out["step_over_weight_read"] = ms / out["weight_read_ms"]
     out["step_over_roofline"] = ms / out["roofline_ms"]
+    # A program that takes the step's arguments (the weights' leaves, the cache, the request)
+    # and computes next to nothing: what a call costs before its first kernel and after its last.
+    empty = jax.jit(lambda leaves, *_: leaves[0].reshape(-1)[:1]).lower(
+        executor._leaves, *state, cache.pos, cache.valid, *arrays).compile()
+    jax.block_until_ready(empty(executor._leaves, *state, cache.pos, cache.valid, *arrays))
+    calls = []
+    for _ in range(max(args.reps, 10)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(empty(executor._leaves, *state, cache.pos, cache.valid, *arrays))
+        calls.append(time.perf_counter() - t0)
+    out["empty_call_ms"] = 1e3 * statistics.median(calls)
     if args.profile:
         trace = tempfile.mkdtemp(prefix="gpu-step-trace-")
         jax.profiler.start_trace(trace)
@@ -436,8 +451,14 @@ def markdown(rep: dict[str, Any]) -> str:
         prof = r.get("profile")
         if not prof or "top" not in prof:
             continue
+        outside = ("" if r.get("step_ms") is None else
+                   f"; the step {r['step_ms']:.2f} ms, {r['step_ms'] - prof['kernel_ms_per_step']:.2f} ms of it "
+                   "outside the kernels" + ("" if r.get("empty_call_ms") is None else
+                                           f"; a call of a program that takes the step's arguments and computes "
+                                           f"nothing: {r['empty_call_ms']:.3f} ms"))
         lines += ["", f"Kernels, b{r['batch']} {r['kind']} {variant_name(r)} "
-                  f"({prof['source']}, {prof['kernel_ms_per_step']:.2f} ms of kernels per step):", "", *kernel_table(prof)]
+                  f"({prof['source']}, {prof['kernel_ms_per_step']:.2f} ms of kernels per step{outside}):", "",
+                  *kernel_table(prof)]
     return "\n".join(lines) + "\n"
 
 

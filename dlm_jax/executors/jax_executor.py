@@ -14,16 +14,17 @@ every slot with the unread ones masked: `slot_reads`; the read slots gathered fi
 `default_attention`), builds the visibility there from the slot positions uploaded once, runs
 `decode_step` and scatters the window rows' K/V into the cache, whose buffers it donates. Per
 step the host sends the `SlotStep` (ids, positions, flags, slot indices) and reads back the
-rows' predictions.
+rows' predictions, each as one array (`pack_request`, `pack_predictions`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -105,9 +106,6 @@ def default_attention() -> str:
     return "gather" if jax.default_backend() == "cpu" else "split"
 
 
-_PREDICTIONS = ("top_token", "top_prob", "second_prob", "entropy")
-
-
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
                 full_logits: bool, mask_id: int | None = None, lora_gate=None,
                 router_topk: bool = False, ffn_active: bool = False) -> dict[str, jax.Array]:
@@ -152,6 +150,67 @@ def predictions(logits: jax.Array, *, mask_id: int | None, full_logits: bool) ->
     if full_logits:
         named["logits"] = logits
     return named
+
+
+# A resident step's request goes to the device as one array, and its predictions come back as
+# one: each host array a call takes is a transfer of its own, and each output read back one
+# more (on a GPU, a copy and a wait apiece per step; ten request arrays and four predictions
+# before). `pack_request` lays the `SlotStep` arrays side by side, int32; `pack_predictions`
+# stacks the four predictions, int32 (the probabilities by their bits: integers are moved
+# as they are, where float bits that spell a denormal or a NaN might not be).
+PREDICTIONS = ("top_token", "top_prob", "second_prob", "entropy")
+
+
+@functools.lru_cache(maxsize=None)
+def request_layout(key: BucketKey, gated: bool = False) -> tuple[tuple[str, int, int, tuple[int, ...], str], ...]:
+    """(name, first column, columns, shape, dtype) of each array of a device step of bucket
+    `key` (`runtime.step.request_specs`, in order) in its packed request [B, C] int32: each
+    batch row's elements side by side, bool as 0 / 1, float32 (`lora_gate`) by its bits."""
+    layout, col = [], 0
+    for name, shape, dtype in request_specs(key, gated=gated):
+        width = int(np.prod(shape[1:], dtype=np.int64))
+        layout.append((name, col, width, tuple(shape), dtype))
+        col += width
+    return tuple(layout)
+
+
+def pack_request(arrays: Mapping[str, np.ndarray], layout) -> np.ndarray:
+    """The packed request [B, C] int32 of a step's arrays (`SlotStep.arrays`) in `layout`
+    (`request_layout`); `unpack_request` is its inverse in the program."""
+    b = layout[0][3][0]
+    packed = np.empty((b, layout[-1][1] + layout[-1][2]), np.int32)
+    for name, start, width, shape, dtype in layout:
+        a = arrays[name]
+        if a.shape != shape:  # (a list shared by every row)
+            a = np.broadcast_to(a, shape)
+        if dtype == "float32":
+            a = np.ascontiguousarray(a, np.float32).view(np.int32)
+        packed[:, start:start + width] = a.reshape(b, width) if a.ndim != 2 else a
+    return packed
+
+
+def unpack_request(packed: jax.Array, layout) -> list[jax.Array]:
+    """The arrays of a packed request (`pack_request`), in `layout`'s order, each in its own
+    shape and dtype."""
+    out = []
+    for _, start, width, shape, dtype in layout:
+        x = packed[:, start:start + width].reshape(shape)
+        out.append(x != 0 if dtype == "bool" else
+                   jax.lax.bitcast_convert_type(x, jnp.float32) if dtype == "float32" else x)
+    return out
+
+
+def pack_predictions(named: dict[str, jax.Array]) -> jax.Array:
+    """[4, B, R] int32: `PREDICTIONS` stacked (removed from `named`), the float32 ones by
+    their bits (`unpack_predictions` reads them back)."""
+    return jnp.stack([named.pop(n).astype(jnp.int32) if n == "top_token" else
+                      jax.lax.bitcast_convert_type(named.pop(n).astype(jnp.float32), jnp.int32) for n in PREDICTIONS])
+
+
+def unpack_predictions(packed: np.ndarray) -> dict[str, np.ndarray]:
+    """`pack_predictions`' arrays on the host, by name."""
+    packed = np.ascontiguousarray(packed, np.int32)
+    return {n: packed[i] if n == "top_token" else packed[i].view(np.float32) for i, n in enumerate(PREDICTIONS)}
 
 
 def pack_bits(active: jax.Array) -> jax.Array:
@@ -392,24 +451,25 @@ class DeviceKVCache(KVCache):
     def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
         ex = self.executor
         program = ex._resident.get(self._resident_key(req))
-        given = req.arrays()
-        arrays = ex._send([given[n] for n in request_names(ex.gated)])
-        names = [n for n in output_names(req.key) if n not in ("k_new", "v_new")]
+        inputs = ex.resident_inputs(req)
+        arrays = ex._send(inputs)
+        names = [n for n in output_names(req.key) if n not in ("k_new", "v_new", *PREDICTIONS)]
         if timings is None:
-            named, self.k, self.v, self.written = program(ex._leaves, self.k, self.v, self.written, self.pos,
-                                                          self.valid, *arrays)
-            fetched = ex._get({n: named[n] for n in names})
+            preds, named, self.k, self.v, self.written = program(ex._leaves, self.k, self.v, self.written, self.pos,
+                                                                 self.valid, *arrays)
+            fetched = ex._get({"predictions": preds, **{n: named[n] for n in names}})
         else:
             t0 = time.perf_counter()
             args = jax.block_until_ready(ex._send(arrays, put=True))
             t1 = time.perf_counter()
-            named, self.k, self.v, self.written = jax.block_until_ready(
+            preds, named, self.k, self.v, self.written = jax.block_until_ready(
                 program(ex._leaves, self.k, self.v, self.written, self.pos, self.valid, *args))
             t2 = time.perf_counter()
-            fetched = ex._get({n: named[n] for n in names})
+            fetched = ex._get({"predictions": preds, **{n: named[n] for n in names}})
             timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
-        out = {n: np.asarray(v) for n, v in fetched.items()}
-        self.transfers.add(req.nbytes, sum(v.nbytes for v in out.values()))
+        d2h = sum(np.asarray(v).nbytes for v in fetched.values())
+        out = {**unpack_predictions(fetched.pop("predictions")), **{n: np.asarray(v) for n, v in fetched.items()}}
+        self.transfers.add(sum(x.nbytes for x in inputs), d2h)
         return StepOutputs.from_named(out)
 
     def snapshot(self, req: SlotStep, executor) -> callable:
@@ -583,7 +643,7 @@ class JaxExecutor(Executor):
         m = self._meshed
         self._programs = CompiledBuckets(m(self._build))  # the dense step (the contract, bundles' reference)
         self._resident = CompiledBuckets(m(self._build_resident, lambda spec: (
-            None, *self._cache_out(spec[2] if len(spec) > 2 else spec[0].batch))))  # (key, slots): a decode's step
+            None, None, *self._cache_out(spec[2] if len(spec) > 2 else spec[0].batch))))  # (key, slots): a decode's step
         self._views = CompiledBuckets(m(self._build_view))  # key: a CPU path's step over gathered slots
         self._gathers = CompiledBuckets(m(self._build_gather))  # (batch, read, slots, written_only, cache rows)
         self._scatters = CompiledBuckets(m(self._build_scatter, lambda spec: self._cache_out(spec[3])))  # (batch, width, slots, cache rows)
@@ -780,8 +840,11 @@ class JaxExecutor(Executor):
                                             written_only=False)
             return view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, *gate)
 
-        def program(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, read_len, probes,
-                    hide, write, logit_rows, rows, *gate):
+        layout = request_layout(key, self.gated)
+
+        def program(leaves, k_res, v_res, written, pos, valid, packed):
+            tokens, positions, q_valid, read, read_len, probes, hide, write, logit_rows, rows, *gate = unpack_request(
+                packed, layout)
             per_row = (tokens, positions, q_valid, read, read_len, probes, hide, logit_rows, rows, *gate)
             if self.rows == "each" and pooled:  # batch row i alone: its inputs sliced, its cache row read and written
                 # in the loop (only the live rows, which come first: the padding rows, -1, after them)
@@ -795,14 +858,22 @@ class JaxExecutor(Executor):
 
                 named, (k_res, v_res, written) = each_row(row_step, jnp.sum(rows >= 0), out_shapes,
                                                           (k_res, v_res, written))
-                return named, k_res, v_res, written
-            named = forward(leaves, k_res, v_res, written, pos, valid, *per_row, take_rows=pooled)
-            k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"), write,
-                                                 rows)
-            return named, k_res, v_res, written
+            else:
+                named = forward(leaves, k_res, v_res, written, pos, valid, *per_row, take_rows=pooled)
+                k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"),
+                                                     write, rows)
+            preds = pack_predictions(named)  # (out of `named`)
+            return preds, named, k_res, v_res, written
 
-        return program, (self._leaves, *self._cache_specs(pool, slots), *self._row_specs(device_specs(key, self.gated))), {
+        packed = jax.ShapeDtypeStruct((key.batch, layout[-1][1] + layout[-1][2]), jnp.int32)
+        return program, (self._leaves, *self._cache_specs(pool, slots), *self._row_specs((packed,))), {
             "donate_argnums": (1, 2, 3)}
+
+    def resident_inputs(self, req: SlotStep) -> list[np.ndarray]:
+        """What a resident step takes after the cache, for `req`: its packed request
+        (`pack_request`). The step returns (packed predictions, the other outputs by name,
+        K, V, written)."""
+        return [pack_request(req.arrays(), request_layout(req.key, self.gated))]
 
     def _build_view(self, key: BucketKey):
         cfg = self.config

@@ -581,7 +581,7 @@ FAKE_PROFILE = {"kernel_ms_per_step": 7.5, "source": "device", "nfe": 40, "secon
 
 def profiled_results() -> tuple[dict, dict, dict, dict]:
     spec, fd, dj, dj2 = fake_results()
-    dj["cases"]["prefix b1"]["profile"] = FAKE_PROFILE
+    dj["cases"]["prefix b1"].update(profile=FAKE_PROFILE, mean_step_seconds=0.0095, median_host_seconds=0.0004)
     dj["cases"]["dual b8"]["profile"] = {"error": "RuntimeError: CUPTI not found"}
     return spec, fd, dj, dj2
 
@@ -596,7 +596,10 @@ def test_profiled_cases_get_a_kernel_table_each_and_merge_beside_parts_without(t
     rows = {r["case"]: r for r in report["cases"]}
     assert rows["prefix b1"]["dlm_jax"]["profile"] == FAKE_PROFILE
     md = gpu.markdown(report)
-    assert "Kernels of dlm-jax's decode, prefix b1 (device, 7.50 ms of kernels per step over NFE 40):" in md
+    # the step's time outside its kernels beside them (9.5 ms - 7.5 ms)
+    assert ("Kernels of dlm-jax's decode, prefix b1 (device, 7.50 ms of kernels per step over NFE 40; the timed "
+            "decodes' mean step 9.50 ms, 2.00 ms of it outside the kernels, and 0.40 ms of host decisions between "
+            "steps (median)):") in md
     assert "| `gemm_fusion_dot.12` | 5.000 | 64.0 | 66.7% |" in md and "| `loop_reduce_fusion` | 2.500 | 32.0 | 33.3% |" in md
     assert "Kernels of dlm-jax's decode, dual b8: profile failed (RuntimeError: CUPTI not found)." in md
     assert md.count("Kernels of dlm-jax's decode") == 2

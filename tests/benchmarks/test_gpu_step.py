@@ -60,6 +60,7 @@ def test_a_backend_without_cost_analysis_still_times_the_step(tmp_path, monkeypa
                           "--threads", "1", "--out", str(out)]) == 0
     (case,) = json.loads(out.with_suffix(".json").read_text())["cases"]
     assert "error" not in case and case["step_ms"] > 0 and case["first_call_ms"] > 0
+    assert 0 < case["empty_call_ms"] < case["step_ms"]  # a call that computes nothing: the step's overhead
     assert "| first call ms |" in out.with_suffix(".md").read_text()
     assert case["bytes_over_weights"] is None and case["hlo_bytes_over_weights"] is None
     assert "NotImplementedError" in case["compiled_cost_error"] and "NoneType" in case["traced_cost_error"]
@@ -81,7 +82,9 @@ def test_small_shape_reports_costs_times_and_kernels(tmp_path):
         assert case["profile"]["top"] and abs(sum(k["share"] for k in case["profile"]["top"])) <= 1.0 + 1e-9
         kinds = case["profile"]["kinds"]  # every kernel's time, by kind: the matrix products among them
         assert abs(sum(k["share"] for k in kinds) - 1.0) < 1e-9 and "gemm" in {k["kind"] for k in kinds}
-    assert "Kernels, b1 dual split" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "Kernels, b1 dual split" in md
+    assert "ms of it outside the kernels; a call of a program that takes the step's arguments and computes nothing" in md
 
 
 def test_at_every_block_compiles_the_programs_a_prefix_cache_decode_reaches(tmp_path):
@@ -125,6 +128,7 @@ def test_runs_that_compiled_differently_render_with_a_column_saying_how(tmp_path
 
 
 
+@pytest.mark.slow  # (4 s; the fused executor's own tests run by default, tests/executors/test_fused_projections.py)
 def test_fused_projections_run_over_weights_of_their_own(tmp_path):
     """`--projections separate fused` (the lease's `fused` part): fusing changes a model in place,
     so a separate variant run after a fused one (or a scan after either) over the same weights

@@ -37,6 +37,7 @@ def _forward_inputs(cfg, *, cache: int = 6, window: int = 5, seed: int = 0):
                 v_cache=jnp.asarray(rng.standard_normal(kv), jnp.float32))
 
 
+@pytest.mark.slow  # (4 s; scanned layers are opt-in, and the default pass decodes the same tokens with them below)
 def test_scanned_forward_matches_the_unrolled_one_and_the_model_keeps_working():
     """Guards a scanned step that silently differs from the unrolled one (a block fed the
     wrong layer's cache or weights gives plausible but wrong logits), and a model left
