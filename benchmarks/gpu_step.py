@@ -451,7 +451,7 @@ def markdown(rep: dict[str, Any]) -> str:
         prof = r.get("profile")
         if not prof or "top" not in prof:
             continue
-        outside = ("" if r.get("step_ms") is None else
+        outside = ("" if r.get("step_ms") is None or prof.get("source") != "device" else  # (see gpu.py)
                    f"; the step {r['step_ms']:.2f} ms, {r['step_ms'] - prof['kernel_ms_per_step']:.2f} ms of it "
                    "outside the kernels" + ("" if r.get("empty_call_ms") is None else
                                            f"; a call of a program that takes the step's arguments and computes "

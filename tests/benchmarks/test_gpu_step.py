@@ -83,8 +83,16 @@ def test_small_shape_reports_costs_times_and_kernels(tmp_path):
         kinds = case["profile"]["kinds"]  # every kernel's time, by kind: the matrix products among them
         assert abs(sum(k["share"] for k in kinds) - 1.0) < 1e-9 and "gemm" in {k["kind"] for k in kinds}
     md = out.with_suffix(".md").read_text()
-    assert "Kernels, b1 dual split" in md
-    assert "ms of it outside the kernels; a call of a program that takes the step's arguments and computes nothing" in md
+    assert "Kernels, b1 dual split" in md and "outside the kernels" not in md  # (a CPU's traced ops: not device kernels)
+    for case in rep["cases"]:  # as a device's profile: the step's time outside its kernels, and the empty call's
+        case["profile"]["source"] = "device"
+    out.with_suffix(".json").write_text(json.dumps(rep))
+    assert gpu_step.main(["--render", str(out.with_suffix(".json")), "--out", str(tmp_path / "again")]) == 0
+    case = rep["cases"][0]
+    assert (f"kernels per step; the step {case['step_ms']:.2f} ms, "
+            f"{case['step_ms'] - case['profile']['kernel_ms_per_step']:.2f} ms of it outside the kernels; a call of a "
+            f"program that takes the step's arguments and computes nothing: {case['empty_call_ms']:.3f} ms"
+            ) in (tmp_path / "again.md").read_text()
 
 
 def test_at_every_block_compiles_the_programs_a_prefix_cache_decode_reaches(tmp_path):
