@@ -19,9 +19,10 @@
 #                (9 s) and per batch a cold first decode (3 programs: 14 s at batch 1 before;
 #                batch 16 and 32 never timed) and 4 more decodes (0.4 s at batch 1, 1.3 s at 8);
 #                the second process's first decodes (unquantized) over its persistent cache.
-#                Each profiled case's report gives its step time outside the kernels: since the
-#                last lease a step sends its request as one array and reads its predictions as one
-#                (ten and four transfers before); then, prefix b1 spent 1.76 ms of its 10.64 ms
+#                Each profiled case's report gives its step time outside the kernels (and each
+#                gpu_step.py case times the request's transfers as ten + four arrays against the
+#                packed one + one). Since the last lease a step sends its request as one array
+#                and reads its predictions as one; then, prefix b1 spent 1.76 ms of its 10.64 ms
 #                mean step outside the kernels (gpu.md), and dual b1's mean step, 8.96 ms, was
 #                about 0.9 ms over its isolated steps (8 refreshes at 13.34 ms, 30 steps at 6.66:
 #                gpu_step.md).

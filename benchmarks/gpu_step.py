@@ -210,6 +210,33 @@ def copy_bandwidth() -> float:
     return 2 * nbytes / statistics.median(ts)
 
 
+def request_transfers(executor: JaxExecutor, req: SlotStep, reps: int) -> dict[str, float]:
+    """What a step's request costs to send and its predictions to read back, in one run: a
+    program that computes nothing, called from the host with the request as its ten separate
+    arrays and four [B, R] outputs read back (the step before `pack_request`), against the
+    packed request and one [4, B, R] output (the step now); median ms of `reps` calls each."""
+    b, r = req.logit_rows.shape
+
+    def timed(fn, arrays) -> float:
+        exe = jax.jit(fn, keep_unused=True).lower(*arrays).compile()  # (every argument sent)
+
+        def once():
+            return [np.asarray(o) for o in exe(*arrays)]  # host arrays in, each output read back
+
+        once()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            once()
+            ts.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(ts)
+
+    fields = [a for n, a in req.arrays().items() if n != "lora_gate"]
+    return {"request_fields_ms": timed(lambda *a: tuple(jnp.full((b, r), i) + a[0][0, 0] for i in range(4)), fields),
+            "request_packed_ms": timed(lambda p: (jnp.zeros((4, b, r), jnp.int32) + p[0, 0],),
+                                       executor.resident_inputs(req))}
+
+
 def probe_steps(executor: JaxExecutor, batches, kinds, blocks, *, seed: int = 0) -> dict[tuple, SlotStep]:
     """{(batch, kind, block): its step} for every combination whose program (bucket) no
     earlier one has: one step per program."""
@@ -381,6 +408,8 @@ def time_step(executor, exe, req: SlotStep, slots: int, geo: Geometry, batch: in
         jax.block_until_ready(empty(executor._leaves, *state, cache.pos, cache.valid, *arrays))
         calls.append(time.perf_counter() - t0)
     out["empty_call_ms"] = 1e3 * statistics.median(calls)
+    if hasattr(executor, "resident_inputs"):
+        out.update(request_transfers(executor, req, max(args.reps, 10)))
     if args.profile:
         trace = tempfile.mkdtemp(prefix="gpu-step-trace-")
         jax.profiler.start_trace(trace)
@@ -455,7 +484,10 @@ def markdown(rep: dict[str, Any]) -> str:
                    f"; the step {r['step_ms']:.2f} ms, {r['step_ms'] - prof['kernel_ms_per_step']:.2f} ms of it "
                    "outside the kernels" + ("" if r.get("empty_call_ms") is None else
                                            f"; a call of a program that takes the step's arguments and computes "
-                                           f"nothing: {r['empty_call_ms']:.3f} ms"))
+                                           f"nothing: {r['empty_call_ms']:.3f} ms")
+                   + ("" if r.get("request_fields_ms") is None else
+                      f"; the request sent and the predictions read back as ten and four arrays "
+                      f"{r['request_fields_ms']:.3f} ms, packed as one and one {r['request_packed_ms']:.3f} ms"))
         lines += ["", f"Kernels, b{r['batch']} {r['kind']} {variant_name(r)} "
                   f"({prof['source']}, {prof['kernel_ms_per_step']:.2f} ms of kernels per step{outside}):", "",
                   *kernel_table(prof)]

@@ -61,6 +61,7 @@ def test_a_backend_without_cost_analysis_still_times_the_step(tmp_path, monkeypa
     (case,) = json.loads(out.with_suffix(".json").read_text())["cases"]
     assert "error" not in case and case["step_ms"] > 0 and case["first_call_ms"] > 0
     assert 0 < case["empty_call_ms"] < case["step_ms"]  # a call that computes nothing: the step's overhead
+    assert case["request_fields_ms"] > 0 and case["request_packed_ms"] > 0  # the request's transfers, both ways
     assert "| first call ms |" in out.with_suffix(".md").read_text()
     assert case["bytes_over_weights"] is None and case["hlo_bytes_over_weights"] is None
     assert "NotImplementedError" in case["compiled_cost_error"] and "NoneType" in case["traced_cost_error"]
@@ -91,8 +92,9 @@ def test_small_shape_reports_costs_times_and_kernels(tmp_path):
     case = rep["cases"][0]
     assert (f"kernels per step; the step {case['step_ms']:.2f} ms, "
             f"{case['step_ms'] - case['profile']['kernel_ms_per_step']:.2f} ms of it outside the kernels; a call of a "
-            f"program that takes the step's arguments and computes nothing: {case['empty_call_ms']:.3f} ms"
-            ) in (tmp_path / "again.md").read_text()
+            f"program that takes the step's arguments and computes nothing: {case['empty_call_ms']:.3f} ms; the "
+            f"request sent and the predictions read back as ten and four arrays {case['request_fields_ms']:.3f} ms, "
+            f"packed as one and one {case['request_packed_ms']:.3f} ms") in (tmp_path / "again.md").read_text()
 
 
 def test_at_every_block_compiles_the_programs_a_prefix_cache_decode_reaches(tmp_path):
