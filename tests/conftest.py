@@ -47,15 +47,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The files that take longest, first (measured with --durations=0 on 2 cores, seconds of one
-# worker): `make test` hands whole files to its workers (--dist loadfile) in collection order,
-# and a long file started last keeps one worker busy after the other has run out of work.
-LONGEST_FILES = ("tests/test_docs.py",  # 72 s
-                 "tests/techniques/isd/test_isd.py",  # 33 s
-                 "tests/executors/test_mesh.py",  # 32 s
-                 "tests/models/test_cache_equivalence.py",  # 31 s
-                 "tests/executors/test_runner.py",  # 24 s
-                 "tests/test_bfloat16.py",  # 22 s
-                 "tests/frontends/test_server.py")  # 20 s
+# worker, 2026-11-29): `make test` hands whole files to its workers (--dist loadfile) in
+# collection order, and a long file started last keeps one worker busy after the other has run
+# out of work.
+LONGEST_FILES = ("tests/test_docs.py",  # 51 s
+                 "tests/techniques/isd/test_isd.py",  # 30 s
+                 "tests/models/test_cache_equivalence.py",  # 21 s
+                 "tests/executors/test_fused_projections.py",  # 21 s
+                 "tests/frontends/test_server.py",  # 18 s
+                 "tests/executors/test_runner.py",  # 15 s
+                 "tests/models/test_moe_dispatch.py",  # 14 s
+                 "tests/models/test_quant.py",  # 13 s
+                 "tests/techniques/lladacpp/test_lladacpp.py",  # 13 s
+                 "tests/training/test_run_safety.py",  # 12 s
+                 "tests/executors/test_scan_layers.py")  # 12 s
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
