@@ -210,6 +210,17 @@ def copy_bandwidth() -> float:
     return 2 * nbytes / statistics.median(ts)
 
 
+def median_call_ms(call, reps: int) -> float:
+    """Median ms of `reps` calls of `call` (which waits for its results), after one untimed."""
+    call()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
 def request_transfers(executor: JaxExecutor, req: SlotStep, reps: int) -> dict[str, float]:
     """What a step's request costs to send and its predictions to read back, in one run: a
     program that computes nothing, called from the host with the request as its ten separate
@@ -219,17 +230,7 @@ def request_transfers(executor: JaxExecutor, req: SlotStep, reps: int) -> dict[s
 
     def timed(fn, arrays) -> float:
         exe = jax.jit(fn, keep_unused=True).lower(*arrays).compile()  # (every argument sent)
-
-        def once():
-            return [np.asarray(o) for o in exe(*arrays)]  # host arrays in, each output read back
-
-        once()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            once()
-            ts.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(ts)
+        return median_call_ms(lambda: [np.asarray(o) for o in exe(*arrays)], reps)  # each output read back
 
     fields = [a for n, a in req.arrays().items() if n != "lora_gate"]
     return {"request_fields_ms": timed(lambda *a: tuple(jnp.full((b, r), i) + a[0][0, 0] for i in range(4)), fields),
@@ -399,15 +400,9 @@ def time_step(executor, exe, req: SlotStep, slots: int, geo: Geometry, batch: in
     out["step_over_roofline"] = ms / out["roofline_ms"]
     # A program that takes the step's arguments (the weights' leaves, the cache, the request)
     # and computes next to nothing: what a call costs before its first kernel and after its last.
-    empty = jax.jit(lambda leaves, *_: leaves[0].reshape(-1)[:1]).lower(
-        executor._leaves, *state, cache.pos, cache.valid, *arrays).compile()
-    jax.block_until_ready(empty(executor._leaves, *state, cache.pos, cache.valid, *arrays))
-    calls = []
-    for _ in range(max(args.reps, 10)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(empty(executor._leaves, *state, cache.pos, cache.valid, *arrays))
-        calls.append(time.perf_counter() - t0)
-    out["empty_call_ms"] = 1e3 * statistics.median(calls)
+    given = (executor._leaves, *state, cache.pos, cache.valid, *arrays)
+    empty = jax.jit(lambda leaves, *_: leaves[0].reshape(-1)[:1], keep_unused=True).lower(*given).compile()
+    out["empty_call_ms"] = median_call_ms(lambda: jax.block_until_ready(empty(*given)), max(args.reps, 10))
     if hasattr(executor, "resident_inputs"):
         out.update(request_transfers(executor, req, max(args.reps, 10)))
     if args.profile:
