@@ -174,11 +174,16 @@ def request_layout(key: BucketKey, gated: bool = False) -> tuple[tuple[str, int,
     return tuple(layout)
 
 
+def request_columns(layout) -> int:
+    """C, the columns of a packed request in `layout` (`request_layout`)."""
+    return layout[-1][1] + layout[-1][2]
+
+
 def pack_request(arrays: Mapping[str, np.ndarray], layout) -> np.ndarray:
     """The packed request [B, C] int32 of a step's arrays (`SlotStep.arrays`) in `layout`
     (`request_layout`); `unpack_request` is its inverse in the program."""
     b = layout[0][3][0]
-    packed = np.empty((b, layout[-1][1] + layout[-1][2]), np.int32)
+    packed = np.empty((b, request_columns(layout)), np.int32)
     for name, start, width, shape, dtype in layout:
         a = arrays[name]
         if a.shape != shape:  # (a list shared by every row)
@@ -467,8 +472,8 @@ class DeviceKVCache(KVCache):
             t2 = time.perf_counter()
             fetched = ex._get({"predictions": preds, **{n: named[n] for n in names}})
             timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
-        d2h = sum(np.asarray(v).nbytes for v in fetched.values())
-        out = {**unpack_predictions(fetched.pop("predictions")), **{n: np.asarray(v) for n, v in fetched.items()}}
+        d2h = sum(v.nbytes for v in fetched.values())  # (`_get` gives host arrays)
+        out = {**unpack_predictions(fetched.pop("predictions")), **fetched}
         self.transfers.add(sum(x.nbytes for x in inputs), d2h)
         return StepOutputs.from_named(out)
 
@@ -865,7 +870,7 @@ class JaxExecutor(Executor):
             preds = pack_predictions(named)  # (out of `named`)
             return preds, named, k_res, v_res, written
 
-        packed = jax.ShapeDtypeStruct((key.batch, layout[-1][1] + layout[-1][2]), jnp.int32)
+        packed = jax.ShapeDtypeStruct((key.batch, request_columns(layout)), jnp.int32)
         return program, (self._leaves, *self._cache_specs(pool, slots), *self._row_specs((packed,))), {
             "donate_argnums": (1, 2, 3)}
 
