@@ -132,7 +132,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 # How `Attention` reads a prefix cache: "split" (default) scores the cache and the window
 # separately under one softmax (`attend_cached`), so the cache is read where it lies; "concat" copies the
 # cache and the window's K/V into one array first (the form LiteRT bundles are traced in);
-# "cudnn" is "concat" into `jax.nn.dot_product_attention`'s cuDNN kernel (a GPU, bf16/fp16).
+# "cudnn" is "concat" into `jax.nn.dot_product_attention`'s cuDNN kernel (a GPU, bf16/fp16), and
+# the window alone into it where no cache is read.
 ATTENTION_FORMS = ("split", "concat", "cudnn")
 _ATTENTION = contextvars.ContextVar("dlm_jax_attention", default=("split", False))
 
@@ -178,7 +179,12 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.A
     k_cache, v_cache = k_cache.astype(k.dtype), v_cache.astype(v.dtype)  # no-ops for a cache of the model's dtype
     scale = 1.0 / jnp.sqrt(jnp.float32(dh))
     cached = jnp.einsum(f"btkgd,{cache_axes}->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-    own = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    # The window's scores take the queries through an optimization barrier (the same values):
+    # with one query operand, XLA's dot merger joins the two score products into one over a
+    # concatenated copy of the layer's cached keys and the window's, the copy this form exists
+    # to avoid (compiled for an H200 at batch 8: one [B, Hkv, P+T, Dh] copy per layer,
+    # `benchmarks/results/gpu_target.md`).
+    own = jnp.einsum("btkgd,bskd->bkgts", jax.lax.optimization_barrier(qg), k, preferred_element_type=jnp.float32)
     cached = jnp.where(mask[:, None, None, :, :p], cached * scale, _NEG)
     own = jnp.where(mask[:, None, None, :, p:], own * scale, _NEG)
     top = jax.lax.stop_gradient(jnp.maximum(cached.max(-1, keepdims=True), own.max(-1, keepdims=True)))
@@ -228,8 +234,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         form, heads_first = ("concat", False) if _LITERT.get() else _ATTENTION.get()
-        if k_cache is None:
-            out = attend(q, k, v, mask)
+        if k_cache is None:  # the window alone (in cuDNN's kernel where the executor asked for it)
+            out = attend_cudnn(q, k, v, mask) if form == "cudnn" else attend(q, k, v, mask)
         elif form == "split" and mask.dtype == jnp.bool_:
             out = attend_cached(q, k_cache, v_cache, k, v, mask, heads_first=heads_first)
         else:
