@@ -74,3 +74,72 @@ def kernel_table(profile: dict[str, Any]) -> list[str]:
             f"{k['kind']} {k['ms_per_step']:.3f} ms ({'-' if k['share'] is None else format(k['share'], '.1%')})"
             for k in profile["kinds"]) + "."]
     return lines
+
+
+# An optimized HLO module's text (`Compiled.as_text()`): the kernels one execution launches.
+_COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w-]+)\((.*)$")
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+# Ops that launch nothing themselves: buffers, views, control flow (a loop's body is counted
+# as often as it runs, where XLA knows its trip count).
+_NO_KERNEL = frozenset({"parameter", "constant", "bitcast", "tuple", "get-tuple-element", "while", "conditional",
+                        "call", "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id"})
+
+
+def _array_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        bits = 1 if dtype == "pred" else 16 if dtype == "bf16" else 8 if dtype.startswith("f8") else int(dtype[1:])
+        total += n * max(bits, 8) // 8
+    return total
+
+
+def hlo_kernels(text: str) -> dict[str, Any]:
+    """The kernels one execution of a compiled program launches, read from its optimized HLO
+    (`Compiled.as_text()`), the entry computation's ops and each loop body's times its known
+    trip count: how many in all and by kind (`kernel_kind` of the fusion's name, a custom
+    call's target), and the bytes each kind writes (its outputs' sizes), the largest outputs
+    apart. A compile-only view of the step's launches, for a GPU this machine lacks
+    (`gpu_step.py --target`); a device profile counts the kernels that ran."""
+    comps: dict[str, list[tuple[str, str, str, str]]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = comps.setdefault(m.group(2), [])
+            if m.group(1):
+                entry = m.group(2)
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            current.append(m.groups())
+    kinds: dict[str, list[int]] = {}
+    largest: list[tuple[int, str, str]] = []
+
+    def visit(name: str, times: int, depth: int = 0) -> None:
+        for inst, shape, op, rest in comps.get(name, []):
+            if op == "while" and depth < 8:
+                body = re.search(r"body=%?([\w.-]+)", rest)
+                trips = _TRIPS.search(rest)
+                if body:
+                    visit(body.group(1), times * (int(trips.group(1)) if trips else 1), depth + 1)
+                continue
+            if op in _NO_KERNEL:
+                continue
+            target = re.search(r'custom_call_target="([^"]+)"', rest)
+            label = target.group(1) if target else inst
+            kind = "gemm" if re.search(r'"kind":"__triton_(nested_)?gemm_fusion"|__cublas|__cudnn\$?matmul', rest) \
+                else kernel_kind(label if op in ("fusion", "custom-call") else op)
+            size = _array_bytes(shape)
+            count = kinds.setdefault(kind, [0, 0])
+            count[0] += times
+            count[1] += times * size
+            largest.append((size, label, shape[:80]))
+
+    if entry is not None:
+        visit(entry, 1)
+    largest.sort(reverse=True)
+    return {"kernels": sum(c for c, _ in kinds.values()),
+            "by_kind": {k: {"kernels": c, "bytes_written": b} for k, (c, b) in sorted(kinds.items())},
+            "largest_outputs": [{"bytes": s, "kernel": n, "shape": sh} for s, n, sh in largest[:5]]}

@@ -13,6 +13,9 @@
 # H200: benchmarks/results/gpu.json, gpu_step*.json, first_decode.json). The table's both sides
 # at batch 1 and 8, unquantized, were measured on 2026-11-28 (benchmarks/results/gpu_parts/);
 # what the issue still lacks comes first: int8, and batch 16 and 32.
+#   target  20  benchmarks/gpu_step.py --write-target: the device as XLA's compile-only client
+#                takes it ($OUT/target_config.txtpb), for `gpu_step.py --target FILE` on a machine
+#                without a GPU (benchmarks/targets/h200.txtpb is written from the datasheet).
 #   dual   330  benchmarks/gpu.py --sides dlm_jax --caches dual --quant none int8, batch 1, 16,
 #                32, 8 (in that order: the budget cuts the last), --reps 3, --profile: the
 #                checkpoint written on the GPU (20-60 s, Fast-dLLM's code), then per mode a load
@@ -48,8 +51,11 @@
 #                (dlm_jax.models._fuse) against separate, in one run, with each step's kernels.
 #                The 4096-wide projections read their weights at 1.6-2.8 TB/s at batch 1, the
 #                12288-wide ones at 3.5 (gpu_step.md). 8 programs, two sets of weights made.
-#   attention 80 benchmarks/gpu_step.py --attention split cudnn, batch 1 and 8, dual and prefix
-#                (8 programs on 12 threads, about 40 s, then 10 timed steps each).
+#   attention 100 benchmarks/gpu_step.py --attention split cudnn, batch 1 and 8, refresh, dual and
+#                prefix (12 programs on 12 threads, about 50 s, then 10 timed steps each). Compiled
+#                for an H200 here (benchmarks/results/gpu_target.md), cuDNN's steps launch 35-47%
+#                fewer kernels, its refresh no [B, H, W, W] float32 scores; the split steps move
+#                less data at batch 8 (no copy of the cache).
 #   cmdbuf   45  the fused part's separate cases again with XLA_FLAGS
 #                --xla_gpu_enable_command_buffer= (no CUDA graphs: every kernel launched on its
 #                own), with their kernels: whether XLA's command buffers, which it records on a
@@ -96,10 +102,12 @@
 # --peer-budget-s), the second process's cases. Knobs: PARTS, LIMIT, DUAL_S, TABLE_S,
 # LARGE_S, DUAL_BATCHES, DUAL_QUANTS, BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S,
 # PROJECTIONS (dlm-jax's in the gpu.py parts: PROJECTIONS=fused once the fused part has shown
-# fused projections faster; the default is the executor's, separate) (e.g.
+# fused projections faster; the default is the executor's, separate), ATTENTION (likewise:
+# ATTENTION=cudnn once the attention part has shown it faster; the default is split) (e.g.
 # PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
 # PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
 # still-warm machine: PARTS="fused cmdbuf attention probeload probe0 gemm").
+# (The device's compile-only config: cp $LEASE/target_config.txtpb benchmarks/targets/h200_device.txtpb.)
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
 # copy gpu*.json into benchmarks/results/gpu_parts/ (named by device and content; a case in
@@ -128,7 +136,7 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-dual probe fused cmdbuf probeload probe0 gemm attention table small large probecache cacheload probeserial cudnn scan scandsf first}
+PARTS=${PARTS:-target dual probe fused cmdbuf probeload probe0 gemm attention table small large probecache cacheload probeserial cudnn scan scandsf first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
@@ -163,6 +171,8 @@ want() { [[ " $PARTS " == *" $1 "* ]]; }
 G=benchmarks/gpu.py S=benchmarks/gpu_step.py F=benchmarks/first_decode.py
 ALL=(--peer-src "$PEER" --checkpoint "$WORK/ckpt-$SHAPE" --reps 3 --profile "${GPU_X[@]}")
 [ -n "${PROJECTIONS:-}" ] && ALL+=(--projections "$PROJECTIONS")
+[ -n "${ATTENTION:-}" ] && ALL+=(--attention "$ATTENTION")
+want target && part target 20 10 $PY $S --write-target --out "$OUT/target_config"
 # dlm-jax's dual-cache decodes, unquantized and int8, at batch 1, 16, 32 and 8: what the table
 # lacked (its 3 programs a batch compile in seconds; the prefix cache's 9 took minutes).
 t=$(cap "$DUAL_S")
@@ -196,7 +206,7 @@ want probe0 && part "probe no autotuning" 90 30 env XLA_FLAGS=--xla_gpu_autotune
   $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_autotune0"
 want gemm && part gemm 60 20 $PY benchmarks/gemm_probe.py "${GEMM_X[@]}" --out "$OUT/gemm_probe"
 # The in-place (split) and cuDNN attention in one run (two leases gave them apart).
-want attention && part attention 80 40 $PY $S --batches 1 8 --kinds dual prefix --attention split cudnn --reps 10 \
+want attention && part attention 100 40 $PY $S --batches 1 8 --kinds refresh dual prefix --attention split cudnn --reps 10 \
   "${STEP_X[@]}" --out "$OUT/attention"
 t=$(cap "$TABLE_S")  # its budget ends MARGIN_S before its timeout, however far the part was cut
 # shellcheck disable=SC2086

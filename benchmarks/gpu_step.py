@@ -40,8 +40,17 @@ execution (`first_call_ms`: its kernels loaded and, on a GPU, its command buffer
 which a process's first decode pays once per program.
 
 `--abstract` builds nothing: the programs are lowered from `jax.ShapeDtypeStruct`s, so the
-8B shape's cost analysis runs on any CPU. Writes <out>.json and <out>.md (and, with times,
-<out>.png) after every case, so a run cut short keeps what it measured.
+8B shape's cost analysis runs on any CPU. `--target h200` (or a `GpuTargetConfigProto` text
+file: `benchmarks/targets/`, or one the lease writes from its device) compiles them with
+XLA:GPU for that GPU on a machine without one (JAX's compile-only client; needs JAX's CUDA
+plugin, `pip install "jax-cuda13-plugin[with-cuda]==<jax's version>"`): per program its compile
+seconds without autotuning (XLA cannot time kernels without the device, so it takes its
+default tiles) and the kernels one step launches, by kind (`_profile.hlo_kernels`): a
+step's launches cost time outside the kernels, which a device profile shows (`gpu.md`).
+No cost analysis there (XLA:GPU gives none without a device). On a GPU, `--write-target --out
+PATH` writes that device's own config to PATH.txtpb (a lease's first part) for `--target
+PATH.txtpb`. Writes <out>.json and <out>.md (and, with times, <out>.png) after every case, so a
+run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -69,9 +78,9 @@ from flax import nnx  # noqa: E402
 
 import dlm_jax  # noqa: E402
 from _plots import png_bytes  # noqa: E402
-from _profile import kernel_table, top_kernels  # noqa: E402
+from _profile import hlo_kernels, kernel_table, top_kernels  # noqa: E402
 from dlm_jax._integrity import atomic_write  # noqa: E402
-from dlm_jax.executors._compile import jitted  # noqa: E402
+from dlm_jax.executors._compile import building_for, jit_options, jitted  # noqa: E402
 from dlm_jax.executors.jax_executor import JaxExecutor  # noqa: E402
 
 try:  # an executor that reads its cache in place names its ways of reading it
@@ -96,6 +105,60 @@ SHAPES = {
 }
 # HBM TB/s and dense bf16 TFLOP/s by device name (datasheet; the copy bandwidth is measured).
 DEVICES = (("H200", 4.8, 989.0), ("H100", 3.35, 989.0), ("A100", 2.0, 312.0))
+TARGETS = Path(__file__).resolve().parent / "targets"  # GPU target configs by name (`--target`)
+
+
+def compile_only_device(target: str):
+    """The one device of a compile-only XLA:GPU client for `target` (a name in `TARGETS` or a
+    `GpuTargetConfigProto` text file), on a machine without that GPU. JAX's own backends stay
+    the CPU's (set before any is made)."""
+    path = TARGETS / f"{target}.txtpb" if (TARGETS / f"{target}.txtpb").is_file() else Path(target)
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in TARGETS.glob("*.txtpb")))
+        raise SystemExit(f"--target {target}: neither a known target ({known}) nor a file")
+    jax.config.update("jax_platforms", "cpu")
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=path.read_text(), topology="1x1x1")
+    except Exception as e:  # noqa: BLE001 - no CUDA plugin, or a config it cannot read
+        raise SystemExit(f"--target {target}: no compile-only XLA:GPU client ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200]}); it needs JAX's CUDA plugin of JAX's version") from None
+    return topology.devices[0]
+
+
+def write_target(out: Path) -> int:
+    """This machine's GPU as XLA's compile-only client takes it (`--target`): its
+    `GpuTargetConfigProto`, text format, at `out`.txtpb; 1 on a backend without one."""
+    from jax._src.lib import xla_client as xc
+
+    config = getattr(xc.get_topology_for_devices(jax.devices()[:1]), "target_config", None)
+    if not config:
+        print(f"--write-target: JAX's {jax.default_backend()} backend has no GPU target config", file=sys.stderr)
+        return 1
+    atomic_write(out.with_suffix(".txtpb"), str(config))
+    print(f"wrote {out.with_suffix('.txtpb')} ({jax.devices()[0].device_kind})")
+    return 0
+
+
+def plugin_versions() -> dict[str, str]:
+    """The versions of JAX's CUDA plugins installed here (what compiles for `--target`)."""
+    from importlib import metadata
+
+    found = {}
+    for name in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def on_device(specs, device):
+    """`specs` (a pytree of `jax.ShapeDtypeStruct`s) placed on `device`."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+                        if isinstance(s, jax.ShapeDtypeStruct) else s, specs)
 
 
 def log(msg: str) -> None:
@@ -258,9 +321,17 @@ def build_executor(model, attention: str, layers: str | None, projections: str =
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.target:  # the executors built for a GPU, their programs compiled by a compile-only client
+        target = compile_only_device(args.target)
+        with building_for("gpu"):
+            return _run(args, target)
+    return _run(args, None)
+
+
+def _run(args: argparse.Namespace, target) -> dict[str, Any]:
     cfg = model_config(args.shape, args.dtype)
-    backend = jax.default_backend()
-    dev = jax.devices()[0]
+    backend = jax.default_backend() if target is None else "gpu, compile only"
+    dev = jax.devices()[0] if target is None else target
     name = getattr(dev, "device_kind", str(dev))
     hbm, peak = next(((b, p) for k, b, p in DEVICES if k in name), (None, None))
     weights = {n: s for n, s in param_shapes(cfg).items()}
@@ -269,7 +340,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "benchmarks/gpu_step.py", "shape": args.shape, "config": SHAPES[args.shape],
         "dtype": args.dtype, "params": params, "abstract": args.abstract,
         "device": {"backend": backend, "kind": name, "hbm_tbps_datasheet": hbm, "peak_tflops_datasheet": peak},
-        "versions": {"jax": jax.__version__, "python": platform.python_version()},
+        "versions": {"jax": jax.__version__, "python": platform.python_version()} | plugin_versions(),
         "machine": f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPU cores)",
         "command": " ".join(["benchmarks/gpu_step.py", *args.argv]), "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "setting": dataclasses.asdict(Geometry("dual")) | {"kinds": args.kinds, "at": args.at},
@@ -290,7 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if weights not in models:
             models.clear()  # one set of weights on the device at a time
             if args.abstract:  # a fresh abstract model (the cached one is shared, and stays as built)
-                models[weights] = _abstract_model.__wrapped__(cfg) if quant == "none" else None
+                models[weights] = _abstract_model.__wrapped__(cfg, None if quant == "none" else quant)
             else:
                 t0 = time.perf_counter()
                 m = random_model(cfg, args.seed)
@@ -320,7 +391,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         def compile_case(c):
             t0 = time.perf_counter()
-            fn, specs = jitted(executor._build_resident, (steps[c].key, slots))  # as the executor compiles
+            if target is None:
+                fn, specs = jitted(executor._build_resident, (steps[c].key, slots))  # as the executor compiles
+            else:  # the same program and options, its arguments on the target's device
+                fn, specs, *options = executor._build_resident((steps[c].key, slots))
+                fn, specs = jax.jit(fn, **jit_options(options[0] if options else None)), on_device(specs, target)
             lowered = fn.lower(*specs)
             exe = lowered.compile()
             return exe, time.perf_counter() - t0, lowered
@@ -343,6 +418,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 log(f"b{b} {kind} {variant}: {row['error']}")
                 continue
             row["compile_s"] = secs
+            if target is not None:
+                row["kernels"] = hlo_kernels(exe.as_text())
             # Neither cost analysis may stop the timing: a backend without one gives None (noted).
             c, hlo = cost(exe), cost(lowered)
             dense_flops = 2 * params * b * len(geo.window())
@@ -434,6 +511,16 @@ def compile_env(env: dict[str, Any] | None) -> str:
             f"XLA_FLAGS {env['XLA_FLAGS'] or 'unset'}")
 
 
+def kernel_cells(kernels: dict[str, Any] | None) -> str:
+    """A step's launches (`hlo_kernels`) as two table cells: all, then by kind."""
+    if not kernels:
+        return "- | -"
+    kinds = kernels["by_kind"]
+    return f"{kernels['kernels']} | " + " / ".join(
+        str(kinds.get(k, {}).get("kernels", 0)) for k in ("gemm", "data movement", "other")) + (
+        f" (+{kinds['attention']['kernels']} attention)" if "attention" in kinds else "")
+
+
 def variant_name(row: dict[str, Any], sep: str = "/") -> str:
     """attention/quant/layers of a case, and /fused where its projections were."""
     parts = [row["attention"], row["quant"], row["layers"]]
@@ -446,6 +533,7 @@ def markdown(rep: dict[str, Any]) -> str:
     env_col = len(envs) > 1  # runs rendered together that compiled differently: a column says which
     first_col = any("first_call_ms" in r for r in rep["cases"])  # results before it was timed: no column
     proj_col = any(r.get("projections", "separate") != "separate" for r in rep["cases"])
+    kernel_col = any("kernels" in r for r in rep["cases"])  # compiled for a GPU target: its launches
     lines = [f"# The decode step at the {rep['shape']} shape: {d['kind']} ({d['backend']})", "",
              f"{rep['params'] / 1e9:.3f}B parameters, {rep['dtype']}; setting {rep['setting']}; "
              f"jax {rep['versions']['jax']}; {rep['date']}; `{rep['command']}`."
@@ -457,16 +545,18 @@ def markdown(rep: dict[str, Any]) -> str:
                f"{src['cases']} cases)" for src in rep.get("sources", [])], *([""] if rep.get("sources") else []),
              "| batch | step | attention | quant | layers | " + ("projections | " if proj_col else "") + "bucket | "
              + ("compiles | " if env_col else "")
-             + "compile s | " + ("first call ms | " if first_col else "") + "bytes / weights | FLOPs / dense | "
+             + "compile s | " + ("first call ms | " if first_col else "")
+             + ("kernels | GEMM / data movement / other | " if kernel_col else "") + "bytes / weights | FLOPs / dense | "
              "traced bytes / weights | step ms | weight-read ms | roofline ms | step / weight read | error |",
              "|---:|---|---|---|---|" + ("---|" if proj_col else "") + "---|" + ("---|" if env_col else "") + "---:|"
-             + ("---:|" if first_col else "")
+             + ("---:|" if first_col else "") + ("---:|---|" if kernel_col else "")
              + "---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rep["cases"]:
         lines.append(f"| {r.get('batch', '-')} | {r.get('kind', '-')} | {r['attention']} | {r['quant']} | "
                      f"{r['layers']} | " + (f"{r.get('projections', 'separate')} | " if proj_col else "")
                      + f"{r.get('bucket', '-')} | " + (f"{r.get('compile_env', '-')} | " if env_col else "")
                      + f"{_g(r.get('compile_s'), '.1f')} | " + (f"{_g(r.get('first_call_ms'), '.1f')} | " if first_col else "")
+                     + (f"{kernel_cells(r.get('kernels'))} | " if kernel_col else "")
                      + f"{_g(r.get('bytes_over_weights'))} | {_g(r.get('flops_over_dense'))} | "
                      f"{_g(r.get('hlo_bytes_over_weights'))} | "
                      f"{_g(r.get('step_ms'))} | {_g(r.get('weight_read_ms'))} | {_g(r.get('roofline_ms'))} | "
@@ -553,8 +643,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.render and args.out is None:
-        p.error("--render needs --out")
+    if (args.render or args.write_target) and args.out is None:
+        p.error(f"{'--render' if args.render else '--write-target'} needs --out")
+    args.abstract = args.abstract or bool(args.target)
     blocks = Geometry("dual").gen // Geometry("dual").block
     if bad := [a for a in args.at if not 0 <= a < blocks]:
         p.error(f"--at {bad[0]}: the setting has blocks 0 to {blocks - 1}")
@@ -577,6 +668,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=["separate"],
                    help="separate, or fused: q/k/v and gate/up each one GEMM (the executor's projections=)")
     p.add_argument("--abstract", action="store_true", help="cost analysis only, lowered from shapes (no weights)")
+    p.add_argument("--write-target", action="store_true", help="write this machine's GPU as --target takes it to "
+                   "--out's .txtpb, and measure nothing")
+    p.add_argument("--target", metavar="GPU", help="compile for this GPU without one (implies --abstract): "
+                   "h200 (benchmarks/targets/) or a GpuTargetConfigProto text file; needs JAX's CUDA plugin")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=3)
@@ -602,6 +697,8 @@ def main(argv=None) -> int:
         write(rep, args.out, final=True)
         print(markdown(rep))
         return 0
+    if args.write_target:
+        return write_target(args.out)
     os.environ.setdefault("DLM_JAX_CACHE_DIR", "off")
     if args.xla_cache:
         from dlm_jax.executors._compile import enable_persistent_cache

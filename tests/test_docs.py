@@ -442,7 +442,7 @@ def test_gpu_commands_install_extras_that_exist_and_parse():
     assert len(leases) == 3 and all((ROOT / re.search(r"benchmarks/\w+\.sh", line).group()).is_file()
                                     for line in leases), leases
     loads = [line for line in bench if "benchmarks/cache_load.py" in line]  # run in tests/benchmarks/test_cache_load.py
-    assert len(steps) == 2 and len(peers) + len(steps) + len(leases) + len(loads) == len(bench), bench
+    assert len(steps) == 3 and len(peers) + len(steps) + len(leases) + len(loads) == len(bench), bench
     import cache_load
 
     for line in loads:

@@ -9,10 +9,11 @@ the "no compilation after warm-up" tests assert on.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,11 +37,34 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CPU_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
+_TARGET: str | None = None  # `building_for`'s platform while it holds
+
+
+def target_platform() -> str:
+    """The platform the executors build their programs for: JAX's default backend ("cpu",
+    "gpu", "tpu"), or the one `building_for` names while it holds."""
+    return _TARGET or jax.default_backend()
+
+
+@contextlib.contextmanager
+def building_for(platform: str) -> Iterator[None]:
+    """Executors built (and programs compiled) inside take the defaults of `platform` instead
+    of the default backend's: for a compile-only client of another platform, such as XLA:GPU
+    compiling for a GPU this machine does not have (`benchmarks/gpu_step.py --target`).
+    Process-wide while it holds (compile threads see it too)."""
+    global _TARGET
+    before, _TARGET = _TARGET, platform
+    try:
+        yield
+    finally:
+        _TARGET = before
+
+
 def jit_options(options: dict[str, Any] | None = None, platform: str | None = None) -> dict[str, Any]:
     """`jax.jit` keywords of a program the executors compile: `options` (donation, shardings)
-    with `CPU_COMPILER_OPTIONS` added on a CPU (`platform`, default JAX's default backend)."""
+    with `CPU_COMPILER_OPTIONS` added on a CPU (`platform`, default `target_platform()`)."""
     options = dict(options or {})
-    if (platform or jax.default_backend()) == "cpu":
+    if (platform or target_platform()) == "cpu":
         options["compiler_options"] = {**CPU_COMPILER_OPTIONS, **options.get("compiler_options", {})}
     return options
 

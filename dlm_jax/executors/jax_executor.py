@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.executors._compile import CompiledBuckets
+from dlm_jax.executors._compile import CompiledBuckets, target_platform
 from dlm_jax._config import ModelConfig
 from dlm_jax.models._fuse import PROJECTIONS_ENV, choose_projections, fuse_projections, is_fused
 from dlm_jax.models._scan import ScannedTransformer, StackedLayers, choose_layers
@@ -68,7 +68,7 @@ def default_rows() -> str:
     project's 2-core CPU: llada-12m decodes as fast row by row, `docs/engine.md`), so batch
     invariance costs nothing; "batched" on an accelerator, whose step at small batches is
     bound by reading the weights once per call, not once per row."""
-    return "each" if jax.default_backend() == "cpu" else "batched"
+    return "each" if target_platform() == "cpu" else "batched"
 _NOT_BATCH_LEADING = ("k_new", "v_new", "router_topk", "ffn_active")  # [L or M, B, ...]
 # The JAX executors built over each model. One that changes its model in place (fusing its
 # projections, stacking its layers: the joined arrays are deleted) marks the others over that
@@ -103,7 +103,7 @@ def default_attention() -> str:
     project's 2-core CPU a 29M model's prefix-cache decodes took about 13% longer in place
     (reading every slot costs more there than copying the read ones) and as long gathered as
     before this change (`benchmarks/results/before_after_split.json`, `before_after_gather.json`)."""
-    return "gather" if jax.default_backend() == "cpu" else "split"
+    return "gather" if target_platform() == "cpu" else "split"
 
 
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
@@ -569,9 +569,9 @@ class JaxExecutor(Executor):
             raise ConfigError(f"{name}={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
         if attention == "cudnn":  # refused here, not by the first compile that reads the cache
             name = ATTENTION_ENV if from_env else "attention"
-            if jax.default_backend() != "gpu":
+            if target_platform() != "gpu":
                 raise ConfigError(f"{name}='cudnn': cuDNN's fused attention runs on a GPU, and JAX's backend here is "
-                                  f"{jax.default_backend()!r}; use split or gather")
+                                  f"{target_platform()!r}; use split or gather")
             if str(model.config.dtype) not in ("bfloat16", "float16"):
                 raise ConfigError(f"{name}='cudnn': cuDNN's fused attention takes bfloat16 or float16, and the model "
                                   f"computes in {model.config.dtype} (load it with dtype='bfloat16')")
@@ -617,7 +617,7 @@ class JaxExecutor(Executor):
         # XLA folds the transpose into the dot: its CPU GEMM runs that layout up to twice as
         # fast at 32 rows (benchmarks/roofline.py).
         # Elsewhere (GPU) the kernels stay as stored: no second copy of the weights.
-        cpu = jax.default_backend() == "cpu"
+        cpu = target_platform() == "cpu"
         self._transposed = tuple(cpu and _is_kernel(path, leaf) for path, leaf in paths)
         self._slots = _split_layers(model, paths) if self.layers == "unrolled" else {}
         if self._slots:
@@ -766,7 +766,7 @@ class JaxExecutor(Executor):
         once)."""
         if self.rows == "each":
             return "free"
-        return "split" if jax.default_backend() == "cpu" else "pad"
+        return "split" if target_platform() == "cpu" else "pad"
 
     def capacity(self, slots: int) -> int:
         """The slot count a decode's cache is allocated with: a power of two from 256 that holds
@@ -799,9 +799,13 @@ class JaxExecutor(Executor):
         [L, B, P, Hkv, Dh], scored concatenated with the window's K/V (the form bundles are
         traced in): over a copy there is nothing to read in place, and on a CPU the split form's
         extra ops cost llada-tiny's batch-1 dual step 14% (1.14x the concatenated one; a 29M
-        model's 1.00-1.02x, a 154M model's 0.97-1.09x)."""
+        model's 1.00-1.02x, a 154M model's 0.97-1.09x). With `attention="cudnn"` a step that
+        reads no cache (a refresh) takes cuDNN's kernel too, over the window alone: compiled
+        for an H200, a refresh's attention is then one kernel a layer instead of five
+        (`benchmarks/results/gpu_target.md`), and no [B, H, W, W] float32 scores are written."""
         cfg, graphdef = self.config, self._graphdef
-        form, heads_first = (self.attention, True) if in_place else ("concat", False)
+        form, heads_first = ((self.attention, True) if in_place else
+                             ("cudnn", False) if self.attention == "cudnn" else ("concat", False))
 
         def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, lora_gate=None):
             vis = visibility(jnp, cfg, positions, q_valid, k_pos, k_ok, probes, hide)

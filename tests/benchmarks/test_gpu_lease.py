@@ -80,7 +80,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     """A part whose flags its script refuses exits at once on the GPU machine (argparse's exit
     status 2 in the log) and its results are simply missing after the lease."""
     parts = [unenv(p) for p in lease_parts(tmp_path, LIMIT="5000", **({"DRY": "1"} if dry else {}))]
-    assert [p[0] for p in parts] == ["dual", "probe", "fused", "command buffers off", "probe load",
+    assert [p[0] for p in parts] == ["target", "dual", "probe", "fused", "command buffers off", "probe load",
                                      "probe no autotuning", "gemm", "attention", "table", "small", "large",
                                      "probe cache", "probe cache again", "cache load", "probe serial", "cudnn",
                                      "scan", "scan dsf", "first cold", "first cache"]
@@ -106,13 +106,18 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert dual.batches == ([1, 2] if dry else [1, 16, 32, 8])
     assert table.checkpoint == large.checkpoint == dual.checkpoint and small.small  # one checkpoint per lease
     assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == args["scan dsf"].layers == ["scan"]
-    assert args["attention"].attention == ["split", "cudnn"]
+    assert args["attention"].attention == ["split", "cudnn"] and args["attention"].kinds == ["refresh", "dual", "prefix"]
+    assert args["target"].write_target and args["target"].out.name == "target_config"  # the device's own config
     fused = args["fused"]  # fused projections against separate ones, in one run, with their kernels
     assert fused.projections == ["separate", "fused"] and fused.profile and fused.kinds == ["dual", "prefix"]
     assert table.projections is large.projections is dual.projections is None  # the executor's default
     again = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, PARTS="dual table large",
                                                                       PROJECTIONS="fused", LIMIT="5000"))}
     assert [again[n].projections for n in ("dual", "table", "large")] == ["fused"] * 3
+    again = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, PARTS="dual table large",
+                                                                      ATTENTION="cudnn", LIMIT="5000"))}
+    assert [again[n].attention for n in ("dual", "table", "large")] == ["cudnn"] * 3
+    assert table.attention is None  # the executor's default (split on a GPU)
     gemm = args["gemm"]  # one layer's GEMMs at the model's shape, both layouts, both weight formats
     assert (gemm.shape, gemm.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
     assert gemm.quant == ["none", "int8"] and gemm.groups == ["qkv", "gate_up"] and gemm.rows == [32, 256]

@@ -33,12 +33,15 @@ def test_the_three_steps_cover_the_sequence_once():
 
 
 def test_abstract_mode_lowers_from_shapes(tmp_path):
-    """--abstract makes no weights and still reports the compiled step's cost analysis."""
+    """--abstract makes no weights and still reports the compiled step's cost analysis, of the
+    weight-only int8 model too (its weights abstract as well: half the bytes or less)."""
     out = tmp_path / "cost"
     assert gpu_step.main(["--shape", "small", "--abstract", "--batches", "1", "--kinds", "dual", "--threads", "1",
-                          "--out", str(out)]) == 0
-    (case,) = json.loads(out.with_suffix(".json").read_text())["cases"]
+                          "--quant", "none", "int8", "--out", str(out)]) == 0
+    case, int8 = json.loads(out.with_suffix(".json").read_text())["cases"]
     assert case["bytes_over_weights"] > 0.5 and case["hlo_bytes_over_weights"] > 0.5 and "step_ms" not in case
+    assert int8["quant"] == "int8" and "error" not in int8 and int8["bytes_accessed"] > 0
+    assert int8["weight_bytes"] < 0.6 * case["weight_bytes"]
 
 
 def test_a_backend_without_cost_analysis_still_times_the_step(tmp_path, monkeypatch):
@@ -158,3 +161,49 @@ def test_fused_projections_run_over_weights_of_their_own(tmp_path):
     assert "| projections |" in md and "| unrolled | fused |" in md and "| scan | separate |" in md
     cfg = gpu_step.model_config("small", "bfloat16")
     assert "layers.0.attn.q_proj.kernel" in param_shapes(cfg)
+
+
+def test_hlo_kernels_counts_a_loops_body_as_often_as_it_runs():
+    """`hlo_kernels` reads a compiled program's launches from its optimized HLO: the entry's
+    kernels once, a loop body's once per trip (XLA's known trip count), by kind."""
+    import jax
+    import jax.numpy as jnp
+
+    from _profile import hlo_kernels
+
+    def counts(trips: int) -> dict:
+        def f(x, w):
+            return jax.lax.fori_loop(0, trips, lambda i, c: jnp.tanh(c) * 2.0 + c @ w, x @ w)
+
+        return hlo_kernels(jax.jit(f).lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compile().as_text())
+
+    five, nine = counts(5), counts(9)
+    assert five["by_kind"]["gemm"]["kernels"] == 6 and nine["by_kind"]["gemm"]["kernels"] == 10  # 1 + one a trip
+    assert nine["kernels"] - five["kernels"] == 4 * (five["kernels"] - counts(4)["kernels"]) > 0
+    assert five["largest_outputs"][0]["bytes"] == 8 * 8 * 4
+
+
+def test_target_compiles_for_a_gpu_this_machine_lacks_or_says_what_it_needs(tmp_path):
+    """`--target h200` compiles the step with XLA:GPU's compile-only client and counts the
+    kernels it launches; the split attention's two score products stay two (XLA's dot merger
+    once joined them over a [.., P+T, Dh] copy of each layer's cached keys: at this shape a
+    [4, 544, 64] concatenation); int8 weights add no kernel. Without JAX's CUDA plugin (CI) the
+    run ends in one line naming what it needs, as an unknown target does."""
+    out = tmp_path / "target"
+    argv = ["--target", "h200", "--shape", "small", "--batches", "1", "--kinds", "dual", "--threads", "1",
+            "--quant", "none", "int8", "--out", str(out)]
+    if not gpu_step.plugin_versions():
+        with pytest.raises(SystemExit, match="needs JAX's CUDA plugin"):
+            gpu_step.main(argv)
+    else:
+        assert gpu_step.main(argv) == 0
+        case, int8 = json.loads(out.with_suffix(".json").read_text())["cases"]
+        # int8 weights converted inside the GEMMs: no kernel of its own, no bfloat16 copy written
+        assert int8["kernels"]["kernels"] == case["kernels"]["kernels"]
+        assert int8["kernels"]["largest_outputs"][0]["bytes"] <= case["kernels"]["largest_outputs"][0]["bytes"]
+        kinds = case["kernels"]["by_kind"]
+        assert case["compile_s"] > 0 and kinds["gemm"]["kernels"] >= 2 * 7 + 1  # 7 GEMMs a layer, the head
+        assert not any("544" in k["shape"] for k in case["kernels"]["largest_outputs"])
+        assert "| kernels |" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit, match="neither a known target"):
+        gpu_step.main([*argv[:1], "no-such-gpu", *argv[2:]])

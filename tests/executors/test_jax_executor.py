@@ -88,3 +88,25 @@ def test_the_visibility_rule_is_the_same_on_the_host_and_the_device(attention):
         host = visibility(np, cfg, *args)
         assert host.shape == (b, w, p + w) and host.dtype == bool
         np.testing.assert_array_equal(host, np.asarray(fn(*args)))
+
+
+def test_an_executor_built_for_a_gpu_takes_a_gpus_defaults_on_a_cpu():
+    """`building_for("gpu")` (what `benchmarks/gpu_step.py --target` compiles under) gives an
+    executor built on this CPU the defaults it would take on a GPU: batched rows, the cache read
+    in place, kernels as stored (a CPU holds them transposed) and no XLA:CPU compiler options;
+    outside it, the CPU's again."""
+    from dlm_jax.executors._compile import building_for, jit_options, target_platform
+    from dlm_jax.executors.jax_executor import JaxExecutor
+    from dlm_jax.models._params import _abstract_model
+    from dlm_jax.testing import tiny_config
+
+    cfg = tiny_config()
+    assert target_platform() == "cpu"
+    with building_for("gpu"):
+        assert target_platform() == "gpu"
+        gpu = JaxExecutor(_abstract_model.__wrapped__(cfg))
+        assert "compiler_options" not in jit_options({"donate_argnums": (1,)})
+    cpu = JaxExecutor(_abstract_model.__wrapped__(cfg))
+    assert target_platform() == "cpu" and "compiler_options" in jit_options()
+    assert (gpu.rows, gpu.attention, any(gpu._transposed)) == ("batched", "split", False)
+    assert (cpu.rows, cpu.attention, any(cpu._transposed)) == ("each", "gather", True)
