@@ -50,17 +50,19 @@ def pytest_configure(config: pytest.Config) -> None:
 # worker, 2026-11-29): `make test` hands whole files to its workers (--dist loadfile) in
 # collection order, and a long file started last keeps one worker busy after the other has run
 # out of work.
-LONGEST_FILES = ("tests/test_docs.py",  # 51 s
-                 "tests/techniques/isd/test_isd.py",  # 30 s
-                 "tests/models/test_cache_equivalence.py",  # 21 s
-                 "tests/executors/test_fused_projections.py",  # 21 s
-                 "tests/frontends/test_server.py",  # 18 s
+LONGEST_FILES = ("tests/test_docs.py",  # 53 s
+                 "tests/techniques/isd/test_isd.py",  # 32 s
+                 "tests/models/test_cache_equivalence.py",  # 25 s
+                 "tests/frontends/test_server.py",  # 22 s
+                 "tests/executors/test_fused_projections.py",  # 20 s
+                 "tests/training/test_run_safety.py",  # 16 s
+                 "tests/checkpoint/test_parity.py",  # 15 s
                  "tests/executors/test_runner.py",  # 15 s
-                 "tests/models/test_moe_dispatch.py",  # 14 s
-                 "tests/models/test_quant.py",  # 13 s
-                 "tests/techniques/lladacpp/test_lladacpp.py",  # 13 s
-                 "tests/training/test_run_safety.py",  # 12 s
-                 "tests/executors/test_scan_layers.py")  # 12 s
+                 "tests/frontends/test_lmeval.py",  # 15 s
+                 "tests/training/test_shipped_models.py",  # 14 s
+                 "tests/techniques/lladacpp/test_lladacpp.py",  # 14 s
+                 "tests/models/test_moe_dispatch.py",  # 13 s
+                 "tests/models/test_quant.py")  # 13 s
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

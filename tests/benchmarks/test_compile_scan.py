@@ -26,6 +26,7 @@ def _tiny():
     return compile_scan.model_config(2, 64, heads=2, ffn=128, vocab=128)
 
 
+@pytest.mark.slow  # (4 s; the scanned executor's tokens stay in the default pass, tests/executors/test_scan_layers.py)
 def test_scanned_step_matches_the_unrolled_one_and_is_one_loop():
     cfg = _tiny()
     model = compile_scan.dlm_jax.init_model(cfg, seed=1)
@@ -73,6 +74,7 @@ def test_a_case_reports_every_field(tmp_path, no_persistent_cache):
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # (3 s: the benchmark's 8B-shape path at a small shape; its report's fields run by default)
 def test_the_executors_resident_step_compiles_from_abstract_shapes_both_ways(no_persistent_cache):
     cfg = compile_scan.model_config(3, 64, heads=2, ffn=128, vocab=128)
     rows = compile_scan.measure_resident(cfg, ((1, 8, 16), (2, 16, 0)), slots=32, repeats=1)

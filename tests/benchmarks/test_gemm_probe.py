@@ -38,6 +38,7 @@ def test_fused_and_separate_compute_the_same_products_from_the_same_weights():
                                            atol=float(np.abs(np.asarray(dense)).max()) / 127)
 
 
+@pytest.mark.slow  # (3 s: the script's run; its products' equality runs by default above)
 def test_the_run_reports_every_case_and_pair(tmp_path):
     out = tmp_path / "gemm"
     assert gemm_probe.main(["--shape", "small", "--dtype", "float32", "--rows", "8", "32", "--calls", "2", "--reps", "1",

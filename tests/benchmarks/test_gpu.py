@@ -515,7 +515,7 @@ def test_a_spent_budget_skips_the_remaining_cases_and_the_report_still_writes(tm
     assert gpu._done(spec, tmp_path, "dlm_jax")
 
 
-@pytest.mark.parametrize("how", ["crash", "overrun"])
+@pytest.mark.parametrize("how", ["crash", pytest.param("overrun", marks=pytest.mark.slow)])  # (overrun: 3 s)
 def test_a_worker_that_crashes_or_overruns_stands_as_its_saved_cases(how, tmp_path):
     """A measuring worker that died (an out-of-memory at batch 32) or was still in a case long
     past its deadline (a cold compile) used to end the whole run with no report: `gpu_lease.sh`'s

@@ -44,6 +44,7 @@ def test_abstract_mode_lowers_from_shapes(tmp_path):
     assert int8["weight_bytes"] < 0.6 * case["weight_bytes"]
 
 
+@pytest.mark.slow  # (5 s: the script's timing path on a CPU; its cost-analysis and --target paths run by default)
 def test_a_backend_without_cost_analysis_still_times_the_step(tmp_path, monkeypatch):
     """XLA:GPU answers `cost_analysis()` of a lowered program with None (jax 0.11.2 on an H200):
     once that turned every case of a lease into an error and nothing was timed. Both analyses

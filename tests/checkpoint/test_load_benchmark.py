@@ -33,6 +33,7 @@ def _check_fields(result, loaders):
         assert f"| {name} |" in load.markdown(result)
 
 
+@pytest.mark.slow  # (3 s, as most benchmark scripts' runs: CI's slow pass runs it)
 def test_benchmark_reports_every_field(tmp_path):
     """One loader, one process, the checkpoint written by dlm-jax in the Llama layout (starting
     torch and transformers takes seconds: the slow test runs the benchmark as it is)."""
