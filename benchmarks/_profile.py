@@ -81,6 +81,9 @@ _COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w-]+)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BODY = re.compile(r"body=%?([\w.-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_GEMM = re.compile(r'"kind":"__triton_(nested_)?gemm_fusion"|__cublas|__cudnn\$?matmul')
 # Ops that launch nothing themselves: buffers, views, control flow (a loop's body is counted
 # as often as it runs, where XLA knows its trip count).
 _NO_KERNEL = frozenset({"parameter", "constant", "bitcast", "tuple", "get-tuple-element", "while", "conditional",
@@ -120,17 +123,16 @@ def hlo_kernels(text: str) -> dict[str, Any]:
     def visit(name: str, times: int, depth: int = 0) -> None:
         for inst, shape, op, rest in comps.get(name, []):
             if op == "while" and depth < 8:
-                body = re.search(r"body=%?([\w.-]+)", rest)
+                body = _BODY.search(rest)
                 trips = _TRIPS.search(rest)
                 if body:
                     visit(body.group(1), times * (int(trips.group(1)) if trips else 1), depth + 1)
                 continue
             if op in _NO_KERNEL:
                 continue
-            target = re.search(r'custom_call_target="([^"]+)"', rest)
+            target = _TARGET.search(rest)
             label = target.group(1) if target else inst
-            kind = "gemm" if re.search(r'"kind":"__triton_(nested_)?gemm_fusion"|__cublas|__cudnn\$?matmul', rest) \
-                else kernel_kind(label if op in ("fusion", "custom-call") else op)
+            kind = "gemm" if _GEMM.search(rest) else kernel_kind(label if op in ("fusion", "custom-call") else op)
             size = _array_bytes(shape)
             count = kinds.setdefault(kind, [0, 0])
             count[0] += times

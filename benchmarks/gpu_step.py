@@ -80,7 +80,7 @@ import dlm_jax  # noqa: E402
 from _plots import png_bytes  # noqa: E402
 from _profile import hlo_kernels, kernel_table, top_kernels  # noqa: E402
 from dlm_jax._integrity import atomic_write  # noqa: E402
-from dlm_jax.executors._compile import building_for, jit_options, jitted  # noqa: E402
+from dlm_jax.executors._compile import building_for, jitted  # noqa: E402
 from dlm_jax.executors.jax_executor import JaxExecutor  # noqa: E402
 
 try:  # an executor that reads its cache in place names its ways of reading it
@@ -391,11 +391,9 @@ def _run(args: argparse.Namespace, target) -> dict[str, Any]:
 
         def compile_case(c):
             t0 = time.perf_counter()
-            if target is None:
-                fn, specs = jitted(executor._build_resident, (steps[c].key, slots))  # as the executor compiles
-            else:  # the same program and options, its arguments on the target's device
-                fn, specs, *options = executor._build_resident((steps[c].key, slots))
-                fn, specs = jax.jit(fn, **jit_options(options[0] if options else None)), on_device(specs, target)
+            fn, specs = jitted(executor._build_resident, (steps[c].key, slots))  # as the executor compiles
+            if target is not None:  # (its options the target's: `building_for`) its arguments on the target's device
+                specs = on_device(specs, target)
             lowered = fn.lower(*specs)
             exe = lowered.compile()
             return exe, time.perf_counter() - t0, lowered
