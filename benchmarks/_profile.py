@@ -84,6 +84,9 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"body=%?([\w.-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _GEMM = re.compile(r'"kind":"__triton_(nested_)?gemm_fusion"|__cublas|__cudnn\$?matmul')
+_CALLS = re.compile(r"calls=%?([\w.-]+)")
+_NAME = re.compile(r"%[\w.-]+")
+_DETAILS = re.compile(r", (metadata|backend_config|frontend_attributes)=.*$")
 # Ops that launch nothing themselves: buffers, views, control flow (a loop's body is counted
 # as often as it runs, where XLA knows its trip count).
 _NO_KERNEL = frozenset({"parameter", "constant", "bitcast", "tuple", "get-tuple-element", "while", "conditional",
@@ -106,8 +109,10 @@ def hlo_kernels(text: str) -> dict[str, Any]:
     (`Compiled.as_text()`), the entry computation's ops and each loop body's times its known
     trip count: how many in all and by kind (`kernel_kind` of the fusion's name, a custom
     call's target), and the bytes each kind writes (its outputs' sizes), the largest outputs
-    apart. A compile-only view of the step's launches, for a GPU this machine lacks
-    (`gpu_step.py --target`); a device profile counts the kernels that ran."""
+    apart; and how many of the GEMMs are distinct (`distinct_gemms`: fusions whose bodies
+    differ beyond their names, which XLA:GPU's autotuner tunes one by one, where identical
+    ones share one tuning). A compile-only view of the step's launches, for a GPU this machine
+    lacks (`gpu_step.py --target`); a device profile counts the kernels that ran."""
     comps: dict[str, list[tuple[str, str, str, str]]] = {}
     entry, current = None, None
     for line in text.splitlines():
@@ -119,6 +124,15 @@ def hlo_kernels(text: str) -> dict[str, Any]:
             current.append(m.groups())
     kinds: dict[str, list[int]] = {}
     largest: list[tuple[int, str, str]] = []
+    gemms: set[tuple] = set()
+
+    def signature(op: str, shape: str, rest: str) -> tuple:
+        """A GEMM as the autotuner tells GEMMs apart: its fusion's body (or the call itself),
+        names and metadata left out."""
+        called = _CALLS.search(rest)
+        body = comps.get(called.group(1), []) if op == "fusion" and called else []
+        return (shape, op, _NAME.sub("%", _DETAILS.sub("", rest)) if not body else "",
+                tuple((s, o, _NAME.sub("%", _DETAILS.sub("", r))) for _, s, o, r in body))
 
     def visit(name: str, times: int, depth: int = 0) -> None:
         for inst, shape, op, rest in comps.get(name, []):
@@ -133,6 +147,8 @@ def hlo_kernels(text: str) -> dict[str, Any]:
             target = _TARGET.search(rest)
             label = target.group(1) if target else inst
             kind = "gemm" if _GEMM.search(rest) else kernel_kind(label if op in ("fusion", "custom-call") else op)
+            if kind == "gemm":
+                gemms.add(signature(op, shape, rest))
             size = _array_bytes(shape)
             count = kinds.setdefault(kind, [0, 0])
             count[0] += times
@@ -142,6 +158,6 @@ def hlo_kernels(text: str) -> dict[str, Any]:
     if entry is not None:
         visit(entry, 1)
     largest.sort(reverse=True)
-    return {"kernels": sum(c for c, _ in kinds.values()),
+    return {"kernels": sum(c for c, _ in kinds.values()), "distinct_gemms": len(gemms),
             "by_kind": {k: {"kernels": c, "bytes_written": b} for k, (c, b) in sorted(kinds.items())},
             "largest_outputs": [{"bytes": s, "kernel": n, "shape": sh} for s, n, sh in largest[:5]]}

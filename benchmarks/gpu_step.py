@@ -510,12 +510,16 @@ def compile_env(env: dict[str, Any] | None) -> str:
 
 
 def kernel_cells(kernels: dict[str, Any] | None) -> str:
-    """A step's launches (`hlo_kernels`) as two table cells: all, then by kind."""
+    """A step's launches (`hlo_kernels`) as two table cells: all, then by kind (the GEMMs with
+    how many of them are distinct, where the run counted it)."""
     if not kernels:
         return "- | -"
     kinds = kernels["by_kind"]
-    return f"{kernels['kernels']} | " + " / ".join(
-        str(kinds.get(k, {}).get("kernels", 0)) for k in ("gemm", "data movement", "other")) + (
+    distinct = kernels.get("distinct_gemms")
+    counts = [str(kinds.get(k, {}).get("kernels", 0)) for k in ("gemm", "data movement", "other")]
+    if distinct is not None:
+        counts[0] += f" ({distinct} distinct)"
+    return f"{kernels['kernels']} | " + " / ".join(counts) + (
         f" (+{kinds['attention']['kernels']} attention)" if "attention" in kinds else "")
 
 

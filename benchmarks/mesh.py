@@ -206,7 +206,7 @@ def memory(executor: JaxExecutor, names: list[str], tp: int, cfg: dlm_jax.ModelC
     positions = np.arange(slots, dtype=np.int32)[None]
     cache = executor.open(cfg, positions, np.ones_like(positions, bool))
     try:
-        kv = per_device([cache.k, cache.v])
+        kv = per_device([*cache.k, *cache.v])
         cache_slots = cache.slots
     finally:
         cache.close()

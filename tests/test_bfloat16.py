@@ -94,15 +94,15 @@ def spy(monkeypatch) -> Spy:
     step, write, dense, steps = DeviceKVCache.step, DeviceKVCache.write, JaxExecutor.step, Decoder.steps
 
     def cache_step(self, req, **kw):
-        seen.kv_dtypes |= {str(self.k.dtype), str(self.v.dtype)}
+        seen.kv_dtypes |= {str(x.dtype) for x in (*self.k, *self.v)}
         out = step(self, req, **kw)
-        seen.kv_dtypes |= {str(self.k.dtype), str(self.v.dtype)}
+        seen.kv_dtypes |= {str(x.dtype) for x in (*self.k, *self.v)}
         seen.outputs_seen(out)
         return out
 
     def cache_write(self, kv, slots, rows, **kw):
         write(self, kv, slots, rows, **kw)
-        seen.kv_dtypes |= {str(self.k.dtype), str(self.v.dtype)}
+        seen.kv_dtypes |= {str(x.dtype) for x in (*self.k, *self.v)}
 
     def dense_step(self, inputs, **kw):
         out = dense(self, inputs, **kw)

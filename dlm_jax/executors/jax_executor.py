@@ -8,11 +8,12 @@ as the contract names them. It is model-agnostic: logit shift is the host's busi
 for row i - 1 to predict slot i).
 
 A decode does not feed it from the host: `JaxExecutor.open` makes a `DeviceKVCache`, the
-decode's K/V as device arrays [L, B, Hkv, S, Dh] (S: the decode's slots, bucketed), and each
-step is one program (`_build_resident`) that reads the cache (in place on an accelerator,
-every slot with the unread ones masked: `slot_reads`; the read slots gathered first on a CPU:
-`default_attention`), builds the visibility there from the slot positions uploaded once, runs
-`decode_step` and scatters the window rows' K/V into the cache, whose buffers it donates. Per
+decode's K and V as device arrays, one [B, Hkv, S, Dh] array per layer each (S: the decode's
+slots, bucketed), and each step is one program (`_build_resident`) that reads the cache (in
+place on an accelerator, every slot with the unread ones masked: `slot_reads`; the read slots
+gathered first on a CPU: `default_attention`), builds the visibility there from the slot
+positions uploaded once, runs `decode_step` and scatters the window rows' K/V into the cache,
+whose buffers it donates. Per
 step the host sends the `SlotStep` (ids, positions, flags, slot indices) and reads back the
 rows' predictions, each as one array (`pack_request`, `pack_predictions`).
 """
@@ -121,7 +122,9 @@ def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache
     Traced, the blocks of one structure are traced once (`layers_traced_once`): the same
     compiled program, traced and lowered in a fraction of the time."""
     model = nnx.merge(graphdef, state)
-    has_cache = k_cache.shape[2] > 0  # static: P == 0 means no cache input is used
+    # static: P == 0 means no cache input is used (a resident cache read in place comes as one
+    # array per layer, [B, Hkv, S, Dh])
+    has_cache = (k_cache[0] if isinstance(k_cache, (tuple, list)) else k_cache).shape[2] > 0
     with layers_traced_once():
         out = model(tokens, positions=positions, mask=visibility,
                     k_cache=k_cache if has_cache else None, v_cache=v_cache if has_cache else None,
@@ -313,7 +316,7 @@ def abstract_inputs(config, key: BucketKey) -> tuple[jax.ShapeDtypeStruct, ...]:
 
 
 def gather_view(k_res, v_res, pos, valid, written, read, read_len, rows, *, written_only: bool):
-    """The read slots of a resident cache ([L, B_pool, Hkv, S, Dh]), per batch row: `read`
+    """The read slots of a resident cache (per layer [B_pool, Hkv, S, Dh]), per batch row: `read`
     [B, P] of cache row `rows` [B] (-1: a padding row, which sees nothing). Returns K/V [L, B,
     P, Hkv, Dh] (zeros where `read` is -1), their positions and whether each batch row may see
     them, [B, P] (a row sees its first `read_len` [B] columns). Each (row, slot) pair is
@@ -322,10 +325,10 @@ def gather_view(k_res, v_res, pos, valid, written, read, read_len, rows, *, writ
     idx = jnp.where(ok, read, 0)
     r = jnp.where(rows >= 0, rows, 0)[:, None]  # [B, 1]
     keep = ok[None, :, :, None, None]
-    # k_res[:, r, :, idx]: the advanced indices (axes 1 and 3) are split by a slice, so their
-    # [B, P] dimensions come first: [B, P, L, Hkv, Dh].
-    k = jnp.where(keep, k_res[:, r, :, idx].transpose(2, 0, 1, 3, 4), 0)
-    v = jnp.where(keep, v_res[:, r, :, idx].transpose(2, 0, 1, 3, 4), 0)
+    # layer[r, :, idx]: the advanced indices (axes 0 and 2) are split by a slice, so their
+    # [B, P] dimensions come first: [B, P, Hkv, Dh] per layer.
+    k = jnp.where(keep, jnp.stack([layer[r, :, idx] for layer in k_res]), 0)
+    v = jnp.where(keep, jnp.stack([layer[r, :, idx] for layer in v_res]), 0)
     k_pos = jnp.where(ok, pos[r, idx], 0)
     k_ok = ok & valid[r, idx] & (jnp.arange(read.shape[1])[None, :] < read_len[:, None])
     if written_only:
@@ -353,10 +356,10 @@ def slot_reads(valid, read, read_len, hide):
 
 
 def scatter_rows(k_res, v_res, written, k_new, v_new, write, rows):
-    """Store window rows' K/V [L, B, W, Hkv, Dh] at their slots of a resident cache [L, B_pool,
-    Hkv, S, Dh], batch row b into cache row `rows[b]` (`write` [B, W], -1: none; a padding
-    row, `rows` -1, stores nothing); the rest of the cache is untouched (in place when
-    donated).
+    """Store window rows' K/V [L, B, W, Hkv, Dh] at their slots of a resident cache (for K and
+    for V, L arrays [B_pool, Hkv, S, Dh]), batch row b into cache row `rows[b]` (`write` [B,
+    W], -1: none; a padding row, `rows` -1, stores nothing); the rest of the cache is untouched
+    (in place when donated).
 
     Every (cache row, slot) pair is distinct, the dropped ones too (each gets a slot of its
     own past the cache), so the scatters are declared `unique_indices`: XLA:GPU's scatter
@@ -370,10 +373,10 @@ def scatter_rows(k_res, v_res, written, k_new, v_new, write, rows):
     dropped = s + jnp.arange(b * w, dtype=write.dtype).reshape(b, w)  # past the cache, each its own
     target = jnp.where((write >= 0) & (rows >= 0)[:, None], write, dropped)
     at = jnp.broadcast_to(jnp.where(rows >= 0, rows, 0)[:, None], target.shape)
-    # The cache is [L, B, Hkv, S, Dh]: indexed at (rows, slots), the updates are [B, W, L, Hkv, Dh].
+    # A layer's cache is [B, Hkv, S, Dh]: indexed at (rows, slots), its updates are [B, W, Hkv, Dh].
     store = dict(mode="drop", unique_indices=True)
-    k_res = k_res.at[:, at, :, target].set(k_new.transpose(1, 2, 0, 3, 4).astype(k_res.dtype), **store)
-    v_res = v_res.at[:, at, :, target].set(v_new.transpose(1, 2, 0, 3, 4).astype(v_res.dtype), **store)
+    k_res = tuple(layer.at[at, :, target].set(new.astype(layer.dtype), **store) for layer, new in zip(k_res, k_new))
+    v_res = tuple(layer.at[at, :, target].set(new.astype(layer.dtype), **store) for layer, new in zip(v_res, v_new))
     return k_res, v_res, written.at[at, target].set(True, **store)
 
 
@@ -388,11 +391,17 @@ def device_specs(key: BucketKey, gated: bool = False) -> tuple[jax.ShapeDtypeStr
 
 
 class DeviceKVCache(KVCache):
-    """The K/V of one decode on the JAX executor's device: [L, B, Hkv, S, Dh] keys and values
-    (each head's slots contiguous: the layout the step's score and value products read in
-    place; with [.., S, Hkv, Dh] a GPU profile showed one transposed copy of the cache per
-    step, `benchmarks/results/gpu_step.md`),
-    the slots' positions, validity and whether each (row, slot) holds K/V, all device arrays.
+    """The K/V of one decode on the JAX executor's device: `k` and `v`, a tuple of one [B, Hkv,
+    S, Dh] array per layer each (each head's slots contiguous: the layout the step's score and
+    value products read in place; with [.., S, Hkv, Dh] a GPU profile showed one transposed
+    copy of the cache per step, `benchmarks/results/gpu_step.md`). A buffer of its own per
+    layer, not one [L, ...] array: a layer read out of a stacked cache is a slice at that
+    layer's offset inside each of its GEMMs, which makes every layer's cache products a
+    distinct kernel for XLA:GPU's autotuner (compiled for an H200: 72 distinct GEMM fusions in
+    a prefix step instead of 10, twice the compile seconds without autotuning,
+    `benchmarks/results/gpu_target.md`); over buffers of their own, the layers' products are
+    one kernel, tuned once. Beside them, the slots' positions, validity and whether each
+    (row, slot) holds K/V, all device arrays.
     A step sends its `SlotStep` and reads back the rows' predictions; its K/V are written in
     place (the cache's buffers are donated to the step)."""
 
@@ -660,7 +669,8 @@ class JaxExecutor(Executor):
     def _cache_out(self, rows: int) -> tuple:
         """Output shardings of (K, V, written) of a cache of `rows` rows."""
         p = self.placement
-        return p.cache(rows), p.cache(rows), p.replicated
+        layers = (p.cache(rows),) * self.config.n_layers
+        return layers, layers, p.replicated
 
     def _meshed(self, build, outputs=None):
         """`build` as it runs on this executor's mesh: its program traced with the MoE layers'
@@ -784,17 +794,19 @@ class JaxExecutor(Executor):
         leaves = [leaf.T if t else leaf for leaf, t in zip(leaves, self._transposed)]
         return jax.tree.unflatten(self._treedef, leaves)
 
-    def _cache_specs(self, batch: int, slots: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    def _cache_specs(self, batch: int, slots: int) -> tuple:
+        """(K, V, written, positions, validity) of a cache of `batch` rows: K and V a tuple of one
+        [batch, Hkv, slots, Dh] array per layer (see `DeviceKVCache`)."""
         cfg = self.config
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, slots, cfg.head_dim)  # heads first: see `DeviceKVCache`
+        shape = (batch, cfg.n_kv_heads, slots, cfg.head_dim)  # heads first: see `DeviceKVCache`
         kv = None if self.placement is None else self.placement.cache(batch)
-        return (jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=kv),
-                jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=kv),
+        layers = tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=kv) for _ in range(cfg.n_layers))
+        return (layers, layers,
                 jax.ShapeDtypeStruct((batch, slots), bool), jax.ShapeDtypeStruct((batch, slots), jnp.int32),
                 jax.ShapeDtypeStruct((batch, slots), bool))
 
     def _view_fn(self, key: BucketKey, *, in_place: bool = False):
-        """The step over a cache view: the resident cache itself, [L, B, Hkv, S, Dh], read in
+        """The step over a cache view: the resident cache itself ([B, Hkv, S, Dh] a layer), read in
         this executor's `attention` form (`in_place`), or a gathered copy of the read slots,
         [L, B, P, Hkv, Dh], scored concatenated with the window's K/V (the form bundles are
         traced in): over a copy there is nothing to read in place, and on a CPU the split form's
@@ -833,12 +845,13 @@ class JaxExecutor(Executor):
                     hide, logit_rows, rows, *gate, take_rows: bool):
             if in_place:  # attention reads all S slots where they lie, the unread ones masked
                 if take_rows:
-                    # The batch rows' caches gathered first, [L, B, Hkv, S, Dh]: on a GPU a
+                    # The batch rows' caches gathered first, [B, Hkv, S, Dh] a layer: on a GPU a
                     # copy of those rows' whole caches per step, as many bytes again as the
                     # attention reads (a pool whose step covers all its rows in order runs the
                     # in-place program instead).
                     r = jnp.where(rows >= 0, rows, 0)
-                    k_rows, v_rows = jnp.take(k_res, r, axis=1), jnp.take(v_res, r, axis=1)
+                    k_rows = tuple(jnp.take(layer, r, axis=0) for layer in k_res)
+                    v_rows = tuple(jnp.take(layer, r, axis=0) for layer in v_res)
                     pos_rows, valid_rows = jnp.take(pos, r, axis=0), jnp.take(valid, r, axis=0) & (rows >= 0)[:, None]
                 else:
                     k_rows, v_rows, pos_rows, valid_rows = k_res, v_res, pos, valid
@@ -869,8 +882,12 @@ class JaxExecutor(Executor):
                                                           (k_res, v_res, written))
             else:
                 named = forward(leaves, k_res, v_res, written, pos, valid, *per_row, take_rows=pooled)
-                k_res, v_res, written = scatter_rows(k_res, v_res, written, named.pop("k_new"), named.pop("v_new"),
-                                                     write, rows)
+                # The stores' slots pass an optimization barrier with the step's outputs, so each
+                # layer's store follows every read of the cache: otherwise XLA cannot order a
+                # layer's store after its attention's read and copies that layer's cache first.
+                k_new, v_new = named.pop("k_new"), named.pop("v_new")
+                write, named = jax.lax.optimization_barrier((write, named))
+                k_res, v_res, written = scatter_rows(k_res, v_res, written, k_new, v_new, write, rows)
             preds = pack_predictions(named)  # (out of `named`)
             return preds, named, k_res, v_res, written
 
@@ -910,7 +927,8 @@ class JaxExecutor(Executor):
         k, v, written, _, _ = self._cache_specs(batch, slots)
 
         def alloc():
-            return jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype), jnp.zeros(written.shape, bool)
+            return (tuple(jnp.zeros(s.shape, s.dtype) for s in k), tuple(jnp.zeros(s.shape, s.dtype) for s in v),
+                    jnp.zeros(written.shape, bool))
 
         return alloc, ()
 
@@ -929,7 +947,8 @@ class JaxExecutor(Executor):
 
         def clear(k_res, v_res, written, row):
             # A row handed to a new request: zeros and unwritten, as a fresh cache's.
-            return (k_res.at[:, row].set(0), v_res.at[:, row].set(0), written.at[row].set(False))
+            return (tuple(layer.at[row].set(0) for layer in k_res), tuple(layer.at[row].set(0) for layer in v_res),
+                    written.at[row].set(False))
 
         return clear, (k, v, written, jax.ShapeDtypeStruct((), jnp.int32)), {"donate_argnums": (0, 1, 2)}
 

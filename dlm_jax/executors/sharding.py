@@ -2,7 +2,7 @@
 
 The mesh is `jax.sharding.Mesh` over tp * ep * dp devices with axes ("dp", "ep", "tp")
 (`dlm_jax._partition.MeshShape`). Parameters are split by the partition rules training uses
-(`dlm_jax._partition.leaf_axes`), the K/V cache [L, rows, Hkv, S, Dh] by its K/V heads over tp
+(`dlm_jax._partition.leaf_axes`), the K/V cache (a [rows, Hkv, S, Dh] per layer) by its K/V heads over tp
 and its rows over dp (`cache_axes`), a step's per-row inputs by their batch rows over dp, and
 everything else (the slot positions, validity, what each step returns) is replicated. The
 compiled programs take these shardings as their in/out shardings and XLA's SPMD partitioner
@@ -64,8 +64,8 @@ class MeshPlacement:
         return NamedSharding(self.mesh, P(*leaf_axes(name, shape, axes, transposed=transposed)))
 
     def cache(self, rows: int) -> NamedSharding:
-        """K or V [L, rows, Hkv, S, Dh]."""
-        return NamedSharding(self.mesh, P(*cache_axes(self.shape, rows, self.config)))
+        """One layer's K or V [rows, Hkv, S, Dh] (`cache_axes` without the layer axis)."""
+        return NamedSharding(self.mesh, P(*cache_axes(self.shape, rows, self.config)[1:]))
 
     def batch(self, shape: Sequence[int]) -> NamedSharding:
         """A step's per-row array [B, ...]: rows over dp where dp divides B, else replicated."""

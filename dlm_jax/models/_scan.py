@@ -163,6 +163,8 @@ class ScannedTransformer(nnx.Module):
             act = extra if extra is not None and not routed and ffn_act else None
             return x, (k, v, topk, act)
 
+        if isinstance(k_cache, (tuple, list)):  # a resident cache's layers, each an array of its own: stacked
+            k_cache, v_cache = jnp.stack(k_cache), jnp.stack(v_cache)  # (a copy per step) to scan over
         x, (ks, vs, topk, acts) = jax.lax.scan(body, x, (stacked, k_cache, v_cache))
         return ModelOutput(self.output(x, logit_rows), ks, vs, topk, acts)
 

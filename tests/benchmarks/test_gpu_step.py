@@ -184,12 +184,32 @@ def test_hlo_kernels_counts_a_loops_body_as_often_as_it_runs():
     assert five["largest_outputs"][0]["bytes"] == 8 * 8 * 4
 
 
+def test_hlo_kernels_tells_alike_gemms_from_distinct_ones():
+    """`distinct_gemms`: GEMMs alike but for their names count once (XLA:GPU's autotuner
+    tunes them once), and one that reads its operand through a slice of its own is another,
+    though of the same shape (as each layer's products over a stacked cache were)."""
+    import jax
+    import jax.numpy as jnp
+
+    from _profile import hlo_kernels
+
+    def f(a, b, w, v):
+        return jnp.tanh(a @ w) + jnp.tanh(b @ w), jnp.tanh(a[:, :16] @ v)
+
+    x = jnp.ones((64, 64))
+    kernels = hlo_kernels(jax.jit(f).lower(x, x, x, jnp.ones((16, 64))).compile().as_text())
+    assert kernels["by_kind"]["gemm"]["kernels"] == 3 and kernels["distinct_gemms"] == 2
+
+
 def test_target_compiles_for_a_gpu_this_machine_lacks_or_says_what_it_needs(tmp_path):
     """`--target h200` compiles the step with XLA:GPU's compile-only client and counts the
     kernels it launches; the split attention's two score products stay two (XLA's dot merger
     once joined them over a [.., P+T, Dh] copy of each layer's cached keys: at this shape a
-    [4, 544, 64] concatenation); int8 weights add no kernel. Without JAX's CUDA plugin (CI) the
-    run ends in one line naming what it needs, as an unknown target does."""
+    [4, 544, 64] concatenation); every GEMM of the second layer is one of the first's, so the
+    autotuner has no more to tune for it (over a stacked [L, ...] cache, each layer's cache
+    products read it at their own offset: two more distinct GEMMs a layer); int8 weights add
+    no kernel. Without JAX's CUDA plugin (CI) the run ends in one line naming what it needs,
+    as an unknown target does."""
     out = tmp_path / "target"
     argv = ["--target", "h200", "--shape", "small", "--batches", "1", "--kinds", "dual", "--threads", "1",
             "--quant", "none", "int8", "--out", str(out)]
@@ -204,6 +224,7 @@ def test_target_compiles_for_a_gpu_this_machine_lacks_or_says_what_it_needs(tmp_
         assert int8["kernels"]["largest_outputs"][0]["bytes"] <= case["kernels"]["largest_outputs"][0]["bytes"]
         kinds = case["kernels"]["by_kind"]
         assert case["compile_s"] > 0 and kinds["gemm"]["kernels"] >= 2 * 7 + 1  # 7 GEMMs a layer, the head
+        assert case["kernels"]["distinct_gemms"] <= (kinds["gemm"]["kernels"] - 1) // 2 + 1  # 2 layers, 1 head
         assert not any("544" in k["shape"] for k in case["kernels"]["largest_outputs"])
         assert "| kernels |" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit, match="neither a known target"):

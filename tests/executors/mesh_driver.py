@@ -83,7 +83,7 @@ def main() -> None:
             slots = 256
             cache = mesh.executor.open(mesh.config, np.zeros((2, slots), np.int32), np.ones((2, slots), bool))
             kv = {}
-            for a in (cache.k, cache.v, cache.pos, cache.valid, cache.written):
+            for a in (*cache.k, *cache.v, cache.pos, cache.valid, cache.written):
                 for s in a.addressable_shards:
                     kv[str(s.device)] = kv.get(str(s.device), 0) + s.data.nbytes
             cache.close()

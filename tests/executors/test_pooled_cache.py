@@ -125,7 +125,7 @@ def kv_rows(cache) -> tuple[np.ndarray, np.ndarray]:
     """[L, rows, S, Hkv, Dh] keys and values of either cache."""
     if isinstance(cache, HostKVCache):
         return cache.store.k, cache.store.v
-    return np.asarray(cache.k).swapaxes(2, 3), np.asarray(cache.v).swapaxes(2, 3)
+    return np.stack(cache.k).swapaxes(2, 3), np.stack(cache.v).swapaxes(2, 3)
 
 
 def open_cache(executor: JaxExecutor, host: bool, positions: np.ndarray, valid: np.ndarray):

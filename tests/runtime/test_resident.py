@@ -132,12 +132,13 @@ def test_the_cache_is_updated_in_place(model):
     scheduler = decode_config(gen_len=16, block_len=8, cache="prefix").scheduler
     plan = scheduler.plan(state, scheduler.start(state))
     req = StepInputBuilder(model.config, executor.capabilities).build(plan, state, dlm_jax.runtime.OutputRequest())
-    before = cache.k
+    before = (*cache.k, *cache.v)
+    assert len(cache.k) == len(cache.v) == model.config.n_layers  # one buffer per layer
     cache.step(req)
-    assert before.is_deleted(), "the step copied the cache instead of updating it in place (donation)"
+    assert all(x.is_deleted() for x in before), "the step copied the cache instead of updating it in place (donation)"
     written = np.asarray(cache.written)
     assert written[:, :state.total].all() and not written[:, state.total:].any()
-    assert isinstance(cache.k, jax.Array)
+    assert all(isinstance(x, jax.Array) for x in (*cache.k, *cache.v))
 
 
 @pytest.mark.parametrize("name", _params())
@@ -177,9 +178,10 @@ def test_stored_rows_land_at_their_slots_and_nothing_else_moves():
                 want_k[:, rows[i], :, write[i, j]] = k_new[:, i, j]
                 want_v[:, rows[i], :, write[i, j]] = v_new[:, i, j]
                 want_w[rows[i], write[i, j]] = True
+    k, v = tuple(k), tuple(v)  # the cache's layers, each a buffer of its own
     got = jax.jit(scatter_rows)(k, v, written, k_new, v_new, write, rows)
-    for a, e in zip(got, (want_k, want_v, want_w)):
+    for a, e in zip((np.stack(got[0]), np.stack(got[1]), got[2]), (want_k, want_v, want_w)):
         np.testing.assert_array_equal(np.asarray(a), e)
     hlo = jax.jit(scatter_rows).lower(k, v, written, k_new, v_new, write, rows).as_text()
     scatters = [ln for ln in hlo.splitlines() if "stablehlo.scatter" in ln]
-    assert len(scatters) == 3 and all("unique_indices = true" in ln for ln in scatters), scatters
+    assert len(scatters) == 2 * layers + 1 and all("unique_indices = true" in ln for ln in scatters), scatters
