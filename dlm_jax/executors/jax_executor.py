@@ -39,7 +39,7 @@ from dlm_jax.models._fuse import PROJECTIONS_ENV, choose_projections, fuse_proje
 from dlm_jax.models._scan import ScannedTransformer, StackedLayers, choose_layers
 from dlm_jax._partition import param_name
 from dlm_jax.models._transformer import (ATTENTION_FORMS, EXPERT_EXCHANGES, Transformer, attention_form,
-                                         expert_mesh, layers_traced_once)
+                                         expert_mesh, joint_rope, layers_traced_once)
 from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, Transfers
 from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, BuildCounts, Capabilities, Executor,
@@ -109,7 +109,7 @@ def default_attention() -> str:
 
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
                 full_logits: bool, mask_id: int | None = None, lora_gate=None,
-                router_topk: bool = False, ffn_active: bool = False) -> dict[str, jax.Array]:
+                router_topk: bool = False, ffn_active: bool = False, one_rope: bool = False) -> dict[str, jax.Array]:
     """One forward over the window; shapes as in `StepInputs`. Returns `{output name: array}`
     for the names of `output_names` (logits only with `full_logits`, the MoE layers' routed
     experts only with `router_topk`, the FFN neurons each row activates, bit-packed, only
@@ -120,12 +120,13 @@ def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache
     unmasks (committing the mask token would leave the slot masked and stall the block).
 
     Traced, the blocks of one structure are traced once (`layers_traced_once`): the same
-    compiled program, traced and lowered in a fraction of the time."""
+    compiled program, traced and lowered in a fraction of the time. `one_rope`: q and k
+    rotated by one RoPE op (`joint_rope`; the executor's `one_rope`)."""
     model = nnx.merge(graphdef, state)
     # static: P == 0 means no cache input is used (a resident cache read in place comes as one
     # array per layer, [B, Hkv, S, Dh])
     has_cache = (k_cache[0] if isinstance(k_cache, (tuple, list)) else k_cache).shape[2] > 0
-    with layers_traced_once():
+    with layers_traced_once(), joint_rope(one_rope):
         out = model(tokens, positions=positions, mask=visibility,
                     k_cache=k_cache if has_cache else None, v_cache=v_cache if has_cache else None,
                     logit_rows=logit_rows, **({} if lora_gate is None else {"lora_gate": lora_gate}),
@@ -633,6 +634,10 @@ class JaxExecutor(Executor):
             s = next(iter(self._slots.values())).resident.size
             self._capabilities = dataclasses.replace(self._capabilities, expert_slots=s)
         self.placement = None if mesh is None else _placement(mesh, model, self._slots)
+        # q and k rotated by one RoPE op (`joint_rope`): on one accelerator only. A CPU keeps
+        # the bits it had (XLA:CPU rounds the joined op otherwise), and on a mesh q's and k's
+        # heads are split over the devices, which a join along the heads would regather.
+        self.one_rope = mesh is None and target_platform() != "cpu"
         if self.placement is None:
             self._held = [_transposed(leaf) if t else leaf for (_, leaf), t in zip(paths, self._transposed)]
         else:  # each leaf placed on its shards (transposed there: no whole copy on one device)
@@ -824,7 +829,7 @@ class JaxExecutor(Executor):
             with attention_form(form, heads_first=heads_first):
                 return decode_step(graphdef, self._state(leaves), tokens, positions, vis, k, v, logit_rows,
                                    full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=lora_gate,
-                                   router_topk=key.router_topk, ffn_active=key.ffn_active)
+                                   router_topk=key.router_topk, ffn_active=key.ffn_active, one_rope=self.one_rope)
 
         return view
 
@@ -965,7 +970,7 @@ class JaxExecutor(Executor):
             gate = inputs[len(INPUT_NAMES)] if len(inputs) > len(INPUT_NAMES) else None
             return decode_step(graphdef, jax.tree.unflatten(treedef, leaves), *inputs[:len(INPUT_NAMES)],
                                full_logits=key.full_logits, mask_id=cfg.mask_token_id, lora_gate=gate,
-                               router_topk=key.router_topk, ffn_active=key.ffn_active)
+                               router_topk=key.router_topk, ffn_active=key.ffn_active, one_rope=self.one_rope)
 
         gate = (jax.ShapeDtypeStruct((key.batch, key.window), jnp.float32),) if self.gated else ()
         return program, (self._leaves, *abstract_inputs(cfg, key), *gate)

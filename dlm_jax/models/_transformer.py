@@ -150,6 +150,22 @@ def attention_form(form: str, *, heads_first: bool = False) -> Iterator[None]:
         yield
 
 
+# Whether `Attention` rotates q's and k's heads by one RoPE op over both (`joint_rope`) or each
+# by its own (the default, and always under `litert_lowering`: the op order bundles are traced in).
+_JOINT_ROPE = contextvars.ContextVar("dlm_jax_joint_rope", default=False)
+
+
+@contextlib.contextmanager
+def joint_rope(on: bool = True) -> Iterator[None]:
+    """Trace `Attention` inside this context with q's and k's heads rotated by one RoPE op over
+    both (`on`): the same values, and compiled for an H200 one or two fewer kernels a layer
+    (`benchmarks/results/gpu_target.md`). The JAX executor traces its steps so where it builds
+    for an accelerator; elsewhere each is rotated apart, as before, since XLA:CPU compiles the
+    joined op to other last bits (float32 logits 1e-5 apart), which can turn a near tie."""
+    with _scoped(_JOINT_ROPE, on):
+        yield
+
+
 @contextlib.contextmanager
 def _scoped(var: contextvars.ContextVar, value) -> Iterator[None]:
     """`var` set to `value` inside the context (what a trace inside it reads), reset after."""
@@ -191,10 +207,14 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.A
     e_cached, e_own = jnp.exp(cached - top), jnp.exp(own - top)
     total = e_cached.sum(-1, keepdims=True) + e_own.sum(-1, keepdims=True)
     # Each product in the values' dtype, as `attend` takes it (XLA:CPU has no bf16 x bf16 ->
-    # f32 kernel for these), the two parts added in float32.
-    out = (jnp.einsum(f"bkgts,{cache_axes}->btkgd", (e_cached / total).astype(v_cache.dtype), v_cache
+    # f32 kernel for these), over the unnormalized weights (each at most 1), the two parts added
+    # in float32 and divided by the sum after: compiled for an H200, the sums then fuse with
+    # the exponentials instead of taking a kernel each, 2 fewer a layer for the same bytes
+    # (`benchmarks/results/gpu_target.md`).
+    out = (jnp.einsum(f"bkgts,{cache_axes}->btkgd", e_cached.astype(v_cache.dtype), v_cache
                       ).astype(jnp.float32)
-           + jnp.einsum("bkgts,bskd->btkgd", (e_own / total).astype(v.dtype), v).astype(jnp.float32))
+           + jnp.einsum("bkgts,bskd->btkgd", e_own.astype(v.dtype), v).astype(jnp.float32))
+    out = out / jnp.moveaxis(total, 3, 1)  # [B, Hkv, G, T, 1] -> [B, T, Hkv, G, 1]
     return out.astype(v.dtype).reshape(b, t, h, dh)
 
 
@@ -232,7 +252,11 @@ class Attention(nnx.Module):
             k, v = (y.reshape(b, t, self.n_kv_heads, self.head_dim) for y in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if _JOINT_ROPE.get() and not _LITERT.get():  # one RoPE op over q's and k's heads (`joint_rope`)
+            qk = apply_rope(jnp.concatenate([q, k], axis=2), cos, sin)
+            q, k = qk[:, :, : self.n_heads], qk[:, :, self.n_heads:]
+        else:  # (the traced op order bundles were exported in)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         form, heads_first = ("concat", False) if _LITERT.get() else _ATTENTION.get()
         if k_cache is None:  # the window alone (in cuDNN's kernel where the executor asked for it)
             out = attend_cudnn(q, k, v, mask) if form == "cudnn" else attend(q, k, v, mask)

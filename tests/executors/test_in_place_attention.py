@@ -61,6 +61,66 @@ def test_split_attention_over_an_empty_cache_is_the_window_s_attention():
         np.testing.assert_array_equal(np.asarray(out), np.asarray(attend(q, k, v, mask)))
 
 
+def test_split_attention_in_bfloat16_is_as_close_to_float32_as_the_concatenated_form():
+    """In bfloat16 the split form (its value products over the unnormalized weights, divided
+    by the softmax's sum after, in float32) strays from the float32 attention no further than
+    the concatenated form does: normalizing after the products costs no precision."""
+    rng = np.random.default_rng(5)
+    b, t, p, hkv, g, dh = 2, 32, 200, 2, 2, 64
+    for scale in (0.5, 1.5, 3.0):  # flat to peaked weights
+        q = rng.standard_normal((b, t, hkv * g, dh)) * scale
+        kc, vc = (rng.standard_normal((b, p, hkv, dh)) for _ in range(2))
+        k, v = (rng.standard_normal((b, t, hkv, dh)) for _ in range(2))
+        mask = rng.random((b, t, p + t)) < 0.8
+        mask[:, :, p:] |= np.eye(t, dtype=bool)
+        ref = attend(*(jnp.asarray(x, jnp.float32) for x in (q, np.concatenate([kc, k], 1), np.concatenate([vc, v], 1))),
+                     jnp.asarray(mask))
+        qb, kcb, vcb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, kc, vc, k, v))
+        split = jax.jit(attend_cached)(qb, kcb, vcb, kb, vb, jnp.asarray(mask))
+        concat = attend(qb, jnp.concatenate([kcb, kb], 1), jnp.concatenate([vcb, vb], 1), jnp.asarray(mask))
+        err = {name: np.abs(np.asarray(out.astype(jnp.float32)) - np.asarray(ref)) for name, out in
+               (("split", split), ("concat", concat))}
+        assert split.dtype == jnp.bfloat16 and err["split"].mean() > 0  # bfloat16 arithmetic, not float32's
+        assert err["split"].mean() <= 1.15 * err["concat"].mean(), (scale, err["split"].mean(), err["concat"].mean())
+        assert err["split"].max() <= 2 * err["concat"].max(), (scale, err["split"].max(), err["concat"].max())
+
+
+def test_joint_rope_rotates_q_and_k_as_each_apart_and_only_for_an_accelerator(monkeypatch):
+    """`joint_rope`: q's and k's heads rotated by one RoPE op give the logits and the window's K
+    that rotating each apart gives (float32; grouped heads, partial rotary, QK-norm). The
+    executor's steps take it where it builds for one accelerator (`JaxExecutor.one_rope`), and
+    not for a CPU, whose bits stay as they were."""
+    from flax import nnx
+
+    from dlm_jax.executors._compile import building_for
+    from dlm_jax.models import _transformer
+    from dlm_jax.models._transformer import joint_rope
+    from dlm_jax.testing import tiny_model
+
+    model = tiny_model(seed=4, n_heads=4, n_kv_heads=2, partial_rotary_factor=0.5, qk_norm=True)
+    graphdef, state = nnx.split(model)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 60, (2, 12)), jnp.int32)
+    apart = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
+    with joint_rope():
+        joint = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)  # a new function: traced here
+    np.testing.assert_allclose(np.asarray(joint.logits), np.asarray(apart.logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(joint.k), np.asarray(apart.k), rtol=1e-6, atol=1e-6)
+
+    rotated = []  # the head counts each RoPE op rotates
+    rope = _transformer.apply_rope
+    monkeypatch.setattr(_transformer, "apply_rope", lambda x, cos, sin: rotated.append(x.shape[2]) or rope(x, cos, sin))
+
+    def heads(executor: JaxExecutor) -> list[int]:
+        rotated.clear()
+        key = executor.capabilities.select(batch=1, window=8, cache=0, rows=8)
+        jax.make_jaxpr(executor._build(key)[0])(*executor._build(key)[1])  # traced as its compile traces it
+        return sorted(set(rotated))
+
+    assert heads(JaxExecutor(model)) == [2, 4]  # a CPU (this machine's backend): each apart
+    with building_for("gpu"):
+        assert heads(JaxExecutor(model)) == [6]
+
+
 @pytest.fixture(scope="module")
 def model():
     return sharp_model()
