@@ -53,9 +53,9 @@
 #                12288-wide ones at 3.5 (gpu_step.md). 8 programs, two sets of weights made.
 #   attention 100 benchmarks/gpu_step.py --attention split cudnn, batch 1 and 8, refresh, dual and
 #                prefix (12 programs on 12 threads, about 50 s, then 10 timed steps each). Compiled
-#                for an H200 here (benchmarks/results/gpu_target.md), cuDNN's steps launch 35-47%
-#                fewer kernels, its refresh no [B, H, W, W] float32 scores; the split steps move
-#                less data at batch 8 (no copy of the cache).
+#                for an H200 here (benchmarks/results/gpu_target.md), cuDNN's steps launch 30-38%
+#                fewer kernels (19-32% in a refresh), its refresh no [B, H, W, W] float32
+#                scores; the split steps move less data at batch 8 (no copy of the cache).
 #   cmdbuf   45  the fused part's separate cases again with XLA_FLAGS
 #                --xla_gpu_enable_command_buffer= (no CUDA graphs: every kernel launched on its
 #                own), with their kernels: whether XLA's command buffers, which it records on a
