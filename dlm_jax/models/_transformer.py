@@ -159,9 +159,11 @@ _JOINT_ROPE = contextvars.ContextVar("dlm_jax_joint_rope", default=False)
 def joint_rope(on: bool = True) -> Iterator[None]:
     """Trace `Attention` inside this context with q's and k's heads rotated by one RoPE op over
     both (`on`): the same values, and compiled for an H200 one or two fewer kernels a layer
-    (`benchmarks/results/gpu_target.md`). The JAX executor traces its steps so where it builds
-    for an accelerator; elsewhere each is rotated apart, as before, since XLA:CPU compiles the
-    joined op to other last bits (float32 logits 1e-5 apart), which can turn a near tie."""
+    (one or two more in a split refresh over separate projections at batch 16 and 32,
+    `benchmarks/results/gpu_target.md`). The JAX executor traces its steps so where it builds
+    for one accelerator (`JaxExecutor.one_rope`); elsewhere each is rotated apart, as before:
+    XLA:CPU compiles the joined op to other last bits (float32 logits 1e-5 apart), which can
+    turn a near tie."""
     with _scoped(_JOINT_ROPE, on):
         yield
 
@@ -209,7 +211,7 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.A
     # Each product in the values' dtype, as `attend` takes it (XLA:CPU has no bf16 x bf16 ->
     # f32 kernel for these), over the unnormalized weights (each at most 1), the two parts added
     # in float32 and divided by the sum after: compiled for an H200, the sums then fuse with
-    # the exponentials instead of taking a kernel each, 2 fewer a layer for the same bytes
+    # the exponentials instead of taking a kernel each, 2-3 fewer a layer for the same bytes
     # (`benchmarks/results/gpu_target.md`).
     out = (jnp.einsum(f"bkgts,{cache_axes}->btkgd", e_cached.astype(v_cache.dtype), v_cache
                       ).astype(jnp.float32)
