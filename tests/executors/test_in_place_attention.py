@@ -112,8 +112,8 @@ def test_joint_rope_rotates_q_and_k_as_each_apart_and_only_for_an_accelerator(mo
 
     def heads(executor: JaxExecutor) -> list[int]:
         rotated.clear()
-        key = executor.capabilities.select(batch=1, window=8, cache=0, rows=8)
-        jax.make_jaxpr(executor._build(key)[0])(*executor._build(key)[1])  # traced as its compile traces it
+        program, specs = executor._build(executor.capabilities.select(batch=1, window=8, cache=0, rows=8))
+        jax.make_jaxpr(program)(*specs)  # traced as its compile traces it
         return sorted(set(rotated))
 
     assert heads(JaxExecutor(model)) == [2, 4]  # a CPU (this machine's backend): each apart
