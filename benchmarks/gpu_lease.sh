@@ -51,11 +51,19 @@
 #                (dlm_jax.models._fuse) against separate, in one run, with each step's kernels.
 #                The 4096-wide projections read their weights at 1.6-2.8 TB/s at batch 1, the
 #                12288-wide ones at 3.5 (gpu_step.md). 8 programs, two sets of weights made.
-#   attention 100 benchmarks/gpu_step.py --attention split cudnn, batch 1 and 8, refresh, dual and
-#                prefix (12 programs on 12 threads, about 50 s, then 10 timed steps each). Compiled
-#                for an H200 here (benchmarks/results/gpu_target.md), cuDNN's steps launch 30-38%
-#                fewer kernels (19-32% in a refresh), its refresh no [B, H, W, W] float32
-#                scores; the split steps move less data at batch 8 (no copy of the cache).
+#   attncheck 40 benchmarks/attention_check.py: one layer's attention at the 8B shape, dual and
+#                prefix steps at batch 1 and 8, in the split, cudnn and cudnn_split forms against
+#                float32 (seconds: 12 small programs); whether cuDNN's log-sum-exp merges as JAX's
+#                XLA attention standing in for it does on a CPU (benchmarks/results/
+#                attention_check_stand_in.md), and rows that see no cache slot stay finite.
+#   attention 130 benchmarks/gpu_step.py --attention split cudnn cudnn_split, batch 1 and 8, refresh,
+#                dual and prefix (16 programs: a refresh reads no cache, so cudnn_split's is
+#                cudnn's; about 70 s, then 10 timed steps each). Compiled for an H200 here
+#                (benchmarks/results/gpu_target.md), cuDNN's steps launch 30-38% fewer kernels
+#                than the split ones (19-32% in a refresh), its refresh no [B, H, W, W] float32
+#                scores; the split steps move less data at batch 8 (no copy of the cache), and
+#                cudnn_split neither: 4.44 GB written at dual b8 against cudnn's 6.44, for 65
+#                more kernels (33 at batch 1).
 #   cmdbuf   45  the fused part's separate cases again with XLA_FLAGS
 #                --xla_gpu_enable_command_buffer= (no CUDA graphs: every kernel launched on its
 #                own), with their kernels: whether XLA's command buffers, which it records on a
@@ -103,10 +111,10 @@
 # LARGE_S, DUAL_BATCHES, DUAL_QUANTS, BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S,
 # PROJECTIONS (dlm-jax's in the gpu.py parts: PROJECTIONS=fused once the fused part has shown
 # fused projections faster; the default is the executor's, separate), ATTENTION (likewise:
-# ATTENTION=cudnn once the attention part has shown it faster; the default is split) (e.g.
+# ATTENTION=cudnn or cudnn_split once the attention part has shown it faster; the default is split) (e.g.
 # PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
 # PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
-# still-warm machine: PARTS="fused cmdbuf attention probeload probe0 gemm").
+# still-warm machine: PARTS="fused cmdbuf attncheck attention probeload probe0 gemm").
 # (The device's compile-only config: cp $LEASE/target_config.txtpb benchmarks/targets/h200_device.txtpb.)
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
@@ -120,6 +128,7 @@
 #   (and $LEASE/autotune.pbtxt into benchmarks/results/gpu_parts/, named by device and jaxlib)
 #   cp $LEASE/cache_load.* benchmarks/results/gpu_parts/ (named by device; the CPU's are benchmarks/results/cache_load.*)
 #   cp $LEASE/gemm_probe.json benchmarks/results/gpu_parts/h200_gemm_probe.json, its .md and .png into benchmarks/results/
+#   cp $LEASE/attention_check.json benchmarks/results/gpu_parts/h200_attention_check.json, its .md to benchmarks/results/attention_check.md
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/fused.json $LEASE/cmdbuf_off.json --out benchmarks/results/gpu_step_fused
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
@@ -136,14 +145,15 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-target dual probe fused cmdbuf probeload probe0 gemm attention table small large probecache cacheload probeserial cudnn scan scandsf first}
+PARTS=${PARTS:-target dual probe fused cmdbuf probeload probe0 gemm attncheck attention table small large probecache cacheload probeserial cudnn scan scandsf first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
-SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=()
+SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
   SHAPE=small BATCHES=1 LARGE_BATCHES=2 DUAL_BATCHES="1 2"
   GPU_X=(--shape small --dtype float32 --prompt-len 32 --gen-len 64)
   STEP_X=(--shape small --dtype float32 --reps 2) FIRST_X=(--shape small --dtype float32)
   GEMM_X=(--shape small --dtype float32) CACHE_X=(--shape small --dtype float32)
+  CHECK_X=(--shape small --stand-in)  # (a CPU has no cuDNN: JAX's XLA attention in its place)
   # One thread per process: torch's OpenMP threads spin against whatever else shares the CPU
   # (their tiny decodes went from 0.05 s to 2-7 s on two shared cores).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -205,8 +215,11 @@ fi
 want probe0 && part "probe no autotuning" 90 30 env XLA_FLAGS=--xla_gpu_autotune_level=0 \
   $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_autotune0"
 want gemm && part gemm 60 20 $PY benchmarks/gemm_probe.py "${GEMM_X[@]}" --out "$OUT/gemm_probe"
-# The in-place (split) and cuDNN attention in one run (two leases gave them apart).
-want attention && part attention 100 40 $PY $S --batches 1 8 --kinds refresh dual prefix --attention split cudnn --reps 10 \
+# The attention forms against float32 on the device (cudnn_split's merge of cuDNN's log-sum-exps
+# checked before it is timed), then the in-place (split) and cuDNN attention, over a copy and in
+# place, in one run (two leases gave split and cudnn apart).
+want attncheck && part attncheck 40 15 $PY benchmarks/attention_check.py "${CHECK_X[@]}" --out "$OUT/attention_check"
+want attention && part attention 130 40 $PY $S --batches 1 8 --kinds refresh dual prefix --attention split cudnn cudnn_split --reps 10 \
   "${STEP_X[@]}" --out "$OUT/attention"
 t=$(cap "$TABLE_S")  # its budget ends MARGIN_S before its timeout, however far the part was cut
 # shellcheck disable=SC2086
@@ -241,5 +254,5 @@ want first && part "first cache" 25 15 $PY $F --cache prefix --xla-cache "$WORK/
   "${FIRST_X[@]}" --out "$OUT/first_decode"
 rm -f "$OUT"/*.tmp
 echo "done in $((SECONDS - start)) s" | tee -a "$log"
-grep -E "^(dual|probe|fused|gemm|attention|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \
+grep -E "^(dual|probe|fused|gemm|attncheck|attention|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \
   | tail -40 || true

@@ -17,7 +17,8 @@ of 8):
 
 Variants: how the step reads the resident cache (`--attention`: in place, `split`, the
 default; `gather`, the read slots copied out first; `cudnn`, `jax.nn.dot_product_attention`'s
-fused kernel over a concatenated copy), the weights' storage (`--quant`, where
+fused kernel over a concatenated copy; `cudnn_split`, cuDNN's kernel over the cache where it
+lies and over the window, merged by their log-sum-exps), the weights' storage (`--quant`, where
 `dlm_jax.load` offers it), the layer loop (`--layers`, where the executor offers it) and the
 projections (`--projections separate fused`: q/k/v and gate/up each one GEMM,
 `dlm_jax.models._fuse`; each variant over weights of its own, as fusing changes a model).

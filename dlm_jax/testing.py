@@ -6,14 +6,16 @@
     path = tiny_checkpoint(tmp / "m")            # a saved HF-layout checkpoint with a tokenizer
     exe = MockExecutor(cfg, answer=..., confidence=...)   # hand-computable predictions, no JAX
     handle = mock_model(answer=..., confidence=...)       # `dlm_jax.Model` over a MockExecutor
+    with cudnn_stand_in(): ...                   # JAX's XLA attention where cuDNN's kernel is called
 
 Importing this module does not import JAX; the model helpers do when called.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,47 @@ def sharp_model(*, seed: int = 0, **overrides: Any):
     embedding[cfg.mask_token_id] = 0.0
     params["embed.embedding"] = embedding
     return dlm_jax.model_from_params(cfg, params)
+
+
+def xla_cudnn_part(q, keys, values, mask, scale: float):
+    """`dlm_jax.models._transformer.cudnn_part`'s contract (heads-first operands; the output in
+    their dtype and the log-sum-exp in float32) from JAX's own XLA attention
+    (`jax.nn.dot_product_attention`, implementation "xla"): cuDNN's stand-in where no GPU is.
+    JAX's XLA form gives its log-sum-exp in the operands' dtype, so it is taken from a float32
+    call over the same values (cuDNN keeps it in float32, from float32 scores)."""
+    import jax
+    import jax.numpy as jnp
+
+    def call(x, y, z, **kw):
+        return jax.nn.dot_product_attention(x.swapaxes(1, 2), y.swapaxes(1, 2), z.swapaxes(1, 2), mask=mask[:, None],
+                                            scale=scale, implementation="xla", **kw)
+
+    f32 = [x.astype(jnp.float32) for x in (q, keys, values)]
+    _, lse = call(*f32, return_residual=True)
+    return call(q, keys, values).swapaxes(1, 2), lse.swapaxes(1, 2)
+
+
+def xla_attend_window(q, keys, values, mask):
+    """`dlm_jax.models._transformer.attend_cudnn` (q [B, T, H, Dh], keys and values [B, S, Hkv,
+    Dh], mask [B, T, S] bool) with JAX's XLA attention in cuDNN's place."""
+    import jax
+
+    return jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], implementation="xla")
+
+
+@contextlib.contextmanager
+def cudnn_stand_in() -> Iterator[None]:
+    """Inside: the model's cuDNN calls (`cudnn_part`, `attend_cudnn`) run JAX's XLA attention
+    instead, so the "cudnn" and "cudnn_split" forms' own code (layouts, masks, the merge) runs
+    on a machine without a GPU. Only programs traced inside take it."""
+    from dlm_jax.models import _transformer
+
+    saved = _transformer.cudnn_part, _transformer.attend_cudnn
+    _transformer.cudnn_part, _transformer.attend_cudnn = xla_cudnn_part, xla_attend_window
+    try:
+        yield
+    finally:
+        _transformer.cudnn_part, _transformer.attend_cudnn = saved
 
 
 def tiny_checkpoint(path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> Path:

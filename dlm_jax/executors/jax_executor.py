@@ -47,10 +47,12 @@ from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, B
                                   output_specs,
                                   request_specs, visibility)
 
-# How a decode's step reads its resident K/V: in place ("split", "concat" or "cudnn", the
-# model's `ATTENTION_FORMS`, over every slot with the unread ones masked) or "gather" (the
+# How a decode's step reads its resident K/V: in place ("split", "concat", "cudnn" or
+# "cudnn_split", the model's `ATTENTION_FORMS`, over every slot with the unread ones masked;
+# "cudnn" over a concatenated copy of each layer's cache and window) or "gather" (the
 # read slots copied out first, [L, B, P, Hkv, Dh], as before).
 RESIDENT_ATTENTION = (*ATTENTION_FORMS, "gather")
+CUDNN_ATTENTION = ("cudnn", "cudnn_split")  # the forms in cuDNN's kernel: a GPU, bfloat16 or float16
 ATTENTION_ENV = "DLM_JAX_ATTENTION"
 # How an engine's call (a cache whose rows are assigned to requests) computes its batch rows:
 # "batched" (one forward over all of them: the matmuls' rows are every batch row's window rows)
@@ -577,14 +579,14 @@ class JaxExecutor(Executor):
         if attention not in RESIDENT_ATTENTION:
             name = ATTENTION_ENV if from_env else "attention"
             raise ConfigError(f"{name}={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
-        if attention == "cudnn":  # refused here, not by the first compile that reads the cache
+        if attention in CUDNN_ATTENTION:  # refused here, not by the first compile that reads the cache
             name = ATTENTION_ENV if from_env else "attention"
             if target_platform() != "gpu":
-                raise ConfigError(f"{name}='cudnn': cuDNN's fused attention runs on a GPU, and JAX's backend here is "
-                                  f"{target_platform()!r}; use split or gather")
+                raise ConfigError(f"{name}={attention!r}: cuDNN's fused attention runs on a GPU, and JAX's backend "
+                                  f"here is {target_platform()!r}; use split or gather")
             if str(model.config.dtype) not in ("bfloat16", "float16"):
-                raise ConfigError(f"{name}='cudnn': cuDNN's fused attention takes bfloat16 or float16, and the model "
-                                  f"computes in {model.config.dtype} (load it with dtype='bfloat16')")
+                raise ConfigError(f"{name}={attention!r}: cuDNN's fused attention takes bfloat16 or float16, and the "
+                                  f"model computes in {model.config.dtype} (load it with dtype='bfloat16')")
         self.attention = attention
         exchange_from_env = expert_exchange is None and bool(os.environ.get(EXCHANGE_ENV))
         expert_exchange = expert_exchange or os.environ.get(EXCHANGE_ENV) or "psum"
@@ -816,13 +818,14 @@ class JaxExecutor(Executor):
         [L, B, P, Hkv, Dh], scored concatenated with the window's K/V (the form bundles are
         traced in): over a copy there is nothing to read in place, and on a CPU the split form's
         extra ops cost llada-tiny's batch-1 dual step 14% (1.14x the concatenated one; a 29M
-        model's 1.00-1.02x, a 154M model's 0.97-1.09x). With `attention="cudnn"` a step that
-        reads no cache (a refresh) takes cuDNN's kernel too, over the window alone: compiled
+        model's 1.00-1.02x, a 154M model's 0.97-1.09x). With `attention="cudnn"` or
+        `"cudnn_split"` a step that reads no cache (a refresh) takes cuDNN's kernel too, over the
+        window alone: compiled
         for an H200, a refresh's attention is then one kernel a layer instead of five
         (`benchmarks/results/gpu_target.md`), and no [B, H, W, W] float32 scores are written."""
         cfg, graphdef = self.config, self._graphdef
         form, heads_first = ((self.attention, True) if in_place else
-                             ("cudnn", False) if self.attention == "cudnn" else ("concat", False))
+                             ("cudnn", False) if self.attention in CUDNN_ATTENTION else ("concat", False))
 
         def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, lora_gate=None):
             vis = visibility(jnp, cfg, positions, q_valid, k_pos, k_ok, probes, hide)

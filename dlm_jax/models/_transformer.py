@@ -133,8 +133,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 # separately under one softmax (`attend_cached`), so the cache is read where it lies; "concat" copies the
 # cache and the window's K/V into one array first (the form LiteRT bundles are traced in);
 # "cudnn" is "concat" into `jax.nn.dot_product_attention`'s cuDNN kernel (a GPU, bf16/fp16), and
-# the window alone into it where no cache is read.
-ATTENTION_FORMS = ("split", "concat", "cudnn")
+# the window alone into it where no cache is read; "cudnn_split" takes cuDNN's kernel twice, over
+# the cache where it lies and over the window, and merges the two by their log-sum-exps
+# (`attend_cudnn_cached`: no copy of the cache), the window alone as "cudnn" where no cache is read.
+ATTENTION_FORMS = ("split", "concat", "cudnn", "cudnn_split")
 _ATTENTION = contextvars.ContextVar("dlm_jax_attention", default=("split", False))
 
 
@@ -226,6 +228,55 @@ def attend_cudnn(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Arr
     return jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None], implementation="cudnn")
 
 
+def merge_attention(parts) -> jax.Array:
+    """Attention over the union of disjoint key sets, from each set's own attention: `parts`
+    is (out [..., T, Dh], lse [..., T] float32) per set, `out` normalized over that set alone
+    and `lse` the log-sum-exp of its scaled (and masked) scores. The union's softmax weighs
+    each set's output by exp(lse) over their sum (FlashAttention-2's rescaling, 3.1.1), taken
+    from the largest lse, in float32. A set with nothing visible has an lse near the masked
+    score (a finite large negative in both `attend` and cuDNN's mask), so its weight is 0; where
+    no set has anything visible the result is finite, as `attend`'s is. Returns float32."""
+    top = functools.reduce(jnp.maximum, [lse for _, lse in parts])
+    weights = [jnp.exp(lse - top) for _, lse in parts]
+    total = functools.reduce(jnp.add, weights)
+    # A weight of 0 keeps its set out even where its output is not finite.
+    return functools.reduce(jnp.add, [jnp.where(w[..., None] > 0, out.astype(jnp.float32) * (w / total)[..., None], 0.0)
+                                      for (out, _), w in zip(parts, weights)])
+
+
+def cudnn_part(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, scale: float):
+    """cuDNN's fused attention of heads-first operands, with its log-sum-exp: q [B, H, T, Dh],
+    keys and values [B, Hkv, S, Dh] (grouped heads as they are), mask [B, T, S] bool ->
+    (out [B, H, T, Dh], lse [B, H, T] float32). JAX's cuDNN call itself: `jax.nn`'s takes
+    [B, S, Hkv, Dh] operands only, which a resident cache ([B, Hkv, S, Dh]) would be copied
+    into, and gives the log-sum-exp in the operands' dtype, where cuDNN's is float32."""
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention  # (JAX 0.10 and 0.11)
+
+    out, lse = dot_product_attention(q, keys, values, None, mask[:, None], scale=scale, qkv_layout="BNTH",
+                                     return_residual=True)
+    return out, lse.astype(jnp.float32)
+
+
+def attend_cudnn_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+                        mask: jax.Array, *, part: Callable | None = None) -> jax.Array:
+    """`attend(q, [k_cache; k], [v_cache; v], mask)` as two fused attentions, one over the
+    cache where it lies and one over the window, merged by their log-sum-exps
+    (`merge_attention`): no [B, P+T] copy of K/V per layer, as the "cudnn" form makes.
+
+    q: [B, T, H, Dh]; k_cache, v_cache: [B, Hkv, P, Dh] (the resident cache's layer, the layout
+    cuDNN reads as it lies); k, v: [B, T, Hkv, Dh]; mask: [B, T, P+T] bool, cache columns
+    first. `part`: the fused attention (default `cudnn_part`). Returns [B, T, H, Dh]."""
+    part = part or cudnn_part
+    p, dh = k_cache.shape[2], q.shape[-1]
+    if p == 0:  # no cache columns: the window alone
+        return attend_cudnn(q, k, v, mask)
+    scale = 1.0 / float(dh) ** 0.5
+    qh = q.swapaxes(1, 2)  # [B, H, T, Dh]: one layout for both calls (cuDNN takes one for q, k and v)
+    cached = part(qh, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask[:, :, :p], scale)
+    own = part(qh, k.swapaxes(1, 2), v.swapaxes(1, 2), mask[:, :, p:], scale)
+    return merge_attention([cached, own]).astype(q.dtype).swapaxes(1, 2)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, hkv, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -261,7 +312,9 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         form, heads_first = ("concat", False) if _LITERT.get() else _ATTENTION.get()
         if k_cache is None:  # the window alone (in cuDNN's kernel where the executor asked for it)
-            out = attend_cudnn(q, k, v, mask) if form == "cudnn" else attend(q, k, v, mask)
+            out = attend_cudnn(q, k, v, mask) if form in ("cudnn", "cudnn_split") else attend(q, k, v, mask)
+        elif form == "cudnn_split" and heads_first:  # the resident cache, read where it lies
+            out = attend_cudnn_cached(q, k_cache, v_cache, k, v, mask)
         elif form == "split" and mask.dtype == jnp.bool_:
             out = attend_cached(q, k_cache, v_cache, k, v, mask, heads_first=heads_first)
         else:
@@ -269,7 +322,8 @@ class Attention(nnx.Module):
                 k_cache, v_cache = k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2)
             keys = jnp.concatenate([k_cache.astype(k.dtype), k], axis=1)
             values = jnp.concatenate([v_cache.astype(v.dtype), v], axis=1)
-            out = attend_cudnn(q, keys, values, mask) if form == "cudnn" else attend(q, keys, values, mask)
+            out = (attend_cudnn(q, keys, values, mask) if form in ("cudnn", "cudnn_split")
+                   else attend(q, keys, values, mask))
         return _project(self.o_proj, self.lora, "o_proj", out.reshape(b, t, -1), lora_gate), k, v
 
     @property

@@ -81,7 +81,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     status 2 in the log) and its results are simply missing after the lease."""
     parts = [unenv(p) for p in lease_parts(tmp_path, LIMIT="5000", **({"DRY": "1"} if dry else {}))]
     assert [p[0] for p in parts] == ["target", "dual", "probe", "fused", "command buffers off", "probe load",
-                                     "probe no autotuning", "gemm", "attention", "table", "small", "large",
+                                     "probe no autotuning", "gemm", "attncheck", "attention", "table", "small", "large",
                                      "probe cache", "probe cache again", "cache load", "probe serial", "cudnn",
                                      "scan", "scan dsf", "first cold", "first cache"]
     for name, limit, least, py, script, *argv in parts:
@@ -106,7 +106,10 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert dual.batches == ([1, 2] if dry else [1, 16, 32, 8])
     assert table.checkpoint == large.checkpoint == dual.checkpoint and small.small  # one checkpoint per lease
     assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == args["scan dsf"].layers == ["scan"]
-    assert args["attention"].attention == ["split", "cudnn"] and args["attention"].kinds == ["refresh", "dual", "prefix"]
+    assert args["attention"].attention == ["split", "cudnn", "cudnn_split"]
+    assert args["attention"].kinds == ["refresh", "dual", "prefix"]
+    check = args["attncheck"]  # the forms against float32 before they are timed; a CPU has no cuDNN
+    assert (check.shape, check.stand_in) == (("small", True) if dry else ("llada-8b", False))
     assert args["target"].write_target and args["target"].out.name == "target_config"  # the device's own config
     fused = args["fused"]  # fused projections against separate ones, in one run, with their kernels
     assert fused.projections == ["separate", "fused"] and fused.profile and fused.kinds == ["dual", "prefix"]

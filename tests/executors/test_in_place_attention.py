@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from dlm_jax.executors.jax_executor import JaxExecutor
-from dlm_jax.models._transformer import attend, attend_cached
+from dlm_jax.models._transformer import attend, attend_cached, attend_cudnn_cached, merge_attention
 from dlm_jax.runtime.buckets import BucketKey, pad_axis
 from dlm_jax.runtime.step import SlotStep
-from dlm_jax.testing import sharp_model
+from dlm_jax.testing import cudnn_stand_in, sharp_model, xla_cudnn_part
 
 
 @pytest.mark.parametrize("heads_first", [False, True])
@@ -191,6 +191,69 @@ def test_in_place_step_equals_the_gathered_step(model, seed):
         np.testing.assert_allclose(y[:, :, :, stored], x[:, :, :, stored], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_cudnn_split_attention_is_attention_over_the_concatenation(groups):
+    """`attend_cudnn_cached` (a fused attention over the cache where it lies and one over the
+    window, merged by their log-sum-exps) against `attend` over [cache; window], float32, with
+    JAX's XLA attention standing in for cuDNN's (no GPU here): rows that see no cache slot
+    among them, and masked cache columns poisoned."""
+    rng = np.random.default_rng(11 + groups)
+    b, t, p, hkv, dh = 2, 5, 11, 2, 8
+    q = rng.standard_normal((b, t, hkv * groups, dh)).astype(np.float32)
+    kc, vc = (rng.standard_normal((b, p, hkv, dh)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, t, hkv, dh)).astype(np.float32) for _ in range(2))
+    mask = rng.random((b, t, p + t)) < 0.6
+    mask[:, :, p:] |= np.eye(t, dtype=bool)  # every row sees itself
+    mask[0, 1, :p] = False  # a row that sees no cache slot
+    mask[1, :, :p] = False  # a batch row whose cache is all unread (its weight 0, not a share)
+    ref = attend(jnp.asarray(q), jnp.concatenate([kc, k], 1), jnp.concatenate([vc, v], 1), jnp.asarray(mask))
+
+    def run(k_cache):
+        return attend_cudnn_cached(jnp.asarray(q), jnp.asarray(k_cache.swapaxes(1, 2)), jnp.asarray(vc.swapaxes(1, 2)),
+                                   jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), part=xla_cudnn_part)
+
+    out = run(kc)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    poisoned = kc.copy()
+    poisoned[~mask.any(1)[:, :p]] = 1e4
+    np.testing.assert_allclose(np.asarray(run(poisoned)), np.asarray(out), rtol=1e-6, atol=1e-6)
+
+
+def test_merged_attention_of_rows_that_see_nothing_is_finite():
+    """Where neither part sees a key (a padding row), the merge is finite, as `attend`'s
+    output is, and no part's non-finite output reaches a row that gives it no weight."""
+    out, lse = jnp.ones((1, 1, 3, 4)), jnp.zeros((1, 1, 3))
+    blind = (jnp.full((1, 1, 3, 4), jnp.nan), jnp.full((1, 1, 3), -2.38e38))  # cuDNN's masked score, bf16's
+    merged = merge_attention([(out, lse), blind])
+    np.testing.assert_array_equal(np.asarray(merged), np.ones((1, 1, 3, 4), np.float32))
+    both = merge_attention([(out, jnp.full((1, 1, 3), -2.38e38)), (2 * out, jnp.full((1, 1, 3), -2.38e38))])
+    np.testing.assert_allclose(np.asarray(both), np.full((1, 1, 3, 4), 1.5, np.float32))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_cudnn_split_step_equals_the_split_step(model, seed):
+    """The executor's step in the "cudnn_split" form (the resident cache given to the fused
+    attention as it lies) against the "split" step, from the same cache: the same predictions
+    to float32 rounding. JAX's XLA attention stands in for cuDNN's kernel, which needs a GPU
+    (the executor refuses the form elsewhere, so the test sets it after construction); the
+    layouts, masks and the merge are the executor's own."""
+    rng = np.random.default_rng(seed)
+    slots = 40
+    split, fused = JaxExecutor(model, attention="split"), JaxExecutor(model, attention="split")
+    fused.attention = "cudnn_split"
+    req = _random_step(split, rng, batch=2, slots=slots, window=9)
+    state = rng.bit_generator.state
+    outs = []
+    for executor in (split, fused):
+        rng.bit_generator.state = state
+        with cudnn_stand_in():  # (the step compiles inside)
+            outs.append(_filled_cache(executor, rng, req.key.batch, slots).step(req))
+    a, b = outs
+    np.testing.assert_array_equal(a.top_token, b.top_token)
+    for name in ("top_prob", "second_prob", "entropy"):
+        np.testing.assert_allclose(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_an_unread_slot_does_not_reach_the_step(model):
     """Poisoning every slot the step does not read (nor the row's read length admits) leaves
     the in-place step's predictions unchanged."""
@@ -291,7 +354,7 @@ def test_in_place_decodes_the_gathered_tokens(model, name):
 def test_an_unknown_attention_is_refused_naming_where_it_came_from(model, monkeypatch):
     from dlm_jax._errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^attention='flash': known split, concat, cudnn, gather$"):
+    with pytest.raises(ConfigError, match=r"^attention='flash': known split, concat, cudnn, cudnn_split, gather$"):
         JaxExecutor(model, attention="flash")
     monkeypatch.setenv("DLM_JAX_ATTENTION", "flash")
     with pytest.raises(ConfigError, match=r"^DLM_JAX_ATTENTION='flash': known split"):
@@ -300,3 +363,5 @@ def test_an_unknown_attention_is_refused_naming_where_it_came_from(model, monkey
         monkeypatch.setenv("DLM_JAX_ATTENTION", "cudnn")
         with pytest.raises(ConfigError, match=r"^DLM_JAX_ATTENTION='cudnn': cuDNN's fused attention runs on a GPU"):
             JaxExecutor(model)
+        with pytest.raises(ConfigError, match=r"^attention='cudnn_split': cuDNN's fused attention runs on a GPU"):
+            JaxExecutor(model, attention="cudnn_split")

@@ -1,0 +1,64 @@
+"""benchmarks/attention_check.py on the CPU, with JAX's XLA attention standing in for cuDNN's.
+
+A GPU lease runs it against cuDNN itself before it times the "cudnn_split" form: the check is
+only worth that device time if it passes a correct merge and fails a wrong one, and if its
+report names every form with its errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import attention_check  # noqa: E402
+
+
+def test_the_forms_pass_against_float32_with_xla_standing_in_for_cudnn(tmp_path):
+    out = tmp_path / "check"
+    assert attention_check.main(["--shape", "small", "--stand-in", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["pass"] and "standing in" in report["cudnn"]
+    assert [(c["batch"], c["kind"]) for c in report["cases"]] == [(1, "dual"), (1, "prefix"), (8, "dual"), (8, "prefix")]
+    for case in report["cases"]:
+        assert list(case["forms"]) == ["split", "cudnn", "cudnn_split"]
+        for form in case["forms"].values():
+            assert form["finite"] and 0 < form["mean_error"] <= form["max_error"] < 0.05  # bfloat16, not float32
+        # A row that sees no cache slot has only the window: cudnn_split's merge gives it the window's own output.
+        assert case["forms"]["cudnn_split"]["blind_rows_mean_error"] == case["forms"]["cudnn"]["blind_rows_mean_error"]
+    assert "| 8 | prefix | cudnn_split |" in out.with_suffix(".md").read_text()
+
+
+def test_a_wrong_merge_fails_the_check(tmp_path, monkeypatch):
+    """Weights exp((lse - top) / 2) instead of exp(lse - top): the merged output strays, and
+    the check exits 1 naming the failing steps."""
+    from dlm_jax.models import _transformer
+
+    right = _transformer.merge_attention
+
+    def halved(parts):
+        return right([(out, lse / 2) for out, lse in parts])
+
+    monkeypatch.setattr(_transformer, "merge_attention", halved)
+    jax.clear_caches()  # (the forms' traces from an earlier test would hold the right merge)
+    out = tmp_path / "check"
+    try:
+        assert attention_check.main(["--shape", "small", "--stand-in", "--out", str(out)]) == 1
+    finally:
+        jax.clear_caches()  # (nor may a later test's trace keep the wrong one)
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert not report["pass"] and not any(c["pass"] for c in report["cases"])
+    assert "Result: FAIL" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("bad", ["nan", "error"])
+def test_a_form_that_is_not_finite_or_fails_fails_the_verdict(bad):
+    good = {"mean_error": 1e-3, "max_error": 1e-2, "blind_rows_mean_error": 1e-3, "finite": True}
+    rows = {"split": good, "cudnn": good, "cudnn_split": dict(good)}
+    assert attention_check.verdict(rows)
+    rows["cudnn_split"] = {"error": "XlaRuntimeError: ..."} if bad == "error" else good | {"finite": False}
+    assert not attention_check.verdict(rows)
