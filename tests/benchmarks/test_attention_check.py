@@ -47,7 +47,7 @@ def test_a_wrong_merge_fails_the_check(tmp_path, monkeypatch):
     jax.clear_caches()  # (the forms' traces from an earlier test would hold the right merge)
     out = tmp_path / "check"
     try:
-        assert attention_check.main(["--shape", "small", "--stand-in", "--out", str(out)]) == 1
+        assert attention_check.main(["--shape", "small", "--batches", "1", "--stand-in", "--out", str(out)]) == 1
     finally:
         jax.clear_caches()  # (nor may a later test's trace keep the wrong one)
     report = json.loads(out.with_suffix(".json").read_text())
