@@ -24,9 +24,10 @@ cuDNN form strays from float32 no further than the split form does, within the m
 CPU's tests allow the split form against the concatenated one (mean error within 1.15x, largest
 within 2x), and every output is finite; the exit status is 1 otherwise.
 
-cuDNN's kernel needs a GPU. `--stand-in` runs JAX's XLA attention in its place
-(`dlm_jax.testing.cudnn_stand_in`), which exercises the forms' own code (layouts, masks, the
-merge) on any device; its rows say so. Writes <out>.json and <out>.md.
+cuDNN's kernel needs a GPU (elsewhere the script stops in one line). `--stand-in` runs JAX's
+XLA attention in its place (`dlm_jax.testing.cudnn_stand_in`), which exercises the forms' own
+code (layouts, masks, the merge) on any device; its report says so. Writes <out>.json and
+<out>.md.
 """
 
 from __future__ import annotations
@@ -74,16 +75,14 @@ def inputs(batch: int, kind: str, window: int, slots: int, start: int, heads: tu
     return bf, jnp.asarray(mask)
 
 
-def forms(stand_in: bool) -> dict[str, Any]:
-    """{form: attention(q, k_cache, v_cache, k, v, mask)} for the forms this device runs."""
+def forms() -> dict[str, Any]:
+    """{form: attention(q, k_cache, v_cache, k, v, mask)}."""
     def concat(q, kc, vc, k, v, mask):
         return _transformer.attend_cudnn(q, jnp.concatenate([kc.swapaxes(1, 2), k], 1), jnp.concatenate([vc.swapaxes(1, 2), v], 1),
                             mask)
 
-    out = {"split": lambda q, kc, vc, k, v, mask: attend_cached(q, kc, vc, k, v, mask, heads_first=True)}
-    if stand_in or jax.default_backend() == "gpu":
-        out |= {"cudnn": concat, "cudnn_split": attend_cudnn_cached}
-    return out
+    return {"split": lambda q, kc, vc, k, v, mask: attend_cached(q, kc, vc, k, v, mask, heads_first=True),
+            "cudnn": concat, "cudnn_split": attend_cudnn_cached}
 
 
 def errors(out: jax.Array, ref: np.ndarray, blind: np.ndarray) -> dict[str, Any]:
@@ -117,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         jnp.concatenate([f32[2].swapaxes(1, 2), f32[4]], 1), mask))
                 blind = ~np.asarray(mask)[0, :, :slots].any(-1)
                 case: dict[str, Any] = {"batch": batch, "kind": kind, "window": window, "slots": slots, "forms": {}}
-                for name, fn in forms(args.stand_in).items():
+                for name, fn in forms().items():
                     try:
                         case["forms"][name] = errors(jax.jit(fn)(q, kc, vc, k, v, mask), ref, blind)
                     except Exception as e:  # noqa: BLE001 - a form the device refuses is its row's error
@@ -184,8 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     args.argv = argv
+    if not args.stand_in and jax.default_backend() != "gpu":  # (a check of the split form alone says nothing)
+        p.error(f"the cuDNN forms need a GPU and JAX's backend here is {jax.default_backend()!r}; --stand-in runs "
+                "JAX's XLA attention in cuDNN's place")
     report = run(args)
     write(report, args.out)
     print(f"wrote {args.out}.json ({'PASS' if report['pass'] else 'FAIL'})")

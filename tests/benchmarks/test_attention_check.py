@@ -62,3 +62,17 @@ def test_a_form_that_is_not_finite_or_fails_fails_the_verdict(bad):
     assert attention_check.verdict(rows)
     rows["cudnn_split"] = {"error": "XlaRuntimeError: ..."} if bad == "error" else good | {"finite": False}
     assert not attention_check.verdict(rows)
+
+
+def test_without_a_gpu_it_asks_for_the_stand_in_in_one_line(tmp_path, capsys):
+    """On a CPU without `--stand-in` only the split form could run: a pass would say nothing
+    about cuDNN, so the script stops (argparse's status 2) naming the way out."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU runs cuDNN's forms")
+    with pytest.raises(SystemExit) as exit_:
+        attention_check.main(["--shape", "small", "--out", str(tmp_path / "check")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("the cuDNN forms need a GPU and JAX's backend here is 'cpu'; --stand-in runs JAX's XLA "
+                        "attention in cuDNN's place")
+    assert not (tmp_path / "check.json").exists()
