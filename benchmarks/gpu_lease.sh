@@ -53,12 +53,12 @@
 #                12288-wide ones at 3.5 (gpu_step.md). 8 programs, two sets of weights made.
 #   attncheck 40 benchmarks/attention_check.py: one layer's attention at the 8B shape, dual and
 #                prefix steps at batch 1 and 8, in the split, cudnn and cudnn_split forms against
-#                float32 (seconds: 12 small programs); whether cuDNN's log-sum-exp merges as JAX's
+#                float32 (seconds: 16 small programs); whether cuDNN's log-sum-exp merges as JAX's
 #                XLA attention standing in for it does on a CPU (benchmarks/results/
 #                attention_check_stand_in.md), and rows that see no cache slot stay finite.
 #   attention 130 benchmarks/gpu_step.py --attention split cudnn cudnn_split, batch 1 and 8, refresh,
-#                dual and prefix (16 programs: a refresh reads no cache, so cudnn_split's is
-#                cudnn's; about 70 s, then 10 timed steps each). Compiled for an H200 here
+#                dual and prefix (18 programs, a refresh reading no cache is cudnn's program again
+#                under cudnn_split; about 75 s, then 10 timed steps each). Compiled for an H200 here
 #                (benchmarks/results/gpu_target.md), cuDNN's steps launch 30-38% fewer kernels
 #                than the split ones (19-32% in a refresh), its refresh no [B, H, W, W] float32
 #                scores; the split steps move less data at batch 8 (no copy of the cache), and
