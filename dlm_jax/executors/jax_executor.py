@@ -38,8 +38,8 @@ from dlm_jax._config import ModelConfig
 from dlm_jax.models._fuse import PROJECTIONS_ENV, choose_projections, fuse_projections, is_fused
 from dlm_jax.models._scan import ScannedTransformer, StackedLayers, choose_layers
 from dlm_jax._partition import param_name
-from dlm_jax.models._transformer import (ATTENTION_FORMS, EXPERT_EXCHANGES, Transformer, attention_form,
-                                         expert_mesh, joint_rope, layers_traced_once)
+from dlm_jax.models._transformer import (ATTENTION_FORMS, CUDNN_FORMS, EXPERT_EXCHANGES, Transformer,
+                                         attention_form, expert_mesh, joint_rope, layers_traced_once)
 from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, Transfers
 from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, BuildCounts, Capabilities, Executor,
@@ -52,7 +52,6 @@ from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, B
 # "cudnn" over a concatenated copy of each layer's cache and window) or "gather" (the
 # read slots copied out first, [L, B, P, Hkv, Dh], as before).
 RESIDENT_ATTENTION = (*ATTENTION_FORMS, "gather")
-CUDNN_ATTENTION = ("cudnn", "cudnn_split")  # the forms in cuDNN's kernel: a GPU, bfloat16 or float16
 ATTENTION_ENV = "DLM_JAX_ATTENTION"
 # How an engine's call (a cache whose rows are assigned to requests) computes its batch rows:
 # "batched" (one forward over all of them: the matmuls' rows are every batch row's window rows)
@@ -579,7 +578,7 @@ class JaxExecutor(Executor):
         if attention not in RESIDENT_ATTENTION:
             name = ATTENTION_ENV if from_env else "attention"
             raise ConfigError(f"{name}={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
-        if attention in CUDNN_ATTENTION:  # refused here, not by the first compile that reads the cache
+        if attention in CUDNN_FORMS:  # refused here, not by the first compile that reads the cache
             name = ATTENTION_ENV if from_env else "attention"
             if target_platform() != "gpu":
                 raise ConfigError(f"{name}={attention!r}: cuDNN's fused attention runs on a GPU, and JAX's backend "
@@ -825,7 +824,7 @@ class JaxExecutor(Executor):
         (`benchmarks/results/gpu_target.md`), and no [B, H, W, W] float32 scores are written."""
         cfg, graphdef = self.config, self._graphdef
         form, heads_first = ((self.attention, True) if in_place else
-                             ("cudnn", False) if self.attention in CUDNN_ATTENTION else ("concat", False))
+                             ("cudnn", False) if self.attention in CUDNN_FORMS else ("concat", False))
 
         def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, lora_gate=None):
             vis = visibility(jnp, cfg, positions, q_valid, k_pos, k_ok, probes, hide)

@@ -137,6 +137,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 # the cache where it lies and over the window, and merges the two by their log-sum-exps
 # (`attend_cudnn_cached`: no copy of the cache), the window alone as "cudnn" where no cache is read.
 ATTENTION_FORMS = ("split", "concat", "cudnn", "cudnn_split")
+CUDNN_FORMS = ("cudnn", "cudnn_split")  # in cuDNN's kernel: a GPU, bfloat16 or float16
 _ATTENTION = contextvars.ContextVar("dlm_jax_attention", default=("split", False))
 
 
@@ -312,7 +313,7 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         form, heads_first = ("concat", False) if _LITERT.get() else _ATTENTION.get()
         if k_cache is None:  # the window alone (in cuDNN's kernel where the executor asked for it)
-            out = attend_cudnn(q, k, v, mask) if form in ("cudnn", "cudnn_split") else attend(q, k, v, mask)
+            out = attend_cudnn(q, k, v, mask) if form in CUDNN_FORMS else attend(q, k, v, mask)
         elif form == "cudnn_split" and heads_first:  # the resident cache, read where it lies
             out = attend_cudnn_cached(q, k_cache, v_cache, k, v, mask)
         elif form == "split" and mask.dtype == jnp.bool_:
@@ -322,8 +323,7 @@ class Attention(nnx.Module):
                 k_cache, v_cache = k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2)
             keys = jnp.concatenate([k_cache.astype(k.dtype), k], axis=1)
             values = jnp.concatenate([v_cache.astype(v.dtype), v], axis=1)
-            out = (attend_cudnn(q, keys, values, mask) if form in ("cudnn", "cudnn_split")
-                   else attend(q, keys, values, mask))
+            out = attend_cudnn(q, keys, values, mask) if form in CUDNN_FORMS else attend(q, keys, values, mask)
         return _project(self.o_proj, self.lora, "o_proj", out.reshape(b, t, -1), lora_gate), k, v
 
     @property
