@@ -12,8 +12,9 @@ from typing import Any
 # cuDNN's attention; on a CPU, XLA's op names, its dots in YNNPACK / XNNPACK fusions), first
 # match wins: where a step's time goes besides the GEMMs that read the weights. "gemm" holds every matrix product XLA emits as one,
 # the split attention's score and value products among them; "attention" is a fused kernel's
-# (cuDNN's).
-KINDS = (("attention", re.compile(r"fmha|flash|sdpa|cudnn|attention", re.I)),
+# (cuDNN's, or dlm-jax's Pallas kernel: a Triton custom call in the HLO, `dlm_jax_attention` on
+# the device, the project's only Pallas kernel).
+KINDS = (("attention", re.compile(r"fmha|flash|sdpa|cudnn|attention|pallas_call|xla\.gpu\.triton", re.I)),
          ("gemm", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|onednn|ynn_fusion|xnn_fusion|"
                              r"\bdot|_dot|^dot", re.I)),
          ("data movement", re.compile(r"scatter|gather|copy|memcpy|memset|dynamic[-_]update[-_]slice|"

@@ -14,20 +14,24 @@ inputs:
   split        `attend_cached`: the cache and the window scored apart under one softmax (XLA);
   cudnn        cuDNN's fused kernel over a concatenated copy of the cache and the window;
   cudnn_split  `attend_cudnn_cached`: cuDNN's kernel over the cache where it lies and over the
-               window, the two merged by their log-sum-exps.
+               window, the two merged by their log-sum-exps;
+  pallas       `dlm_jax.models._attention_kernel`: dlm-jax's own kernel (Pallas, compiled by
+               Triton), the cache where it lies and the window in one launch, an online softmax.
 
 Each is compared with `attend` over the concatenation in float32 (the same bfloat16 values,
 converted): the mean and largest absolute error over the rows, also over the rows that see no
 cache slot (one row in four: a block's first step in a fresh request sees its prompt, but a
 padding row sees nothing), and whether every output is finite. The check passes where each
-cuDNN form strays from float32 no further than the split form does, within the margins the
+fused form (cuDNN's and the kernel) strays from float32 no further than the split form does,
+within the margins the
 CPU's tests allow the split form against the concatenated one (mean error within 1.15x, largest
 within 2x), and every output is finite; the exit status is 1 otherwise.
 
-cuDNN's kernel needs a GPU (elsewhere the script stops in one line). `--stand-in` runs JAX's
-XLA attention in its place (`dlm_jax.testing.cudnn_stand_in`), which exercises the forms' own
-code (layouts, masks, the merge) on any device; its report says so. Writes <out>.json and
-<out>.md.
+cuDNN's kernel and Triton's need a GPU (elsewhere the script stops in one line). `--stand-in`
+runs JAX's XLA attention in cuDNN's place (`dlm_jax.testing.cudnn_stand_in`) and the Pallas
+kernel in Pallas's interpreter (`_attention_kernel.interpret`), which exercises the forms' own
+code (layouts, masks, the merge, the kernel's blocks) on any device; its report says so.
+Writes <out>.json and <out>.md.
 """
 
 from __future__ import annotations
@@ -45,13 +49,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlm_jax.models import _transformer
+from dlm_jax.models import _attention_kernel, _transformer
 from dlm_jax.models._transformer import attend, attend_cached, attend_cudnn_cached
 
 # Heads, K/V heads, head size; the steps: (kind, window rows, slots, the window's first slot).
 SHAPES = {"llada-8b": (32, 32, 128), "small": (4, 2, 16)}
 STEPS = {"llada-8b": [("dual", 32, 384, 256), ("prefix", 128, 384, 256)],
-         "small": [("dual", 8, 48, 32), ("prefix", 16, 48, 32)]}
+         "small": [("dual", 16, 64, 32), ("prefix", 32, 64, 32)]}  # (shapes the Pallas kernel takes)
 MEAN_MARGIN, MAX_MARGIN = 1.15, 2.0
 
 
@@ -82,7 +86,8 @@ def forms() -> dict[str, Any]:
                             mask)
 
     return {"split": lambda q, kc, vc, k, v, mask: attend_cached(q, kc, vc, k, v, mask, heads_first=True),
-            "cudnn": concat, "cudnn_split": attend_cudnn_cached}
+            "cudnn": concat, "cudnn_split": attend_cudnn_cached,
+            "pallas": lambda q, kc, vc, k, v, mask: _attention_kernel.attend_kernel(q, kc, vc, k, v, mask)}
 
 
 def errors(out: jax.Array, ref: np.ndarray, blind: np.ndarray) -> dict[str, Any]:
@@ -99,15 +104,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "benchmarks/attention_check.py", "shape": args.shape, "heads": heads,
         "device": {"backend": jax.default_backend(), "kind": getattr(device, "device_kind", str(device))},
         "cudnn": "JAX's XLA attention standing in (--stand-in)" if args.stand_in else "cuDNN's fused attention",
+        "pallas": "Pallas's interpreter (--stand-in)" if args.stand_in else "the Triton kernel",
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
         "command": " ".join(["benchmarks/attention_check.py", *args.argv]), "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "margins": {"mean": MEAN_MARGIN, "max": MAX_MARGIN}, "cases": []}
-    if args.stand_in:
-        from dlm_jax.testing import cudnn_stand_in
-        context = cudnn_stand_in()
-    else:
-        context = contextlib.nullcontext()
-    with context:
+    with contextlib.ExitStack() as context:
+        if args.stand_in:
+            from dlm_jax.testing import cudnn_stand_in
+
+            context.enter_context(cudnn_stand_in())
+            context.enter_context(_attention_kernel.interpret())
         for batch in args.batches:
             for kind, window, slots, start in STEPS[args.shape]:
                 (q, kc, vc, k, v), mask = inputs(batch, kind, window, slots, start, heads, args.seed)
@@ -131,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def verdict(rows: dict[str, dict[str, Any]]) -> bool:
-    """Every form finite, and each cuDNN form within the margins of the split form's errors."""
+    """Every form finite, and each fused form within the margins of the split form's errors."""
     base = rows["split"]
     if "error" in base or not base["finite"]:
         return False
@@ -147,8 +153,9 @@ def verdict(rows: dict[str, dict[str, Any]]) -> bool:
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Attention against float32: {report['device']['kind']} ({report['device']['backend']})", "",
              f"Shape {report['shape']} (heads, K/V heads, head size {tuple(report['heads'])}), bfloat16 inputs; "
-             f"the cuDNN forms ran {report['cudnn']}; jax {report['versions']['jax']}; {report['date']}; "
-             f"`{report['command']}`. Pass: every output finite and each cuDNN form's mean error within "
+             f"the cuDNN forms ran {report['cudnn']}, the Pallas kernel {report.get('pallas', 'the Triton kernel')}; "
+             f"jax {report['versions']['jax']}; {report['date']}; "
+             f"`{report['command']}`. Pass: every output finite and each fused form's mean error within "
              f"{report['margins']['mean']}x, its largest within {report['margins']['max']}x, the split form's.", "",
              "| batch | step | form | mean error | largest error | mean error, rows seeing no cache slot | finite |",
              "|---:|---|---|---:|---:|---:|---|"]
@@ -175,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llada-8b")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--stand-in", action="store_true", help="JAX's XLA attention in cuDNN's place (any device)")
+    p.add_argument("--stand-in", action="store_true", help="JAX's XLA attention in cuDNN's place and the Pallas "
+                   "kernel in Pallas's interpreter (any device)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
     return p
@@ -187,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.argv = argv
     if not args.stand_in and jax.default_backend() != "gpu":  # (a check of the split form alone says nothing)
-        p.error(f"the cuDNN forms need a GPU and JAX's backend here is {jax.default_backend()!r}; --stand-in runs "
-                "JAX's XLA attention in cuDNN's place")
+        p.error(f"the cuDNN and Pallas forms need a GPU and JAX's backend here is {jax.default_backend()!r}; "
+                "--stand-in runs JAX's XLA attention in cuDNN's place and the kernel in Pallas's interpreter")
     report = run(args)
     write(report, args.out)
     print(f"wrote {args.out}.json ({'PASS' if report['pass'] else 'FAIL'})")

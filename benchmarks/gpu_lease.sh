@@ -51,14 +51,19 @@
 #                (dlm_jax.models._fuse) against separate, in one run, with each step's kernels.
 #                The 4096-wide projections read their weights at 1.6-2.8 TB/s at batch 1, the
 #                12288-wide ones at 3.5 (gpu_step.md). 8 programs, two sets of weights made.
-#   attncheck 40 benchmarks/attention_check.py: one layer's attention at the 8B shape, dual and
-#                prefix steps at batch 1 and 8, in the split, cudnn and cudnn_split forms against
-#                float32 (seconds: 16 small programs); whether cuDNN's log-sum-exp merges as JAX's
-#                XLA attention standing in for it does on a CPU (benchmarks/results/
+#   attncheck 45 benchmarks/attention_check.py: one layer's attention at the 8B shape, dual and
+#                prefix steps at batch 1 and 8, in the split, cudnn, cudnn_split and pallas forms
+#                against float32 (seconds: 20 small programs); whether cuDNN's log-sum-exp merges
+#                as JAX's XLA attention standing in for it does on a CPU, and the Triton kernel
+#                computes what Pallas's interpreter does (benchmarks/results/
 #                attention_check_stand_in.md), and rows that see no cache slot stay finite.
-#   attention 130 benchmarks/gpu_step.py --attention split cudnn cudnn_split, batch 1 and 8, refresh,
-#                dual and prefix (18 programs, a refresh reading no cache is cudnn's program again
-#                under cudnn_split; about 75 s, then 10 timed steps each). Compiled for an H200 here
+#   attention 160 benchmarks/gpu_step.py --attention split cudnn cudnn_split pallas, batch 1 and 8,
+#                refresh, dual and prefix (24 programs, a refresh reading no cache is cudnn's program
+#                again under cudnn_split; about 95 s, then 10 timed steps each). The pallas form
+#                (dlm_jax.models._attention_kernel: one Triton kernel a layer over the cache where it
+#                lies and the window) compiled for an H200 here launches the fewest kernels and
+#                writes the fewest bytes of the four (dual b1 535 kernels, 1.32 GB; dual b8 503,
+#                4.30 GB; its kernel's own speed is this part's question). Compiled for an H200 here
 #                (benchmarks/results/gpu_target.md), cuDNN's steps launch 30-38% fewer kernels
 #                than the split ones (19-32% in a refresh), its refresh no [B, H, W, W] float32
 #                scores; the split steps move less data at batch 8 (no copy of the cache), and
@@ -111,10 +116,10 @@
 # LARGE_S, DUAL_BATCHES, DUAL_QUANTS, BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S,
 # PROJECTIONS (dlm-jax's in the gpu.py parts: PROJECTIONS=fused once the fused part has shown
 # fused projections faster; the default is the executor's, separate), ATTENTION (likewise:
-# ATTENTION=cudnn or cudnn_split once the attention part has shown it faster; the default is split) (e.g.
+# ATTENTION=cudnn, cudnn_split or pallas once the attention part has shown it faster; the default is split) (e.g.
 # PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
 # PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
-# still-warm machine: PARTS="fused cmdbuf attncheck attention probeload probe0 gemm").
+# still-warm machine: PARTS="attncheck attention fused cmdbuf probeload probe0 gemm").
 # (The device's compile-only config: cp $LEASE/target_config.txtpb benchmarks/targets/h200_device.txtpb.)
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
@@ -216,11 +221,11 @@ want probe0 && part "probe no autotuning" 90 30 env XLA_FLAGS=--xla_gpu_autotune
   $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_autotune0"
 want gemm && part gemm 60 20 $PY benchmarks/gemm_probe.py "${GEMM_X[@]}" --out "$OUT/gemm_probe"
 # The attention forms against float32 on the device (cudnn_split's merge of cuDNN's log-sum-exps
-# checked before it is timed), then the in-place (split) and cuDNN attention, over a copy and in
-# place, in one run (two leases gave split and cudnn apart).
-want attncheck && part attncheck 40 15 $PY benchmarks/attention_check.py "${CHECK_X[@]}" --out "$OUT/attention_check"
-want attention && part attention 130 40 $PY $S --batches 1 8 --kinds refresh dual prefix --attention split cudnn cudnn_split --reps 10 \
-  "${STEP_X[@]}" --out "$OUT/attention"
+# and the Triton kernel checked before they are timed), then the in-place (split), cuDNN (over a
+# copy and in place) and Pallas attention in one run (two leases gave split and cudnn apart).
+want attncheck && part attncheck 45 15 $PY benchmarks/attention_check.py "${CHECK_X[@]}" --out "$OUT/attention_check"
+want attention && part attention 160 40 $PY $S --batches 1 8 --kinds refresh dual prefix \
+  --attention split cudnn cudnn_split pallas --reps 10 "${STEP_X[@]}" --out "$OUT/attention"
 t=$(cap "$TABLE_S")  # its budget ends MARGIN_S before its timeout, however far the part was cut
 # shellcheck disable=SC2086
 want table && part table "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --batches $BATCHES --xla-cache "$WORK/xla" \

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -395,7 +396,9 @@ def _run(args: argparse.Namespace, target) -> dict[str, Any]:
             fn, specs = jitted(executor._build_resident, (steps[c].key, slots))  # as the executor compiles
             if target is not None:  # (its options the target's: `building_for`) its arguments on the target's device
                 specs = on_device(specs, target)
-            lowered = fn.lower(*specs)
+            # The target the default device while lowering: a Pallas kernel's Triton lowering asks it for the GPU.
+            with jax.default_device(target) if target is not None else contextlib.nullcontext():
+                lowered = fn.lower(*specs)
             exe = lowered.compile()
             return exe, time.perf_counter() - t0, lowered
 

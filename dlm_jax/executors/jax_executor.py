@@ -38,7 +38,7 @@ from dlm_jax._config import ModelConfig
 from dlm_jax.models._fuse import PROJECTIONS_ENV, choose_projections, fuse_projections, is_fused
 from dlm_jax.models._scan import ScannedTransformer, StackedLayers, choose_layers
 from dlm_jax._partition import param_name
-from dlm_jax.models._transformer import (ATTENTION_FORMS, CUDNN_FORMS, EXPERT_EXCHANGES, Transformer,
+from dlm_jax.models._transformer import (ATTENTION_FORMS, CUDNN_FORMS, EXPERT_EXCHANGES, KERNEL_FORMS, Transformer,
                                          attention_form, expert_mesh, joint_rope, layers_traced_once)
 from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, Transfers
@@ -586,6 +586,14 @@ class JaxExecutor(Executor):
             if str(model.config.dtype) not in ("bfloat16", "float16"):
                 raise ConfigError(f"{name}={attention!r}: cuDNN's fused attention takes bfloat16 or float16, and the "
                                   f"model computes in {model.config.dtype} (load it with dtype='bfloat16')")
+        if attention in KERNEL_FORMS:
+            name = ATTENTION_ENV if from_env else "attention"
+            if target_platform() != "gpu":
+                raise ConfigError(f"{name}={attention!r}: the attention kernel is compiled by Triton for a GPU, and "
+                                  f"JAX's backend here is {target_platform()!r}; use split or gather")
+            if mesh is not None:
+                raise ConfigError(f"{name}={attention!r}: the attention kernel on a mesh is not built yet (it takes "
+                                  f"whole heads on one device); decode on a mesh with split")
         self.attention = attention
         exchange_from_env = expert_exchange is None and bool(os.environ.get(EXCHANGE_ENV))
         expert_exchange = expert_exchange or os.environ.get(EXCHANGE_ENV) or "psum"
@@ -824,7 +832,8 @@ class JaxExecutor(Executor):
         (`benchmarks/results/gpu_target.md`), and no [B, H, W, W] float32 scores are written."""
         cfg, graphdef = self.config, self._graphdef
         form, heads_first = ((self.attention, True) if in_place else
-                             ("cudnn", False) if self.attention in CUDNN_FORMS else ("concat", False))
+                             ("cudnn", False) if self.attention in CUDNN_FORMS else
+                             ("pallas", False) if self.attention in KERNEL_FORMS else ("concat", False))
 
         def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, lora_gate=None):
             vis = visibility(jnp, cfg, positions, q_valid, k_pos, k_ok, probes, hide)

@@ -28,6 +28,7 @@ from flax import nnx
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._masks import attention_rule
+from dlm_jax.models import _attention_kernel
 from dlm_jax.models.quant import QuantExperts, QuantLinear, expert_einsum
 
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -135,9 +136,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 # "cudnn" is "concat" into `jax.nn.dot_product_attention`'s cuDNN kernel (a GPU, bf16/fp16), and
 # the window alone into it where no cache is read; "cudnn_split" takes cuDNN's kernel twice, over
 # the cache where it lies and over the window, and merges the two by their log-sum-exps
-# (`attend_cudnn_cached`: no copy of the cache), the window alone as "cudnn" where no cache is read.
-ATTENTION_FORMS = ("split", "concat", "cudnn", "cudnn_split")
+# (`attend_cudnn_cached`: no copy of the cache), the window alone as "cudnn" where no cache is read;
+# "pallas" is one Pallas (Triton) kernel a layer over the cache where it lies and the window
+# (`_attention_kernel`), the window alone where no cache is read, "split" for shapes it does not take.
+ATTENTION_FORMS = ("split", "concat", "cudnn", "cudnn_split", "pallas")
 CUDNN_FORMS = ("cudnn", "cudnn_split")  # in cuDNN's kernel: a GPU, bfloat16 or float16
+KERNEL_FORMS = ("pallas",)  # in dlm-jax's own kernel: a GPU (Triton), or Pallas's interpreter
 _ATTENTION = contextvars.ContextVar("dlm_jax_attention", default=("split", False))
 
 
@@ -312,11 +316,16 @@ class Attention(nnx.Module):
         else:  # (the traced op order bundles were exported in)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         form, heads_first = ("concat", False) if _LITERT.get() else _ATTENTION.get()
-        if k_cache is None:  # the window alone (in cuDNN's kernel where the executor asked for it)
+        slots = 0 if k_cache is None else k_cache.shape[2 if heads_first else 1]
+        if (form == "pallas" and mask.dtype == jnp.bool_ and (slots == 0 or heads_first)
+                and _attention_kernel.fits(t, slots, self.head_dim)):  # one kernel, the cache as it lies
+            out = _attention_kernel.attend_kernel(q, k_cache if slots else None, v_cache if slots else None, k, v,
+                                                  mask)
+        elif k_cache is None:  # the window alone (in cuDNN's kernel where the executor asked for it)
             out = attend_cudnn(q, k, v, mask) if form in CUDNN_FORMS else attend(q, k, v, mask)
         elif form == "cudnn_split" and heads_first:  # the resident cache, read where it lies
             out = attend_cudnn_cached(q, k_cache, v_cache, k, v, mask)
-        elif form == "split" and mask.dtype == jnp.bool_:
+        elif form in ("split", "pallas") and mask.dtype == jnp.bool_:
             out = attend_cached(q, k_cache, v_cache, k, v, mask, heads_first=heads_first)
         else:
             if heads_first:

@@ -1,6 +1,8 @@
-"""benchmarks/attention_check.py on the CPU, with JAX's XLA attention standing in for cuDNN's.
+"""benchmarks/attention_check.py on the CPU, with JAX's XLA attention standing in for cuDNN's
+and the Pallas kernel in Pallas's interpreter.
 
-A GPU lease runs it against cuDNN itself before it times the "cudnn_split" form: the check is
+A GPU lease runs it against cuDNN and Triton themselves before it times the "cudnn_split" and
+"pallas" forms: the check is
 only worth that device time if it passes a correct merge and fails a wrong one, and if its
 report names every form with its errors."""
 
@@ -22,15 +24,16 @@ def test_the_forms_pass_against_float32_with_xla_standing_in_for_cudnn(tmp_path)
     out = tmp_path / "check"
     assert attention_check.main(["--shape", "small", "--batches", "1", "2", "--stand-in", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
-    assert report["pass"] and "standing in" in report["cudnn"]
+    assert report["pass"] and "standing in" in report["cudnn"] and "interpreter" in report["pallas"]
     assert [(c["batch"], c["kind"]) for c in report["cases"]] == [(1, "dual"), (1, "prefix"), (2, "dual"), (2, "prefix")]
     for case in report["cases"]:
-        assert list(case["forms"]) == ["split", "cudnn", "cudnn_split"]
+        assert list(case["forms"]) == ["split", "cudnn", "cudnn_split", "pallas"]
         for form in case["forms"].values():
             assert form["finite"] and 0 < form["mean_error"] <= form["max_error"] < 0.05  # bfloat16, not float32
         # A row that sees no cache slot has only the window: cudnn_split's merge gives it the window's own output.
         assert case["forms"]["cudnn_split"]["blind_rows_mean_error"] == case["forms"]["cudnn"]["blind_rows_mean_error"]
     assert "| 2 | prefix | cudnn_split |" in out.with_suffix(".md").read_text()
+    assert "| 2 | prefix | pallas |" in out.with_suffix(".md").read_text()
 
 
 def test_a_wrong_merge_fails_the_check(tmp_path, monkeypatch):
@@ -73,6 +76,6 @@ def test_without_a_gpu_it_asks_for_the_stand_in_in_one_line(tmp_path, capsys):
         attention_check.main(["--shape", "small", "--out", str(tmp_path / "check")])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.endswith("the cuDNN forms need a GPU and JAX's backend here is 'cpu'; --stand-in runs JAX's XLA "
-                        "attention in cuDNN's place")
+    assert err.endswith("the cuDNN and Pallas forms need a GPU and JAX's backend here is 'cpu'; --stand-in runs "
+                        "JAX's XLA attention in cuDNN's place and the kernel in Pallas's interpreter")
     assert not (tmp_path / "check.json").exists()

@@ -106,7 +106,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert dual.batches == ([1, 2] if dry else [1, 16, 32, 8])
     assert table.checkpoint == large.checkpoint == dual.checkpoint and small.small  # one checkpoint per lease
     assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == args["scan dsf"].layers == ["scan"]
-    assert args["attention"].attention == ["split", "cudnn", "cudnn_split"]
+    assert args["attention"].attention == ["split", "cudnn", "cudnn_split", "pallas"]
     assert args["attention"].kinds == ["refresh", "dual", "prefix"]
     check = args["attncheck"]  # the forms against float32 before they are timed; a CPU has no cuDNN
     assert (check.shape, check.stand_in) == (("small", True) if dry else ("llada-8b", False))

@@ -30,6 +30,8 @@ from _profile import kernel_kind, kernel_table  # noqa: E402
     # names of the forms other libraries give (none in our profiles yet)
     ("cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_64x4_tn_align8", "gemm"),
     ("cudnn_generated_fort_native_sdpa_sm90_kernel0", "attention"),
+    ("__gpu$xla.gpu.triton", "attention"),  # the Pallas kernel's custom call in the HLO (`hlo_kernels`)
+    ("dlm_jax_attention", "attention"),  # ... and its name on the device
     ("loop_dynamic_update_slice_fusion", "data movement"),
     ("dot.12", "gemm"),  # a CPU trace's XLA op names
     ("ynn_fusion.25", "gemm"),

@@ -254,6 +254,34 @@ def test_the_cudnn_split_step_equals_the_split_step(model, seed):
         np.testing.assert_allclose(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_pallas_step_equals_the_split_step(seed):
+    """The executor's step in the "pallas" form (one kernel a layer over the resident cache as
+    it lies, run in Pallas's interpreter: no GPU here, and the executor refuses the form
+    elsewhere, so the test sets it after construction) against the "split" step from the same
+    cache: the same predictions to float32 rounding. Head dim 16 and a window of 16 rows over
+    96 slots, shapes the kernel takes (the fixture's head dim, 8, it does not)."""
+    from dlm_jax.models import _attention_kernel
+
+    wide = sharp_model(head_dim=16)
+    rng = np.random.default_rng(seed)
+    slots = 40
+    split, kernel = JaxExecutor(wide, attention="split"), JaxExecutor(wide, attention="split")
+    kernel.attention = "pallas"
+    req = _random_step(split, rng, batch=2, slots=slots, window=16)
+    assert _attention_kernel.fits(req.key.window, split.capacity(slots), 16)
+    state = rng.bit_generator.state
+    outs = []
+    for executor in (split, kernel):
+        rng.bit_generator.state = state
+        with _attention_kernel.interpret():  # (the step compiles inside)
+            outs.append(_filled_cache(executor, rng, req.key.batch, slots).step(req))
+    a, b = outs
+    np.testing.assert_array_equal(a.top_token, b.top_token)
+    for name in ("top_prob", "second_prob", "entropy"):
+        np.testing.assert_allclose(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_an_unread_slot_does_not_reach_the_step(model):
     """Poisoning every slot the step does not read (nor the row's read length admits) leaves
     the in-place step's predictions unchanged."""
@@ -351,10 +379,36 @@ def test_in_place_decodes_the_gathered_tokens(model, name):
     assert outs[0].stats.nfe == outs[1].stats.nfe
 
 
+@pytest.mark.parametrize("name", ["fast-dllm-dual", pytest.param("fast-dllm", marks=pytest.mark.slow)])
+def test_the_pallas_form_decodes_the_split_tokens(name, monkeypatch):
+    """A whole decode (random weights, head dim 16: many steps) with the attention kernel in
+    Pallas's interpreter, its refreshes (the window alone) and cached steps included: the
+    split form's tokens and NFE. Blocks of 32 over 96 slots, shapes the kernel takes."""
+    from dlm_jax.models import _attention_kernel
+    from dlm_jax.runtime import Decoder, preset
+
+    model = sharp_model(head_dim=16)
+    cfg = preset(name, gen_len=64)
+    prompts = [[5, 17, 3, 44, 9, 21, 30], [8, 1]]
+    split, kernel = JaxExecutor(model, attention="split"), JaxExecutor(model, attention="split")
+    kernel.attention = "pallas"
+    traced = []  # (cache slots of each kernel traced: 0 for a refresh's window alone)
+    real = _attention_kernel.attend_kernel
+    monkeypatch.setattr(_attention_kernel, "attend_kernel",
+                        lambda q, kc, *rest: traced.append(0 if kc is None else kc.shape[2]) or real(q, kc, *rest))
+    want = Decoder(split, model.config).decode(prompts, cfg)
+    assert not traced
+    with _attention_kernel.interpret():
+        got = Decoder(kernel, model.config).decode(prompts, cfg)
+    assert 0 in traced and any(traced), traced  # refreshes and cached steps both took the kernel
+    np.testing.assert_array_equal(got.sequences, want.sequences)
+    assert got.stats.nfe == want.stats.nfe
+
+
 def test_an_unknown_attention_is_refused_naming_where_it_came_from(model, monkeypatch):
     from dlm_jax._errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^attention='flash': known split, concat, cudnn, cudnn_split, gather$"):
+    with pytest.raises(ConfigError, match=r"^attention='flash': known split, concat, cudnn, cudnn_split, pallas, gather$"):
         JaxExecutor(model, attention="flash")
     monkeypatch.setenv("DLM_JAX_ATTENTION", "flash")
     with pytest.raises(ConfigError, match=r"^DLM_JAX_ATTENTION='flash': known split"):
@@ -365,3 +419,6 @@ def test_an_unknown_attention_is_refused_naming_where_it_came_from(model, monkey
             JaxExecutor(model)
         with pytest.raises(ConfigError, match=r"^attention='cudnn_split': cuDNN's fused attention runs on a GPU"):
             JaxExecutor(model, attention="cudnn_split")
+        with pytest.raises(ConfigError, match=r"^attention='pallas': the attention kernel is compiled by Triton for a "
+                                              r"GPU, and JAX's backend here is 'cpu'; use split or gather$"):
+            JaxExecutor(model, attention="pallas")

@@ -1,0 +1,148 @@
+"""One attention kernel a layer, in Pallas (Triton on a GPU): the window's queries over the
+resident K/V cache where it lies and over the window's own K/V, under the step's visibility
+mask, in one launch.
+
+The XLA forms of `_transformer` take several kernels a layer for the same attention (the
+split form: score products, their maxima and sums, exponentials, value products; compiled for
+an H200, about 13 non-GEMM kernels a layer at batch 1, `benchmarks/results/gpu_target.md`);
+cuDNN's takes one over a concatenated copy ("cudnn") or two and a merge ("cudnn_split"). This
+kernel streams the cache in blocks of `block_k` slots with an online softmax (FlashAttention-2,
+Dao 2023, algorithm 1: a running maximum and sum per query row, float32), then the window's
+columns, and writes each query row once:
+
+- grid (B, H, T / block_q): one program per batch row, query head and block of query rows; a
+  grouped K/V head is read by each of its query heads' programs;
+- scores are the bf16 (or the model's dtype) products accumulated in float32, scaled by
+  1/sqrt(Dh) and masked to the float32 minimum as `attend` masks them; the value products take
+  the unnormalized weights (each at most 1) in the values' dtype, accumulated in float32 and
+  divided by the softmax's sum at the end, as `attend_cached` does;
+- a block of cache slots that no query row of the program sees is skipped (its K/V are not
+  read): the unread and unwritten slots of the capacity cost a mask read, not a K/V read.
+
+A row that sees nothing gets a finite output (the window is never skipped), not `attend`'s
+uniform average over every column; the executor never reads such rows (they are padding).
+
+Shapes the Triton backend takes (each load a power of two, products at least 16 wide): the
+window's rows T and the cache's slots S multiples of 16, the head dim a power of two from 16 to
+256. `fits` says whether a step's shapes do; `Attention` keeps the split form for those that do
+not. On a machine without a GPU the kernel runs in Pallas's interpreter (`interpret()`), which
+is how the tests check it against `attend` on a CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+_interpret = False  # `interpret()`: a process-wide switch, as programs compile on background threads
+
+
+@contextlib.contextmanager
+def interpret(on: bool = True) -> Iterator[None]:
+    """Inside: the kernel is traced for Pallas's interpreter (any backend, a CPU's included):
+    the same blocks, loops and arithmetic, as XLA ops instead of one Triton kernel. Only
+    programs traced inside take it."""
+    global _interpret
+    saved, _interpret = _interpret, on
+    try:
+        yield
+    finally:
+        _interpret = saved
+
+
+def _block(n: int, most: int = 64) -> int:
+    """The largest power of two at most `most` that divides `n` (0 if below 16)."""
+    b = most
+    while b >= 16 and n % b:
+        b //= 2
+    return b if b >= 16 else 0
+
+
+def fits(t: int, s: int, head_dim: int) -> bool:
+    """Whether the kernel takes a step of `t` window rows over `s` cache slots (0: none) at
+    `head_dim`: each a shape the Triton backend can load."""
+    return bool(_block(t)) and (s == 0 or bool(_block(s))) and head_dim in (16, 32, 64, 128, 256)
+
+
+def _kernel(*refs, scale: float, cached: bool, block_k: int, block_w: int, slots: int, window: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    if cached:
+        q_ref, kc_ref, vc_ref, mc_ref, kw_ref, vw_ref, mw_ref, o_ref = refs
+    else:
+        q_ref, kw_ref, vw_ref, mw_ref, o_ref = refs
+    q = q_ref[...]  # [block_q, Dh]
+    rows, dh = q.shape
+    f32 = q.dtype == jnp.float32
+
+    def attend_block(keys, values, seen, carry):
+        acc, top, total = carry
+        scores = plgpu.dot(q, keys, trans_b=True, allow_tf32=False if f32 else None) * scale
+        scores = jnp.where(seen, scores, _NEG)
+        new_top = jnp.maximum(top, scores.max(axis=-1))
+        fade = jnp.exp(top - new_top)  # the earlier blocks' weights, rescaled to the new maximum
+        weights = jnp.exp(scores - new_top[:, None])
+        total = total * fade + weights.sum(axis=-1)
+        acc = acc * fade[:, None] + plgpu.dot(weights.astype(values.dtype), values,
+                                              allow_tf32=False if f32 else None)
+        return acc, new_top, total
+
+    carry = (jnp.zeros((rows, dh), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    if cached:
+        def cache_block(j, carry):
+            cols = pl.ds(j * block_k, block_k)
+            seen = mc_ref[:, cols]
+            return jax.lax.cond(seen.astype(jnp.int32).max() > 0,
+                                lambda c: attend_block(kc_ref[cols, :], vc_ref[cols, :], seen != 0, c),
+                                lambda c: c, carry)
+
+        carry = jax.lax.fori_loop(0, slots // block_k, cache_block, carry)
+
+    def window_block(j, carry):
+        cols = pl.ds(j * block_w, block_w)
+        return attend_block(kw_ref[cols, :], vw_ref[cols, :], mw_ref[:, cols] != 0, carry)
+
+    acc, _, total = jax.lax.fori_loop(0, window // block_w, window_block, carry)
+    o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+
+
+def attend_kernel(q: jax.Array, k_cache: jax.Array | None, v_cache: jax.Array | None, k: jax.Array,
+                  v: jax.Array, mask: jax.Array) -> jax.Array:
+    """`attend(q, [k_cache; k], [v_cache; v], mask)` as one kernel over the cache where it lies.
+
+    q: [B, T, H, Dh]; k_cache, v_cache: [B, Hkv, S, Dh] (a resident cache's layer) or None (the
+    window alone); k, v: [B, T, Hkv, Dh]; mask: [B, T, S+T] bool, cache columns first. The
+    shapes must `fit`. Returns [B, T, H, Dh] in q's dtype."""
+    from jax.experimental import pallas as pl
+
+    b, t, h, dh = q.shape
+    hkv = k.shape[2]
+    group = h // hkv
+    s = 0 if k_cache is None else k_cache.shape[2]
+    if not fits(t, s, dh):
+        raise ValueError(f"the attention kernel takes window rows and cache slots in multiples of 16 and a head "
+                         f"dim of 16-256 (a power of two); got T={t}, S={s}, Dh={dh}")
+    block_q, block_w = _block(t), _block(t)
+    seen = mask.astype(jnp.int8)  # (one conversion a step: every layer's mask is the same array)
+    q_spec = pl.BlockSpec((None, block_q, None, dh), lambda i, j, r: (i, r, j, 0))
+    window_specs = [pl.BlockSpec((None, t, None, dh), lambda i, j, r: (i, 0, j // group, 0))] * 2
+    window_mask_spec = pl.BlockSpec((None, block_q, t), lambda i, j, r: (i, r, 0))
+    if s:
+        cache_spec = pl.BlockSpec((None, None, s, dh), lambda i, j, r: (i, j // group, 0, 0))
+        in_specs = [q_spec, cache_spec, cache_spec, pl.BlockSpec((None, block_q, s), lambda i, j, r: (i, r, 0)),
+                    *window_specs, window_mask_spec]
+        operands = (q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), seen[:, :, :s], k, v, seen[:, :, s:])
+    else:
+        in_specs = [q_spec, *window_specs, window_mask_spec]
+        operands = (q, k, v, seen)
+    kernel = functools.partial(_kernel, scale=1.0 / float(dh) ** 0.5, cached=bool(s), block_k=_block(s) if s else 0,
+                               block_w=block_w, slots=s, window=t)
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, h, t // block_q),
+                          in_specs=in_specs, out_specs=q_spec, interpret=_interpret,
+                          name="dlm_jax_attention")(*operands)

@@ -1,0 +1,103 @@
+"""The Pallas attention kernel (`dlm_jax.models._attention_kernel`, the "pallas" attention form)
+against `attend` over the concatenation of cache and window, run in Pallas's interpreter (the
+same blocks, loops and arithmetic as the Triton kernel a GPU compiles; no GPU here).
+
+The silent failures guarded: a cache block's weights not rescaled when a later block raises
+the running maximum, a masked column (or a skipped block) reaching a row, a grouped K/V head
+read for the wrong query head, a query block written to the wrong rows, and precision lost in
+bfloat16 against the split form the kernel replaces."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlm_jax.models import _attention_kernel as kernel
+from dlm_jax.models._transformer import attend, attend_cached
+
+
+def _case(rng, *, b=2, t=32, slots=64, hkv=2, groups=2, dh=16, scale=1.0):
+    q = rng.standard_normal((b, t, hkv * groups, dh)) * scale
+    kc, vc = (rng.standard_normal((b, hkv, slots, dh)) for _ in range(2))
+    k, v = (rng.standard_normal((b, t, hkv, dh)) for _ in range(2))
+    mask = rng.random((b, t, slots + t)) < 0.5
+    mask[:, :, slots:] |= np.eye(t, dtype=bool)  # every row sees itself (a row seeing nothing is padding)
+    return q, kc, vc, k, v, mask
+
+
+def _reference(q, kc, vc, k, v, mask):
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, np.concatenate([kc.swapaxes(1, 2), k], 1),
+                                                 np.concatenate([vc.swapaxes(1, 2), v], 1))]
+    return np.asarray(attend(*f32, jnp.asarray(mask)))
+
+
+def _kernel(q, kc, vc, k, v, mask, dtype=jnp.float32):
+    cache = (None, None) if kc is None else (jnp.asarray(kc, dtype), jnp.asarray(vc, dtype))
+    with kernel.interpret():
+        out = jax.jit(kernel.attend_kernel)(jnp.asarray(q, dtype), *cache, jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                                            jnp.asarray(mask))
+    return np.asarray(out.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("groups, t, slots", [(1, 32, 64), (2, 48, 80)])
+def test_the_kernel_is_attention_over_the_concatenation(groups, t, slots):
+    """float32: several query blocks (T 48: three of 16) and cache blocks, grouped heads, a
+    block of cache slots no row sees (skipped), a row that sees no cache slot, a batch row
+    whose cache is all unread; masked cache columns poisoned change nothing."""
+    rng = np.random.default_rng(groups)
+    q, kc, vc, k, v, mask = _case(rng, t=t, slots=slots, groups=groups)
+    mask[:, :, 16:32] = False  # a whole block of slots unseen: the kernel skips it
+    mask[0, 3, :slots] = False
+    mask[1, :, :slots] = False
+    out = _kernel(q, kc, vc, k, v, mask)
+    np.testing.assert_allclose(out, _reference(q, kc, vc, k, v, mask), rtol=2e-5, atol=2e-5)
+    poisoned = kc.copy()
+    unseen = ~mask[:, :, :slots].any(1)  # [B, S]
+    poisoned.transpose(0, 2, 1, 3)[unseen] = 1e4
+    np.testing.assert_allclose(_kernel(q, poisoned, vc, k, v, mask), out, rtol=1e-6, atol=1e-6)
+
+
+def test_a_later_block_with_larger_scores_rescales_the_earlier_ones():
+    """Scores that grow block by block (each block's maximum above the last): every earlier
+    block's weights must fade by exp(old max - new max), or they dominate the output."""
+    rng = np.random.default_rng(3)
+    q, kc, vc, k, v, mask = _case(rng, t=16, slots=64, groups=1)
+    kc = kc * np.repeat(np.arange(1, 5), 16)[None, None, :, None]  # scores grow with the block
+    mask[:] = True
+    np.testing.assert_allclose(_kernel(q, kc, vc, k, v, mask), _reference(q, kc, vc, k, v, mask), rtol=2e-5, atol=2e-5)
+
+
+def test_the_window_alone():
+    """No cache (a refresh): the window's own attention, several blocks of its columns."""
+    rng = np.random.default_rng(4)
+    q, _, _, k, v, mask = _case(rng, t=64, slots=0)
+    empty = np.zeros((2, 2, 0, 16))
+    np.testing.assert_allclose(_kernel(q, None, None, k, v, mask), _reference(q, empty, empty, k, v, mask),
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_in_bfloat16_the_kernel_is_as_close_to_float32_as_the_split_form():
+    """bfloat16 operands, float32 scores and sums: the kernel's error against float32 attention
+    within 1.15x the split form's (`attend_cached`, the GPU default it would replace)."""
+    rng = np.random.default_rng(5)
+    for scale in (0.5, 2.0):  # flat to peaked weights
+        q, kc, vc, k, v, mask = _case(rng, t=32, slots=192, dh=64, scale=scale)
+        ref = _reference(q, kc, vc, k, v, mask)
+        ours = np.abs(_kernel(q, kc, vc, k, v, mask, jnp.bfloat16) - ref).mean()
+        bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, kc, vc, k, v)]
+        split = np.asarray(jax.jit(attend_cached, static_argnames="heads_first")(
+            *bf, jnp.asarray(mask), heads_first=True).astype(jnp.float32))
+        assert ours <= 1.15 * np.abs(split - ref).mean(), (scale, ours, np.abs(split - ref).mean())
+
+
+def test_shapes_the_kernel_does_not_take_are_refused_and_fits_says_so():
+    """Triton loads powers of two, products at least 16 wide: a window of 24 rows, 40 cache
+    slots or a head dim of 8 does not fit (the model keeps the split form for them)."""
+    assert kernel.fits(32, 64, 128) and kernel.fits(48, 0, 16) and kernel.fits(384, 512, 128)
+    assert not kernel.fits(24, 64, 128) and not kernel.fits(32, 40, 128) and not kernel.fits(32, 64, 8)
+    rng = np.random.default_rng(6)
+    q, kc, vc, k, v, mask = _case(rng, t=16, slots=40)
+    with pytest.raises(ValueError, match="T=16, S=40, Dh=16"):
+        _kernel(q, kc, vc, k, v, mask)
