@@ -62,7 +62,7 @@
 #                again under cudnn_split; about 95 s, then 10 timed steps each). The pallas form
 #                (dlm_jax.models._attention_kernel: one Triton kernel a layer over the cache where it
 #                lies and the window) compiled for an H200 here launches the fewest kernels and
-#                writes the fewest bytes of the four (dual b1 535 kernels, 1.32 GB; dual b8 503,
+#                writes the fewest bytes of the four (dual b1 537 kernels, 1.32 GB; dual b8 504,
 #                4.30 GB; its kernel's own speed is this part's question). Compiled for an H200 here
 #                (benchmarks/results/gpu_target.md), cuDNN's steps launch 30-38% fewer kernels
 #                than the split ones (19-32% in a refresh), its refresh no [B, H, W, W] float32

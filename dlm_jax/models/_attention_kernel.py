@@ -16,11 +16,12 @@ columns, and writes each query row once:
   1/sqrt(Dh) and masked to the float32 minimum as `attend` masks them; the value products take
   the unnormalized weights (each at most 1) in the values' dtype, accumulated in float32 and
   divided by the softmax's sum at the end, as `attend_cached` does;
-- a block of cache slots that no query row of the program sees is skipped (its K/V are not
-  read): the unread and unwritten slots of the capacity cost a mask read, not a K/V read.
+- only the cache blocks from the first to the last that a query row of the program sees are
+  read (`cache_span`, computed once a step from the mask): the unused capacity past a decode's
+  slots costs nothing, and the loop has no branch in it, so Triton can pipeline its loads.
 
-A row that sees nothing gets a finite output (the window is never skipped), not `attend`'s
-uniform average over every column; the executor never reads such rows (they are padding).
+A row that sees nothing gets the mean of the values the kernel reads for it (finite), where
+`attend` averages every column; the executor never reads such rows (they are padding).
 
 Shapes the Triton backend takes (each load a power of two, products at least 16 wide): the
 window's rows T and the cache's slots S multiples of 16, the head dim a power of two from 16 to
@@ -68,12 +69,12 @@ def fits(t: int, s: int, head_dim: int) -> bool:
     return bool(_block(t)) and (s == 0 or bool(_block(s))) and head_dim in (16, 32, 64, 128, 256)
 
 
-def _kernel(*refs, scale: float, cached: bool, block_k: int, block_w: int, slots: int, window: int):
+def _kernel(*refs, scale: float, cached: bool, block_k: int, block_w: int, window: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     if cached:
-        q_ref, kc_ref, vc_ref, mc_ref, kw_ref, vw_ref, mw_ref, o_ref = refs
+        q_ref, kc_ref, vc_ref, mc_ref, span_ref, kw_ref, vw_ref, mw_ref, o_ref = refs
     else:
         q_ref, kw_ref, vw_ref, mw_ref, o_ref = refs
     q = q_ref[...]  # [block_q, Dh]
@@ -97,12 +98,11 @@ def _kernel(*refs, scale: float, cached: bool, block_k: int, block_w: int, slots
     if cached:
         def cache_block(j, carry):
             cols = pl.ds(j * block_k, block_k)
-            seen = mc_ref[:, cols]
-            return jax.lax.cond(seen.astype(jnp.int32).max() > 0,
-                                lambda c: attend_block(kc_ref[cols, :], vc_ref[cols, :], seen != 0, c),
-                                lambda c: c, carry)
+            return attend_block(kc_ref[cols, :], vc_ref[cols, :], mc_ref[:, cols] != 0, carry)
 
-        carry = jax.lax.fori_loop(0, slots // block_k, cache_block, carry)
+        # Only the blocks from the first that a row of this program sees to the last (`span_ref`):
+        # a loop without a branch in it, so Triton can load the next blocks while this one computes.
+        carry = jax.lax.fori_loop(span_ref[0], span_ref[1], cache_block, carry)
 
     def window_block(j, carry):
         cols = pl.ds(j * block_w, block_w)
@@ -110,6 +110,20 @@ def _kernel(*refs, scale: float, cached: bool, block_k: int, block_w: int, slots
 
     acc, _, total = jax.lax.fori_loop(0, window // block_w, window_block, carry)
     o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+
+
+def cache_span(mask: jax.Array, block_q: int, block_k: int) -> jax.Array:
+    """[B, T / block_q, 2] int32: per batch row and block of query rows, the first block of
+    `block_k` cache slots any of those rows sees (`mask` [B, T, S] bool) and one past the last
+    (both 0 where they see none): the blocks the kernel reads, the unused capacity past a
+    decode's slots and the slots before a prefix left out."""
+    b, t, s = mask.shape
+    blocks = s // block_k
+    seen = mask.reshape(b, t // block_q, block_q, blocks, block_k).any(axis=(2, 4))  # [B, T / bq, blocks]
+    index = jnp.arange(blocks, dtype=jnp.int32)
+    last = jnp.max(jnp.where(seen, index + 1, 0), axis=-1)
+    first = jnp.minimum(jnp.min(jnp.where(seen, index, blocks), axis=-1), last)
+    return jnp.stack([first, last], axis=-1).astype(jnp.int32)
 
 
 def attend_kernel(q: jax.Array, k_cache: jax.Array | None, v_cache: jax.Array | None, k: jax.Array,
@@ -128,21 +142,23 @@ def attend_kernel(q: jax.Array, k_cache: jax.Array | None, v_cache: jax.Array | 
     if not fits(t, s, dh):
         raise ValueError(f"the attention kernel takes window rows and cache slots in multiples of 16 and a head "
                          f"dim of 16-256 (a power of two); got T={t}, S={s}, Dh={dh}")
-    block_q, block_w = _block(t), _block(t)
-    seen = mask.astype(jnp.int8)  # (one conversion a step: every layer's mask is the same array)
+    block_q = block_w = _block(t)  # (query rows a program, window columns a loop step)
+    # (one conversion a step, and one span: every layer's mask is the same array)
+    seen = mask.astype(jnp.int8)
     q_spec = pl.BlockSpec((None, block_q, None, dh), lambda i, j, r: (i, r, j, 0))
     window_specs = [pl.BlockSpec((None, t, None, dh), lambda i, j, r: (i, 0, j // group, 0))] * 2
     window_mask_spec = pl.BlockSpec((None, block_q, t), lambda i, j, r: (i, r, 0))
     if s:
         cache_spec = pl.BlockSpec((None, None, s, dh), lambda i, j, r: (i, j // group, 0, 0))
         in_specs = [q_spec, cache_spec, cache_spec, pl.BlockSpec((None, block_q, s), lambda i, j, r: (i, r, 0)),
-                    *window_specs, window_mask_spec]
-        operands = (q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), seen[:, :, :s], k, v, seen[:, :, s:])
+                    pl.BlockSpec((None, None, 2), lambda i, j, r: (i, r, 0)), *window_specs, window_mask_spec]
+        operands = (q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), seen[:, :, :s],
+                    cache_span(mask[:, :, :s], block_q, _block(s)), k, v, seen[:, :, s:])
     else:
         in_specs = [q_spec, *window_specs, window_mask_spec]
         operands = (q, k, v, seen)
     kernel = functools.partial(_kernel, scale=1.0 / float(dh) ** 0.5, cached=bool(s), block_k=_block(s) if s else 0,
-                               block_w=block_w, slots=s, window=t)
+                               block_w=block_w, window=t)
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, h, t // block_q),
                           in_specs=in_specs, out_specs=q_spec, interpret=_interpret,
                           name="dlm_jax_attention")(*operands)

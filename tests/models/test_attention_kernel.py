@@ -3,7 +3,7 @@ against `attend` over the concatenation of cache and window, run in Pallas's int
 same blocks, loops and arithmetic as the Triton kernel a GPU compiles; no GPU here).
 
 The silent failures guarded: a cache block's weights not rescaled when a later block raises
-the running maximum, a masked column (or a skipped block) reaching a row, a grouped K/V head
+the running maximum, a masked column (or a block outside the rows' span) reaching a row, a grouped K/V head
 read for the wrong query head, a query block written to the wrong rows, and precision lost in
 bfloat16 against the split form the kernel replaces."""
 
@@ -41,22 +41,41 @@ def _kernel(q, kc, vc, k, v, mask, dtype=jnp.float32):
     return np.asarray(out.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("groups, t, slots", [(1, 32, 64), (2, 48, 80)])
+@pytest.mark.parametrize("groups, t, slots", [(1, 32, 112), (2, 48, 80)])  # cache blocks of 16
 def test_the_kernel_is_attention_over_the_concatenation(groups, t, slots):
-    """float32: several query blocks (T 48: three of 16) and cache blocks, grouped heads, a
-    block of cache slots no row sees (skipped), a row that sees no cache slot, a batch row
-    whose cache is all unread; masked cache columns poisoned change nothing."""
+    """float32: several query blocks (T 48: three of 16) and cache blocks, grouped heads, the
+    first and last blocks of cache slots and one in the middle seen by no row (the first two
+    outside the rows' span, not read), a row that sees no cache slot, a batch row whose cache
+    is all unread, a padding row that sees nothing at all (finite, not compared); masked cache
+    columns poisoned change nothing."""
     rng = np.random.default_rng(groups)
     q, kc, vc, k, v, mask = _case(rng, t=t, slots=slots, groups=groups)
-    mask[:, :, 16:32] = False  # a whole block of slots unseen: the kernel skips it
+    mask[:, :, :16] = mask[:, :, slots - 16:slots] = mask[:, :, 32:48] = False
     mask[0, 3, :slots] = False
     mask[1, :, :slots] = False
+    mask[0, 5] = False  # a padding row
     out = _kernel(q, kc, vc, k, v, mask)
-    np.testing.assert_allclose(out, _reference(q, kc, vc, k, v, mask), rtol=2e-5, atol=2e-5)
+    assert np.isfinite(out).all()
+    seeing = mask.any(-1)  # [B, T]
+    np.testing.assert_allclose(out[seeing], _reference(q, kc, vc, k, v, mask)[seeing], rtol=2e-5, atol=2e-5)
     poisoned = kc.copy()
     unseen = ~mask[:, :, :slots].any(1)  # [B, S]
     poisoned.transpose(0, 2, 1, 3)[unseen] = 1e4
     np.testing.assert_allclose(_kernel(q, poisoned, vc, k, v, mask), out, rtol=1e-6, atol=1e-6)
+    # Values outside the span are never read: not even a NaN reaches the output (one inside it,
+    # masked, would: its weight 0 times NaN).
+    outside = vc.copy()
+    outside[:, :, :16] = outside[:, :, slots - 16:] = np.nan
+    np.testing.assert_allclose(_kernel(q, kc, outside, k, v, mask), out, rtol=1e-6, atol=1e-6)
+
+
+def test_the_span_is_each_query_block_s_first_to_last_seen_cache_block():
+    mask = np.zeros((2, 32, 64), bool)  # 2 query blocks of 16, 4 cache blocks of 16
+    mask[0, 3, 20] = mask[0, 9, 50] = True  # batch row 0, query block 0: blocks 1 and 3
+    mask[0, 20, 0] = True  # query block 1: block 0
+    mask[1, 31, 63] = True  # batch row 1, query block 1: block 3; its query block 0 sees none
+    span = np.asarray(kernel.cache_span(jnp.asarray(mask), 16, 16))
+    np.testing.assert_array_equal(span, [[[1, 4], [0, 1]], [[0, 0], [3, 4]]])
 
 
 def test_a_later_block_with_larger_scores_rescales_the_earlier_ones():
