@@ -69,6 +69,11 @@
 #                scores; the split steps move less data at batch 8 (no copy of the cache), and
 #                cudnn_split neither: 4.44 GB written at dual b8 against cudnn's 6.44, for 65
 #                more kernels (33 at batch 1).
+#   probekernel 130 the probe (no persistent cache, autotuning on) with --attention pallas: the
+#                split form's score and value products are 4 of each program's 10 distinct GEMMs,
+#                which the autotuner times one by one; the kernel's programs have 6
+#                (benchmarks/results/gpu_target.md: 49.5 s of compiling without autotuning here,
+#                against 57.3 s split, in one run). Whether that shortens the 142 s cold wait.
 #   cmdbuf   45  the fused part's separate cases again with XLA_FLAGS
 #                --xla_gpu_enable_command_buffer= (no CUDA graphs: every kernel launched on its
 #                own), with their kernels: whether XLA's command buffers, which it records on a
@@ -119,7 +124,7 @@
 # ATTENTION=cudnn, cudnn_split or pallas once the attention part has shown it faster; the default is split) (e.g.
 # PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
 # PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
-# still-warm machine: PARTS="attncheck attention fused cmdbuf probeload probe0 gemm").
+# still-warm machine: PARTS="attncheck attention probekernel fused cmdbuf probeload probe0 gemm").
 # (The device's compile-only config: cp $LEASE/target_config.txtpb benchmarks/targets/h200_device.txtpb.)
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
@@ -129,7 +134,7 @@
 #   P=benchmarks/results/gpu_parts   (the lease's parts present, newest first, then the earlier ones)
 #   .venv/bin/python benchmarks/gpu.py --merge $LEASE/gpu_dual.json $LEASE/gpu.json $LEASE/gpu_large.json \
 #     $P/h200_gpu_init_b1_b8.json $P/h200_gpu_init_dlm_jax_b1_b8.json $P/h200_small.json --out benchmarks/results/gpu
-#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/probe_nocache.json $LEASE/probe_load.json $LEASE/probe_autotune0.json $LEASE/probe_cache.json $LEASE/probe_cache2.json $LEASE/probe_serial.json --out benchmarks/results/compile_probe
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/probe_nocache.json $LEASE/probe_load.json $LEASE/probe_autotune0.json $LEASE/probe_kernel.json $LEASE/probe_cache.json $LEASE/probe_cache2.json $LEASE/probe_serial.json --out benchmarks/results/compile_probe
 #   (and $LEASE/autotune.pbtxt into benchmarks/results/gpu_parts/, named by device and jaxlib)
 #   cp $LEASE/cache_load.* benchmarks/results/gpu_parts/ (named by device; the CPU's are benchmarks/results/cache_load.*)
 #   cp $LEASE/gemm_probe.json benchmarks/results/gpu_parts/h200_gemm_probe.json, its .md and .png into benchmarks/results/
@@ -150,7 +155,7 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-target dual probe fused cmdbuf probeload probe0 gemm attncheck attention table small large probecache cacheload probeserial cudnn scan scandsf first}
+PARTS=${PARTS:-target dual probe fused cmdbuf probeload probe0 gemm attncheck attention probekernel table small large probecache cacheload probeserial cudnn scan scandsf first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
@@ -226,6 +231,9 @@ want gemm && part gemm 60 20 $PY benchmarks/gemm_probe.py "${GEMM_X[@]}" --out "
 want attncheck && part attncheck 45 15 $PY benchmarks/attention_check.py "${CHECK_X[@]}" --out "$OUT/attention_check"
 want attention && part attention 160 40 $PY $S --batches 1 8 --kinds refresh dual prefix \
   --attention split cudnn cudnn_split pallas --reps 10 "${STEP_X[@]}" --out "$OUT/attention"
+# The probe's programs in the kernel's form: 6 distinct GEMMs a program for the autotuner, not 10.
+want probekernel && part "probe kernel" 130 40 $PY $S "${PROBE[@]}" --attention pallas --threads 4 \
+  --out "$OUT/probe_kernel"
 t=$(cap "$TABLE_S")  # its budget ends MARGIN_S before its timeout, however far the part was cut
 # shellcheck disable=SC2086
 want table && part table "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --batches $BATCHES --xla-cache "$WORK/xla" \

@@ -81,7 +81,8 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     status 2 in the log) and its results are simply missing after the lease."""
     parts = [unenv(p) for p in lease_parts(tmp_path, LIMIT="5000", **({"DRY": "1"} if dry else {}))]
     assert [p[0] for p in parts] == ["target", "dual", "probe", "fused", "command buffers off", "probe load",
-                                     "probe no autotuning", "gemm", "attncheck", "attention", "table", "small", "large",
+                                     "probe no autotuning", "gemm", "attncheck", "attention", "probe kernel", "table",
+                                     "small", "large",
                                      "probe cache", "probe cache again", "cache load", "probe serial", "cudnn",
                                      "scan", "scan dsf", "first cold", "first cache"]
     for name, limit, least, py, script, *argv in parts:
@@ -126,6 +127,9 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert gemm.quant == ["none", "int8"] and gemm.groups == ["qkv", "gate_up"] and gemm.rows == [32, 256]
     names = ("probe", "probe load", "probe no autotuning", "probe cache", "probe cache again", "probe serial")
     probes = [args[n] for n in names]
+    kernel = args["probe kernel"]  # the probe's programs again in the attention kernel's form
+    assert (kernel.kinds, kernel.at, kernel.batches, kernel.threads) == (probes[0].kinds, probes[0].at, [1], 4)
+    assert kernel.attention == ["pallas"] and probes[0].attention == ["split"] and kernel.xla_cache is None
     for probe in probes:  # a prefix-cache decode's programs, on the executor's compile threads and on one
         assert probe.kinds == ["refresh", "prefix"] and probe.at == list(range(8)) and probe.batches == [1]
     assert [p.threads for p in probes] == [4, 4, 4, 4, 4, 1]
