@@ -87,7 +87,7 @@ def forms() -> dict[str, Any]:
 
     return {"split": lambda q, kc, vc, k, v, mask: attend_cached(q, kc, vc, k, v, mask, heads_first=True),
             "cudnn": concat, "cudnn_split": attend_cudnn_cached,
-            "pallas": lambda q, kc, vc, k, v, mask: _attention_kernel.attend_kernel(q, kc, vc, k, v, mask)}
+            "pallas": _attention_kernel.attend_kernel}
 
 
 def errors(out: jax.Array, ref: np.ndarray, blind: np.ndarray) -> dict[str, Any]:

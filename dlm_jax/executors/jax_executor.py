@@ -575,11 +575,10 @@ class JaxExecutor(Executor):
 
         from_env = attention is None and bool(os.environ.get(ATTENTION_ENV))
         attention = attention or os.environ.get(ATTENTION_ENV) or default_attention()
+        name = ATTENTION_ENV if from_env else "attention"  # (where a refusal says the form came from)
         if attention not in RESIDENT_ATTENTION:
-            name = ATTENTION_ENV if from_env else "attention"
             raise ConfigError(f"{name}={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
         if attention in CUDNN_FORMS:  # refused here, not by the first compile that reads the cache
-            name = ATTENTION_ENV if from_env else "attention"
             if target_platform() != "gpu":
                 raise ConfigError(f"{name}={attention!r}: cuDNN's fused attention runs on a GPU, and JAX's backend "
                                   f"here is {target_platform()!r}; use split or gather")
@@ -587,7 +586,6 @@ class JaxExecutor(Executor):
                 raise ConfigError(f"{name}={attention!r}: cuDNN's fused attention takes bfloat16 or float16, and the "
                                   f"model computes in {model.config.dtype} (load it with dtype='bfloat16')")
         if attention in KERNEL_FORMS:
-            name = ATTENTION_ENV if from_env else "attention"
             if target_platform() != "gpu":
                 raise ConfigError(f"{name}={attention!r}: the attention kernel is compiled by Triton for a GPU, and "
                                   f"JAX's backend here is {target_platform()!r}; use split or gather")
@@ -833,7 +831,7 @@ class JaxExecutor(Executor):
         cfg, graphdef = self.config, self._graphdef
         form, heads_first = ((self.attention, True) if in_place else
                              ("cudnn", False) if self.attention in CUDNN_FORMS else
-                             ("pallas", False) if self.attention in KERNEL_FORMS else ("concat", False))
+                             (self.attention, False) if self.attention in KERNEL_FORMS else ("concat", False))
 
         def view(leaves, k, v, k_pos, k_ok, tokens, positions, q_valid, probes, hide, logit_rows, lora_gate=None):
             vis = visibility(jnp, cfg, positions, q_valid, k_pos, k_ok, probes, hide)

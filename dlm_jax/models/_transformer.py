@@ -317,7 +317,7 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         form, heads_first = ("concat", False) if _LITERT.get() else _ATTENTION.get()
         slots = 0 if k_cache is None else k_cache.shape[2 if heads_first else 1]
-        if (form == "pallas" and mask.dtype == jnp.bool_ and (slots == 0 or heads_first)
+        if (form in KERNEL_FORMS and mask.dtype == jnp.bool_ and (slots == 0 or heads_first)
                 and _attention_kernel.fits(t, slots, self.head_dim)):  # one kernel, the cache as it lies
             out = _attention_kernel.attend_kernel(q, k_cache if slots else None, v_cache if slots else None, k, v,
                                                   mask)
@@ -325,7 +325,7 @@ class Attention(nnx.Module):
             out = attend_cudnn(q, k, v, mask) if form in CUDNN_FORMS else attend(q, k, v, mask)
         elif form == "cudnn_split" and heads_first:  # the resident cache, read where it lies
             out = attend_cudnn_cached(q, k_cache, v_cache, k, v, mask)
-        elif form in ("split", "pallas") and mask.dtype == jnp.bool_:
+        elif (form == "split" or form in KERNEL_FORMS) and mask.dtype == jnp.bool_:  # (shapes the kernel refuses)
             out = attend_cached(q, k_cache, v_cache, k, v, mask, heads_first=heads_first)
         else:
             if heads_first:
