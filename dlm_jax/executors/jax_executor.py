@@ -589,9 +589,6 @@ class JaxExecutor(Executor):
             if target_platform() != "gpu":
                 raise ConfigError(f"{name}={attention!r}: the attention kernel is compiled by Triton for a GPU, and "
                                   f"JAX's backend here is {target_platform()!r}; use split or gather")
-            if mesh is not None:
-                raise ConfigError(f"{name}={attention!r}: the attention kernel on a mesh is not built yet (it takes "
-                                  f"whole heads on one device); decode on a mesh with split")
         self.attention = attention
         exchange_from_env = expert_exchange is None and bool(os.environ.get(EXCHANGE_ENV))
         expert_exchange = expert_exchange or os.environ.get(EXCHANGE_ENV) or "psum"

@@ -27,7 +27,13 @@ Shapes the Triton backend takes (each load a power of two, products at least 16 
 window's rows T and the cache's slots S multiples of 16, the head dim a power of two from 16 to
 256. `fits` says whether a step's shapes do; `Attention` keeps the split form for those that do
 not. On a machine without a GPU the kernel runs in Pallas's interpreter (`interpret()`), which
-is how the tests check it against `attend` on a CPU."""
+is how the tests check it against `attend` on a CPU.
+
+On a mesh (`dlm_jax._partition`'s axes: "dp" splits batch rows, "tp" heads) each device runs the
+kernel over its own rows and heads under `jax.shard_map`: a Pallas call has no partitioning rule
+of its own. That needs each device's query heads and the K/V heads they read on the same device:
+tp must divide the K/V heads (`shards`), as it does wherever the mesh splits the cache's heads;
+`Attention` keeps the split form on a mesh whose tp does not."""
 
 from __future__ import annotations
 
@@ -67,6 +73,12 @@ def fits(t: int, s: int, head_dim: int) -> bool:
     """Whether the kernel takes a step of `t` window rows over `s` cache slots (0: none) at
     `head_dim`: each a shape the Triton backend can load."""
     return bool(_block(t)) and (s == 0 or bool(_block(s))) and head_dim in (16, 32, 64, 128, 256)
+
+
+def shards(mesh, kv_heads: int) -> bool:
+    """Whether the kernel runs on `mesh` (None: one device) for a model of `kv_heads` K/V
+    heads: each tp device then holds whole K/V heads and the query heads that read them."""
+    return mesh is None or kv_heads % dict(mesh.shape).get("tp", 1) == 0
 
 
 def _kernel(*refs, scale: float, cached: bool, block_k: int, block_w: int, window: int):
@@ -127,14 +139,18 @@ def cache_span(mask: jax.Array, block_q: int, block_k: int) -> jax.Array:
 
 
 def attend_kernel(q: jax.Array, k_cache: jax.Array | None, v_cache: jax.Array | None, k: jax.Array,
-                  v: jax.Array, mask: jax.Array) -> jax.Array:
+                  v: jax.Array, mask: jax.Array, *, mesh=None) -> jax.Array:
     """`attend(q, [k_cache; k], [v_cache; v], mask)` as one kernel over the cache where it lies.
 
     q: [B, T, H, Dh]; k_cache, v_cache: [B, Hkv, S, Dh] (a resident cache's layer) or None (the
     window alone); k, v: [B, T, Hkv, Dh]; mask: [B, T, S+T] bool, cache columns first. The
-    shapes must `fit`. Returns [B, T, H, Dh] in q's dtype."""
+    shapes must `fit`. Returns [B, T, H, Dh] in q's dtype. `mesh`: the program's mesh, on which
+    each device runs the kernel over its rows (over dp, where dp divides B) and heads (over tp,
+    which must divide the K/V heads: `shards`)."""
     from jax.experimental import pallas as pl
 
+    if mesh is not None:
+        return _on_mesh(mesh, q, k_cache, v_cache, k, v, mask)
     b, t, h, dh = q.shape
     hkv = k.shape[2]
     group = h // hkv
@@ -162,3 +178,29 @@ def attend_kernel(q: jax.Array, k_cache: jax.Array | None, v_cache: jax.Array | 
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, h, t // block_q),
                           in_specs=in_specs, out_specs=q_spec, interpret=_interpret,
                           name="dlm_jax_attention")(*operands)
+
+
+def _on_mesh(mesh, q, k_cache, v_cache, k, v, mask) -> jax.Array:
+    """`attend_kernel` on `mesh`, each device over its shard: rows over "dp" where it divides the
+    batch (as `MeshPlacement.batch` splits a step's rows), query and K/V heads over "tp" (as the
+    partition rules split q/k/v's columns and the cache's heads); replicated over other axes."""
+    from jax.sharding import PartitionSpec as P
+
+    sizes = dict(mesh.shape)
+    tp, dp = sizes.get("tp", 1), sizes.get("dp", 1)
+    if not shards(mesh, k.shape[2]):
+        raise ValueError(f"the attention kernel on a mesh needs tp to divide the K/V heads; got tp={tp}, "
+                         f"{k.shape[2]} K/V heads")
+    rows = "dp" if dp > 1 and q.shape[0] % dp == 0 else None
+    heads = "tp" if tp > 1 else None
+    by_row = P(rows, None, heads, None)  # q, k, v and the output [B, T, heads, Dh]
+    specs = [by_row, by_row, by_row, P(rows, None, None)]
+    args = [q, k, v, mask]
+    if k_cache is not None:  # [B, Hkv, S, Dh]
+        specs += [P(rows, heads, None, None)] * 2
+        args += [k_cache, v_cache]
+
+    def local(q, k, v, mask, k_cache=None, v_cache=None):
+        return attend_kernel(q, k_cache, v_cache, k, v, mask)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=by_row, check_vma=False)(*args)

@@ -317,15 +317,17 @@ class Attention(nnx.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         form, heads_first = ("concat", False) if _LITERT.get() else _ATTENTION.get()
         slots = 0 if k_cache is None else k_cache.shape[2 if heads_first else 1]
+        mesh = traced_mesh()
         if (form in KERNEL_FORMS and mask.dtype == jnp.bool_ and (slots == 0 or heads_first)
-                and _attention_kernel.fits(t, slots, self.head_dim)):  # one kernel, the cache as it lies
+                and _attention_kernel.fits(t, slots, self.head_dim)
+                and _attention_kernel.shards(mesh, self.n_kv_heads)):  # one kernel, the cache as it lies
             out = _attention_kernel.attend_kernel(q, k_cache if slots else None, v_cache if slots else None, k, v,
-                                                  mask)
+                                                  mask, mesh=mesh)
         elif k_cache is None:  # the window alone (in cuDNN's kernel where the executor asked for it)
             out = attend_cudnn(q, k, v, mask) if form in CUDNN_FORMS else attend(q, k, v, mask)
         elif form == "cudnn_split" and heads_first:  # the resident cache, read where it lies
             out = attend_cudnn_cached(q, k_cache, v_cache, k, v, mask)
-        elif (form == "split" or form in KERNEL_FORMS) and mask.dtype == jnp.bool_:  # (shapes the kernel refuses)
+        elif (form == "split" or form in KERNEL_FORMS) and mask.dtype == jnp.bool_:  # (shapes, meshes it refuses)
             out = attend_cached(q, k_cache, v_cache, k, v, mask, heads_first=heads_first)
         else:
             if heads_first:
@@ -572,6 +574,13 @@ def expert_mesh(mesh, exchange: str = "psum") -> Iterator[None]:
         raise ValueError(f"unknown expert exchange {exchange!r}; known: {', '.join(EXPERT_EXCHANGES)}")
     with _scoped(_EXPERT_MESH, (mesh, exchange)):
         yield
+
+
+def traced_mesh():
+    """The mesh of the program being traced (`expert_mesh`: the executor traces every program on
+    a mesh inside it), or None on one device."""
+    on_mesh = _EXPERT_MESH.get()
+    return None if on_mesh is None else on_mesh[0]
 
 
 def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,

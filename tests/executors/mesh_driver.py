@@ -7,7 +7,10 @@ meshes take every device there is). The spec: {"devices": D (host devices of thi
 "cases": [{"model": path or "random:<kind>", "mesh": "tp=2", "presets": [a preset name, or
 decode options as a mapping], "gen_len": G, "max_batch": B, "load": {other `dlm_jax.load` options},
 "prompts": P (the first P prompts), "fixed": false (the engine's decode only), "exchange": an MoE
-layer's expert exchange on the mesh (`JaxExecutor(expert_exchange=...)`)}], "processes": [coordinator, N, rank] (optional: join a run of N processes)}.
+layer's expert exchange on the mesh (`JaxExecutor(expert_exchange=...)`), "attention": "pallas" (both
+models' steps in the attention kernel, run in Pallas's interpreter: the executor refuses the form
+on a CPU, so it is set after loading; the report counts the kernel's traces on the mesh)}],
+"processes": [coordinator, N, rank] (optional: join a run of N processes)}.
 
 For each case the model loads twice through `dlm_jax.load` (once on the default device, once
 with `mesh=`: parameters streamed onto their shards) and both decode the same prompts with each
@@ -19,6 +22,7 @@ device of an open cache, and the planner's figures for the same mesh.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -95,9 +99,23 @@ def main() -> None:
                    "plan_kv_bytes": kv_bytes_per_device(mesh.config, shape, batch=2, context=slots),
                    "total_param_bytes": sum(int(np.asarray(x).nbytes) for x in
                                             dlm_jax.get_params(one.model).values())}
-            for preset in case["presets"]:
-                a, b = decode(one, preset, case), decode(mesh, preset, case)
-                row["presets"][json.dumps(preset)] = {"one": a, "mesh": b}
+            kernel = contextlib.nullcontext()
+            if case.get("attention"):
+                from dlm_jax.models import _attention_kernel
+
+                one.executor.attention = mesh.executor.attention = case["attention"]
+                kernel = _attention_kernel.interpret()
+                on_mesh, row["kernel_traces"] = _attention_kernel._on_mesh, []
+
+                def counted(mesh_, q, *rest):
+                    row["kernel_traces"].append(q.shape[2])  # (the query heads it splits)
+                    return on_mesh(mesh_, q, *rest)
+
+                _attention_kernel._on_mesh = counted
+            with kernel:
+                for preset in case["presets"]:
+                    a, b = decode(one, preset, case), decode(mesh, preset, case)
+                    row["presets"][json.dumps(preset)] = {"one": a, "mesh": b}
             report["cases"].append(row)
     print(json.dumps(report))
 

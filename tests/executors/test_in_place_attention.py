@@ -394,8 +394,8 @@ def test_the_pallas_form_decodes_the_split_tokens(name, monkeypatch):
     kernel.attention = "pallas"
     traced = []  # (cache slots of each kernel traced: 0 for a refresh's window alone)
     real = _attention_kernel.attend_kernel
-    monkeypatch.setattr(_attention_kernel, "attend_kernel",
-                        lambda q, kc, *rest: traced.append(0 if kc is None else kc.shape[2]) or real(q, kc, *rest))
+    monkeypatch.setattr(_attention_kernel, "attend_kernel", lambda q, kc, *rest, **kw: (
+        traced.append(0 if kc is None else kc.shape[2]) or real(q, kc, *rest, **kw)))
     want = Decoder(split, model.config).decode(prompts, cfg)
     assert not traced
     with _attention_kernel.interpret():

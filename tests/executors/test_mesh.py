@@ -256,3 +256,15 @@ def test_serve_on_a_mesh_answers_as_one_device(tmp_path):
     alone = dlm_jax.load(ROOT / "models" / "llada-tiny", executor="jax")
     want = {p: alone.generate([p], dlm_jax.preset("fast-dllm", gen_len=32)).texts[0] for p in prompts}
     assert got == want and "1458" in got.values()
+
+
+def test_the_attention_kernel_on_a_mesh_decodes_one_device_s_tokens():
+    """The "pallas" form on a tp=2,dp=2 mesh (each device runs the kernel over its rows and
+    heads under `shard_map`, in Pallas's interpreter here): one device's tokens and NFE in the
+    same form, refreshes and cached steps, through the engine and as a fixed batch."""
+    report = drive({"devices": 4, "cases": [
+        {"model": "random:bidir", "mesh": "tp=2,dp=2", "presets": ["fast-dllm-dual"], "prompts": 3,
+         "attention": "pallas"}]})
+    assert_same(report)
+    traces = report["cases"][0]["kernel_traces"]
+    assert traces and set(traces) == {8}, traces  # the mesh's steps took the kernel (8 query heads split)

@@ -120,3 +120,56 @@ def test_shapes_the_kernel_does_not_take_are_refused_and_fits_says_so():
     q, kc, vc, k, v, mask = _case(rng, t=16, slots=40)
     with pytest.raises(ValueError, match="T=16, S=40, Dh=16"):
         _kernel(q, kc, vc, k, v, mask)
+
+
+_ON_A_MESH = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh
+from test_attention_kernel import _case, _reference
+from dlm_jax.models import _attention_kernel as kernel
+from dlm_jax.models._transformer import attend
+
+worst = 0.0
+for grid, b in [((2, 1, 2), 2), ((1, 1, 2), 3), ((4, 1, 1), 4)]:  # tp=2,dp=2; tp=2 (3 rows: whole); dp=4
+    mesh = Mesh(np.asarray(jax.devices()[:int(np.prod(grid))]).reshape(grid), ("dp", "ep", "tp"))
+    case = _case(np.random.default_rng(sum(grid)), b=b, t=32, slots=48, hkv=2, groups=2)
+    q, kc, vc, k, v, mask = (jnp.asarray(x) for x in case)
+    with kernel.interpret():
+        out = jax.jit(lambda *a: kernel.attend_kernel(*a, mesh=mesh))(q, kc, vc, k, v, mask)
+        window = jax.jit(lambda q, k, v, m: kernel.attend_kernel(q, None, None, k, v, m, mesh=mesh))
+        own = window(q, k, v, mask[:, :, 48:])
+    worst = max(worst, float(np.abs(np.asarray(out) - _reference(*case)).max()),
+                float(np.abs(own - attend(q, k, v, mask[:, :, 48:])).max()))
+tp4 = Mesh(np.asarray(jax.devices()).reshape(1, 1, 4), ("dp", "ep", "tp"))
+try:
+    kernel.attend_kernel(q, kc, vc, k, v, mask, mesh=tp4)
+    refused = ""
+except ValueError as e:
+    refused = str(e)
+print(worst, kernel.shards(tp4, 2), kernel.shards(tp4, 4), kernel.shards(None, 3), refused, sep="|")
+"""
+
+
+def test_on_a_mesh_each_device_runs_the_kernel_over_its_rows_and_heads():
+    """On 4 host devices (a process of its own: this one keeps one device), the kernel under
+    `shard_map` on tp=2,dp=2, tp=2 with rows dp cannot split, and dp=4 meshes, grouped heads (4
+    query heads over 2 K/V heads: each tp device must read its own K/V head): attention over
+    the concatenation, and over the window alone. A tp that does not divide the K/V heads is
+    refused (`shards` says so, and `Attention` keeps the split form there)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(here.parents[1])}
+    proc = subprocess.run([sys.executable, "-c", _ON_A_MESH, str(here)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    worst, tp4_gqa, tp4_mha, one, refused = proc.stdout.strip().splitlines()[-1].split("|")
+    assert float(worst) < 2e-5
+    assert (tp4_gqa, tp4_mha, one) == ("False", "True", "True")
+    assert refused == "the attention kernel on a mesh needs tp to divide the K/V heads; got tp=4, 2 K/V heads"
