@@ -258,6 +258,7 @@ def test_serve_on_a_mesh_answers_as_one_device(tmp_path):
     assert got == want and "1458" in got.values()
 
 
+@pytest.mark.slow  # (by default tests/models/test_attention_kernel.py runs the kernel on meshes of host devices)
 def test_the_attention_kernel_on_a_mesh_decodes_one_device_s_tokens():
     """The "pallas" form on a tp=2,dp=2 mesh (each device runs the kernel over its rows and
     heads under `shard_map`, in Pallas's interpreter here): one device's tokens and NFE in the
