@@ -105,6 +105,20 @@ def _array_bytes(shape: str) -> int:
     return total
 
 
+def _elements(shape: str) -> list[str]:
+    """A tuple shape's top-level elements (`(a, (b, c), d)` -> `a`, `(b, c)`, `d`)."""
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            parts.append(shape[start:i].strip())
+            start = i + 1
+    return parts + [shape[start:-1].strip()]
+
+
 def hlo_kernels(text: str) -> dict[str, Any]:
     """The kernels one execution of a compiled program launches, read from its optimized HLO
     (`Compiled.as_text()`), the entry computation's ops and each loop body's times its known
@@ -113,7 +127,14 @@ def hlo_kernels(text: str) -> dict[str, Any]:
     apart; and how many of the GEMMs are distinct (`distinct_gemms`: fusions whose bodies
     differ beyond their names, which XLA:GPU's autotuner tunes one by one, where identical
     ones share one tuning). A compile-only view of the step's launches, for a GPU this machine
-    lacks (`gpu_step.py --target`); a device profile counts the kernels that ran."""
+    lacks (`gpu_step.py --target`); a device profile counts the kernels that ran.
+
+    An asynchronous pair is one kernel: an `async-start` counts as the op it wraps (its called
+    computation's root: a scanned step's slice of a layer's weights out of the stack, for one),
+    and a `fusion-start` (the same pair as `Compiled.as_text()` prints it) as its fused
+    computation, each writing that op's output, not the start's tuple, which also holds the
+    operands it passes through; a `copy-start` writes its destination; `-done` ops launch
+    nothing."""
     comps: dict[str, list[tuple[str, str, str, str]]] = {}
     entry, current = None, None
     for line in text.splitlines():
@@ -143,8 +164,15 @@ def hlo_kernels(text: str) -> dict[str, Any]:
                 if body:
                     visit(body.group(1), times * (int(trips.group(1)) if trips else 1), depth + 1)
                 continue
-            if op in _NO_KERNEL:
+            if op in _NO_KERNEL or op.endswith("-done"):
                 continue
+            called = _CALLS.search(rest)
+            if op == "async-start" and called and comps.get(called.group(1)):
+                inst, shape, op, rest = comps[called.group(1)][-1]  # (the root: what it runs, what it writes)
+            elif op == "fusion-start" and called:  # (the same, as `Compiled.as_text()` prints it)
+                inst, shape, op = called.group(1), _elements(shape)[1], "fusion"  # ((operands), output, context)
+            elif op == "copy-start":
+                shape = _elements(shape)[0]  # (destination, source, context)
             target = _TARGET.search(rest)
             label = target.group(1) if target else inst
             kind = "gemm" if _GEMM.search(rest) else kernel_kind(label if op in ("fusion", "custom-call") else op)

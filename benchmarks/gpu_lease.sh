@@ -113,6 +113,10 @@
 #                dynamic slice a GEMM does not read in place); XLA's dynamic-slice fusion lets a
 #                library GEMM read the slice where it lies. On this CPU the scanned step's HLO
 #                has such a copy fusion per weight (a dynamic-slice fusion feeding each dot).
+#                Not in the default parts: compiled for an H200 here, the scanned steps copy
+#                every layer's weights out of the stack with the flag as without it (the same
+#                kernels and bytes: 16.56 GB written at dual b1 against the unrolled 1.51;
+#                benchmarks/results/gpu_target.md). PARTS=scandsf runs it.
 #   first 60+25  benchmarks/first_decode.py, prefix cache: cold, then a second process over its
 #                cache (the dual cache's are in first_decode.json).
 # Cut first when time runs short: the last parts, then inside a gpu.py part, by its budgets:
@@ -155,7 +159,7 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-target dual probe fused cmdbuf probeload probe0 gemm attncheck attention probekernel table small large probecache cacheload probeserial cudnn scan scandsf first}
+PARTS=${PARTS:-target dual probe fused cmdbuf probeload probe0 gemm attncheck attention probekernel table small large probecache cacheload probeserial cudnn scan first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths

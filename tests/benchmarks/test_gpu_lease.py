@@ -84,7 +84,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
                                      "probe no autotuning", "gemm", "attncheck", "attention", "probe kernel", "table",
                                      "small", "large",
                                      "probe cache", "probe cache again", "cache load", "probe serial", "cudnn",
-                                     "scan", "scan dsf", "first cold", "first cache"]
+                                     "scan", "first cold", "first cache"]  # (scandsf by name only)
     for name, limit, least, py, script, *argv in parts:
         assert int(least) <= int(limit), name
         assert py == "python3" and (ROOT / script).is_file(), (name, script)
@@ -106,7 +106,8 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     # what the table still lacks first: int8 and batch 16 and 32 (batch 8 last: the budget cuts it first)
     assert dual.batches == ([1, 2] if dry else [1, 16, 32, 8])
     assert table.checkpoint == large.checkpoint == dual.checkpoint and small.small  # one checkpoint per lease
-    assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == args["scan dsf"].layers == ["scan"]
+    (dsf,) = map(unenv, lease_parts(tmp_path, PARTS="scandsf", LIMIT="5000"))
+    assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == parse(dsf[4], dsf[5:]).layers == ["scan"]
     assert args["attention"].attention == ["split", "cudnn", "cudnn_split", "pallas"]
     assert args["attention"].kinds == ["refresh", "dual", "prefix"]
     check = args["attncheck"]  # the forms against float32 before they are timed; a CPU has no cuDNN
@@ -144,8 +145,8 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert flags == {"probe": f"XLA_FLAGS=--xla_gpu_dump_autotune_results_to={tuned}",
                      "probe load": f"XLA_FLAGS=--xla_gpu_load_autotune_results_from={tuned}",
                      "probe no autotuning": "XLA_FLAGS=--xla_gpu_autotune_level=0",
-                     "scan dsf": "XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true",
                      "command buffers off": "XLA_FLAGS=--xla_gpu_enable_command_buffer="}
+    assert [p[4] for p in lease_parts(tmp_path, PARTS="scandsf")] == ["XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true"]
     off = args["command buffers off"]  # the fused part's separate cases, without CUDA graphs
     assert off.kinds == fused.kinds and off.batches == fused.batches and off.profile and off.projections == ["separate"]
     # A probe cut before XLA wrote the file: the part reading it is skipped, not failed.

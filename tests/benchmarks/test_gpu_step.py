@@ -229,3 +229,52 @@ def test_target_compiles_for_a_gpu_this_machine_lacks_or_says_what_it_needs(tmp_
         assert "| kernels |" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit, match="neither a known target"):
         gpu_step.main([*argv[:1], "no-such-gpu", *argv[2:]])
+
+
+# XLA:GPU's optimized HLO of a scanned step compiled for an H200 (`gpu_step.py --target h200
+# --layers scan`, jax 0.11.2), cut to one layer's weight slice: an asynchronous dynamic-slice
+# fusion, its start a tuple of the operands it passes through, the slice and a context; as
+# XLA's dump writes it (async-start over a computation) and as `Compiled.as_text()` prints the
+# same op (fusion-start).
+_ASYNC_SLICE = """\
+%fused_dynamic_slice.8.clone (param_0.1018: bf16[32,4096,12288], param_1.1195: s32[]) -> bf16[1,4096,12288] {
+  %param_0.1018 = bf16[32,4096,12288]{2,1,0} parameter(0)
+  %param_1.1195 = s32[] parameter(1)
+  %constant_7_9_1 = s32[] constant(0)
+  ROOT %dynamic_slice.19.2 = bf16[1,4096,12288]{2,1,0} dynamic-slice(%param_0.1018, %param_1.1195, %constant_7_9_1, %constant_7_9_1), dynamic_slice_sizes={1,4096,12288}
+}
+
+%async_computation.6 (param_0.1019: bf16[32,4096,12288], param_1.1196: s32[]) -> bf16[1,4096,12288] {
+  %param_0.1019 = bf16[32,4096,12288]{2,1,0} parameter(0)
+  %param_1.1196 = s32[] parameter(1)
+  ROOT %loop_dynamic_slice_fusion.17 = bf16[1,4096,12288]{2,1,0} fusion(%param_0.1019, %param_1.1196), kind=kLoop, calls=%fused_dynamic_slice.8.clone
+}
+
+ENTRY %main.1 (p0: bf16[32,4096,12288], p1: s32[], p2: f32[64,64]) -> (bf16[1,4096,12288], f32[64,64]) {
+  %p0 = bf16[32,4096,12288]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = f32[64,64]{1,0} parameter(2)
+  %fusion-start.6 = ((bf16[32,4096,12288]{2,1,0}, s32[]), bf16[1,4096,12288]{2,1,0}, u32[]) async-start(%p0, %p1), calls=%async_computation.6, metadata={op_name="jit(program)/while/body/jit(dynamic_index_in_dim)/dynamic_slice"}
+  %copy-start = (f32[64,64]{1,0}, f32[64,64]{1,0}, u32[]) copy-start(%p2)
+  %copy-done = f32[64,64]{1,0} copy-done(%copy-start)
+  %fusion-done.6 = bf16[1,4096,12288]{2,1,0} async-done(%fusion-start.6), metadata={op_name="jit(program)/while/body/jit(dynamic_index_in_dim)/dynamic_slice"}
+  %fusion-start.7 = ((bf16[32,4096,12288]{2,1,0}, s32[]), bf16[1,4096,12288]{2,1,0}, u32[]) fusion-start(%p0, %p1), kind=kLoop, calls=%fused_dynamic_slice.8.clone, metadata={op_name="jit(program)/while/body/jit(dynamic_index_in_dim)/dynamic_slice"}
+  %fusion-done.7 = bf16[1,4096,12288]{2,1,0} fusion-done(%fusion-start.7)
+  ROOT %tuple = (bf16[1,4096,12288]{2,1,0}, f32[64,64]{1,0}, bf16[1,4096,12288]{2,1,0}) tuple(%fusion-done.6, %copy-done, %fusion-done.7)
+}
+"""
+
+
+def test_hlo_kernels_counts_an_asynchronous_pair_once_by_what_it_writes():
+    """An `async-start` / `async-done` pair is one kernel of the op it wraps (a scanned step's
+    slice of one layer's weights: 96 MiB written, data movement), not the start's tuple with
+    the whole weight stack in it (3.2 GB) plus a second launch for the done; an async copy
+    writes its destination once."""
+    from _profile import hlo_kernels
+
+    kernels = hlo_kernels(_ASYNC_SLICE)
+    layer = 4096 * 12288 * 2
+    assert kernels["kernels"] == 3
+    assert kernels["by_kind"] == {"data movement": {"kernels": 3, "bytes_written": 2 * layer + 64 * 64 * 4}}
+    assert [(o["bytes"], o["kernel"]) for o in kernels["largest_outputs"][:2]] == [
+        (layer, "loop_dynamic_slice_fusion.17"), (layer, "fused_dynamic_slice.8.clone")]
