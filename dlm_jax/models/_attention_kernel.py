@@ -10,8 +10,13 @@ kernel streams the cache in blocks of `block_k` slots with an online softmax (Fl
 Dao 2023, algorithm 1: a running maximum and sum per query row, float32), then the window's
 columns, and writes each query row once:
 
-- grid (B, H, T / block_q): one program per batch row, query head and block of query rows; a
-  grouped K/V head is read by each of its query heads' programs;
+- grid (B, H / heads, T / block_q): one program per batch row, group of `heads` query heads
+  and block of query rows (up to 64 rows, 4 warps). A grouped-query model's query heads that
+  share a K/V head (a power-of-two group: 2, 4, 8) are one program's, their rows stacked (heads
+  x block_q rows, up to 128, 8 warps), so a K/V head's cache is read once for all its query
+  heads, where a program per query head read it once for each (a window of 32 rows, as the
+  dual cache's, with 4 query heads a K/V head: a quarter of the cache reads); a group of
+  another size (7, say) runs a program per query head;
 - scores are the bf16 (or the model's dtype) products accumulated in float32, scaled by
   1/sqrt(Dh) and masked to the float32 minimum as `attend` masks them; the value products take
   the unnormalized weights (each at most 1) in the values' dtype, accumulated in float32 and
@@ -81,6 +86,13 @@ def shards(mesh, kv_heads: int) -> bool:
     return mesh is None or kv_heads % dict(mesh.shape).get("tp", 1) == 0
 
 
+def _heads(h: int, hkv: int) -> int:
+    """Query heads a program takes: the whole group of a K/V head where it is a power of two
+    (Triton's blocks are), else 1."""
+    group = h // hkv
+    return group if group & (group - 1) == 0 else 1
+
+
 def _kernel(*refs, scale: float, cached: bool, block_k: int, block_w: int, window: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
@@ -89,12 +101,15 @@ def _kernel(*refs, scale: float, cached: bool, block_k: int, block_w: int, windo
         q_ref, kc_ref, vc_ref, mc_ref, span_ref, kw_ref, vw_ref, mw_ref, o_ref = refs
     else:
         q_ref, kw_ref, vw_ref, mw_ref, o_ref = refs
-    q = q_ref[...]  # [block_q, Dh]
-    rows, dh = q.shape
+    block_q, heads, dh = q_ref.shape  # (a program's query rows of `heads` query heads)
+    rows = block_q * heads
+    q = q_ref[...].reshape(rows, dh)  # row t * heads + head: each position's heads side by side
     f32 = q.dtype == jnp.float32
 
     def attend_block(keys, values, seen, carry):
         acc, top, total = carry
+        if heads > 1:  # (every head of a position sees what the position sees)
+            seen = jnp.broadcast_to(seen[:, None, :], (block_q, heads, seen.shape[-1])).reshape(rows, -1)
         scores = plgpu.dot(q, keys, trans_b=True, allow_tf32=False if f32 else None) * scale
         scores = jnp.where(seen, scores, _NEG)
         new_top = jnp.maximum(top, scores.max(axis=-1))
@@ -121,7 +136,7 @@ def _kernel(*refs, scale: float, cached: bool, block_k: int, block_w: int, windo
         return attend_block(kw_ref[cols, :], vw_ref[cols, :], mw_ref[:, cols] != 0, carry)
 
     acc, _, total = jax.lax.fori_loop(0, window // block_w, window_block, carry)
-    o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+    o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype).reshape(block_q, heads, dh)
 
 
 def cache_span(mask: jax.Array, block_q: int, block_k: int) -> jax.Array:
@@ -148,36 +163,44 @@ def attend_kernel(q: jax.Array, k_cache: jax.Array | None, v_cache: jax.Array | 
     each device runs the kernel over its rows (over dp, where dp divides B) and heads (over tp,
     which must divide the K/V heads: `shards`)."""
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
 
     if mesh is not None:
         return _on_mesh(mesh, q, k_cache, v_cache, k, v, mask)
     b, t, h, dh = q.shape
     hkv = k.shape[2]
-    group = h // hkv
+    group, heads = h // hkv, _heads(h, hkv)
     s = 0 if k_cache is None else k_cache.shape[2]
     if not fits(t, s, dh):
         raise ValueError(f"the attention kernel takes window rows and cache slots in multiples of 16 and a head "
                          f"dim of 16-256 (a power of two); got T={t}, S={s}, Dh={dh}")
-    block_q = block_w = _block(t)  # (query rows a program, window columns a loop step)
+    block_q = _block(t, 64 if heads == 1 else max(16, 128 // heads))  # (query positions a program: x heads rows)
+    block_w = _block(t)  # (window columns a loop step)
     # (one conversion a step, and one span: every layer's mask is the same array)
     seen = mask.astype(jnp.int8)
-    q_spec = pl.BlockSpec((None, block_q, None, dh), lambda i, j, r: (i, r, j, 0))
-    window_specs = [pl.BlockSpec((None, t, None, dh), lambda i, j, r: (i, 0, j // group, 0))] * 2
+    # program j takes query heads j * heads .. + heads - 1, which read K/V head j * heads // group
+    q_spec = pl.BlockSpec((None, block_q, None, heads, dh), lambda i, j, r: (i, r, j, 0, 0))
+    window_specs = [pl.BlockSpec((None, t, None, dh), lambda i, j, r: (i, 0, j * heads // group, 0))] * 2
     window_mask_spec = pl.BlockSpec((None, block_q, t), lambda i, j, r: (i, r, 0))
     if s:
-        cache_spec = pl.BlockSpec((None, None, s, dh), lambda i, j, r: (i, j // group, 0, 0))
+        cache_spec = pl.BlockSpec((None, None, s, dh), lambda i, j, r: (i, j * heads // group, 0, 0))
         in_specs = [q_spec, cache_spec, cache_spec, pl.BlockSpec((None, block_q, s), lambda i, j, r: (i, r, 0)),
                     pl.BlockSpec((None, None, 2), lambda i, j, r: (i, r, 0)), *window_specs, window_mask_spec]
-        operands = (q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), seen[:, :, :s],
+    packed = q.reshape(b, t, h // heads, heads, dh)  # (a view: query heads are grouped by K/V head)
+    if s:
+        operands = (packed, k_cache.astype(q.dtype), v_cache.astype(q.dtype), seen[:, :, :s],
                     cache_span(mask[:, :, :s], block_q, _block(s)), k, v, seen[:, :, s:])
     else:
         in_specs = [q_spec, *window_specs, window_mask_spec]
-        operands = (q, k, v, seen)
+        operands = (packed, k, v, seen)
     kernel = functools.partial(_kernel, scale=1.0 / float(dh) ** 0.5, cached=bool(s), block_k=_block(s) if s else 0,
                                block_w=block_w, window=t)
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(b, h, t // block_q),
-                          in_specs=in_specs, out_specs=q_spec, interpret=_interpret,
-                          name="dlm_jax_attention")(*operands)
+    params = {} if _interpret else {"compiler_params": plgpu.CompilerParams(
+        num_warps=8 if block_q * heads > 64 else 4)}  # (the accumulator's [rows, Dh] float32 over more threads)
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(packed.shape, q.dtype),
+                         grid=(b, h // heads, t // block_q), in_specs=in_specs, out_specs=q_spec,
+                         interpret=_interpret, name="dlm_jax_attention", **params)(*operands)
+    return out.reshape(b, t, h, dh)
 
 
 def _on_mesh(mesh, q, k_cache, v_cache, k, v, mask) -> jax.Array:

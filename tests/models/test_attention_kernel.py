@@ -41,7 +41,8 @@ def _kernel(q, kc, vc, k, v, mask, dtype=jnp.float32):
     return np.asarray(out.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("groups, t, slots", [(1, 32, 112), (2, 48, 80)])  # cache blocks of 16
+# (cache blocks of 16; a group of 2 or 4 query heads a K/V head is one program's, 3 is not)
+@pytest.mark.parametrize("groups, t, slots", [(1, 32, 112), (2, 48, 80), (4, 48, 80), (3, 32, 48)])
 def test_the_kernel_is_attention_over_the_concatenation(groups, t, slots):
     """float32: several query blocks (T 48: three of 16) and cache blocks, grouped heads, the
     first and last blocks of cache slots and one in the middle seen by no row (the first two
