@@ -182,12 +182,11 @@ def attend_kernel(q: jax.Array, k_cache: jax.Array | None, v_cache: jax.Array | 
     q_spec = pl.BlockSpec((None, block_q, None, heads, dh), lambda i, j, r: (i, r, j, 0, 0))
     window_specs = [pl.BlockSpec((None, t, None, dh), lambda i, j, r: (i, 0, j * heads // group, 0))] * 2
     window_mask_spec = pl.BlockSpec((None, block_q, t), lambda i, j, r: (i, r, 0))
+    packed = q.reshape(b, t, h // heads, heads, dh)  # (a view: query heads are grouped by K/V head)
     if s:
         cache_spec = pl.BlockSpec((None, None, s, dh), lambda i, j, r: (i, j * heads // group, 0, 0))
         in_specs = [q_spec, cache_spec, cache_spec, pl.BlockSpec((None, block_q, s), lambda i, j, r: (i, r, 0)),
                     pl.BlockSpec((None, None, 2), lambda i, j, r: (i, r, 0)), *window_specs, window_mask_spec]
-    packed = q.reshape(b, t, h // heads, heads, dh)  # (a view: query heads are grouped by K/V head)
-    if s:
         operands = (packed, k_cache.astype(q.dtype), v_cache.astype(q.dtype), seen[:, :, :s],
                     cache_span(mask[:, :, :s], block_q, _block(s)), k, v, seen[:, :, s:])
     else:
