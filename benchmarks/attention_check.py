@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/attention_check.py --shape small --stand-in --out /tmp/attention_check
 
 One layer's attention in the JAX executor's steps at the LLaDA-8B shape (32 heads of 128, in
-bfloat16), in the setting of `benchmarks/gpu_step.py` (prompt 128, generation 256, block 32, at
+bfloat16) and at a grouped-query 8B shape (`gqa-8b`: 32 query heads over 8 K/V heads, as
+Llama 3 8B and Qwen3 8B have them, which the Pallas kernel takes 4 query heads a program), in
+the setting of `benchmarks/gpu_step.py` (prompt 128, generation 256, block 32, at
 block 4): the dual cache's step (a window of 32 rows, every other slot of 384 read) and the
 prefix cache's (the 128 rows of the block and after it, the 256 slots before it read), at batch
 1 and 8, over a cache of random K/V laid out as the resident one ([B, Hkv, S, Dh]). Each form of
@@ -53,9 +55,10 @@ from dlm_jax.models import _attention_kernel, _transformer
 from dlm_jax.models._transformer import attend, attend_cached, attend_cudnn_cached
 
 # Heads, K/V heads, head size; the steps: (kind, window rows, slots, the window's first slot).
-SHAPES = {"llada-8b": (32, 32, 128), "small": (4, 2, 16)}
+SHAPES = {"llada-8b": (32, 32, 128), "gqa-8b": (32, 8, 128), "small": (4, 2, 16)}
 STEPS = {"llada-8b": [("dual", 32, 384, 256), ("prefix", 128, 384, 256)],
          "small": [("dual", 16, 64, 32), ("prefix", 32, 64, 32)]}  # (shapes the Pallas kernel takes)
+STEPS["gqa-8b"] = STEPS["llada-8b"]
 MEAN_MARGIN, MAX_MARGIN = 1.15, 2.0
 
 
@@ -98,10 +101,9 @@ def errors(out: jax.Array, ref: np.ndarray, blind: np.ndarray) -> dict[str, Any]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    heads = SHAPES[args.shape]
     device = jax.devices()[0]
     report: dict[str, Any] = {
-        "benchmark": "benchmarks/attention_check.py", "shape": args.shape, "heads": heads,
+        "benchmark": "benchmarks/attention_check.py", "shapes": {s: SHAPES[s] for s in args.shape},
         "device": {"backend": jax.default_backend(), "kind": getattr(device, "device_kind", str(device))},
         "cudnn": "JAX's XLA attention standing in (--stand-in)" if args.stand_in else "cuDNN's fused attention",
         "pallas": "Pallas's interpreter (--stand-in)" if args.stand_in else "the Triton kernel",
@@ -114,14 +116,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             context.enter_context(cudnn_stand_in())
             context.enter_context(_attention_kernel.interpret())
-        for batch in args.batches:
-            for kind, window, slots, start in STEPS[args.shape]:
-                (q, kc, vc, k, v), mask = inputs(batch, kind, window, slots, start, heads, args.seed)
+        for shape, batch in ((s, b) for s in args.shape for b in args.batches):
+            for kind, window, slots, start in STEPS[shape]:
+                (q, kc, vc, k, v), mask = inputs(batch, kind, window, slots, start, SHAPES[shape], args.seed)
                 f32 = [x.astype(jnp.float32) for x in (q, kc, vc, k, v)]
                 ref = np.asarray(attend(f32[0], jnp.concatenate([f32[1].swapaxes(1, 2), f32[3]], 1),
                                         jnp.concatenate([f32[2].swapaxes(1, 2), f32[4]], 1), mask))
                 blind = ~np.asarray(mask)[0, :, :slots].any(-1)
-                case: dict[str, Any] = {"batch": batch, "kind": kind, "window": window, "slots": slots, "forms": {}}
+                case: dict[str, Any] = {"shape": shape, "batch": batch, "kind": kind, "window": window, "slots": slots,
+                                        "forms": {}}
                 for name, fn in forms().items():
                     try:
                         case["forms"][name] = errors(jax.jit(fn)(q, kc, vc, k, v, mask), ref, blind)
@@ -129,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         case["forms"][name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
                 case["pass"] = verdict(case["forms"])
                 report["cases"].append(case)
-                print(json.dumps({k: case[k] for k in ("batch", "kind", "pass")} | {
+                print(json.dumps({k: case[k] for k in ("shape", "batch", "kind", "pass")} | {
                     n: {k: f.get(k) for k in ("mean_error", "max_error", "error") if k in f}
                     for n, f in case["forms"].items()}), flush=True)
     report["pass"] = all(c["pass"] for c in report["cases"])
@@ -152,19 +155,22 @@ def verdict(rows: dict[str, dict[str, Any]]) -> bool:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Attention against float32: {report['device']['kind']} ({report['device']['backend']})", "",
-             f"Shape {report['shape']} (heads, K/V heads, head size {tuple(report['heads'])}), bfloat16 inputs; "
+             "Shapes " + ", ".join(f"{s} {tuple(h)}" for s, h in report["shapes"].items())
+             + " (heads, K/V heads, head size), bfloat16 inputs; "
              f"the cuDNN forms ran {report['cudnn']}, the Pallas kernel {report.get('pallas', 'the Triton kernel')}; "
              f"jax {report['versions']['jax']}; {report['date']}; "
              f"`{report['command']}`. Pass: every output finite and each fused form's mean error within "
              f"{report['margins']['mean']}x, its largest within {report['margins']['max']}x, the split form's.", "",
-             "| batch | step | form | mean error | largest error | mean error, rows seeing no cache slot | finite |",
-             "|---:|---|---|---:|---:|---:|---|"]
+             "| shape | batch | step | form | mean error | largest error | mean error, rows seeing no cache slot "
+             "| finite |",
+             "|---|---:|---|---|---:|---:|---:|---|"]
     for c in report["cases"]:
         for name, r in c["forms"].items():
+            where = f"| {c['shape']} | {c['batch']} | {c['kind']} | {name} |"
             if "error" in r:
-                lines.append(f"| {c['batch']} | {c['kind']} | {name} | {r['error']} | | | |")
+                lines.append(f"{where} {r['error']} | | | |")
             else:
-                lines.append(f"| {c['batch']} | {c['kind']} | {name} | {r['mean_error']:.3g} | {r['max_error']:.3g} | "
+                lines.append(f"{where} {r['mean_error']:.3g} | {r['max_error']:.3g} | "
                              f"{r['blind_rows_mean_error']:.3g} | {'yes' if r['finite'] else 'NO'} |")
     lines += ["", f"Result: {'PASS' if report['pass'] else 'FAIL'}", ""]
     return "\n".join(lines)
@@ -180,7 +186,7 @@ def write(report: dict[str, Any], out: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="llada-8b")
+    p.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["llada-8b", "gqa-8b"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--stand-in", action="store_true", help="JAX's XLA attention in cuDNN's place and the Pallas "
                    "kernel in Pallas's interpreter (any device)")

@@ -51,9 +51,11 @@
 #                (dlm_jax.models._fuse) against separate, in one run, with each step's kernels.
 #                The 4096-wide projections read their weights at 1.6-2.8 TB/s at batch 1, the
 #                12288-wide ones at 3.5 (gpu_step.md). 8 programs, two sets of weights made.
-#   attncheck 45 benchmarks/attention_check.py: one layer's attention at the 8B shape, dual and
-#                prefix steps at batch 1 and 8, in the split, cudnn, cudnn_split and pallas forms
-#                against float32 (seconds: 20 small programs); whether cuDNN's log-sum-exp merges
+#   attncheck 60 benchmarks/attention_check.py: one layer's attention at the 8B shape and at a
+#                grouped-query 8B shape (32 query heads over 8 K/V heads: the kernel's programs
+#                take 4 query heads each), dual and prefix steps at batch 1 and 8, in the split,
+#                cudnn, cudnn_split and pallas forms against float32 (seconds: 32 small
+#                programs); whether cuDNN's log-sum-exp merges
 #                as JAX's XLA attention standing in for it does on a CPU, and the Triton kernel
 #                computes what Pallas's interpreter does (benchmarks/results/
 #                attention_check_stand_in.md), and rows that see no cache slot stay finite.
@@ -232,7 +234,7 @@ want gemm && part gemm 60 20 $PY benchmarks/gemm_probe.py "${GEMM_X[@]}" --out "
 # The attention forms against float32 on the device (cudnn_split's merge of cuDNN's log-sum-exps
 # and the Triton kernel checked before they are timed), then the in-place (split), cuDNN (over a
 # copy and in place) and Pallas attention in one run (two leases gave split and cudnn apart).
-want attncheck && part attncheck 45 15 $PY benchmarks/attention_check.py "${CHECK_X[@]}" --out "$OUT/attention_check"
+want attncheck && part attncheck 60 15 $PY benchmarks/attention_check.py "${CHECK_X[@]}" --out "$OUT/attention_check"
 want attention && part attention 160 40 $PY $S --batches 1 8 --kinds refresh dual prefix \
   --attention split cudnn cudnn_split pallas --reps 10 "${STEP_X[@]}" --out "$OUT/attention"
 # The probe's programs in the kernel's form: 6 distinct GEMMs a program for the autotuner, not 10.

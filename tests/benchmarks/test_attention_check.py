@@ -25,6 +25,7 @@ def test_the_forms_pass_against_float32_with_xla_standing_in_for_cudnn(tmp_path)
     assert attention_check.main(["--shape", "small", "--batches", "1", "2", "--stand-in", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["pass"] and "standing in" in report["cudnn"] and "interpreter" in report["pallas"]
+    assert report["shapes"] == {"small": [4, 2, 16]}  # (2 query heads a K/V head: one program's, in the kernel)
     assert [(c["batch"], c["kind"]) for c in report["cases"]] == [(1, "dual"), (1, "prefix"), (2, "dual"), (2, "prefix")]
     for case in report["cases"]:
         assert list(case["forms"]) == ["split", "cudnn", "cudnn_split", "pallas"]
@@ -32,8 +33,8 @@ def test_the_forms_pass_against_float32_with_xla_standing_in_for_cudnn(tmp_path)
             assert form["finite"] and 0 < form["mean_error"] <= form["max_error"] < 0.05  # bfloat16, not float32
         # A row that sees no cache slot has only the window: cudnn_split's merge gives it the window's own output.
         assert case["forms"]["cudnn_split"]["blind_rows_mean_error"] == case["forms"]["cudnn"]["blind_rows_mean_error"]
-    assert "| 2 | prefix | cudnn_split |" in out.with_suffix(".md").read_text()
-    assert "| 2 | prefix | pallas |" in out.with_suffix(".md").read_text()
+    assert "| small | 2 | prefix | cudnn_split |" in out.with_suffix(".md").read_text()
+    assert "| small | 2 | prefix | pallas |" in out.with_suffix(".md").read_text()
 
 
 def test_a_wrong_merge_fails_the_check(tmp_path, monkeypatch):

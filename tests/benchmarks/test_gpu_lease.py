@@ -111,7 +111,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert args["attention"].attention == ["split", "cudnn", "cudnn_split", "pallas"]
     assert args["attention"].kinds == ["refresh", "dual", "prefix"]
     check = args["attncheck"]  # the forms against float32 before they are timed; a CPU has no cuDNN
-    assert (check.shape, check.stand_in) == (("small", True) if dry else ("llada-8b", False))
+    assert (check.shape, check.stand_in) == ((["small"], True) if dry else (["llada-8b", "gqa-8b"], False))
     assert args["target"].write_target and args["target"].out.name == "target_config"  # the device's own config
     fused = args["fused"]  # fused projections against separate ones, in one run, with their kernels
     assert fused.projections == ["separate", "fused"] and fused.profile and fused.kinds == ["dual", "prefix"]
