@@ -99,20 +99,20 @@ def main() -> None:
                    "plan_kv_bytes": kv_bytes_per_device(mesh.config, shape, batch=2, context=slots),
                    "total_param_bytes": sum(int(np.asarray(x).nbytes) for x in
                                             dlm_jax.get_params(one.model).values())}
-            kernel = contextlib.nullcontext()
-            if case.get("attention"):
-                from dlm_jax.models import _attention_kernel
+            with contextlib.ExitStack() as kernel:
+                if case.get("attention"):
+                    from dlm_jax.models import _attention_kernel
 
-                one.executor.attention = mesh.executor.attention = case["attention"]
-                kernel = _attention_kernel.interpret()
-                on_mesh, row["kernel_traces"] = _attention_kernel._on_mesh, []
+                    one.executor.attention = mesh.executor.attention = case["attention"]
+                    kernel.enter_context(_attention_kernel.interpret())
+                    on_mesh, traces = _attention_kernel._on_mesh, row.setdefault("kernel_traces", [])
 
-                def counted(mesh_, q, *rest):
-                    row["kernel_traces"].append(q.shape[2])  # (the query heads it splits)
-                    return on_mesh(mesh_, q, *rest)
+                    def counted(*args, on_mesh=on_mesh, traces=traces):
+                        traces.append(args[1].shape[2])  # (q's query heads, which it splits)
+                        return on_mesh(*args)
 
-                _attention_kernel._on_mesh = counted
-            with kernel:
+                    _attention_kernel._on_mesh = counted
+                    kernel.callback(setattr, _attention_kernel, "_on_mesh", on_mesh)
                 for preset in case["presets"]:
                     a, b = decode(one, preset, case), decode(mesh, preset, case)
                     row["presets"][json.dumps(preset)] = {"one": a, "mesh": b}
