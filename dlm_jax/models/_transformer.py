@@ -569,7 +569,9 @@ EXPERT_EXCHANGES = ("psum", "all_to_all")
 def expert_mesh(mesh, exchange: str = "psum") -> Iterator[None]:
     """Trace MoE layers inside this context with their routed experts split over `mesh` (a
     `jax.sharding.Mesh` with axes "ep" and "tp", as the partition rules split them:
-    `dlm_jax._partition`), computed by `sharded_experts` with `exchange`."""
+    `dlm_jax._partition`), computed by `sharded_experts` with `exchange`. The executor traces
+    every program on a mesh inside it, so it also names the mesh that the attention kernel's
+    `shard_map` runs on (`traced_mesh`)."""
     if exchange not in EXPERT_EXCHANGES:
         raise ValueError(f"unknown expert exchange {exchange!r}; known: {', '.join(EXPERT_EXCHANGES)}")
     with _scoped(_EXPERT_MESH, (mesh, exchange)):
