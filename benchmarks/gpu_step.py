@@ -105,6 +105,9 @@ SHAPES = {
     "small": dict(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=768,
                   mask_token_id=1000, max_seq_len=512, rope_theta=500000.0, norm_eps=1e-5),
 }
+# LLaDA-8B's shape with its 32 query heads over 8 K/V heads (grouped as Llama 3 8B's are): a
+# quarter of the K/V projections and cache, and the attention kernel's programs take 4 heads.
+SHAPES["gqa-8b"] = {**SHAPES["llada-8b"], "n_kv_heads": 8}
 # HBM TB/s and dense bf16 TFLOP/s by device name (datasheet; the copy bandwidth is measured).
 DEVICES = (("H200", 4.8, 989.0), ("H100", 3.35, 989.0), ("A100", 2.0, 312.0))
 TARGETS = Path(__file__).resolve().parent / "targets"  # GPU target configs by name (`--target`)
@@ -540,7 +543,10 @@ def markdown(rep: dict[str, Any]) -> str:
     first_col = any("first_call_ms" in r for r in rep["cases"])  # results before it was timed: no column
     proj_col = any(r.get("projections", "separate") != "separate" for r in rep["cases"])
     kernel_col = any("kernels" in r for r in rep["cases"])  # compiled for a GPU target: its launches
-    lines = [f"# The decode step at the {rep['shape']} shape: {d['kind']} ({d['backend']})", "",
+    shapes = list(dict.fromkeys(r.get("shape", rep["shape"]) for r in rep["cases"])) or [rep["shape"]]
+    shape_col = len(shapes) > 1  # runs of other model shapes rendered together: a column says which
+    lines = [f"# The decode step at the {' and '.join(shapes)} shape{'s' if shape_col else ''}: {d['kind']} "
+             f"({d['backend']})", "",
              f"{rep['params'] / 1e9:.3f}B parameters, {rep['dtype']}; setting {rep['setting']}; "
              f"jax {rep['versions']['jax']}; {rep['date']}; `{rep['command']}`."
              + ("" if rep["abstract"] else f" Copy bandwidth {d.get('copy_gbps', 0):.0f} GB/s.")
@@ -549,16 +555,19 @@ def markdown(rep: dict[str, Any]) -> str:
              *[f"- {n}" for n in rep.get("notes", [])], *([""] if rep.get("notes") else []),
              *[f"- source: `{src['file']}`: `{src['command']}` ({src['date']}, {src['device']['kind']}, "
                f"{src['cases']} cases)" for src in rep.get("sources", [])], *([""] if rep.get("sources") else []),
-             "| batch | step | attention | quant | layers | " + ("projections | " if proj_col else "") + "bucket | "
+             ("| shape " if shape_col else "")
+             + "| batch | step | attention | quant | layers | " + ("projections | " if proj_col else "") + "bucket | "
              + ("compiles | " if env_col else "")
              + "compile s | " + ("first call ms | " if first_col else "")
              + ("kernels | GEMM / data movement / other | " if kernel_col else "") + "bytes / weights | FLOPs / dense | "
              "traced bytes / weights | step ms | weight-read ms | roofline ms | step / weight read | error |",
-             "|---:|---|---|---|---|" + ("---|" if proj_col else "") + "---|" + ("---|" if env_col else "") + "---:|"
+             ("|---" if shape_col else "")
+             + "|---:|---|---|---|---|" + ("---|" if proj_col else "") + "---|" + ("---|" if env_col else "") + "---:|"
              + ("---:|" if first_col else "") + ("---:|---|" if kernel_col else "")
              + "---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rep["cases"]:
-        lines.append(f"| {r.get('batch', '-')} | {r.get('kind', '-')} | {r['attention']} | {r['quant']} | "
+        lines.append((f"| {r.get('shape', rep['shape'])} " if shape_col else "")
+                     + f"| {r.get('batch', '-')} | {r.get('kind', '-')} | {r['attention']} | {r['quant']} | "
                      f"{r['layers']} | " + (f"{r.get('projections', 'separate')} | " if proj_col else "")
                      + f"{r.get('bucket', '-')} | " + (f"{r.get('compile_env', '-')} | " if env_col else "")
                      + f"{_g(r.get('compile_s'), '.1f')} | " + (f"{_g(r.get('first_call_ms'), '.1f')} | " if first_col else "")
@@ -696,7 +705,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
         reps = [json.loads(path.read_text()) for path in args.render]
-        rep = {**reps[0], "cases": [c for r in reps for c in r["cases"]],
+        rep = {**reps[0], "cases": [{"shape": r["shape"], **c} for r in reps for c in r["cases"]],
                "notes": [n for r in reps for n in r.get("notes", [])] + args.note,
                "sources": [{"file": str(path), "command": r["command"], "date": r["date"],
                             "device": r["device"], "cases": len(r["cases"])} for path, r in zip(args.render, reps)]}

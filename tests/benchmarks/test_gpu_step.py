@@ -139,6 +139,16 @@ def test_runs_that_compiled_differently_render_with_a_column_saying_how(tmp_path
     assert "| compiles |" in md and len(rows) == 4
     assert [("XLA_FLAGS unset" in r, "--xla_gpu_autotune_level=0" in r) for r in rows] == [(True, False)] * 2 + [
         (False, True)] * 2
+    # A run at another model shape (here a's result relabelled) rendered beside them: each row names its shape.
+    other = json.loads((tmp_path / "a.json").read_text()) | {"shape": "gqa-8b"}
+    (tmp_path / "c.json").write_text(json.dumps(other))
+    assert "| shape |" not in md
+    assert gpu_step.main(["--render", str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--out",
+                          str(tmp_path / "ac")]) == 0
+    md = (tmp_path / "ac.md").read_text()
+    assert md.startswith("# The decode step at the small and gqa-8b shapes:") and "| shape | batch |" in md
+    assert [line[:16] for line in md.splitlines() if "| 1 | prefix" in line] == ["| small | 1 | pr"] * 2 + [
+        "| gqa-8b | 1 | p"] * 2
 
 
 
