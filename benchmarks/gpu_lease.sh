@@ -76,6 +76,19 @@
 #                which the autotuner times one by one; the kernel's programs have 6
 #                (benchmarks/results/gpu_target.md: 49.5 s of compiling without autotuning here,
 #                against 57.3 s split, in one run). Whether that shortens the 142 s cold wait.
+#   attngqa  90  benchmarks/gpu_step.py --shape gqa-8b --attention split pallas, batch 1, 8 and 32,
+#                dual and prefix (12 programs): a grouped-query 8B model's steps, where the kernel's
+#                programs take a K/V head's 4 query heads and read its cache once (the split form
+#                broadcasts each K/V head to its query heads first: 950-1018 kernels a step against
+#                the kernel's 504-537 compiled for an H200 here, gpu_target.md); batch 1 shows what
+#                8 programs a layer (one per K/V head) cost in occupancy.
+#   sweep   120  benchmarks/kernel_sweep.py --batches 1 32: one step's attention over 32 layers'
+#                caches, dual and prefix, LLaDA-8B's and the grouped-query shape, the split form
+#                against the kernel under 8 tilings (the default, then block_k 32 / 128, rows
+#                halved, 8 / 4 warps, 2 / 4 stages), each against float32: the fastest tiling
+#                within the margins, over the split form and the default (72 small programs;
+#                compiled for an H200 here every tiling compiles, 1.2-2.2 s each without
+#                autotuning: benchmarks/results/gpu_target_parts/h200_kernel_sweep.md).
 #   cmdbuf   45  the fused part's separate cases again with XLA_FLAGS
 #                --xla_gpu_enable_command_buffer= (no CUDA graphs: every kernel launched on its
 #                own), with their kernels: whether XLA's command buffers, which it records on a
@@ -130,7 +143,7 @@
 # ATTENTION=cudnn, cudnn_split or pallas once the attention part has shown it faster; the default is split) (e.g.
 # PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
 # PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
-# still-warm machine: PARTS="attncheck attention probekernel fused cmdbuf probeload probe0 gemm").
+# still-warm machine: PARTS="attncheck attention attngqa sweep probekernel fused cmdbuf probeload probe0 gemm").
 # (The device's compile-only config: cp $LEASE/target_config.txtpb benchmarks/targets/h200_device.txtpb.)
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
@@ -145,8 +158,9 @@
 #   cp $LEASE/cache_load.* benchmarks/results/gpu_parts/ (named by device; the CPU's are benchmarks/results/cache_load.*)
 #   cp $LEASE/gemm_probe.json benchmarks/results/gpu_parts/h200_gemm_probe.json, its .md and .png into benchmarks/results/
 #   cp $LEASE/attention_check.json benchmarks/results/gpu_parts/h200_attention_check.json, its .md to benchmarks/results/attention_check.md
+#   cp $LEASE/kernel_sweep.json benchmarks/results/gpu_parts/h200_kernel_sweep.json, its .md and .png to benchmarks/results/kernel_sweep.*
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/fused.json $LEASE/cmdbuf_off.json --out benchmarks/results/gpu_step_fused
-#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json --out benchmarks/results/gpu_step_lease
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/attention_gqa.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
 set -u -o pipefail
@@ -161,15 +175,16 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-target dual probe fused cmdbuf probeload probe0 gemm attncheck attention probekernel table small large probecache cacheload probeserial cudnn scan first}
+PARTS=${PARTS:-target dual probe fused cmdbuf probeload probe0 gemm attncheck attention probekernel attngqa sweep table small large probecache cacheload probeserial cudnn scan first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
-SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=()
+SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=() SWEEP_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
   SHAPE=small BATCHES=1 LARGE_BATCHES=2 DUAL_BATCHES="1 2"
   GPU_X=(--shape small --dtype float32 --prompt-len 32 --gen-len 64)
   STEP_X=(--shape small --dtype float32 --reps 2) FIRST_X=(--shape small --dtype float32)
   GEMM_X=(--shape small --dtype float32) CACHE_X=(--shape small --dtype float32)
   CHECK_X=(--shape small --stand-in)  # (a CPU has no cuDNN: JAX's XLA attention in its place)
+  SWEEP_X=(--shape small --stand-in --layers 2)
   # One thread per process: torch's OpenMP threads spin against whatever else shares the CPU
   # (their tiny decodes went from 0.05 s to 2-7 s on two shared cores).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -240,6 +255,12 @@ want attention && part attention 160 40 $PY $S --batches 1 8 --kinds refresh dua
 # The probe's programs in the kernel's form: 6 distinct GEMMs a program for the autotuner, not 10.
 want probekernel && part "probe kernel" 130 40 $PY $S "${PROBE[@]}" --attention pallas --threads 4 \
   --out "$OUT/probe_kernel"
+# A grouped-query 8B model's steps (the kernel reads each K/V head's cache once for its 4 query
+# heads); DRY's STEP_X puts the tiny shape back.
+want attngqa && part "attention gqa" 90 30 $PY $S --shape gqa-8b --batches 1 8 32 --kinds dual prefix \
+  --attention split pallas --reps 10 "${STEP_X[@]}" --out "$OUT/attention_gqa"
+# The kernel's tilings, timed one step's attention at a time, each against float32.
+want sweep && part sweep 120 40 $PY benchmarks/kernel_sweep.py --batches 1 32 "${SWEEP_X[@]}" --out "$OUT/kernel_sweep"
 t=$(cap "$TABLE_S")  # its budget ends MARGIN_S before its timeout, however far the part was cut
 # shellcheck disable=SC2086
 want table && part table "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --batches $BATCHES --xla-cache "$WORK/xla" \

@@ -445,7 +445,16 @@ def test_gpu_commands_install_extras_that_exist_and_parse():
     # The stand-in's runs in tests/benchmarks/test_attention_check.py; cuDNN's needs a GPU.
     checks = [line for line in bench if "benchmarks/attention_check.py" in line]
     assert len(checks) == 2
-    assert len(steps) == 3 and len(peers) + len(steps) + len(leases) + len(loads) + len(checks) == len(bench), bench
+    # The stand-in's runs in tests/benchmarks/test_kernel_sweep.py; the kernel's speed needs a GPU.
+    sweeps = [line for line in bench if "benchmarks/kernel_sweep.py" in line]
+    assert len(sweeps) == 2
+    assert len(steps) == 3 and len(peers) + len(steps) + len(leases) + len(loads) + len(checks) + len(sweeps) \
+        == len(bench), bench
+    import kernel_sweep
+
+    for line in sweeps:
+        argv = shlex.split(line)
+        kernel_sweep.build_parser().parse_args(argv[argv.index("benchmarks/kernel_sweep.py") + 1:])
     import attention_check
 
     for line in checks:

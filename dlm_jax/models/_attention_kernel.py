@@ -38,11 +38,15 @@ On a mesh (`dlm_jax._partition`'s axes: "dp" splits batch rows, "tp" heads) each
 kernel over its own rows and heads under `jax.shard_map`: a Pallas call has no partitioning rule
 of its own. That needs each device's query heads and the K/V heads they read on the same device:
 tp must divide the K/V heads (`shards`), as it does wherever the mesh splits the cache's heads;
-`Attention` keeps the split form on a mesh whose tp does not."""
+`Attention` keeps the split form on a mesh whose tp does not.
+
+The blocks and Triton's launch settings are a `Tiling` (`DEFAULT_TILING`; `tiled` sets another
+for the programs traced inside, as `benchmarks/kernel_sweep.py` does to time each on a GPU)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 
@@ -51,6 +55,47 @@ import jax.numpy as jnp
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 _interpret = False  # `interpret()`: a process-wide switch, as programs compile on background threads
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """The kernel's blocks and launch settings. `rows`: the most query positions a program of
+    one head takes; `stacked_rows`: the most rows (heads x positions) a program of a grouped
+    K/V head's query heads takes; `block_k`: the cache slots (and window columns) a loop step
+    reads; `warps`: Triton's warps a program (0: 8 where a program has more than 64 rows, else
+    4); `stages`: its software-pipelining stages (0: Triton's default). Sizes are powers of two
+    from 16; a shape a size does not divide takes the largest power of two that does."""
+
+    rows: int = 64
+    stacked_rows: int = 128
+    block_k: int = 64
+    warps: int = 0
+    stages: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "stacked_rows", "block_k"):
+            n = getattr(self, name)
+            if n < 16 or n & (n - 1):
+                raise ValueError(f"Tiling.{name}={n}: a power of two from 16")
+        if self.warps not in (0, 1, 2, 4, 8, 16) or self.stages < 0:
+            raise ValueError(f"Tiling warps={self.warps} (0, 1, 2, 4, 8 or 16), stages={self.stages} (0: Triton's "
+                             "default, or at least 1)")
+
+
+DEFAULT_TILING = Tiling()
+_tiling = DEFAULT_TILING
+
+
+@contextlib.contextmanager
+def tiled(tiling: Tiling) -> Iterator[None]:
+    """Inside: the kernel is traced with `tiling`'s blocks and launch settings (process-wide,
+    as `interpret`; only programs traced inside take it)."""
+    global _tiling
+    saved, _tiling = _tiling, tiling
+    try:
+        yield
+    finally:
+        _tiling = saved
 
 
 @contextlib.contextmanager
@@ -174,8 +219,10 @@ def attend_kernel(q: jax.Array, k_cache: jax.Array | None, v_cache: jax.Array | 
     if not fits(t, s, dh):
         raise ValueError(f"the attention kernel takes window rows and cache slots in multiples of 16 and a head "
                          f"dim of 16-256 (a power of two); got T={t}, S={s}, Dh={dh}")
-    block_q = _block(t, 64 if heads == 1 else max(16, 128 // heads))  # (query positions a program: x heads rows)
-    block_w = _block(t)  # (window columns a loop step)
+    tiling = _tiling
+    # (query positions a program: x heads rows)
+    block_q = _block(t, tiling.rows if heads == 1 else max(16, tiling.stacked_rows // heads))
+    block_k, block_w = (_block(s, tiling.block_k) if s else 0), _block(t, tiling.block_k)  # (columns a loop step)
     # (one conversion a step, and one span: every layer's mask is the same array)
     seen = mask.astype(jnp.int8)
     # program j takes query heads j * heads .. + heads - 1, which read K/V head j * heads // group
@@ -188,14 +235,15 @@ def attend_kernel(q: jax.Array, k_cache: jax.Array | None, v_cache: jax.Array | 
         in_specs = [q_spec, cache_spec, cache_spec, pl.BlockSpec((None, block_q, s), lambda i, j, r: (i, r, 0)),
                     pl.BlockSpec((None, None, 2), lambda i, j, r: (i, r, 0)), *window_specs, window_mask_spec]
         operands = (packed, k_cache.astype(q.dtype), v_cache.astype(q.dtype), seen[:, :, :s],
-                    cache_span(mask[:, :, :s], block_q, _block(s)), k, v, seen[:, :, s:])
+                    cache_span(mask[:, :, :s], block_q, block_k), k, v, seen[:, :, s:])
     else:
         in_specs = [q_spec, *window_specs, window_mask_spec]
         operands = (packed, k, v, seen)
-    kernel = functools.partial(_kernel, scale=1.0 / float(dh) ** 0.5, cached=bool(s), block_k=_block(s) if s else 0,
+    kernel = functools.partial(_kernel, scale=1.0 / float(dh) ** 0.5, cached=bool(s), block_k=block_k,
                                block_w=block_w, window=t)
+    # (more rows: the accumulator's [rows, Dh] float32 over more threads)
     params = {} if _interpret else {"compiler_params": plgpu.CompilerParams(
-        num_warps=8 if block_q * heads > 64 else 4)}  # (the accumulator's [rows, Dh] float32 over more threads)
+        num_warps=tiling.warps or (8 if block_q * heads > 64 else 4), num_stages=tiling.stages or None)}
     out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(packed.shape, q.dtype),
                          grid=(b, h // heads, t // block_q), in_specs=in_specs, out_specs=q_spec,
                          interpret=_interpret, name="dlm_jax_attention", **params)(*operands)

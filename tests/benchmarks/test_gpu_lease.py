@@ -81,7 +81,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     status 2 in the log) and its results are simply missing after the lease."""
     parts = [unenv(p) for p in lease_parts(tmp_path, LIMIT="5000", **({"DRY": "1"} if dry else {}))]
     assert [p[0] for p in parts] == ["target", "dual", "probe", "fused", "command buffers off", "probe load",
-                                     "probe no autotuning", "gemm", "attncheck", "attention", "probe kernel", "table",
+                                     "probe no autotuning", "gemm", "attncheck", "attention", "probe kernel", "attention gqa", "sweep", "table",
                                      "small", "large",
                                      "probe cache", "probe cache again", "cache load", "probe serial", "cudnn",
                                      "scan", "first cold", "first cache"]  # (scandsf by name only)
@@ -110,6 +110,12 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == parse(dsf[4], dsf[5:]).layers == ["scan"]
     assert args["attention"].attention == ["split", "cudnn", "cudnn_split", "pallas"]
     assert args["attention"].kinds == ["refresh", "dual", "prefix"]
+    gqa = args["attention gqa"]  # a grouped-query 8B model's steps: the kernel's stacked heads timed
+    assert gqa.attention == ["split", "pallas"] and gqa.kinds == ["dual", "prefix"] and gqa.batches == [1, 8, 32]
+    assert gqa.shape == ("small" if dry else "gqa-8b")
+    sweep = args["sweep"]  # the kernel's tilings against the split form, each against float32
+    assert sweep.batches == [1, 32] and [n for n, _ in sweep.tilings][0] == "default" and len(sweep.tilings) == 8
+    assert (sweep.shape, sweep.stand_in, sweep.layers) == ((["small"], True, 2) if dry else (["llada-8b", "gqa-8b"], False, 32))
     check = args["attncheck"]  # the forms against float32 before they are timed; a CPU has no cuDNN
     assert (check.shape, check.stand_in) == ((["small"], True) if dry else (["llada-8b", "gqa-8b"], False))
     assert args["target"].write_target and args["target"].out.name == "target_config"  # the device's own config

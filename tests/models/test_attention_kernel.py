@@ -10,6 +10,7 @@ bfloat16 against the split form the kernel replaces."""
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,8 +37,8 @@ def _reference(q, kc, vc, k, v, mask):
 def _kernel(q, kc, vc, k, v, mask, dtype=jnp.float32):
     cache = (None, None) if kc is None else (jnp.asarray(kc, dtype), jnp.asarray(vc, dtype))
     with kernel.interpret():
-        out = jax.jit(kernel.attend_kernel)(jnp.asarray(q, dtype), *cache, jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                                            jnp.asarray(mask))
+        out = jax.jit(lambda *a: kernel.attend_kernel(*a))(jnp.asarray(q, dtype), *cache, jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                                                           jnp.asarray(mask))  # (traced anew: `tiled`)
     return np.asarray(out.astype(jnp.float32))
 
 
@@ -110,6 +111,46 @@ def test_in_bfloat16_the_kernel_is_as_close_to_float32_as_the_split_form():
         split = np.asarray(jax.jit(attend_cached, static_argnames="heads_first")(
             *bf, jnp.asarray(mask), heads_first=True).astype(jnp.float32))
         assert ours <= 1.15 * np.abs(split - ref).mean(), (scale, ours, np.abs(split - ref).mean())
+
+
+def _traced(tiling, *args):
+    """The pallas_call's grid as traced under `tiling`, and the shapes its kernel's operations
+    make (a cache block's keys are [block_k, Dh])."""
+    with kernel.interpret(), kernel.tiled(tiling):
+        jaxpr = jax.make_jaxpr(lambda *a: kernel.attend_kernel(*a))(*args)  # (a new function: traced anew)
+    (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    shapes, todo = set(), [call.params["jaxpr"]]
+    while todo:
+        for e in todo.pop().eqns:
+            shapes |= {tuple(getattr(v.aval, "shape", ())) for v in e.outvars}
+            todo += [j.jaxpr if hasattr(j, "jaxpr") else j for j in jax.extend.core.jaxprs_in_params(e.params)]
+    return tuple(call.params["grid_mapping"].grid), shapes
+
+
+@pytest.mark.parametrize("tiling", [kernel.Tiling(rows=16, stacked_rows=32, block_k=16),
+                                    kernel.Tiling(rows=32, stacked_rows=64, block_k=128, warps=8, stages=2)],
+                         ids=["small", "wide"])
+def test_another_tiling_is_the_same_attention_over_other_blocks(tiling):
+    """A tiling the kernel sweep times (`benchmarks/kernel_sweep.py`) is attention over the
+    concatenation as the default is, over its own blocks: the grid follows its rows (a program
+    of one head, or of 4 stacked), the cache blocks it reads follow block_k."""
+    rng = np.random.default_rng(7)
+    for groups, default_grid in ((1, (2, 2, 1)), (4, (2, 2, 2))):  # (T 64: 64 rows, or 4 heads x 32 positions)
+        q, kc, vc, k, v, mask = _case(rng, t=64, slots=256, groups=groups)
+        mask[0, :, :128] = False  # the first half outside batch row 0's span
+        args = [jnp.asarray(x) for x in (q, kc, vc, k, v, mask)]
+        grid, shapes = _traced(kernel.DEFAULT_TILING, *args)
+        assert grid == default_grid and (64, 16) in shapes
+        rows = tiling.rows if groups == 1 else max(16, tiling.stacked_rows // groups)  # (16 positions at least)
+        grid, shapes = _traced(tiling, *args)
+        assert grid == (2, 2, 64 // rows) and (tiling.block_k, 16) in shapes
+        with kernel.tiled(tiling):
+            out = _kernel(q, kc, vc, k, v, mask)
+        np.testing.assert_allclose(out, _reference(q, kc, vc, k, v, mask), rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="block_k=24"):
+        kernel.Tiling(block_k=24)
+    with pytest.raises(ValueError, match="warps=3"):
+        kernel.Tiling(warps=3)
 
 
 def test_shapes_the_kernel_does_not_take_are_refused_and_fits_says_so():
