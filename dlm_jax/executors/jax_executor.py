@@ -35,6 +35,7 @@ from flax import nnx
 from dlm_jax._errors import ConfigError
 from dlm_jax.executors._compile import CompiledBuckets, target_platform
 from dlm_jax._config import ModelConfig
+from dlm_jax.models import _attention_kernel
 from dlm_jax.models._fuse import PROJECTIONS_ENV, choose_projections, fuse_projections, is_fused
 from dlm_jax.models._scan import ScannedTransformer, StackedLayers, choose_layers
 from dlm_jax._partition import param_name
@@ -274,6 +275,23 @@ def _split_layers(model: Transformer, paths) -> dict[int, _SplitLayer]:
         resident[slot_of[slot_of >= 0]] = np.flatnonzero(slot_of >= 0)
         out[i] = _SplitLayer((at("gate"), at("up"), at("down")), at("slot_of"), ffn.cpu_experts, resident)
     return out
+
+
+def _kernel_refusal(config: ModelConfig, mesh) -> str:
+    """Why the attention kernel would never run for this model (on `mesh`, the executor's
+    argument), or "": a head dim it cannot load, or a mesh whose tp does not divide the K/V heads
+    (`_attention_kernel.shards`). Other shapes, a window or a cache it cannot load, keep the split
+    form step by step: a decode's buckets vary."""
+    from dlm_jax._partition import MeshShape
+    from dlm_jax.executors.sharding import MeshPlacement
+
+    if not _attention_kernel.fits(16, 0, config.head_dim):
+        return f"the attention kernel takes head dims of 16-256 (a power of two), and this model's is {config.head_dim}"
+    tp = 1 if mesh is None else (mesh.shape if isinstance(mesh, MeshPlacement) else MeshShape.parse(mesh)).tp
+    if config.n_kv_heads % tp:
+        return (f"the attention kernel on a mesh needs tp to divide the K/V heads, and tp={tp} does not divide this "
+                f"model's {config.n_kv_heads}")
+    return ""
 
 
 def _placement(mesh, model: Transformer, slots: dict):
@@ -589,6 +607,8 @@ class JaxExecutor(Executor):
             if target_platform() != "gpu":
                 raise ConfigError(f"{name}={attention!r}: the attention kernel is compiled by Triton for a GPU, and "
                                   f"JAX's backend here is {target_platform()!r}; use split or gather")
+            if refusal := _kernel_refusal(model.config, mesh):  # (before anything changes the model)
+                raise ConfigError(f"{name}={attention!r}: {refusal}; use split")
         self.attention = attention
         exchange_from_env = expert_exchange is None and bool(os.environ.get(EXCHANGE_ENV))
         expert_exchange = expert_exchange or os.environ.get(EXCHANGE_ENV) or "psum"

@@ -422,3 +422,24 @@ def test_an_unknown_attention_is_refused_naming_where_it_came_from(model, monkey
         with pytest.raises(ConfigError, match=r"^attention='pallas': the attention kernel is compiled by Triton for a "
                                               r"GPU, and JAX's backend here is 'cpu'; use split or gather$"):
             JaxExecutor(model, attention="pallas")
+
+
+def test_the_kernel_asked_for_where_it_would_never_run_is_refused(monkeypatch):
+    """Built for a GPU: a head dim the kernel cannot load, or a mesh whose tp does not divide the
+    K/V heads, would leave every step in the split form; asked for by name, it is refused in one
+    line (before the mesh is placed: no devices needed). A shape it takes builds."""
+    from dlm_jax._errors import ConfigError
+    from dlm_jax.executors._compile import building_for
+    from dlm_jax.testing import tiny_model
+
+    with building_for("gpu"):
+        with pytest.raises(ConfigError, match=r"^attention='pallas': the attention kernel takes head dims of 16-256 "
+                                              r"\(a power of two\), and this model's is 24; use split$"):
+            JaxExecutor(tiny_model(head_dim=24), attention="pallas")
+        grouped = tiny_model(head_dim=16)  # (4 query heads over 2 K/V heads)
+        monkeypatch.setenv("DLM_JAX_ATTENTION", "pallas")
+        with pytest.raises(ConfigError, match=r"^DLM_JAX_ATTENTION='pallas': the attention kernel on a mesh needs tp "
+                                              r"to divide the K/V heads, and tp=4 does not divide this model's 2; "
+                                              r"use split$"):
+            JaxExecutor(grouped, mesh="tp=4")
+        assert JaxExecutor(grouped).attention == "pallas"
