@@ -143,7 +143,9 @@
 # ATTENTION=cudnn, cudnn_split or pallas once the attention part has shown it faster; the default is split) (e.g.
 # PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
 # PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
-# still-warm machine: PARTS="attncheck attention attngqa sweep probekernel fused cmdbuf probeload probe0 gemm").
+# still-warm machine, its LIMIT the device time left less a minute (parts run in the script's
+# order, so these as fused, attncheck, attention, sweep, attngqa: what decides the GPU defaults
+# first): PARTS="fused attncheck attention sweep attngqa probekernel cmdbuf probeload probe0 gemm").
 # (The device's compile-only config: cp $LEASE/target_config.txtpb benchmarks/targets/h200_device.txtpb.)
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
