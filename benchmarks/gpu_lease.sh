@@ -88,7 +88,9 @@
 #                halved, 8 / 4 warps, 2 / 4 stages), each against float32: the fastest tiling
 #                within the margins, over the split form and the default (72 small programs;
 #                compiled for an H200 here every tiling compiles, 1.2-2.2 s each without
-#                autotuning: benchmarks/results/gpu_target_parts/h200_kernel_sweep.md).
+#                autotuning: benchmarks/results/gpu_target_parts/h200_kernel_sweep.md; the split
+#                form's, autotuned on the device, may take longer). Written case by case, LLaDA-8B's
+#                first: a cut part keeps the cases it finished.
 #   cmdbuf   45  the fused part's separate cases again with XLA_FLAGS
 #                --xla_gpu_enable_command_buffer= (no CUDA graphs: every kernel launched on its
 #                own), with their kernels: whether XLA's command buffers, which it records on a

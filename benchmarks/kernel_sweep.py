@@ -30,7 +30,8 @@ traces (`DEFAULT_TILING`): a lease's sweep says which to make the default.
 each program for that GPU without one, no timing: which tilings Triton takes at these shapes
 (shared memory, registers), and each program's kernels. `--stand-in` runs the kernel in
 Pallas's interpreter on any device (the code path, not its speed). Writes <out>.json, .md and
-.png (times over the split form's).
+.png (times over the split form's) after every case, so a run cut short keeps the cases it
+finished.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def run(args: argparse.Namespace, target=None) -> dict[str, Any]:
             for batch in args.batches:
                 for kind, window, slots, start in (s for s in STEPS[shape] if s[0] in args.kinds):
                     rep["cases"].append(one_case(args, rep, target, forms, shape, batch, kind, window, slots, start))
+                    write(rep, args.out)  # (after every case: a part cut by its time limit keeps what it has)
     return rep
 
 
@@ -329,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.stand_in and jax.default_backend() != "gpu":
         p.error(f"the kernel needs a GPU and JAX's backend here is {jax.default_backend()!r}; --stand-in runs it in "
                 "Pallas's interpreter, --target compiles it for a GPU without one")
-    rep = run(args, target)
-    write(rep, args.out)
+    run(args, target)  # (written case by case)
     print(f"wrote {args.out.with_suffix('.json')}")
     return 0
 

@@ -69,3 +69,25 @@ def test_a_stand_in_sweep_reports_every_form_of_every_case(tmp_path):
     assert rep["cases"][0]["cache_bytes"] == 2 * 2 * 48 * 16 * 2 * 2
     assert "| small | 2 | prefix | pallas:default |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_sweep_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
+    """A lease part ends at its time limit, killed: the report is written after every case,
+    so what ran before the kill is on disk (here the second case dies instead)."""
+    done = []
+
+    def one_case(args, rep, target, forms, shape, batch, kind, *rest):
+        if done:
+            raise KeyboardInterrupt  # (as the part's timeout would stop it)
+        done.append(kind)
+        row = {"us_per_layer": 1.0, "cache_gbps": 1.0, "mean_error": 1e-3, "max_error": 1e-2, "finite": True}
+        case = {"shape": shape, "batch": batch, "kind": kind, "forms": {"split": row, "pallas:default": dict(row)}}
+        kernel_sweep.summarize(case)
+        return case
+
+    monkeypatch.setattr(kernel_sweep, "one_case", one_case)
+    out = tmp_path / "sweep"
+    with pytest.raises(KeyboardInterrupt):
+        kernel_sweep.main(["--shape", "small", "--stand-in", "--batches", "1", "--out", str(out)])
+    rep = json.loads(out.with_suffix(".json").read_text())
+    assert [c["kind"] for c in rep["cases"]] == ["dual"] and out.with_suffix(".md").is_file()
