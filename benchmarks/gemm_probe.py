@@ -19,7 +19,8 @@ calls dispatched back to back (the time a call takes in a stream of them), the w
 read per call over it (against the device's measured copy bandwidth) and the FLOP rate; per
 pair, the fused call's time over the separate one's. A decode step at batch 1 reads its
 weights once: an int8 case at 0.5x the unquantized one's time reads them at the same rate,
-a fused case under 1.0 is time a fused layout would save. Writes <out>.json, .md and .png.
+a fused case under 1.0 is time a fused layout would save. Writes <out>.json, .md and .png
+after every pair (a run cut short keeps the pairs it finished, its report marked incomplete).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": f"{platform.node()} ({os.cpu_count()} CPU cores)",
         "command": " ".join(["benchmarks/gemm_probe.py", *args.argv]), "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "environment": {"XLA_FLAGS": os.environ.get("XLA_FLAGS")}, "calls": args.calls, "reps": args.reps,
-        "notes": list(args.note), "cases": []}
+        "notes": list(args.note), "complete": False, "cases": []}
     rep["device"]["copy_gbps"] = copy_bandwidth() / 1e9
     log(f"copy bandwidth {rep['device']['copy_gbps']:.0f} GB/s on {rep['device']['kind']}")
     for group in args.groups:
@@ -154,7 +155,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # Fused and separate compute the same products (a layout, not an approximation).
                 scale = float(np.abs(outs["separate"]).max()) or 1.0
                 rep["cases"][-1]["max_diff_vs_separate"] = float(np.abs(outs["fused"] - outs["separate"]).max()) / scale
+                if args.out is not None:  # (after every pair: a lease part cut by its time limit keeps them)
+                    write(rep, args.out)
+    rep["complete"] = True
     return rep
+
+
+def write(rep: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out.with_suffix(".json"), json.dumps(rep, indent=1) + "\n")
+    atomic_write(out.with_suffix(".md"), markdown(rep))
+    plot(rep, out.with_suffix(".png"))
 
 
 def pairs(rep: dict[str, Any]) -> list[dict[str, Any]]:
@@ -179,7 +190,9 @@ def markdown(rep: dict[str, Any]) -> str:
     lines = ["# A layer's projection GEMMs, separate against fused (`benchmarks/gemm_probe.py`)", "",
              f"{dev['kind']} ({dev['backend']}), copy bandwidth {dev['copy_gbps']:.0f} GB/s, jax "
              f"{rep['versions']['jax']}, {rep['shape']} {rep['dtype']}, {rep['date']}; median of {rep['reps']} rounds "
-             f"of {rep['calls']} calls back to back. `{rep['command']}`"
+             f"of {rep['calls']} calls back to back"
+             + ("" if rep.get("complete", True) else f" (cut short after {len(rep['cases'])} cases)")
+             + f". `{rep['command']}`"
              + (f"; XLA_FLAGS {rep['environment']['XLA_FLAGS']}" if rep["environment"].get("XLA_FLAGS") else ""), "",
              *[f"- {n}" for n in rep.get("notes", [])], "",
              "| group | quant | rows | form | ms / call | weight GB/s | weight read / copy bandwidth | TFLOP/s | compile s |",
@@ -241,10 +254,7 @@ def main(argv=None) -> int:
         p.error("--rows, --calls and --reps must be at least 1")
     rep = run(args)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.out.with_suffix(".json"), json.dumps(rep, indent=1) + "\n")
-        atomic_write(args.out.with_suffix(".md"), markdown(rep))
-        plot(rep, args.out.with_suffix(".png"))
+        write(rep, args.out)
     print(markdown(rep))
     return 0
 

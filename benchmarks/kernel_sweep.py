@@ -140,7 +140,8 @@ def run(args: argparse.Namespace, target=None) -> dict[str, Any]:
         "environment": {"XLA_FLAGS": os.environ.get("XLA_FLAGS")}, "layers": args.layers, "calls": args.calls,
         "reps": args.reps, "margins": {"mean": MEAN_MARGIN, "max": MAX_MARGIN},
         "tilings": {name: dataclasses.asdict(t) for name, t in args.tilings},
-        "default_tiling": dataclasses.asdict(_attention_kernel.DEFAULT_TILING), "notes": list(args.note), "cases": []}
+        "default_tiling": dataclasses.asdict(_attention_kernel.DEFAULT_TILING), "notes": list(args.note),
+        "complete": False, "cases": []}
     if target is None and not args.stand_in:
         rep["device"]["copy_gbps"] = copy_gbps()
         log(f"copy bandwidth {rep['device']['copy_gbps']:.0f} GB/s on {rep['device']['kind']}")
@@ -154,6 +155,8 @@ def run(args: argparse.Namespace, target=None) -> dict[str, Any]:
                 for kind, window, slots, start in (s for s in STEPS[shape] if s[0] in args.kinds):
                     rep["cases"].append(one_case(args, rep, target, forms, shape, batch, kind, window, slots, start))
                     write(rep, args.out)  # (after every case: a part cut by its time limit keeps what it has)
+    rep["complete"] = True
+    write(rep, args.out)
     return rep
 
 
@@ -229,6 +232,7 @@ def markdown(rep: dict[str, Any]) -> str:
              + (f", copy bandwidth {dev['copy_gbps']:.0f} GB/s" if "copy_gbps" in dev else "")
              + f", jax {rep['versions']['jax']}, {rep['date']}; one step's attention over {rep['layers']} layers, "
              f"bfloat16" + (f"; median of {rep['reps']} rounds of {rep['calls']} calls back to back" if timed else "")
+             + ("" if rep.get("complete", True) else f" (cut short after {len(rep['cases'])} cases)")
              + f". `{rep['command']}`"
              + (f"; XLA_FLAGS {rep['environment']['XLA_FLAGS']}" if rep["environment"].get("XLA_FLAGS") else ""), "",
              "Tilings: " + "; ".join(f"{n} " + ", ".join(f"{k}={v}" for k, v in t.items())

@@ -18,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import attention_check  # noqa: E402
+from tests.benchmarks._cut import killed_after  # noqa: E402
 
 
 def test_the_forms_pass_against_float32_with_xla_standing_in_for_cudnn(tmp_path):
@@ -80,3 +81,15 @@ def test_without_a_gpu_it_asks_for_the_stand_in_in_one_line(tmp_path, capsys):
     assert err.endswith("the cuDNN and Pallas forms need a GPU and JAX's backend here is 'cpu'; --stand-in runs "
                         "JAX's XLA attention in cuDNN's place and the kernel in Pallas's interpreter")
     assert not (tmp_path / "check.json").exists()
+
+
+def test_a_check_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
+    """A lease part ends at its time limit, killed: the report is written after every case, so
+    what ran before the kill is on disk, marked incomplete (here the second case dies instead)."""
+    monkeypatch.setattr(attention_check, "verdict", killed_after(1, attention_check.verdict))
+    out = tmp_path / "check"
+    with pytest.raises(KeyboardInterrupt):
+        attention_check.main(["--shape", "small", "--batches", "1", "--stand-in", "--out", str(out)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert [c["kind"] for c in report["cases"]] == ["dual"] and not report["complete"]
+    assert "cut short: the 1 cases above only" in out.with_suffix(".md").read_text()

@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import gemm_probe  # noqa: E402
+from tests.benchmarks._cut import killed_after  # noqa: E402
 
 
 def test_fused_and_separate_compute_the_same_products_from_the_same_weights():
@@ -61,3 +62,17 @@ def test_the_run_reports_every_case_and_pair(tmp_path):
     assert p["int8_over_none"]["fused"] == pytest.approx(b["ms"] / cases[("gate_up", "none", 32, "fused")]["ms"])
     assert pairs[("qkv", "none", 8)]["int8_over_none"] is None
     assert "| gate_up | int8 | 32 |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size
+
+
+def test_a_probe_cut_short_keeps_the_pairs_it_finished(tmp_path, monkeypatch):
+    """A lease part ends at its time limit, killed: the report is written after every pair, so
+    the pairs timed before the kill are on disk, marked incomplete (here the third timing dies)."""
+    monkeypatch.setattr(gemm_probe, "time_calls", killed_after(2, gemm_probe.time_calls))
+    monkeypatch.setattr(gemm_probe, "copy_bandwidth", lambda: 1e10)
+    out = tmp_path / "gemm"
+    with pytest.raises(KeyboardInterrupt):
+        gemm_probe.main(["--shape", "small", "--dtype", "float32", "--groups", "qkv", "--quant", "none",
+                         "--rows", "8", "32", "--calls", "1", "--reps", "1", "--out", str(out)])
+    rep = json.loads(out.with_suffix(".json").read_text())
+    assert [(c["rows"], c["form"]) for c in rep["cases"]] == [(8, "separate"), (8, "fused")] and not rep["complete"]
+    assert "(cut short after 2 cases)" in out.with_suffix(".md").read_text()

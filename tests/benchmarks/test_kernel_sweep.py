@@ -90,4 +90,5 @@ def test_a_sweep_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         kernel_sweep.main(["--shape", "small", "--stand-in", "--batches", "1", "--out", str(out)])
     rep = json.loads(out.with_suffix(".json").read_text())
-    assert [c["kind"] for c in rep["cases"]] == ["dual"] and out.with_suffix(".md").is_file()
+    assert [c["kind"] for c in rep["cases"]] == ["dual"] and not rep["complete"]
+    assert "(cut short after 1 cases)" in out.with_suffix(".md").read_text()
