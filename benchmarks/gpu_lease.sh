@@ -7,7 +7,7 @@
 #
 #   bash benchmarks/peer_src.sh PATH/TO/Fast-dLLM      (once, here: fills the ignored .peer/Fast-dLLM)
 #   run(command="OUT=$OUT bash benchmarks/gpu_lease.sh", carry=[".peer"], timeout_s=540)
-#   DRY=1 OUT=/tmp/lease PY=.venv/bin/python bash benchmarks/gpu_lease.sh   (a CPU: tiny float32 twin, ~90 s)
+#   DRY=1 OUT=/tmp/lease PY=.venv/bin/python bash benchmarks/gpu_lease.sh   (a CPU: tiny float32 twin, ~4 min)
 #
 # The parts in priority order (PARTS), their limits (s), and the estimates they rest on (one
 # H200: benchmarks/results/gpu.json, gpu_step*.json, first_decode.json). The table's both sides
@@ -188,7 +188,7 @@ if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the s
   STEP_X=(--shape small --dtype float32 --reps 2) FIRST_X=(--shape small --dtype float32)
   GEMM_X=(--shape small --dtype float32) CACHE_X=(--shape small --dtype float32)
   CHECK_X=(--shape small --stand-in)  # (a CPU has no cuDNN: JAX's XLA attention in its place)
-  SWEEP_X=(--shape small --stand-in --layers 2)
+  SWEEP_X=(--shape small --stand-in --layers 2 --tilings default k32)  # (the interpreter ignores warps, stages)
   # One thread per process: torch's OpenMP threads spin against whatever else shares the CPU
   # (their tiny decodes went from 0.05 s to 2-7 s on two shared cores).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -114,7 +114,8 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert gqa.attention == ["split", "pallas"] and gqa.kinds == ["dual", "prefix"] and gqa.batches == [1, 8, 32]
     assert gqa.shape == ("small" if dry else "gqa-8b")
     sweep = args["sweep"]  # the kernel's tilings against the split form, each against float32
-    assert sweep.batches == [1, 32] and [n for n, _ in sweep.tilings][0] == "default" and len(sweep.tilings) == 8
+    assert sweep.batches == [1, 32] and [n for n, _ in sweep.tilings][0] == "default"
+    assert len(sweep.tilings) == (2 if dry else 8)
     assert (sweep.shape, sweep.stand_in, sweep.layers) == ((["small"], True, 2) if dry else (["llada-8b", "gqa-8b"], False, 32))
     check = args["attncheck"]  # the forms against float32 before they are timed; a CPU has no cuDNN
     assert (check.shape, check.stand_in) == ((["small"], True) if dry else (["llada-8b", "gqa-8b"], False))
