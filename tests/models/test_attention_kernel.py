@@ -195,6 +195,7 @@ print(worst, kernel.shards(tp4, 2), kernel.shards(tp4, 4), kernel.shards(None, 3
 """
 
 
+@pytest.mark.slow  # (7 s: a process of 4 host devices; the decode on a mesh in the kernel is slow too)
 def test_on_a_mesh_each_device_runs_the_kernel_over_its_rows_and_heads():
     """On 4 host devices (a process of its own: this one keeps one device), the kernel under
     `shard_map` on tp=2,dp=2, tp=2 with rows dp cannot split, and dp=4 meshes, grouped heads (4
