@@ -191,7 +191,7 @@ def test_in_place_step_equals_the_gathered_step(model, seed):
         np.testing.assert_allclose(y[:, :, :, stored], x[:, :, :, stored], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("groups", [pytest.param(1, marks=pytest.mark.slow), 2])  # (2: grouped heads, the harder pairing)
 def test_cudnn_split_attention_is_attention_over_the_concatenation(groups):
     """`attend_cudnn_cached` (a fused attention over the cache where it lies and one over the
     window, merged by their log-sum-exps) against `attend` over [cache; window], float32, with

@@ -60,8 +60,10 @@ def _window_over_cache(model, tokens, full, window, cached, mode):
 
 @pytest.mark.parametrize("mode, ffn", [
     pytest.param(mode, ffn,
-                 marks=[pytest.mark.slow] if ffn == "moe_softmax" or ffn.startswith("moe") and mode != "causal" else [])
+                 marks=[pytest.mark.slow] if ffn in ("moe_softmax", "relu") or ffn.startswith("moe") and mode != "causal"
+                 else [])
     for mode in MODES for ffn in FFNS])  # MoE: slow (3-8 s each) but causal moe_sigmoid, which covers MoE here
+# (relu: slow; a dense FFN acts on each row alone whatever its activation, as swiglu's does by default)
 # (softmax routing's forward is checked in the default pass against transformers: qwen3_moe, tests/checkpoint/test_parity.py)
 def test_window_over_cache_equals_full_forward(mode, ffn):
     model = _model(mode, ffn)
