@@ -150,7 +150,6 @@ def run(args: argparse.Namespace, target=None) -> dict[str, Any]:
         if args.stand_in:
             context.enter_context(_attention_kernel.interpret())
         for shape in args.shape:
-            h, hkv, dh = SHAPES[shape]
             for batch in args.batches:
                 for kind, window, slots, start in (s for s in STEPS[shape] if s[0] in args.kinds):
                     rep["cases"].append(one_case(args, rep, target, forms, shape, batch, kind, window, slots, start))
