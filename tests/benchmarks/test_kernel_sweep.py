@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import kernel_sweep  # noqa: E402
+from tests.benchmarks._cut import killed_after  # noqa: E402
 from dlm_jax.models._attention_kernel import DEFAULT_TILING, Tiling  # noqa: E402
 
 
@@ -74,18 +75,13 @@ def test_a_stand_in_sweep_reports_every_form_of_every_case(tmp_path):
 def test_a_sweep_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
     """A lease part ends at its time limit, killed: the report is written after every case,
     so what ran before the kill is on disk (here the second case dies instead)."""
-    done = []
-
-    def one_case(args, rep, target, forms, shape, batch, kind, *rest):
-        if done:
-            raise KeyboardInterrupt  # (as the part's timeout would stop it)
-        done.append(kind)
+    def one_case(args, rep, target, forms, shape, batch, kind, *rest):  # (a case without its compiles)
         row = {"us_per_layer": 1.0, "cache_gbps": 1.0, "mean_error": 1e-3, "max_error": 1e-2, "finite": True}
         case = {"shape": shape, "batch": batch, "kind": kind, "forms": {"split": row, "pallas:default": dict(row)}}
         kernel_sweep.summarize(case)
         return case
 
-    monkeypatch.setattr(kernel_sweep, "one_case", one_case)
+    monkeypatch.setattr(kernel_sweep, "one_case", killed_after(1, one_case))
     out = tmp_path / "sweep"
     with pytest.raises(KeyboardInterrupt):
         kernel_sweep.main(["--shape", "small", "--stand-in", "--batches", "1", "--out", str(out)])
