@@ -13,6 +13,15 @@ the decoder prefetches its buckets on background threads) and a second one (all 
 Reported: both wall times, their difference (the wait), the compiles and the seconds the
 decode waited for them (`DecodeStats`), the persistent cache's hits, and whether the cache
 directory was empty when the process started. Each run appends one record to <out>.json.
+
+`--prompt-lens N ...` then decodes once at each of these other prompt lengths, as a server's
+next requests would come, and adds each one's seconds and new compiles (`later`): what a
+request of another length waits for once the first is served. `--attention` picks the
+executor's attention form (default: the platform's, `split` on a GPU), so that a CPU can run
+the in-place form a GPU runs:
+
+    PYTHONPATH=. python3 benchmarks/first_decode.py --shape small --dtype float32 --cache prefix --gen-len 128 \
+        --attention split --prompt-lens 40 72 104 136 --xla-cache /tmp/xla-first-small --out /tmp/first_small
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--head-std", type=float, default=20.0, help="standard deviation of the scaled head's logits")
+    p.add_argument("--attention", default=None, help="the executor's attention form (default: the platform's)")
+    p.add_argument("--prompt-lens", type=int, nargs="*", default=[], metavar="N",
+                   help="after the two decodes, one decode at each of these prompt lengths (new compiles each)")
     p.add_argument("--xla-cache", type=Path)
     p.add_argument("--render", type=Path, nargs="+", metavar="RESULT.json",
                    help="measure nothing: write --out's .json and .md from these results of this script (runs "
@@ -87,7 +99,7 @@ def main(argv=None) -> int:
     model.lm_head.kernel.set_value((w * (args.head_std / (0.02 * np.sqrt(cfg.d_model)))).astype(w.dtype))
     jax.block_until_ready(model.lm_head.kernel[...])
     weights_s = time.perf_counter() - t
-    executor = JaxExecutor(model)
+    executor = JaxExecutor(model, **({"attention": args.attention} if args.attention else {}))
     decoder = Decoder(executor, cfg)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.mask_token_id, args.prompt_len).tolist() for _ in range(args.batch)]
@@ -100,7 +112,8 @@ def main(argv=None) -> int:
     second = decoder.decode(prompts, dc)
     second_s = time.perf_counter() - t
     record = {"label": args.label, "shape": args.shape, "dtype": args.dtype, "cache": args.cache, "batch": args.batch,
-              "layers": getattr(executor, "layers", "unrolled"),
+              "layers": getattr(executor, "layers", "unrolled"), "attention": executor.attention,
+              "prompt_len": args.prompt_len, "gen_len": args.gen_len,
               "device": f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}", "jax": jax.__version__,
               "xla_cache_empty_at_start": cold, "weights_seconds": round(weights_s, 2),
               "first_decode_seconds": round(first_s, 3), "second_decode_seconds": round(second_s, 3),
@@ -116,7 +129,23 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     path = args.out.with_suffix(".json")
     runs = json.loads(path.read_text())["runs"] if path.exists() else []
-    atomic_write_json(path, {"benchmark": "benchmarks/first_decode.py", "runs": runs + [record]}, indent=1)
+
+    def save() -> None:  # after the first two decodes, then after each later one: a cut run keeps them
+        atomic_write_json(path, {"benchmark": "benchmarks/first_decode.py", "runs": runs + [record]}, indent=1)
+
+    save()
+    if args.prompt_lens:
+        record["later"] = []
+    for n in args.prompt_lens:
+        later = [rng.integers(0, cfg.mask_token_id, n).tolist() for _ in range(args.batch)]
+        before, had = executor.compile_count, set(executor.compiled_keys)
+        t = time.perf_counter()
+        out = decoder.decode(later, dc)
+        record["later"].append({"prompt_len": n, "seconds": round(time.perf_counter() - t, 3),
+                                "compiles": executor.compile_count - before, "nfe": out.stats.nfe,
+                                "new_buckets": [str(k) for k in executor.compiled_keys if k not in had],
+                                "compile_wait_seconds": round(out.stats.compile_wait_seconds, 3)})
+        save()
     print(json.dumps(record))
     return 0
 
@@ -133,6 +162,14 @@ def markdown(rep: dict) -> str:
                      f"{r['first_decode_seconds']:.2f} | {r['second_decode_seconds']:.3f} | {r['waited_seconds']:.2f} | "
                      f"{r['first_compile_seconds']:.1f} | {r['persistent_cache_hits']} | {r['nfe']} | "
                      f"{r['process_seconds']:.1f} |")
+    later = [r for r in rep["runs"] if r.get("later")]
+    if later:
+        lines += ["", "Later decodes of the same process at other prompt lengths (a server's next requests): "
+                  "prompt length: seconds (new compiles)", ""]
+        lines += [f"- {r['cache']} cache, {r['label'] or '-'} ({r.get('attention', '-')}, prompt {r.get('prompt_len', '-')} "
+                  "first): "
+                  + ", ".join(f"{x['prompt_len']}: {x['seconds']:.2f} s ({x['compiles']})" for x in r["later"])
+                  for r in later]
     return "\n".join(lines) + "\n"
 
 

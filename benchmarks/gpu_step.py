@@ -207,7 +207,9 @@ class Geometry:
 
 
 def slot_step(executor: JaxExecutor, geo: Geometry, batch: int, *, seed: int = 0) -> SlotStep:
-    """The step of `geo` for `batch` rows, padded to its bucket."""
+    """The step of `geo` for `batch` rows, padded to the bucket the executor runs it in
+    (`JaxExecutor.read_bucket`: read in place, every step that reads the cache in the cache's
+    slots)."""
     caps = executor.capabilities
     win, read, rows = geo.window(), geo.read(), geo.rows()
     key = BucketKey(caps.batches.select(batch), caps.windows.select(len(win)), caps.caches.select(len(read)),
@@ -219,7 +221,7 @@ def slot_step(executor: JaxExecutor, geo: Geometry, batch: int, *, seed: int = 0
     tokens[:, len(win) - geo.gen + geo.at * geo.block if geo.kind == "refresh" else 0:] = mask_id  # undecoded
     write = np.broadcast_to(win.astype(np.int32), (b, len(win))) if geo.kind == "refresh" else np.full(
         (b, len(win)), -1, np.int32)
-    return SlotStep(
+    req = SlotStep(
         key=key, tokens=pad_axis(tokens, w, axis=1),
         positions=pad_axis(np.broadcast_to(win.astype(np.int32), (b, len(win))).copy(), w, axis=1),
         q_valid=pad_axis(np.ones((b, len(win)), bool), w, axis=1, value=False),
@@ -227,6 +229,7 @@ def slot_step(executor: JaxExecutor, geo: Geometry, batch: int, *, seed: int = 0
         probes=np.zeros(w, bool), hide=np.full(w, -1, np.int32),
         write=pad_axis(np.ascontiguousarray(write), w, axis=1, value=-1),
         logit_rows=pad_axis(np.broadcast_to(rows.astype(np.int32), (b, len(rows))).copy(), key.rows, axis=1))
+    return req.widened(executor.read_bucket(key, executor.capacity(geo.total)).cache)
 
 
 def model_config(shape: str, dtype: str) -> dlm_jax.ModelConfig:

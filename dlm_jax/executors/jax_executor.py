@@ -451,8 +451,9 @@ class DeviceKVCache(KVCache):
     def read_bucket_free(self) -> bool:
         # In place, attention reads all S slots, the unread ones masked (`slot_reads`): the
         # read bucket P only sizes the index list, so -1 padding to a larger P changes nothing
-        # (steps with P > 0; a step reading nothing, P = 0, runs the cache-less forward). The
-        # gathered form attends over P columns, whose padding changes the reductions' shape.
+        # (steps with P > 0; a step reading nothing, P = 0, runs the cache-less forward; `step`
+        # runs every such step in read bucket S, `JaxExecutor.read_bucket`). The gathered form
+        # attends over P columns, whose padding changes the reductions' shape.
         return self.executor.attention != "gather"
 
     def assign(self, row: int, positions: np.ndarray, valid: np.ndarray) -> None:
@@ -484,6 +485,8 @@ class DeviceKVCache(KVCache):
 
     def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
         ex = self.executor
+        key = ex.read_bucket(req.key, self._slots)
+        req = req if key is req.key else req.widened(key.cache)
         program = ex._resident.get(self._resident_key(req))
         inputs = ex.resident_inputs(req)
         arrays = ex._send(inputs)
@@ -815,6 +818,20 @@ class JaxExecutor(Executor):
         size = max(256, 1 << max(slots - 1, 0).bit_length())
         return size if size <= top else max(top, slots)
 
+    def read_bucket(self, key: BucketKey, slots: int) -> BucketKey:
+        """The bucket a resident step of `key` runs in on a cache of `slots` slots. Read in place
+        (every form but "gather"), a step that reads the cache masks all of its slots from the
+        read list (`slot_reads`), so the read bucket sizes nothing but that list: every such
+        step runs in read bucket `slots`, so decodes of other prompt lengths on a cache of the
+        same slots run the programs of the first (a dual-cache decode reads all slots but its
+        block's: prompts of 100 and 200 tokens, 256 generated, read buckets 384 and 448 of
+        512 slots, two programs before, one now), and so do an engine's calls, whose read
+        bucket was the largest of its rows'. Otherwise `key` itself: the gathered form attends
+        over the read columns, so a wider bucket would cost a step more."""
+        if self.attention == "gather" or not 0 < key.cache < slots:
+            return key
+        return dataclasses.replace(key, cache=slots)
+
     def open(self, config: ModelConfig, positions: np.ndarray, valid: np.ndarray) -> DeviceKVCache:
         """The decode's K/V on this executor's device."""
         return DeviceKVCache(self, positions, valid)
@@ -1032,7 +1049,7 @@ class JaxExecutor(Executor):
         cap = self.capacity(slots)
         if not views:
             return [(self._allocs, list(dict.fromkeys((k.batch, cap) for k in keys))),
-                    (self._resident, [(k, cap) for k in keys])]
+                    (self._resident, list(dict.fromkeys((self.read_bucket(k, cap), cap) for k in keys)))]
         return [(self._gathers, list(dict.fromkeys((k.batch, k.cache, cap, True, k.batch) for k in keys))),
                 (self._views, list(keys)),
                 (self._scatters, list(dict.fromkeys((k.batch, k.window, cap, k.batch) for k in keys)))]
@@ -1061,7 +1078,7 @@ class JaxExecutor(Executor):
                       (self._scatters, list(dict.fromkeys((k.batch, k.window, cap, rows) for k in keys)))]
         else:
             groups = [(self._allocs, [(rows, cap)]), (self._clears, [(rows, cap)]),
-                      (self._resident, [(k, cap, rows, True) for k in keys])]
+                      (self._resident, list(dict.fromkeys((self.read_bucket(k, cap), cap, rows, True) for k in keys)))]
         for programs, ks in groups:
             programs.prefetch(ks)
         built = [programs.warmup(ks) for programs, ks in groups]

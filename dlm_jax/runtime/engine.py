@@ -703,13 +703,8 @@ def merge(steps: Sequence[SlotStep], rows: Sequence[int], batch: int, *, mask_id
             parts.append(np.full((pad,) + parts[0].shape[1:], fill, dtype))
         return np.concatenate(parts, axis=0).astype(dtype, copy=False)
 
-    reads, hides = [], []
-    for s in steps:
-        read = np.atleast_2d(s.read)
-        own = read.shape[1]
-        reads.append(np.pad(read, ((0, 0), (0, p - own)), constant_values=-1))
-        hide = np.atleast_2d(s.hide)
-        hides.append(np.where(hide >= own, hide + (p - own), hide))  # window columns follow the cache's
+    wide = [s.widened(p) for s in steps]  # window columns follow the cache's
+    reads, hides = [s.read for s in wide], [s.hide for s in wide]
     if pad:
         reads.append(np.full((pad, p), -1, np.int32))
         hides.append(np.full((pad, hides[0].shape[1]), -1, np.int32))

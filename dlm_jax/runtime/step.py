@@ -282,6 +282,21 @@ class SlotStep:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays().values())
 
+    def widened(self, cache: int) -> SlotStep:
+        """The same step in read bucket `cache` (at least its own): each row's `read` padded with
+        -1, its hidden window columns (`hide`, numbered after the read columns) moved with
+        them, `read_len` kept. Attention that masks the cache's slots from the read list sees
+        the same columns; attention over the gathered columns sees more padding."""
+        own = self.read.shape[1]
+        if cache == own:
+            return self
+        if cache < own:
+            raise ValueError(f"a step reading {own} slots cannot be widened to {cache}")
+        return dataclasses.replace(
+            self, key=dataclasses.replace(self.key, cache=cache), read_len=self.lengths(),
+            read=np.pad(self.read, ((0, 0), (0, cache - own)), constant_values=-1),
+            hide=np.where(self.hide >= own, self.hide + (cache - own), self.hide).astype(np.int32))
+
 
 
 _IDENTITY: dict[int, np.ndarray] = {}

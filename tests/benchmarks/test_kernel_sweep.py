@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import kernel_sweep  # noqa: E402
-from tests.benchmarks._cut import killed_after  # noqa: E402
+from tests.benchmarks._cut import docs_argv, killed_after  # noqa: E402
 from dlm_jax.models._attention_kernel import DEFAULT_TILING, Tiling  # noqa: E402
 
 
@@ -50,13 +49,8 @@ def test_the_fastest_named_is_the_fastest_within_the_margins():
 @pytest.mark.slow  # (about 10 s in Pallas's interpreter)
 def test_a_stand_in_sweep_reports_every_form_of_every_case(tmp_path):
     """docs/benchmarks.md's stand-in command, its --out here."""
-    (line,) = [line for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
-               if "benchmarks/kernel_sweep.py" in line and "--stand-in" in line]
-    argv = shlex.split(line)
-    argv = argv[argv.index("benchmarks/kernel_sweep.py") + 1:]
     out = tmp_path / "sweep"
-    argv[argv.index("--out") + 1] = str(out)
-    assert kernel_sweep.main(argv) == 0
+    assert kernel_sweep.main(docs_argv("benchmarks/kernel_sweep.py", "--stand-in", out=str(out))) == 0
     rep = json.loads(out.with_suffix(".json").read_text())
     assert rep["mode"] == "stand-in" and [(c["kind"], c["batch"]) for c in rep["cases"]] == [("dual", 2), ("prefix", 2)]
     for c in rep["cases"]:

@@ -367,16 +367,51 @@ def test_the_compiled_step_updates_the_cache_without_copying_it(model):
                                   pytest.param("llada-cpp", marks=pytest.mark.slow)])
 def test_in_place_decodes_the_gathered_tokens(model, name):
     """Whole decodes (the CPU's default reads gathered slots, an accelerator's reads in place):
-    the same tokens and NFE either way, for a prefix cache, a dual cache and DPPR's CPU path."""
+    the same tokens and NFE either way, for a prefix cache, a dual cache and DPPR's CPU path.
+    In place, every step that reads the cache runs in one read bucket, the cache's slots
+    (`JaxExecutor.read_bucket`): a prefix cache's growing reads, which the gathered form runs
+    in a bucket each, compile one program."""
     from dlm_jax.runtime import Decoder, preset
 
     cfg = preset(name, gen_len=64)
     prompts = [[5, 17, 3, 44, 9, 21, 30], [8, 1]]
-    outs = [Decoder(JaxExecutor(model, attention=a), model.config).decode(prompts, cfg, seeds=[0, 1])
-            for a in ("gather", "split")]
+    executors = [JaxExecutor(model, attention=a) for a in ("gather", "split")]
+    outs = [Decoder(e, model.config).decode(prompts, cfg, seeds=[0, 1]) for e in executors]
     for a, b in zip(outs[0].sequences, outs[1].sequences):
         np.testing.assert_array_equal(a, b)
     assert outs[0].stats.nfe == outs[1].stats.nfe
+    gathered, in_place = ({spec[0].cache for spec in e._resident.keys} - {0} for e in executors)
+    slots = executors[1].capacity(len(prompts[0]) + cfg.gen_len)
+    assert in_place == {slots}, in_place
+    if name == "fast-dllm":  # the prefix grows a block a block: more than one read bucket gathered
+        assert len(gathered) > 1 and max(gathered) < slots, gathered
+
+
+def test_in_place_decodes_of_other_prompt_lengths_share_one_read_bucket(model):
+    """Decodes whose prompts fall in other read buckets, on a cache of the same slots: read in
+    place, every step that reads the cache runs in the cache's slots as its read bucket
+    (`JaxExecutor.read_bucket`), so the later decodes' steps over the cache run the first
+    one's program, with the gathered form's tokens; gathered, a new read bucket is a new
+    program. (A refresh's window spans prompt and generation: a new window is a new program
+    either way.)"""
+    from dlm_jax.runtime import Decoder, preset
+
+    cfg = preset("fast-dllm", gen_len=32)  # one block: a step reads the prompt's slots
+    batches = [[[5, 17, 3, 44, 9, 21, 30]], [list(range(1, 41))]]  # read buckets 32 and 64
+    compiled = {}
+    for attention in ("gather", "split"):
+        executor = JaxExecutor(model, attention=attention)
+        decoder, read_buckets = Decoder(executor, model.config), []
+        for prompts in batches:
+            compiled.setdefault(tuple(map(tuple, prompts)), []).append(decoder.decode(prompts, cfg).sequences)
+            read_buckets.append(sorted({k.cache for k in executor.compiled_keys} - {0}))
+        (slots,) = {executor.capacity(len(p[0]) + cfg.gen_len) for p in batches}  # one cache size
+        if attention == "gather":  # not blind: a new read bucket compiles
+            assert read_buckets == [[32], [32, 64]], read_buckets
+        else:
+            assert read_buckets == [[slots]] * 2, read_buckets
+    for gathered, in_place in compiled.values():
+        np.testing.assert_array_equal(gathered, in_place)
 
 
 @pytest.mark.parametrize("name", ["fast-dllm-dual", pytest.param("fast-dllm", marks=pytest.mark.slow)])

@@ -157,6 +157,7 @@ def test_scan_is_refused_with_its_reason_and_falls_back_under_the_environment(mo
     assert JaxExecutor(tiny_model()).layers == "scan"
 
 
+@pytest.mark.slow  # (4 s; scanned layers are opt-in, and the default pass decodes with them above)
 def test_scanned_moe_reports_the_same_routed_experts():
     """Guards the routed experts of a scanned MoE model (TIDE's placement reads them): the
     per-layer top-k stacked in layer order, as the unrolled model gives them."""

@@ -1,0 +1,45 @@
+"""benchmarks/first_decode.py: the first decode of a fresh process, and later decodes of other
+prompt lengths in it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import first_decode  # noqa: E402
+from tests.benchmarks._cut import docs_argv  # noqa: E402
+
+
+@pytest.mark.slow  # (a process of its own: about 15 s from an empty cache)
+def test_later_prompts_of_other_lengths_compile_only_their_new_windows(tmp_path):
+    """docs/benchmarks.md's command, its --out and --xla-cache here: the in-place form on a
+    CPU, a 128-token prompt first, then 40 and 200 tokens on the same 512 slots. Each later
+    decode compiles its refresh's window (prompt + generation: 296 and 456 slots, window
+    buckets 320 and 512, where the first decode's is 384) and at most a step the first decode
+    skipped (a block it committed in its refresh); every step that reads the cache runs in
+    read bucket 512 (`JaxExecutor.read_bucket`), where a read bucket a program compiled 3 and
+    6. Then --render's report lists them."""
+    out = tmp_path / "first"
+    argv = docs_argv("benchmarks/first_decode.py", "--prompt-lens", out=str(out), xla_cache=str(tmp_path / "xla"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "first_decode.py"), *argv], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert run["attention"] == "split" and run["xla_cache_empty_at_start"] and run["same_tokens"]
+    assert run["first_compiles"] > 2
+    for x, window in zip(run["later"], ("w320", "w512")):
+        assert x["nfe"] > 0 and x["seconds"] > 0
+        assert f"b1_{window}_p0_r32" in x["new_buckets"] and x["compiles"] <= 2, x
+        assert all("_p0_" in b or "_p512_" in b for b in x["new_buckets"]), x
+    assert first_decode.main(["--render", str(out.with_suffix(".json")), "--out", str(tmp_path / "report")]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "prefix cache, - (split, prompt 128 first): 40: " in report and "200: " in report
