@@ -387,6 +387,7 @@ def test_in_place_decodes_the_gathered_tokens(model, name):
         assert len(gathered) > 1 and max(gathered) < slots, gathered
 
 
+@pytest.mark.slow  # (3 s; the default pass checks one read bucket in place above, on the dual cache)
 def test_in_place_decodes_of_other_prompt_lengths_share_one_read_bucket(model):
     """Decodes whose prompts fall in other read buckets, on a cache of the same slots: read in
     place, every step that reads the cache runs in the cache's slots as its read bucket
