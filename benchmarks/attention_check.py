@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlm_jax.models import _attention_kernel, _transformer
+from gpu_decide import form_passes  # (benchmarks/, the script's own folder)
 from dlm_jax.models._transformer import attend, attend_cached, attend_cudnn_cached
 
 # Heads, K/V heads, head size; the steps: (kind, window rows, slots, the window's first slot).
@@ -144,16 +145,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def verdict(rows: dict[str, dict[str, Any]]) -> bool:
     """Every form finite, and each fused form within the margins of the split form's errors."""
-    base = rows["split"]
-    if "error" in base or not base["finite"]:
-        return False
-    for name, r in rows.items():
-        if name == "split":
-            continue
-        if "error" in r or not r["finite"] or r["mean_error"] > MEAN_MARGIN * base["mean_error"] \
-                or r["max_error"] > MAX_MARGIN * base["max_error"]:
-            return False
-    return True
+    margins = {"mean": MEAN_MARGIN, "max": MAX_MARGIN}
+    return form_passes(rows, "split", margins) and all(form_passes(rows, name, margins) for name in rows)
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -18,7 +18,8 @@ directory was empty when the process started. Each run appends one record to <ou
 next requests would come, and adds each one's seconds and new compiles (`later`): what a
 request of another length waits for once the first is served. `--attention` picks the
 executor's attention form (default: the platform's, `split` on a GPU), so that a CPU can run
-the in-place form a GPU runs:
+the in-place form a GPU runs, and `--projections` its projections (`benchmarks/gpu_lease.sh`
+passes both as its `decide` part chose them):
 
     PYTHONPATH=. python3 benchmarks/first_decode.py --shape small --dtype float32 --cache prefix --gen-len 128 \
         --attention split --prompt-lens 40 72 104 136 --xla-cache /tmp/xla-first-small --out /tmp/first_small
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--head-std", type=float, default=20.0, help="standard deviation of the scaled head's logits")
     p.add_argument("--attention", default=None, help="the executor's attention form (default: the platform's)")
+    p.add_argument("--projections", choices=("separate", "fused"), default=None,
+                   help="the executor's projections (default: its own, $DLM_JAX_PROJECTIONS or separate)")
     p.add_argument("--prompt-lens", type=int, nargs="*", default=[], metavar="N",
                    help="after the two decodes, one decode at each of these prompt lengths (new compiles each)")
     p.add_argument("--xla-cache", type=Path)
@@ -99,7 +102,8 @@ def main(argv=None) -> int:
     model.lm_head.kernel.set_value((w * (args.head_std / (0.02 * np.sqrt(cfg.d_model)))).astype(w.dtype))
     jax.block_until_ready(model.lm_head.kernel[...])
     weights_s = time.perf_counter() - t
-    executor = JaxExecutor(model, **({"attention": args.attention} if args.attention else {}))
+    executor = JaxExecutor(model, **({"attention": args.attention} if args.attention else {}),
+                           **({"projections": args.projections} if args.projections else {}))
     decoder = Decoder(executor, cfg)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.mask_token_id, args.prompt_len).tolist() for _ in range(args.batch)]
@@ -113,6 +117,7 @@ def main(argv=None) -> int:
     second_s = time.perf_counter() - t
     record = {"label": args.label, "shape": args.shape, "dtype": args.dtype, "cache": args.cache, "batch": args.batch,
               "layers": getattr(executor, "layers", "unrolled"), "attention": executor.attention,
+              "projections": getattr(executor, "projections", "separate"),
               "prompt_len": args.prompt_len, "gen_len": args.gen_len,
               "device": f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}", "jax": jax.__version__,
               "xla_cache_empty_at_start": cold, "weights_seconds": round(weights_s, 2),

@@ -16,6 +16,23 @@
 #   target  20  benchmarks/gpu_step.py --write-target: the device as XLA's compile-only client
 #                takes it ($OUT/target_config.txtpb), for `gpu_step.py --target FILE` on a machine
 #                without a GPU (benchmarks/targets/h200.txtpb is written from the datasheet).
+#   attncheck 60 benchmarks/attention_check.py: one layer's attention at the 8B shape and at a
+#                grouped-query 8B shape (32 query heads over 8 K/V heads: the kernel's programs
+#                take 4 query heads each), dual and prefix steps at batch 1 and 8, in the split,
+#                cudnn, cudnn_split and pallas forms against float32 (seconds: 32 small
+#                programs); whether cuDNN's log-sum-exp merges
+#                as JAX's XLA attention standing in for it does on a CPU, and the Triton kernel
+#                computes what Pallas's interpreter does (benchmarks/results/
+#                attention_check_stand_in.md), and rows that see no cache slot stay finite.
+#   decide 100  benchmarks/gpu_step.py --attention split pallas --projections separate fused,
+#                dual steps at batch 1 and 8 (8 programs, two sets of weights made; the fused
+#                part took 8 programs in its 90 s estimate), then benchmarks/gpu_decide.py: the
+#                fastest of the four (geometric mean of the step times over split/separate's,
+#                at least 3% under it, the kernel only where attncheck passed it) becomes the
+#                ATTENTION and PROJECTIONS of every gpu.py and first_decode.py part after it
+#                ($OUT/decide.md says why; $WORK/decided.env keeps it for a later call on the
+#                warm machine). The table is then measured in the form the defaults will take,
+#                not in the one they leave. Skipped where ATTENTION or PROJECTIONS is given.
 #   dual   330  benchmarks/gpu.py --sides dlm_jax --caches dual --quant none int8, batch 1, 16,
 #                32, 8 (in that order: the budget cuts the last), --reps 3, --profile: the
 #                checkpoint written on the GPU (20-60 s, Fast-dLLM's code), then per mode a load
@@ -29,8 +46,10 @@
 #                mean step outside the kernels (gpu.md), and dual b1's mean step, 8.96 ms, was
 #                about 0.9 ms over its isolated steps (8 refreshes at 13.34 ms, 30 steps at 6.66:
 #                gpu_step.md).
-#                About 400 s if a batch-32 program compiles in 40 s: the budget cuts int8 at
-#                batch 8 first. Fast-dLLM's dual b1 and b8 are in gpu_parts/ (the merge pairs
+#                About 400 s if a batch-32 program compiles in 40 s: the budget (about 270 s
+#                after target, attncheck and decide) cuts the int8 cases from the last batch
+#                back: a second call with PARTS=dual DUAL_QUANTS=int8 measures them in the
+#                decided form. Fast-dLLM's dual b1 and b8 are in gpu_parts/ (the merge pairs
 #                them); its b16 and b32 are not timed.
 #   probe  130  benchmarks/gpu_step.py, the 9 programs of a prefix-cache decode at batch 1 on
 #                4 threads, no persistent cache: each program's compile s, first execution ms
@@ -51,14 +70,6 @@
 #                (dlm_jax.models._fuse) against separate, in one run, with each step's kernels.
 #                The 4096-wide projections read their weights at 1.6-2.8 TB/s at batch 1, the
 #                12288-wide ones at 3.5 (gpu_step.md). 8 programs, two sets of weights made.
-#   attncheck 60 benchmarks/attention_check.py: one layer's attention at the 8B shape and at a
-#                grouped-query 8B shape (32 query heads over 8 K/V heads: the kernel's programs
-#                take 4 query heads each), dual and prefix steps at batch 1 and 8, in the split,
-#                cudnn, cudnn_split and pallas forms against float32 (seconds: 32 small
-#                programs); whether cuDNN's log-sum-exp merges
-#                as JAX's XLA attention standing in for it does on a CPU, and the Triton kernel
-#                computes what Pallas's interpreter does (benchmarks/results/
-#                attention_check_stand_in.md), and rows that see no cache slot stay finite.
 #   attention 160 benchmarks/gpu_step.py --attention split cudnn cudnn_split pallas, batch 1 and 8,
 #                refresh, dual and prefix (24 programs, a refresh reading no cache is cudnn's program
 #                again under cudnn_split; about 95 s, then 10 timed steps each). The pallas form
@@ -143,14 +154,15 @@
 # dlm-jax's int8 cases (they follow all unquantized ones), Fast-dLLM's b8 (past
 # --peer-budget-s), the second process's cases. Knobs: PARTS, LIMIT, DUAL_S, TABLE_S,
 # LARGE_S, DUAL_BATCHES, DUAL_QUANTS, BATCHES, LARGE_BATCHES, QUANTS, PEER_S, SECOND_S,
-# PROJECTIONS (dlm-jax's in the gpu.py parts: PROJECTIONS=fused once the fused part has shown
-# fused projections faster; the default is the executor's, separate), ATTENTION (likewise:
-# ATTENTION=cudnn, cudnn_split or pallas once the attention part has shown it faster; the default is split) (e.g.
+# PROJECTIONS and ATTENTION (dlm-jax's in the gpu.py and first_decode.py parts; unset, the decide
+# part chooses them, and without it the executor's defaults hold: separate, split; given, they
+# hold and nothing is decided) (e.g.
 # PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
 # PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
 # still-warm machine, its LIMIT the device time left less a minute (parts run in the script's
-# order, so these as fused, attncheck, attention, sweep, attngqa: what decides the GPU defaults
-# first): PARTS="fused attncheck attention sweep attngqa probekernel cmdbuf probeload probe0 gemm").
+# order; the first call's choice comes back from $WORK/decided.env): PARTS="dual" DUAL_QUANTS=int8
+# for what the first call's dual part cut, else PARTS="fused attention sweep attngqa probekernel
+# cmdbuf probeload probe0 gemm").
 # (The device's compile-only config: cp $LEASE/target_config.txtpb benchmarks/targets/h200_device.txtpb.)
 #
 # After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
@@ -165,6 +177,9 @@
 #   cp $LEASE/cache_load.* benchmarks/results/gpu_parts/ (named by device; the CPU's are benchmarks/results/cache_load.*)
 #   cp $LEASE/gemm_probe.json benchmarks/results/gpu_parts/h200_gemm_probe.json, its .md and .png into benchmarks/results/
 #   cp $LEASE/attention_check.json benchmarks/results/gpu_parts/h200_attention_check.json, its .md to benchmarks/results/attention_check.md
+#   cp $LEASE/decide.json benchmarks/results/gpu_parts/h200_decide.json, $LEASE/decide_steps.json to gpu_parts/h200_decide_steps.json,
+#     $LEASE/decide.md to benchmarks/results/gpu_decide.md; then make the choice the executor's default on a GPU
+#     (default_attention, choose_projections) and say so in docs/architecture.md
 #   cp $LEASE/kernel_sweep.json benchmarks/results/gpu_parts/h200_kernel_sweep.json, its .md and .png to benchmarks/results/kernel_sweep.*
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/fused.json $LEASE/cmdbuf_off.json --out benchmarks/results/gpu_step_fused
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/attention_gqa.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json --out benchmarks/results/gpu_step_lease
@@ -182,7 +197,7 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-target dual probe fused cmdbuf probeload probe0 gemm attncheck attention probekernel attngqa sweep table small large probecache cacheload probeserial cudnn scan first}
+PARTS=${PARTS:-target attncheck decide dual probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small large probecache cacheload probeserial cudnn scan first}
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=() SWEEP_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
@@ -217,10 +232,34 @@ part() {
 
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 G=benchmarks/gpu.py S=benchmarks/gpu_step.py F=benchmarks/first_decode.py
-ALL=(--peer-src "$PEER" --checkpoint "$WORK/ckpt-$SHAPE" --reps 3 --profile "${GPU_X[@]}")
-[ -n "${PROJECTIONS:-}" ] && ALL+=(--projections "$PROJECTIONS")
-[ -n "${ATTENTION:-}" ] && ALL+=(--attention "$ATTENTION")
 want target && part target 20 10 $PY $S --write-target --out "$OUT/target_config"
+# The attention forms against float32 on the device (cudnn_split's merge of cuDNN's log-sum-exps
+# and the Triton kernel checked before they are timed or chosen).
+want attncheck && part attncheck 60 15 $PY benchmarks/attention_check.py "${CHECK_X[@]}" --out "$OUT/attention_check"
+# The GPU's attention form and projections, decided before the table's parts measure anything:
+# the split form and the kernel over separate and fused projections, timed in one run, then
+# gpu_decide.py's choice (a form the check did not pass is never chosen) for every gpu.py and
+# first_decode.py part after it, unless ATTENTION or PROJECTIONS were given. A later call on the
+# same machine takes the choice again from $WORK/decided.env.
+DECIDED=$WORK/decided.env
+if [ -z "${ATTENTION:-}${PROJECTIONS:-}" ] && want decide; then
+  part decide 100 45 $PY $S --batches 1 8 --kinds dual --attention split pallas --projections separate fused \
+    --reps 10 "${STEP_X[@]}" --out "$OUT/decide_steps"
+  choice=$($PY benchmarks/gpu_decide.py --steps "$OUT/decide_steps.json" --check "$OUT/attention_check.json" \
+    --out "$OUT/decide" 2>> "$log")
+  [[ $choice =~ ^ATTENTION=[a-z_]+\ PROJECTIONS=[a-z]+$ ]] && echo "$choice" > "$DECIDED"
+  echo "decide: ${choice:-nothing decided (the executor defaults kept)}" | tee -a "$log"
+elif [ -z "${ATTENTION:-}${PROJECTIONS:-}" ] && [ -s "$DECIDED" ]; then
+  choice=$(cat "$DECIDED")
+  echo "decide: $choice (an earlier call's, $DECIDED)" | tee -a "$log"
+fi
+if [[ ${choice:-} =~ ^ATTENTION=([a-z_]+)\ PROJECTIONS=([a-z]+)$ ]]; then
+  ATTENTION=${BASH_REMATCH[1]} PROJECTIONS=${BASH_REMATCH[2]}
+fi
+ALL=(--peer-src "$PEER" --checkpoint "$WORK/ckpt-$SHAPE" --reps 3 --profile "${GPU_X[@]}")
+CHOSEN=()  # (first_decode.py's)
+[ -n "${PROJECTIONS:-}" ] && ALL+=(--projections "$PROJECTIONS") && CHOSEN+=(--projections "$PROJECTIONS")
+[ -n "${ATTENTION:-}" ] && ALL+=(--attention "$ATTENTION") && CHOSEN+=(--attention "$ATTENTION")
 # dlm-jax's dual-cache decodes, unquantized and int8, at batch 1, 16, 32 and 8: what the table
 # lacked (its 3 programs a batch compile in seconds; the prefix cache's 9 took minutes).
 t=$(cap "$DUAL_S")
@@ -253,10 +292,8 @@ fi
 want probe0 && part "probe no autotuning" 90 30 env XLA_FLAGS=--xla_gpu_autotune_level=0 \
   $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_autotune0"
 want gemm && part gemm 60 20 $PY benchmarks/gemm_probe.py "${GEMM_X[@]}" --out "$OUT/gemm_probe"
-# The attention forms against float32 on the device (cudnn_split's merge of cuDNN's log-sum-exps
-# and the Triton kernel checked before they are timed), then the in-place (split), cuDNN (over a
-# copy and in place) and Pallas attention in one run (two leases gave split and cudnn apart).
-want attncheck && part attncheck 60 15 $PY benchmarks/attention_check.py "${CHECK_X[@]}" --out "$OUT/attention_check"
+# The in-place (split), cuDNN (over a copy and in place) and Pallas attention in one run (two
+# leases gave split and cudnn apart).
 want attention && part attention 160 40 $PY $S --batches 1 8 --kinds refresh dual prefix \
   --attention split cudnn cudnn_split pallas --reps 10 "${STEP_X[@]}" --out "$OUT/attention"
 # The probe's programs in the kernel's form: 6 distinct GEMMs a program for the autotuner, not 10.
@@ -296,9 +333,9 @@ want scan && part scan 45 25 $PY $S --batches 1 8 --kinds dual prefix --layers s
 want scandsf && part "scan dsf" 40 25 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true \
   $PY $S --batches 1 8 --kinds dual --layers scan --reps 10 "${STEP_X[@]}" --out "$OUT/scan_dsf"
 want first && part "first cold" 60 40 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cold \
-  "${FIRST_X[@]}" --out "$OUT/first_decode"
+  "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$OUT/first_decode"
 want first && part "first cache" 60 15 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cache \
-  --prompt-lens 200 "${FIRST_X[@]}" --out "$OUT/first_decode"
+  --prompt-lens 200 "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$OUT/first_decode"
 rm -f "$OUT"/*.tmp
 echo "done in $((SECONDS - start)) s" | tee -a "$log"
 grep -E "^(dual|probe|fused|gemm|attncheck|attention|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \

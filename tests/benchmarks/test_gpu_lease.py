@@ -8,6 +8,7 @@ would run) and each is parsed by its benchmark's own argparse parser."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -80,8 +81,9 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     """A part whose flags its script refuses exits at once on the GPU machine (argparse's exit
     status 2 in the log) and its results are simply missing after the lease."""
     parts = [unenv(p) for p in lease_parts(tmp_path, LIMIT="5000", **({"DRY": "1"} if dry else {}))]
-    assert [p[0] for p in parts] == ["target", "dual", "probe", "fused", "command buffers off", "probe load",
-                                     "probe no autotuning", "gemm", "attncheck", "attention", "probe kernel", "attention gqa", "sweep", "table",
+    assert [p[0] for p in parts] == ["target", "attncheck", "decide", "dual", "probe", "fused", "command buffers off",
+                                     "probe load", "probe no autotuning", "gemm", "attention", "probe kernel",
+                                     "attention gqa", "sweep", "table",
                                      "small", "large",
                                      "probe cache", "probe cache again", "cache load", "probe serial", "cudnn",
                                      "scan", "first cold", "first cache"]  # (scandsf by name only)
@@ -122,10 +124,15 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert args["target"].write_target and args["target"].out.name == "target_config"  # the device's own config
     fused = args["fused"]  # fused projections against separate ones, in one run, with their kernels
     assert fused.projections == ["separate", "fused"] and fused.profile and fused.kinds == ["dual", "prefix"]
-    assert table.projections is large.projections is dual.projections is None  # the executor's default
+    assert table.projections is large.projections is dual.projections is None  # nothing decided: the executor's
+    decide = args["decide"]  # the forms the defaults may take, timed in one run before the table's parts
+    assert (decide.attention, decide.projections, decide.kinds, decide.batches) == (
+        ["split", "pallas"], ["separate", "fused"], ["dual"], [1, 8])
+    assert (decide.shape, decide.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
     again = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, PARTS="dual table large",
                                                                       PROJECTIONS="fused", LIMIT="5000"))}
     assert [again[n].projections for n in ("dual", "table", "large")] == ["fused"] * 3
+    assert "decide" not in [p[0] for p in lease_parts(tmp_path, PROJECTIONS="fused", LIMIT="5000")]  # (given: kept)
     again = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, PARTS="dual table large",
                                                                       ATTENTION="cudnn", LIMIT="5000"))}
     assert [again[n].attention for n in ("dual", "table", "large")] == ["cudnn"] * 3
@@ -248,3 +255,34 @@ def test_peer_src_refuses_what_is_not_fast_dllm(tmp_path, fast_dllm_repo):
     git(repo, "commit", "-qm", "no llada")
     proc = subprocess.run(["bash", str(PEER_SRC), str(repo), "HEAD", str(dest)], capture_output=True, text=True)
     assert proc.returncode == 2 and "no llada/generate.py" in proc.stderr and not dest.exists()
+
+
+def test_the_decided_form_reaches_every_later_part_and_a_later_call(tmp_path):
+    """The decide part's choice (gpu_decide.py, run by the script itself over the reports the
+    stubbed parts would have written) is what the table's parts and the first decodes run in, and
+    a later call on the same machine takes it again from $WORK; a choice the decision refuses to
+    make (no timed baseline) leaves the executor's defaults."""
+    from tests.benchmarks.test_gpu_decide import check_report, steps_report
+
+    out = tmp_path / "out"
+    out.mkdir()
+    fast = {("split", "separate"): (7.0, 15.0), ("split", "fused"): (6.8, 14.5), ("pallas", "separate"): (6.0, 12.0),
+            ("pallas", "fused"): (5.8, 11.6)}
+    (out / "decide_steps.json").write_text(json.dumps(steps_report(fast)))
+    (out / "attention_check.json").write_text(json.dumps(check_report()))
+    parts = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, LIMIT="5000"))}
+    for name in ("dual", "table", "large", "first cold", "first cache"):
+        assert (parts[name].attention, parts[name].projections) == ("pallas", "fused"), name
+    assert (tmp_path / "work" / "decided.env").read_text() == "ATTENTION=pallas PROJECTIONS=fused\n"
+    assert "Choice: pallas / fused" in (out / "decide.md").read_text()
+    later = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, PARTS="dual", LIMIT="5000"))}
+    assert (later["dual"].attention, later["dual"].projections) == ("pallas", "fused")
+    given = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, PARTS="dual", ATTENTION="split",
+                                                                      LIMIT="5000"))}
+    assert (given["dual"].attention, given["dual"].projections) == ("split", None)  # given: nothing taken from $WORK
+    (tmp_path / "work" / "decided.env").unlink()
+    (out / "decide_steps.json").write_text(json.dumps(steps_report({("split", "separate"): "XlaRuntimeError: oom"})))
+    parts = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, LIMIT="5000"))}
+    assert all((parts[n].attention, parts[n].projections) == (None, None) for n in ("dual", "table", "first cold"))
+    assert not (tmp_path / "work" / "decided.env").exists()
+    assert "decide: nothing decided" in (out / "log.txt").read_text()
