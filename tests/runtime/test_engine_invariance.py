@@ -91,6 +91,35 @@ def test_every_preset_is_batch_invariant(name, model_name, options, attention):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["fast-dllm-dual", "fast-dllm"])
+def test_the_attention_kernel_is_batch_invariant(name, monkeypatch):
+    """The same over dlm-jax's attention kernel (`attention="pallas"`, a GPU's candidate default;
+    here in Pallas's interpreter, and llada-tiny's 4 query heads over 2 K/V heads stacked two a
+    program): rows of other prompt lengths and progress beside a request, their reads padded to
+    the cache's slots, leave its tokens as its solo decode's. (Row by row, `rows="each"`, the
+    invariant mode: each row's kernel reads its own row of the engine's pooled cache.)"""
+    from dlm_jax.executors.jax_executor import JaxExecutor
+    from dlm_jax.models import _attention_kernel
+
+    model = dlm_jax.load(MODELS / "llada-tiny", executor="jax")
+    model.executor = JaxExecutor(model.model, attention="split")
+    model.executor.attention = "pallas"  # (the constructor refuses it off a GPU)
+    model.decoder = Decoder(model.executor, model.config)
+    traced = []  # (batch, cache slots) of each kernel traced
+    real = _attention_kernel.attend_kernel
+    monkeypatch.setattr(_attention_kernel, "attend_kernel", lambda q, kc, *rest, **kw: (
+        traced.append((q.shape[0], 0 if kc is None else kc.shape[2])) or real(q, kc, *rest, **kw)))
+    cfg = dlm_jax.preset(name, gen_len=32, block_len=16)
+    prompts = _prompts(model, 8)
+    with _attention_kernel.interpret():
+        engine = Engine(model.decoder, max_batch=4)
+        reqs = _staggered(model, cfg, prompts, max_batch=4, seed=3, engine=engine)
+        assert engine.stats.busy_rows > engine.stats.calls  # calls did share rows
+        _check(model, cfg, prompts, reqs)
+    assert {s for _, s in traced} >= {0, 512}, sorted(set(traced))  # refreshes and the pooled cache's steps
+
+
+@pytest.mark.slow
 def test_the_litert_runner_is_batch_invariant(tmp_path):
     """The same on an exported bundle (batch buckets 1, 2, 4), the LiteRT runner's dense steps."""
     from dlm_jax.executors.runner import load_bundle
