@@ -179,7 +179,7 @@
 #   cp $LEASE/attention_check.json benchmarks/results/gpu_parts/h200_attention_check.json, its .md to benchmarks/results/attention_check.md
 #   cp $LEASE/decide.json benchmarks/results/gpu_parts/h200_decide.json, $LEASE/decide_steps.json to gpu_parts/h200_decide_steps.json,
 #     $LEASE/decide.md to benchmarks/results/gpu_decide.md; then make the choice the executor's default on a GPU
-#     (default_attention, choose_projections) and say so in docs/architecture.md
+#     (GPU_ATTENTION, GPU_PROJECTIONS in dlm_jax/executors/jax_executor.py) and say so in docs/architecture.md
 #   cp $LEASE/kernel_sweep.json benchmarks/results/gpu_parts/h200_kernel_sweep.json, its .md and .png to benchmarks/results/kernel_sweep.*
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/fused.json $LEASE/cmdbuf_off.json --out benchmarks/results/gpu_step_fused
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/attention_gqa.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json --out benchmarks/results/gpu_step_lease

@@ -99,14 +99,38 @@ def each_row(row_step, live, shapes: dict[str, tuple[tuple[int, ...], str]], cac
     return jax.lax.fori_loop(0, live, body, (init, cache))
 
 
-def default_attention() -> str:
-    """"split" (the cache read in place) on an accelerator, "gather" on a CPU, as measured: on
-    one H200 at LLaDA-8B shape the in-place step took 6.66 ms against 7.29 ms gathered at batch
-    1 with the dual cache, and as long elsewhere (`benchmarks/results/gpu_step.md`); on this
-    project's 2-core CPU a 29M model's prefix-cache decodes took about 13% longer in place
-    (reading every slot costs more there than copying the read ones) and as long gathered as
-    before this change (`benchmarks/results/before_after_split.json`, `before_after_gather.json`)."""
-    return "gather" if target_platform() == "cpu" else "split"
+# A GPU executor's defaults: what a lease's timed steps chose (`benchmarks/gpu_decide.py`, which
+# the lease's `decide` part runs; docs/benchmarks.md). `default_attention` and
+# `default_projections` fall back where a model or mesh cannot take them.
+GPU_ATTENTION = "split"
+GPU_PROJECTIONS = "separate"
+
+
+def default_attention(config: ModelConfig | None = None, mesh=None) -> str:
+    """"gather" on a CPU; on a GPU `GPU_ATTENTION` where this model (`config`) and `mesh` take it
+    (a kernel form: a head dim it loads, a tp that divides the K/V heads; a cuDNN form: a
+    bfloat16 or float16 model), else "split" (the cache read in place), which is also a TPU's.
+
+    As measured: on one H200 at LLaDA-8B shape the in-place step took 6.66 ms against 7.29 ms
+    gathered at batch 1 with the dual cache, and as long elsewhere
+    (`benchmarks/results/gpu_step.md`); on this project's 2-core CPU a 29M model's prefix-cache
+    decodes took about 13% longer in place (reading every slot costs more there than copying the
+    read ones) and as long gathered as before this change
+    (`benchmarks/results/before_after_split.json`, `before_after_gather.json`)."""
+    platform = target_platform()
+    if platform == "cpu":
+        return "gather"
+    form = GPU_ATTENTION if platform == "gpu" else "split"
+    if config is not None and ((form in KERNEL_FORMS and _kernel_refusal(config, mesh))
+                               or (form in CUDNN_FORMS and str(config.dtype) not in ("bfloat16", "float16"))):
+        return "split"
+    return form
+
+
+def default_projections(mesh=None) -> str:
+    """`GPU_PROJECTIONS` on a GPU off a mesh (fused projections on a mesh are not built), else
+    "separate"."""
+    return GPU_PROJECTIONS if target_platform() == "gpu" and mesh is None else "separate"
 
 
 def decode_step(graphdef, state, tokens, positions, visibility, k_cache, v_cache, logit_rows, *,
@@ -562,12 +586,14 @@ class JaxExecutor(Executor):
     longer take adapters or split experts, and a model whose blocks differ is refused.
 
     `attention`: how a decode's step reads its resident cache (`RESIDENT_ATTENTION`); default
-    `$DLM_JAX_ATTENTION`, else `default_attention()`.
+    `$DLM_JAX_ATTENTION`, else `default_attention()` (the platform's, where the model and mesh
+    take it).
 
     `projections`: "separate" (each projection its own GEMM) or "fused" (`dlm_jax.models._fuse`:
     q/k/v and gate/up each one wider GEMM, fused in place in the model, each group's arrays
     deleted once joined, so the weights are held once; the model stays usable and saves as
-    before, but takes no new adapters); default `$DLM_JAX_PROJECTIONS`, else "separate". A model
+    before, but takes no new adapters); default `$DLM_JAX_PROJECTIONS`, else
+    `default_projections()` ("separate" but where a GPU's default says otherwise). A model
     fused before runs fused whatever is asked. Not on a mesh yet (refused in one line).
 
     Fusing or stacking in place deletes arrays that an executor built earlier over the same
@@ -595,7 +621,7 @@ class JaxExecutor(Executor):
         self.rows = rows
 
         from_env = attention is None and bool(os.environ.get(ATTENTION_ENV))
-        attention = attention or os.environ.get(ATTENTION_ENV) or default_attention()
+        attention = attention or os.environ.get(ATTENTION_ENV) or default_attention(model.config, mesh)
         name = ATTENTION_ENV if from_env else "attention"  # (where a refusal says the form came from)
         if attention not in RESIDENT_ATTENTION:
             raise ConfigError(f"{name}={attention!r}: known {', '.join(RESIDENT_ATTENTION)}")
@@ -621,7 +647,7 @@ class JaxExecutor(Executor):
         self.expert_exchange = expert_exchange
         self.config = model.config
         self._stale: str | None = None
-        chosen = choose_projections(projections)  # (checked even where the model decides)
+        chosen = choose_projections(projections, default_projections(mesh))  # (checked even where the model decides)
         fused_before = is_fused(model)
         self.projections = "fused" if fused_before else chosen
         if self.projections == "fused" and mesh is not None:

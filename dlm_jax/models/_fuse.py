@@ -154,10 +154,10 @@ def split_fused_params(params: dict, config) -> dict:
     return out
 
 
-def choose_projections(projections: str | None) -> str:
+def choose_projections(projections: str | None, default: str = "separate") -> str:
     """How the JAX executor holds a model's projections: `projections`, else
-    `$DLM_JAX_PROJECTIONS`, else "separate" (ConfigError naming the source for another value)."""
-    chosen = projections or os.environ.get(PROJECTIONS_ENV) or "separate"
+    `$DLM_JAX_PROJECTIONS`, else `default` (ConfigError naming the source for another value)."""
+    chosen = projections or os.environ.get(PROJECTIONS_ENV) or default
     if chosen not in PROJECTIONS:
         source = f"projections={projections!r}" if projections else f"{PROJECTIONS_ENV}={chosen!r}"
         raise ConfigError(f"{source}: expected one of {', '.join(PROJECTIONS)}")

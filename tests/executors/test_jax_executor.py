@@ -110,3 +110,39 @@ def test_an_executor_built_for_a_gpu_takes_a_gpus_defaults_on_a_cpu():
     assert target_platform() == "cpu" and "compiler_options" in jit_options()
     assert (gpu.rows, gpu.attention, any(gpu._transposed)) == ("batched", "split", False)
     assert (cpu.rows, cpu.attention, any(cpu._transposed)) == ("each", "gather", True)
+
+
+def test_a_gpu_default_falls_back_where_the_model_or_mesh_cannot_take_it(monkeypatch):
+    """A lease's choice becomes `GPU_ATTENTION` / `GPU_PROJECTIONS`; a model or mesh the chosen
+    form refuses (the kernel: a head dim it cannot load, a tp that splits a K/V head; cuDNN: a
+    float32 model; fused projections: a mesh) gets the split form and separate projections by
+    default instead of a refusal, and a TPU never takes a GPU's kernel. Asked for by name, each
+    is still refused in one line."""
+    from dlm_jax._errors import ConfigError
+    from dlm_jax.executors import jax_executor
+    from dlm_jax.executors._compile import building_for
+    from dlm_jax.executors.jax_executor import JaxExecutor, default_attention, default_projections
+    from dlm_jax.models._params import _abstract_model
+    from dlm_jax.testing import tiny_config
+
+    monkeypatch.setattr(jax_executor, "GPU_ATTENTION", "pallas")
+    monkeypatch.setattr(jax_executor, "GPU_PROJECTIONS", "fused")
+    ok, wide = tiny_config(head_dim=16), tiny_config(head_dim=24)
+    with building_for("gpu"):
+        assert default_attention(ok) == default_attention() == "pallas"
+        assert default_attention(wide) == "split"
+        assert default_attention(ok, mesh=f"tp={2 * ok.n_kv_heads}") == "split"
+        assert default_projections() == "fused" and default_projections("tp=2") == "separate"
+        executor = JaxExecutor(_abstract_model.__wrapped__(ok))
+        assert (executor.attention, executor.projections) == ("pallas", "fused")
+        executor = JaxExecutor(_abstract_model.__wrapped__(wide))
+        assert (executor.attention, executor.projections) == ("split", "fused")
+        with pytest.raises(ConfigError, match="^attention='pallas': the attention kernel takes head dims"):
+            JaxExecutor(_abstract_model.__wrapped__(wide), attention="pallas")
+        monkeypatch.setattr(jax_executor, "GPU_ATTENTION", "cudnn")
+        assert default_attention(ok) == "split"  # (a float32 model)
+        assert default_attention(dataclasses.replace(ok, dtype="bfloat16")) == "cudnn"
+    with building_for("tpu"):
+        monkeypatch.setattr(jax_executor, "GPU_ATTENTION", "pallas")
+        assert default_attention(ok) == "split" and default_projections() == "separate"
+    assert default_attention(ok) == "gather" and default_projections() == "separate"  # (this CPU)
