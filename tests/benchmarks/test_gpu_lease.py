@@ -274,6 +274,9 @@ def test_the_decided_form_reaches_every_later_part_and_a_later_call(tmp_path):
     for name in ("dual", "table", "large", "first cold", "first cache"):
         assert (parts[name].attention, parts[name].projections) == ("pallas", "fused"), name
     assert (tmp_path / "work" / "decided.env").read_text() == "ATTENTION=pallas PROJECTIONS=fused\n"
+    assert parts["dual"].batches == [1, 8, 16, 32]  # in a new form the targets' batches first
+    (given,) = lease_parts(tmp_path, PARTS="dual", DUAL_BATCHES="32 1", LIMIT="5000")
+    assert parse(given[4], given[5:]).batches == [32, 1]  # (given: its order)
     assert "Choice: pallas / fused" in (out / "decide.md").read_text()
     later = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, PARTS="dual", LIMIT="5000"))}
     assert (later["dual"].attention, later["dual"].projections) == ("pallas", "fused")
@@ -284,5 +287,6 @@ def test_the_decided_form_reaches_every_later_part_and_a_later_call(tmp_path):
     (out / "decide_steps.json").write_text(json.dumps(steps_report({("split", "separate"): "XlaRuntimeError: oom"})))
     parts = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, LIMIT="5000"))}
     assert all((parts[n].attention, parts[n].projections) == (None, None) for n in ("dual", "table", "first cold"))
+    assert parts["dual"].batches == [1, 16, 32, 8]  # (b1 and b8 measured in the defaults' form before)
     assert not (tmp_path / "work" / "decided.env").exists()
     assert "decide: nothing decided" in (out / "log.txt").read_text()
