@@ -24,7 +24,7 @@
 #                as JAX's XLA attention standing in for it does on a CPU, and the Triton kernel
 #                computes what Pallas's interpreter does (benchmarks/results/
 #                attention_check_stand_in.md), and rows that see no cache slot stay finite.
-#   decide 100  benchmarks/gpu_step.py --attention split pallas --projections separate fused,
+#   decide 120  benchmarks/gpu_step.py --attention split pallas --projections separate fused,
 #                dual steps at batch 1 and 8 (8 programs, two sets of weights made; the fused
 #                part took 8 programs in its 90 s estimate), then benchmarks/gpu_decide.py: the
 #                fastest of the four (geometric mean of the step times over split/separate's,
@@ -48,8 +48,8 @@
 #                mean step outside the kernels (gpu.md), and dual b1's mean step, 8.96 ms, was
 #                about 0.9 ms over its isolated steps (8 refreshes at 13.34 ms, 30 steps at 6.66:
 #                gpu_step.md).
-#                About 400 s if a batch-32 program compiles in 40 s: the budget (about 270 s
-#                after target, attncheck and decide) cuts the int8 cases from the last batch
+#                About 400 s if a batch-32 program compiles in 40 s: the budget (260 s and up
+#                after target, attncheck and decide, as they end early) cuts the int8 cases from the last batch
 #                back: a second call with PARTS=dual DUAL_QUANTS=int8 measures them in the
 #                decided form. Fast-dLLM's dual b1 and b8 are in gpu_parts/ (the merge pairs
 #                them); its b16 and b32 are not timed.
@@ -246,7 +246,7 @@ want attncheck && part attncheck 60 15 $PY benchmarks/attention_check.py "${CHEC
 # same machine takes the choice again from $WORK/decided.env.
 DECIDED=$WORK/decided.env
 if [ -z "${ATTENTION:-}${PROJECTIONS:-}" ] && want decide; then
-  part decide 100 45 $PY $S --batches 1 8 --kinds dual --attention split pallas --projections separate fused \
+  part decide 120 45 $PY $S --batches 1 8 --kinds dual --attention split pallas --projections separate fused \
     --reps 10 "${STEP_X[@]}" --out "$OUT/decide_steps"
   choice=$($PY benchmarks/gpu_decide.py --steps "$OUT/decide_steps.json" --check "$OUT/attention_check.json" \
     --out "$OUT/decide" 2>> "$log")
