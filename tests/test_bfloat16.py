@@ -176,6 +176,7 @@ def test_decodes_in_bfloat16_like_float32(name, load_options, decode, loaded, sp
     assert agree >= AGREE, (agree, want.texts, got.texts)
 
 
+@pytest.mark.slow  # (5 s; the default pass decodes bfloat16 models through the presets above)
 def test_powerinfer_statistics_in_bfloat16(loaded, spy):
     """PowerInfer-2's offline paths that decode on the JAX executor (`decode_statistics`: the
     `ffn_active` step output; `record_windows` + `ffn_samples`: the predictor's training pairs)

@@ -21,6 +21,7 @@ import attention_check  # noqa: E402
 from tests.benchmarks._cut import killed_after  # noqa: E402
 
 
+@pytest.mark.slow  # (7 s; each form against the split one: tests/executors/test_in_place_attention.py, by default)
 def test_the_forms_pass_against_float32_with_xla_standing_in_for_cudnn(tmp_path):
     out = tmp_path / "check"
     assert attention_check.main(["--shape", "small", "--batches", "1", "2", "--stand-in", "--out", str(out)]) == 0
