@@ -122,7 +122,7 @@ def default_attention(config: ModelConfig | None = None, mesh=None) -> str:
         return "gather"
     form = GPU_ATTENTION if platform == "gpu" else "split"
     if config is not None and ((form in KERNEL_FORMS and _kernel_refusal(config, mesh))
-                               or (form in CUDNN_FORMS and str(config.dtype) not in ("bfloat16", "float16"))):
+                               or (form in CUDNN_FORMS and _cudnn_refusal(config))):
         return "split"
     return form
 
@@ -299,6 +299,14 @@ def _split_layers(model: Transformer, paths) -> dict[int, _SplitLayer]:
         resident[slot_of[slot_of >= 0]] = np.flatnonzero(slot_of >= 0)
         out[i] = _SplitLayer((at("gate"), at("up"), at("down")), at("slot_of"), ffn.cpu_experts, resident)
     return out
+
+
+def _cudnn_refusal(config: ModelConfig) -> str:
+    """Why cuDNN's fused attention would never run for this model (its dtype), or ""."""
+    if str(config.dtype) in ("bfloat16", "float16"):
+        return ""
+    return (f"cuDNN's fused attention takes bfloat16 or float16, and the model computes in {config.dtype} "
+            f"(load it with dtype='bfloat16')")
 
 
 def _kernel_refusal(config: ModelConfig, mesh) -> str:
@@ -629,9 +637,8 @@ class JaxExecutor(Executor):
             if target_platform() != "gpu":
                 raise ConfigError(f"{name}={attention!r}: cuDNN's fused attention runs on a GPU, and JAX's backend "
                                   f"here is {target_platform()!r}; use split or gather")
-            if str(model.config.dtype) not in ("bfloat16", "float16"):
-                raise ConfigError(f"{name}={attention!r}: cuDNN's fused attention takes bfloat16 or float16, and the "
-                                  f"model computes in {model.config.dtype} (load it with dtype='bfloat16')")
+            if refusal := _cudnn_refusal(model.config):
+                raise ConfigError(f"{name}={attention!r}: {refusal}")
         if attention in KERNEL_FORMS:
             if target_platform() != "gpu":
                 raise ConfigError(f"{name}={attention!r}: the attention kernel is compiled by Triton for a GPU, and "
