@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU lease's measurements for the GPU-step issue, as one prepared command. Run from the
-# repository root on the GPU machine; every result lands in $OUT as soon as its part has it;
+# repository root on the GPU machine; every result is packed into $OUT as soon as its part has it
+# (two archives and the log: a call brings back at most 8 files);
 # each part runs under a hard `timeout`, in priority order, cut to the time left, and the whole
 # stays under $LIMIT s (default 470) whatever happens: a part that no longer fits is skipped,
 # and a part that ends early leaves its time to the next.
@@ -9,12 +10,18 @@
 #   run(command="OUT=$OUT bash benchmarks/gpu_lease.sh", carry=[".peer"], timeout_s=540)
 #   DRY=1 OUT=/tmp/lease PY=.venv/bin/python bash benchmarks/gpu_lease.sh   (a CPU: tiny float32 twin, ~4 min)
 #
+# Each call's results (RES, a new folder under $WORK unless given) come back as $OUT/lease.tar.gz
+# (reports), $OUT/lease_extra.tar.gz (plots, workers' files, autotuning results) and $OUT/log.txt.
+# After a call, with FILES its files_at folder:
+#   LEASE=/tmp/lease; mkdir -p $LEASE && for a in FILES/lease*.tar.gz; do tar -xzf $a -C $LEASE; done
+# (a second call's into a folder of its own: its parts write the same names, gpu_dual.json among them).
+#
 # The parts in priority order (PARTS), their limits (s), and the estimates they rest on (one
 # H200: benchmarks/results/gpu.json, gpu_step*.json, first_decode.json). The table's both sides
 # at batch 1 and 8, unquantized, were measured on 2026-11-28 (benchmarks/results/gpu_parts/);
 # what the issue still lacks comes first: int8, and batch 16 and 32.
 #   target  20  benchmarks/gpu_step.py --write-target: the device as XLA's compile-only client
-#                takes it ($OUT/target_config.txtpb), for `gpu_step.py --target FILE` on a machine
+#                takes it (target_config.txtpb), for `gpu_step.py --target FILE` on a machine
 #                without a GPU (benchmarks/targets/h200.txtpb is written from the datasheet).
 #   attncheck 60 benchmarks/attention_check.py: one layer's attention at the 8B shape and at a
 #                grouped-query 8B shape (32 query heads over 8 K/V heads: the kernel's programs
@@ -30,7 +37,7 @@
 #                fastest of the four (geometric mean of the step times over split/separate's,
 #                at least 3% under it, the kernel only where attncheck passed it) becomes the
 #                ATTENTION and PROJECTIONS of every gpu.py and first_decode.py part after it
-#                ($OUT/decide.md says why; $WORK/decided.env keeps it for a later call on the
+#                (decide.md says why; $WORK/decided.env keeps it for a later call on the
 #                warm machine). The table is then measured in the form the defaults will take,
 #                not in the one they leave. Skipped where ATTENTION or PROJECTIONS is given.
 #   dual   330  benchmarks/gpu.py --sides dlm_jax --caches dual --quant none int8, batch 1, 16,
@@ -56,7 +63,7 @@
 #   probe  130  benchmarks/gpu_step.py, the 9 programs of a prefix-cache decode at batch 1 on
 #                4 threads, no persistent cache: each program's compile s, first execution ms
 #                and step ms (at the autotuner's choice of kernels); XLA writes its autotuning
-#                results to $OUT/autotune.pbtxt. Never run: 4 gpu_step programs compiled in
+#                results to autotune.pbtxt. Never run: 4 gpu_step programs compiled in
 #                10-18 s each side by side, the decode's 9 in 54 s each (542 s on 4 threads).
 #                Triton GEMMs off (cuBLAS) had halved the compiles of the dual and prefix steps
 #                (and slowed them): the autotuner is the suspect.
@@ -167,7 +174,7 @@
 # cmdbuf probeload probe0 gemm").
 # (The device's compile-only config: cp $LEASE/target_config.txtpb benchmarks/targets/h200_device.txtpb.)
 #
-# After the lease, on this machine (its files under the run's files_at folder, $LEASE below):
+# After the lease, on this machine ($LEASE below: each call's archives unpacked, as above):
 # copy gpu*.json into benchmarks/results/gpu_parts/ (named by device and content; a case in
 # several parts takes each side from the first part named that measured it, so name the
 # newest first), then (the first full-mode part gives the load times and devices):
@@ -189,10 +196,11 @@
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:?set OUT to the results folder}
+OUT=${OUT:?set OUT to the folder that comes back}
 PY=${PY:-python3}             # the GPU machine's python3 holds JAX with its CUDA plugin
 LIMIT=${LIMIT:-470}           # the whole script's wall-clock seconds
 WORK=${WORK:-/tmp/dlm-jax-lease}  # checkpoint and compilation caches (large: not under $OUT)
+RES=${RES:-}                  # the parts' results (default: a new folder under $WORK), packed into $OUT
 PEER=${PEER:-.peer/Fast-dLLM}
 BATCHES=${BATCHES:-1 8} LARGE_BATCHES=${LARGE_BATCHES:-16 32} QUANTS=${QUANTS:-none int8}
 DUAL_GIVEN=${DUAL_BATCHES:+given}  # (a choice other than the defaults reorders them, unless given)
@@ -216,7 +224,22 @@ if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the s
 fi
 rm -rf "$WORK/xla" "$WORK/xla-large" "$WORK/xla-first" "$WORK/xla-probe" "$WORK/xla-dual"  # measured cold
 mkdir -p "$OUT" "$WORK"
+RES=${RES:-$(mktemp -d "$WORK/out.XXXXXX")}
+mkdir -p "$RES"
 log=$OUT/log.txt
+# What comes back from a call is at most 8 files of at most 16 MiB each (the device tool): the
+# parts write some 90 files, so after each part the results are packed, as they stand, into
+# lease.tar.gz (the reports: JSON, Markdown, text) and lease_extra.tar.gz (plots, gpu.py's worker
+# files, XLA's autotuning results: the large ones, so that they never hold the reports back);
+# each written beside and renamed into place, so a call cut while packing keeps the last pack.
+EXTRA=(-name '*.png' -o -name autotune.pbtxt -o -path './*_work/*')
+pack() {
+  local a=$OUT/lease.tar.gz b=$OUT/lease_extra.tar.gz
+  (cd "$RES" && find . -type f ! -name '*.tmp' ! -name '.*.tmp-*' ! \( "${EXTRA[@]}" \) -print0 | tar -czf "$a.part" --null -T - \
+    && mv -f "$a.part" "$a") >> "$log" 2>&1
+  (cd "$RES" && find . -type f ! -name '*.tmp' ! -name '.*.tmp-*' \( "${EXTRA[@]}" \) -print0 | tar -czf "$b.part" --null -T - \
+    && mv -f "$b.part" "$b") >> "$log" 2>&1
+}
 start=$SECONDS
 # cap LIMIT: LIMIT cut to the time left less 10 s (the kill's 5 s grace and what follows).
 cap() { local room=$(( LIMIT - (SECONDS - start) - 10 )); echo $(( $1 < room ? $1 : room )); }
@@ -229,16 +252,17 @@ part() {
   timeout -k 5 "$limit" "$@" >> "$log" 2>&1
   rc=$?
   echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$log"
+  pack
 }
-{ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv || true; } > "$OUT/smi.txt" 2>&1
+{ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv || true; } > "$RES/smi.txt" 2>&1
 [ -f "$PEER/llada/generate.py" ] || echo "no Fast-dLLM sources in $PEER: run benchmarks/peer_src.sh and carry .peer" | tee -a "$log"
 
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 G=benchmarks/gpu.py S=benchmarks/gpu_step.py F=benchmarks/first_decode.py
-want target && part target 20 10 $PY $S --write-target --out "$OUT/target_config"
+want target && part target 20 10 $PY $S --write-target --out "$RES/target_config"
 # The attention forms against float32 on the device (cudnn_split's merge of cuDNN's log-sum-exps
 # and the Triton kernel checked before they are timed or chosen).
-want attncheck && part attncheck 60 15 $PY benchmarks/attention_check.py "${CHECK_X[@]}" --out "$OUT/attention_check"
+want attncheck && part attncheck 60 15 $PY benchmarks/attention_check.py "${CHECK_X[@]}" --out "$RES/attention_check"
 # The GPU's attention form and projections, decided before the table's parts measure anything:
 # the split form and the kernel over separate and fused projections, timed in one run, then
 # gpu_decide.py's choice (a form the check did not pass is never chosen) for every gpu.py and
@@ -247,9 +271,9 @@ want attncheck && part attncheck 60 15 $PY benchmarks/attention_check.py "${CHEC
 DECIDED=$WORK/decided.env
 if [ -z "${ATTENTION:-}${PROJECTIONS:-}" ] && want decide; then
   part decide 120 45 $PY $S --batches 1 8 --kinds dual --attention split pallas --projections separate fused \
-    --reps 10 "${STEP_X[@]}" --out "$OUT/decide_steps"
-  choice=$($PY benchmarks/gpu_decide.py --steps "$OUT/decide_steps.json" --check "$OUT/attention_check.json" \
-    --out "$OUT/decide" 2>> "$log")
+    --reps 10 "${STEP_X[@]}" --out "$RES/decide_steps"
+  choice=$($PY benchmarks/gpu_decide.py --steps "$RES/decide_steps.json" --check "$RES/attention_check.json" \
+    --out "$RES/decide" 2>> "$log")
   [[ $choice =~ ^ATTENTION=[a-z_]+\ PROJECTIONS=[a-z]+$ ]] && echo "$choice" > "$DECIDED"
   echo "decide: ${choice:-nothing decided (the executor defaults kept)}" | tee -a "$log"
 elif [ -z "${ATTENTION:-}${PROJECTIONS:-}" ] && [ -s "$DECIDED" ]; then
@@ -273,8 +297,8 @@ CHOSEN=()  # (first_decode.py's)
 t=$(cap "$DUAL_S")
 # shellcheck disable=SC2086  # DUAL_BATCHES and DUAL_QUANTS are lists of words
 want dual && part dual "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --caches dual --quant $DUAL_QUANTS \
-  --batches $DUAL_BATCHES --xla-cache "$WORK/xla-dual" --work "$OUT/gpu_dual_work" --budget-s $(( t - MARGIN_S )) \
-  --second-budget-s "$SECOND_S" --out "$OUT/gpu_dual"
+  --batches $DUAL_BATCHES --xla-cache "$WORK/xla-dual" --work "$RES/gpu_dual_work" --budget-s $(( t - MARGIN_S )) \
+  --second-budget-s "$SECOND_S" --out "$RES/gpu_dual"
 # The compile probe: every program of a prefix-cache first decode at batch 1 (9), on the
 # executor's 4 compile threads, timed program by program: without a persistent cache, without
 # XLA's autotuning, with the persistent cache as the executor enables it (XLA's per-fusion
@@ -282,69 +306,70 @@ want dual && part dual "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --caches dual 
 # 36 s (benchmarks/results/gpu.md); the probe tells the cache, the autotuner and the programs
 # apart.
 PROBE=(--batches 1 --kinds refresh prefix --at 0 1 2 3 4 5 6 7 --reps 3 "${STEP_X[@]}")
-TUNED=$OUT/autotune.pbtxt  # XLA's autotuning results of the probe's programs (text proto)
+TUNED=$RES/autotune.pbtxt  # XLA's autotuning results of the probe's programs (text proto)
 want probe && part "probe" 130 40 env XLA_FLAGS=--xla_gpu_dump_autotune_results_to=$TUNED \
-  $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_nocache"
+  $PY $S "${PROBE[@]}" --threads 4 --out "$RES/probe_nocache"
 # Fused projections against separate ones, in one run, with their kernels.
 want fused && part fused 90 40 $PY $S --batches 1 8 --kinds dual prefix --projections separate fused --reps 10 \
-  --profile "${STEP_X[@]}" --out "$OUT/fused"
+  --profile "${STEP_X[@]}" --out "$RES/fused"
 # The same without command buffers (CUDA graphs), for the time a step spends outside its kernels.
 want cmdbuf && part "command buffers off" 45 25 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
-  $PY $S --batches 1 8 --kinds dual prefix --reps 10 --profile "${STEP_X[@]}" --out "$OUT/cmdbuf_off"
+  $PY $S --batches 1 8 --kinds dual prefix --reps 10 --profile "${STEP_X[@]}" --out "$RES/cmdbuf_off"
 if want probeload && [ ! -s "$TUNED" ]; then
   echo "probe load: skipped, no autotuning results in $TUNED" | tee -a "$log"
 elif want probeload; then
   part "probe load" 90 30 env XLA_FLAGS=--xla_gpu_load_autotune_results_from=$TUNED \
-    $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_load"
+    $PY $S "${PROBE[@]}" --threads 4 --out "$RES/probe_load"
 fi
 want probe0 && part "probe no autotuning" 90 30 env XLA_FLAGS=--xla_gpu_autotune_level=0 \
-  $PY $S "${PROBE[@]}" --threads 4 --out "$OUT/probe_autotune0"
-want gemm && part gemm 60 20 $PY benchmarks/gemm_probe.py "${GEMM_X[@]}" --out "$OUT/gemm_probe"
+  $PY $S "${PROBE[@]}" --threads 4 --out "$RES/probe_autotune0"
+want gemm && part gemm 60 20 $PY benchmarks/gemm_probe.py "${GEMM_X[@]}" --out "$RES/gemm_probe"
 # The in-place (split), cuDNN (over a copy and in place) and Pallas attention in one run (two
 # leases gave split and cudnn apart).
 want attention && part attention 160 40 $PY $S --batches 1 8 --kinds refresh dual prefix \
-  --attention split cudnn cudnn_split pallas --reps 10 "${STEP_X[@]}" --out "$OUT/attention"
+  --attention split cudnn cudnn_split pallas --reps 10 "${STEP_X[@]}" --out "$RES/attention"
 # The probe's programs in the kernel's form: 6 distinct GEMMs a program for the autotuner, not 10.
 want probekernel && part "probe kernel" 130 40 $PY $S "${PROBE[@]}" --attention pallas --threads 4 \
-  --out "$OUT/probe_kernel"
+  --out "$RES/probe_kernel"
 # A grouped-query 8B model's steps (the kernel reads each K/V head's cache once for its 4 query
 # heads); DRY's STEP_X puts the tiny shape back.
 want attngqa && part "attention gqa" 90 30 $PY $S --shape gqa-8b --batches 1 8 32 --kinds dual prefix \
-  --attention split pallas --reps 10 "${STEP_X[@]}" --out "$OUT/attention_gqa"
+  --attention split pallas --reps 10 "${STEP_X[@]}" --out "$RES/attention_gqa"
 # The kernel's tilings, timed one step's attention at a time, each against float32.
-want sweep && part sweep 120 40 $PY benchmarks/kernel_sweep.py --batches 1 32 "${SWEEP_X[@]}" --out "$OUT/kernel_sweep"
+want sweep && part sweep 120 40 $PY benchmarks/kernel_sweep.py --batches 1 32 "${SWEEP_X[@]}" --out "$RES/kernel_sweep"
 t=$(cap "$TABLE_S")  # its budget ends MARGIN_S before its timeout, however far the part was cut
 # shellcheck disable=SC2086
 want table && part table "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --batches $BATCHES --xla-cache "$WORK/xla" \
-  --work "$OUT/gpu_work" --budget-s $(( t - MARGIN_S )) --peer-budget-s "$PEER_S" --second-budget-s "$SECOND_S" \
-  --out "$OUT/gpu"
+  --work "$RES/gpu_work" --budget-s $(( t - MARGIN_S )) --peer-budget-s "$PEER_S" --second-budget-s "$SECOND_S" \
+  --out "$RES/gpu"
 want small && part small 50 30 $PY $G --small --peer-src "$PEER" --checkpoint "$WORK/ckpt-small-twin" \
-  --out "$OUT/gpu_small"
+  --out "$RES/gpu_small"
 t=$(cap "$LARGE_S")
 # shellcheck disable=SC2086
 want large && part large "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --sides dlm_jax --batches $LARGE_BATCHES \
-  --xla-cache "$WORK/xla-large" --work "$OUT/gpu_large_work" --budget-s $(( t - MARGIN_S )) \
-  --second-budget-s "$SECOND_S" --out "$OUT/gpu_large"
+  --xla-cache "$WORK/xla-large" --work "$RES/gpu_large_work" --budget-s $(( t - MARGIN_S )) \
+  --second-budget-s "$SECOND_S" --out "$RES/gpu_large"
 want probecache && part "probe cache" 150 40 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
-  --out "$OUT/probe_cache"
+  --out "$RES/probe_cache"
 # A second process over that cache: each program loaded instead of compiled, and its first
 # execution (kernels loaded, command buffers recorded): a second process's first decode.
 want probecache && part "probe cache again" 60 30 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
-  --out "$OUT/probe_cache2"
+  --out "$RES/probe_cache2"
 want cacheload && part "cache load" 75 30 $PY benchmarks/cache_load.py --kinds refresh prefix --at 0 1 2 3 4 5 6 7 \
-  --repeats 1 --xla-cache "$WORK/xla-probe" "${CACHE_X[@]}" --out "$OUT/cache_load"
-want probeserial && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$OUT/probe_serial"
+  --repeats 1 --xla-cache "$WORK/xla-probe" "${CACHE_X[@]}" --out "$RES/cache_load"
+want probeserial && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$RES/probe_serial"
 want cudnn && part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" \
-  --out "$OUT/cudnn"
+  --out "$RES/cudnn"
 want scan && part scan 45 25 $PY $S --batches 1 8 --kinds dual prefix --layers scan --reps 10 "${STEP_X[@]}" \
-  --out "$OUT/scan"
+  --out "$RES/scan"
 want scandsf && part "scan dsf" 40 25 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true \
-  $PY $S --batches 1 8 --kinds dual --layers scan --reps 10 "${STEP_X[@]}" --out "$OUT/scan_dsf"
+  $PY $S --batches 1 8 --kinds dual --layers scan --reps 10 "${STEP_X[@]}" --out "$RES/scan_dsf"
 want first && part "first cold" 60 40 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cold \
-  "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$OUT/first_decode"
+  "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$RES/first_decode"
 want first && part "first cache" 60 15 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cache \
-  --prompt-lens 200 "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$OUT/first_decode"
-rm -f "$OUT"/*.tmp
-echo "done in $((SECONDS - start)) s" | tee -a "$log"
+  --prompt-lens 200 "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$RES/first_decode"
+rm -f "$RES"/*.tmp
+pack
+echo "done in $((SECONDS - start)) s; results in $OUT/lease.tar.gz and lease_extra.tar.gz (from $RES)" | tee -a "$log"
 grep -E "^(dual|probe|fused|gemm|attncheck|attention|table|small|large|cudnn|scan|first)|wrote|FAIL|PASS|first_decode_seconds" "$log" \
   | tail -40 || true

@@ -29,8 +29,9 @@ SEP = "\x1f"
 
 def lease_parts(tmp_path: Path, *, tuned: bool = True, **env: str) -> list[list[str]]:
     """What each `part` of the lease script would run, as bash expands it: [name, limit, min,
-    command...] per part, in order. Nothing runs (no GPU, no Python). `tuned`: the probe's
-    autotuning results are there (a stubbed probe writes none), so the part reading them runs."""
+    command...] per part, in order. Nothing runs (no GPU, no Python). The parts' results go to
+    tmp_path/out (RES); what comes back, to tmp_path/back (OUT). `tuned`: the probe's autotuning
+    results are there (a stubbed probe writes none), so the part reading them runs."""
     text = LEASE.read_text()
     anchor = "\n{ nvidia-smi"
     assert text.count(anchor) == 1, "the lease script's parts start after its nvidia-smi line"
@@ -43,8 +44,8 @@ def lease_parts(tmp_path: Path, *, tuned: bool = True, **env: str) -> list[list[
     if tuned:
         (out / "autotune.pbtxt").write_text("version: 3\n")
     proc = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "OUT": str(out), "WORK": str(tmp_path / "work"), "PATH": os.environ["PATH"],
-                               **env})
+                          env={**os.environ, "OUT": str(tmp_path / "back"), "RES": str(out), "WORK": str(tmp_path / "work"),
+                               "PATH": os.environ["PATH"], **env})
     assert proc.returncode == 0, proc.stderr
     return [line.split(SEP)[:-1] for line in proc.stdout.splitlines() if SEP in line]
 
@@ -91,7 +92,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
         assert int(least) <= int(limit), name
         assert py == "python3" and (ROOT / script).is_file(), (name, script)
         args = parse(script, argv)
-        assert str(args.out).startswith(str(tmp_path / "out")), (name, args.out)  # every result under $OUT
+        assert str(args.out).startswith(str(tmp_path / "out")), (name, args.out)  # every result under $RES
     args = {p[0]: parse(p[4], p[5:]) for p in parts}
     table, small, large, dual = args["table"], args["small"], args["large"], args["dual"]
     for name in ("table", "large", "dual"):
@@ -289,4 +290,58 @@ def test_the_decided_form_reaches_every_later_part_and_a_later_call(tmp_path):
     assert all((parts[n].attention, parts[n].projections) == (None, None) for n in ("dual", "table", "first cold"))
     assert parts["dual"].batches == [1, 16, 32, 8]  # (b1 and b8 measured in the defaults' form before)
     assert not (tmp_path / "work" / "decided.env").exists()
-    assert "decide: nothing decided" in (out / "log.txt").read_text()
+    assert "decide: nothing decided" in (tmp_path / "back" / "log.txt").read_text()
+
+
+def test_a_call_brings_every_result_back_in_at_most_8_files(tmp_path):
+    """The device tool brings back at most 8 files of at most 16 MiB from $OUT, and the parts
+    write some 90 (reports, plots, gpu.py's worker files, XLA's autotuning results). The real
+    script, its Python replaced by a stand-in that writes what a part writes: after each part
+    the results so far are packed into $OUT (a later part sees the earlier one's report in the
+    archive), the reports apart from the large files, and the temporary files left out."""
+    import tarfile
+
+    fake = tmp_path / "fakepy"
+    fake.write_text("""#!/usr/bin/env bash
+out=; while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done
+[ -n "$out" ] || exit 0
+[ -f "$OUT/lease.tar.gz" ] && tar -tzf "$OUT/lease.tar.gz" > "$out.seen.txt"
+echo '{}' > "$out.json"; echo '# report' > "$out.md"; echo png > "$out.png"; echo '{' > "$out.json.tmp"
+mkdir -p "${out}_work/sub" && echo '{}' > "${out}_work/sub/case.json" && echo x > "$(dirname "$out")/.r.json.tmp-1"
+""")
+    fake.chmod(0o755)
+    back, res = tmp_path / "back", tmp_path / "res"
+    res.mkdir()
+    (res / "autotune.pbtxt").write_text("version: 3\n")
+    env = {**os.environ, "OUT": str(back), "RES": str(res), "WORK": str(tmp_path / "work"), "PY": str(fake),
+           "PARTS": "target attncheck", "LIMIT": "100"}
+    proc = subprocess.run(["bash", str(LEASE)], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    came = sorted(p.name for p in back.iterdir())
+    assert came == ["lease.tar.gz", "lease_extra.tar.gz", "log.txt"]  # (no .part left: each renamed into place)
+    assert all(p.stat().st_size < 16 << 20 for p in back.iterdir())
+
+    def names(archive: str) -> set[str]:
+        with tarfile.open(back / archive) as tar:
+            return {Path(n).as_posix().removeprefix("./") for n in tar.getnames() if tar.getmember(n).isfile()}
+
+    reports = {"smi.txt", "target_config.json", "target_config.md", "attention_check.json", "attention_check.md",
+               "attention_check.seen.txt"}
+    assert names("lease.tar.gz") == reports
+    assert names("lease_extra.tar.gz") == {"autotune.pbtxt", "target_config.png", "attention_check.png",
+                                           "target_config_work/sub/case.json", "attention_check_work/sub/case.json"}
+    with tarfile.open(back / "lease.tar.gz") as tar:  # the second part saw the first's report packed already
+        seen = tar.extractfile("./attention_check.seen.txt").read().decode().split()
+    assert "./target_config.json" in seen and "./attention_check.json" not in seen
+    assert "target: exit 0" in (back / "log.txt").read_text()
+
+
+def test_the_working_tree_a_lease_sends_fits_the_device_tool():
+    """A call sends the checkout's tracked files and the carried `.peer` (about 0.2 MiB), 64 MiB
+    at most, or no machine starts. The shipped models are most of it (56 MB), so a new model or
+    a lease's results committed can tip it: this fails first, here, not on the lease."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    tracked = sum(p.stat().st_size for n in names if n and (p := ROOT / n.decode()).is_file())
+    assert tracked + (1 << 20) <= 64 << 20, f"{tracked / 2**20:.1f} MiB tracked: the lease's tree would be over 64 MiB"
