@@ -169,9 +169,14 @@
 # PARTS="table" QUANTS=int8 for a lease that measures only what an earlier one's budget cut,
 # PARTS=dual DUAL_QUANTS=int8 DUAL_BATCHES="16 32" for the dual part's; a second call on a
 # still-warm machine, its LIMIT the device time left less a minute (parts run in the script's
-# order; the first call's choice comes back from $WORK/decided.env): PARTS="dual" DUAL_QUANTS=int8
-# for what the first call's dual part cut, else PARTS="fused attention sweep attngqa probekernel
-# cmdbuf probeload probe0 gemm").
+# order; the first call's choice comes back from $WORK/decided.env): PARTS=rest, every part the
+# calls before it on this machine did not end with exit 0, in order ($WORK/parts.state,
+# benchmarks/lease_rest.py), the dual part over the batches and quant modes its budget left
+# (by gpu.py's report). A machine stays warm 30 s after a call, so the second call is this one
+# command, its LIMIT the reply's budget_left_s less 60:
+#   run(command="OUT=$OUT PARTS=rest LIMIT=L bash benchmarks/gpu_lease.sh", carry=[".peer"], timeout_s=L+40)
+# (on a fresh machine instead, $WORK is empty: name the PARTS, and ATTENTION and PROJECTIONS as
+# the first call's decide.md chose).
 # (The device's compile-only config: cp $LEASE/target_config.txtpb benchmarks/targets/h200_device.txtpb.)
 #
 # After the lease, on this machine ($LEASE below: each call's archives unpacked, as above):
@@ -203,12 +208,14 @@ WORK=${WORK:-/tmp/dlm-jax-lease}  # checkpoint and compilation caches (large: no
 RES=${RES:-}                  # the parts' results (default: a new folder under $WORK), packed into $OUT
 PEER=${PEER:-.peer/Fast-dLLM}
 BATCHES=${BATCHES:-1 8} LARGE_BATCHES=${LARGE_BATCHES:-16 32} QUANTS=${QUANTS:-none int8}
+DUAL_LEFT=${DUAL_BATCHES:+given}${DUAL_QUANTS:+given}  # (given: PARTS=rest keeps them)
 DUAL_GIVEN=${DUAL_BATCHES:+given}  # (a choice other than the defaults reorders them, unless given)
 DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-PARTS=${PARTS:-target attncheck decide dual probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small large probecache cacheload probeserial cudnn scan first}
+DEFAULT_PARTS="target attncheck decide dual probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small large probecache cacheload probeserial cudnn scan first"
+PARTS=${PARTS:-$DEFAULT_PARTS}    # or rest: what the calls before this one on this machine left
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=() SWEEP_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
@@ -227,6 +234,9 @@ mkdir -p "$OUT" "$WORK"
 RES=${RES:-$(mktemp -d "$WORK/out.XXXXXX")}
 mkdir -p "$RES"
 log=$OUT/log.txt
+# Every part's outcome, every call's (`CALL PART ok|fail|skip|cut`), for a later call's PARTS=rest.
+STATE=$WORK/parts.state
+CALL=$(( $(awk 'END { print $1 + 0 }' "$STATE" 2>/dev/null || echo 0) + 1 ))
 # What comes back from a call is at most 8 files of at most 16 MiB each (the device tool): the
 # parts write some 90 files, so after each part the results are packed, as they stand, into
 # lease.tar.gz (the reports: JSON, Markdown, text) and lease_extra.tar.gz (plots, gpu.py's worker
@@ -247,17 +257,30 @@ cap() { local room=$(( LIMIT - (SECONDS - start) - 10 )); echo $(( $1 < room ? $
 # skipped when that is under MIN s.
 part() {
   local name=$1 limit min=$3 t0=$SECONDS rc; limit=$(cap "$2"); shift 3
-  if (( limit < min )); then echo "$name: skipped, $limit s left (needs $min)" | tee -a "$log"; return 0; fi
+  if (( limit < min )); then
+    echo "$name: skipped, $limit s left (needs $min)" | tee -a "$log"; echo "$CALL $CUR skip" >> "$STATE"; return 0
+  fi
   echo "$name: limit $limit s: $*" >> "$log"
   timeout -k 5 "$limit" "$@" >> "$log" 2>&1
   rc=$?
   echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$log"
+  echo "$CALL $CUR $([ $rc = 0 ] && echo ok || echo fail)" >> "$STATE"
   pack
 }
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv || true; } > "$RES/smi.txt" 2>&1
 [ -f "$PEER/llada/generate.py" ] || echo "no Fast-dLLM sources in $PEER: run benchmarks/peer_src.sh and carry .peer" | tee -a "$log"
 
-want() { [[ " $PARTS " == *" $1 "* ]]; }
+# want PART: whether this call runs it (and the part whose outcome `part` records, CUR).
+want() { [[ " $PARTS " == *" $1 "* ]] && CUR=$1; }
+if [ "$PARTS" = rest ]; then
+  # shellcheck disable=SC2086
+  PARTS=$($PY benchmarks/lease_rest.py parts "$STATE" $DEFAULT_PARTS)
+  echo "rest: ${PARTS:-nothing left}" | tee -a "$log"
+  if [ -s "$WORK/dual_rest.env" ] && [ -z "$DUAL_LEFT" ] && want dual; then
+    eval "$(cat "$WORK/dual_rest.env")" && DUAL_GIVEN=given  # (only what an earlier call's budget cut)
+    echo "rest: dual over DUAL_BATCHES=\"$DUAL_BATCHES\" DUAL_QUANTS=\"$DUAL_QUANTS\"" | tee -a "$log"
+  fi
+fi
 G=benchmarks/gpu.py S=benchmarks/gpu_step.py F=benchmarks/first_decode.py
 want target && part target 20 10 $PY $S --write-target --out "$RES/target_config"
 # The attention forms against float32 on the device (cudnn_split's merge of cuDNN's log-sum-exps
@@ -299,6 +322,16 @@ t=$(cap "$DUAL_S")
 want dual && part dual "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --caches dual --quant $DUAL_QUANTS \
   --batches $DUAL_BATCHES --xla-cache "$WORK/xla-dual" --work "$RES/gpu_dual_work" --budget-s $(( t - MARGIN_S )) \
   --second-budget-s "$SECOND_S" --out "$RES/gpu_dual"
+# The cases its budget left (by its report), for a later call's PARTS=rest.
+if want dual && [ -s "$RES/gpu_dual.json" ]; then
+  left=$($PY benchmarks/lease_rest.py unmeasured "$RES/gpu_dual.json" 2>> "$log")
+  if [ -n "$left" ]; then
+    echo "$left" > "$WORK/dual_rest.env" && echo "$CALL dual cut" >> "$STATE"
+    echo "dual: left for PARTS=rest: $left" | tee -a "$log"
+  else
+    rm -f "$WORK/dual_rest.env"
+  fi
+fi
 # The compile probe: every program of a prefix-cache first decode at batch 1 (9), on the
 # executor's 4 compile threads, timed program by program: without a persistent cache, without
 # XLA's autotuning, with the persistent cache as the executor enables it (XLA's per-fusion
@@ -306,9 +339,10 @@ want dual && part dual "$t" 60 $PY $G "${ALL[@]}" --sides dlm_jax --caches dual 
 # 36 s (benchmarks/results/gpu.md); the probe tells the cache, the autotuner and the programs
 # apart.
 PROBE=(--batches 1 --kinds refresh prefix --at 0 1 2 3 4 5 6 7 --reps 3 "${STEP_X[@]}")
-TUNED=$RES/autotune.pbtxt  # XLA's autotuning results of the probe's programs (text proto)
+TUNED=$WORK/autotune.pbtxt  # XLA's autotuning results of the probe's programs (text proto; a later call reads them)
 want probe && part "probe" 130 40 env XLA_FLAGS=--xla_gpu_dump_autotune_results_to=$TUNED \
   $PY $S "${PROBE[@]}" --threads 4 --out "$RES/probe_nocache"
+want probe && [ -s "$TUNED" ] && cp "$TUNED" "$RES/" && pack
 # Fused projections against separate ones, in one run, with their kernels.
 want fused && part fused 90 40 $PY $S --batches 1 8 --kinds dual prefix --projections separate fused --reps 10 \
   --profile "${STEP_X[@]}" --out "$RES/fused"
@@ -316,7 +350,7 @@ want fused && part fused 90 40 $PY $S --batches 1 8 --kinds dual prefix --projec
 want cmdbuf && part "command buffers off" 45 25 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
   $PY $S --batches 1 8 --kinds dual prefix --reps 10 --profile "${STEP_X[@]}" --out "$RES/cmdbuf_off"
 if want probeload && [ ! -s "$TUNED" ]; then
-  echo "probe load: skipped, no autotuning results in $TUNED" | tee -a "$log"
+  echo "probe load: skipped, no autotuning results in $TUNED" | tee -a "$log"; echo "$CALL probeload skip" >> "$STATE"
 elif want probeload; then
   part "probe load" 90 30 env XLA_FLAGS=--xla_gpu_load_autotune_results_from=$TUNED \
     $PY $S "${PROBE[@]}" --threads 4 --out "$RES/probe_load"

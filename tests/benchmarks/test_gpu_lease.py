@@ -38,11 +38,12 @@ def lease_parts(tmp_path: Path, *, tuned: bool = True, **env: str) -> list[list[
     stub = f"\npart() {{ printf '%s{SEP}' \"$@\"; printf '\\n'; }}" + anchor
     script = tmp_path / "lease.sh"
     script.write_text(text.replace(anchor, stub))
-    out = tmp_path / "out"
+    out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir(exist_ok=True)
-    (out / "autotune.pbtxt").unlink(missing_ok=True)
+    work.mkdir(exist_ok=True)
+    (work / "autotune.pbtxt").unlink(missing_ok=True)
     if tuned:
-        (out / "autotune.pbtxt").write_text("version: 3\n")
+        (work / "autotune.pbtxt").write_text("version: 3\n")
     proc = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "OUT": str(tmp_path / "back"), "RES": str(out), "WORK": str(tmp_path / "work"),
                                "PATH": os.environ["PATH"], **env})
@@ -156,7 +157,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert cache_load.at == probes[3].at and cache_load.batches == probes[3].batches
     assert (cache_load.shape, cache_load.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
     flags = {p[0]: p[4] for p in lease_parts(tmp_path) if p[3] == "env"}
-    tuned = tmp_path / "out" / "autotune.pbtxt"  # the probe writes XLA's autotuning results, the next reads them
+    tuned = tmp_path / "work" / "autotune.pbtxt"  # the probe writes XLA's autotuning results, the next reads them
     assert flags == {"probe": f"XLA_FLAGS=--xla_gpu_dump_autotune_results_to={tuned}",
                      "probe load": f"XLA_FLAGS=--xla_gpu_load_autotune_results_from={tuned}",
                      "probe no autotuning": "XLA_FLAGS=--xla_gpu_autotune_level=0",
@@ -293,6 +294,37 @@ def test_the_decided_form_reaches_every_later_part_and_a_later_call(tmp_path):
     assert "decide: nothing decided" in (tmp_path / "back" / "log.txt").read_text()
 
 
+# A stand-in for the lease's Python: it writes what a part writes under its --out (a report, a
+# plot, a worker's file, temporary files) and, where the archive is there already, the names in
+# it, and XLA's autotuning results where XLA_FLAGS asks; FAKE_FAIL names --out paths (ending) whose part exits 1; FAKE_REPORT, a gpu.py report's
+# text to write as the --out path's .json. lease_rest.py, which reads the state, runs for real.
+FAKE_PY = """#!/usr/bin/env bash
+[ "$1" = benchmarks/lease_rest.py ] && exec "$REAL_PY" "$@"
+case "${XLA_FLAGS:-}" in --xla_gpu_dump_autotune_results_to=*) echo "version: 3" > "${XLA_FLAGS#*=}";; esac
+out=; while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done
+[ -n "$out" ] || exit 0
+[ -f "$OUT/lease.tar.gz" ] && tar -tzf "$OUT/lease.tar.gz" > "$out.seen.txt"
+echo '{}' > "$out.json"; echo '# report' > "$out.md"; echo png > "$out.png"; echo '{' > "$out.json.tmp"
+mkdir -p "${out}_work/sub" && echo '{}' > "${out}_work/sub/case.json" && echo x > "$(dirname "$out")/.r.json.tmp-1"
+case "$out" in *gpu_dual) [ -n "${FAKE_REPORT:-}" ] && echo "$FAKE_REPORT" > "$out.json";; esac
+for f in ${FAKE_FAIL:-}; do case "$out" in *"$f") exit 1;; esac; done
+exit 0
+"""
+
+
+def run_lease(tmp_path: Path, **env: str) -> str:
+    """The real lease script over FAKE_PY (no GPU, no JAX: a second or two), its WORK in
+    tmp_path/work, its OUT tmp_path/back unless given; its log."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_PY)
+    fake.chmod(0o755)
+    env = {"OUT": str(tmp_path / "back"), "WORK": str(tmp_path / "work"), "LIMIT": "100", **env}
+    proc = subprocess.run(["bash", str(LEASE)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PY": str(fake), "REAL_PY": sys.executable, **env})
+    assert proc.returncode == 0, proc.stderr
+    return (Path(env["OUT"]) / "log.txt").read_text()
+
+
 def test_a_call_brings_every_result_back_in_at_most_8_files(tmp_path):
     """The device tool brings back at most 8 files of at most 16 MiB from $OUT, and the parts
     write some 90 (reports, plots, gpu.py's worker files, XLA's autotuning results). The real
@@ -301,22 +333,10 @@ def test_a_call_brings_every_result_back_in_at_most_8_files(tmp_path):
     archive), the reports apart from the large files, and the temporary files left out."""
     import tarfile
 
-    fake = tmp_path / "fakepy"
-    fake.write_text("""#!/usr/bin/env bash
-out=; while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done
-[ -n "$out" ] || exit 0
-[ -f "$OUT/lease.tar.gz" ] && tar -tzf "$OUT/lease.tar.gz" > "$out.seen.txt"
-echo '{}' > "$out.json"; echo '# report' > "$out.md"; echo png > "$out.png"; echo '{' > "$out.json.tmp"
-mkdir -p "${out}_work/sub" && echo '{}' > "${out}_work/sub/case.json" && echo x > "$(dirname "$out")/.r.json.tmp-1"
-""")
-    fake.chmod(0o755)
     back, res = tmp_path / "back", tmp_path / "res"
     res.mkdir()
     (res / "autotune.pbtxt").write_text("version: 3\n")
-    env = {**os.environ, "OUT": str(back), "RES": str(res), "WORK": str(tmp_path / "work"), "PY": str(fake),
-           "PARTS": "target attncheck", "LIMIT": "100"}
-    proc = subprocess.run(["bash", str(LEASE)], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 0, proc.stderr
+    run_lease(tmp_path, OUT=str(back), RES=str(res), PARTS="target attncheck")
     came = sorted(p.name for p in back.iterdir())
     assert came == ["lease.tar.gz", "lease_extra.tar.gz", "log.txt"]  # (no .part left: each renamed into place)
     assert all(p.stat().st_size < 16 << 20 for p in back.iterdir())
@@ -345,3 +365,39 @@ def test_the_working_tree_a_lease_sends_fits_the_device_tool():
     names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
     tracked = sum(p.stat().st_size for n in names if n and (p := ROOT / n.decode()).is_file())
     assert tracked + (1 << 20) <= 64 << 20, f"{tracked / 2**20:.1f} MiB tracked: the lease's tree would be over 64 MiB"
+
+
+def test_a_later_call_runs_what_the_calls_before_it_left(tmp_path):
+    """The second call of a lease has to start within the 30 s a machine stays warm, so it is one
+    fixed command, PARTS=rest: the parts that failed, were skipped for time or never ran, in
+    the script's order, and the dual part over only the cases its budget skipped (by its
+    report); a part that ended well is not run again, and a third call finds nothing left."""
+    import lease_rest
+
+    default = lease_rest_default_parts()
+    cut = {"cases": [{"batch": 1, "quant": "none", "dlm_jax": {"median_step_seconds": 0.007}},
+                     {"batch": 1, "quant": "int8", "dlm_jax": {"median_step_seconds": 0.004}},
+                     {"batch": 16, "quant": "none", "dlm_jax": {"median_step_seconds": 0.02}},
+                     {"batch": 16, "quant": "int8", "dlm_jax": {"skipped": "skipped: time budget"}},
+                     {"batch": 32, "quant": "int8", "dlm_jax": {}},  # (its worker ended first)
+                     {"batch": 8, "quant": "fp8", "dlm_jax": {"error": "XlaRuntimeError: fp8"}}]}  # (not again)
+    assert lease_rest.unmeasured(cut) == ([16, 32], ["int8"])
+    log = run_lease(tmp_path, OUT=str(tmp_path / "b1"), PARTS="target attncheck dual sweep", FAKE_FAIL="attention_check",
+                    FAKE_REPORT=json.dumps(cut))
+    assert 'dual: left for PARTS=rest: DUAL_BATCHES="16 32" DUAL_QUANTS="int8"' in log
+    log = run_lease(tmp_path, OUT=str(tmp_path / "b2"), PARTS="rest", LIMIT="5000")
+    rest = [p for p in default if p not in ("target", "sweep")]  # (attncheck failed, dual cut, the rest never ran)
+    assert f"rest: {' '.join(rest)}" in log
+    (dual,) = [line for line in log.splitlines() if line.startswith("dual: limit")]
+    args = parse("benchmarks/gpu.py", shlex.split(dual.split(": ", 2)[2])[2:])
+    assert (args.batches, args.quant) == ([16, 32], ["int8"])
+    assert "rest: nothing left" in run_lease(tmp_path, OUT=str(tmp_path / "b3"), PARTS="rest")
+    assert not (tmp_path / "work" / "dual_rest.env").exists()  # (the second call's dual measured them all)
+    # A part whose last call skipped it for time, or failed one of its two steps, is left.
+    state = "1 first ok\n1 probe ok\n2 probe skip\n1 table fail\n3 table ok\n4 first ok\n4 first fail\n"
+    assert lease_rest.parts_left(state, ["first", "probe", "table", "gemm"]) == ["first", "probe", "gemm"]
+
+
+def lease_rest_default_parts() -> list[str]:
+    (line,) = [ln for ln in LEASE.read_text().splitlines() if ln.startswith("DEFAULT_PARTS=")]
+    return line.split("=", 1)[1].strip('"').split()
