@@ -205,7 +205,6 @@ OUT=${OUT:?set OUT to the folder that comes back}
 PY=${PY:-python3}             # the GPU machine's python3 holds JAX with its CUDA plugin
 LIMIT=${LIMIT:-470}           # the whole script's wall-clock seconds
 WORK=${WORK:-/tmp/dlm-jax-lease}  # checkpoint and compilation caches (large: not under $OUT)
-RES=${RES:-}                  # the parts' results (default: a new folder under $WORK), packed into $OUT
 PEER=${PEER:-.peer/Fast-dLLM}
 BATCHES=${BATCHES:-1 8} LARGE_BATCHES=${LARGE_BATCHES:-16 32} QUANTS=${QUANTS:-none int8}
 DUAL_LEFT=${DUAL_BATCHES:+given}${DUAL_QUANTS:+given}  # (given: PARTS=rest keeps them)
@@ -231,7 +230,7 @@ if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the s
 fi
 rm -rf "$WORK/xla" "$WORK/xla-large" "$WORK/xla-first" "$WORK/xla-probe" "$WORK/xla-dual"  # measured cold
 mkdir -p "$OUT" "$WORK"
-RES=${RES:-$(mktemp -d "$WORK/out.XXXXXX")}
+RES=${RES:-$(mktemp -d "$WORK/out.XXXXXX")}  # the parts' results (a new folder a call), packed into $OUT
 mkdir -p "$RES"
 log=$OUT/log.txt
 # Every part's outcome, every call's (`CALL PART ok|fail|skip|cut`), for a later call's PARTS=rest.
