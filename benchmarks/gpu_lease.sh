@@ -264,7 +264,17 @@ part() {
   rc=$?
   echo "$name: exit $rc in $((SECONDS - t0)) s" | tee -a "$log"
   echo "$CALL $CUR $([ $rc = 0 ] && echo ok || echo fail)" >> "$STATE"
+  [ $rc = 0 ] && ENDED_OK[$name]=1
   pack
+}
+declare -A ENDED_OK=()  # the parts of this call that ended with exit 0, by name
+# needs FIRST NAME: whether part NAME, a second process over the cache part FIRST filled in this
+# call, runs: only after FIRST ended with exit 0 (over an empty or half-filled cache it would time
+# compiles under the cache's label); else NAME is recorded skipped.
+needs() {
+  [ -n "${ENDED_OK[$1]:-}" ] && return 0
+  echo "$2: skipped, $1 did not end with exit 0 in this call" | tee -a "$log"; echo "$CALL $CUR skip" >> "$STATE"
+  return 1
 }
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv || true; } > "$RES/smi.txt" 2>&1
 [ -f "$PEER/llada/generate.py" ] || echo "no Fast-dLLM sources in $PEER: run benchmarks/peer_src.sh and carry .peer" | tee -a "$log"
@@ -274,6 +284,8 @@ want() { [[ " $PARTS " == *" $1 "* ]] && CUR=$1; }
 if [ "$PARTS" = rest ]; then
   # shellcheck disable=SC2086
   PARTS=$($PY benchmarks/lease_rest.py parts "$STATE" $DEFAULT_PARTS)
+  # cache load reads the cache the probe cache part fills, in the same call (every call starts cold)
+  [[ " $PARTS " == *" cacheload "* && " $PARTS " != *" probecache "* ]] && PARTS=${PARTS/cacheload/probecache cacheload}
   echo "rest: ${PARTS:-nothing left}" | tee -a "$log"
   if [ -s "$WORK/dual_rest.env" ] && [ -z "$DUAL_LEFT" ] && want dual; then
     eval "$(cat "$WORK/dual_rest.env")" && DUAL_GIVEN=given  # (only what an earlier call's budget cut)
@@ -386,9 +398,9 @@ want probecache && part "probe cache" 150 40 $PY $S "${PROBE[@]}" --threads 4 --
   --out "$RES/probe_cache"
 # A second process over that cache: each program loaded instead of compiled, and its first
 # execution (kernels loaded, command buffers recorded): a second process's first decode.
-want probecache && part "probe cache again" 60 30 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
+want probecache && needs "probe cache" "probe cache again" && part "probe cache again" 60 30 $PY $S "${PROBE[@]}" --threads 4 --xla-cache "$WORK/xla-probe" \
   --out "$RES/probe_cache2"
-want cacheload && part "cache load" 75 30 $PY benchmarks/cache_load.py --kinds refresh prefix --at 0 1 2 3 4 5 6 7 \
+want cacheload && needs "probe cache" "cache load" && part "cache load" 75 30 $PY benchmarks/cache_load.py --kinds refresh prefix --at 0 1 2 3 4 5 6 7 \
   --repeats 1 --xla-cache "$WORK/xla-probe" "${CACHE_X[@]}" --out "$RES/cache_load"
 want probeserial && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$RES/probe_serial"
 want cudnn && part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" \
@@ -399,7 +411,7 @@ want scandsf && part "scan dsf" 40 25 env XLA_FLAGS=--xla_gpu_enable_dynamic_sli
   $PY $S --batches 1 8 --kinds dual --layers scan --reps 10 "${STEP_X[@]}" --out "$RES/scan_dsf"
 want first && part "first cold" 60 40 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cold \
   "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$RES/first_decode"
-want first && part "first cache" 60 15 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cache \
+want first && needs "first cold" "first cache" && part "first cache" 60 15 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cache \
   --prompt-lens 200 "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$RES/first_decode"
 rm -f "$RES"/*.tmp
 pack

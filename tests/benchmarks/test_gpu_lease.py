@@ -4,7 +4,7 @@ which fills the ignored `.peer/Fast-dLLM` the lease carries.
 A lease is 15 minutes of device time drawn by chance: a part that dies on a misspelt flag, or a
 Fast-dLLM copy without the files gpu.py imports, costs a lease that may not come again. The
 script's parts are expanded by bash itself (its own `part` replaced by one that prints what it
-would run) and each is parsed by its benchmark's own argparse parser."""
+would run, each counted as ended well) and each is parsed by its benchmark's own argparse parser."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def lease_parts(tmp_path: Path, *, tuned: bool = True, **env: str) -> list[list[
     text = LEASE.read_text()
     anchor = "\n{ nvidia-smi"
     assert text.count(anchor) == 1, "the lease script's parts start after its nvidia-smi line"
-    stub = f"\npart() {{ printf '%s{SEP}' \"$@\"; printf '\\n'; }}" + anchor
+    stub = f"\npart() {{ printf '%s{SEP}' \"$@\"; printf '\\n'; ENDED_OK[$1]=1; }}" + anchor
     script = tmp_path / "lease.sh"
     script.write_text(text.replace(anchor, stub))
     out, work = tmp_path / "out", tmp_path / "work"
@@ -401,3 +401,22 @@ def test_a_later_call_runs_what_the_calls_before_it_left(tmp_path):
 def lease_rest_default_parts() -> list[str]:
     (line,) = [ln for ln in LEASE.read_text().splitlines() if ln.startswith("DEFAULT_PARTS=")]
     return line.split("=", 1)[1].strip('"').split()
+
+
+def test_a_second_process_over_a_cache_runs_only_after_the_part_that_fills_it(tmp_path):
+    """`probe cache again`, `cache load` and `first cache` time a second process over the cache
+    a part before them filled in the same call (each call starts cold). After that part failed,
+    or was skipped for time, they would time compiles under a cache's label: skipped instead,
+    and PARTS=rest runs the filling part again with them."""
+    log = run_lease(tmp_path, OUT=str(tmp_path / "b1"), PARTS="probecache cacheload", FAKE_FAIL="probe_cache",
+                    LIMIT="5000")
+    assert "probe cache again: skipped, probe cache did not end with exit 0 in this call" in log
+    assert "cache load: skipped, probe cache did not end with exit 0 in this call" in log
+    log = run_lease(tmp_path, OUT=str(tmp_path / "b2"), PARTS="first", LIMIT="45")  # 35 s left: too few for the cold one (40)
+    assert "first cold: skipped" in log and "first cache: skipped, first cold did not end with exit 0" in log
+    assert "first cache: exit" not in log
+    with open(tmp_path / "work" / "parts.state", "a") as f:
+        f.write("9 probecache ok\n")  # (as if a later call had run the probe cache part alone)
+    log = run_lease(tmp_path, OUT=str(tmp_path / "b3"), PARTS="rest", LIMIT="5000")
+    assert re.search(r"^rest: .*\bprobecache cacheload\b", log, re.M)
+    assert "cache load: exit 0" in log and "first cache: exit 0" in log
