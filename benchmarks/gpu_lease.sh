@@ -256,9 +256,7 @@ cap() { local room=$(( LIMIT - (SECONDS - start) - 10 )); echo $(( $1 < room ? $
 # skipped when that is under MIN s.
 part() {
   local name=$1 limit min=$3 t0=$SECONDS rc; limit=$(cap "$2"); shift 3
-  if (( limit < min )); then
-    echo "$name: skipped, $limit s left (needs $min)" | tee -a "$log"; echo "$CALL $CUR skip" >> "$STATE"; return 0
-  fi
+  if (( limit < min )); then skipped "$name" "$limit s left (needs $min)"; return 0; fi
   echo "$name: limit $limit s: $*" >> "$log"
   timeout -k 5 "$limit" "$@" >> "$log" 2>&1
   rc=$?
@@ -268,13 +266,14 @@ part() {
   pack
 }
 declare -A ENDED_OK=()  # the parts of this call that ended with exit 0, by name
+# skipped NAME WHY: part NAME not run, said in the log and recorded for a later PARTS=rest.
+skipped() { echo "$1: skipped, $2" | tee -a "$log"; echo "$CALL $CUR skip" >> "$STATE"; }
 # needs FIRST NAME: whether part NAME, a second process over the cache part FIRST filled in this
 # call, runs: only after FIRST ended with exit 0 (over an empty or half-filled cache it would time
 # compiles under the cache's label); else NAME is recorded skipped.
 needs() {
   [ -n "${ENDED_OK[$1]:-}" ] && return 0
-  echo "$2: skipped, $1 did not end with exit 0 in this call" | tee -a "$log"; echo "$CALL $CUR skip" >> "$STATE"
-  return 1
+  skipped "$2" "$1 did not end with exit 0 in this call"; return 1
 }
 { nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv || true; } > "$RES/smi.txt" 2>&1
 [ -f "$PEER/llada/generate.py" ] || echo "no Fast-dLLM sources in $PEER: run benchmarks/peer_src.sh and carry .peer" | tee -a "$log"
@@ -288,7 +287,7 @@ if [ "$PARTS" = rest ]; then
   [[ " $PARTS " == *" cacheload "* && " $PARTS " != *" probecache "* ]] && PARTS=${PARTS/cacheload/probecache cacheload}
   echo "rest: ${PARTS:-nothing left}" | tee -a "$log"
   if [ -s "$WORK/dual_rest.env" ] && [ -z "$DUAL_LEFT" ] && want dual; then
-    eval "$(cat "$WORK/dual_rest.env")" && DUAL_GIVEN=given  # (only what an earlier call's budget cut)
+    . "$WORK/dual_rest.env" && DUAL_GIVEN=given  # (only what an earlier call's budget cut)
     echo "rest: dual over DUAL_BATCHES=\"$DUAL_BATCHES\" DUAL_QUANTS=\"$DUAL_QUANTS\"" | tee -a "$log"
   fi
 fi
@@ -361,7 +360,7 @@ want fused && part fused 90 40 $PY $S --batches 1 8 --kinds dual prefix --projec
 want cmdbuf && part "command buffers off" 45 25 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
   $PY $S --batches 1 8 --kinds dual prefix --reps 10 --profile "${STEP_X[@]}" --out "$RES/cmdbuf_off"
 if want probeload && [ ! -s "$TUNED" ]; then
-  echo "probe load: skipped, no autotuning results in $TUNED" | tee -a "$log"; echo "$CALL probeload skip" >> "$STATE"
+  skipped "probe load" "no autotuning results in $TUNED"
 elif want probeload; then
   part "probe load" 90 30 env XLA_FLAGS=--xla_gpu_load_autotune_results_from=$TUNED \
     $PY $S "${PROBE[@]}" --threads 4 --out "$RES/probe_load"
