@@ -165,16 +165,12 @@ class MeshShape:
         return ",".join(f"{ax}={getattr(self, ax)}" for ax in MESH_AXES
                         if getattr(self, ax) > 1 or ax == "tp")
 
-    def check(self, config, *, devices: int | None = None, expert_slots: int | None = None,
-              quant: str | None = None) -> None:
+    def check(self, config, *, devices: int | None = None, expert_slots: int | None = None) -> None:
         """Refuse, in one line naming the axis and the sizes, a mesh that does not divide the
-        model's query heads (tp), its routed experts or expert slots (ep), that splits experts
-        weight-only quantized to `quant` (not supported yet), or that needs more than `devices`
-        devices. (A tp the K/V heads do not divide keeps them whole on every
-        device: `kv_heads_split`.)"""
-        if quant is not None and config.ffn == "moe" and (self.tp > 1 or self.ep > 1):
-            raise ConfigError(f"mesh {self} with weight-only quantized experts (quant={quant!r}) is not supported "
-                              f"yet; drop one of them")
+        model's query heads (tp), its routed experts or expert slots (ep), or that needs more
+        than `devices` devices. (A tp the K/V heads do not divide keeps them whole on every
+        device: `kv_heads_split`. Weight-only quantized kernels split as their float ones, their
+        scales along the output axis: the rules above.)"""
         if self.tp > 1 and config.n_heads % self.tp:
             raise ConfigError(f"mesh tp={self.tp} does not divide the model's {config.n_heads} attention heads "
                               f"(n_heads)")

@@ -242,7 +242,7 @@ def mesh_placement(path, mesh, *, expert_slots: int | None = None, quant: str | 
     config = load_config(path, **overrides)[0]
     import jax
 
-    shape.check(config, devices=jax.device_count(), expert_slots=expert_slots, quant=quant)
+    shape.check(config, devices=jax.device_count(), expert_slots=expert_slots)
     from dlm_jax.executors.sharding import MeshPlacement, device_memory
     from dlm_jax.planner import check_fits
 

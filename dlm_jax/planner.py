@@ -300,7 +300,7 @@ def plan(config: ModelConfig, *, devices: int, memory_gib: float, batch: int = 1
     meshes, refused = [], []
     for mesh in _meshes(devices):
         try:
-            mesh.check(config, devices=devices, quant=quant)  # as `dlm_jax.load` checks it
+            mesh.check(config, devices=devices)  # as `dlm_jax.load` checks it
         except ConfigError as e:
             refused.append((mesh, str(e)))
             continue
@@ -316,7 +316,7 @@ def check_fits(config: ModelConfig, mesh: MeshShape | str, *, memory_bytes: int,
     """`mesh`'s plan, refusing in one line (ConfigError) a mesh the model's heads or experts do not
     allow or whose bytes per device exceed `memory_bytes` (what each device has for the decode)."""
     mesh = MeshShape.parse(mesh)
-    mesh.check(config, quant=quant)
+    mesh.check(config)
     _check_request(config, batch=batch, context=context)
     p = _mesh_plan(config, _grouped(config, quant), mesh, usable=memory_bytes, batch=batch, context=context,
                    quant=quant)

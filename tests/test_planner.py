@@ -190,10 +190,15 @@ def test_plan_command_text_and_json(capsys, monkeypatch):
     assert by_mesh["tp=2,ep=1,dp=2"]["kv_bytes"] == kv_bytes_per_device(cfg, "tp=2,dp=2", batch=2, context=512)
     assert by_mesh["tp=1,ep=1,dp=4"]["replicated"] == ["K/V rows (dp=4 does not divide batch 2)"]
 
-    # int8 experts split over ep or tp are refused by `dlm_jax.load`: the plan picks as it loads
+    # int8 experts split over ep and tp as `dlm_jax.load(quant="int8", mesh=...)` splits them
+    # (tests/executors/test_mesh.py decodes them there): 1 byte a weight, the scales alongside
     assert main(["plan", "--model", moe, "--devices", "2", "--memory", "1", "--quant", "int8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["pick"] == "tp=1,ep=1,dp=2" and {m["mesh"] for m in out["meshes"]} == {"tp=1,ep=1,dp=2"}
+    assert out["pick"] == "tp=1,ep=2,dp=1"
+    by_mesh = {m["mesh"]: m for m in out["meshes"]}
+    assert set(by_mesh) == {"tp=1,ep=1,dp=2", "tp=1,ep=2,dp=1", "tp=2,ep=1,dp=1"} and not out["refused"]
+    assert by_mesh["tp=1,ep=2,dp=1"]["weights_bytes"] == weight_bytes_per_device(cfg, "ep=2", quant="int8")
+    assert weight_bytes_per_device(cfg, "ep=2", quant="int8") < 0.6 * weight_bytes_per_device(cfg, "ep=2")
 
     assert main(["plan", "--model", moe, "--devices", "2", "--memory", "0.001"]) == 1  # nothing fits
     assert "nothing fits: the smallest need is" in capsys.readouterr().out

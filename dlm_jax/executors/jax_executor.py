@@ -328,7 +328,7 @@ def _kernel_refusal(config: ModelConfig, mesh) -> str:
 
 def _placement(mesh, model: Transformer, slots: dict):
     """The `MeshPlacement` of `mesh` for `model`, refused in one line where it does not divide
-    the model (`MeshShape.check`) or cannot run it yet."""
+    the model or its expert slots, or needs more devices than it has (`MeshShape.check`)."""
     from dlm_jax._partition import MeshShape
     from dlm_jax.executors.sharding import MeshPlacement
 
@@ -336,8 +336,7 @@ def _placement(mesh, model: Transformer, slots: dict):
         model.config)
     shape = placement.shape
     slot_count = next(iter(slots.values())).resident.size if slots else None
-    shape.check(model.config, devices=placement.mesh.devices.size, expert_slots=slot_count,
-                quant=getattr(model, "quant", None))
+    shape.check(model.config, devices=placement.mesh.devices.size, expert_slots=slot_count)
     return placement
 
 

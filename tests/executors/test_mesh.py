@@ -112,8 +112,15 @@ def test_every_preset_on_expert_and_data_parallel_meshes():
          "presets": ["fast-dllm", "fast-dllm-dual"]},
         {"model": "models/idlm-tiny", "mesh": "dp=2", "presets": ["isd"]},
         {"model": "models/ar-tiny", "mesh": "dp=2", "presets": ["ar"]},
-        # int8 routed experts on a data-parallel mesh (their [E, O] scales take a spec of their own)
-        {"model": "models/moe-tiny", "mesh": "dp=2", "load": {"quant": "int8"}, "presets": ["fast-dllm"]}]})
+        # int8 / fp8 routed experts (their [E, O] scales take a spec of their own) on data-,
+        # expert- and tensor-parallel meshes, both exchanges, float32 and bfloat16 activations
+        {"model": "models/moe-tiny", "mesh": "dp=2", "load": {"quant": "int8"}, "presets": ["fast-dllm"]},
+        {"model": "models/moe-tiny", "mesh": "ep=2,tp=2", "load": {"quant": "int8"},
+         "presets": ["fast-dllm", "fast-dllm-dual"]},
+        {"model": "models/moe-tiny", "mesh": "ep=4", "exchange": "all_to_all", "load": {"quant": "fp8"},
+         "presets": ["fast-dllm"]},
+        {"model": "models/moe-tiny", "mesh": "tp=2", "load": {"quant": "int8", "dtype": "bfloat16",
+                                                             "param_dtype": "bfloat16"}, "presets": ["fast-dllm-dual"]}]})
     assert_same(report)
     assert_bytes(report)
 
@@ -158,16 +165,13 @@ def test_two_processes_decode_as_one():
     ("tp=8", "tp=8 does not divide the model's 4 attention heads"),
     ("ep=2", "ep=2: the model has no routed experts"),
     ("tp=2", "needs 2 devices"),
-    ("ep=2 int8", "with weight-only quantized experts (quant='int8') is not supported"),
 ])
 def test_bad_meshes_are_refused_before_loading(monkeypatch, mesh, words):
     import dlm_jax.checkpoint._io as io
 
     monkeypatch.setattr(io, "load_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
-    mesh, _, quant = mesh.partition(" ")
-    model = "models/moe-tiny" if quant else "models/llada-tiny"
     with pytest.raises(ConfigError, match=re.escape(words)) as err:
-        dlm_jax.load(model, mesh=mesh, quant=quant or None)
+        dlm_jax.load("models/llada-tiny", mesh=mesh)
     assert "\n" not in str(err.value)
 
 
