@@ -110,8 +110,22 @@ def _mesh_setup(args: argparse.Namespace):
     if coordinator is not None:
         from dlm_jax.executors.sharding import join_processes
 
+        if getattr(args, "entry_point", False):
+            _native_stdout_to_stderr()
         join_processes(coordinator, num_processes=processes, process_id=rank)
     return mesh
+
+
+def _native_stdout_to_stderr() -> None:
+    """Send what native code writes to the process's stdout to stderr, keeping Python's own
+    output (the command's results) on stdout: in a run of several CPU processes, gloo prints a
+    line per connection to stdout (file descriptor 1), which would land among the completions.
+    For the command's own process only (it swaps file descriptor 1)."""
+    sys.stdout.flush()
+    results = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(results, "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors,
+                           buffering=1 if sys.stdout.line_buffering else -1)
 
 
 def _export_progress():

@@ -157,6 +157,31 @@ def test_two_processes_decode_as_one():
     assert outs[0]["cases"][0]["presets"] == outs[1]["cases"][0]["presets"]
 
 
+@pytest.mark.slow
+def test_two_command_processes_print_only_their_completions():
+    """`dlm-jax generate --coordinator ...` in two processes on this CPU: each one's stdout is its
+    completion alone (gloo writes a line per connection to the process's stdout: the command
+    sends the native stdout to stderr), and both are one device's."""
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    argv = [sys.executable, "-m", "dlm_jax.frontends.cli", "generate", "--model", "models/llada-tiny", "--mesh",
+            "tp=2,dp=2", "--coordinator", coordinator, "--num-processes", "2", "--prompt", "564+894=",
+            "--prompt", "66+76="]
+    procs = [subprocess.Popen([*argv, "--process-id", str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=ROOT) for rank in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    one = dlm_jax.load(ROOT / "models" / "llada-tiny", executor="jax").generate(
+        ["564+894=", "66+76="], dlm_jax.decode_config()).texts
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert out.splitlines() == one, (out, err[-2000:])
+
+
 # -- refusals: one line, before any weight is read ----------------------------------------------
 
 
