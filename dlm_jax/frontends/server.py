@@ -61,7 +61,7 @@ MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 HISTOGRAM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # Fields of OpenAI's requests that dlm-jax does not implement, accepted at their neutral value only.
-NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
+NEUTRAL = {"best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
            "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",), "tools": ([],),
            "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "parallel_tool_calls": (False, True),
            "service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
@@ -438,7 +438,7 @@ class Service:
                            param="model", reason="unknown_model", code="model_not_found")
         for name, accepted in NEUTRAL.items():
             if name in body and not any(_same(body[name], a) for a in accepted):
-                what = f"{name} other than 1" if name in ("n", "best_of") else name
+                what = f"{name} other than 1" if name == "best_of" else name
                 raise ApiError(400, f"{what} is not supported by dlm-jax serve ({name}={json.dumps(body[name])[:60]})",
                                param=name)
         _typed(body, "user", (str,), "a string")
@@ -460,15 +460,22 @@ class Service:
                 raise ApiError(400, "max_tokens and max_completion_tokens differ", param="max_completion_tokens")
             max_tokens = alt if max_tokens is None else max_tokens
         seed = _number(body, "seed", 0, 2**31 - 1, integer=True)
+        cap = self.engine.core.max_batch * 4  # decodes one request may queue
+        n = _number(body, "n", 1, cap, integer=True) or 1
         stops = _stops(body)
         if stops and not self.model.has_tokenizer:
             raise ApiError(400, "stop strings need a tokenizer; this model has none", param="stop")
         changes = decode_changes(body, max_tokens, self.engine.options, base=self.config)
         chat = (body.get("dlm_jax") or {}).get("chat")
         prompts = self._prompts(body, kind, chat)
-        gen = self.engine.options(changes).gen_len
-        return prompts, changes, {"stream": stream, "include_usage": include_usage, "seed": seed, "stops": stops,
-                                  "max_tokens": max_tokens or gen}
+        if len(prompts) * n > cap:
+            raise ApiError(400, f"{len(prompts)} prompts x n={n} choices in one request; at most {cap} in all",
+                           param="n")
+        options = self.engine.options(changes)
+        # choice j of a prompt samples with seed + j (seed: the request's, else the preset's)
+        seeds = [((options.proposer.seed if seed is None else seed) + j) % 2**31 for j in range(n)]
+        return prompts, changes, {"stream": stream, "include_usage": include_usage, "seeds": seeds, "stops": stops,
+                                  "max_tokens": max_tokens or options.gen_len}
 
     def _prompts(self, body: dict, kind: str, chat: bool | None) -> list[list[int]]:
         model = self.model
@@ -510,7 +517,7 @@ class Service:
                     isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompt):
             raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
                                 "such lists (none empty)", param="prompt")
-        if len(prompt) > self.engine.core.max_batch * 4:
+        if len(prompt) > self.engine.core.max_batch * 4:  # (before encoding them: n is checked after)
             raise ApiError(400, f"{len(prompt)} prompts in one request; at most {self.engine.core.max_batch * 4}",
                            param="prompt")
         out = []
@@ -524,13 +531,15 @@ class Service:
         return out
 
     def submit(self, prompts: list[list[int]], changes: dict, rest: dict) -> list:
-        """Each prompt on the engine (called on a worker thread: `submit` may wait for a tick).
-        A prompt the engine refuses (too long, options it cannot run, a full queue) cancels the
-        ones submitted before it."""
+        """Each prompt on the engine, once per choice (`n`; called on a worker thread: `submit` may
+        wait for a tick), in the choices' order: prompt i's choice j is handle i * n + j. A prompt
+        the engine refuses (too long, options it cannot run, a full queue) cancels the ones
+        submitted before it."""
         handles = []
         try:
             for ids in prompts:
-                handles.append(self.engine.submit(ids, changes, seed=rest["seed"], chat=False, stop=rest["stops"]))
+                for seed in rest["seeds"]:
+                    handles.append(self.engine.submit(ids, changes, seed=seed, chat=False, stop=rest["stops"]))
         except QueueFull as e:
             for h in handles:
                 h.cancel()

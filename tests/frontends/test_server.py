@@ -169,6 +169,35 @@ def test_completion_forms_stop_and_max_tokens(live, model):
     assert r["choices"][0]["text"] == model.tokenizer.decode(sorted_[:5])
 
 
+def test_n_choices_are_decodes_with_consecutive_seeds(live, model):
+    """`n` choices of each prompt, from OpenAI's client, streamed or not: choice j of prompt i
+    (index i * n + j) is the solo decode with seed `seed + j`; the usage counts each prompt once."""
+    import openai
+
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
+    sampled = dlm_jax.preset("fast-dllm", gen_len=32, temperature=1.5)
+    prompts = [PROMPTS[4], PROMPTS[3]]
+    out = model.generate([p for p in prompts for _ in range(3)], sampled, seeds=[7, 8, 9] * 2)
+    want = out.texts
+    assert len(set(want[:3])) > 1  # (the seeds sample differently here: a shared seed would show)
+    got = client.completions.create(model=NAME, prompt=prompts, n=3, seed=7, temperature=1.5, max_tokens=32)
+    assert [c.index for c in got.choices] == list(range(6)) and [c.text for c in got.choices] == want
+    assert got.usage.prompt_tokens == sum(len(model.encode(p)) for p in prompts)
+    assert got.usage.completion_tokens == sum(len(ids) for ids in out.token_ids)
+    streamed = {}
+    for chunk in client.completions.create(model=NAME, prompt=prompts, n=3, seed=7, temperature=1.5, max_tokens=32,
+                                           stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(6)] == want
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[4]}], n=2,
+                                          seed=7, temperature=1.5, max_tokens=32)
+    assert [c.message.content for c in chat.choices] == want[:2]
+    greedy = client.completions.create(model=NAME, prompt=PROMPTS[0], n=2, max_tokens=32)
+    solo = model.generate([PROMPTS[0]], dlm_jax.preset("fast-dllm", gen_len=32)).texts[0]
+    assert [c.text for c in greedy.choices] == [solo, solo]
+
+
 def test_streamed_text_never_takes_back_what_it_sent(model):
     """The pieces a stream sends join to the final text, token by token: a multibyte UTF-8
     character is held back until all its bytes are final (no replacement character is sent),
@@ -304,7 +333,10 @@ BAD = {  # class: (body bytes or object, status, words the message names)
     "unknown decode option": ({"model": NAME, "prompt": "1", "dlm_jax": {"speed": 2}}, 400, "dlm_jax.speed"),
     "option of another decoder": ({"model": NAME, "prompt": "1", "dlm_jax": {"stride": 2}}, 400, "stride"),
     "token id outside the vocabulary": ({"model": NAME, "prompt": [1, 99999]}, 400, "99999"),
-    "n > 1": ({"model": NAME, "prompt": "1", "n": 3}, 400, "n other than 1"),
+    "best_of > 1": ({"model": NAME, "prompt": "1", "best_of": 3}, 400, "best_of other than 1"),
+    "n = 0": ({"model": NAME, "prompt": "1", "n": 0}, 400, "n=0 is out of range"),
+    "n x prompts past the queue's share": ({"model": NAME, "prompt": ["1", "2", "3"], "n": 6}, 400,
+                                           "3 prompts x n=6 choices in one request; at most 16"),
     "no model": ({"prompt": "1"}, 400, "model is required"),
     "unknown model": ({"model": "gpt-4", "prompt": "1"}, 404, "not served here"),
     "non-UTF-8 bytes": (b'{"model": "llada-tiny", "prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
