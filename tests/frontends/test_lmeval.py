@@ -192,12 +192,55 @@ def test_generation_length_and_stop_strings(llada, lmeval):
 
 
 def test_a_mesh_model_arg_decodes_on_the_mesh(llada, lmeval):
-    """`mesh=` reaches `dlm_jax.load`: a one-device mesh here (tests/executors/test_mesh.py covers
-    meshes of several), whose executor holds a placement and answers as the plain one."""
+    """`mesh=` reaches `dlm_jax.load`: a one-device mesh here (meshes of several devices: the slow
+    test below), whose executor holds a placement and answers as the plain one."""
     lm = lmeval.DlmJaxLM(pretrained=str(LLADA), executor="jax", gen_len=64, mesh="tp=1")
     assert lm.handle.executor.placement is not None
     req = [_req("564+894=", {"until": [], "max_gen_toks": 64})]
     assert lm.generate_until(req, disable_tqdm=True) == llada.generate_until(req, disable_tqdm=True) == ["1458"]
+
+
+_ON_A_MESH = """
+import json, os, sys, types
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax
+from dlm_jax.frontends.lmeval import DlmJaxLM
+
+path, mesh, causal = sys.argv[1], sys.argv[2], sys.argv[3] == "causal"
+req = lambda *args: types.SimpleNamespace(args=args)
+out = {}
+for name, extra in (("one", {}), ("mesh", {"mesh": mesh})):
+    lm = DlmJaxLM(pretrained=path, executor="jax", gen_len=64, **extra)
+    placement = lm.handle.executor.placement
+    out[name] = {"devices": 1 if placement is None else placement.mesh.devices.size,
+                 "until": lm.generate_until([req("564+894=", {"until": [], "max_gen_toks": 64}),
+                                             req("sort: 9 3 27", {"until": [], "max_gen_toks": 64})], disable_tqdm=True),
+                 "ll": lm.loglikelihood([req("564+894=", "1458"), req("564+894=", "1400"), req("12+9=", "21")],
+                                        disable_tqdm=True),
+                 "rolling": lm.loglikelihood_rolling([req("def f(x): x+12")], disable_tqdm=True) if causal else []}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, mesh, kind", [(LLADA, "tp=2;dp=2", "masked"), (AR, "tp=2", "causal")])
+def test_a_mesh_of_several_devices_answers_and_scores_as_one(model, mesh, kind):
+    """lm-eval's `mesh=` on host devices (a process of its own): generate_until answers as one
+    device, and the log-likelihoods (the masked diffusion's Monte Carlo estimate, seeded, or the
+    exact autoregressive sum) equal one device's up to the order of the sums split over tp."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    run = subprocess.run([sys.executable, "-c", _ON_A_MESH, str(model), mesh, kind], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    one, on_mesh = got["one"], got["mesh"]
+    assert (one["devices"], on_mesh["devices"]) == (1, dlm_jax.MeshShape.parse(mesh).size)
+    assert on_mesh["until"] == one["until"] and any(one["until"])
+    for (lp, greedy), (lp_one, greedy_one) in zip(on_mesh["ll"], one["ll"]):
+        assert greedy == greedy_one and lp == pytest.approx(lp_one, rel=1e-4, abs=1e-4)
+    assert on_mesh["rolling"] == pytest.approx(one["rolling"], rel=1e-4, abs=1e-4) and len(one["rolling"]) == (
+        kind == "causal")
 
 
 # ---------------------------------------------------------------------------------------------
