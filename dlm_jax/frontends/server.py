@@ -421,6 +421,11 @@ class Service:
             raise ApiError(503, "the server is shutting down and admits no new requests", reason="draining",
                            kind="server_error", code="shutting_down")
 
+    @property
+    def max_decodes(self) -> int:
+        """The decodes one request may queue (its prompts times `n`): four times the rows."""
+        return self.engine.core.max_batch * 4
+
     def parse(self, body: dict, kind: str) -> tuple[list[list[int]], dict, dict]:
         """(prompts as ids, decode changes, the rest) of a request body, or an ApiError."""
         fields = COMPLETION_FIELDS if kind == "text_completion" else CHAT_FIELDS
@@ -460,7 +465,7 @@ class Service:
                 raise ApiError(400, "max_tokens and max_completion_tokens differ", param="max_completion_tokens")
             max_tokens = alt if max_tokens is None else max_tokens
         seed = _number(body, "seed", 0, 2**31 - 1, integer=True)
-        cap = self.engine.core.max_batch * 4  # decodes one request may queue
+        cap = self.max_decodes
         n = _number(body, "n", 1, cap, integer=True) or 1
         stops = _stops(body)
         if stops and not self.model.has_tokenizer:
@@ -517,8 +522,8 @@ class Service:
                     isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompt):
             raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
                                 "such lists (none empty)", param="prompt")
-        if len(prompt) > self.engine.core.max_batch * 4:  # (before encoding them: n is checked after)
-            raise ApiError(400, f"{len(prompt)} prompts in one request; at most {self.engine.core.max_batch * 4}",
+        if len(prompt) > self.max_decodes:  # (before encoding them: n is checked after)
+            raise ApiError(400, f"{len(prompt)} prompts in one request; at most {self.max_decodes}",
                            param="prompt")
         out = []
         for p in prompt:

@@ -131,26 +131,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_decode_as_one():
-    """One mesh over two processes (jax.distributed on 127.0.0.1, gloo collectives), each with
-    two host devices, each running the same host loop: the tokens of one process on one device."""
-    case = {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "presets": ["fast-dllm", "fast-dllm-dual"]}
+def _two_processes(argv) -> list[tuple[str, str]]:
+    """(stdout, stderr) of the two processes `argv(coordinator, rank)` starts, joined on a free
+    loopback port, each with its own host devices (XLA_FLAGS dropped); each must exit 0."""
     coordinator = f"127.0.0.1:{_free_port()}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, str(DRIVER), json.dumps(
-        {"devices": 2, "cases": [case], "processes": [coordinator, 2, rank]})], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for rank in range(2)]
+    procs = [subprocess.Popen(argv(coordinator, rank), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=ROOT) for rank in range(2)]
     outs = []
     try:
         for p in procs:
             out, err = p.communicate(timeout=300)
             assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
+            outs.append((out, err))
     finally:
         for p in procs:
             p.kill()
+    return outs
+
+
+@pytest.mark.slow
+def test_two_processes_decode_as_one():
+    """One mesh over two processes (jax.distributed on 127.0.0.1, gloo collectives), each with
+    two host devices, each running the same host loop: the tokens of one process on one device."""
+    case = {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "presets": ["fast-dllm", "fast-dllm-dual"]}
+    outs = [json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+            for out, _ in _two_processes(lambda coordinator, rank: [sys.executable, str(DRIVER), json.dumps(
+                {"devices": 2, "cases": [case], "processes": [coordinator, 2, rank]})])]
     for report in outs:
         assert report["cases"][0]["devices"] == 2  # this process's share of the 4 devices
         assert_same(report)
@@ -162,23 +170,13 @@ def test_two_command_processes_print_only_their_completions():
     """`dlm-jax generate --coordinator ...` in two processes on this CPU: each one's stdout is its
     completion alone (gloo writes a line per connection to the process's stdout: the command
     sends the native stdout to stderr), and both are one device's."""
-    coordinator = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
-    argv = [sys.executable, "-m", "dlm_jax.frontends.cli", "generate", "--model", "models/llada-tiny", "--mesh",
-            "tp=2,dp=2", "--coordinator", coordinator, "--num-processes", "2", "--prompt", "564+894=",
-            "--prompt", "66+76="]
-    procs = [subprocess.Popen([*argv, "--process-id", str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env, cwd=ROOT) for rank in range(2)]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outs = _two_processes(lambda coordinator, rank: [
+        sys.executable, "-m", "dlm_jax.frontends.cli", "generate", "--model", "models/llada-tiny", "--mesh",
+        "tp=2,dp=2", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(rank),
+        "--prompt", "564+894=", "--prompt", "66+76="])
     one = dlm_jax.load(ROOT / "models" / "llada-tiny", executor="jax").generate(
         ["564+894=", "66+76="], dlm_jax.decode_config()).texts
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
+    for out, err in outs:
         assert out.splitlines() == one, (out, err[-2000:])
 
 
