@@ -48,6 +48,17 @@ device's, the step time (median of `--repeats` decodes), and the bytes the colle
 compiled step program move (their output shapes read from the program's HLO after SPMD
 partitioning, summed per kind: one pass of the step, each MoE layer once).
 
+Data parallelism (`--dp`, default 2; none with `--small`): the shipped `models/llada-tiny`, 16
+prompts through the continuous-batching engine (`max_batch` 8, generation 32, fast-dllm-dual),
+on one device and on `dp=N` meshes, with the CPU's row forms (`rows="each"`, gathered attention)
+and a GPU's (`rows="batched"`, the cache read in place: "split"). On each mesh twice: with the
+engine placing requests by replica (each replica computes its own rows over its own cache rows)
+and with an engine that does not (`engine_replicas = 1`: its calls' rows cross the replicas
+and run the whole mesh's program, as every call did before the per-replica steps). Per case:
+the seconds of the 16 requests (median of `--repeats` after one untimed run), tokens/s, the
+tokens and per-request NFE against one device's, and the collective bytes of the largest of the
+engine's step programs beside one cache row's K/V bytes.
+
 Prints the JSON; writes <out>.json, <out>.md and <out>.png (step time and per-device weight MB
 against tp) through a temporary file and a rename.
 """
@@ -84,6 +95,7 @@ from dlm_jax._model import Model  # noqa: E402
 from dlm_jax._partition import param_name  # noqa: E402
 from dlm_jax._tokenizer import ByteTokenizer  # noqa: E402
 from dlm_jax.executors.jax_executor import JaxExecutor  # noqa: E402
+from dlm_jax.executors.sharding import collective_bytes  # noqa: E402
 from dlm_jax.models._params import init_model  # noqa: E402
 
 PROMPT = "Decode past one device: tp=1..8."  # 32 bytes, 32 tokens of the byte tokenizer
@@ -97,26 +109,69 @@ FLASH_CONFIG = ROOT / "examples" / "configs" / "llada2.0-flash" / "config.json"
 MB = 1e6
 MOE_MODEL = ROOT / "models" / "moe-tiny"
 MOE_PROMPTS = ["564+894=", "sort: 37 44 13 33 47 48", "66+76=", "12+9="]
-_COLLECTIVE = re.compile(r"\s(all-reduce|all-to-all|all-gather|reduce-scatter|collective-permute)(-start)?\(")
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8}
 
 
-def collective_bytes(hlo: str) -> dict[str, dict[str, int]]:
-    """{kind: {"ops": n, "bytes": output bytes}} of the collectives in an HLO module's text."""
-    out: dict[str, dict[str, int]] = {}
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m is None or "=" not in line[:m.start()]:
-            continue
-        shapes = line[line.index("=") + 1:m.start()]  # the op's output shape(s): `%name = <shapes> op(`
-        size = sum(_DTYPE_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                   for t, dims in _SHAPE.findall(shapes))
-        entry = out.setdefault(m.group(1), {"ops": 0, "bytes": 0})
-        entry["ops"] += 1
-        entry["bytes"] += size
-    return out
+REPLICA_MODEL = ROOT / "models" / "llada-tiny"
+REPLICA_PROMPTS = ["564+894=", "sort: 37 44 13 33 47 48", "66+76=", "12+9=", "7+8=", "sort: 9 4 1 7", "100+23=",
+                   "5+5=", "318+27=", "sort: 5 3 8", "41+59=", "sort: 12 7 30 2", "9+90=", "250+250=", "sort: 1 1 0",
+                   "73+8="]
+# (rows, attention): the CPU's defaults, and the forms a GPU runs (batched rows, the cache read in place)
+REPLICA_FORMS = (("each", "gather"), ("batched", "split"))
+
+
+class _Unplaced(JaxExecutor):
+    """A JAX executor whose engine places no request by replica: its calls' rows cross the
+    replicas, so each runs the whole mesh's program (how every engine call ran on a dp mesh
+    before the per-replica steps)."""
+
+    engine_replicas = 1
+
+
+def _biggest_collectives(executor: JaxExecutor) -> dict[str, dict[str, int]]:
+    per_program = [collective_bytes(executor._resident.get(k).as_text()) for k in executor._resident.keys]
+    return max(per_program, key=lambda c: sum(v["bytes"] for v in c.values()), default={})
+
+
+def run_replicas(dps: list[int], repeats: int, gen: int) -> dict[str, Any]:
+    """Data parallelism through the engine: the replicas section of the module docstring."""
+    handle = dlm_jax.load(REPLICA_MODEL, executor="jax")
+    cfg = dlm_jax.preset("fast-dllm-dual", gen_len=gen)
+    batch = 8
+    mc = handle.model.config
+    rows = []
+    for form, attention in REPLICA_FORMS:
+        base = None
+        for dp in [1] + [d for d in dps if d <= len(jax.devices())]:
+            for placed in ((True,) if dp == 1 else (True, False)):
+                kind = JaxExecutor if placed else _Unplaced
+                executor = kind(handle.model, mesh=None if dp == 1 else f"dp={dp}", rows=form, attention=attention)
+                model = Model(handle.model, handle.tokenizer, executor=executor)
+                warm = model.generate(REPLICA_PROMPTS, cfg, max_batch=batch)
+                seconds = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    res = model.generate(REPLICA_PROMPTS, cfg, max_batch=batch)
+                    seconds.append(time.perf_counter() - t0)
+                base = base or warm
+                biggest = _biggest_collectives(executor) if dp > 1 else {}
+                tokens = sum(len(t) for t in res.token_ids)
+                row = {"rows": form, "attention": attention, "dp": dp, "placed": placed,
+                       "identical": warm.token_ids == base.token_ids and list(warm.stats.request_nfe)
+                       == list(base.stats.request_nfe), "seconds_median": round(statistics.median(seconds), 4),
+                       "tokens": tokens, "tokens_per_s": round(tokens / statistics.median(seconds), 1),
+                       "calls": res.stats.nfe, "collectives": biggest,
+                       "collective_bytes": sum(v["bytes"] for v in biggest.values()),
+                       "row_kv_bytes": 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * executor.capacity(
+                           max(len(handle.tokenizer.encode(p)) for p in REPLICA_PROMPTS) + gen) * 4}
+                assert row["identical"], f"dp={dp} {form}: tokens differ from one device"
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                executor.close()
+    for r in rows:
+        one = next(b for b in rows if b["rows"] == r["rows"] and b["dp"] == 1)
+        r["speedup"] = round(one["seconds_median"] / r["seconds_median"], 3)
+    return {"model": str(REPLICA_MODEL.relative_to(ROOT)), "prompts": len(REPLICA_PROMPTS), "max_batch": batch,
+            "gen_len": gen, "preset": "fast-dllm-dual", "repeats": repeats, "rows": rows}
 
 
 def run_experts(eps: list[int], repeats: int, gen: int) -> dict[str, Any]:
@@ -136,14 +191,11 @@ def run_experts(eps: list[int], repeats: int, gen: int) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 res = model.generate(MOE_PROMPTS, cfg, max_batch=len(MOE_PROMPTS))
                 step_ms.append(1e3 * (time.perf_counter() - t0) / res.stats.nfe)
-            keys = executor._resident.keys
-            texts = [executor._resident.get(k).as_text() for k in keys]
-            per_program = [collective_bytes(t) for t in texts]
-            biggest = max(per_program, key=lambda c: sum(v["bytes"] for v in c.values()))
+            biggest = _biggest_collectives(executor)
             rows.append({"ep": ep, "exchange": exchange, "identical": warm.token_ids == base.token_ids
                          and warm.stats.nfe == base.stats.nfe, "nfe": warm.stats.nfe,
                          "step_ms_median": round(statistics.median(step_ms), 3),
-                         "programs": len(keys), "collectives": biggest,
+                         "programs": len(executor._resident.keys), "collectives": biggest,
                          "collective_bytes": sum(v["bytes"] for v in biggest.values())})
             assert rows[-1]["identical"], f"ep={ep} {exchange}: tokens differ from one device"
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -348,7 +400,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tp_skipped": skipped, "identical": all(r["identical"] for r in rows), "rows": rows,
             "planner": plan_flash(),
             "experts": run_experts(args.ep, args.repeats, args.gen) if args.ep else None,
+            "replicas": run_replicas(args.dp, args.repeats, 32) if args.dp else None,
             "wall_s": round(time.perf_counter() - t_start, 1)}
+
+
+def _ops(row: dict[str, Any]) -> str:
+    """A row's collectives as "kind count, ..."."""
+    return ", ".join(f"{k} {v['ops']}" for k, v in sorted(row["collectives"].items()))
 
 
 def markdown(rep: dict[str, Any]) -> str:
@@ -403,9 +461,27 @@ def markdown(rep: dict[str, Any]) -> str:
                   "| ep | exchange | step ms | collective MB per step | ops (kind: count) | identical |",
                   "|---:|---|---:|---:|---|---|"]
         for r in ex["rows"]:
-            ops = ", ".join(f"{k} {v['ops']}" for k, v in sorted(r["collectives"].items()))
             lines.append(f"| {r['ep']} | {r['exchange']} | {r['step_ms_median']:.1f} | "
-                         f"{r['collective_bytes'] / MB:.3f} | {ops} | {'yes' if r['identical'] else 'no'} |")
+                         f"{r['collective_bytes'] / MB:.3f} | {_ops(r)} | {'yes' if r['identical'] else 'no'} |")
+    rp = rep.get("replicas")
+    if rp:
+        lines += ["", "## Data parallelism: each replica its own requests", "",
+                  f"`{rp['model']}`, {rp['prompts']} prompts through the engine (`max_batch` {rp['max_batch']}, "
+                  f"generation {rp['gen_len']}, {rp['preset']}), median of {rp['repeats']} runs after one untimed. "
+                  "Placed: the engine places each request's cache row in a replica and lays each call out by "
+                  "replica, so each replica computes its own rows (the per-replica step); unplaced: the same "
+                  "executor with an engine that does not, whose calls run the whole mesh's program. Collective "
+                  "bytes: as above, the largest of the engine's step programs; a cache row's K/V for scale.", "",
+                  "| rows, attention | mesh | placed | seconds | tokens/s | vs one device | collective KB per step "
+                  "| ops (kind: count) | a row's K/V KB | identical |",
+                  "|---|---|---|---:|---:|---:|---:|---|---:|---|"]
+        for r in rp["rows"]:
+            ops = _ops(r) or "-"
+            mesh = "one device" if r["dp"] == 1 else f"dp={r['dp']}"
+            placed = "-" if r["dp"] == 1 else ("yes" if r["placed"] else "no")
+            lines.append(f"| {r['rows']}, {r['attention']} | {mesh} | {placed} | {r['seconds_median']:.2f} | "
+                         f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['collective_bytes'] / 1e3:.1f} | {ops} | "
+                         f"{r['row_kv_bytes'] / 1e3:.0f} | {'yes' if r['identical'] else 'no'} |")
     if rep["tp_skipped"]:
         lines += ["", f"Not run (more devices than the {env['devices']} visible): tp "
                   + ", ".join(map(str, rep["tp_skipped"])) + "."]
@@ -464,12 +540,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "the compile seconds are real compiles)")
     p.add_argument("--ep", type=int, nargs="*", help="expert-parallel sizes of the expert-exchange comparison "
                    "(default 2 4 8; --small: none; --ep with no size: none)")
+    p.add_argument("--dp", type=int, nargs="*", help="data-parallel sizes of the replicas comparison "
+                   "(default 2; --small: none; --dp with no size: none)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mesh"), help="output path stem")
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.small else 3
     if args.ep is None:
         args.ep = [] if args.small else [2, 4, 8]
+    if args.dp is None:
+        args.dp = [] if args.small else [2]
     if args.repeats < 1 or any(t < 1 for t in args.tp):
         p.error("--repeats and --tp take whole numbers >= 1")
     rep = run(args)

@@ -114,14 +114,15 @@ def kv_bytes_per_device(config: ModelConfig, mesh: MeshShape | str, *, batch: in
     """The JAX executor's K/V cache bytes on each device of `mesh` for `batch` rows of `context`
     positions: keys and values [L, B, Hkv, S, Dh] in the compute dtype (`config.dtype`), S =
     `cache_slots(config, context)`, split as `cache_axes` says (heads over tp, rows over dp where
-    dp divides them), plus the slots' positions (int32), validity and written flags (bool), each
-    [B, S] and whole on every device."""
+    dp divides them), plus the slots' positions (int32) and validity (bool), each [B, S] and whole
+    on every device, and their written flags (bool [B, S], rows over dp as the K/V's)."""
     mesh = MeshShape.parse(mesh)
     slots = cache_slots(config, context)
     axes = cache_axes(mesh, batch, config)
     shape = (config.n_layers, batch, config.n_kv_heads, slots, config.head_dim)
     kv = 2 * int(np.prod(shape, dtype=np.int64)) * np.dtype(config.dtype).itemsize // split_factor(axes, mesh.sizes)
-    return kv + batch * slots * (4 + 1 + 1)
+    rows = batch // mesh.dp if axes[1] == "dp" else batch
+    return kv + batch * slots * (4 + 1) + rows * slots
 
 
 def _part(n: int, ways: int) -> int:

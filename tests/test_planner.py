@@ -107,7 +107,8 @@ def test_kv_bytes_by_hand():
     per_slot_row = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # K and V
     flags = 4 + 1 + 1  # position, validity, written
     assert kv_bytes_per_device(cfg, "tp=1", batch=2, context=300) == 2 * 512 * (per_slot_row + flags)
-    assert kv_bytes_per_device(cfg, "tp=2,dp=2", batch=2, context=300) == 512 * per_slot_row // 2 + 2 * 512 * flags
+    # (the written flags split their rows over dp as the K/V do; positions and validity whole)
+    assert kv_bytes_per_device(cfg, "tp=2,dp=2", batch=2, context=300) == 512 * per_slot_row // 2 + 2 * 512 * 5 + 512
     assert kv_bytes_per_device(cfg, "dp=2", batch=3, context=40) == 3 * 256 * (per_slot_row + flags)  # rows whole
 
 

@@ -191,6 +191,10 @@ class AutoExecutor(Executor):
     def engine_padding(self) -> str:
         return self._current.engine_padding
 
+    @property
+    def engine_replicas(self) -> int:
+        return self._current.engine_replicas
+
     def open(self, config, positions, valid):
         return self._current.open(config, positions, valid)
 

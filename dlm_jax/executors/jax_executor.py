@@ -226,10 +226,10 @@ def pack_request(arrays: Mapping[str, np.ndarray], layout) -> np.ndarray:
 
 def unpack_request(packed: jax.Array, layout) -> list[jax.Array]:
     """The arrays of a packed request (`pack_request`), in `layout`'s order, each in its own
-    shape and dtype."""
+    shape and dtype (its rows `packed`'s: a replica's share in a per-replica step)."""
     out = []
     for _, start, width, shape, dtype in layout:
-        x = packed[:, start:start + width].reshape(shape)
+        x = packed[:, start:start + width].reshape((packed.shape[0], *shape[1:]))
         out.append(x != 0 if dtype == "bool" else
                    jax.lax.bitcast_convert_type(x, jnp.float32) if dtype == "float32" else x)
     return out
@@ -431,6 +431,24 @@ def scatter_rows(k_res, v_res, written, k_new, v_new, write, rows):
     return k_res, v_res, written.at[at, target].set(True, **store)
 
 
+def replica_local(rows: np.ndarray, pool: int, replicas: int) -> bool:
+    """Whether a step's batch rows `rows` [B] (cache rows of a pool of `pool` rows; -1 a padding
+    row) can run per replica (`JaxExecutor`'s per-replica steps): the batch splits into
+    `replicas` equal chunks, chunk d's live rows all in replica d's cache rows (d * pool /
+    replicas onwards) and before its padding rows."""
+    rows = np.asarray(rows)
+    if replicas <= 1 or pool % replicas or len(rows) % replicas:
+        return False
+    per = pool // replicas
+    for d, chunk in enumerate(np.split(rows, replicas)):
+        live = chunk >= 0
+        if live.any() and not live[:live.sum()].all():
+            return False
+        if ((chunk[live] // per) != d).any():
+            return False
+    return True
+
+
 def request_names(gated: bool) -> tuple[str, ...]:
     """The `SlotStep` arrays a device step takes, in order (`lora_gate` last, when gated)."""
     return tuple(s.name for s in REQUEST) + ((LORA_GATE.name,) if gated else ())
@@ -503,16 +521,21 @@ class DeviceKVCache(KVCache):
 
     def _resident_key(self, req: SlotStep) -> tuple:
         """The program of `req` on this cache: today's in-place program where the step's batch
-        rows are the cache's rows in order (every solo decode), else the pooled one."""
+        rows are the cache's rows in order (every solo decode), else the pooled one; on a mesh
+        whose dp replicas run such steps per replica, the whole mesh's pooled program where
+        the rows cross the replicas (`replica_local`)."""
         key = req.key
         if self.shared:  # an engine's calls: batch rows mapped to requests' rows, row by row with rows="each"
-            return (key, self._slots, self.rows, True)
-        if self.executor.attention == "gather" or key.cache == 0:
+            pooled = True
+        elif self.executor.attention == "gather" or key.cache == 0:
             pooled = self.rows != key.batch  # (row, slot) pairs gathered either way
         else:
             rows = req.rows
             pooled = not (self.rows == key.batch and (rows is None or np.array_equal(rows, np.arange(key.batch))))
-        return (key, self._slots) if not pooled else (key, self._slots, self.rows, True)
+        replicas = self.executor._replicas(self.rows, key.batch)
+        if replicas > 1 and not replica_local(req.cache_rows(), self.rows, replicas):
+            return (key, self._slots, self.rows, True, "across")  # rows that cross replicas: the whole mesh's program
+        return (key, self._slots, self.rows, True) if pooled else (key, self._slots)
 
     def step(self, req: SlotStep, *, timings: dict[str, float] | None = None) -> StepOutputs:
         ex = self.executor
@@ -734,7 +757,7 @@ class JaxExecutor(Executor):
         """Output shardings of (K, V, written) of a cache of `rows` rows."""
         p = self.placement
         layers = (p.cache(rows),) * self.config.n_layers
-        return layers, layers, p.replicated
+        return layers, layers, p.rows(rows)
 
     def _meshed(self, build, outputs=None):
         """`build` as it runs on this executor's mesh: its program traced with the MoE layers'
@@ -760,6 +783,20 @@ class JaxExecutor(Executor):
             return traced, specs, {**options, "out_shardings": outs}
 
         return meshed
+
+    def _replicas(self, pool: int, batch: int) -> int:
+        """The mesh's dp where a resident step of `batch` rows on a cache of `pool` rows runs per
+        replica (dp divides both; `_build_resident`), else 1."""
+        dp = self.engine_replicas
+        return dp if dp > 1 and pool % dp == 0 and batch % dp == 0 else 1
+
+    @property
+    def engine_replicas(self) -> int:
+        """The replicas an engine places its requests' cache rows in (the mesh's dp): a call
+        whose batch chunk d holds replica d's rows runs per replica (`replica_local`). 1 with
+        TIDE's split execution, whose host callbacks JAX runs only in a program manual over
+        every mesh axis: its steps run the whole mesh's program."""
+        return 1 if self.placement is None or self._slots else self.placement.shape.dp
 
     def _row_specs(self, specs) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Per-row input specs [B, ...] with their mesh sharding (`MeshPlacement.batch`)."""
@@ -879,8 +916,10 @@ class JaxExecutor(Executor):
         shape = (batch, cfg.n_kv_heads, slots, cfg.head_dim)  # heads first: see `DeviceKVCache`
         kv = None if self.placement is None else self.placement.cache(batch)
         layers = tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype), sharding=kv) for _ in range(cfg.n_layers))
+        written = None if self.placement is None else self.placement.rows(batch)
         return (layers, layers,
-                jax.ShapeDtypeStruct((batch, slots), bool), jax.ShapeDtypeStruct((batch, slots), jnp.int32),
+                jax.ShapeDtypeStruct((batch, slots), bool, sharding=written),
+                jax.ShapeDtypeStruct((batch, slots), jnp.int32),
                 jax.ShapeDtypeStruct((batch, slots), bool))
 
     def _view_fn(self, key: BucketKey, *, in_place: bool = False):
@@ -911,14 +950,26 @@ class JaxExecutor(Executor):
     def _build_resident(self, spec: tuple):
         """The resident step of `spec`: (key, slots), a decode's own cache (batch rows are the
         cache's rows in order), or (key, slots, cache rows, True), a step on a pool whose
-        batch rows map to cache rows by `rows`."""
+        batch rows map to cache rows by `rows` ((..., "across"): rows that cross the mesh's
+        replicas, `replica_local`).
+
+        On a mesh with dp replicas where dp divides the batch and the cache rows (and the rows
+        stay within their replicas), the step runs per replica: under `jax.shard_map` manual
+        over "dp", each replica computes its own chunk of the batch rows over its own cache
+        rows (the rest of the mesh's axes split as elsewhere). Left to XLA's partitioner, a
+        batch row's cache row could be on any replica: it gathered the rows' inputs onto
+        every replica, computed every row there and summed the K/V rows each read over the
+        replicas (one all-reduce of the rows' whole caches per layer where the cache is read
+        in place)."""
         key, slots = spec[:2]
         pool = spec[2] if len(spec) > 2 else key.batch
         pooled = len(spec) > 2
+        replicas = 1 if len(spec) > 4 else self._replicas(pool, key.batch)
         in_place = self.attention != "gather" and key.cache > 0  # (a step reading nothing gathers nothing)
 
         view = self._view_fn(key, in_place=in_place)
-        out_shapes = {n: (shape, jnp.dtype(dtype)) for n, shape, dtype in output_specs(self.config, key)
+        mine = dataclasses.replace(key, batch=key.batch // replicas)  # the batch rows a replica computes
+        out_shapes = {n: (shape, jnp.dtype(dtype)) for n, shape, dtype in output_specs(self.config, mine)
                       if n not in ("k_new", "v_new")}
 
         def forward(leaves, k_res, v_res, written, pos, valid, tokens, positions, q_valid, read, read_len, probes,
@@ -947,6 +998,8 @@ class JaxExecutor(Executor):
         def program(leaves, k_res, v_res, written, pos, valid, packed):
             tokens, positions, q_valid, read, read_len, probes, hide, write, logit_rows, rows, *gate = unpack_request(
                 packed, layout)
+            if replicas > 1:  # this replica's cache rows, numbered from 0
+                rows = jnp.where(rows >= 0, rows - jax.lax.axis_index("dp") * (pool // replicas), -1)
             per_row = (tokens, positions, q_valid, read, read_len, probes, hide, logit_rows, rows, *gate)
             if self.rows == "each" and pooled:  # batch row i alone: its inputs sliced, its cache row read and written
                 # in the loop (only the live rows, which come first: the padding rows, -1, after them)
@@ -971,6 +1024,15 @@ class JaxExecutor(Executor):
             preds = pack_predictions(named)  # (out of `named`)
             return preds, named, k_res, v_res, written
 
+        if replicas > 1:
+            from jax.sharding import PartitionSpec as P
+
+            row = P("dp")  # the batch rows, and the cache's rows: each replica's own
+            named = {n: P(None, "dp") if n in _NOT_BATCH_LEADING else row for n in out_shapes
+                     if n not in PREDICTIONS}
+            program = jax.shard_map(program, mesh=self.placement.mesh, in_specs=(P(), row, row, row, row, row, row),
+                                    out_specs=(P(None, "dp"), named, row, row, row), axis_names={"dp"},
+                                    check_vma=False)
         packed = jax.ShapeDtypeStruct((key.batch, request_columns(layout)), jnp.int32)
         return program, (self._leaves, *self._cache_specs(pool, slots), *self._row_specs((packed,))), {
             "donate_argnums": (1, 2, 3)}

@@ -20,6 +20,7 @@ process's identical copy (`put`), and outputs are read from the local replica (`
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 import jax
@@ -67,6 +68,11 @@ class MeshPlacement:
         """One layer's K or V [rows, Hkv, S, Dh] (`cache_axes` without the layer axis)."""
         return NamedSharding(self.mesh, P(*cache_axes(self.shape, rows, self.config)[1:]))
 
+    def rows(self, rows: int) -> NamedSharding:
+        """A cache's per-row array [rows, S] (whether each slot holds K/V): rows over dp, as the
+        K/V's (`cache`)."""
+        return NamedSharding(self.mesh, P(cache_axes(self.shape, rows, self.config)[1]))
+
     def batch(self, shape: Sequence[int]) -> NamedSharding:
         """A step's per-row array [B, ...]: rows over dp where dp divides B, else replicated."""
         dp = self.shape.dp
@@ -102,6 +108,30 @@ class MeshPlacement:
             for shard in a.addressable_shards:
                 out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
         return out
+
+
+_COLLECTIVE = re.compile(r"\s(all-reduce|all-to-all|all-gather|reduce-scatter|collective-permute)(-start)?\(")
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8}
+
+
+def collective_bytes(hlo: str) -> dict[str, dict[str, int]]:
+    """{kind: {"ops": n, "bytes": output bytes}} of the collectives in a compiled program's HLO
+    text (`jax.stages.Compiled.as_text()`, after SPMD partitioning): what one pass of the
+    program moves between the devices of its mesh, per kind."""
+    out: dict[str, dict[str, int]] = {}
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if m is None or "=" not in line[:m.start()]:
+            continue
+        shapes = line[line.index("=") + 1:m.start()]  # the op's output shape(s): `%name = <shapes> op(`
+        size = sum(_DTYPE_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                   for t, dims in _SHAPE.findall(shapes))
+        entry = out.setdefault(m.group(1), {"ops": 0, "bytes": 0})
+        entry["ops"] += 1
+        entry["bytes"] += size
+    return out
 
 
 def device_memory(placement: MeshPlacement) -> int | None:

@@ -125,6 +125,16 @@ def fits(t: int, s: int, head_dim: int) -> bool:
     return bool(_block(t)) and (s == 0 or bool(_block(s))) and head_dim in (16, 32, 64, 128, 256)
 
 
+def free_axes(mesh) -> tuple[tuple[str, ...], dict[str, int]]:
+    """(the axes of `mesh` a `shard_map` inside a traced program splits over, {axis: size} with
+    the axes already manual counted as 1): every axis on a program of the whole mesh; all but
+    "dp" in the JAX executor's per-replica steps (`_transformer.traced_mesh`), whose rows are
+    that replica's already."""
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    sizes = {ax: (1 if ax in manual else n) for ax, n in dict(mesh.shape).items()}
+    return tuple(ax for ax in mesh.axis_names if ax not in manual), sizes
+
+
 def shards(mesh, kv_heads: int) -> bool:
     """Whether the kernel runs on `mesh` (None: one device) for a model of `kv_heads` K/V
     heads: each tp device then holds whole K/V heads and the query heads that read them."""
@@ -256,7 +266,7 @@ def _on_mesh(mesh, q, k_cache, v_cache, k, v, mask) -> jax.Array:
     partition rules split q/k/v's columns and the cache's heads); replicated over other axes."""
     from jax.sharding import PartitionSpec as P
 
-    sizes = dict(mesh.shape)
+    free, sizes = free_axes(mesh)  # (in a per-replica step, "dp" is manual already: its rows are local)
     tp, dp = sizes.get("tp", 1), sizes.get("dp", 1)
     if not shards(mesh, k.shape[2]):
         raise ValueError(f"the attention kernel on a mesh needs tp to divide the K/V heads; got tp={tp}, "
@@ -273,4 +283,5 @@ def _on_mesh(mesh, q, k_cache, v_cache, k, v, mask) -> jax.Array:
     def local(q, k, v, mask, k_cache=None, v_cache=None):
         return attend_kernel(q, k_cache, v_cache, k, v, mask)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=by_row, check_vma=False)(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=by_row, axis_names=set(free),
+                         check_vma=False)(*args)

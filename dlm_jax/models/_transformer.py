@@ -580,9 +580,14 @@ def expert_mesh(mesh, exchange: str = "psum") -> Iterator[None]:
 
 def traced_mesh():
     """The mesh of the program being traced (`expert_mesh`: the executor traces every program on
-    a mesh inside it), or None on one device."""
+    a mesh inside it), or None on one device. Inside a `shard_map` already manual over some of
+    its axes (the executor's per-replica steps, manual over "dp"), the abstract mesh of that
+    context: a `shard_map` nested there splits over the other axes (`_attention_kernel.free_axes`)."""
     on_mesh = _EXPERT_MESH.get()
-    return None if on_mesh is None else on_mesh[0]
+    if on_mesh is None:
+        return None
+    context = jax.sharding.get_abstract_mesh()
+    return context if not context.empty and context.manual_axes else on_mesh[0]
 
 
 def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,
@@ -605,7 +610,7 @@ def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Arr
 
     from dlm_jax._partition import EXPERT, MODEL, leaf_axes
 
-    sizes = dict(mesh.shape)
+    free, sizes = _attention_kernel.free_axes(mesh)
     logical = {MODEL: ("tp", sizes.get("tp", 1)), EXPERT: ("ep", sizes.get("ep", 1))}
     specs = [leaf_axes(f"ffn.{name}", w.shape, logical) for name, w in (("gate", gate), ("up", up), ("down", down))]
     # "ep" / "tp", or None where the weights are whole on every device (not divisible, or size 1)
@@ -629,7 +634,7 @@ def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Arr
     weight_specs = (QuantExperts(P(*s), P(s[0], s[2])) if isinstance(w, QuantExperts) else P(*s)
                     for s, w in zip(specs, (gate, up, down)))
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *weight_specs), out_specs=P(),
-                         check_vma=False)(x, routing.experts, routing.weights, gate, up, down)
+                         axis_names=set(free), check_vma=False)(x, routing.experts, routing.weights, gate, up, down)
 
 
 def _exchanged_experts(experts, x, ids, weights, g, u, d, *, ep: int, split_neurons: str | None):
@@ -713,7 +718,7 @@ class MoEFFN(nnx.Module):
         if on_mesh is None:
             out = experts(flat, resident, *weights)
         else:
-            out = sharded_experts(on_mesh[0], experts, flat, resident, *weights, exchange=on_mesh[1])
+            out = sharded_experts(traced_mesh(), experts, flat, resident, *weights, exchange=on_mesh[1])
         if self.slot_of is not None:  # the misses, on the host, added at the layer output
             out = out + jax.pure_callback(self.cpu_experts, jax.ShapeDtypeStruct(flat.shape, dt), flat,
                                           routing.experts, routing.weights, resident.experts < 0)

@@ -355,7 +355,7 @@ class Engine:
         top = next((b for b in sizes if b >= self.max_batch), sizes[-1])
         if self.padding == "free":
             return [top]
-        if self.padding == "split":
+        if self.padding == "split" and self.replicas == 1:
             return [b for b in sizes if b <= self.max_batch] or sizes[:1]
         return [b for b in sizes if b <= top]
 
@@ -396,6 +396,24 @@ class Engine:
             self._waiting.append(req)
             self._cond.notify_all()
         return req
+
+    @property
+    def replicas(self) -> int:
+        """The replicas the engine places requests' cache rows in: the executor's
+        `engine_replicas` (a JAX executor's mesh dp) where they divide `max_batch` and a batch
+        bucket of at least `max_batch` rows, else 1. Replica d holds cache rows d * max_batch /
+        replicas onwards; a request takes a free row of the replica running the fewest, and
+        every call lays its batch rows out in one equal chunk per replica, replica d's
+        requests first in chunk d, so that each replica computes its own rows over its own
+        cache rows (`dlm_jax.executors.jax_executor.replica_local`)."""
+        r = self.decoder.executor.engine_replicas
+        if r <= 1 or self.max_batch % r:
+            return 1
+        allowed = self.decoder.executor.engine_batches or self._batches
+        return r if any(b % r == 0 and b >= self.max_batch for b in allowed) else 1
+
+    def _replica(self, row: int) -> int:
+        return row // (self.max_batch // self.replicas)
 
     @property
     def waiting(self) -> int:
@@ -541,9 +559,12 @@ class Engine:
 
     def _admit(self) -> None:
         free = [r for r in range(self.max_batch) if r not in self._running]
+        load = collections.Counter(self._replica(r) for r in self._running)
         while free and self._waiting:
             req = self._waiting.popleft()
-            row = free.pop(0)
+            row = min(free, key=lambda r: (load[self._replica(r)], r))  # the least busy replica's first
+            free.remove(row)
+            load[self._replica(row)] += 1
             pool = self._pool
             req._row = row
             req.status = RUNNING
@@ -638,6 +659,17 @@ class Engine:
         out = []
         for _, reqs in sorted(groups.items(), key=lambda kv: kv[1][0].id):
             sizes = self._call_sizes(reqs[0]._pending.key)
+            if self.replicas > 1:  # as many per replica as a chunk of the largest call holds
+                per, calls, counts = sizes[-1] // self.replicas, [[]], collections.Counter()
+                for req in reqs:
+                    d = self._replica(req._row)
+                    if counts[d] == per:
+                        calls.append([])
+                        counts.clear()
+                    calls[-1].append(req)
+                    counts[d] += 1
+                out.extend(calls)
+                continue
             while reqs:
                 n = next((b for b in sizes if b >= len(reqs)), sizes[-1])
                 if self.padding == "free":
@@ -653,15 +685,28 @@ class Engine:
         caps = self.decoder.capabilities
         allowed = self.decoder.executor.engine_batches or caps.batches.sizes
         sizes = [b for b in allowed if caps.keys is None or dataclasses.replace(key, batch=b) in caps.keys]
+        if self.replicas > 1:  # every replica an equal chunk
+            sizes = [b for b in sizes if b % self.replicas == 0]
         return sizes or [1]
 
     def _call(self, reqs: list[Request]) -> float:
         """Run one call of these requests' steps; hand each its row. Returns the seconds it took."""
         sizes = self._call_sizes(reqs[0]._pending.key)
         want = self.max_batch if self.padding == "free" else len(reqs)
+        at = None
+        if self.replicas > 1:  # chunk d of the batch: replica d's requests, then its padding
+            by = collections.Counter(self._replica(r._row) for r in reqs)
+            want = max(want, self.replicas * max(by.values()))
         batch = next((b for b in sizes if b >= want), sizes[-1])
+        if self.replicas > 1:
+            chunk, seen = batch // self.replicas, collections.Counter()
+            at = []
+            for req in reqs:
+                d = self._replica(req._row)
+                at.append(d * chunk + seen[d])
+                seen[d] += 1
         merged = merge([r._pending for r in reqs], [r._row for r in reqs], batch,
-                       mask_id=self.decoder.model_config.mask_token_id)
+                       mask_id=self.decoder.model_config.mask_token_id, at=at)
         t0 = time.perf_counter()
         try:
             out = self._pool.step(merged)
@@ -680,43 +725,43 @@ class Engine:
         self.stats.h2d_bytes.append(moved.h2d[-1] if moved.h2d else 0)
         self.stats.d2h_bytes.append(moved.d2h[-1] if moved.d2h else 0)
         for i, req in enumerate(reqs):
-            self._advance(req, split(out, i))
+            self._advance(req, split(out, i if at is None else at[i]))
         return ran
 
 
-def merge(steps: Sequence[SlotStep], rows: Sequence[int], batch: int, *, mask_id: int) -> SlotStep:
+def merge(steps: Sequence[SlotStep], rows: Sequence[int], batch: int, *, mask_id: int,
+          at: Sequence[int] | None = None) -> SlotStep:
     """One `SlotStep` of `batch` rows from batch-1 steps of one shape (the read bucket may
     differ: each row's reads are padded with -1 to the largest, and its hidden window columns
-    moved with them), batch row i on cache row `rows[i]`; the rows past them are padding (read
-    and write nothing)."""
+    moved with them), step i in batch row `at[i]` (default i) on cache row `rows[i]`; the
+    other batch rows are padding (read and write nothing)."""
     first = steps[0]
     n = len(steps)
     if n > batch:
         raise ValueError(f"{n} steps do not fit a call of batch {batch}")
     p = max(s.key.cache for s in steps)
     key = dataclasses.replace(first.key, batch=batch, cache=p)
-    pad = batch - n
-
-    def rows_of(name: str, fill, dtype) -> np.ndarray:
-        parts = [np.atleast_2d(getattr(s, name)) for s in steps]
-        if pad:
-            parts.append(np.full((pad,) + parts[0].shape[1:], fill, dtype))
-        return np.concatenate(parts, axis=0).astype(dtype, copy=False)
-
+    order: list[int | None] = list(range(n)) + [None] * (batch - n)  # batch row -> step (None: padding)
+    if at is not None:
+        order = [None] * batch
+        for i, b in enumerate(at):
+            order[b] = i
     wide = [s.widened(p) for s in steps]  # window columns follow the cache's
-    reads, hides = [s.read for s in wide], [s.hide for s in wide]
-    if pad:
-        reads.append(np.full((pad, p), -1, np.int32))
-        hides.append(np.full((pad, hides[0].shape[1]), -1, np.int32))
-    lengths = [int(s.lengths()[0]) for s in steps] + [0] * pad
+
+    def rows_of(name: str, fill, dtype, of=steps) -> np.ndarray:
+        parts = [np.atleast_2d(getattr(s, name)) for s in of]
+        blank = np.full((1,) + parts[0].shape[1:], fill, dtype)
+        return np.concatenate([blank if i is None else parts[i] for i in order], axis=0).astype(dtype, copy=False)
+
+    lengths = [0 if i is None else int(steps[i].lengths()[0]) for i in order]
     return SlotStep(key=key, tokens=rows_of("tokens", mask_id, np.int32), positions=rows_of("positions", 0, np.int32),
-                    q_valid=rows_of("q_valid", False, bool), read=np.concatenate(reads).astype(np.int32),
-                    probes=rows_of("probes", False, bool), hide=np.concatenate(hides).astype(np.int32),
+                    q_valid=rows_of("q_valid", False, bool), read=rows_of("read", -1, np.int32, wide),
+                    probes=rows_of("probes", False, bool), hide=rows_of("hide", -1, np.int32, wide),
                     write=rows_of("write", -1, np.int32), logit_rows=rows_of("logit_rows", 0, np.int32),
                     want=first.want, written_only=first.written_only, geometry=None,
                     read_len=np.asarray(lengths, np.int32),
                     lora_gate=None if first.lora_gate is None else rows_of("lora_gate", 1.0, np.float32),
-                    rows=np.asarray(list(rows) + [-1] * pad, np.int32))
+                    rows=np.asarray([-1 if i is None else rows[i] for i in order], np.int32))
 
 
 def split(out: StepOutputs, i: int) -> StepOutputs:

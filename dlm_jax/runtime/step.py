@@ -556,6 +556,9 @@ class Executor(HookBase):
     # and how it runs a group of steps that fills none (`dlm_jax.runtime.engine.PADDING`).
     engine_batches: tuple[int, ...] | None = None
     engine_padding: str = "split"
+    # Replicas whose own cache rows a call's batch rows should read (the JAX executor's mesh dp):
+    # an engine then places each request's row in one and lays each call out by replica.
+    engine_replicas: int = 1
 
     @property
     def capabilities(self) -> Capabilities:

@@ -9,7 +9,10 @@ decode options as a mapping], "gen_len": G, "max_batch": B, "load": {other `dlm_
 "prompts": P (the first P prompts), "fixed": false (the engine's decode only), "exchange": an MoE
 layer's expert exchange on the mesh (`JaxExecutor(expert_exchange=...)`), "attention": "pallas" (both
 models' steps in the attention kernel, run in Pallas's interpreter: the executor refuses the form
-on a CPU, so it is set after loading; the report counts the kernel's traces on the mesh)}],
+on a CPU, so it is set after loading; the report counts the kernel's traces on the mesh), "rows":
+"batched" (both executors' row form, set after loading), "collectives": true (report the
+collectives of the mesh executor's step programs after the decodes: the largest program's bytes
+by kind, and one cache row's K/V bytes)}],
 "processes": [coordinator, N, rank] (optional: join a run of N processes)}.
 
 For each case the model loads twice through `dlm_jax.load` (once on the default device, once
@@ -43,6 +46,8 @@ import numpy as np  # noqa: E402
 
 import dlm_jax  # noqa: E402
 from dlm_jax._partition import MeshShape  # noqa: E402
+from dlm_jax.executors.sharding import collective_bytes  # noqa: E402
+from dlm_jax.models._transformer import KERNEL_FORMS  # noqa: E402
 from dlm_jax.planner import kv_bytes_per_device, weight_bytes_per_device  # noqa: E402
 
 PROMPTS = ["564+894=", "sort: 37 44 13 33 47 48", "66+76=", "12+9="]
@@ -104,7 +109,8 @@ def main() -> None:
                     from dlm_jax.models import _attention_kernel
 
                     one.executor.attention = mesh.executor.attention = case["attention"]
-                    kernel.enter_context(_attention_kernel.interpret())
+                    if case["attention"] in KERNEL_FORMS:
+                        kernel.enter_context(_attention_kernel.interpret())
                     on_mesh, traces = _attention_kernel._on_mesh, row.setdefault("kernel_traces", [])
 
                     def counted(*args, on_mesh=on_mesh, traces=traces):
@@ -113,9 +119,18 @@ def main() -> None:
 
                     _attention_kernel._on_mesh = counted
                     kernel.callback(setattr, _attention_kernel, "_on_mesh", on_mesh)
+                if case.get("rows"):
+                    one.executor.rows = mesh.executor.rows = case["rows"]
                 for preset in case["presets"]:
                     a, b = decode(one, preset, case), decode(mesh, preset, case)
                     row["presets"][json.dumps(preset)] = {"one": a, "mesh": b}
+            if case.get("collectives"):
+                ex, mc = mesh.executor, mesh.config
+                per_program = [collective_bytes(ex._resident.get(k).as_text()) for k in ex._resident.keys]
+                row["collectives"] = max(per_program, key=lambda c: sum(v["bytes"] for v in c.values()))
+                row["programs"] = len(per_program)
+                row["row_kv_bytes"] = (2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * ex.capacity(1)
+                                       * np.dtype(mc.dtype).itemsize)
             report["cases"].append(row)
     print(json.dumps(report))
 

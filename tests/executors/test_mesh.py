@@ -105,6 +105,9 @@ def test_every_preset_on_expert_and_data_parallel_meshes():
         {"model": "models/moe-tiny", "mesh": "ep=2", "load": {"expert_slots": 8},
          "presets": [{"experts": "tide", "tau": "2", "hits": "previous_step"}]},
         {"model": "models/llada-tiny", "mesh": "dp=2", "presets": BIDIRECTIONAL},
+        # per-replica steps (manual over dp) whose MoE layers split their experts over ep inside
+        {"model": "models/moe-tiny", "mesh": "ep=2,dp=2", "presets": ["fast-dllm-dual"]},
+        {"model": "models/moe-tiny", "mesh": "ep=2,dp=2", "exchange": "all_to_all", "presets": ["fast-dllm"]},
         # weight-only int8 (kernels and scales split alike) and bfloat16, on tp and dp
         {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "load": {"quant": "int8"},
          "presets": ["fast-dllm", "fast-dllm-dual"]},
@@ -123,6 +126,26 @@ def test_every_preset_on_expert_and_data_parallel_meshes():
                                                              "param_dtype": "bfloat16"}, "presets": ["fast-dllm-dual"]}]})
     assert_same(report)
     assert_bytes(report)
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_compute_their_own_rows():
+    """On a dp=2 mesh each replica computes its own batch rows over its own cache rows: the
+    engine places every request's row in a replica and lays each call out by replica, so the
+    step programs move nothing between the replicas but the rows' predictions (one all-gather
+    of a few KB), in the CPU's row forms and a GPU's (batched rows, the cache read in place).
+    Left to XLA's partitioner, the engine's steps summed the cache rows each batch row read over
+    the replicas (69 KB a step here with gathered reads; 1.2 MB in place, an all-reduce of the
+    rows' whole caches) and a fixed batch's steps gathered every row's inputs and window K/V
+    onto both replicas (272 KB), against 524 KB of K/V in a cache row."""
+    common = {"model": "models/llada-tiny", "mesh": "dp=2", "presets": ["fast-dllm-dual", "llada"], "max_batch": 4,
+              "collectives": True}
+    report = drive({"devices": 2, "cases": [common, {**common, "rows": "batched", "attention": "split"}]})
+    assert_same(report)
+    for case in report["cases"]:
+        kinds = case["collectives"]
+        assert set(kinds) == {"all-gather"}, kinds  # no all-reduce: no replica reads another's rows
+        assert sum(v["bytes"] for v in kinds.values()) < case["row_kv_bytes"] / 16, (kinds, case["row_kv_bytes"])
 
 
 def _free_port() -> int:

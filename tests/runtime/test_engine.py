@@ -266,3 +266,47 @@ def test_merge_and_split_keep_each_row():
                       second_prob=np.zeros((4, 2), np.float32), entropy=np.zeros((4, 2), np.float32))
     assert split(out, 1).top_token.tolist() == [[2, 3]]
     assert dataclasses.replace(split(out, 0)).top_token.shape == (1, 2)
+
+
+class TwoReplicas(Hashing):
+    engine_replicas = 2  # as a JAX executor on a dp=2 mesh
+
+
+def test_requests_are_placed_by_replica_and_each_call_laid_out_per_replica(monkeypatch):
+    """On an executor of two replicas (a mesh's dp) each request takes a row of the replica
+    running fewer, and every call's batch splits in two equal chunks, chunk d holding replica
+    d's requests first: the layout a per-replica step runs (`replica_local`); each request
+    still decodes its solo tokens."""
+    from dlm_jax.executors.jax_executor import replica_local
+    from dlm_jax.runtime import engine as engine_mod
+
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append(merge(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(engine_mod, "merge", recorded)
+    engine = Engine(_decoder(TwoReplicas), max_batch=4)
+    assert engine.replicas == 2
+    jobs = [([1 + i % 3, 2, i % 2], i % 3, 8 if i % 2 else 16) for i in range(7)]
+    reqs = [engine.submit(p, preset(OPTIONS[o][0], gen_len=g, **OPTIONS[o][1])) for p, o, g in jobs]
+    engine.step()
+    assert sorted(r._row for r in reqs[:4]) == [0, 1, 2, 3] and {reqs[0]._row, reqs[1]._row} == {0, 2}
+    engine.run()
+    assert all(r.status == DONE for r in reqs)
+    for r, (p, o, g) in zip(reqs, jobs):
+        np.testing.assert_array_equal(r.output.sequences[0], solo(tuple(p), o, g, 0))
+    assert calls and all(c.key.batch % 2 == 0 and replica_local(c.rows, 4, 2) for c in calls)
+    assert any((c.rows[c.key.batch // 2:] >= 0).any() and (c.rows[:c.key.batch // 2] >= 0).any() for c in calls)
+    assert Engine(_decoder(TwoReplicas), max_batch=3).replicas == 1  # 3 rows split in no two equal replicas
+
+
+def test_replica_local_rows():
+    from dlm_jax.executors.jax_executor import replica_local
+
+    assert replica_local(np.array([0, 1, -1, 2, -1, -1]), 4, 2)  # chunks [0 1 -1] and [2 -1 -1]
+    assert not replica_local(np.array([0, 2, -1, 3]), 4, 2)  # cache row 2 is replica 1's
+    assert not replica_local(np.array([-1, 0, 2, -1]), 4, 2)  # a padding row before a live one
+    assert not replica_local(np.array([0, 1, 2]), 4, 2)  # 3 batch rows split in no two chunks
+    assert replica_local(np.arange(8), 8, 4) and not replica_local(np.arange(8), 8, 1)
