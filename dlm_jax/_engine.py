@@ -24,6 +24,7 @@ from dlm_jax._errors import InputError
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.engine import Engine as _Core
 from dlm_jax.runtime.engine import Request, RequestStats
+from dlm_jax.runtime.state import TokenLogprobs
 
 if TYPE_CHECKING:
     from dlm_jax._model import Model, Prompt
@@ -35,6 +36,7 @@ class Completion:
     token_ids: list[int]  # up to the first EOS (or the stop string)
     status: str  # done, stopped (a stop string), cancelled
     stats: RequestStats
+    logprobs: TokenLogprobs | None = None  # token_ids' log-probabilities (decode option `logprobs`)
 
 
 class TextStream:
@@ -114,7 +116,7 @@ class Handle:
         """Its completion once it has ended (raises a failed request's error)."""
         ids = [int(t) for t in self.request.result(timeout)]
         text = TextStream(self.model, self.stops).text(ids) if self.model.has_tokenizer else None
-        return Completion(text, ids, self.request.status, self.request.stats)
+        return Completion(text, ids, self.request.status, self.request.stats, self.request.logprobs())
 
 
 def _eos_cut(ids: list[int], eos_ids: Sequence[int]) -> int:

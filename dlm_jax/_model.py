@@ -22,6 +22,7 @@ from dlm_jax._errors import CheckpointError, ConfigError, InputError
 from dlm_jax._tokenizer import NoTokenizerError, Tokenizer, load_tokenizer
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.decoder import DecodeStats, Decoder, merge_speculation
+from dlm_jax.runtime.state import TokenLogprobs
 from dlm_jax.runtime.step import Executor
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class GenerateResult:
     texts: list[str] | None  # decoded completions, cut at the first EOS (None: no tokenizer)
     token_ids: list[list[int]]  # completion ids, cut at the first EOS id
     stats: DecodeStats
+    logprobs: list[TokenLogprobs] | None = None  # per completion, its ids' (decode option `logprobs`)
 
 
 class MissingTokenizer:
@@ -187,7 +189,8 @@ class Model:
         trimmed = [[int(t) for t in r.tokens()] for r in requests]
         texts = [self.tokenizer.decode(t) for t in trimmed] if self.has_tokenizer else None
         stats = engine_stats(engine, requests, self.decoder.build_counts() - built)
-        return GenerateResult(texts, trimmed, stats)
+        logprobs = [r.logprobs() for r in requests]
+        return GenerateResult(texts, trimmed, stats, None if logprobs[0] is None else logprobs)
 
     def calibrated(self, config: DecodeConfig, ids: list[list[int]], *, seeds=None) -> DecodeConfig:
         """`config` with its placement calibrated where it asks for it (`PlacementPolicy.probe`;

@@ -196,8 +196,19 @@ def _run_generate(handle, prompts: list, cfg, *, chat: bool | None, stream: bool
             print(result.texts[0][len(shown[0]):], flush=True)
         else:
             print("\n".join(completions), flush=True)
-    return {"prompts": prompts, "completions": completions, "decoder": decode_options(cfg),
-            "stats": result.stats.to_dict()}
+    report = {"prompts": prompts, "completions": completions, "decoder": decode_options(cfg),
+              "stats": result.stats.to_dict()}
+    if result.logprobs is not None:
+        report["logprobs"] = [_logprobs_json(handle, ids, lp) for ids, lp in zip(result.token_ids, result.logprobs)]
+    return report
+
+
+def _logprobs_json(handle, ids: list[int], lp) -> dict:
+    """A completion's tokens with their log-probabilities and likeliest alternatives (`--logprobs`)."""
+    piece = (lambda t: handle.tokenizer.decode([int(t)])) if handle.has_tokenizer else str
+    return {"tokens": [piece(t) for t in ids], "logprobs": [round(float(v), 6) for v in lp.logprob],
+            "top_logprobs": [{piece(t): round(float(v), 6) for t, v in zip(top, values)}
+                             for top, values in zip(lp.top_ids, lp.top_logprob)]}
 
 
 def shipped_model(name: str = "llada-tiny") -> Path:
@@ -335,6 +346,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     report = _run_generate(handle, args.prompt or args.prompt_ids, cfg, chat=_chat(args), stream=True,
                            max_batch=args.max_batch)
     print(json.dumps(report["stats"]), file=sys.stderr)
+    for i, logprobs in enumerate(report.get("logprobs", [])):  # --logprobs N: a line per completion
+        print(json.dumps({"completion": i, **logprobs}, ensure_ascii=False), file=sys.stderr)
     return 0
 
 

@@ -46,6 +46,7 @@ from dlm_jax._engine import TextStream
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax.runtime import registry
 from dlm_jax.runtime.engine import CANCELLED, DONE, FAILED, STOPPED, QueueFull
+from dlm_jax.runtime.proposer import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 
     from dlm_jax._model import Model
     from dlm_jax.runtime.config import DecodeConfig
+    from dlm_jax.runtime.state import TokenLogprobs
 
 log = logging.getLogger("dlm_jax.serve")
 
@@ -61,8 +63,7 @@ MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 HISTOGRAM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # Fields of OpenAI's requests that dlm-jax does not implement, accepted at their neutral value only.
-NEUTRAL = {"best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
-           "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",), "tools": ([],),
+NEUTRAL = {"best_of": (1,), "echo": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",), "tools": ([],),
            "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "parallel_tool_calls": (False, True),
            "service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
 
@@ -82,7 +83,8 @@ CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "frequency_penalty", "logit_bias", "tools", "tool_choice", "response_format", "parallel_tool_calls",
                "service_tier", "store", "metadata"}
 # Decode options set by OpenAI's own fields, not inside `dlm_jax`.
-OWN_FIELDS = {"gen_len": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
+OWN_FIELDS = {"gen_len": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
+              "logprobs": "logprobs"}
 
 
 class ApiError(Exception):
@@ -185,6 +187,57 @@ def _number(body, name, lo: float, hi: float, *, integer: bool = False, where: s
     return value
 
 
+def _logprobs_asked(body: Mapping[str, Any], kind: str) -> int | None:
+    """The likeliest alternatives per token a request asks for, None for no logprobs:
+    /v1/completions' `logprobs` (an integer), /v1/chat/completions' `logprobs` (true or false)
+    with `top_logprobs` (an integer, only beside logprobs: true)."""
+    if kind == "text_completion":
+        return _number(body, "logprobs", 0, MAX_LOGPROBS, integer=True)
+    asked = _typed(body, "logprobs", (bool,), "true or false")
+    top = _number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True)
+    if top is not None and not asked:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if asked else None
+
+
+def _token_logprobs(job: Job, model: Model, ids: list[int], lp: TokenLogprobs | None, start: int = 0) -> dict | None:
+    """OpenAI's logprobs object for the completion tokens `ids[start:]` (`ids`: the completion's
+    ids so far, `lp` their records): /v1/completions' {tokens, token_logprobs, top_logprobs,
+    text_offset (in the completion's text)}, /v1/chat/completions' {content: [{token, logprob,
+    bytes, top_logprobs}]}. Each token's log-probability is under the distribution of the step
+    that decided it; None (JSON null) where none was recorded."""
+    if job.logprobs is None or lp is None:
+        return None
+    k, new = job.logprobs, ids[start:]
+    rows = lp[start:len(ids)]
+    if model.has_tokenizer:
+        def piece(t) -> str:
+            return model.tokenizer.decode([int(t)])
+
+        def offset(n: int) -> int:
+            return len(model.tokenizer.decode([int(t) for t in ids[:n]]))
+    else:  # the completion's text is its ids, space-separated
+        piece = str
+
+        def offset(n: int) -> int:
+            return len(" ".join(map(str, ids[:n]))) + (1 if n else 0)
+
+    def value(x) -> float | None:
+        return float(x) if math.isfinite(x) else None
+
+    tokens = [piece(t) for t in new]
+    logprob = [value(v) for v in rows.logprob]
+    tops = [[(piece(t), value(v)) for t, v in zip(rows.top_ids[j, :k], rows.top_logprob[j, :k])]
+            for j in range(len(new))]
+    if job.kind == "text_completion":  # the chosen token is always among them (up to logprobs + 1)
+        return {"tokens": tokens, "token_logprobs": logprob,
+                "top_logprobs": [{**dict(top), tok: v} for top, tok, v in zip(tops, tokens, logprob)],
+                "text_offset": [offset(start + j) for j in range(len(new))]}
+    return {"content": [{"token": tok, "logprob": v, "bytes": list(tok.encode()),
+                         "top_logprobs": [{"token": s, "logprob": x, "bytes": list(s.encode())} for s, x in top]}
+                        for tok, v, top in zip(tokens, logprob, tops)], "refusal": None}
+
+
 def _stops(body: Mapping[str, Any]) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -275,6 +328,7 @@ class Job:
     stream: bool
     include_usage: bool
     started: float
+    logprobs: int | None = None  # alternatives per token asked for (None: no logprobs)
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -471,6 +525,8 @@ class Service:
         if stops and not self.model.has_tokenizer:
             raise ApiError(400, "stop strings need a tokenizer; this model has none", param="stop")
         changes = decode_changes(body, max_tokens, self.engine.options, base=self.config)
+        logprobs = _logprobs_asked(body, kind)
+        changes["logprobs"] = -1 if logprobs is None else logprobs  # whatever the server's own config says
         chat = (body.get("dlm_jax") or {}).get("chat")
         prompts = self._prompts(body, kind, chat)
         if len(prompts) * n > cap:
@@ -480,7 +536,7 @@ class Service:
         # choice j of a prompt samples with seed + j (seed: the request's, else the preset's)
         seeds = [((options.proposer.seed if seed is None else seed) + j) % 2**31 for j in range(n)]
         return prompts, changes, {"stream": stream, "include_usage": include_usage, "seeds": seeds, "stops": stops,
-                                  "max_tokens": max_tokens or options.gen_len}
+                                  "max_tokens": max_tokens or options.gen_len, "logprobs": logprobs}
 
     def _prompts(self, body: dict, kind: str, chat: bool | None) -> list[list[int]]:
         model = self.model
@@ -590,17 +646,26 @@ def _usage(job: Job, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _chunk(job: Job, index: int, piece: str | None, reason: str | None, *, role: bool = False) -> dict:
+def _chunk(job: Job, index: int, piece: str | None, reason: str | None, *, role: bool = False,
+           logprobs: dict | None = None) -> dict:
     if job.kind == "text_completion":
-        choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     else:
         delta = {} if piece is None and not role else {"content": piece or ""}
         if role:
             delta["role"] = "assistant"
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion.chunk"
     return {"id": job.id, "object": obj, "created": job.created, "model": "", "choices": [choice]}
+
+
+def _shown_tokens(text: TextStream, ids: list[int], have: int) -> int:
+    """How many of `ids` (at least `have`) a stream has shown the whole text of."""
+    n = have
+    while n < len(ids) and text.shown.startswith(text.text(ids[:n + 1])):
+        n += 1
+    return n
 
 
 class EventStream:
@@ -701,12 +766,13 @@ def build_app(service: Service) -> Starlette:
             first = req.stats.first_token_seconds
             t_first = first if t_first is None or (first is not None and first < t_first) else t_first
             stats = req.stats.to_dict()
+            logprobs = _token_logprobs(job, service.model, ids, req.logprobs())
             if job.kind == "text_completion":
-                choices.append({"index": i, "text": content, "logprobs": None, "finish_reason": reason,
+                choices.append({"index": i, "text": content, "logprobs": logprobs, "finish_reason": reason,
                                 "dlm_jax": stats})
             else:
-                choices.append({"index": i, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                                "finish_reason": reason, "dlm_jax": stats})
+                choices.append({"index": i, "message": {"role": "assistant", "content": content},
+                                "logprobs": logprobs, "finish_reason": reason, "dlm_jax": stats})
         seconds = time.perf_counter() - job.started
         metrics.tokens.inc(completion)
         metrics.latency.observe(seconds)
@@ -723,6 +789,7 @@ def build_app(service: Service) -> Starlette:
         news = asyncio.Event()
         texts = [TextStream(service.model, job.stops, job.max_tokens) for _ in job.handles]
         ended = [False] * len(job.handles)
+        sent = [0] * len(job.handles)  # per choice, the tokens whose logprobs went out
         completion, first = 0, None
         outcome = None
 
@@ -758,13 +825,20 @@ def build_app(service: Service) -> Starlette:
                         piece = texts[i].update(req.tokens(), end=True)
                         ended[i] = True
                         completion += len(ids)
+                        shown = len(ids)
                     else:
                         piece, reason = texts[i].update(req.final), None
+                        ids = texts[i].ids(req.final)
+                        shown = _shown_tokens(texts[i], ids, sent[i]) if job.logprobs is not None else 0
                     if piece and first is None:
                         first = time.perf_counter() - job.started
                         metrics.first_chunk.observe(first)
                     if piece or reason:
-                        chunk = _chunk(job, i, piece or None, reason)
+                        logprobs = None
+                        if job.logprobs is not None and (shown > sent[i] or reason):
+                            logprobs = _token_logprobs(job, service.model, ids[:shown], req.logprobs(), sent[i])
+                            sent[i] = shown
+                        chunk = _chunk(job, i, piece or None, reason, logprobs=logprobs)
                         if reason:
                             chunk["usage"] = _usage(job, completion) if all(ended) else None
                         yield sse(chunk)
@@ -803,7 +877,7 @@ def build_app(service: Service) -> Starlette:
                 handles = await run_in_threadpool(service.submit, prompts, changes, rest)
                 job = Job(kind, ("cmpl-" if kind == "text_completion" else "chatcmpl-") + secrets.token_hex(12),
                           int(time.time()), handles, [len(p) for p in prompts], rest["max_tokens"], rest["stops"],
-                          rest["stream"], rest["include_usage"], started)
+                          rest["stream"], rest["include_usage"], started, rest["logprobs"])
                 metrics.prompt_tokens.inc(sum(job.prompt_tokens))
                 if job.stream:
                     release = False

@@ -52,7 +52,7 @@ from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
 from dlm_jax.runtime.kvcache import HostKVCache, KVCache
 from dlm_jax.runtime.cpu_path import CpuExecutor
-from dlm_jax.runtime.state import DecodeState, TokenState, take
+from dlm_jax.runtime.state import DecodeState, TokenLogprobs, TokenState, take
 from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, OutputRequest, SlotStep, StepOutputs
 
 _USEFUL = np.zeros(max(TokenState) + 1, bool)
@@ -197,6 +197,7 @@ def speculation_summary(spec: dict) -> dict:
 class DecodeOutput:
     sequences: list[np.ndarray]  # per request: the gen_len generated ids (EOS-filled after a stop)
     stats: DecodeStats
+    logprobs: list[TokenLogprobs] | None = None  # per request, beside `sequences`, when the decode records them
 
 
 def drive(steps: Generator[SlotStep, StepOutputs, DecodeOutput],
@@ -287,6 +288,9 @@ class Decoder:
             raise ConfigError(f"prompt {list(lens).index(0)} is empty")
         cfg.scheduler.validate(cfg, self.model_config)
         cfg.placement.validate(self.model_config, self.capabilities)
+        if cfg.proposer.logprobs >= 0 and cfg.revision.cpu_shapes(lens, cfg.gen_len):
+            raise ConfigError("logprobs are not recorded beside a CPU path that revises tokens (its steps' logits "
+                              "stay there): set refresh_rows=0, or logprobs=-1")
         total = self.slots(max(lens), cfg)
         if total > self.max_tokens:
             over = cfg.scheduler.overhang()
@@ -426,6 +430,8 @@ class Decoder:
                                    mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_ids=mc.eos_ids,
                                    shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n,
                                    tail=cfg.scheduler.overhang())
+        if cfg.proposer.logprobs >= 0:
+            state.track_logprobs(cfg.proposer.logprobs)
         builder = StepInputBuilder(mc, self.capabilities, prefer=self._warm)
         scheduler, proposer, revision, placement = cfg.scheduler, cfg.proposer, cfg.revision, cfg.placement
         units = cfg.units
@@ -476,7 +482,8 @@ class Decoder:
                 scored = state.undecided(targets)
                 candidates = scored if plan.current is None else scored & plan.current
                 proposal = proposer.propose(out, scored, state)
-                state.record(targets, ~state.is_final(targets) & state.active[:, None], proposal.confidence)
+                open_ = ~state.is_final(targets) & state.active[:, None]
+                state.record(targets, open_, proposal.confidence)
                 committed = rule.select(proposal.confidence, candidates, step=plan.step)
                 accepted = scheduler.settle(state, plan, proposal, cursor)
                 if accepted is not None:
@@ -487,6 +494,8 @@ class Decoder:
                     r = len(plan.rows)
                     revision.after_probes(state, plan, probed, top=out.top_token[:, r:r + d],
                                           prob=out.top_prob[:, r:r + d])
+                if state.logprobs is not None:
+                    state.record_logprobs(targets, open_, out.logits[:, :open_.shape[1]])
                 if cpu is not None:
                     cpu.merge(state, cache)  # the step boundary: delayed merge
                 placement.after_step(placed, state, plan, out)
@@ -522,4 +531,5 @@ class Decoder:
         stats.speculation = scheduler.report(cursor)
         stats.seconds = time.perf_counter() - start
         stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        return DecodeOutput(state.sequences(), stats)
+        logprobs = None if state.logprobs is None else [state.token_logprobs(r) for r in range(n)]
+        return DecodeOutput(state.sequences(), stats, logprobs)

@@ -48,7 +48,7 @@ from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.decoder import DecodeOutput, DecodeStats, Decoder
 from dlm_jax.runtime.kvcache import HostKVCache, KVCache, Transfers
-from dlm_jax.runtime.state import DecodeState
+from dlm_jax.runtime.state import DecodeState, TokenLogprobs
 from dlm_jax.runtime.step import SlotStep, StepOutputs
 
 # Request statuses: waiting -> running -> one of the ends.
@@ -137,6 +137,7 @@ class Request:
         self._row = -1
         self._pending: SlotStep | None = None
         self._ended = threading.Event()
+        self._logprobs: TokenLogprobs | None = None  # its generated slots', as of its last step
 
     # -- the caller's side ------------------------------------------------------------------
 
@@ -194,6 +195,12 @@ class Request:
             seq = self.output.sequences[0]
             return seq[:_eos_cut(seq, self.engine.decoder.model_config.eos_ids)]
         return self.final
+
+    def logprobs(self) -> TokenLogprobs | None:
+        """The log-probabilities of `tokens()` (None unless its config records them:
+        decode option `logprobs`)."""
+        lp = self.output.logprobs[0] if self.output is not None and self.output.logprobs else self._logprobs
+        return None if lp is None else lp[:len(self.tokens())]
 
     def result(self, timeout: float | None = None) -> np.ndarray:
         """Its tokens once it has ended; raises the error of a failed request."""
@@ -594,6 +601,8 @@ class Engine:
         """After each of the request's steps: stream what became final, ask its stop rule."""
         final = state.final_prefixes()[0]
         req.stats.steps += 1
+        if state.logprobs is not None:
+            req._logprobs = state.token_logprobs(0)
         if len(final) > len(req.final):
             now = time.perf_counter() - req._submitted
             if req.stats.first_token_seconds is None:

@@ -27,6 +27,7 @@ from dlm_jax.runtime.step import StepOutputs
 
 REMASKING: tuple[str, ...] = ("low_confidence", "random")
 CONFIDENCE_KINDS: tuple[str, ...] = ("prob", "margin", "entropy")
+MAX_LOGPROBS = 20  # alternatives per token `Proposer.logprobs` may ask for (OpenAI's top_logprobs bound)
 
 
 def confidence_scores(
@@ -140,6 +141,9 @@ class Proposer:
     top_k: int = dataclasses.field(default=0, metadata={"help": "sample among the k most likely tokens (0: all)"})
     top_p: float = dataclasses.field(
         default=1.0, metadata={"help": "sample among the most likely tokens holding this mass (1: all)"})
+    logprobs: int = dataclasses.field(
+        default=-1, metadata={"help": "record each generated token's log-probability at the step that decided it, "
+                                      f"with this many likeliest alternatives (0-{MAX_LOGPROBS}; -1: off)"})
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -156,10 +160,13 @@ class Proposer:
         p = self.top_p
         if not isinstance(p, numbers.Real) or isinstance(p, bool) or not 0 < p <= 1:
             raise ConfigError(f"top_p={p!r} must be in (0, 1] (1: off)")
+        k = self.logprobs
+        if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not -1 <= k <= MAX_LOGPROBS:
+            raise ConfigError(f"logprobs={k!r} must be an integer from -1 (off) to {MAX_LOGPROBS}")
 
     @property
     def needs_logits(self) -> bool:
-        return self.temperature > 0
+        return self.temperature > 0 or self.logprobs >= 0
 
     def propose(self, out: StepOutputs, candidates: np.ndarray, state: DecodeState) -> Proposal:
         """Tokens and confidences [B, R] for the step's R predicted rows (`candidates` [B, R]:

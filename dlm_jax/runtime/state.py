@@ -54,12 +54,73 @@ _FEEDS_TOKEN = np.array([True, False, True, False, True, True])  # by TokenState
 _UNDECIDED = np.array([False, True, False, True, False, False])
 _FINAL = np.array([True, False, False, False, False, True])
 _FED_FINAL = np.array([True, False, False, False, True, True])  # prompt, visible, stable: cacheable
+_FEEDS_TOKEN_OR_CANDIDATE = _FEEDS_TOKEN | (np.arange(6) == TokenState.CANDIDATE)  # slots that hold a token
 _STABLE = int(TokenState.STABLE)  # plain ints on the hot path (enum attribute access is slow)
 _VISIBLE, _DRAFT, _CANDIDATE, _MASK = (int(TokenState.VISIBLE), int(TokenState.DRAFT), int(TokenState.CANDIDATE),
                                        int(TokenState.MASK))
 
 
 Index = np.ndarray | slice  # a slot list, or an ascending run of slots as a slice
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One request's generated tokens' log-probabilities: `logprob` [n] of each token under
+    the distribution of the step that decided it (NaN: none recorded), `top_ids` / `top_logprob`
+    [n, k] that distribution's k likeliest tokens, likeliest first."""
+
+    logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprob: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.logprob)
+
+    def __getitem__(self, index: slice) -> TokenLogprobs:
+        return TokenLogprobs(self.logprob[index], self.top_ids[index], self.top_logprob[index])
+
+
+@dataclasses.dataclass
+class SlotLogprobs:
+    """Per slot of a [B, S] grid: the token id recorded (-1: none), its log-probability, and
+    the `top` likeliest tokens of the same distribution (`DecodeState.record_logprobs`)."""
+
+    token: np.ndarray  # [B, S] int32
+    logprob: np.ndarray  # [B, S] float32
+    top_ids: np.ndarray  # [B, S, k] int32
+    top_logprob: np.ndarray  # [B, S, k] float32
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int], top: int) -> SlotLogprobs:
+        return cls(np.full(shape, -1, np.int32), np.full(shape, np.nan, np.float32),
+                   np.zeros((*shape, top), np.int32), np.full((*shape, top), np.nan, np.float32))
+
+    def record(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray, logits: np.ndarray) -> None:
+        """Keep, at the `chosen` [B, n] slots, `tokens` [B, n] and their log-softmax under
+        `logits` [B, n, V] (float64 on the host), with the `top` likeliest (ties: lower id)."""
+        b, i = np.nonzero(chosen)
+        z = np.asarray(logits[b, i], np.float64)
+        z = z - z.max(-1, keepdims=True)
+        z = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        tok = tokens[b, i]
+        where = (b, slots[b, i]) if isinstance(slots, np.ndarray) and slots.ndim == 2 else \
+            (b, np.arange(self.token.shape[1])[slots][i])
+        self.token[where] = tok
+        self.logprob[where] = z[np.arange(len(tok)), tok]
+        k = self.top_ids.shape[-1]
+        if k:  # the k largest in O(V) per slot (a full sort of a 100k-token vocabulary is not), then ranked
+            some = np.argpartition(-z, k - 1, axis=-1)[:, :k] if k < z.shape[-1] else np.argsort(-z, axis=-1)
+            values = np.take_along_axis(z, some, -1)
+            rank = np.lexsort((some, -values), axis=-1)
+            self.top_ids[where] = np.take_along_axis(some, rank, -1)
+            self.top_logprob[where] = np.take_along_axis(values, rank, -1)
+
+    def at(self, row: int, slots: slice, tokens: np.ndarray) -> TokenLogprobs:
+        """Row `row`'s records at `slots`, NaN where the slot's token is now another than the
+        one recorded (`tokens`: the slots' tokens now)."""
+        stale = self.token[row, slots] != tokens
+        return TokenLogprobs(np.where(stale, np.nan, self.logprob[row, slots]), self.top_ids[row, slots].copy(),
+                             np.where(stale[:, None], np.nan, self.top_logprob[row, slots]))
 
 
 def take(x: np.ndarray, slots: Index) -> np.ndarray:
@@ -130,6 +191,28 @@ class DecodeState:
     kv_token: np.ndarray | None = None  # [B, S] int32, the id each stored K/V entry was computed from (-1: none)
     tail: int = 0  # slots past the generation: a schedule's look-ahead rows sit there, nothing is emitted
     counters: dict = dataclasses.field(default_factory=dict)  # event counts of schedulers and policies
+    logprobs: SlotLogprobs | None = None  # each slot's log-probabilities, when the decode records them
+
+    def track_logprobs(self, top: int) -> None:
+        """Record, from now on, each slot's token log-probability and its `top` likeliest
+        alternatives (`record_logprobs`)."""
+        self.logprobs = SlotLogprobs.empty(self.tokens.shape, top)
+
+    def record_logprobs(self, slots: Index, scored: np.ndarray, logits: np.ndarray) -> None:
+        """After a step's moves: the `scored` [B, n] slots (undecided or revisable when the
+        step ran) that now hold a token take its log-probability under this step's
+        distribution, softmax(`logits` [B, n, V]) at temperature 1, with the distribution's
+        likeliest tokens. A slot still masked keeps nothing yet; a slot no step scores again
+        keeps what it had."""
+        held = scored & _FEEDS_TOKEN_OR_CANDIDATE[take(self.status, slots)]
+        if not held.any():
+            return
+        self.logprobs.record(slots, held, take(self.tokens, slots), logits)
+
+    def token_logprobs(self, row: int, n: int | None = None) -> TokenLogprobs:
+        """Request `row`'s first `n` generated slots' records (all of them by default)."""
+        slots = slice(self.gen_start, self.gen_end if n is None else self.gen_start + n)
+        return self.logprobs.at(row, slots, self.tokens[row, slots])
 
     def __post_init__(self) -> None:
         if self.kv_token is None:

@@ -81,6 +81,26 @@ def test_generate_inspect_convert(tiny_ckpt, tmp_path, capsys):
     assert family.name == "llada" and cfg.d_model == 32
 
 
+def test_generate_prints_each_completions_logprobs(capsys):
+    """`--logprobs K`: one JSON line per completion on stderr after the statistics, its tokens
+    spelling the completion, with the log-probabilities `Model.generate` records."""
+    from dlm_jax.frontends.cli import shipped_model
+
+    prompts = ["564+894=", "66+76="]
+    assert main(["generate", "--model", str(shipped_model()), "--executor", "jax", "--gen", "32", "--logprobs", "2",
+                 *[a for p in prompts for a in ("--prompt", p)]]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in err.strip().splitlines()[-2:]]
+    want = dlm_jax.load(shipped_model(), executor="jax").generate(prompts, dlm_jax.preset("fast-dllm", gen_len=32,
+                                                                                           logprobs=2))
+    assert out.split() == want.texts and [line["completion"] for line in lines] == [0, 1]
+    for line, text, lp in zip(lines, want.texts, want.logprobs):
+        assert "".join(line["tokens"]) == text and line["logprobs"] == [round(float(v), 6) for v in lp.logprob]
+        assert [len(top) for top in line["top_logprobs"]] == [2] * len(text)
+    assert main(["generate", "--model", "any", "--prompt", "Q", "--logprobs", "21"]) == 2
+    assert "logprobs=21" in capsys.readouterr().err
+
+
 def test_generate_options_come_from_the_registry(monkeypatch, capsys):
     """Every decode option reaches the decoder and the report (scripted executor, no model)."""
     answer = np.full(96, ord("7"))

@@ -149,6 +149,46 @@ def test_openai_client_completions_and_chat(live, model):
         client.completions.create(model="gpt-4", prompt="1+1=")
 
 
+def test_logprobs_through_the_openai_client(live, model):
+    """logprobs on both endpoints, streamed or not, through OpenAI's client: each completion
+    token's log-probability and its likeliest alternatives are `Model.generate`'s (decode
+    option `logprobs`), the tokens spell the text, a stream's chunks carry each token once;
+    a stop string cuts them with the text."""
+    import openai
+
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
+    prompt = PROMPTS[2]
+    want = model.generate([prompt], dlm_jax.preset("fast-dllm", gen_len=32, logprobs=2))
+    text, lp = want.texts[0], want.logprobs[0]
+    pieces = [model.tokenizer.decode([t]) for t in want.token_ids[0]]
+    got = client.completions.create(model=NAME, prompt=prompt, max_tokens=32, logprobs=2).choices[0]
+    assert got.text == text and got.logprobs.tokens == pieces and "".join(got.logprobs.tokens) == text
+    assert got.logprobs.token_logprobs == [float(x) for x in lp.logprob]
+    assert got.logprobs.text_offset == [len("".join(pieces[:j])) for j in range(len(pieces))]
+    for top, tok, ids, values in zip(got.logprobs.top_logprobs, pieces, lp.top_ids, lp.top_logprob):
+        assert top == {**{model.tokenizer.decode([int(t)]): float(v) for t, v in zip(ids, values)},
+                       tok: top[tok]}  # the two likeliest, and the chosen token always
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=32, logprobs=True,
+                                          top_logprobs=2).choices[0]
+    content = chat.logprobs.content
+    assert [c.token for c in content] == pieces and [c.logprob for c in content] == [float(x) for x in lp.logprob]
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == lp.top_logprob.tolist()
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    streamed, shown = [], ""
+    for chunk in client.chat.completions.create(model=NAME, messages=messages, max_tokens=32, logprobs=True,
+                                                stream=True):
+        shown += chunk.choices[0].delta.content or ""
+        streamed += [c.token for c in chunk.choices[0].logprobs.content] if chunk.choices[0].logprobs else []
+        assert shown.startswith("".join(streamed))  # no token before its text
+    assert streamed == pieces and shown == text
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=32).choices[0]
+    assert plain.logprobs is None and plain.message.content == text
+    cut = client.completions.create(model=NAME, prompt=prompt, max_tokens=32, logprobs=0, stop=[text[3:6]])
+    assert cut.choices[0].text == text[:3] and "".join(cut.choices[0].logprobs.tokens) == text[:3]
+    assert cut.choices[0].logprobs.token_logprobs == got.logprobs.token_logprobs[:len(cut.choices[0].logprobs.tokens)]
+
+
 def test_completion_forms_stop_and_max_tokens(live, model):
     """Token-id prompts and several prompts per request (one choice each, in order); a stop
     string ends the text before it, streamed or not; max_tokens cuts the completion (the
@@ -342,6 +382,9 @@ BAD = {  # class: (body bytes or object, status, words the message names)
     "non-UTF-8 bytes": (b'{"model": "llada-tiny", "prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
     "half a surrogate pair": (b'{"model": "llada-tiny", "prompt": "a\\ud800"}', 400, "prompt holds an unpaired surrogate"),
     "10 MB body": (b'{"model": "llada-tiny", "prompt": "' + b"a" * (10 << 20) + b'"}', 413, "exceeds the limit"),
+    "logprobs out of range": ({"model": NAME, "prompt": "1", "logprobs": 21}, 400, "logprobs=21 is out of range"),
+    "logprobs beside a revising CPU path": ({"model": NAME, "prompt": "1", "logprobs": 1,
+                                            "dlm_jax": {"preset": "llada-cpp"}}, 400, "refresh_rows=0"),
     "stop list too long": ({"model": NAME, "prompt": "1", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
 }
 
@@ -366,7 +409,11 @@ def test_bad_chat_requests_and_routes(live):
              ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
               "tools is not supported"),
              ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream_options": {}}, 400,
-              "stream_options needs stream")]
+              "stream_options needs stream"),
+             ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+              "top_logprobs needs logprobs: true"),
+             ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400,
+              "logprobs must be true or false")]
     for body, status, words in cases:
         r = post(live, "/v1/chat/completions", body)
         assert r.status_code == status and words in r.json()["error"]["message"], r.text
