@@ -63,7 +63,7 @@ MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 HISTOGRAM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # Fields of OpenAI's requests that dlm-jax does not implement, accepted at their neutral value only.
-NEUTRAL = {"best_of": (1,), "echo": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",), "tools": ([],),
+NEUTRAL = {"suffix": ("",), "tools": ([],),
            "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "parallel_tool_calls": (False, True),
            "service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
 
@@ -84,7 +84,7 @@ CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "service_tier", "store", "metadata"}
 # Decode options set by OpenAI's own fields, not inside `dlm_jax`.
 OWN_FIELDS = {"gen_len": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
-              "logprobs": "logprobs"}
+              "logprobs": "logprobs", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
 
 
 class ApiError(Exception):
@@ -185,6 +185,23 @@ def _number(body, name, lo: float, hi: float, *, integer: bool = False, where: s
         lower = f"> {lo}" if open_lo else f">= {lo}"
         raise ApiError(400, f"{where}{name}={value} is out of range ({lower} and <= {hi})", param=where + name)
     return value
+
+
+def _logit_bias(body: Mapping[str, Any], vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`, {token id (a string): bias from -100 to 100}, as the proposer's
+    sorted (id, bias) pairs."""
+    given = _typed(body, "logit_bias", (dict,), "an object of token id: bias")
+    pairs = []
+    for key, value in (given or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id of this model (0 to {vocab - 1})",
+                           param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias[{key!r}]={json.dumps(value)[:40]} must be a number from -100 to 100",
+                           param="logit_bias")
+        if value:
+            pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def _logprobs_asked(body: Mapping[str, Any], kind: str) -> int | None:
@@ -292,6 +309,10 @@ def decode_changes(body: Mapping[str, Any], max_tokens: int | None, config_of: C
     top_p = _number(body, "top_p", 0.0, 1.0, open_lo=True)
     if top_p is not None:
         changes["top_p"] = float(top_p)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, -2.0, 2.0)
+        if value:
+            changes[name] = float(value)
     if max_tokens is not None:  # the decode runs whole blocks
         block = _block_len(registry.PRESETS[changes["preset"]] if "preset" in changes else registry.decode_options(base),
                            changes)
@@ -329,6 +350,12 @@ class Job:
     include_usage: bool
     started: float
     logprobs: int | None = None  # alternatives per token asked for (None: no logprobs)
+    n: int = 1  # choices per prompt; `handles` holds best_of >= n decodes per prompt, in order
+    echo: list[str] | None = None  # per prompt, its text to put before each of its choices' (echo)
+
+    @property
+    def best_of(self) -> int:
+        return len(self.handles) // len(self.prompt_tokens)
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -497,8 +524,7 @@ class Service:
                            param="model", reason="unknown_model", code="model_not_found")
         for name, accepted in NEUTRAL.items():
             if name in body and not any(_same(body[name], a) for a in accepted):
-                what = f"{name} other than 1" if name == "best_of" else name
-                raise ApiError(400, f"{what} is not supported by dlm-jax serve ({name}={json.dumps(body[name])[:60]})",
+                raise ApiError(400, f"{name} is not supported by dlm-jax serve ({name}={json.dumps(body[name])[:60]})",
                                param=name)
         _typed(body, "user", (str,), "a string")
         stream = _typed(body, "stream", (bool,), "true or false") or False
@@ -527,16 +553,42 @@ class Service:
         changes = decode_changes(body, max_tokens, self.engine.options, base=self.config)
         logprobs = _logprobs_asked(body, kind)
         changes["logprobs"] = -1 if logprobs is None else logprobs  # whatever the server's own config says
+        best_of = _number(body, "best_of", 1, cap, integer=True) or n  # (completions only)
+        if best_of < n:
+            raise ApiError(400, f"best_of={best_of} must be at least n={n}", param="best_of")
+        if best_of > n:
+            if stream:
+                raise ApiError(400, "best_of above n cannot be streamed (the best are known at the end)",
+                               param="best_of")
+            changes["logprobs"] = max(changes["logprobs"], 0)  # ranked by their tokens' log-probabilities
+        echo = _typed(body, "echo", (bool,), "true or false") or False
+        if echo and logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported: a diffusion decode gives the prompt's tokens "
+                                "no log-probability", param="echo")
         chat = (body.get("dlm_jax") or {}).get("chat")
         prompts = self._prompts(body, kind, chat)
-        if len(prompts) * n > cap:
-            raise ApiError(400, f"{len(prompts)} prompts x n={n} choices in one request; at most {cap} in all",
-                           param="n")
+        if len(prompts) * best_of > cap:
+            what = f"n={n} choices" if best_of == n else f"best_of={best_of} candidates"
+            raise ApiError(400, f"{len(prompts)} prompts x {what} in one request; at most {cap} in all",
+                           param="n" if best_of == n else "best_of")
         options = self.engine.options(changes)
-        # choice j of a prompt samples with seed + j (seed: the request's, else the preset's)
-        seeds = [((options.proposer.seed if seed is None else seed) + j) % 2**31 for j in range(n)]
+        bias = _logit_bias(body, self.model.config.vocab_size)
+        if bias:  # not a flat option: the request's whole config carries it
+            changes = options = dataclasses.replace(options, proposer=dataclasses.replace(options.proposer,
+                                                                                          logit_bias=bias))
+        # candidate j of a prompt samples with seed + j (seed: the request's, else the preset's)
+        seeds = [((options.proposer.seed if seed is None else seed) + j) % 2**31 for j in range(best_of)]
         return prompts, changes, {"stream": stream, "include_usage": include_usage, "seeds": seeds, "stops": stops,
-                                  "max_tokens": max_tokens or options.gen_len, "logprobs": logprobs}
+                                  "max_tokens": max_tokens or options.gen_len, "logprobs": logprobs, "n": n,
+                                  "echo": self._echo(body, prompts) if echo else None}
+
+    def _echo(self, body: dict, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's text as the request gave it (token ids: their text), for `echo`."""
+        given = body["prompt"] if isinstance(body["prompt"], list) and not isinstance(body["prompt"][0], int) \
+            else [body["prompt"]]
+        model = self.model
+        return [p if isinstance(p, str) else model.tokenizer.decode(ids) if model.has_tokenizer
+                else " ".join(map(str, ids)) for p, ids in zip(given, prompts)]
 
     def _prompts(self, body: dict, kind: str, chat: bool | None) -> list[list[int]]:
         model = self.model
@@ -660,6 +712,23 @@ def _chunk(job: Job, index: int, piece: str | None, reason: str | None, *, role:
     return {"id": job.id, "object": obj, "created": job.created, "model": "", "choices": [choice]}
 
 
+def _best(job: Job, ends: list[tuple]) -> list[tuple]:
+    """Each prompt's `n` choices out of its `best_of` ended decodes (`ends`, in candidate
+    order: (text, ids, finish reason, request)): all of them when best_of is n, else the n with
+    the highest mean log-probability per token (OpenAI's rule; an empty completion scores 0),
+    best first, ties in candidate order."""
+    k = job.best_of
+    if k == job.n:
+        return ends
+    out = []
+    for p in range(len(ends) // k):
+        group = ends[p * k:(p + 1) * k]
+        score = [sum(map(float, req.logprobs().logprob[:len(ids)])) / len(ids) if ids else 0.0
+                 for _, ids, _, req in group]
+        out += [group[j] for j in sorted(range(k), key=lambda j: -score[j])[:job.n]]
+    return out
+
+
 def _shown_tokens(text: TextStream, ids: list[int], have: int) -> int:
     """How many of `ids` (at least `have`) a stream has shown the whole text of."""
     n = have
@@ -753,22 +822,24 @@ def build_app(service: Service) -> Starlette:
         if not finished:
             metrics.requests.labels(endpoint, "disconnected").inc()
             return Response(status_code=499)
-        choices, completion = [], 0
-        for i, h in enumerate(job.handles):
+        choices, completion, ends = [], 0, []
+        for h in job.handles:
             req = h.request
             cut = _cut_short(req)
             if cut is not None:
                 metrics.requests.labels(endpoint, str(cut.status)).inc()
                 return JSONResponse(cut.body(), status_code=cut.status)
-            text = TextStream(service.model, job.stops, job.max_tokens)
-            content, ids, reason = _finish(h, text)
-            completion += len(ids)
+            content, ids, reason = _finish(h, TextStream(service.model, job.stops, job.max_tokens))
+            completion += len(ids)  # (every candidate of best_of counts)
             first = req.stats.first_token_seconds
             t_first = first if t_first is None or (first is not None and first < t_first) else t_first
+            ends.append((content, ids, reason, req))
+        for i, (content, ids, reason, req) in enumerate(_best(job, ends)):
             stats = req.stats.to_dict()
             logprobs = _token_logprobs(job, service.model, ids, req.logprobs())
             if job.kind == "text_completion":
-                choices.append({"index": i, "text": content, "logprobs": logprobs, "finish_reason": reason,
+                echo = job.echo[i // job.n] if job.echo is not None else ""
+                choices.append({"index": i, "text": echo + content, "logprobs": logprobs, "finish_reason": reason,
                                 "dlm_jax": stats})
             else:
                 choices.append({"index": i, "message": {"role": "assistant", "content": content},
@@ -804,6 +875,9 @@ def build_app(service: Service) -> Starlette:
             if job.kind == "chat.completion":
                 for i in range(len(job.handles)):
                     yield sse(_chunk(job, i, "", None, role=True))
+            elif job.echo is not None:  # each choice's prompt first (best_of is n here: one handle a choice)
+                for i in range(len(job.handles)):
+                    yield sse(_chunk(job, i, job.echo[i // job.n], None))
             while not all(ended):
                 news.clear()
                 for i, h in enumerate(job.handles):
@@ -877,7 +951,7 @@ def build_app(service: Service) -> Starlette:
                 handles = await run_in_threadpool(service.submit, prompts, changes, rest)
                 job = Job(kind, ("cmpl-" if kind == "text_completion" else "chatcmpl-") + secrets.token_hex(12),
                           int(time.time()), handles, [len(p) for p in prompts], rest["max_tokens"], rest["stops"],
-                          rest["stream"], rest["include_usage"], started, rest["logprobs"])
+                          rest["stream"], rest["include_usage"], started, rest["logprobs"], rest["n"], rest["echo"])
                 metrics.prompt_tokens.inc(sum(job.prompt_tokens))
                 if job.stream:
                     release = False

@@ -288,6 +288,10 @@ class Decoder:
             raise ConfigError(f"prompt {list(lens).index(0)} is empty")
         cfg.scheduler.validate(cfg, self.model_config)
         cfg.placement.validate(self.model_config, self.capabilities)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in cfg.proposer.logit_bias):
+            raise ConfigError(f"logit_bias names token {max(t for t, _ in cfg.proposer.logit_bias)}, outside the "
+                              f"vocabulary of {vocab}")
         if cfg.proposer.logprobs >= 0 and cfg.revision.cpu_shapes(lens, cfg.gen_len):
             raise ConfigError("logprobs are not recorded beside a CPU path that revises tokens (its steps' logits "
                               "stay there): set refresh_rows=0, or logprobs=-1")

@@ -141,6 +141,14 @@ class Proposer:
     top_k: int = dataclasses.field(default=0, metadata={"help": "sample among the k most likely tokens (0: all)"})
     top_p: float = dataclasses.field(
         default=1.0, metadata={"help": "sample among the most likely tokens holding this mass (1: all)"})
+    presence_penalty: float = dataclasses.field(
+        default=0.0, metadata={"help": "subtracted from the logit of every token the completion holds already "
+                                       "(committed so far; -2 to 2, OpenAI's)"})
+    frequency_penalty: float = dataclasses.field(
+        default=0.0, metadata={"help": "subtracted from a token's logit once per time the completion holds it already "
+                                       "(-2 to 2, OpenAI's)"})
+    logit_bias: tuple[tuple[int, float], ...] = dataclasses.field(
+        default=(), metadata={"option": False})  # (token id, bias) pairs added to the logits (-100 to 100 each)
     logprobs: int = dataclasses.field(
         default=-1, metadata={"help": "record each generated token's log-probability at the step that decided it, "
                                       f"with this many likeliest alternatives (0-{MAX_LOGPROBS}; -1: off)"})
@@ -163,18 +171,50 @@ class Proposer:
         k = self.logprobs
         if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not -1 <= k <= MAX_LOGPROBS:
             raise ConfigError(f"logprobs={k!r} must be an integer from -1 (off) to {MAX_LOGPROBS}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not -2 <= v <= 2:
+                raise ConfigError(f"{name}={v!r} must be a number from -2 to 2")
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], numbers.Integral)
+                    and not isinstance(pair[0], bool) and pair[0] >= 0 and isinstance(pair[1], numbers.Real)
+                    and not isinstance(pair[1], bool) and -100 <= pair[1] <= 100):
+                raise ConfigError(f"logit_bias entry {pair!r} must be (token id >= 0, bias from -100 to 100)")
 
     @property
     def needs_logits(self) -> bool:
-        return self.temperature > 0 or self.logprobs >= 0
+        return self.temperature > 0 or self.logprobs >= 0 or self.adjusts
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether proposals come from the logits changed by penalties or a bias (on the host)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    def adjusted(self, logits: np.ndarray, state: DecodeState) -> np.ndarray:
+        """The rows' logits [B, R, V] (float64) after OpenAI's penalties and `logit_bias`:
+        logit[v] - frequency_penalty * c[v] - presence_penalty * (c[v] > 0) + bias[v], c[v] the
+        times the request's generation holds v among its committed (visible or final) tokens."""
+        z = np.asarray(logits, np.float64).copy()
+        if self.logit_bias:
+            ids, bias = zip(*self.logit_bias)
+            np.add.at(z, (slice(None), slice(None), np.asarray(ids)), np.asarray(bias, np.float64))
+        if self.presence_penalty or self.frequency_penalty:
+            counts = state.committed_counts(z.shape[-1])  # [B, V]
+            z -= (self.frequency_penalty * counts + self.presence_penalty * (counts > 0))[:, None, :]
+        return z
 
     def propose(self, out: StepOutputs, candidates: np.ndarray, state: DecodeState) -> Proposal:
         """Tokens and confidences [B, R] for the step's R predicted rows (`candidates` [B, R]:
         the rows a rule may commit; only they draw noise)."""
         k = candidates.shape[1]
+        logits = out.logits[:, :k] if out.logits is not None else None
+        if self.adjusts:
+            logits = self.adjusted(logits, state)
         if self.temperature > 0:
-            x0, top1, top2, ent = _sample(out.logits[:, :k], candidates, self.temperature, state.rngs,
-                                          self.top_k, self.top_p)
+            x0, top1, top2, ent = _sample(logits, candidates, self.temperature, state.rngs, self.top_k, self.top_p)
+        elif self.adjusts:
+            x0 = logits.argmax(-1)
+            top1, top2, ent = _scores(logits, x0)
         else:
             x0, top1, top2, ent = out.top_token[:, :k], out.top_prob[:, :k], out.second_prob[:, :k], out.entropy[:, :k]
         conf = confidence_scores(self.confidence, top1.astype(np.float64), top2.astype(np.float64),
@@ -188,7 +228,7 @@ class Proposer:
             # The lowest score a proposal can have: 0, or minus the largest entropy, log V.
             floor = _FLOOR[self.confidence](state.vocab_size)
             conf = np.where(state.is_eos(x0), floor, conf)
-        return Proposal(x0.astype(np.int32), conf, None if out.logits is None else out.logits[:, :k], self)
+        return Proposal(x0.astype(np.int32), conf, logits, self)
 
 
 def _sample(logits: np.ndarray, cand: np.ndarray, temperature: float, rngs: list, top_k: int = 0,
@@ -207,7 +247,15 @@ def _sample(logits: np.ndarray, cand: np.ndarray, temperature: float, rngs: list
         if rng is not None and cand[r].any():
             gumbel = (-np.log(rng.random(logits[r].shape))) ** temperature
             x0[r] = np.argmax(np.exp(drawn[r]) / gumbel, axis=-1)
+    return (x0, *_scores(logits, x0, probs))
+
+
+def _scores(logits: np.ndarray, x0: np.ndarray, probs: np.ndarray | None = None):
+    """(softmax probability of `x0`, the runner-up's, the entropy) of float64 `logits`."""
+    if probs is None:
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
     top1 = np.take_along_axis(probs, x0[..., None], -1)[..., 0]
     top2 = np.sort(probs, axis=-1)[..., -2]
     ent = -(probs * np.log(np.maximum(probs, 1e-300))).sum(-1)
-    return x0, top1, top2, ent
+    return top1, top2, ent

@@ -54,6 +54,7 @@ _FEEDS_TOKEN = np.array([True, False, True, False, True, True])  # by TokenState
 _UNDECIDED = np.array([False, True, False, True, False, False])
 _FINAL = np.array([True, False, False, False, False, True])
 _FED_FINAL = np.array([True, False, False, False, True, True])  # prompt, visible, stable: cacheable
+_COMMITTED = np.array([False, False, False, False, True, True])  # visible or stable
 _FEEDS_TOKEN_OR_CANDIDATE = _FEEDS_TOKEN | (np.arange(6) == TokenState.CANDIDATE)  # slots that hold a token
 _STABLE = int(TokenState.STABLE)  # plain ints on the hot path (enum attribute access is slow)
 _VISIBLE, _DRAFT, _CANDIDATE, _MASK = (int(TokenState.VISIBLE), int(TokenState.DRAFT), int(TokenState.CANDIDATE),
@@ -208,6 +209,15 @@ class DecodeState:
         if not held.any():
             return
         self.logprobs.record(slots, held, take(self.tokens, slots), logits)
+
+    def committed_counts(self, vocab: int) -> np.ndarray:
+        """[B, vocab] float64: how many of each row's generated slots hold each token, visible or
+        final (a decode's text so far, for OpenAI's penalties)."""
+        gen = slice(self.gen_start, self.gen_end)
+        b, i = np.nonzero(_COMMITTED[self.status[:, gen]])
+        counts = np.zeros((self.batch, vocab))
+        np.add.at(counts, (b, self.tokens[:, gen][b, i]), 1.0)
+        return counts
 
     def token_logprobs(self, row: int, n: int | None = None) -> TokenLogprobs:
         """Request `row`'s first `n` generated slots' records (all of them by default)."""

@@ -189,6 +189,53 @@ def test_logprobs_through_the_openai_client(live, model):
     assert cut.choices[0].logprobs.token_logprobs == got.logprobs.token_logprobs[:len(cut.choices[0].logprobs.tokens)]
 
 
+def test_penalties_and_logit_bias_from_the_openai_client(live, model):
+    """presence / frequency penalties decode as the decode options of the same names;
+    logit_bias steers every slot's distribution (-100: never proposed, 100: always)."""
+    import openai
+
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
+    for field in ("presence_penalty", "frequency_penalty"):
+        want = model.generate([PROMPTS[4]], dlm_jax.preset("fast-dllm", gen_len=32, **{field: -2.0})).texts[0]
+        got = client.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=32, **{field: -2.0})
+        assert got.choices[0].text == want
+    three = str(model.encode("3", chat=False)[-1])
+    plain = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=32).choices[0].text
+    banned = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=32, logit_bias={three: -100})
+    forced = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": PROMPTS[2]}],
+                                            max_tokens=32, logit_bias={three: 100})
+    assert "3" in plain and "3" not in banned.choices[0].text and set(forced.choices[0].message.content) == {"3"}
+
+
+def test_best_of_and_echo(live, model):
+    """best_of: each prompt's n choices are, of its best_of decodes (candidate j with seed
+    seed + j), those with the highest mean token log-probability, best first; the usage counts
+    every candidate. echo: each choice's text starts with its prompt's, streamed or not."""
+    import openai
+
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
+    prompt = PROMPTS[4]
+    out = model.generate([prompt] * 4, dlm_jax.preset("fast-dllm", gen_len=32, temperature=1.5, logprobs=0),
+                         seeds=[7, 8, 9, 10])
+    score = [float(np.mean(lp.logprob)) for lp in out.logprobs]
+    assert len(set(out.texts)) > 1 and len(set(score)) == 4  # (candidates differ: the choice is a choice)
+    best = sorted(range(4), key=lambda j: -score[j])[:2]
+    got = client.completions.create(model=NAME, prompt=prompt, n=2, best_of=4, seed=7, temperature=1.5, max_tokens=32)
+    assert [c.text for c in got.choices] == [out.texts[j] for j in best] and [c.index for c in got.choices] == [0, 1]
+    assert got.usage.completion_tokens == sum(len(ids) for ids in out.token_ids)
+    with_lp = client.completions.create(model=NAME, prompt=prompt, best_of=4, seed=7, temperature=1.5, max_tokens=32,
+                                        logprobs=1).choices[0]
+    assert with_lp.text == out.texts[best[0]] and with_lp.logprobs.token_logprobs == out.logprobs[best[0]].logprob.tolist()
+    plain = client.completions.create(model=NAME, prompt=prompt, best_of=4, seed=7, temperature=1.5, max_tokens=32)
+    assert plain.choices[0].logprobs is None
+    greedy = model.generate(PROMPTS[:2], dlm_jax.preset("fast-dllm", gen_len=32)).texts
+    ids = model.encode(PROMPTS[1])
+    echoed = client.completions.create(model=NAME, prompt=[PROMPTS[0], ids], max_tokens=32, echo=True)
+    assert [c.text for c in echoed.choices] == [PROMPTS[0] + greedy[0], model.tokenizer.decode(ids) + greedy[1]]
+    assert "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=32, echo=True, stream=True)) == PROMPTS[0] + greedy[0]
+
+
 def test_completion_forms_stop_and_max_tokens(live, model):
     """Token-id prompts and several prompts per request (one choice each, in order); a stop
     string ends the text before it, streamed or not; max_tokens cuts the completion (the
@@ -373,7 +420,18 @@ BAD = {  # class: (body bytes or object, status, words the message names)
     "unknown decode option": ({"model": NAME, "prompt": "1", "dlm_jax": {"speed": 2}}, 400, "dlm_jax.speed"),
     "option of another decoder": ({"model": NAME, "prompt": "1", "dlm_jax": {"stride": 2}}, 400, "stride"),
     "token id outside the vocabulary": ({"model": NAME, "prompt": [1, 99999]}, 400, "99999"),
-    "best_of > 1": ({"model": NAME, "prompt": "1", "best_of": 3}, 400, "best_of other than 1"),
+    "best_of under n": ({"model": NAME, "prompt": "1", "best_of": 1, "n": 2}, 400, "best_of=1 must be at least n=2"),
+    "best_of streamed": ({"model": NAME, "prompt": "1", "best_of": 2, "stream": True}, 400, "cannot be streamed"),
+    "logit_bias key not a token id": ({"model": NAME, "prompt": "1", "logit_bias": {"x": 1}}, 400,
+                                      "logit_bias key 'x' is not a token id"),
+    "logit_bias out of range": ({"model": NAME, "prompt": "1", "logit_bias": {"5": -101}}, 400,
+                                "logit_bias['5']=-101 must be a number from -100 to 100"),
+    "penalty out of range": ({"model": NAME, "prompt": "1", "frequency_penalty": 2.5}, 400,
+                             "frequency_penalty=2.5 is out of range"),
+    "echo with logprobs": ({"model": NAME, "prompt": "1", "echo": True, "logprobs": 0}, 400,
+                           "echo with logprobs is not supported"),
+    "best_of x prompts past the queue's share": ({"model": NAME, "prompt": ["1", "2"], "best_of": 9}, 400,
+                                                 "2 prompts x best_of=9 candidates in one request; at most 16"),
     "n = 0": ({"model": NAME, "prompt": "1", "n": 0}, 400, "n=0 is out of range"),
     "n x prompts past the queue's share": ({"model": NAME, "prompt": ["1", "2", "3"], "n": 6}, 400,
                                            "3 prompts x n=6 choices in one request; at most 16"),
