@@ -662,6 +662,9 @@ class Service:
             for h in handles:
                 h.cancel()
             msg = _one_line(e)
+            if rest["logprobs"] is None and len(rest["seeds"]) > rest["n"] and "logprobs" in msg:
+                raise ApiError(400, f"best_of ranks candidates by their tokens' log-probabilities, and {msg}",
+                               param="best_of") from None
             raise ApiError(400, msg, param="prompt" if "prompt" in msg or "token id" in msg else "dlm_jax") from None
         return handles
 

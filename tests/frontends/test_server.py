@@ -428,6 +428,8 @@ BAD = {  # class: (body bytes or object, status, words the message names)
                                 "logit_bias['5']=-101 must be a number from -100 to 100"),
     "penalty out of range": ({"model": NAME, "prompt": "1", "frequency_penalty": 2.5}, 400,
                              "frequency_penalty=2.5 is out of range"),
+    "best_of beside a revising CPU path": ({"model": NAME, "prompt": "1", "best_of": 2,
+                                            "dlm_jax": {"preset": "llada-cpp"}}, 400, "best_of ranks candidates"),
     "echo with logprobs": ({"model": NAME, "prompt": "1", "echo": True, "logprobs": 0}, 400,
                            "echo with logprobs is not supported"),
     "best_of x prompts past the queue's share": ({"model": NAME, "prompt": ["1", "2"], "best_of": 9}, 400,

@@ -1,0 +1,23 @@
+"""`benchmarks/logits_host.py` times every host path that works on a step's logits, and writes
+its report atomically."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import logits_host  # noqa: E402
+
+
+def test_logits_host_reports_every_case(tmp_path):
+    assert logits_host.main(["--vocab", "300", "--rows", "4", "--repeats", "1", "--out", str(tmp_path / "lh")]) == 0
+    rep = json.loads((tmp_path / "lh.json").read_text())
+    assert [c["case"] for c in rep["cases"]] == [name for name, *_ in logits_host.CASES]
+    assert [c["logits_bytes"] for c in rep["cases"]] == [0] + [4 * 300 * 4] * (len(logits_host.CASES) - 1)
+    assert all(c["ms"] >= 0 for c in rep["cases"])
+    md = (tmp_path / "lh.md").read_text()
+    assert all(f"| {name} |" in md for name, *_ in logits_host.CASES) and "vocabulary 300" in md
