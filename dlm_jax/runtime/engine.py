@@ -137,7 +137,7 @@ class Request:
         self._row = -1
         self._pending: SlotStep | None = None
         self._ended = threading.Event()
-        self._logprobs: TokenLogprobs | None = None  # its generated slots', as of its last step
+        self._state: DecodeState | None = None  # its decode's state, where it records logprobs
 
     # -- the caller's side ------------------------------------------------------------------
 
@@ -199,8 +199,9 @@ class Request:
     def logprobs(self) -> TokenLogprobs | None:
         """The log-probabilities of `tokens()` (None unless its config records them:
         decode option `logprobs`)."""
-        lp = self.output.logprobs[0] if self.output is not None and self.output.logprobs else self._logprobs
-        return None if lp is None else lp[:len(self.tokens())]
+        if self.output is not None and self.output.logprobs:
+            return self.output.logprobs[0][:len(self.tokens())]
+        return None if self._state is None else self._state.token_logprobs(0, len(self.tokens()))
 
     def result(self, timeout: float | None = None) -> np.ndarray:
         """Its tokens once it has ended; raises the error of a failed request."""
@@ -602,7 +603,7 @@ class Engine:
         final = state.final_prefixes()[0]
         req.stats.steps += 1
         if state.logprobs is not None:
-            req._logprobs = state.token_logprobs(0)
+            req._state = state  # (read when asked: no copy per step)
         if len(final) > len(req.final):
             now = time.perf_counter() - req._submitted
             if req.stats.first_token_seconds is None:
