@@ -131,6 +131,8 @@
 #                all: the budget cuts dlm-jax's int8 cases at b8 (and at b1 if the compiles
 #                are no faster than that).
 #   small    50  benchmarks/gpu.py --small (the correctness half; tiny float32 twin; 20-40 s).
+#   logits   30  benchmarks/logits_host.py: sampling, penalties, bias and logprobs at the 8B
+#                vocabulary, the host's float64 path against the GPU's (`Proposer.logits_on`).
 #   large   300  benchmarks/gpu.py --sides dlm_jax at batch 16 and 32, both caches, none and
 #                int8, --reps 3, --profile, its own compilation cache (the prefix cache's there:
 #                about 10 programs a batch, minutes cold); Fast-dLLM's side is not timed (its
@@ -199,6 +201,8 @@
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/attention_gqa.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
+#   cp $LEASE/logits_gpu.json $LEASE/logits_gpu.md benchmarks/results/ (the proposer's rules on the GPU; if the
+#     device path is the faster there, as it should be, `logits_on="auto"` already picks it on a GPU)
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:?set OUT to the folder that comes back}
@@ -213,15 +217,15 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-DEFAULT_PARTS="target attncheck decide dual probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small large probecache cacheload probeserial cudnn scan first"
+DEFAULT_PARTS="target attncheck decide dual probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small logits large probecache cacheload probeserial cudnn scan first"
 PARTS=${PARTS:-$DEFAULT_PARTS}    # or rest: what the calls before this one on this machine left
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
-SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=() SWEEP_X=()
+SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=() SWEEP_X=() LOGITS_X=()
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
   SHAPE=small BATCHES=1 LARGE_BATCHES=2 DUAL_BATCHES="1 2"
   GPU_X=(--shape small --dtype float32 --prompt-len 32 --gen-len 64)
   STEP_X=(--shape small --dtype float32 --reps 2) FIRST_X=(--shape small --dtype float32)
-  GEMM_X=(--shape small --dtype float32) CACHE_X=(--shape small --dtype float32)
+  GEMM_X=(--shape small --dtype float32) CACHE_X=(--shape small --dtype float32) LOGITS_X=(--vocab 4096)
   CHECK_X=(--shape small --stand-in)  # (a CPU has no cuDNN: JAX's XLA attention in its place)
   SWEEP_X=(--shape small --stand-in --layers 2 --tilings default k32)  # (the interpreter ignores warps, stages)
   # One thread per process: torch's OpenMP threads spin against whatever else shares the CPU
@@ -388,6 +392,11 @@ want table && part table "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --batches $B
   --out "$RES/gpu"
 want small && part small 50 30 $PY $G --small --peer-src "$PEER" --checkpoint "$WORK/ckpt-small-twin" \
   --out "$RES/gpu_small"
+# The proposer's rules over a step's logits at LLaDA-8B's vocabulary: the host's float64 path
+# against the same rules beside the logits on the GPU (`Proposer.logits_on`), one request's
+# 32 rows; 120 ms sampling and 70-75 ms penalties / bias / 32 logprobs on this CPU's host path
+# (benchmarks/results/logits_host.md), never timed on a GPU.
+want logits && part logits 30 15 $PY benchmarks/logits_host.py "${LOGITS_X[@]}" --out "$RES/logits_gpu"
 t=$(cap "$LARGE_S")
 # shellcheck disable=SC2086
 want large && part large "$t" 60 $PY $G "${ALL[@]}" --quant $QUANTS --sides dlm_jax --batches $LARGE_BATCHES \

@@ -1,4 +1,5 @@
-"""What a step costs the host when its proposals come from the rows' logits.
+"""What a step costs when its proposals come from the rows' logits: on the host, and beside
+the step.
 
     .venv/bin/python benchmarks/logits_host.py [--vocab 126464] [--rows 32] [--out benchmarks/results/logits_host]
 
@@ -7,8 +8,12 @@ Greedy decoding takes the step's own argmax and probabilities (four [B, R] array
 bring back the step's R x V logits and work on them on the host in float64
 (`Proposer.propose`, `DecodeState.record_logprobs`). This times each of those host paths on
 random logits of LLaDA-8B's vocabulary (126,464) for one request's 32 predicted rows, the
-median of `--repeats` runs, with the logits' bytes per step; no model runs. Prints JSON and
-writes <out>.json and <out>.md.
+median of `--repeats` runs, with the logits' bytes per step; no model runs.
+
+Each case also runs with the logits kept where a JAX step leaves them (`Proposer.logits_on`
+"device": `dlm_jax.executors._logits.DeviceLogits` on JAX's default backend, in float32),
+timed to its answers on the host (the first, compiling, run not counted), with the bytes read
+back. Prints JSON and writes <out>.json and <out>.md.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dlm_jax._integrity import atomic_write  # noqa: E402
+from dlm_jax.executors._logits import DeviceLogits  # noqa: E402
+from dlm_jax.runtime.kvcache import Transfers  # noqa: E402
 from dlm_jax.runtime.proposer import Proposer  # noqa: E402
 from dlm_jax.runtime.state import DecodeState, TokenState  # noqa: E402
 from dlm_jax.runtime.step import StepOutputs  # noqa: E402
@@ -62,50 +70,75 @@ def measure(vocab: int, rows: int, repeats: int) -> dict[str, Any]:
     plain = StepOutputs(top_token=logits.argmax(-1).astype(np.int32), top_prob=np.full((1, rows), 0.5, np.float32),
                         second_prob=np.full((1, rows), 0.1, np.float32), entropy=np.ones((1, rows), np.float32))
     full = StepOutputs(**{**plain.__dict__, "logits": logits})
+    counted = Transfers()  # what the device path reads back, as a decode's steps count it
+    kept = DeviceLogits(jax.device_put(logits), transfers=counted)
     slots = np.arange(PROMPT, PROMPT + rows)
     cases = []
     for name, proposer, decided, top in CASES:
-        state = _state(vocab, top)
-        out = full if proposer.needs_logits else plain
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            proposal = proposer.propose(out, np.ones((1, rows), bool), state)
-            if decided:
-                state.tokens[0, slots] = proposal.tokens[0]
-                status = np.full(rows, TokenState.MASK, np.int8)
-                status[:decided] = TokenState.STABLE
-                state.status[0, slots] = status
-                state.record_logprobs(slots, np.ones((1, rows), bool), logits)
-                state.status[0, slots] = TokenState.MASK
-            times.append(time.perf_counter() - t0)
-        cases.append({"case": name, "ms": round(1000 * statistics.median(times), 2),
-                      "logits_bytes": int(logits.nbytes) if proposer.needs_logits else 0})
-    return {"vocab": vocab, "rows": rows, "repeats": repeats, "machine": machine(), "cases": cases}
+        row = {"case": name}
+        for where, lg in (("host", logits), ("device", kept)):
+            state = _state(vocab, top)
+            out = StepOutputs(**{**plain.__dict__, "logits": lg}) if proposer.needs_logits else plain
+            times, back = [], 0
+            for i in range(repeats + (where == "device")):
+                counted.add(0, 0)
+                t0 = time.perf_counter()
+                proposal = proposer.propose(out, np.ones((1, rows), bool), state)
+                if decided:
+                    state.tokens[0, slots] = proposal.tokens[0]
+                    status = np.full(rows, TokenState.MASK, np.int8)
+                    status[:decided] = TokenState.STABLE
+                    state.status[0, slots] = status
+                    state.record_logprobs(slots, np.ones((1, rows), bool), lg)
+                    state.status[0, slots] = TokenState.MASK
+                if where == "host" or i:  # (the device's first run compiles)
+                    times.append(time.perf_counter() - t0)
+            if where == "host":
+                back = int(logits.nbytes) if proposer.needs_logits else 0
+            else:  # the answers: [4, 1, R] int32 a proposal, [m, 1 + 2k] a record of m slots
+                back = counted.d2h[-1]
+            row[f"{where}_ms"] = round(1000 * statistics.median(times), 2)
+            row[f"{where}_bytes"] = back
+        cases.append(row)
+    return {"vocab": vocab, "rows": rows, "repeats": repeats, "machine": machine(), "backend": jax.default_backend(),
+            "cases": cases}
 
 
 def markdown(rep: dict[str, Any]) -> str:
     lines = [f"# Host cost of proposals from logits (`benchmarks/logits_host.py`)", "",
              f"One request, {rep['rows']} predicted rows, vocabulary {rep['vocab']:,}; random float32 logits; "
              f"median of {rep['repeats']} runs on {rep['machine'].get('cpu', 'this CPU')} "
-             f"({rep['machine'].get('cores', '?')} cores). No model runs: this is the host's share of a step only. "
-             "The GPU steps it would sit between took 7.6-10.5 ms at LLaDA-8B shape on one H200 (`gpu.md`), "
-             "on another machine's CPU.", "",
-             "| case | host ms per step | logits read back per step |", "|---|---:|---:|"]
+             f"({rep['machine'].get('cores', '?')} cores). No model runs: this is the proposer's share of a "
+             "step only. The GPU steps it would sit between took 7.6-10.5 ms at LLaDA-8B shape on one H200 "
+             "(`gpu.md`), on another machine's CPU.", "",
+             f"*host*: the rows' logits read back and worked on in float64 NumPy (`logits_on=\"host\"`). "
+             f"*device*: the same rules as small programs beside the logits (`logits_on=\"device\"`), here on "
+             f"JAX's {rep['backend']} backend, timed to their answers on the host.", "",
+             "| case | host ms | device ms | host / device | read back, host | read back, device |",
+             "|---|---:|---:|---:|---:|---:|"]
+
+    def size(n: int) -> str:
+        return "-" if not n else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 \
+            else f"{n} B"
+
     for c in rep["cases"]:
-        n = c["logits_bytes"]
-        mb = "-" if not n else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-        lines.append(f"| {c['case']} | {c['ms']} | {mb} |")
+        ratio = f"{c['host_ms'] / c['device_ms']:.1f}" if c["device_ms"] > 0 else "-"
+        lines.append(f"| {c['case']} | {c['host_ms']} | {c['device_ms']} | {ratio} | {size(c['host_bytes'])} "
+                     f"| {size(c['device_bytes'])} |")
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, default=126464)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "logits_host")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rep = measure(args.vocab, args.rows, args.repeats)
     print(json.dumps(rep["cases"], indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)

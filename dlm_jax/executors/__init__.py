@@ -11,6 +11,8 @@
     auto                `AutoExecutor`: the CPU default, JAX until the bundle cache holds a
                         decode's buckets
     _litert             one LiteRT environment per process, output reading, the exit hush
+    _logits             `DeviceLogits`: a step's logits kept on its device, and the proposer's
+                        rules over them there (sampling, penalties, bias, logprobs)
     bundle_files        a bundle directory's file names, spelled once
 
 `dlm_jax.testing.MockExecutor` is the scripted executor of the tests.

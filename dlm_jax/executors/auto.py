@@ -68,7 +68,8 @@ class AutoExecutor(Executor):
 
     @property
     def capabilities(self) -> Capabilities:
-        return self.jax.capabilities
+        # (a decode may run on the LiteRT runner, whose logits come to the host: none kept on a device)
+        return dataclasses.replace(self.jax.capabilities, logits_on="")
 
     @property
     def current(self) -> str:

@@ -34,6 +34,7 @@ from flax import nnx
 
 from dlm_jax._errors import ConfigError
 from dlm_jax.executors._compile import CompiledBuckets, target_platform
+from dlm_jax.executors._logits import DeviceLogits
 from dlm_jax._config import ModelConfig
 from dlm_jax.models import _attention_kernel
 from dlm_jax.models._fuse import PROJECTIONS_ENV, choose_projections, fuse_projections, is_fused
@@ -545,6 +546,9 @@ class DeviceKVCache(KVCache):
         inputs = ex.resident_inputs(req)
         arrays = ex._send(inputs)
         names = [n for n in output_names(req.key) if n not in ("k_new", "v_new", *PREDICTIONS)]
+        kept = req.want.device_logits and "logits" in names and ex.placement is None
+        if kept:  # (left where the step ran: `_logits.DeviceLogits`)
+            names.remove("logits")
         if timings is None:
             preds, named, self.k, self.v, self.written = program(ex._leaves, self.k, self.v, self.written, self.pos,
                                                                  self.valid, *arrays)
@@ -560,6 +564,8 @@ class DeviceKVCache(KVCache):
             timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
         d2h = sum(v.nbytes for v in fetched.values())  # (`_get` gives host arrays)
         out = {**unpack_predictions(fetched.pop("predictions")), **fetched}
+        if kept:
+            out["logits"] = DeviceLogits(named["logits"], transfers=self.transfers)
         self.transfers.add(sum(x.nbytes for x in inputs), d2h)
         return StepOutputs.from_named(out)
 
@@ -574,11 +580,16 @@ class DeviceKVCache(KVCache):
         given = req.arrays()
         arrays = executor._send([given[n] for n in VIEW_NAMES + ((LORA_GATE.name,) if executor.gated else ())])
         names = [n for n in output_names(key) if n not in ("k_new", "v_new")]
+        kept = req.want.device_logits and "logits" in names and executor.placement is None
+        if kept:  # (left where the step ran: `_logits.DeviceLogits`)
+            names.remove("logits")
         transfers = self.transfers
 
         def run() -> StepOutputs:
             named = executor._views.get(key)(executor._leaves, *view, *arrays)
             out = executor._get({n: named[n] for n in names})
+            if kept:
+                out["logits"] = DeviceLogits(named["logits"], transfers=transfers)
             transfers.add(req.read.nbytes + req.lengths().nbytes + req.cache_rows().nbytes + sum(a.nbytes for a in arrays),
                           sum(v.nbytes for v in out.values()))
             return StepOutputs(**out, kv=(named["k_new"], named["v_new"]))
@@ -716,6 +727,8 @@ class JaxExecutor(Executor):
             s = next(iter(self._slots.values())).resident.size
             self._capabilities = dataclasses.replace(self._capabilities, expert_slots=s)
         self.placement = None if mesh is None else _placement(mesh, model, self._slots)
+        if self.placement is None:  # a step's logits can stay on its device (`_logits.DeviceLogits`)
+            self._capabilities = dataclasses.replace(self._capabilities, logits_on=jax.default_backend())
         # q and k rotated by one RoPE op (`joint_rope`): on one accelerator only. A CPU keeps
         # the bits it had (XLA:CPU rounds the joined op otherwise), and on a mesh q's and k's
         # heads are split over the devices, which a join along the heads would regather.

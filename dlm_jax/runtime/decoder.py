@@ -219,6 +219,17 @@ def _wants_logits(cfg: DecodeConfig) -> bool:
     return cfg.proposer.needs_logits or cfg.scheduler.wants_logits()
 
 
+def logits_on_device(cfg: DecodeConfig, caps: Capabilities) -> bool:
+    """Whether a decode's steps keep their logits on the executor's device, where the proposer's
+    rules over them run (`Proposer.logits_on`): asked (`device`), or `auto` on an executor that
+    keeps them on a GPU or TPU; never for a schedule that reads the logits itself (ISD's
+    acceptance works on the host)."""
+    on = cfg.proposer.logits_on
+    if on == "host" or not cfg.proposer.needs_logits or cfg.scheduler.reads_logits() or not caps.logits_on:
+        return False
+    return on == "device" or caps.logits_on in ("gpu", "tpu")
+
+
 def _wants_placement(cfg: DecodeConfig) -> dict[str, bool]:
     """The optional outputs a decode's steps return for its placement policy: the MoE layers'
     routed experts (expert placement), the FFN neuron activity (neuron placement)."""
@@ -292,6 +303,13 @@ class Decoder:
         if any(t >= vocab for t, _ in cfg.proposer.logit_bias):
             raise ConfigError(f"logit_bias names token {max(t for t, _ in cfg.proposer.logit_bias)}, outside the "
                               f"vocabulary of {vocab}")
+        if cfg.proposer.logits_on == "device":
+            if not self.capabilities.logits_on:
+                raise ConfigError("logits_on='device' needs an executor that keeps a step's logits on its device "
+                                  "(the JAX executor off a mesh); use logits_on='host' or 'auto'")
+            if cfg.scheduler.reads_logits():
+                raise ConfigError(f"logits_on='device' does not go with the {cfg.scheduler.name} schedule, whose "
+                                  f"acceptance reads the rows' logits on the host; use logits_on='host' or 'auto'")
         if cfg.proposer.logprobs >= 0 and cfg.revision.cpu_shapes(lens, cfg.gen_len):
             raise ConfigError("logprobs are not recorded beside a CPU path that revises tokens (its steps' logits "
                               "stay there): set refresh_rows=0, or logprobs=-1")
@@ -440,7 +458,8 @@ class Decoder:
         scheduler, proposer, revision, placement = cfg.scheduler, cfg.proposer, cfg.revision, cfg.placement
         units = cfg.units
         stats = DecodeStats(request_nfe=[0] * n)
-        want = OutputRequest(kv=False, logits=_wants_logits(cfg), **_wants_placement(cfg))
+        want = OutputRequest(kv=False, logits=_wants_logits(cfg), **_wants_placement(cfg),
+                             device_logits=logits_on_device(cfg, self.capabilities))
         rule = cfg.rule
         start = time.perf_counter()
         cursor = scheduler.start(state)

@@ -49,7 +49,7 @@ from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.decoder import DecodeOutput, DecodeStats, Decoder
 from dlm_jax.runtime.kvcache import HostKVCache, KVCache, Transfers
 from dlm_jax.runtime.state import DecodeState, TokenLogprobs
-from dlm_jax.runtime.step import SlotStep, StepOutputs
+from dlm_jax.runtime.step import SlotStep, StepOutputs, is_device_logits
 
 # Request statuses: waiting -> running -> one of the ends.
 WAITING, RUNNING = "waiting", "running"
@@ -778,6 +778,8 @@ def split(out: StepOutputs, i: int) -> StepOutputs:
     """Batch row `i` of a call's outputs, as a batch-1 step's."""
     def row(name: str, axis: int):
         x = getattr(out, name)
+        if is_device_logits(x):
+            return x.rows([i])  # (a view: the logits stay where the step ran)
         return None if x is None else np.take(x, [i], axis=axis)
 
     return StepOutputs(top_token=row("top_token", 0), top_prob=row("top_prob", 0), second_prob=row("second_prob", 0),

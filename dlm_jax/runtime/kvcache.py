@@ -54,6 +54,13 @@ class Transfers:
         self.h2d.append(int(h2d))
         self.d2h.append(int(d2h))
 
+    def more(self, h2d: int, d2h: int) -> None:
+        """Bytes of the last step's further exchanges (its logits' answers, `DeviceLogits`)."""
+        if not self.h2d:
+            self.add(0, 0)
+        self.h2d[-1] += int(h2d)
+        self.d2h[-1] += int(d2h)
+
     @property
     def h2d_bytes(self) -> int:
         return self.opened + sum(self.h2d)

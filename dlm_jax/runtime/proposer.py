@@ -23,10 +23,15 @@ import numpy as np
 
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.state import DecodeState
-from dlm_jax.runtime.step import StepOutputs
+from dlm_jax.runtime.step import StepOutputs, is_device_logits
 
 REMASKING: tuple[str, ...] = ("low_confidence", "random")
 CONFIDENCE_KINDS: tuple[str, ...] = ("prob", "margin", "entropy")
+# Where the rules that need the rows' whole logits run (sampling, penalties, logit bias,
+# recorded log-probabilities): `host` (float64 NumPy, LLaDA's generator), `device` (float32
+# beside the step, only small answers read back: the executor must keep logits,
+# `Capabilities.logits_on`), `auto` (device where the executor keeps them on a GPU or TPU).
+LOGITS_ON: tuple[str, ...] = ("auto", "host", "device")
 MAX_LOGPROBS = 20  # alternatives per token `Proposer.logprobs` may ask for (OpenAI's top_logprobs bound)
 
 
@@ -82,7 +87,10 @@ _FLOOR = {"prob": lambda vocab: 0.0, "margin": lambda vocab: 0.0, "entropy": lam
 class Proposal(NamedTuple):
     tokens: np.ndarray  # [B, R] int32
     confidence: np.ndarray  # [B, R] float64
-    logits: np.ndarray | None = None  # [B, R, V] float32, the rows' logits when the step returned them
+    # [B, R, V], the rows' logits when the step returned them: on the host, after the penalties
+    # and bias; kept on the device (`DeviceLogits`), as the step left them (the program that
+    # proposed applied the adjustments inside)
+    logits: np.ndarray | None = None
     sampler: Proposer | None = None  # who drew `tokens` (temperature, top-k, top-p)
 
 
@@ -153,6 +161,11 @@ class Proposer:
         default=-1, metadata={"help": "record each generated token's log-probability at the step that decided it, "
                                       f"with this many likeliest alternatives (0-{MAX_LOGPROBS}; -1: off)"})
 
+    logits_on: str = dataclasses.field(
+        default="auto", metadata={"help": "where sampling, penalties, logit bias and logprobs run: host (float64, "
+                                          "LLaDA's generator), device (beside the step; only the answers are "
+                                          "read back), auto (device on a GPU or TPU)", "choices": LOGITS_ON})
+
     def __post_init__(self) -> None:
         t = self.temperature
         if not isinstance(t, numbers.Real) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
@@ -161,6 +174,8 @@ class Proposer:
             raise ConfigError(f"seed={self.seed!r} must be an integer >= 0")
         if self.confidence not in CONFIDENCE_KINDS:
             raise ConfigError(f"confidence={self.confidence!r} is not one of {CONFIDENCE_KINDS}")
+        if self.logits_on not in LOGITS_ON:
+            raise ConfigError(f"logits_on={self.logits_on!r} is not one of {LOGITS_ON}")
         if self.remasking not in REMASKING:
             raise ConfigError(f"remasking={self.remasking!r} is not one of {REMASKING}")
         if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < 0:
@@ -208,9 +223,14 @@ class Proposer:
         the rows a rule may commit; only they draw noise)."""
         k = candidates.shape[1]
         logits = out.logits[:, :k] if out.logits is not None else None
-        if self.adjusts:
+        on_device = is_device_logits(logits) and (self.adjusts or self.temperature > 0)
+        if on_device:
+            x0, top1, top2, ent = self._on_device(logits, candidates, state)
+        elif self.adjusts:
             logits = self.adjusted(logits, state)
-        if self.temperature > 0:
+        if on_device:
+            pass
+        elif self.temperature > 0:
             x0, top1, top2, ent = _sample(logits, candidates, self.temperature, state.rngs, self.top_k, self.top_p)
         elif self.adjusts:
             x0 = logits.argmax(-1)
@@ -229,6 +249,20 @@ class Proposer:
             floor = _FLOOR[self.confidence](state.vocab_size)
             conf = np.where(state.is_eos(x0), floor, conf)
         return Proposal(x0.astype(np.int32), conf, logits, self)
+
+    def _on_device(self, logits, candidates: np.ndarray, state: DecodeState):
+        """The proposal's (x0, top1, top2, entropy), computed beside the step (`DeviceLogits.propose`): each sampling row's noise is one 32-bit seed drawn from its
+        request's own generator, only while it has candidates."""
+        b = candidates.shape[0]
+        draw, seeds = np.zeros(b, bool), np.zeros(b, np.uint32)
+        if self.temperature > 0:
+            for r, rng in enumerate(state.rngs):
+                if rng is not None and candidates[r].any():
+                    draw[r], seeds[r] = True, rng.integers(0, 2 ** 32, dtype=np.uint32)
+        penalized = bool(self.presence_penalty or self.frequency_penalty)
+        return logits.propose(draw=draw, seeds=seeds, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              count_ids=state.committed_ids() if penalized else None,
+                              presence=self.presence_penalty, frequency=self.frequency_penalty, bias=self.logit_bias)
 
 
 def _sample(logits: np.ndarray, cand: np.ndarray, temperature: float, rngs: list, top_k: int = 0,

@@ -183,6 +183,11 @@ class Scheduler(HookBase):
         """Whether steps must return the rows' logits whatever the proposer needs (default no)."""
         return False
 
+    def reads_logits(self) -> bool:
+        """Whether `settle` reads the proposal's logits on the host when the step returned them
+        (they then come back whole: `Proposer.logits_on` "device" is refused; default no)."""
+        return self.wants_logits()
+
     def report(self, cursor: Cursor) -> dict[str, Any]:
         """What this schedule measured over a decode, for `DecodeStats` (default nothing)."""
         return {}

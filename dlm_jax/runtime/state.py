@@ -36,6 +36,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dlm_jax.runtime.step import is_device_logits
+
 
 class TokenState(enum.IntEnum):
     """What a slot holds. Fed as its token: PROMPT, DRAFT, VISIBLE, STABLE; fed as the mask
@@ -100,15 +102,18 @@ class SlotLogprobs:
         """Keep, at the `chosen` [B, n] slots, `tokens` [B, n] and their log-softmax under
         `logits` [B, n, V] (float64 on the host), with the `top` likeliest (ties: lower id)."""
         b, i = np.nonzero(chosen)
-        z = np.asarray(logits[b, i], np.float64)
-        z = z - z.max(-1, keepdims=True)
-        z = z - np.log(np.exp(z).sum(-1, keepdims=True))
         tok = tokens[b, i]
         where = (b, slots[b, i]) if isinstance(slots, np.ndarray) and slots.ndim == 2 else \
             (b, np.arange(self.token.shape[1])[slots][i])
         self.token[where] = tok
-        self.logprob[where] = z[np.arange(len(tok)), tok]
         k = self.top_ids.shape[-1]
+        if is_device_logits(logits):  # worked out beside the step, in float32; only the answers come back
+            self.logprob[where], self.top_ids[where], self.top_logprob[where] = logits.logprobs(b, i, tok, k)
+            return
+        z = np.asarray(logits[b, i], np.float64)
+        z = z - z.max(-1, keepdims=True)
+        z = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        self.logprob[where] = z[np.arange(len(tok)), tok]
         if k:  # the k largest in O(V) per slot (a full sort of a 100k-token vocabulary is not), then ranked
             some = np.argpartition(-z, k - 1, axis=-1)[:, :k] if k < z.shape[-1] else np.argsort(-z, axis=-1)
             values = np.take_along_axis(z, some, -1)
@@ -218,6 +223,12 @@ class DecodeState:
         counts = np.zeros((self.batch, vocab))
         np.add.at(counts, (b, self.tokens[:, gen][b, i]), 1.0)
         return counts
+
+    def committed_ids(self) -> np.ndarray:
+        """[B, G] int32: each row's generated slots' tokens where committed (visible or final),
+        -1 elsewhere (`committed_counts` as a list, for counting beside the step)."""
+        gen = slice(self.gen_start, self.gen_end)
+        return np.where(_COMMITTED[self.status[:, gen]], self.tokens[:, gen], -1).astype(np.int32)
 
     def token_logprobs(self, row: int, n: int | None = None) -> TokenLogprobs:
         """Request `row`'s first `n` generated slots' records (all of them by default)."""

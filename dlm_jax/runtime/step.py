@@ -180,6 +180,29 @@ class OutputRequest:
     logits: bool = False
     router_topk: bool = False
     ffn_active: bool = False
+    # The rows' logits stay where the step ran (`StepOutputs.logits` is then a `DeviceLogits`)
+    # for a proposer that samples, adjusts and reads log-probabilities there
+    # (`Proposer.logits_on`); only an executor whose `Capabilities.logits_on` names a
+    # platform is asked.
+    device_logits: bool = False
+
+
+class DeviceLogits:
+    """What the host runtime asks of rows' logits [B, R, V] kept on the device that ran the
+    step (the JAX executor's: `dlm_jax.executors._logits.DeviceLogits`). Only small answers
+    come back; `np.asarray` reads the rows back whole, for a rule with no device form.
+
+    - `shape`; `logits[:, :k]`: the first k predicted rows; `rows(index)`: some batch rows.
+    - `propose(draw, seeds, temperature, top_k, top_p, count_ids, presence, frequency, bias)`:
+      the proposer's (x0, top1, top2, entropy) [B, R], after the penalties and bias.
+    - `logprobs(b, i, tokens, k)`: the log-probabilities of `tokens` at rows (b, i), with
+      each distribution's k likeliest tokens.
+    """
+
+
+def is_device_logits(x: Any) -> bool:
+    """Whether `x` is logits kept on a device (`DeviceLogits`' protocol), not a host array."""
+    return x is not None and not isinstance(x, np.ndarray) and hasattr(x, "propose") and hasattr(x, "logprobs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,7 +413,8 @@ class StepOutputs:
     entropy: np.ndarray  # [B, R] float32
     k_new: np.ndarray | None = None  # [L, B, W, Hkv, Dh] when asked (`want.kv`)
     v_new: np.ndarray | None = None
-    logits: np.ndarray | None = None  # [B, R, V] float32 when asked (`want.logits`)
+    # [B, R, V] float32 when asked (`want.logits`); a `DeviceLogits` with `want.device_logits`
+    logits: np.ndarray | None = None
     router_topk: np.ndarray | None = None  # [M, B, W, K] int32 when asked (`want.router_topk`)
     ffn_active: np.ndarray | None = None  # [L, B, W, F32] int32 bit-packed when asked (`want.ffn_active`)
     kv: Any = None  # a KV cache's snapshot step: the rows' K/V, where the step ran, for `KVCache.write`
@@ -398,7 +422,8 @@ class StepOutputs:
     @classmethod
     def from_named(cls, named: Mapping[str, Any]) -> StepOutputs:
         """From `{output name: array}`; outputs not present stay None."""
-        return cls(**{s.name: (None if named.get(s.name) is None else np.asarray(named[s.name]))
+        return cls(**{s.name: (None if named.get(s.name) is None else named[s.name]
+                               if is_device_logits(named[s.name]) else np.asarray(named[s.name]))
                       for s in OUTPUTS if s.name in named})
 
 
@@ -418,6 +443,9 @@ class Capabilities:
     missing_hint: str = ""  # appended to the error for a step no bucket holds (how to get one)
     inputs: frozenset[str] = frozenset()  # optional step inputs it takes: "lora_gate" (a model with adapters)
     expert_slots: int = 0  # resident experts per split MoE layer (`Executor.place`); 0: no split layers
+    # The platform ("cpu", "gpu", "tpu") where it can keep a step's logits and run the
+    # proposer's rules over them (`OutputRequest.device_logits`); "": on the host only.
+    logits_on: str = ""
 
     @classmethod
     def for_length(cls, max_len: int, *, batches: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> Capabilities:

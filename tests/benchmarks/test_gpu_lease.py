@@ -86,7 +86,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert [p[0] for p in parts] == ["target", "attncheck", "decide", "dual", "probe", "fused", "command buffers off",
                                      "probe load", "probe no autotuning", "gemm", "attention", "probe kernel",
                                      "attention gqa", "sweep", "table",
-                                     "small", "large",
+                                     "small", "logits", "large",
                                      "probe cache", "probe cache again", "cache load", "probe serial", "cudnn",
                                      "scan", "first cold", "first cache"]  # (scandsf by name only)
     for name, limit, least, py, script, *argv in parts:

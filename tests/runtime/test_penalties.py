@@ -25,8 +25,9 @@ from dlm_jax.runtime.step import StepOutputs
 V = 20
 
 
-def _state() -> DecodeState:
-    state = DecodeState.create([[1, 2, 3], [4, 5]], gen_len=6, batch=2, mask_id=V - 1, vocab_size=V)
+def penalty_state(vocab: int = V) -> DecodeState:
+    """Two requests with committed, visible and draft tokens in their generations."""
+    state = DecodeState.create([[1, 2, 3], [4, 5]], gen_len=6, batch=2, mask_id=vocab - 1, vocab_size=vocab)
     g = state.gen_start
     state.tokens[0, g:g + 4] = [7, 7, 9, 3]
     state.status[0, g:g + 4] = [TokenState.STABLE, TokenState.VISIBLE, TokenState.STABLE, TokenState.DRAFT]
@@ -36,7 +37,7 @@ def _state() -> DecodeState:
 
 
 def test_adjusted_logits_are_openais_penalties_over_transformers_bias():
-    state = _state()
+    state = penalty_state()
     logits = np.random.default_rng(0).normal(size=(2, 3, V)).astype(np.float32)
     bias = ((4, 2.5), (7, -100.0), (11, 0.75))
     p = Proposer(presence_penalty=0.5, frequency_penalty=0.3, logit_bias=bias)

@@ -213,6 +213,9 @@ class _Strided(Scheduler):
     def wants_logits(self) -> bool:
         return self.measure_iar or self.acceptance.relax > 0
 
+    def reads_logits(self) -> bool:
+        return True  # (the acceptance rule and the drafts' proposals work on the rows' logits)
+
     def validate(self, config: Any, model: ModelConfig) -> None:
         n = self.n
         if model.attention != "causal" or not model.logit_shift:

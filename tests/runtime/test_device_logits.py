@@ -1,0 +1,166 @@
+"""Proposals and log-probabilities from logits kept where the step ran (`Proposer.logits_on`,
+`dlm_jax.executors._logits.DeviceLogits`).
+
+The keep-set of top-k / top-p is checked against `transformers`' warpers, the draws against
+the distribution they must follow, the adjustments and log-probabilities against the host's
+float64 rules (themselves checked against `transformers` in test_penalties.py and
+test_logprobs.py), and whole decodes on the shipped model for batch invariance and bytes read
+back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import dlm_jax
+from dlm_jax._errors import ConfigError
+from dlm_jax.executors._logits import DeviceLogits, _keep
+from dlm_jax.frontends.cli import shipped_model
+from dlm_jax.runtime.proposer import Proposer, sampling_keep
+from dlm_jax.runtime.step import StepOutputs
+
+from .test_penalties import penalty_state
+
+V = 50
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 5, 1.0), (0.7, 0, 0.8), (1.3, 12, 0.5), (0.5, 3, 0.95),
+                                                     (1.0, 0, 0.3)])
+def test_the_device_filter_keeps_what_transformers_warpers_keep(temperature, top_k, top_p):
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    z = np.random.default_rng(top_k).normal(0, 3, (4, 6, V)).astype(np.float32)
+    z[..., V - 1] = -np.inf  # the mask token, as a step returns it
+    scores = torch.as_tensor(z.reshape(-1, V))
+    for warper in ([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                   + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])):
+        scores = warper(None, scores)
+    want = torch.isfinite(scores).numpy().reshape(z.shape)
+    got = np.asarray(_keep(jnp.asarray(z), temperature, top_k, top_p))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(sampling_keep(z, temperature, top_k, top_p), want)  # the host's rule, the same set
+    assert want.sum(-1).min() >= 1 and (~want).any()
+
+
+def _draws(z: np.ndarray, seeds: np.ndarray, **kw) -> np.ndarray:
+    """x0 [len(seeds), R] for one logits row `z` [R, V] under each seed (every row draws)."""
+    view = DeviceLogits(jnp.asarray(z[None])).rows(np.zeros(len(seeds), np.int32))
+    args = dict(temperature=1.0, top_k=0, top_p=1.0, count_ids=None, presence=0.0, frequency=0.0, bias=())
+    return view.propose(draw=np.ones(len(seeds), bool), seeds=seeds, **{**args, **kw})[0]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.5, 4, 1.0), (1.0, 0, 0.7)])
+def test_device_draws_follow_the_filtered_tempered_softmax(temperature, top_k, top_p):
+    z = np.array([[1.2, 0.3, -0.5, 2.0, 0.0, -1.0, 0.8, -np.inf]], np.float32)
+    n = 6000
+    x0 = _draws(z, np.arange(n, dtype=np.uint32), temperature=temperature, top_k=top_k, top_p=top_p)[:, 0]
+    keep = sampling_keep(z, temperature, top_k, top_p)[0]
+    p = np.where(keep, np.exp(z[0] / temperature - (z[0] / temperature).max()), 0.0)
+    p /= p.sum()
+    counts = np.bincount(x0, minlength=z.shape[1])
+    assert counts[~keep].sum() == 0, "a token outside the filter was drawn"
+    expected = n * p[keep]
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    assert chi2 < 25.0, (chi2, counts, expected)  # (df <= 6: p < 0.001 beyond 22.5)
+
+
+def test_a_rows_noise_depends_on_its_seed_and_row_only():
+    z = np.random.default_rng(1).normal(0, 1, (8, V)).astype(np.float32)
+    seeds = np.array([11, 12, 13, 14], np.uint32)
+    alone = np.concatenate([_draws(z, seeds[i:i + 1]) for i in range(4)])
+    together = _draws(z, seeds)
+    fewer_rows = _draws(z[:3], seeds)
+    np.testing.assert_array_equal(alone, together)
+    np.testing.assert_array_equal(together[:, :3], fewer_rows)
+    assert len({tuple(r) for r in together}) == 4  # distinct seeds, distinct draws
+
+
+@pytest.mark.parametrize("confidence", ["prob", "margin", "entropy"])
+def test_device_adjusted_proposals_equal_the_hosts(confidence):
+    logits = np.random.default_rng(0).normal(size=(2, 4, V)).astype(np.float32)
+    logits[..., V - 1] = -np.inf
+    p = Proposer(presence_penalty=0.5, frequency_penalty=0.3, logit_bias=((4, 2.5), (7, -100.0), (11, 0.75)),
+                 confidence=confidence)
+    base = dict(top_token=logits.argmax(-1).astype(np.int32), top_prob=np.zeros((2, 4), np.float32),
+                second_prob=np.zeros((2, 4), np.float32), entropy=np.zeros((2, 4), np.float32))
+    host = p.propose(StepOutputs(**base, logits=logits), np.ones((2, 3), bool), penalty_state(V))
+    dev = p.propose(StepOutputs(**base, logits=DeviceLogits(jnp.asarray(logits))), np.ones((2, 3), bool),
+                    penalty_state(V))
+    np.testing.assert_array_equal(dev.tokens, host.tokens)
+    np.testing.assert_allclose(dev.confidence, host.confidence, rtol=1e-5, atol=1e-6)
+    assert (host.tokens != logits[:, :3].argmax(-1)).any()
+
+
+def test_device_logprobs_equal_the_hosts():
+    logits = np.random.default_rng(2).normal(0, 2, (2, 5, V)).astype(np.float32)
+    logits[..., V - 1] = -np.inf
+    b, i = np.array([0, 0, 1, 1, 1]), np.array([0, 3, 1, 2, 4])
+    tok = np.array([3, 9, 0, 48, 17])
+    lp, ids, top = DeviceLogits(jnp.asarray(logits)).rows([0, 1])[:, :5].logprobs(b, i, tok, 4)
+    z = logits[b, i].astype(np.float64)
+    ref = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+    np.testing.assert_allclose(lp, ref[np.arange(5), tok], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(ids, np.argsort(-ref, axis=-1, kind="stable")[:, :4])
+    np.testing.assert_allclose(top, np.sort(ref, axis=-1)[:, ::-1][:, :4], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dlm_jax.load(shipped_model(), executor="jax")
+
+
+PROMPTS = ["sort: 37 44 13 33 47 48", "sort: 1 5 3", "sort: 9 8 7 6"]
+
+
+def _gen(model, prompts, on, seeds=None, **kw):
+    return model.generate(prompts, dlm_jax.preset("fast-dllm", gen_len=32, logits_on=on, **kw), seeds=seeds)
+
+
+def test_greedy_decodes_with_penalties_and_logprobs_match_the_host_path(model):
+    three = model.encode("3", chat=False)[-1]
+    kw = dict(presence_penalty=1.5, frequency_penalty=0.5, logprobs=3)
+    cfg = dlm_jax.preset("fast-dllm", gen_len=32, **kw)
+    bias = ((three, -100.0),)
+    host = model.generate(PROMPTS, dataclasses.replace(cfg, proposer=dataclasses.replace(
+        cfg.proposer, logits_on="host", logit_bias=bias)))
+    dev = model.generate(PROMPTS, dataclasses.replace(cfg, proposer=dataclasses.replace(
+        cfg.proposer, logits_on="device", logit_bias=bias)))
+    assert dev.texts == host.texts and not any("3" in t for t in dev.texts)
+    for a, b in zip(host.logprobs, dev.logprobs):
+        np.testing.assert_allclose(b.logprob, a.logprob, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(b.top_ids, a.top_ids)
+    # Only the answers come back: a step reads back far less than its rows' logits.
+    vocab, rows = model.config.vocab_size, 32
+    assert max(host.stats.d2h_bytes) >= rows * vocab * 4 > 8 * max(dev.stats.d2h_bytes)
+
+
+def test_device_sampling_is_per_request_and_reproducible(model):
+    kw = dict(temperature=1.0, top_k=4)
+    together = _gen(model, PROMPTS, "device", seeds=[5, 6, 7], **kw).texts
+    alone = [_gen(model, [p], "device", seeds=[s], **kw).texts[0] for p, s in zip(PROMPTS, [5, 6, 7])]
+    assert together == alone
+    others = _gen(model, PROMPTS, "device", seeds=[50, 60, 70], **kw).texts
+    assert others != together
+    # On a CPU, "auto" is the host's float64 sampler (LLaDA's generator).
+    assert _gen(model, PROMPTS, "auto", seeds=[5, 6, 7], **kw).texts == _gen(model, PROMPTS, "host", seeds=[5, 6, 7],
+                                                                             **kw).texts
+
+
+def test_device_logits_are_refused_where_they_cannot_stay(model):
+    from dlm_jax.testing import mock_model
+
+    with pytest.raises(ConfigError, match="logits_on='device' needs an executor"):
+        mock_model(answer=[5], confidence=[1.0]).decoder.decode(
+            [[1, 2]], dlm_jax.preset("fast-dllm", gen_len=32, temperature=0.5, logits_on="device"))
+    isd = dlm_jax.load(shipped_model("idlm-tiny"), executor="jax")
+    with pytest.raises(ConfigError, match="logits_on='device' does not go with the isd schedule"):
+        isd.generate(["1+1="], dlm_jax.preset("isd", gen_len=8, temperature=0.5, logits_on="device"))
+    auto = dlm_jax.load(shipped_model(), executor="auto")  # (may decode on the LiteRT runner)
+    assert auto.decoder.capabilities.logits_on == "" and model.decoder.capabilities.logits_on == "cpu"
+    with pytest.raises(ConfigError, match="logits_on="):
+        Proposer(logits_on="gpu")
