@@ -38,9 +38,37 @@ def _bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("sample", "filtered", "penalized", "biased"))
-def _propose(logits, rows, draw, seeds, temperature, top_k, top_p, count_ids, presence, frequency, bias_ids,
-             bias_vals, *, sample: bool, filtered: bool, penalized: bool, biased: bool):
+def _float_bits(x) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32).view(np.int32)
+
+
+def _pack_proposal(rows, draw, seeds, count_ids, bias_ids, bias_vals, temperature, top_p, presence, frequency,
+                   top_k) -> np.ndarray:
+    """A proposal's request as one int32 vector (one transfer, as a step's `pack_request`):
+    rows [B], draw [B], seeds [B] (their bits), count_ids [B * G], bias ids [NB], bias values
+    [NB] (bits), temperature, top_p, presence, frequency (bits), top_k; `_unpack_proposal`
+    reads it in the program."""
+    return np.concatenate([np.asarray(rows, np.int32), np.asarray(draw, np.int32),
+                           np.asarray(seeds, np.uint32).view(np.int32), np.asarray(count_ids, np.int32).ravel(),
+                           np.asarray(bias_ids, np.int32), _float_bits(bias_vals),
+                           _float_bits([temperature, top_p, presence, frequency]), np.asarray([top_k], np.int32)])
+
+
+def _unpack_proposal(packed, b: int, g: int, nb: int):
+    sizes = (b, b, b, b * g, nb, nb, 4, 1)
+    cuts = np.cumsum((0,) + sizes)
+    rows, draw, seeds, count_ids, bias_ids, bias_vals, scalars, top_k = (packed[s:e] for s, e in zip(cuts, cuts[1:]))
+    f = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
+    temperature, top_p, presence, frequency = f(scalars)
+    return (rows, draw != 0, jax.lax.bitcast_convert_type(seeds, jnp.uint32), count_ids.reshape(b, g), bias_ids,
+            f(bias_vals), temperature, top_p, presence, frequency, top_k[0])
+
+
+@functools.partial(jax.jit, static_argnames=("b", "g", "nb", "sample", "filtered", "penalized", "biased"))
+def _propose(logits, packed, *, b: int, g: int, nb: int, sample: bool, filtered: bool, penalized: bool,
+             biased: bool):
+    (rows, draw, seeds, count_ids, bias_ids, bias_vals, temperature, top_p, presence, frequency,
+     top_k) = _unpack_proposal(packed, b, g, nb)
     z = jnp.take(logits, rows, axis=0).astype(jnp.float32)  # [B, R, V]
     b, r, v = z.shape
     if biased:
@@ -95,7 +123,8 @@ def _keep(z, temperature, top_k, top_p):
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
-def _logprobs(logits, b, i, tokens, *, k: int):
+def _logprobs(logits, packed, *, k: int):
+    b, i, tokens = packed  # [3, m]: batch row, predicted row, token
     z = logits[b, i].astype(jnp.float32)  # [m, V]
     lse = jax.nn.logsumexp(z, axis=-1)
     lp = jnp.take_along_axis(z, tokens[:, None], -1)[:, 0] - lse
@@ -151,9 +180,10 @@ class DeviceLogits:
     def propose(self, *, draw: np.ndarray, seeds: np.ndarray, temperature: float, top_k: int, top_p: float,
                 count_ids: np.ndarray | None, presence: float, frequency: float,
                 bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, ...]:
-        """(x0 int32, top1, top2, entropy float32), each [B, R], for this view's rows: `draw` [B] bool rows that sample (the others take
-        the argmax), `seeds` [B] uint32 their noise, `count_ids` [B, G] the committed token ids
-        per row (-1: none) when a penalty is set."""
+        """(x0 int32, top1, top2, entropy float32), each [B, R], for this view's rows: `draw` [B]
+        bool rows that sample (the others take the argmax), `seeds` [B] uint32 their noise,
+        `count_ids` [B, G] the committed token ids per row (-1: none) when a penalty is set.
+        One array goes to the device and one comes back."""
         b, v = len(self._rows), self.array.shape[2]
         penalized = count_ids is not None and (presence != 0 or frequency != 0)
         if penalized:
@@ -167,12 +197,12 @@ class DeviceLogits:
         if bias:
             bias_ids[:len(bias)], bias_vals[:len(bias)] = zip(*bias)
         sample = bool(temperature > 0 and np.any(draw))
-        args = (self._rows, np.asarray(draw, bool), np.asarray(seeds, np.uint32), np.float32(max(temperature, _TINY)),
-                np.int32(top_k), np.float32(top_p), ids, np.float32(presence), np.float32(frequency), bias_ids, bias_vals)
-        packed = _propose(self.array, *args, sample=sample, filtered=sample and (top_k > 0 or top_p < 1.0),
-                             penalized=penalized, biased=bool(bias))
+        request = _pack_proposal(self._rows, draw, seeds, ids, bias_ids, bias_vals, max(temperature, _TINY), top_p,
+                                 presence, frequency, top_k)
+        packed = _propose(self.array, request, b=b, g=ids.shape[1], nb=nb, sample=sample,
+                          filtered=sample and (top_k > 0 or top_p < 1.0), penalized=penalized, biased=bool(bias))
         packed = np.asarray(jax.device_get(packed))
-        self._count(sum(np.asarray(a).nbytes for a in args), packed.nbytes)
+        self._count(request.nbytes, packed.nbytes)
         packed = packed[:, :, :self._cols]
         f = lambda x: np.ascontiguousarray(x).view(np.float32)  # noqa: E731
         return packed[0], f(packed[1]), f(packed[2]), f(packed[3])
@@ -183,10 +213,10 @@ class DeviceLogits:
         each distribution's k likeliest tokens (ties: the lower id)."""
         m = len(b)
         n = _bucket(m)
-        pad = lambda x: np.concatenate([np.asarray(x, np.int32), np.zeros(n - m, np.int32)])  # noqa: E731
-        packed = np.asarray(jax.device_get(_logprobs(self.array, pad(self._rows[np.asarray(b)]), pad(i), pad(tokens),
-                                                     k=int(k))))
-        self._count(3 * 4 * n, packed.nbytes)
+        request = np.zeros((3, n), np.int32)
+        request[:, :m] = self._rows[np.asarray(b)], i, tokens
+        packed = np.asarray(jax.device_get(_logprobs(self.array, request, k=int(k))))
+        self._count(request.nbytes, packed.nbytes)
         packed = packed[:m]
         f = lambda x: np.ascontiguousarray(x).view(np.float32)  # noqa: E731
         return f(packed[:, 0]), packed[:, 1:1 + k].copy(), f(packed[:, 1 + k:])
