@@ -166,11 +166,14 @@ class Engine:
         return preset(name, **options) if name is not None else decode_config(self.config, **options)
 
     def submit(self, prompt: Prompt, options: DecodeConfig | Mapping[str, Any] | None = None, *,
-               seed: int | None = None, chat: bool | None = None, stop: Sequence[str] = ()) -> Handle:
+               seed: int | None = None, chat: bool | None = None, stop: Sequence[str] = (),
+               suffix: Prompt | None = None) -> Handle:
         """Queue a request; returns its handle at once. `chat`: as in `Model.generate`; `stop`:
-        strings that end the completion (not included). A request the engine cannot serve (too
-        long, options the model or executor cannot run, a full queue) is refused here, with one
-        line naming the limit."""
+        strings that end the completion (not included); `suffix`: text (as it is) or token ids
+        that follow the completion, which is decoded between the prompt and it (infilling, as
+        `Model.generate`'s `suffixes`). A request the engine cannot serve (too long, options the
+        model or executor cannot run, a full queue) is refused here, with one line naming the
+        limit."""
         if isinstance(stop, str):
             stop = [stop]
         if any(not isinstance(s, str) or not s for s in stop):
@@ -183,7 +186,8 @@ class Engine:
         if config.placement.probe() is not None:  # TIDE's tau='auto' / static sets: from this prompt's probe
             self.model.decoder.check_prompts([ids], None)
             config = self.model.calibrated(config, [ids], seeds=None if seed is None else [seed])
-        return Handle(self.model, self.core.submit(ids, config, seed=seed, stop=rule), stop)
+        tail = None if suffix is None else self.model._suffixes(suffix, 1, True)[0]
+        return Handle(self.model, self.core.submit(ids, config, seed=seed, stop=rule, suffix=tail), stop)
 
     def warmup(self, configs: Sequence[DecodeConfig | Mapping[str, Any]] | None = None, *,
                prompt_lens: Sequence[int] | None = None) -> int:

@@ -124,7 +124,8 @@ class Model:
     def generate(self, prompts: Prompt | Sequence[Prompt], config: DecodeConfig | None = None, *,
                  chat: bool | None = None, seeds: Sequence[int] | None = None,
                  on_block: Callable[[int, list[str]], None] | None = None,
-                 max_batch: int | None = None) -> GenerateResult:
+                 max_batch: int | None = None,
+                 suffixes: Prompt | Sequence[Prompt] | None = None) -> GenerateResult:
         """Decode a completion for each prompt (text or token ids), on the continuous-batching
         engine (`dlm_jax.Engine`): at most `max_batch` requests decode at once (default: the
         batch bucket that holds every prompt, capped at the largest whose K/V fit), each
@@ -135,7 +136,10 @@ class Model:
 
         `chat`: wrap text prompts in the chat template (None: as the model was trained, see
         `prompt_format`; False: the raw text). `on_block(i, texts)` receives the committed text
-        of every request when the first of them completes its block i.
+        of every request when the first of them completes its block i. `suffixes`: one per
+        prompt (or one for a single prompt), text (as it is, never wrapped) or token ids that
+        follow the completion: each completion is decoded between its prompt and its suffix
+        (infilling; a bidirectional model and a block schedule, `Decoder.with_infill`).
         """
         from dlm_jax.runtime.engine import Engine
 
@@ -151,6 +155,7 @@ class Model:
             raise ConfigError(f"prompt {empty} is empty")
         if seeds is not None and len(seeds) != len(ids):
             raise InputError(f"{len(seeds)} seeds for {len(ids)} prompts")
+        tails = self._suffixes(suffixes, len(ids), single)
         # An executor that builds in batches (the bundle cache exports the buckets of nearby
         # prompt lengths as one part) prepares every reachable bucket first. Others build only
         # what the decode reaches, when it first does: the stats count those compiles.
@@ -161,7 +166,9 @@ class Model:
         # The engine sized to this call: its pooled K/V (allocated and zeroed per call) holds
         # these requests, not the model's longest rows in the largest batch that fits (a
         # 64-row pool of 512 slots for one prompt of the shipped tiny model: 60% of its decode).
-        tokens = min(self.decoder.slots(max(map(len, ids)), self.decoder._for_model(config)), self.decoder.max_tokens)
+        tokens = min(self.decoder.slots(max(map(len, ids)), self.decoder.with_infill(self.decoder._for_model(config),
+                                                                                    tails)),
+                     self.decoder.max_tokens)
         if max_batch is None:
             from dlm_jax.runtime.engine import default_batch
 
@@ -169,7 +176,8 @@ class Model:
             max_batch = min(batches.select(min(len(ids), batches.largest)), default_batch(self.decoder, tokens))
         engine = Engine(self.decoder, max_batch=max_batch, max_tokens=tokens)
         try:
-            requests = [engine.submit(i, config, seed=None if seeds is None else seeds[n]) for n, i in enumerate(ids)]
+            requests = [engine.submit(i, config, seed=None if seeds is None else seeds[n],
+                                      suffix=None if tails is None else tails[n]) for n, i in enumerate(ids)]
             if on_block is not None:  # once per block index, when the first request completes it
                 reached = [-1]
 
@@ -191,6 +199,18 @@ class Model:
         stats = engine_stats(engine, requests, self.decoder.build_counts() - built)
         logprobs = [r.logprobs() for r in requests]
         return GenerateResult(texts, trimmed, stats, None if logprobs[0] is None else logprobs)
+
+    def _suffixes(self, suffixes, n: int, single: bool) -> list[list[int]] | None:
+        """`generate`'s suffixes as token ids, one per prompt (text encoded as it is)."""
+        if suffixes is None:
+            return None
+        one = isinstance(suffixes, str) or (len(suffixes) > 0 and isinstance(suffixes[0], (int, np.integer)))
+        if one != single and not (one and n == 1):
+            raise InputError("give one suffix per prompt: a list of them for a list of prompts, one for one prompt")
+        given = [suffixes] if one else list(suffixes)
+        if len(given) != n:
+            raise InputError(f"{len(given)} suffixes for {n} prompts")
+        return [self.tokenizer.encode(s) if isinstance(s, str) else self.encode(s) for s in given]
 
     def calibrated(self, config: DecodeConfig, ids: list[list[int]], *, seeds=None) -> DecodeConfig:
         """`config` with its placement calibrated where it asks for it (`PlacementPolicy.probe`;

@@ -176,10 +176,12 @@ def decode_config(args: argparse.Namespace):
     return config_from_args(args)
 
 
-def _run_generate(handle, prompts: list, cfg, *, chat: bool | None, stream: bool, max_batch: int | None = None) -> dict:
-    """Decode `prompts` (texts or token-id lists) as one batch; with `stream`, print the
-    completions (one prompt: as its blocks commit; a batch: one line each when done; ids,
-    space-separated, for a checkpoint without a tokenizer)."""
+def _run_generate(handle, prompts: list, cfg, *, chat: bool | None, stream: bool, max_batch: int | None = None,
+                  suffixes: list[str] | None = None) -> dict:
+    """Decode `prompts` (texts or token-id lists) as one batch, each before its suffix when
+    `suffixes` are given (infilling); with `stream`, print the completions (one prompt: as its
+    blocks commit; a batch: one line each when done; ids, space-separated, for a checkpoint
+    without a tokenizer)."""
     shown = [""]
     single = len(prompts) == 1 and handle.has_tokenizer
 
@@ -189,15 +191,15 @@ def _run_generate(handle, prompts: list, cfg, *, chat: bool | None, stream: bool
         print(new, end="", flush=True)
 
     result = handle.generate(prompts, cfg, chat=chat, on_block=on_block if stream and single else None,
-                             max_batch=max_batch)
+                             max_batch=max_batch, suffixes=suffixes)
     completions = result.texts if result.texts is not None else [" ".join(map(str, t)) for t in result.token_ids]
     if stream:
         if single:
             print(result.texts[0][len(shown[0]):], flush=True)
         else:
             print("\n".join(completions), flush=True)
-    report = {"prompts": prompts, "completions": completions, "decoder": decode_options(cfg),
-              "stats": result.stats.to_dict()}
+    report = {"prompts": prompts, **({"suffixes": suffixes} if suffixes is not None else {}),
+              "completions": completions, "decoder": decode_options(cfg), "stats": result.stats.to_dict()}
     if result.logprobs is not None:
         report["logprobs"] = [_logprobs_json(handle, ids, lp) for ids, lp in zip(result.token_ids, result.logprobs)]
     return report
@@ -342,9 +344,23 @@ def _demo_random(args: argparse.Namespace, decoders: dict) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_prompts(args.prompt or [])
     cfg = decode_config(args)  # bad options fail before the model loads
+    prompts = args.prompt or args.prompt_ids
+    suffixes = args.suffix_text
+    if suffixes is not None:
+        from dlm_jax._errors import InputError
+
+        if len(suffixes) not in (1, len(prompts)):
+            raise InputError(f"{len(suffixes)} --suffix-text for {len(prompts)} prompts: give one for all, or one per "
+                             f"prompt")
+        _check_prompts(suffixes)
+        suffixes = suffixes * len(prompts) if len(suffixes) == 1 else suffixes
     handle = _load(args, args.model)
-    report = _run_generate(handle, args.prompt or args.prompt_ids, cfg, chat=_chat(args), stream=True,
-                           max_batch=args.max_batch)
+    if suffixes is not None and not handle.has_tokenizer:
+        from dlm_jax._errors import InputError
+
+        raise InputError("--suffix-text is text: this checkpoint has no tokenizer")
+    report = _run_generate(handle, prompts, cfg, chat=_chat(args), stream=True, max_batch=args.max_batch,
+                           suffixes=suffixes)
     print(json.dumps(report["stats"]), file=sys.stderr)
     for i, logprobs in enumerate(report.get("logprobs", [])):  # --logprobs N: a line per completion
         print(json.dumps({"completion": i, **logprobs}, ensure_ascii=False), file=sys.stderr)
@@ -811,6 +827,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_batch(p)
     p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
     _add_prompt_options(p, required=True, help_="prompt text", ids=True)
+    p.add_argument("--suffix-text", action="append", metavar="TEXT",
+                   help="text that follows the completion (infilling: the completion is decoded between the prompt "
+                        "and it; fed as it is); once for every prompt, or once per prompt in their order")
     _add_model_options(p)
     _add_lora_option(p)
     _add_executor_option(p)

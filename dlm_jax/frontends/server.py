@@ -63,7 +63,7 @@ MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 HISTOGRAM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 # Fields of OpenAI's requests that dlm-jax does not implement, accepted at their neutral value only.
-NEUTRAL = {"suffix": ("",), "tools": ([],),
+NEUTRAL = {"tools": ([],),
            "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "parallel_tool_calls": (False, True),
            "service_tier": ("auto", "default"), "store": (False,), "metadata": ({},)}
 
@@ -566,6 +566,9 @@ class Service:
             raise ApiError(400, "echo with logprobs is not supported: a diffusion decode gives the prompt's tokens "
                                 "no log-probability", param="echo")
         chat = (body.get("dlm_jax") or {}).get("chat")
+        suffix = _typed(body, "suffix", (str,), "a string") or None  # (completions only; "" is none)
+        if suffix is not None and not self.model.has_tokenizer:
+            raise ApiError(400, "suffix needs a tokenizer; this model has none", param="suffix")
         prompts = self._prompts(body, kind, chat)
         if len(prompts) * best_of > cap:
             what = f"n={n} choices" if best_of == n else f"best_of={best_of} candidates"
@@ -580,7 +583,8 @@ class Service:
         seeds = [((options.proposer.seed if seed is None else seed) + j) % 2**31 for j in range(best_of)]
         return prompts, changes, {"stream": stream, "include_usage": include_usage, "seeds": seeds, "stops": stops,
                                   "max_tokens": max_tokens or options.gen_len, "logprobs": logprobs, "n": n,
-                                  "echo": self._echo(body, prompts) if echo else None}
+                                  "echo": self._echo(body, prompts) if echo else None,
+                                  "suffix": None if suffix is None else list(self.model.tokenizer.encode(suffix))}
 
     def _echo(self, body: dict, prompts: list[list[int]]) -> list[str]:
         """Each prompt's text as the request gave it (token ids: their text), for `echo`."""
@@ -652,7 +656,8 @@ class Service:
         try:
             for ids in prompts:
                 for seed in rest["seeds"]:
-                    handles.append(self.engine.submit(ids, changes, seed=seed, chat=False, stop=rest["stops"]))
+                    handles.append(self.engine.submit(ids, changes, seed=seed, chat=False, stop=rest["stops"],
+                                                      suffix=rest.get("suffix")))
         except QueueFull as e:
             for h in handles:
                 h.cancel()
@@ -665,7 +670,8 @@ class Service:
             if rest["logprobs"] is None and len(rest["seeds"]) > rest["n"] and "logprobs" in msg:
                 raise ApiError(400, f"best_of ranks candidates by their tokens' log-probabilities, and {msg}",
                                param="best_of") from None
-            raise ApiError(400, msg, param="prompt" if "prompt" in msg or "token id" in msg else "dlm_jax") from None
+            param = "suffix" if "suffix" in msg else "prompt" if "prompt" in msg or "token id" in msg else "dlm_jax"
+            raise ApiError(400, msg, param=param) from None
         return handles
 
 

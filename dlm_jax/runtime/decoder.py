@@ -51,6 +51,7 @@ from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
 from dlm_jax.runtime.kvcache import HostKVCache, KVCache
+from dlm_jax.runtime.revision import NoRevision
 from dlm_jax.runtime.cpu_path import CpuExecutor
 from dlm_jax.runtime.state import DecodeState, TokenLogprobs, TokenState, take
 from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, OutputRequest, SlotStep, StepOutputs
@@ -308,16 +309,17 @@ class Decoder:
                 raise ConfigError("logits_on='device' needs an executor that keeps a step's logits on its device "
                                   "(the JAX executor off a mesh); use logits_on='host' or 'auto'")
             if cfg.scheduler.reads_logits():
-                raise ConfigError(f"logits_on='device' does not go with the {cfg.scheduler.name} schedule, whose "
-                                  f"acceptance reads the rows' logits on the host; use logits_on='host' or 'auto'")
+                raise ConfigError(f"logits_on='device' does not go with the {type(cfg.scheduler).__name__} schedule, "
+                                  f"which reads the rows' logits on the host; use logits_on='host' or 'auto'")
         if cfg.proposer.logprobs >= 0 and cfg.revision.cpu_shapes(lens, cfg.gen_len):
             raise ConfigError("logprobs are not recorded beside a CPU path that revises tokens (its steps' logits "
                               "stay there): set refresh_rows=0, or logprobs=-1")
         total = self.slots(max(lens), cfg)
         if total > self.max_tokens:
             over = cfg.scheduler.overhang()
+            past = f"suffix ({over} tokens)" if cfg.scheduler.infilled() else f"slots past it ({over})"
             raise self.capabilities.refusal(f"prompt ({max(lens)} tokens) + gen_len ({cfg.gen_len})"
-                                            + (f" + slots past it ({over})" if over else "") + f" = {total} "
+                                            + (f" + {past}" if over else "") + f" = {total} "
                                             f"tokens exceeds the limit of {self.max_tokens} (largest cache bucket "
                                             f"/ max_seq_len)")
 
@@ -407,14 +409,44 @@ class Decoder:
             new += self.cpu_executor().executor.warmup(cpu, slots=slots, views=True)
         return new
 
+    def with_infill(self, cfg: DecodeConfig, suffixes: Sequence[Sequence[int]] | None) -> DecodeConfig:
+        """`cfg` (a model's, `_for_model`) for requests whose generations end before the given
+        `suffixes` (token ids per request; None or all empty: none): its schedule over as many
+        slots after the generation as the longest suffix (`Scheduler.with_infill`). Raises
+        ConfigError where the slots after a generation are not read (a causal or block-causal
+        model, a schedule that does not read them, a revision policy), InputError for ids
+        outside the vocabulary."""
+        n = max((len(s) for s in suffixes), default=0) if suffixes is not None else 0
+        if n:
+            mc = self.model_config
+            if mc.attention != "bidirectional":
+                raise ConfigError(f"a suffix (infilling) needs a bidirectional model: this one's attention is "
+                                  f"{mc.attention}, so no generated slot sees the slots after it")
+            if not isinstance(cfg.revision, NoRevision):
+                raise ConfigError(f"a suffix (infilling) does not go with the {type(cfg.revision).__name__} revision "
+                                  f"policy (its CPU path and probes plan no slots after the generation)")
+            for r, suffix in enumerate(suffixes):
+                ids = np.asarray(suffix)
+                if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)):
+                    raise InputError(f"suffix {r} must be a sequence of integer token ids, got {ids.dtype} "
+                                     f"of shape {ids.shape}")
+                bad = ids[(ids < 0) | (ids >= mc.vocab_size)] if ids.size else ids
+                if bad.size:
+                    raise InputError(f"suffix {r} holds token id {int(bad[0])}, outside the model's vocabulary "
+                                     f"[0, {mc.vocab_size})")
+        return dataclasses.replace(cfg, scheduler=cfg.scheduler.with_infill(n))
+
     def decode(self, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, *,
                seeds: Sequence[int] | None = None,
-               on_block: Callable[[int, list[np.ndarray]], None] | None = None) -> DecodeOutput:
+               on_block: Callable[[int, list[np.ndarray]], None] | None = None,
+               suffixes: Sequence[Sequence[int]] | None = None) -> DecodeOutput:
         """Decode `cfg.gen_len` tokens after each prompt, as one fixed batch.
 
         Args:
           prompts: token ids per request (non-empty).
           seeds: per-request sampling seeds (default `cfg.proposer.seed` for every request).
+          suffixes: per request, token ids that follow its generation (infilling: the tokens are
+            decoded between the prompt and the suffix; `with_infill`); None: none.
           on_block: called after each commit unit (block) with (unit index, each request's final
             generated ids so far: `DecodeState.final_prefixes`, which only grow).
         """
@@ -426,32 +458,37 @@ class Decoder:
             opened.append(cache)
             return cache
 
-        return drive(self.steps(prompts, cfg, seeds=seeds, on_block=on_block, open_cache=open_cache),
-                     lambda req: opened[0].step(req))
+        return drive(self.steps(prompts, cfg, seeds=seeds, on_block=on_block, open_cache=open_cache,
+                                suffixes=suffixes), lambda req: opened[0].step(req))
 
     def steps(self, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, *,
               seeds: Sequence[int] | None = None,
               on_block: Callable[[int, list[np.ndarray]], None] | None = None,
               on_step: Callable[[DecodeState], None] | None = None,
               open_cache: Callable[[DecodeState], KVCache],
-              prefetch: bool = True, batch: int | None = None) -> Generator[SlotStep, StepOutputs, DecodeOutput]:
+              prefetch: bool = True, batch: int | None = None,
+              suffixes: Sequence[Sequence[int]] | None = None) -> Generator[SlotStep, StepOutputs, DecodeOutput]:
         """The decode loop as a generator: it yields each step's `SlotStep` and takes back the
         step's outputs (whoever runs it: `decode` on the decode's own cache, the engine in a
         step shared with other requests, `dlm_jax.runtime.engine`), and returns the
         `DecodeOutput`. `open_cache(state)` gives the decode's `KVCache` (its `snapshot` and
         `write` serve a CPU path; `step` is the driver's); `on_step(state)` runs after every
         step; `prefetch` hands the decode's buckets to `Executor.prefetch`; `batch` the rows of
-        its state (default: the executor's batch bucket for the prompts). Closing the
-        generator ends the decode early (its cache closed, its CPU path stopped)."""
+        its state (default: the executor's batch bucket for the prompts); `suffixes` as
+        `decode`'s. Closing the generator ends the decode early (its cache closed, its CPU path
+        stopped)."""
         mc = self.model_config
-        cfg = self._for_model(cfg)
+        cfg = self.with_infill(self._for_model(cfg), suffixes)
         n = len(prompts)
+        if suffixes is not None and len(suffixes) != n:
+            raise InputError(f"{len(suffixes)} suffixes for {n} prompts")
         self.check_prompts(prompts, seeds)
         main_keys, cpu_keys = self._keys_of([len(p) for p in prompts], cfg)  # every check first (memoised)
         state = DecodeState.create(prompts, gen_len=cfg.gen_len, batch=batch or self.capabilities.batches.select(n),
                                    mask_id=mc.mask_token_id, vocab_size=mc.vocab_size, eos_ids=mc.eos_ids,
                                    shift=self.shift, seeds=seeds if seeds is not None else [cfg.proposer.seed] * n,
-                                   tail=cfg.scheduler.overhang())
+                                   tail=cfg.scheduler.overhang(),
+                                   suffixes=suffixes if cfg.scheduler.infilled() else None)
         if cfg.proposer.logprobs >= 0:
             state.track_logprobs(cfg.proposer.logprobs)
         builder = StepInputBuilder(mc, self.capabilities, prefer=self._warm)

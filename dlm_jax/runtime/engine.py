@@ -115,10 +115,11 @@ class Request:
     background thread does (`Engine.start`)."""
 
     def __init__(self, engine: Engine, rid: int, ids: np.ndarray, config: DecodeConfig, seed: int,
-                 stop: Callable[[np.ndarray], int | None] | None):
+                 stop: Callable[[np.ndarray], int | None] | None, suffix: np.ndarray | None = None):
         self.engine = engine
         self.id = rid
         self.prompt = ids
+        self.suffix = suffix  # token ids after its generation (infilling), or None
         self.config = config
         self.seed = seed
         self.stop = stop
@@ -370,11 +371,14 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], config: DecodeConfig, *, seed: int | None = None,
-               stop: Callable[[np.ndarray], int | None] | None = None) -> Request:
+               stop: Callable[[np.ndarray], int | None] | None = None,
+               suffix: Sequence[int] | None = None) -> Request:
         """Queue a request (token ids) decoded with `config`; returns its handle at once.
 
         `seed` seeds its sampling (default `config.proposer.seed`); `stop(final_ids)` may end
-        it after any step: it returns how many of the final ids to keep, or None to go on.
+        it after any step: it returns how many of the final ids to keep, or None to go on;
+        `suffix` (token ids) follows its generation: the generation is decoded between the
+        prompt and it (infilling, `Decoder.with_infill`).
 
         Raises (before the request takes a row or a place in the queue): InputError for ids
         outside the vocabulary or a bad seed; ConfigError for options the decoder refuses and
@@ -387,7 +391,9 @@ class Engine:
         dec.check_prompts([ids], [seed])
         if ids.ndim != 1 or len(ids) == 0:
             raise InputError("a request's prompt must be a non-empty sequence of token ids")
-        cfg = dec._for_model(config)
+        suffix = None if suffix is None or len(suffix) == 0 else suffix
+        cfg = dec.with_infill(dec._for_model(config), None if suffix is None else [suffix])
+        suffix = None if suffix is None else np.asarray(suffix, np.int32)
         dec.bucket_keys([len(ids)], cfg)  # every check of the decoder, with its own messages
         if cfg.placement.probe() is not None:
             raise ConfigError(f"{type(cfg.placement).__name__} is calibrated by a probe decode first "
@@ -395,12 +401,14 @@ class Engine:
                               f"submit the calibrated config")
         total = dec.slots(len(ids), cfg)
         if total > self.max_tokens:
-            raise ConfigError(f"prompt ({len(ids)} tokens) + gen_len ({cfg.gen_len}) = {total} tokens exceeds "
-                              f"the engine's {self.max_tokens} slots per request (max_tokens)")
+            raise ConfigError(f"prompt ({len(ids)} tokens) + gen_len ({cfg.gen_len})"
+                              + ("" if suffix is None else f" + suffix ({len(suffix)} tokens)")
+                              + f" = {total} tokens exceeds the engine's {self.max_tokens} slots per request "
+                                f"(max_tokens)")
         with self._cond:
             if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"the engine's queue is full ({self.max_waiting} requests waiting)")
-            req = Request(self, next(self._ids), ids.astype(np.int32), cfg, int(seed), stop)
+            req = Request(self, next(self._ids), ids.astype(np.int32), cfg, int(seed), stop, suffix)
             self._waiting.append(req)
             self._cond.notify_all()
         return req
@@ -595,7 +603,8 @@ class Engine:
                     req.on_unit(unit, prefixes)
 
             req._gen = self.decoder.steps([req.prompt], req.config, seeds=[req.seed], on_block=on_block,
-                                          on_step=on_step, open_cache=open_cache, prefetch=False, batch=1)
+                                          on_step=on_step, open_cache=open_cache, prefetch=False, batch=1,
+                                          suffixes=None if req.suffix is None else [req.suffix])
             self._advance(req, None)
 
     def _after_step(self, req: Request, state: DecodeState) -> None:

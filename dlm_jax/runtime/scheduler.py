@@ -139,7 +139,7 @@ class Scheduler(HookBase):
     `units` and `plan_shapes` before it (checks and warm-up)."""
 
     HOOKS = ("units", "start", "plan", "settle", "advance", "plan_shapes", "overhang", "validate", "wants_logits",
-             "report", "for_model")
+             "reads_logits", "report", "for_model", "with_infill", "infilled")
     # The commit rule (a `registry.RULES` name) this schedule decides with, or None: any rule.
     # A schedule that accepts its own proposals in `settle` (ISD) takes the rule `NoCommit`.
     commit_rule: ClassVar[type | None] = None
@@ -173,6 +173,19 @@ class Scheduler(HookBase):
         """The schedule that decodes `model` (default: this one); the decoder asks before
         anything else, so a schedule may fit its blocks to the model's (`BlockScheduler`)."""
         return self
+
+    def with_infill(self, n: int) -> Scheduler:
+        """This schedule with `n` slots after the generation holding each request's given
+        suffix (infilling: the generation is decoded between the prompt and the suffix, which
+        every step may read); 0: none. Default: refused for n > 0."""
+        if n:
+            raise ConfigError(f"a suffix (infilling) needs a block schedule that reads the slots after its block "
+                              f"(cache none, prefix or dual); {type(self).__name__} does not")
+        return self
+
+    def infilled(self) -> int:
+        """How many slots after the generation hold given suffixes (`with_infill`); default 0."""
+        return 0
 
     def validate(self, config: Any, model: ModelConfig) -> None:
         """Raise ConfigError if this schedule cannot decode `model` with the other strategies of
@@ -225,6 +238,10 @@ class BlockScheduler(Scheduler):
         default=True, metadata={"help": "a block decoded entirely to EOS ends its request"})
     align: bool = dataclasses.field(
         default=False, metadata={"option": False, "help": "blocks at absolute multiples of block_len"})
+    # Slots after the generation holding the requests' given suffixes (infilling; the longest
+    # suffix's length): set by the decoder from the suffixes it is given (`with_infill`).
+    infill: int = dataclasses.field(default=0, metadata={"option": False})
+    infills: ClassVar[bool] = True  # whether its windows may read given slots after the generation
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_len, int) or isinstance(self.block_len, bool) or self.block_len <= 0:
@@ -238,7 +255,20 @@ class BlockScheduler(Scheduler):
         return dataclasses.replace(self, align=True)
 
     def overhang(self) -> int:
-        return self.block_len - 1 if self.align else 0  # an aligned last block runs to its end
+        return self.block_len - 1 if self.align else self.infill  # an aligned last block runs to its end
+
+    def with_infill(self, n: int) -> BlockScheduler:
+        if n == self.infill:
+            return self
+        if n and not self.infills:
+            return super().with_infill(n)
+        if n and self.align:
+            raise ConfigError("a suffix (infilling) needs a bidirectional model: this one's blocks are block-causal "
+                              "(aligned blocks), so no generated slot sees the slots after it")
+        return dataclasses.replace(self, infill=int(n))
+
+    def infilled(self) -> int:
+        return self.infill
 
     def units(self, gen_len: int) -> int:
         if gen_len % self.block_len:

@@ -256,10 +256,12 @@ class DecodeState:
     @classmethod
     def create(cls, prompts: Sequence[Sequence[int]], *, gen_len: int, batch: int, mask_id: int,
                vocab_size: int, eos_ids: Sequence[int] = (), shift: int = 0, seeds: Sequence[int] | None = None,
-               tail: int = 0) -> DecodeState:
+               tail: int = 0, suffixes: Sequence[Sequence[int]] | None = None) -> DecodeState:
         """Left-align `prompts` on a [batch, max prompt + gen_len + tail] grid; rows past
         `len(prompts)` are padding. `seeds` seed each request's generator (default 0). The
-        `tail` slots after the generation are masks a schedule may feed or decode (`Scheduler.overhang`)."""
+        `tail` slots after the generation are masks a schedule may feed or decode (`Scheduler.overhang`),
+        or, with `suffixes` (infilling), each request's suffix: given tokens right after its
+        generation (prompt state, never decoded), the rest of the tail right padding."""
         n = len(prompts)
         lens = [len(p) for p in prompts]
         p_max = max(lens)
@@ -271,6 +273,15 @@ class DecodeState:
             valid[r, p_max - lens[r]:] = True
         status = np.full((batch, total), TokenState.MASK, dtype=np.int8)
         status[:, :p_max] = TokenState.PROMPT
+        if suffixes is not None:
+            if len(suffixes) != n or max(map(len, suffixes), default=0) > tail:
+                raise ValueError(f"{len(suffixes)} suffixes for {n} prompts, or one longer than the tail ({tail})")
+            end = p_max + gen_len
+            status[:, end:] = TokenState.PROMPT
+            valid[:, end:] = False
+            for r, suffix in enumerate(suffixes):
+                tokens[r, end:end + len(suffix)] = np.asarray(suffix, dtype=np.int32)
+                valid[r, end:end + len(suffix)] = True
         positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
         request = np.full(batch, RequestStatus.PADDING, dtype=np.int8)
         request[:n] = RequestStatus.RUNNING

@@ -101,6 +101,26 @@ def test_generate_prints_each_completions_logprobs(capsys):
     assert "logprobs=21" in capsys.readouterr().err
 
 
+def test_generate_suffix_text_infills_each_completion(capsys):
+    """`--suffix-text`: the completions are decoded before the suffixes, as `Model.generate`'s
+    `suffixes` decodes them (one for all prompts, or one per prompt); a count that fits
+    neither, or a model that cannot infill, is one line and exit 2."""
+    from dlm_jax.frontends.cli import shipped_model
+
+    prompts, suffixes = ["sort: 37 44 13", "66+76="], [" 44", "2"]
+    args = ["generate", "--model", str(shipped_model()), "--executor", "jax", "--gen", "32", "--cache", "dual"]
+    assert main([*args, *[a for p, s in zip(prompts, suffixes) for a in ("--prompt", p, "--suffix-text", s)]]) == 0
+    want = dlm_jax.load(shipped_model(), executor="jax").generate(
+        prompts, dlm_jax.preset("fast-dllm", gen_len=32, cache="dual"), suffixes=suffixes).texts
+    assert capsys.readouterr().out.split("\n")[:2] == want
+    assert main([*args, "--prompt", "a", "--prompt", "b", *["--suffix-text", "x"] * 3]) == 2
+    assert "3 --suffix-text for 2 prompts" in capsys.readouterr().err
+    assert main(["generate", "--model", str(shipped_model("idlm-tiny")), "--preset", "isd", "--prompt", "1+1=",
+                 "--suffix-text", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a bidirectional model" in err and "Traceback" not in err
+
+
 def test_generate_options_come_from_the_registry(monkeypatch, capsys):
     """Every decode option reaches the decoder and the report (scripted executor, no model)."""
     answer = np.full(96, ord("7"))

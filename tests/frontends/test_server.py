@@ -236,6 +236,23 @@ def test_best_of_and_echo(live, model):
         model=NAME, prompt=PROMPTS[0], max_tokens=32, echo=True, stream=True)) == PROMPTS[0] + greedy[0]
 
 
+def test_suffix_infills_between_the_prompt_and_it(live, model):
+    """suffix (completions): the completion is decoded between the prompt and the suffix's
+    text (as it is), as `Model.generate`'s `suffixes` decodes it, streamed or not, for every
+    prompt of the request."""
+    import openai
+
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
+    cfg = dlm_jax.preset("fast-dllm", gen_len=32)
+    want = model.generate(PROMPTS[:2], cfg, suffixes=[" 47 48"] * 2).texts
+    got = client.completions.create(model=NAME, prompt=PROMPTS[:2], suffix=" 47 48", max_tokens=32)
+    assert [c.text for c in got.choices] == want
+    body = {"model": NAME, "prompt": PROMPTS[0], "suffix": " 47 48", "max_tokens": 32}
+    assert stream_text(live, "/v1/completions", body)[0] == want[0]
+    empty = client.completions.create(model=NAME, prompt=PROMPTS[0], suffix="", max_tokens=32).choices[0].text
+    assert empty == model.generate(PROMPTS[0], cfg).texts[0]
+
+
 def test_completion_forms_stop_and_max_tokens(live, model):
     """Token-id prompts and several prompts per request (one choice each, in order); a stop
     string ends the text before it, streamed or not; max_tokens cuts the completion (the
@@ -446,6 +463,10 @@ BAD = {  # class: (body bytes or object, status, words the message names)
     "logprobs beside a revising CPU path": ({"model": NAME, "prompt": "1", "logprobs": 1,
                                             "dlm_jax": {"preset": "llada-cpp"}}, 400, "refresh_rows=0"),
     "stop list too long": ({"model": NAME, "prompt": "1", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+    "suffix not text": ({"model": NAME, "prompt": "1", "suffix": [5]}, 400, "suffix must be a string"),
+    "suffix beside a revision policy": ({"model": NAME, "prompt": "1", "suffix": "2", "dlm_jax": {"preset": "llada-cpp"}},
+                                        400, "suffix (infilling) does not go with"),
+    "suffix too long": ({"model": NAME, "prompt": "1", "suffix": "9" * 200}, 400, "suffix (200 tokens)"),
 }
 
 

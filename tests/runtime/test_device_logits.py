@@ -158,7 +158,7 @@ def test_device_logits_are_refused_where_they_cannot_stay(model):
         mock_model(answer=[5], confidence=[1.0]).decoder.decode(
             [[1, 2]], dlm_jax.preset("fast-dllm", gen_len=32, temperature=0.5, logits_on="device"))
     isd = dlm_jax.load(shipped_model("idlm-tiny"), executor="jax")
-    with pytest.raises(ConfigError, match="logits_on='device' does not go with the isd schedule"):
+    with pytest.raises(ConfigError, match="logits_on='device' does not go with the Strided schedule"):
         isd.generate(["1+1="], dlm_jax.preset("isd", gen_len=8, temperature=0.5, logits_on="device"))
     auto = dlm_jax.load(shipped_model(), executor="auto")  # (may decode on the LiteRT runner)
     assert auto.decoder.capabilities.logits_on == "" and model.decoder.capabilities.logits_on == "cpu"

@@ -49,12 +49,10 @@ def test_left_to_right_logprobs_are_transformers_next_token_distribution(tmp_pat
         np.testing.assert_allclose(lp.top_logprob[t], np.sort(ref)[::-1][:3], atol=TOL)
 
 
-def test_diffusion_logprobs_are_the_committing_steps_bidirectional_distribution(tmp_path, monkeypatch):
-    llama = build("llama")
-    llama.save_pretrained(tmp_path / "llama")
-    llama_to_llada(tmp_path / "llama", tmp_path / "llada", mask_token_id=MASK)
-    model = dlm_jax.load(tmp_path / "llada", executor="jax")
-    steps = []  # per step: (the tokens it was fed, the slots' states after it)
+def fed_steps(monkeypatch) -> list:
+    """Per step of the decodes that follow (logprobs on): [the tokens it was fed, the slots'
+    states after it], read off the decode as it runs."""
+    steps = []
     record, record_logprobs = DecodeState.record, DecodeState.record_logprobs
 
     def fed(self, *a):
@@ -67,16 +65,31 @@ def test_diffusion_logprobs_are_the_committing_steps_bidirectional_distribution(
 
     monkeypatch.setattr(DecodeState, "record", fed)
     monkeypatch.setattr(DecodeState, "record_logprobs", after)
-    prompt = [5, 17, 42, 8, 60]
-    out = model.decoder.decode([prompt], dlm_jax.preset("llada", gen_len=8, block_len=8, steps=8, logprobs=2))
-    ids, lp = out.sequences[0], out.logprobs[0]
-    start = len(prompt)
+    return steps
+
+
+def committing_distributions(llama, steps: list, start: int, n: int) -> dict[int, np.ndarray]:
+    """Generated slot j -> the log-softmax of `transformers`' bidirectional forward over what
+    the step that made it stable was fed (the first request's; generation from slot `start`)."""
     decided = {}
     for fed_tokens, status in steps:
         ref = _log_softmax(logits(llama, fed_tokens[:1], bidirectional=True)[0])
-        for j in range(len(ids)):
+        for j in range(n):
             if j not in decided and status[0, start + j] == TokenState.STABLE:
                 decided[j] = ref[start + j]
+    return decided
+
+
+def test_diffusion_logprobs_are_the_committing_steps_bidirectional_distribution(tmp_path, monkeypatch):
+    llama = build("llama")
+    llama.save_pretrained(tmp_path / "llama")
+    llama_to_llada(tmp_path / "llama", tmp_path / "llada", mask_token_id=MASK)
+    model = dlm_jax.load(tmp_path / "llada", executor="jax")
+    steps = fed_steps(monkeypatch)
+    prompt = [5, 17, 42, 8, 60]
+    out = model.decoder.decode([prompt], dlm_jax.preset("llada", gen_len=8, block_len=8, steps=8, logprobs=2))
+    ids, lp = out.sequences[0], out.logprobs[0]
+    decided = committing_distributions(llama, steps, len(prompt), len(ids))
     assert sorted(decided) == list(range(8))
     for j, ref in decided.items():
         assert abs(lp.logprob[j] - ref[ids[j]]) <= TOL, j

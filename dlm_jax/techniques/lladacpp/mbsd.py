@@ -97,6 +97,7 @@ def price(table: LatencyTable, window: int, cache: int) -> float:
 @dataclasses.dataclass(frozen=True)
 class SpeculativeWindow(BlockScheduler):
     HOOKS = ("looked_ahead",)
+    infills = False  # (its windows slide over the generation's masks: no given suffix)
 
     window_width: int = dataclasses.field(default=0, metadata={"help": "sliding window width (0: the block length)"})
     sliding: bool = dataclasses.field(default=True, metadata={"help": "slide the window past stored commits"})
