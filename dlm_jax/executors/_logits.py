@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlm_jax.runtime import step
+
 _TINY = float(np.finfo(np.float32).tiny)
 
 
@@ -135,7 +137,7 @@ def _logprobs(logits, packed, *, k: int):
     return jnp.concatenate([bits(lp)[:, None], ids.astype(jnp.int32), bits(vals - lse[:, None])], axis=1)
 
 
-class DeviceLogits:
+class DeviceLogits(step.DeviceLogits):
     """The rows' logits [B, R, V] float32 of a step, on the device that ran it
     (`runtime.step.DeviceLogits`). Indexing `[:, :k]` (the proposer's first k rows) and
     `rows(i)` (an engine's batch row) make views without a device op; `np.asarray` reads a

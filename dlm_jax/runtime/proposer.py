@@ -160,7 +160,6 @@ class Proposer:
     logprobs: int = dataclasses.field(
         default=-1, metadata={"help": "record each generated token's log-probability at the step that decided it, "
                                       f"with this many likeliest alternatives (0-{MAX_LOGPROBS}; -1: off)"})
-
     logits_on: str = dataclasses.field(
         default="auto", metadata={"help": "where sampling, penalties, logit bias and logprobs run: host (float64, "
                                           "LLaDA's generator), device (beside the step; only the answers are "
@@ -223,20 +222,19 @@ class Proposer:
         the rows a rule may commit; only they draw noise)."""
         k = candidates.shape[1]
         logits = out.logits[:, :k] if out.logits is not None else None
-        on_device = is_device_logits(logits) and (self.adjusts or self.temperature > 0)
-        if on_device:
+        if is_device_logits(logits) and (self.adjusts or self.temperature > 0):
             x0, top1, top2, ent = self._on_device(logits, candidates, state)
-        elif self.adjusts:
-            logits = self.adjusted(logits, state)
-        if on_device:
-            pass
-        elif self.temperature > 0:
-            x0, top1, top2, ent = _sample(logits, candidates, self.temperature, state.rngs, self.top_k, self.top_p)
-        elif self.adjusts:
-            x0 = logits.argmax(-1)
-            top1, top2, ent = _scores(logits, x0)
         else:
-            x0, top1, top2, ent = out.top_token[:, :k], out.top_prob[:, :k], out.second_prob[:, :k], out.entropy[:, :k]
+            if self.adjusts:
+                logits = self.adjusted(logits, state)
+            if self.temperature > 0:
+                x0, top1, top2, ent = _sample(logits, candidates, self.temperature, state.rngs, self.top_k, self.top_p)
+            elif self.adjusts:
+                x0 = logits.argmax(-1)
+                top1, top2, ent = _scores(logits, x0)
+            else:
+                x0, top1, top2, ent = (out.top_token[:, :k], out.top_prob[:, :k], out.second_prob[:, :k],
+                                       out.entropy[:, :k])
         conf = confidence_scores(self.confidence, top1.astype(np.float64), top2.astype(np.float64),
                                  ent.astype(np.float64))
         if self.remasking == "random":
@@ -251,7 +249,8 @@ class Proposer:
         return Proposal(x0.astype(np.int32), conf, logits, self)
 
     def _on_device(self, logits, candidates: np.ndarray, state: DecodeState):
-        """The proposal's (x0, top1, top2, entropy), computed beside the step (`DeviceLogits.propose`): each sampling row's noise is one 32-bit seed drawn from its
+        """The proposal's (x0, top1, top2, entropy), computed beside the step
+        (`DeviceLogits.propose`): each sampling row's noise is one 32-bit seed drawn from its
         request's own generator, only while it has candidates."""
         b = candidates.shape[0]
         draw, seeds = np.zeros(b, bool), np.zeros(b, np.uint32)

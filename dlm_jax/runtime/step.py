@@ -189,8 +189,9 @@ class OutputRequest:
 
 class DeviceLogits:
     """What the host runtime asks of rows' logits [B, R, V] kept on the device that ran the
-    step (the JAX executor's: `dlm_jax.executors._logits.DeviceLogits`). Only small answers
-    come back; `np.asarray` reads the rows back whole, for a rule with no device form.
+    step; an executor's own class derives from it (the JAX executor's:
+    `dlm_jax.executors._logits.DeviceLogits`). Only small answers come back; `np.asarray`
+    reads the rows back whole, for a rule with no device form.
 
     - `shape`; `logits[:, :k]`: the first k predicted rows; `rows(index)`: some batch rows.
     - `propose(draw, seeds, temperature, top_k, top_p, count_ids, presence, frequency, bias)`:
@@ -199,10 +200,12 @@ class DeviceLogits:
       each distribution's k likeliest tokens.
     """
 
+    __slots__ = ()
+
 
 def is_device_logits(x: Any) -> bool:
     """Whether `x` is logits kept on a device (`DeviceLogits`' protocol), not a host array."""
-    return x is not None and not isinstance(x, np.ndarray) and hasattr(x, "propose") and hasattr(x, "logprobs")
+    return isinstance(x, DeviceLogits)
 
 
 @dataclasses.dataclass(frozen=True)
