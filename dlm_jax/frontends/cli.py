@@ -345,26 +345,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_prompts(args.prompt or [])
     cfg = decode_config(args)  # bad options fail before the model loads
     prompts = args.prompt or args.prompt_ids
-    suffixes = args.suffix_text
-    if suffixes is not None:
-        from dlm_jax._errors import InputError
-
-        if len(suffixes) not in (1, len(prompts)):
-            raise InputError(f"{len(suffixes)} --suffix-text for {len(prompts)} prompts: give one for all, or one per "
-                             f"prompt")
-        _check_prompts(suffixes)
-        suffixes = suffixes * len(prompts) if len(suffixes) == 1 else suffixes
+    suffixes = _suffix_texts(args, prompts)
     handle = _load(args, args.model)
-    if suffixes is not None and not handle.has_tokenizer:
-        from dlm_jax._errors import InputError
-
-        raise InputError("--suffix-text is text: this checkpoint has no tokenizer")
+    _need_tokenizer(handle, suffixes)
     report = _run_generate(handle, prompts, cfg, chat=_chat(args), stream=True, max_batch=args.max_batch,
                            suffixes=suffixes)
     print(json.dumps(report["stats"]), file=sys.stderr)
     for i, logprobs in enumerate(report.get("logprobs", [])):  # --logprobs N: a line per completion
         print(json.dumps({"completion": i, **logprobs}, ensure_ascii=False), file=sys.stderr)
     return 0
+
+
+def _suffix_texts(args: argparse.Namespace, prompts: list) -> list[str] | None:
+    """`--suffix-text`, one per prompt (a single one for all of them), or None."""
+    suffixes = getattr(args, "suffix_text", None)
+    if suffixes is None:
+        return None
+    from dlm_jax._errors import InputError
+
+    if len(suffixes) not in (1, len(prompts)):
+        raise InputError(f"{len(suffixes)} --suffix-text for {len(prompts)} prompts: give one for all, or one per prompt")
+    _check_prompts(suffixes)
+    return suffixes * len(prompts) if len(suffixes) == 1 else suffixes
+
+
+def _need_tokenizer(handle, suffixes: list[str] | None) -> None:
+    if suffixes is not None and not handle.has_tokenizer:
+        from dlm_jax._errors import InputError
+
+        raise InputError("--suffix-text is text: this checkpoint has no tokenizer")
+
+
+def _add_suffix_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suffix-text", action="append", metavar="TEXT",
+                   help="text that follows the completion (infilling: the completion is decoded between the prompt "
+                        "and it; fed as it is); once for every prompt, or once per prompt in their order")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -435,11 +450,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"--lora {args.lora}: the bundle {args.bundle} has no adapters (its signatures take no "
                           f"lora_gate input); export it with --lora {args.lora}")
+    prompts = args.prompt or args.prompt_ids
+    suffixes = _suffix_texts(args, prompts)
     handle = _load_bundle(args, args.bundle)
+    _need_tokenizer(handle, suffixes)
     if handle.accelerator_note:
         print(f"warning: {handle.accelerator_note}", file=sys.stderr)
-    report = _run_generate(handle, args.prompt or args.prompt_ids, cfg, chat=_chat(args), stream=True,
-                           max_batch=args.max_batch)
+    report = _run_generate(handle, prompts, cfg, chat=_chat(args), stream=True, max_batch=args.max_batch,
+                           suffixes=suffixes)
     cold = getattr(handle.executor, "cold", None)
     extra = {"neurons": cold.counters.to_dict()} if cold is not None else {}
     print(json.dumps({**report["stats"], "bundle": bundle.describe(), **extra}), file=sys.stderr)
@@ -827,9 +845,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_batch(p)
     p.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
     _add_prompt_options(p, required=True, help_="prompt text", ids=True)
-    p.add_argument("--suffix-text", action="append", metavar="TEXT",
-                   help="text that follows the completion (infilling: the completion is decoded between the prompt "
-                        "and it; fed as it is); once for every prompt, or once per prompt in their order")
+    _add_suffix_option(p)
     _add_model_options(p)
     _add_lora_option(p)
     _add_executor_option(p)
@@ -906,6 +922,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_batch(p)
     p.add_argument("bundle", help="bundle directory (dlm-jax export)")
     _add_prompt_options(p, required=True, help_="prompt text", ids=True)
+    _add_suffix_option(p)
     p.add_argument("--accelerator", choices=ACCELERATORS,
                    help="LiteRT accelerator (default: the bundle's target; cpu is XNNPACK)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2; 0: LiteRT decides)")

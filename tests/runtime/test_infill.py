@@ -135,3 +135,18 @@ def test_bad_suffixes_are_refused_in_one_line(tiny):
     with pytest.raises(ConfigError, match=r"suffix \(200 tokens\)"):
         with dlm_jax.Engine(tiny, cfg, max_tokens=128) as engine:
             engine.submit("1+1=", suffix=[5] * 200)
+
+
+def test_the_litert_runner_infills_as_the_jax_executor(tiny, tmp_path, capsys):
+    """A bundle exported for dual-cache decodes, run by `dlm-jax run --suffix-text`: the
+    completions the JAX executor infills, token for token."""
+    from dlm_jax.frontends.cli import main
+
+    assert main(["export", "--model", str(shipped_model()), "--out", str(tmp_path / "b"), "--for-prompts", "40",
+                 "--gen", "32", "--cache", "dual", "--latency-repeats", "1"]) == 0
+    prompts, suffixes = ["sort: 37 44 13", "66+76="], [" 44", "2"]
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "b"), "--gen", "32", "--cache", "dual",
+                 *[a for p, s in zip(prompts, suffixes) for a in ("--prompt", p, "--suffix-text", s)]]) == 0
+    want = tiny.generate(prompts, dlm_jax.preset("fast-dllm", gen_len=32, cache="dual"), suffixes=suffixes).texts
+    assert capsys.readouterr().out.split("\n")[:2] == want
