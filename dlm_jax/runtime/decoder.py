@@ -323,20 +323,22 @@ class Decoder:
                                             f"tokens exceeds the limit of {self.max_tokens} (largest cache bucket "
                                             f"/ max_seq_len)")
 
-    def check_prompts(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None = None) -> None:
+    def check_prompts(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None = None, *,
+                      what: str = "prompt") -> None:
         """Reject token ids outside [0, vocab_size) (a NaN confidence or a silent wrap-around
-        later) and negative or non-integer seeds, naming the prompt and the id."""
+        later) and negative or non-integer seeds, naming the prompt (`what`: or the suffix)
+        and the id."""
         vocab = self.model_config.vocab_size
         for r, prompt in enumerate(prompts):
             ids = np.asarray(prompt)
             if ids.size == 0:
-                continue  # _check names an empty prompt
+                continue  # _check names an empty prompt (an empty suffix is none)
             if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-                raise InputError(f"prompt {r} must be a sequence of integer token ids, got {ids.dtype} "
+                raise InputError(f"{what} {r} must be a sequence of integer token ids, got {ids.dtype} "
                                  f"of shape {ids.shape}")
             bad = ids[(ids < 0) | (ids >= vocab)]
             if bad.size:
-                raise InputError(f"prompt {r} holds token id {int(bad[0])}, outside the model's vocabulary "
+                raise InputError(f"{what} {r} holds token id {int(bad[0])}, outside the model's vocabulary "
                                  f"[0, {vocab})")
         for s in seeds if seeds is not None else ():
             if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
@@ -425,15 +427,7 @@ class Decoder:
             if not isinstance(cfg.revision, NoRevision):
                 raise ConfigError(f"a suffix (infilling) does not go with the {type(cfg.revision).__name__} revision "
                                   f"policy (its CPU path and probes plan no slots after the generation)")
-            for r, suffix in enumerate(suffixes):
-                ids = np.asarray(suffix)
-                if ids.size and (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)):
-                    raise InputError(f"suffix {r} must be a sequence of integer token ids, got {ids.dtype} "
-                                     f"of shape {ids.shape}")
-                bad = ids[(ids < 0) | (ids >= mc.vocab_size)] if ids.size else ids
-                if bad.size:
-                    raise InputError(f"suffix {r} holds token id {int(bad[0])}, outside the model's vocabulary "
-                                     f"[0, {mc.vocab_size})")
+            self.check_prompts(suffixes, what="suffix")
         return dataclasses.replace(cfg, scheduler=cfg.scheduler.with_infill(n))
 
     def decode(self, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, *,

@@ -218,10 +218,10 @@ class DecodeState:
     def committed_counts(self, vocab: int) -> np.ndarray:
         """[B, vocab] float64: how many of each row's generated slots hold each token, visible or
         final (a decode's text so far, for OpenAI's penalties)."""
-        gen = slice(self.gen_start, self.gen_end)
-        b, i = np.nonzero(_COMMITTED[self.status[:, gen]])
+        ids = self.committed_ids()
+        b, i = np.nonzero(ids >= 0)
         counts = np.zeros((self.batch, vocab))
-        np.add.at(counts, (b, self.tokens[:, gen][b, i]), 1.0)
+        np.add.at(counts, (b, ids[b, i]), 1.0)
         return counts
 
     def committed_ids(self) -> np.ndarray:
