@@ -186,7 +186,7 @@ class Engine:
         if config.placement.probe() is not None:  # TIDE's tau='auto' / static sets: from this prompt's probe
             self.model.decoder.check_prompts([ids], None)
             config = self.model.calibrated(config, [ids], seeds=None if seed is None else [seed])
-        tail = None if suffix is None else self.model._suffixes(suffix, 1, True)[0]
+        tail = None if suffix is None else self.model._suffixes(suffix, 1)[0]
         return Handle(self.model, self.core.submit(ids, config, seed=seed, stop=rule, suffix=tail), stop)
 
     def warmup(self, configs: Sequence[DecodeConfig | Mapping[str, Any]] | None = None, *,

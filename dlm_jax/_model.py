@@ -155,7 +155,7 @@ class Model:
             raise ConfigError(f"prompt {empty} is empty")
         if seeds is not None and len(seeds) != len(ids):
             raise InputError(f"{len(seeds)} seeds for {len(ids)} prompts")
-        tails = self._suffixes(suffixes, len(ids), single)
+        tails = self._suffixes(suffixes, len(ids))
         # An executor that builds in batches (the bundle cache exports the buckets of nearby
         # prompt lengths as one part) prepares every reachable bucket first. Others build only
         # what the decode reaches, when it first does: the stats count those compiles.
@@ -200,13 +200,11 @@ class Model:
         logprobs = [r.logprobs() for r in requests]
         return GenerateResult(texts, trimmed, stats, None if logprobs[0] is None else logprobs)
 
-    def _suffixes(self, suffixes, n: int, single: bool) -> list[list[int]] | None:
+    def _suffixes(self, suffixes, n: int) -> list[list[int]] | None:
         """`generate`'s suffixes as token ids, one per prompt (text encoded as it is)."""
         if suffixes is None:
             return None
         one = isinstance(suffixes, str) or (len(suffixes) > 0 and isinstance(suffixes[0], (int, np.integer)))
-        if one != single and not (one and n == 1):
-            raise InputError("give one suffix per prompt: a list of them for a list of prompts, one for one prompt")
         given = [suffixes] if one else list(suffixes)
         if len(given) != n:
             raise InputError(f"{len(given)} suffixes for {n} prompts")
