@@ -460,6 +460,15 @@ def device_specs(key: BucketKey, gated: bool = False) -> tuple[jax.ShapeDtypeStr
     return tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for _, shape, dtype in request_specs(key, gated=gated))
 
 
+def _keeps_logits(req: SlotStep, names: list[str], executor) -> bool:
+    """Whether a step's logits stay where it ran (`OutputRequest.device_logits`, off a mesh:
+    `_logits.DeviceLogits`); they are then taken out of `names`, the outputs read back."""
+    kept = req.want.device_logits and "logits" in names and executor.placement is None
+    if kept:
+        names.remove("logits")
+    return kept
+
+
 class DeviceKVCache(KVCache):
     """The K/V of one decode on the JAX executor's device: `k` and `v`, a tuple of one [B, Hkv,
     S, Dh] array per layer each (each head's slots contiguous: the layout the step's score and
@@ -546,9 +555,7 @@ class DeviceKVCache(KVCache):
         inputs = ex.resident_inputs(req)
         arrays = ex._send(inputs)
         names = [n for n in output_names(req.key) if n not in ("k_new", "v_new", *PREDICTIONS)]
-        kept = req.want.device_logits and "logits" in names and ex.placement is None
-        if kept:  # (left where the step ran: `_logits.DeviceLogits`)
-            names.remove("logits")
+        kept = _keeps_logits(req, names, ex)
         if timings is None:
             preds, named, self.k, self.v, self.written = program(ex._leaves, self.k, self.v, self.written, self.pos,
                                                                  self.valid, *arrays)
@@ -580,9 +587,7 @@ class DeviceKVCache(KVCache):
         given = req.arrays()
         arrays = executor._send([given[n] for n in VIEW_NAMES + ((LORA_GATE.name,) if executor.gated else ())])
         names = [n for n in output_names(key) if n not in ("k_new", "v_new")]
-        kept = req.want.device_logits and "logits" in names and executor.placement is None
-        if kept:  # (left where the step ran: `_logits.DeviceLogits`)
-            names.remove("logits")
+        kept = _keeps_logits(req, names, executor)
         transfers = self.transfers
 
         def run() -> StepOutputs:
