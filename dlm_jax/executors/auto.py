@@ -65,11 +65,15 @@ class AutoExecutor(Executor):
         self._current: Executor = jax
         self._held: set[BucketKey] = set()  # buckets seen in the cache entry
         self.decodes = {"jax": 0, "litert": 0}  # decodes each executor ran
+        self._caps_of = self._caps = None  # the JAX executor's capabilities, and ours from them
 
     @property
     def capabilities(self) -> Capabilities:
         # (a decode may run on the LiteRT runner, whose logits come to the host: none kept on a device)
-        return dataclasses.replace(self.jax.capabilities, logits_on="")
+        caps = self.jax.capabilities
+        if self._caps_of is not caps:  # made once per JAX executor's set, not per call
+            self._caps, self._caps_of = dataclasses.replace(caps, logits_on=""), caps
+        return self._caps
 
     @property
     def current(self) -> str:
