@@ -13,7 +13,12 @@ median of `--repeats` runs, with the logits' bytes per step; no model runs.
 Each case also runs with the logits kept where a JAX step leaves them (`Proposer.logits_on`
 "device": `dlm_jax.executors._logits.DeviceLogits` on JAX's default backend, in float32),
 timed to its answers on the host (the first, compiling, run not counted), with the bytes read
-back. Prints JSON and writes <out>.json and <out>.md.
+back.
+
+Last, an engine's call of `--requests` sampling requests, each its own batch row and its own
+options: their proposals answered one request at a time (a device call and a sync each) and
+all at once (`DeviceLogits.answer`: one program over the rows, what the engine runs).
+Prints JSON and writes <out>.json and <out>.md.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from dlm_jax.executors._logits import DeviceLogits  # noqa: E402
 from dlm_jax.runtime.kvcache import Transfers  # noqa: E402
 from dlm_jax.runtime.proposer import Proposer  # noqa: E402
 from dlm_jax.runtime.state import DecodeState, TokenState  # noqa: E402
-from dlm_jax.runtime.step import StepOutputs  # noqa: E402
+from dlm_jax.runtime.step import ProposeAsk, StepOutputs  # noqa: E402
 
 from _hardware import machine  # noqa: E402
 
@@ -46,6 +51,8 @@ PROMPT, GEN = 128, 256
 CASES = [
     ("greedy (the step's argmax)", Proposer(), 0, 0),
     ("sampling, temperature 0.7", Proposer(temperature=0.7), 0, 0),
+    ("sampling, top-k 40", Proposer(temperature=0.7, top_k=40), 0, 0),
+    ("sampling, top-p 0.9", Proposer(temperature=0.7, top_p=0.9), 0, 0),
     ("presence + frequency penalties", Proposer(presence_penalty=0.5, frequency_penalty=0.5), 0, 0),
     ("logit_bias, 3 tokens", Proposer(logit_bias=((5, 2.0), (7, -100.0), (9, 1.0))), 0, 0),
     ("logprobs, 1 slot decided", Proposer(logprobs=0), 1, 0),
@@ -104,6 +111,32 @@ def measure(vocab: int, rows: int, repeats: int) -> dict[str, Any]:
             "cases": cases}
 
 
+def measure_call(vocab: int, rows: int, requests: int, repeats: int) -> dict[str, Any]:
+    """An engine call's proposals: `requests` rows of one step's logits, each a request with its
+    own sampling options, answered per request and together (ms to the answers on the host)."""
+    logits = np.random.default_rng(2).normal(0, 3, (requests, rows, vocab)).astype(np.float32)
+    counted = Transfers()
+    kept = DeviceLogits(jax.device_put(logits), transfers=counted)
+    options = [dict(temperature=0.6 + 0.1 * (i % 5), top_k=(0, 40)[i % 2], top_p=(1.0, 0.9)[(i // 2) % 2])
+               for i in range(requests)]
+    asks = [ProposeAsk(kept.rows([i]), np.ones(1, bool), np.array([i], np.uint32), **o) for i, o in enumerate(options)]
+    row: dict[str, Any] = {"requests": requests}
+    for how, run in (("per_request", lambda: [DeviceLogits.answer([a]) for a in asks]),
+                     ("together", lambda: DeviceLogits.answer(asks))):
+        times = []
+        for i in range(repeats + 1):
+            counted.add(0, 0)
+            t0 = time.perf_counter()
+            run()
+            if i:  # (the first run compiles)
+                times.append(time.perf_counter() - t0)
+        row[f"{how}_ms"] = round(1000 * statistics.median(times), 2)
+        row[f"{how}_calls"] = len(asks) if how == "per_request" else 1
+        row[f"{how}_bytes"] = counted.d2h[-1]
+    row["per_request_over_together"] = round(row["per_request_ms"] / row["together_ms"], 2)
+    return row
+
+
 def markdown(rep: dict[str, Any]) -> str:
     lines = [f"# Host cost of proposals from logits (`benchmarks/logits_host.py`)", "",
              f"One request, {rep['rows']} predicted rows, vocabulary {rep['vocab']:,}; random float32 logits; "
@@ -125,6 +158,17 @@ def markdown(rep: dict[str, Any]) -> str:
         ratio = f"{c['host_ms'] / c['device_ms']:.1f}" if c["device_ms"] > 0 else "-"
         lines.append(f"| {c['case']} | {c['host_ms']} | {c['device_ms']} | {ratio} | {size(c['host_bytes'])} "
                      f"| {size(c['device_bytes'])} |")
+    call = rep.get("call")
+    if call:
+        lines += ["", f"## An engine call of {call['requests']} sampling requests, on the device", "",
+                  "Each request one batch row with its own temperature, top-k and top-p; their proposals "
+                  "answered one request at a time, then all in one program (`DeviceLogits.answer`, what "
+                  "the engine runs).", "",
+                  "| answered | device calls | ms | read back |", "|---|---:|---:|---:|",
+                  f"| per request | {call['per_request_calls']} | {call['per_request_ms']} "
+                  f"| {size(call['per_request_bytes'])} |",
+                  f"| together | {call['together_calls']} | {call['together_ms']} | {size(call['together_bytes'])} |",
+                  "", f"Per request / together: {call['per_request_over_together']}x."]
     return "\n".join(lines) + "\n"
 
 
@@ -133,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=126464)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=8, help="requests in the engine call case (0: skip it)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "logits_host")
     return ap
 
@@ -140,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rep = measure(args.vocab, args.rows, args.repeats)
-    print(json.dumps(rep["cases"], indent=1))
+    if args.requests:
+        rep["call"] = measure_call(args.vocab, args.rows, args.requests, args.repeats)
+    print(json.dumps({"cases": rep["cases"], "call": rep.get("call")}, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out.with_suffix(".json"), json.dumps(rep, indent=1) + "\n")
     atomic_write(args.out.with_suffix(".md"), markdown(rep))

@@ -8,6 +8,11 @@ vocabulary and 32 rows), worked on in float64 by the host: 70-124 ms a step on a
 as small compiled programs beside the logits, and only their answers come back: [4, B, R]
 int32 for a proposal, [m, 1 + 2k] for m slots' log-probabilities.
 
+`DeviceLogits.answer` takes the asks (`runtime.step.ProposeAsk`, `LogprobsAsk`) of every
+view of one step's logits at once: an engine's call of 16 requests, each its own view and its
+own options, is one proposal program over the call's rows (each row's options its own:
+temperature, top-k, top-p, penalties, bias) and one sync, not 16.
+
 The rules are the host proposer's (`runtime.proposer`), in float32:
 - adjustments: logit - frequency * c - presence * (c > 0) + bias, c the committed counts;
 - sampling: Gumbel-max, argmax(z / T + g) over the tokens the top-k / top-p filter keeps
@@ -33,6 +38,9 @@ import numpy as np
 from dlm_jax.runtime import step
 
 _TINY = float(np.finfo(np.float32).tiny)
+# Top-p without top-k ranks each row's likeliest 1,024 tokens, and sorts the whole vocabulary
+# only where their mass falls short of p (`_keep`).
+TOP_P_CAP = 1024
 
 
 def _bucket(n: int) -> int:
@@ -44,43 +52,76 @@ def _float_bits(x) -> np.ndarray:
     return np.ascontiguousarray(x, np.float32).view(np.int32)
 
 
-def _pack_proposal(rows, draw, seeds, count_ids, bias_ids, bias_vals, temperature, top_p, presence, frequency,
-                   top_k) -> np.ndarray:
-    """A proposal's request as one int32 vector (one transfer, as a step's `pack_request`):
-    rows [B], draw [B], seeds [B] (their bits), count_ids [B * G], bias ids [NB], bias values
-    [NB] (bits), temperature, top_p, presence, frequency (bits), top_k; `_unpack_proposal`
-    reads it in the program."""
-    return np.concatenate([np.asarray(rows, np.int32), np.asarray(draw, np.int32),
-                           np.asarray(seeds, np.uint32).view(np.int32), np.asarray(count_ids, np.int32).ravel(),
-                           np.asarray(bias_ids, np.int32), _float_bits(bias_vals),
-                           _float_bits([temperature, top_p, presence, frequency]), np.asarray([top_k], np.int32)])
+class _Rows:
+    """A proposal program's rows: which row of the step's logits each is (`rows` [B]) and its
+    options; rows no ask names (padding) stay greedy and unadjusted, and are not read."""
+
+    def __init__(self, b: int, g: int, nb: int, v: int):
+        self.rows = np.zeros(b, np.int32)
+        self.draw, self.seeds = np.zeros(b, np.int32), np.zeros(b, np.uint32)
+        self.count_ids = np.full((b, g), v, np.int32)  # v: none (dropped)
+        self.bias_ids, self.bias_vals = np.full((b, nb), v, np.int32), np.zeros((b, nb), np.float32)
+        self.temperature, self.top_p = np.ones(b, np.float32), np.ones(b, np.float32)
+        self.presence, self.frequency = np.zeros(b, np.float32), np.zeros(b, np.float32)
+        self.top_k = np.zeros(b, np.int32)
+
+    def set(self, ask: step.ProposeAsk, rows: slice, v: int) -> None:
+        self.rows[rows] = ask.logits._rows
+        self.draw[rows] = np.asarray(ask.draw, bool)
+        self.seeds[rows] = np.asarray(ask.seeds, np.uint32)
+        if _penalized(ask):
+            ids = np.asarray(ask.count_ids)
+            self.count_ids[rows, :ids.shape[1]] = np.where(ids >= 0, ids, v)
+            self.presence[rows], self.frequency[rows] = ask.presence, ask.frequency
+        if ask.bias:
+            ids, vals = zip(*ask.bias)
+            self.bias_ids[rows, :len(ids)], self.bias_vals[rows, :len(ids)] = ids, vals
+        if ask.temperature > 0:
+            self.temperature[rows] = ask.temperature
+        self.top_p[rows], self.top_k[rows] = ask.top_p, ask.top_k
+
+    def pack(self) -> np.ndarray:
+        """One int32 vector (one transfer, as a step's `pack_request`), `_unpack_proposal`'s."""
+        return np.concatenate([self.rows, self.draw, self.seeds.view(np.int32), self.count_ids.ravel(), self.bias_ids.ravel(),
+                               _float_bits(self.bias_vals).ravel(), _float_bits(self.temperature),
+                               _float_bits(self.top_p), _float_bits(self.presence), _float_bits(self.frequency),
+                               self.top_k])
 
 
 def _unpack_proposal(packed, b: int, g: int, nb: int):
-    sizes = (b, b, b, b * g, nb, nb, 4, 1)
+    sizes = (b, b, b, b * g, b * nb, b * nb, b, b, b, b, b)
     cuts = np.cumsum((0,) + sizes)
-    rows, draw, seeds, count_ids, bias_ids, bias_vals, scalars, top_k = (packed[s:e] for s, e in zip(cuts, cuts[1:]))
+    (rows, draw, seeds, count_ids, bias_ids, bias_vals, temperature, top_p, presence, frequency,
+     top_k) = (packed[s:e] for s, e in zip(cuts, cuts[1:]))
     f = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
-    temperature, top_p, presence, frequency = f(scalars)
-    return (rows, draw != 0, jax.lax.bitcast_convert_type(seeds, jnp.uint32), count_ids.reshape(b, g), bias_ids,
-            f(bias_vals), temperature, top_p, presence, frequency, top_k[0])
+    return (rows, draw != 0, jax.lax.bitcast_convert_type(seeds, jnp.uint32), count_ids.reshape(b, g),
+            bias_ids.reshape(b, nb), f(bias_vals).reshape(b, nb), f(temperature), f(top_p), f(presence),
+            f(frequency), top_k)
 
 
-@functools.partial(jax.jit, static_argnames=("b", "g", "nb", "sample", "filtered", "penalized", "biased"))
+def _penalized(ask: step.ProposeAsk) -> bool:
+    return ask.count_ids is not None and (ask.presence != 0 or ask.frequency != 0)
+
+
+@functools.partial(jax.jit, static_argnames=("b", "g", "nb", "sample", "filtered", "penalized", "biased", "cap"))
 def _propose(logits, packed, *, b: int, g: int, nb: int, sample: bool, filtered: bool, penalized: bool,
-             biased: bool):
+             biased: bool, cap: int | None = None):
+    """[4, b, R] int32 (x0, then the bits of top1, top2, entropy) for b rows of `logits`
+    [B, R, V], each row with its own options (`_Rows`)."""
     (rows, draw, seeds, count_ids, bias_ids, bias_vals, temperature, top_p, presence, frequency,
      top_k) = _unpack_proposal(packed, b, g, nb)
-    z = jnp.take(logits, rows, axis=0).astype(jnp.float32)  # [B, R, V]
-    b, r, v = z.shape
-    if biased:
-        z = z.at[:, :, bias_ids].add(bias_vals)
+    z = jnp.take(logits, rows, axis=0).astype(jnp.float32)  # [b, R, V]
+    _, r, v = z.shape
+    if biased:  # ids v: none (dropped)
+        z = z.at[jnp.arange(b)[:, None], :, bias_ids].add(bias_vals[:, :, None], mode="drop")
     if penalized:  # count_ids [B, G], v where none (dropped)
         counts = jnp.zeros((b, v), jnp.float32).at[jnp.arange(b)[:, None], count_ids].add(1.0, mode="drop")
-        z = z - (frequency * counts + presence * (counts > 0))[:, None, :]
+        z = z - (frequency[:, None] * counts + presence[:, None] * (counts > 0))[:, None, :]
     x0 = top = jnp.argmax(z, axis=-1)
     if sample:
-        keep = _keep(z, temperature, top_k, top_p) if filtered else jnp.isfinite(z)
+        temperature = temperature[:, None, None]
+        keep = (_keep(z, temperature, top_k[:, None, None], top_p[:, None, None], cap) if filtered
+                else jnp.isfinite(z))
 
         def noise(seed):
             key = jax.random.key(seed)
@@ -105,9 +146,97 @@ def _propose(logits, packed, *, b: int, g: int, nb: int, sample: bool, filtered:
     return jnp.stack([x0.astype(jnp.int32), bits(top1), bits(top2), bits(ent)])
 
 
-def _keep(z, temperature, top_k, top_p):
+def _keep(z, temperature, top_k, top_p, cap: int | None = None):
     """[B, R, V] bool: the tokens the top-k (0: off) / top-p (1: off) filter keeps, as
-    `runtime.proposer.sampling_keep` ranks them (by logit, ties by the lower id)."""
+    `runtime.proposer.sampling_keep` ranks them (by logit, ties by the lower id); the options
+    broadcast against [B, R, V] (per row: [B, 1, 1]).
+
+    `cap`: rank only each row's `cap` likeliest tokens (`lax.top_k`, the lower id first among
+    equals: the same ranking), enough where top-k is at most `cap` or the top-p mass is reached
+    within them. Where it is not, a row without top-k finds its top-p set by bisection
+    (`_keep_top_p`), and a top-k past the cap sorts the call's whole rows (a `lax.cond` each:
+    the rows pay for neither where none needs it). On a CPU a sort of 32 rows of 126,464 logits
+    takes about a second, their 1,024 likeliest 20 ms. None: sort."""
+    v = z.shape[-1]
+    if cap is None or cap >= v:
+        return _keep_sorted(z, temperature, top_k, top_p)
+    mask, exact = _keep_ranked(z, temperature, top_k, top_p, cap)
+
+    def past_the_cap():
+        return jax.lax.cond(jnp.all(exact | (top_k == 0)),
+                            lambda: jnp.where(exact, mask, _keep_top_p(z, temperature, top_p)),
+                            lambda: _keep_sorted(z, temperature, top_k, top_p))
+
+    return jax.lax.cond(jnp.all(exact), lambda: mask, past_the_cap)
+
+
+def _order_key(x):
+    """float32 -> int32 in the same order (an involution: it maps the keys back too)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _keep_top_p(z, temperature, top_p):
+    """`_keep` for rows without top-k, without a sort: a token is kept where the mass of the
+    tokens ranked above it is below p, which holds for every logit from the smallest value
+    v* whose mass strictly above is below p; v* is found by bisection over the 2^32 float32
+    values (32 passes over the row), then ties at the last kept logit are kept in id order
+    while the mass before each stays below p. The same set as sorting but where float32
+    sums taken in another order fall on the other side of p."""
+    top_p = jnp.broadcast_to(top_p, z.shape[:-1] + (1,))
+    finite = jnp.isfinite(z)
+    t = jnp.where(finite, z / temperature, -jnp.inf)
+    e = jnp.exp(t - jnp.max(t, -1, keepdims=True))
+    q = e / e.sum(-1, keepdims=True)
+
+    def above(v):  # [.., 1] mass of the tokens with a logit > v
+        return jnp.sum(jnp.where(z > v, q, 0.0), -1, keepdims=True)
+
+    lo = _order_key(jnp.min(jnp.where(finite, z, jnp.inf), -1, keepdims=True))
+    hi = _order_key(jnp.max(z, -1, keepdims=True))  # (nothing above the top: always below p)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # (no int32 overflow)
+        below = above(jax.lax.bitcast_convert_type(_order_key(mid), jnp.float32)) < top_p
+        return jnp.where(below, lo, mid + 1), jnp.where(below, mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    floor = jax.lax.bitcast_convert_type(_order_key(lo), jnp.float32)
+    last = jnp.min(jnp.where(z >= floor, z, jnp.inf), -1, keepdims=True)  # the last kept logit
+    tied = z == last
+    before = above(last) + (jnp.cumsum(tied, -1) - 1) * jnp.max(jnp.where(tied, q, 0.0), -1, keepdims=True)
+    return finite & ((z > last) | (tied & (before < top_p)))
+
+
+def _keep_ranked(z, temperature, top_k, top_p, cap: int):
+    """(`_keep` from each row's `cap` likeliest tokens, [B, R, 1] whether that is exact)."""
+    b, r, v = z.shape
+    temperature, top_k, top_p = (jnp.broadcast_to(x, (b, r, 1)) for x in (temperature, top_k, top_p))
+    ranked, ids = jax.lax.top_k(z, cap)  # [B, R, C]
+    idx = jnp.arange(cap)
+    keep = jnp.isfinite(ranked) & ((top_k == 0) | (idx < top_k))
+    t = jnp.where(keep, ranked / temperature, -jnp.inf)
+    e = jnp.exp(t - t[..., :1])
+    # Normalised over what top-k keeps (within the cap), or over the whole row when it is off.
+    everything = jnp.sum(jnp.where(jnp.isfinite(z), jnp.exp(z / temperature - t[..., :1]), 0.0), -1, keepdims=True)
+    p = e / jnp.where(top_k > 0, e.sum(-1, keepdims=True), everything)
+    mass = jnp.cumsum(p, axis=-1)
+    keep = keep & ((top_p >= 1.0) | (mass - p < top_p))
+    keep = keep.at[..., 0].set(True)
+    # Exact where nothing past the cap could be kept or weighs in: top-k within it, or no top-k
+    # and the top-p mass reached within it.
+    exact = jnp.where(top_k > 0, top_k <= cap, (top_p >= 1.0) | (mass[..., -1:] >= top_p))
+    n = keep.sum(-1, keepdims=True)  # a prefix of the ranking: the last kept sets the bar
+    last = jnp.take_along_axis(ranked, n - 1, -1)
+    last_id = jnp.take_along_axis(ids, n - 1, -1)
+    col = jnp.arange(v)
+    ranked_keep = (z > last) | ((z == last) & (col <= last_id))
+    unfiltered = (top_k == 0) & (top_p >= 1.0)
+    return jnp.isfinite(z) & (unfiltered | ranked_keep), exact
+
+
+def _keep_sorted(z, temperature, top_k, top_p):
     v = z.shape[-1]
     order = jnp.argsort(-z, axis=-1, stable=True)
     ranked = jnp.take_along_axis(z, order, -1)
@@ -179,46 +308,85 @@ class DeviceLogits(step.DeviceLogits):
         self._count(self._rows.nbytes, host.nbytes)
         return host if dtype is None else host.astype(dtype)
 
-    def propose(self, *, draw: np.ndarray, seeds: np.ndarray, temperature: float, top_k: int, top_p: float,
-                count_ids: np.ndarray | None, presence: float, frequency: float,
-                bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, ...]:
-        """(x0 int32, top1, top2, entropy float32), each [B, R], for this view's rows: `draw` [B]
-        bool rows that sample (the others take the argmax), `seeds` [B] uint32 their noise,
-        `count_ids` [B, G] the committed token ids per row (-1: none) when a penalty is set.
-        One array goes to the device and one comes back."""
-        b, v = len(self._rows), self.array.shape[2]
-        penalized = count_ids is not None and (presence != 0 or frequency != 0)
-        if penalized:
-            g = _bucket(count_ids.shape[1])
-            ids = np.full((b, g), v, np.int32)
-            ids[:, :count_ids.shape[1]] = np.where(count_ids >= 0, count_ids, v)
-        else:
-            ids = np.zeros((b, 1), np.int32)
-        nb = _bucket(len(bias))
-        bias_ids, bias_vals = np.zeros(nb, np.int32), np.zeros(nb, np.float32)
-        if bias:
-            bias_ids[:len(bias)], bias_vals[:len(bias)] = zip(*bias)
-        sample = bool(temperature > 0 and np.any(draw))
-        request = _pack_proposal(self._rows, draw, seeds, ids, bias_ids, bias_vals, max(temperature, _TINY), top_p,
-                                 presence, frequency, top_k)
-        packed = _propose(self.array, request, b=b, g=ids.shape[1], nb=nb, sample=sample,
-                          filtered=sample and (top_k > 0 or top_p < 1.0), penalized=penalized, biased=bool(bias))
-        packed = np.asarray(jax.device_get(packed))
-        self._count(request.nbytes, packed.nbytes)
-        packed = packed[:, :, :self._cols]
-        f = lambda x: np.ascontiguousarray(x).view(np.float32)  # noqa: E731
-        return packed[0], f(packed[1]), f(packed[2]), f(packed[3])
+    def propose(self, **options) -> tuple[np.ndarray, ...]:
+        """`runtime.step.ProposeAsk`'s answer for this view (`answer` of one ask)."""
+        return self.answer([step.ProposeAsk(self, **options)])[0]
 
     def logprobs(self, b: np.ndarray, i: np.ndarray, tokens: np.ndarray, k: int):
-        """(logprob [m] float32, top ids [m, k] int32, top logprobs [m, k] float32) of `tokens`
-        at rows (`b`, `i`) of this view, under softmax of their logits (temperature 1), with
-        each distribution's k likeliest tokens (ties: the lower id)."""
-        m = len(b)
-        n = _bucket(m)
-        request = np.zeros((3, n), np.int32)
-        request[:, :m] = self._rows[np.asarray(b)], i, tokens
-        packed = np.asarray(jax.device_get(_logprobs(self.array, request, k=int(k))))
-        self._count(request.nbytes, packed.nbytes)
-        packed = packed[:m]
-        f = lambda x: np.ascontiguousarray(x).view(np.float32)  # noqa: E731
-        return f(packed[:, 0]), packed[:, 1:1 + k].copy(), f(packed[:, 1 + k:])
+        """`runtime.step.LogprobsAsk`'s answer for this view (`answer` of one ask)."""
+        return self.answer([step.LogprobsAsk(self, b, i, tokens, int(k))])[0]
+
+    @classmethod
+    def answer(cls, asks) -> list:
+        """Each ask's answer, in order: one device call (one array sent, one read back) per
+        kind and step, for every view of that step's logits it is asked about. A proposal's
+        rows must not overlap another's in one call; any that do go to a call of their own."""
+        out: list = [None] * len(asks)
+        calls: dict[tuple, list[int]] = {}  # (kind, the step's logits[, k]) -> its asks
+        for j, ask in enumerate(asks):
+            kind = (_answer_proposals,) if isinstance(ask, step.ProposeAsk) else (_answer_logprobs, int(ask.k))
+            calls.setdefault((*kind, id(ask.logits.array)), []).append(j)
+        for key, js in calls.items():
+            for j, got in zip(js, key[0]([asks[j] for j in js])):
+                out[j] = got
+        return out
+
+
+def _answer_proposals(asks: list[step.ProposeAsk]) -> list[tuple[np.ndarray, ...]]:
+    """One `_propose` call for the asks on one step's logits: their views' rows one after the
+    other, padded to a power of two (a few programs per step shape; padding rows cost what a
+    row does, so not to the step's whole batch)."""
+    first = asks[0].logits
+    n, v = sum(len(a.logits._rows) for a in asks), first.array.shape[2]
+    b = _bucket(n)
+    g = _bucket(max((np.asarray(a.count_ids).shape[1] for a in asks if _penalized(a)), default=1))
+    nb = _bucket(max(len(a.bias) for a in asks))
+    rows, spans, at = _Rows(b, g, nb, v), [], 0
+    for ask in asks:
+        spans.append(slice(at, at + len(ask.logits._rows)))
+        rows.set(ask, spans[-1], v)
+        at = spans[-1].stop
+    sample = any(a.temperature > 0 and np.any(a.draw) for a in asks)
+    filtered = [a for a in asks if a.temperature > 0 and np.any(a.draw) and (a.top_k > 0 or a.top_p < 1.0)]
+    request = rows.pack()
+    packed = _propose(first.array, request, b=b, g=g, nb=nb, sample=sample, filtered=bool(filtered),
+                      penalized=any(map(_penalized, asks)), biased=any(a.bias for a in asks),
+                      cap=_cap(filtered, v) if filtered else None)
+    packed = np.asarray(jax.device_get(packed))
+    first._count(request.nbytes, packed.nbytes)
+    f = lambda x: np.ascontiguousarray(x).view(np.float32)  # noqa: E731
+    out = []
+    for ask, span in zip(asks, spans):
+        mine = packed[:, span, :ask.logits._cols]
+        out.append((mine[0].copy(), f(mine[1]), f(mine[2]), f(mine[3])))
+    return out
+
+
+def _cap(filtered: list[step.ProposeAsk], v: int) -> int | None:
+    """How many of each row's likeliest tokens the filter ranks (`_keep`): top-k's largest
+    where every filtered request sets one (nothing past it is kept), else at least
+    `TOP_P_CAP`, past which a top-p row sorts its whole vocabulary; None: sort (a small one)."""
+    k = _bucket(max(a.top_k for a in filtered))
+    cap = k if all(a.top_k > 0 for a in filtered) else max(k, TOP_P_CAP)
+    return cap if cap < v else None
+
+
+def _answer_logprobs(asks: list[step.LogprobsAsk]) -> list[tuple[np.ndarray, ...]]:
+    """One `_logprobs` call for the slots of all asks on one step's logits (one k)."""
+    first, k = asks[0].logits, int(asks[0].k)
+    counts = [len(a.b) for a in asks]
+    m = sum(counts)
+    request = np.zeros((3, _bucket(m)), np.int32)
+    if m:
+        request[:, :m] = (np.concatenate([a.logits._rows[np.asarray(a.b, np.int64)] for a in asks]),
+                          np.concatenate([np.asarray(a.i) for a in asks]),
+                          np.concatenate([np.asarray(a.tokens) for a in asks]))
+    packed = np.asarray(jax.device_get(_logprobs(first.array, request, k=k)))
+    first._count(request.nbytes, packed.nbytes)
+    f = lambda x: np.ascontiguousarray(x).view(np.float32)  # noqa: E731
+    out, at = [], 0
+    for n in counts:
+        mine = packed[at:at + n]
+        at += n
+        out.append((f(mine[:, 0]), mine[:, 1:1 + k].copy(), f(mine[:, 1 + k:])))
+    return out

@@ -1144,6 +1144,13 @@ class JaxExecutor(Executor):
     def compile_count(self) -> int:
         return sum(p.compile_count for p in self._all_programs)
 
+    def logits_like(self, batch: int, rows: int) -> DeviceLogits | None:
+        """Zero logits [batch, rows, V] float32 where a step keeps them (off a mesh: the
+        default device), for warming the programs that answer their asks."""
+        if self.placement is not None:
+            return None
+        return DeviceLogits(jnp.zeros((batch, rows, self.config.vocab_size), jnp.float32))
+
     def build_counts(self) -> BuildCounts:
         return BuildCounts(compiles=self.compile_count,
                            compile_seconds=sum(p.compile_seconds for p in self._all_programs),

@@ -41,7 +41,8 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,8 @@ from dlm_jax.runtime.kvcache import HostKVCache, KVCache
 from dlm_jax.runtime.revision import NoRevision
 from dlm_jax.runtime.cpu_path import CpuExecutor
 from dlm_jax.runtime.state import DecodeState, TokenLogprobs, TokenState, take
-from dlm_jax.runtime.step import BuildCounts, Capabilities, Executor, OutputRequest, SlotStep, StepOutputs
+from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, LogitsAsk, LogprobsAsk, OutputRequest,
+                                  ProposeAsk, SlotStep, StepOutputs, answer)
 
 _USEFUL = np.zeros(max(TokenState) + 1, bool)
 _USEFUL[[TokenState.MASK, TokenState.CANDIDATE, TokenState.DRAFT]] = True
@@ -201,14 +203,15 @@ class DecodeOutput:
     logprobs: list[TokenLogprobs] | None = None  # per request, beside `sequences`, when the decode records them
 
 
-def drive(steps: Generator[SlotStep, StepOutputs, DecodeOutput],
+def drive(steps: Generator[SlotStep | LogitsAsk, Any, DecodeOutput],
           run: Callable[[SlotStep], StepOutputs]) -> DecodeOutput:
-    """Run a decode generator (`Decoder.steps`) to its end, each step through `run`; the
-    generator is closed (its cache and CPU path with it) if `run` raises."""
+    """Run a decode generator (`Decoder.steps`) to its end, each step through `run`, each
+    question to logits kept on the device through `answer`; the generator is closed (its cache
+    and CPU path with it) if `run` raises."""
     try:
         req = next(steps)
         while True:
-            req = steps.send(run(req))
+            req = steps.send(answer([req])[0] if isinstance(req, LogitsAsk) else run(req))
     except StopIteration as stop:
         return stop.value
     finally:
@@ -229,6 +232,43 @@ def logits_on_device(cfg: DecodeConfig, caps: Capabilities) -> bool:
     if on == "host" or not cfg.proposer.needs_logits or cfg.scheduler.reads_logits() or not caps.logits_on:
         return False
     return on == "device" or caps.logits_on in ("gpu", "tpu")
+
+
+def warm_logits(executor: Executor, cfg: DecodeConfig, shapes: Iterable[tuple[int, int]]) -> int:
+    """Run, once, the programs that answer the questions a decode with `cfg` asks of logits
+    kept on the device (`LogitsAsk`), for steps of each (batch, logit rows) in `shapes`, so
+    that its first steps wait for no compile: its proposals (sampling or not) for any number
+    of the step's rows and its log-probabilities for any number of slots (each padded to a
+    power of two). Returns how many ran (0 where `cfg` keeps its logits on the host)."""
+    if not logits_on_device(cfg, executor.capabilities):
+        return 0
+    p = cfg.proposer
+    asks: list[LogitsAsk] = []
+    for batch, rows in sorted(set(shapes)):
+        logits = executor.logits_like(batch, rows)
+        if logits is None:
+            continue
+        if p.adjusts or p.temperature > 0:
+            n = 1
+            while n < 2 * batch:
+                n = min(n, batch)
+                counts = np.full((n, cfg.gen_len), -1, np.int32) if p.presence_penalty or p.frequency_penalty else None
+                for draw in ([True, False] if p.temperature > 0 else [False]):
+                    asks.append(ProposeAsk(logits.rows(np.arange(n)), np.full(n, draw), np.zeros(n, np.uint32),
+                                           temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, count_ids=counts,
+                                           presence=p.presence_penalty, frequency=p.frequency_penalty,
+                                           bias=p.logit_bias))
+                n *= 2
+        if p.logprobs >= 0:  # a step's recorded slots, 1 to all its rows (padded to powers of two)
+            m = 1
+            while m < 2 * batch * rows:
+                n = min(m, batch * rows)
+                b, i = np.divmod(np.arange(n), rows)
+                asks.append(LogprobsAsk(logits, b, i, np.zeros(n, np.int32), p.logprobs))
+                m *= 2
+    for ask in asks:  # one at a time: each its own program
+        answer([ask])
+    return len(asks)
 
 
 def _wants_placement(cfg: DecodeConfig) -> dict[str, bool]:
@@ -407,6 +447,7 @@ class Decoder:
         slots = self.slots(max(prompt_lens), cfg)  # the slot grid (`DecodeState.total`)
         new = self.executor.warmup(main, slots=slots)
         self._warm |= set(main)
+        warm_logits(self.executor, cfg, [(k.batch, k.rows) for k in main if k.full_logits])
         if cpu:  # the CPU path's steps run as cache snapshots on the fork (or this executor)
             new += self.cpu_executor().executor.warmup(cpu, slots=slots, views=True)
         return new
@@ -461,11 +502,15 @@ class Decoder:
               on_step: Callable[[DecodeState], None] | None = None,
               open_cache: Callable[[DecodeState], KVCache],
               prefetch: bool = True, batch: int | None = None,
-              suffixes: Sequence[Sequence[int]] | None = None) -> Generator[SlotStep, StepOutputs, DecodeOutput]:
+              suffixes: Sequence[Sequence[int]] | None = None,
+              ) -> Generator[SlotStep | LogitsAsk, Any, DecodeOutput]:
         """The decode loop as a generator: it yields each step's `SlotStep` and takes back the
         step's outputs (whoever runs it: `decode` on the decode's own cache, the engine in a
         step shared with other requests, `dlm_jax.runtime.engine`), and returns the
-        `DecodeOutput`. `open_cache(state)` gives the decode's `KVCache` (its `snapshot` and
+        `DecodeOutput`. Where the step kept its logits on the device, it then yields the
+        questions its proposer and its log-probabilities ask of them (`LogitsAsk`) and takes
+        back their answers (`runtime.step.answer`: an engine answers those of one call's
+        requests together). `open_cache(state)` gives the decode's `KVCache` (its `snapshot` and
         `write` serve a CPU path; `step` is the driver's); `on_step(state)` runs after every
         step; `prefetch` hands the decode's buckets to `Executor.prefetch`; `batch` the rows of
         its state (default: the executor's batch bucket for the prompts); `suffixes` as
@@ -535,7 +580,8 @@ class Decoder:
                     stored = True
                 scored = state.undecided(targets)
                 candidates = scored if plan.current is None else scored & plan.current
-                proposal = proposer.propose(out, scored, state)
+                ask = proposer.ask(out, scored, state)  # logits on the device: the driver answers
+                proposal = proposer.propose(out, scored, state, (yield ask) if ask is not None else None)
                 open_ = ~state.is_final(targets) & state.active[:, None]
                 state.record(targets, open_, proposal.confidence)
                 committed = rule.select(proposal.confidence, candidates, step=plan.step)
@@ -549,7 +595,9 @@ class Decoder:
                     revision.after_probes(state, plan, probed, top=out.top_token[:, r:r + d],
                                           prob=out.top_prob[:, r:r + d])
                 if state.logprobs is not None:
-                    state.record_logprobs(targets, open_, out.logits[:, :open_.shape[1]])
+                    logits = out.logits[:, :open_.shape[1]]
+                    ask = state.logprobs_ask(targets, open_, logits)
+                    state.record_logprobs(targets, open_, logits, (yield ask) if ask is not None else None)
                 if cpu is not None:
                     cpu.merge(state, cache)  # the step boundary: delayed merge
                 placement.after_step(placed, state, plan, out)

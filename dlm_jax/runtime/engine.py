@@ -46,10 +46,10 @@ import numpy as np
 from dlm_jax._errors import ConfigError, InputError
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
-from dlm_jax.runtime.decoder import DecodeOutput, DecodeStats, Decoder
+from dlm_jax.runtime.decoder import DecodeOutput, DecodeStats, Decoder, warm_logits
 from dlm_jax.runtime.kvcache import HostKVCache, KVCache, Transfers
 from dlm_jax.runtime.state import DecodeState, TokenLogprobs
-from dlm_jax.runtime.step import SlotStep, StepOutputs, is_device_logits
+from dlm_jax.runtime.step import LogitsAsk, SlotStep, StepOutputs, answer, is_device_logits
 
 # Request statuses: waiting -> running -> one of the ends.
 WAITING, RUNNING = "waiting", "running"
@@ -136,7 +136,7 @@ class Request:
         self._cancel = False
         self._gen = None
         self._row = -1
-        self._pending: SlotStep | None = None
+        self._pending: SlotStep | LogitsAsk | None = None  # (an ask only inside `Engine._call`)
         self._ended = threading.Event()
         self._state: DecodeState | None = None  # its decode's state, where it records logprobs
 
@@ -269,7 +269,12 @@ class EngineStats:
     call_seconds: list = dataclasses.field(default_factory=list)  # per call, in the executor
     tick_host_seconds: list = dataclasses.field(default_factory=list)  # per tick, the host's share
     h2d_bytes: list = dataclasses.field(default_factory=list)  # per call, to where the step runs
-    d2h_bytes: list = dataclasses.field(default_factory=list)  # per call, back
+    d2h_bytes: list = dataclasses.field(default_factory=list)  # per call, back (its asks' answers too)
+    # Calls that answered questions to logits kept on the device (`runtime.step.LogitsAsk`):
+    # one per kind (proposals, log-probabilities) and step call, whatever its requests; and
+    # their seconds (part of `host_seconds`).
+    logits_calls: int = 0
+    logits_seconds: float = 0.0
 
     @property
     def utilisation(self) -> float:
@@ -279,7 +284,8 @@ class EngineStats:
         lists = ("buckets", "call_seconds", "tick_host_seconds", "h2d_bytes", "d2h_bytes")
         return {**{k: v for k, v in dataclasses.asdict(self).items() if k not in lists},
                 "buckets": dict(sorted(self.buckets.items())), "utilisation": round(self.utilisation, 4),
-                "step_seconds": round(self.step_seconds, 4), "host_seconds": round(self.host_seconds, 4)}
+                "step_seconds": round(self.step_seconds, 4), "host_seconds": round(self.host_seconds, 4),
+                "logits_seconds": round(self.logits_seconds, 4)}
 
 
 class Engine:
@@ -342,8 +348,10 @@ class Engine:
         dec = self.decoder
         main: set[BucketKey] = set()
         cpu: set[BucketKey] = set()
+        logits: list[tuple[DecodeConfig, set[BucketKey]]] = []  # steps whose logits a config asks about
         for config in configs:
             cfg = dec._for_model(config)
+            logits.append((cfg, set()))
             top = self.max_tokens - cfg.gen_len - cfg.scheduler.overhang()
             for n in prompt_lens if prompt_lens is not None else range(1, top + 1):
                 if n > top:
@@ -351,11 +359,14 @@ class Engine:
                 ours, theirs = dec._keys_of([n], cfg)
                 main.update(ours)
                 cpu.update(theirs)
+                logits[-1][1].update(k for k in ours if k.full_logits)
         calls = {dataclasses.replace(k, batch=b) for k in main for b in self._warm_batches(k)}
         new = dec.executor.warmup_engine(sorted(calls), slots=self.max_tokens, rows=self.max_batch)
         if cpu:  # llada.cpp's refresh: a request's CPU-path steps run alone, on its row (`RowCache.snapshot`)
             new += dec.cpu_executor().executor.warmup_engine(sorted(cpu), slots=self.max_tokens,
                                                               rows=self.max_batch, views=True)
+        for cfg, keys in logits:  # sampling, penalties, bias, logprobs beside the step
+            warm_logits(dec.executor, cfg, [(b, k.rows) for k in keys for b in self._warm_batches(k)])
         return new
 
     def _warm_batches(self, key: BucketKey) -> list[int]:
@@ -740,12 +751,31 @@ class Engine:
         self.stats.busy_rows += len(reqs)
         self.stats.buckets[str(merged.key)] = self.stats.buckets.get(str(merged.key), 0) + 1
         self.stats.call_seconds.append(ran)
+        for i, req in enumerate(reqs):
+            self._advance(req, split(out, i if at is None else at[i]))
+        self._answer(reqs)
         moved = self._pool.transfers
         self.stats.h2d_bytes.append(moved.h2d[-1] if moved.h2d else 0)
         self.stats.d2h_bytes.append(moved.d2h[-1] if moved.d2h else 0)
-        for i, req in enumerate(reqs):
-            self._advance(req, split(out, i if at is None else at[i]))
         return ran
+
+    def _answer(self, reqs: list[Request]) -> None:
+        """The questions the call's requests ask of its logits kept on the device (sampling,
+        penalties, bias, then log-probabilities: `LogitsAsk`), answered together, one device
+        call per kind, until each request holds its next step."""
+        while asking := [r for r in reqs if isinstance(r._pending, LogitsAsk)]:
+            t0 = time.perf_counter()
+            try:
+                answers = answer([r._pending for r in asking])
+            except Exception as e:  # noqa: BLE001 - as a failed call: its requests fail, not the others
+                for req in asking:
+                    req.error = e
+                    self._end(req, FAILED)
+                return
+            self.stats.logits_calls += len({type(r._pending) for r in asking})
+            self.stats.logits_seconds += time.perf_counter() - t0
+            for req, got in zip(asking, answers):
+                self._advance(req, got)
 
 
 def merge(steps: Sequence[SlotStep], rows: Sequence[int], batch: int, *, mask_id: int,

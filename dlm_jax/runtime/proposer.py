@@ -23,7 +23,7 @@ import numpy as np
 
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.state import DecodeState
-from dlm_jax.runtime.step import StepOutputs, is_device_logits
+from dlm_jax.runtime.step import ProposeAsk, StepOutputs, answer, is_device_logits
 
 REMASKING: tuple[str, ...] = ("low_confidence", "random")
 CONFIDENCE_KINDS: tuple[str, ...] = ("prob", "margin", "entropy")
@@ -217,13 +217,37 @@ class Proposer:
             z -= (self.frequency_penalty * counts + self.presence_penalty * (counts > 0))[:, None, :]
         return z
 
-    def propose(self, out: StepOutputs, candidates: np.ndarray, state: DecodeState) -> Proposal:
+    def ask(self, out: StepOutputs, candidates: np.ndarray, state: DecodeState) -> ProposeAsk | None:
+        """What `propose` needs computed beside the step, when the step kept its logits there
+        (`DeviceLogits`) and sampling, a penalty or a bias needs them, for the decode's driver
+        to answer (`runtime.step.answer`; an engine answers a call's requests together); None
+        otherwise. Each sampling row's noise is one 32-bit seed drawn now from its request's
+        own generator, only while it has candidates: ask once per step, then `propose` with
+        the answer."""
+        if not (is_device_logits(out.logits) and (self.adjusts or self.temperature > 0)):
+            return None
+        b = candidates.shape[0]
+        draw, seeds = np.zeros(b, bool), np.zeros(b, np.uint32)
+        if self.temperature > 0:
+            for r, rng in enumerate(state.rngs):
+                if rng is not None and candidates[r].any():
+                    draw[r], seeds[r] = True, rng.integers(0, 2 ** 32, dtype=np.uint32)
+        penalized = bool(self.presence_penalty or self.frequency_penalty)
+        return ProposeAsk(out.logits[:, :candidates.shape[1]], draw, seeds, temperature=self.temperature,
+                          top_k=self.top_k, top_p=self.top_p, count_ids=state.committed_ids() if penalized else None,
+                          presence=self.presence_penalty, frequency=self.frequency_penalty, bias=self.logit_bias)
+
+    def propose(self, out: StepOutputs, candidates: np.ndarray, state: DecodeState,
+                answered: tuple[np.ndarray, ...] | None = None) -> Proposal:
         """Tokens and confidences [B, R] for the step's R predicted rows (`candidates` [B, R]:
-        the rows a rule may commit; only they draw noise)."""
+        the rows a rule may commit; only they draw noise). `answered`: the answer to this
+        step's `ask` (None: asked and answered here when the step needs one)."""
         k = candidates.shape[1]
         logits = out.logits[:, :k] if out.logits is not None else None
         if is_device_logits(logits) and (self.adjusts or self.temperature > 0):
-            x0, top1, top2, ent = self._on_device(logits, candidates, state)
+            if answered is None:
+                answered = answer([self.ask(out, candidates, state)])[0]
+            x0, top1, top2, ent = answered
         else:
             if self.adjusts:
                 logits = self.adjusted(logits, state)
@@ -248,20 +272,6 @@ class Proposer:
             conf = np.where(state.is_eos(x0), floor, conf)
         return Proposal(x0.astype(np.int32), conf, logits, self)
 
-    def _on_device(self, logits, candidates: np.ndarray, state: DecodeState):
-        """The proposal's (x0, top1, top2, entropy), computed beside the step
-        (`DeviceLogits.propose`): each sampling row's noise is one 32-bit seed drawn from its
-        request's own generator, only while it has candidates."""
-        b = candidates.shape[0]
-        draw, seeds = np.zeros(b, bool), np.zeros(b, np.uint32)
-        if self.temperature > 0:
-            for r, rng in enumerate(state.rngs):
-                if rng is not None and candidates[r].any():
-                    draw[r], seeds[r] = True, rng.integers(0, 2 ** 32, dtype=np.uint32)
-        penalized = bool(self.presence_penalty or self.frequency_penalty)
-        return logits.propose(draw=draw, seeds=seeds, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              count_ids=state.committed_ids() if penalized else None,
-                              presence=self.presence_penalty, frequency=self.frequency_penalty, bias=self.logit_bias)
 
 
 def _sample(logits: np.ndarray, cand: np.ndarray, temperature: float, rngs: list, top_k: int = 0,

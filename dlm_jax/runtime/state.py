@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dlm_jax.runtime.step import is_device_logits
+from dlm_jax.runtime.step import LogprobsAsk, answer, is_device_logits
 
 
 class TokenState(enum.IntEnum):
@@ -98,17 +98,27 @@ class SlotLogprobs:
         return cls(np.full(shape, -1, np.int32), np.full(shape, np.nan, np.float32),
                    np.zeros((*shape, top), np.int32), np.full((*shape, top), np.nan, np.float32))
 
-    def record(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray, logits: np.ndarray) -> None:
+    def ask(self, chosen: np.ndarray, tokens: np.ndarray, logits) -> LogprobsAsk:
+        """What `record` needs computed beside the step when `logits` stay there (`DeviceLogits`)."""
+        b, i = np.nonzero(chosen)
+        return LogprobsAsk(logits, b, i, tokens[b, i], self.top_ids.shape[-1])
+
+    def record(self, slots: Index, chosen: np.ndarray, tokens: np.ndarray, logits: np.ndarray,
+               answered: tuple[np.ndarray, ...] | None = None) -> None:
         """Keep, at the `chosen` [B, n] slots, `tokens` [B, n] and their log-softmax under
-        `logits` [B, n, V] (float64 on the host), with the `top` likeliest (ties: lower id)."""
+        `logits` [B, n, V] (float64 on the host), with the `top` likeliest (ties: lower id).
+        Logits kept on the device are worked on there, in float32: `answered` is the answer to
+        `ask` (None: asked and answered here)."""
         b, i = np.nonzero(chosen)
         tok = tokens[b, i]
         where = (b, slots[b, i]) if isinstance(slots, np.ndarray) and slots.ndim == 2 else \
             (b, np.arange(self.token.shape[1])[slots][i])
         self.token[where] = tok
         k = self.top_ids.shape[-1]
-        if is_device_logits(logits):  # worked out beside the step, in float32; only the answers come back
-            self.logprob[where], self.top_ids[where], self.top_logprob[where] = logits.logprobs(b, i, tok, k)
+        if is_device_logits(logits):  # only the answers come back
+            if answered is None:
+                answered = answer([self.ask(chosen, tokens, logits)])[0]
+            self.logprob[where], self.top_ids[where], self.top_logprob[where] = answered
             return
         z = np.asarray(logits[b, i], np.float64)
         z = z - z.max(-1, keepdims=True)
@@ -204,16 +214,27 @@ class DecodeState:
         alternatives (`record_logprobs`)."""
         self.logprobs = SlotLogprobs.empty(self.tokens.shape, top)
 
-    def record_logprobs(self, slots: Index, scored: np.ndarray, logits: np.ndarray) -> None:
+    def record_logprobs(self, slots: Index, scored: np.ndarray, logits: np.ndarray,
+                        answered: tuple[np.ndarray, ...] | None = None) -> None:
         """After a step's moves: the `scored` [B, n] slots (undecided or revisable when the
         step ran) that now hold a token take its log-probability under this step's
         distribution, softmax(`logits` [B, n, V]) at temperature 1, with the distribution's
         likeliest tokens. A slot still masked keeps nothing yet; a slot no step scores again
-        keeps what it had."""
+        keeps what it had. `answered`: the answer to `logprobs_ask` when the logits stayed on
+        the device (None: asked and answered here)."""
         held = scored & _FEEDS_TOKEN_OR_CANDIDATE[take(self.status, slots)]
         if not held.any():
             return
-        self.logprobs.record(slots, held, take(self.tokens, slots), logits)
+        self.logprobs.record(slots, held, take(self.tokens, slots), logits, answered)
+
+    def logprobs_ask(self, slots: Index, scored: np.ndarray, logits) -> LogprobsAsk | None:
+        """What `record_logprobs` needs computed beside the step, for the decode's driver to
+        answer (`runtime.step.answer`), when the step kept its `logits` there; None when they
+        are on the host or no slot is recorded."""
+        held = scored & _FEEDS_TOKEN_OR_CANDIDATE[take(self.status, slots)]
+        if not is_device_logits(logits) or not held.any():
+            return None
+        return self.logprobs.ask(held, take(self.tokens, slots), logits)
 
     def committed_counts(self, vocab: int) -> np.ndarray:
         """[B, vocab] float64: how many of each row's generated slots hold each token, visible or

@@ -194,13 +194,68 @@ class DeviceLogits:
     reads the rows back whole, for a rule with no device form.
 
     - `shape`; `logits[:, :k]`: the first k predicted rows; `rows(index)`: some batch rows.
-    - `propose(draw, seeds, temperature, top_k, top_p, count_ids, presence, frequency, bias)`:
-      the proposer's (x0, top1, top2, entropy) [B, R], after the penalties and bias.
-    - `logprobs(b, i, tokens, k)`: the log-probabilities of `tokens` at rows (b, i), with
-      each distribution's k likeliest tokens.
+    - `answer(asks)` (a class method): each `LogitsAsk`'s answer, the asks of one step's
+      logits together, one device call per kind (an engine's call answers all its requests'
+      proposals at once, not one sync per request).
     """
 
     __slots__ = ()
+
+    @classmethod
+    def answer(cls, asks: Sequence[LogitsAsk]) -> list:
+        raise NotImplementedError(f"{cls.__name__} answers no asks")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LogitsAsk:
+    """A question to a step's logits kept on the device, about the rows of the view `logits`
+    (a `DeviceLogits`). A decode generator (`Decoder.steps`) yields it after the step's
+    outputs, for its driver to answer with `answer` (the engine gathers those of all requests
+    of one call)."""
+
+    logits: DeviceLogits
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProposeAsk(LogitsAsk):
+    """The proposer's (x0 int32, top1, top2, entropy float32) [B, R] for the view's rows, after
+    the penalties and bias: `draw` [B] bool rows that sample (the others take the argmax),
+    `seeds` [B] uint32 their noise, `count_ids` [B, G] the committed token ids per row (-1:
+    none) when a penalty is set."""
+
+    draw: np.ndarray
+    seeds: np.ndarray
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    count_ids: np.ndarray | None = None
+    presence: float = 0.0
+    frequency: float = 0.0
+    bias: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LogprobsAsk(LogitsAsk):
+    """(logprob [m] float32, top ids [m, k] int32, top logprobs [m, k] float32) of `tokens` [m]
+    at rows (`b` [m] of the view, `i` [m] predicted row), under softmax of their logits
+    (temperature 1), with each distribution's k likeliest tokens (ties: the lower id)."""
+
+    b: np.ndarray
+    i: np.ndarray
+    tokens: np.ndarray
+    k: int = 0
+
+
+def answer(asks: Sequence[LogitsAsk]) -> list:
+    """Each ask's answer, in order (`DeviceLogits.answer`, by the class of its logits)."""
+    out: list = [None] * len(asks)
+    by: dict[type, list[int]] = {}
+    for j, ask in enumerate(asks):
+        by.setdefault(type(ask.logits), []).append(j)
+    for cls, js in by.items():
+        for j, got in zip(js, cls.answer([asks[j] for j in js])):
+            out[j] = got
+    return out
 
 
 def is_device_logits(x: Any) -> bool:
@@ -581,7 +636,7 @@ class Executor(HookBase):
     `set_progress(progress)` hands it a `(stage, done, total)` callback for long builds."""
 
     HOOKS = ("capabilities", "step", "warmup", "prefetch", "prepare", "fork", "open", "close", "build_counts",
-             "set_progress", "place", "session")
+             "set_progress", "place", "session", "logits_like")
     prepares_ahead: bool = False  # `prepare` builds in batches: give it the buckets of nearby prompt lengths too
     # The batch sizes an engine's calls may take (None: every batch bucket of `capabilities`),
     # and how it runs a group of steps that fills none (`dlm_jax.runtime.engine.PADDING`).
@@ -654,6 +709,12 @@ class Executor(HookBase):
     def build_counts(self) -> BuildCounts:
         """Compiles and exports so far (default: none)."""
         return BuildCounts()
+
+    def logits_like(self, batch: int, rows: int) -> DeviceLogits | None:
+        """Logits kept on the device as a step of `batch` rows and `rows` logit rows would keep
+        them (`OutputRequest.device_logits`; zeros), for warming the programs that answer their
+        asks (`runtime.decoder.warm_logits`); default None: this executor keeps none."""
+        return None
 
     def set_progress(self, progress: Progress | None) -> None:
         """A callback for long builds (default: ignored)."""

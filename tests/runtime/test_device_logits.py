@@ -19,7 +19,7 @@ import torch
 
 import dlm_jax
 from dlm_jax._errors import ConfigError
-from dlm_jax.executors._logits import DeviceLogits, _keep
+from dlm_jax.executors._logits import DeviceLogits, _keep, _keep_ranked, _keep_top_p
 from dlm_jax.frontends.cli import shipped_model
 from dlm_jax.runtime.proposer import Proposer, sampling_keep
 from dlm_jax.runtime.step import StepOutputs
@@ -45,6 +45,60 @@ def test_the_device_filter_keeps_what_transformers_warpers_keep(temperature, top
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(sampling_keep(z, temperature, top_k, top_p), want)  # the host's rule, the same set
     assert want.sum(-1).min() >= 1 and (~want).any()
+
+
+@pytest.mark.parametrize("cap", [4, 8, 16, 64])
+def test_ranking_only_the_likeliest_tokens_keeps_what_sorting_keeps(cap):
+    """`_keep` with a cap ranks each row's `cap` likeliest tokens (`lax.top_k`) and sorts the
+    whole row only where the kept set may reach past them: the same set as sorting, row by row
+    with each row's own options, ties included (the lower id first)."""
+    rng = np.random.default_rng(cap)
+    z = rng.normal(0, 1.5, (6, 5, 3 * V)).astype(np.float32)
+    z[0, 0, :10] = 2.0  # ties at the top
+    z[1, 1, 7] = -np.inf
+    z[2] = np.round(z[2])  # many ties
+    z[3] *= 0.05  # flat: top-p reaches past any small cap (the sort)
+    temperature = np.array([0.7, 1.0, 1.3, 0.9, 1.0, 2.0], np.float32)[:, None, None]
+    top_k = np.array([0, 4, 3, 0, 0, cap // 2 + 1], np.int32)[:, None, None]
+    top_p = np.array([0.9, 1.0, 0.6, 0.95, 1.0, 0.5], np.float32)[:, None, None]
+    sorted_ = np.asarray(_keep(jnp.asarray(z), temperature, top_k, top_p))
+    ranked = np.asarray(_keep(jnp.asarray(z), temperature, top_k, top_p, cap))
+    np.testing.assert_array_equal(ranked, sorted_)
+    # and the host's rule, row by row, where the sets do not hinge on float32 against float64 sums
+    for b in (0, 1, 4, 5):
+        np.testing.assert_array_equal(sorted_[b], sampling_keep(z[b], float(temperature[b, 0, 0]),
+                                                                 int(top_k[b, 0, 0]), float(top_p[b, 0, 0])))
+    # top-k within the cap, or no filter: the ranked set is exact alone (no sort); a flat row's
+    # top-p, or a top-k past the cap, is not (the call sorts)
+    mask, exact = _keep_ranked(jnp.asarray(z), temperature, top_k, top_p, cap)
+    exact = np.asarray(exact)[..., 0]
+    assert exact[[1, 2, 4, 5]].all() and not exact[3].any()
+    np.testing.assert_array_equal(np.asarray(mask)[[1, 2, 4, 5]], sorted_[[1, 2, 4, 5]])
+    np.testing.assert_array_equal(np.asarray(mask)[exact], sorted_[exact])
+    _, past = _keep_ranked(jnp.asarray(z[1:2]), 1.0, 2 * cap, 1.0, cap)
+    assert not np.asarray(past).any()
+
+
+@pytest.mark.parametrize("top_p", [0.0517, 0.3013, 0.7021, 0.9007, 0.9903, 0.999])  # (off the tied row's 1/200 grid)
+def test_top_p_by_bisection_keeps_what_sorting_keeps(top_p):
+    """Without top-k, a row's top-p set found by bisection over the float32 values (no sort)
+    is the sorted ranking's, ties in id order included; flat rows keep most of the vocabulary."""
+    rng = np.random.default_rng(int(top_p * 1000))
+    z = rng.normal(0, 1.0, (5, 4, 4 * V)).astype(np.float32)
+    z[0] = np.round(z[0] * 2) / 2  # many ties
+    z[1] *= 0.01  # nearly flat
+    z[2, :, ::3] = -np.inf
+    z[3, 0] = 1.0  # all tied
+    z[4] *= 6.0  # peaked
+    temperature = np.array([0.8, 1.0, 1.5, 1.0, 0.6], np.float32)[:, None, None]
+    p = np.full((5, 1, 1), top_p, np.float32)
+    got = np.asarray(_keep_top_p(jnp.asarray(z), temperature, p))
+    want = np.asarray(_keep(jnp.asarray(z), temperature, np.zeros((5, 1, 1), np.int32), p))
+    np.testing.assert_array_equal(got, want)
+    assert got.sum(-1).min() >= 1
+    # through `_keep`: ranked within a small cap where the mass is reached, bisection elsewhere
+    np.testing.assert_array_equal(np.asarray(_keep(jnp.asarray(z), temperature, np.zeros((5, 1, 1), np.int32), p,
+                                                   8)), want)
 
 
 def _draws(z: np.ndarray, seeds: np.ndarray, **kw) -> np.ndarray:
@@ -134,9 +188,10 @@ def test_greedy_decodes_with_penalties_and_logprobs_match_the_host_path(model):
     for a, b in zip(host.logprobs, dev.logprobs):
         np.testing.assert_allclose(b.logprob, a.logprob, rtol=1e-4, atol=1e-5)
         np.testing.assert_array_equal(b.top_ids, a.top_ids)
-    # Only the answers come back: a step reads back far less than its rows' logits.
+    # Only the answers come back: a step reads back far less than its rows' logits (the
+    # requests share one call, whose answers are counted once for all of them).
     vocab, rows = model.config.vocab_size, 32
-    assert max(host.stats.d2h_bytes) >= rows * vocab * 4 > 8 * max(dev.stats.d2h_bytes)
+    assert max(host.stats.d2h_bytes) >= len(PROMPTS) * rows * vocab * 4 > 8 * max(dev.stats.d2h_bytes)
 
 
 def test_device_sampling_is_per_request_and_reproducible(model):
@@ -164,3 +219,68 @@ def test_device_logits_are_refused_where_they_cannot_stay(model):
     assert auto.decoder.capabilities.logits_on == "" and model.decoder.capabilities.logits_on == "cpu"
     with pytest.raises(ConfigError, match="logits_on="):
         Proposer(logits_on="gpu")
+
+
+def test_an_engine_answers_its_calls_requests_together_each_with_its_own_options(model):
+    """Requests with different options share a call: one device program answers all their
+    proposals (and one all their log-probabilities), and each request's tokens, log-probabilities
+    and proposals are its own decode's alone."""
+    three = model.encode("3", chat=False)[-1]
+    base = dict(gen_len=32, logits_on="device")
+    options = [dict(temperature=0.8, top_k=4), dict(temperature=1.3, top_p=0.8),
+               dict(presence_penalty=1.5, frequency_penalty=0.5, logprobs=2), dict(temperature=0.6, logprobs=2),
+               dict(frequency_penalty=-1.0, temperature=1.0, top_k=3)]
+    prompts = PROMPTS + ["sort: 2 4 1", "sort: 6 3"]
+    seeds = [5, 6, 7, 8, 9]
+    configs = [dlm_jax.preset("fast-dllm", **base, **kw) for kw in options]
+    configs[1] = dataclasses.replace(configs[1], proposer=dataclasses.replace(configs[1].proposer,
+                                                                              logit_bias=((three, -100.0),)))
+    engine = dlm_jax.Engine(model, max_batch=8)
+    handles = [engine.submit(p, c, seed=s) for p, c, s in zip(prompts, configs, seeds)]
+    got = [h.result() for h in handles]
+    stats = engine.stats
+    steps = sum(h.request.stats.steps for h in handles)
+    assert 0 < stats.logits_calls <= 2 * stats.calls < steps  # not one device call per request and step
+    for p, c, s, g in zip(prompts, configs, seeds, got):
+        alone = model.generate([p], c, seeds=[s])
+        assert g.token_ids == alone.token_ids[0], p
+        if c.proposer.logprobs >= 0:
+            np.testing.assert_array_equal(g.logprobs.logprob, alone.logprobs[0].logprob[:len(g.token_ids)])
+            np.testing.assert_array_equal(g.logprobs.top_ids, alone.logprobs[0].top_ids[:len(g.token_ids)])
+    assert not any("3" in t for t in [got[1].text])
+
+
+def test_one_program_answers_rows_with_other_options_as_alone():
+    """A row's proposal (tokens and bits of its scores) does not change when rows with other
+    options (greedy, other temperature, top-k / top-p, penalties, bias) share its program."""
+    rng = np.random.default_rng(3)
+    z = jnp.asarray(rng.normal(0, 2, (4, 6, V)).astype(np.float32))
+    logits = DeviceLogits(z)
+    asks = [dict(draw=np.ones(1, bool), seeds=np.array([7], np.uint32), temperature=0.9, top_k=5),
+            dict(draw=np.zeros(1, bool), seeds=np.zeros(1, np.uint32)),
+            dict(draw=np.ones(1, bool), seeds=np.array([8], np.uint32), temperature=1.4, top_p=0.6,
+                 count_ids=np.array([[3, 3, -1, 9]], np.int32), presence=0.5, frequency=1.0),
+            dict(draw=np.ones(1, bool), seeds=np.array([9], np.uint32), temperature=0.5, bias=((2, 5.0), (2, 1.5)))]
+    from dlm_jax.runtime.step import ProposeAsk
+    together = DeviceLogits.answer([ProposeAsk(logits.rows([i]), **kw) for i, kw in enumerate(asks)])
+    for i, kw in enumerate(asks):
+        alone = logits.rows([i]).propose(**kw)
+        for a, b in zip(alone, together[i]):
+            np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32))
+    # The bias counts twice for a token named twice (the host's np.add.at); the penalty per count.
+    np.testing.assert_allclose(together[3][1], 0, atol=1)
+
+
+def test_a_warmed_engine_compiles_no_program_for_its_asks(model):
+    """`Engine.warmup` runs the programs that answer its configs' asks (proposals sampling or
+    not, log-probabilities of any count of slots) at every call size: requests then compile none."""
+    from dlm_jax.executors import _logits
+
+    cfg = dlm_jax.preset("fast-dllm", gen_len=32, logits_on="device", temperature=0.7, top_p=0.9,
+                         presence_penalty=0.5, logprobs=2)
+    engine = dlm_jax.Engine(model, max_batch=4)
+    engine.warmup([cfg], prompt_lens=[len(model.encode(p, chat=False)) for p in PROMPTS])
+    before = _logits._propose._cache_size(), _logits._logprobs._cache_size()
+    handles = [engine.submit(p, cfg, seed=s) for s, p in enumerate(PROMPTS)]
+    assert all(h.result().status == "done" for h in handles) and engine.stats.logits_calls
+    assert (_logits._propose._cache_size(), _logits._logprobs._cache_size()) == before
