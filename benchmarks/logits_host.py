@@ -102,7 +102,7 @@ def measure(vocab: int, rows: int, repeats: int) -> dict[str, Any]:
                     times.append(time.perf_counter() - t0)
             if where == "host":
                 back = int(logits.nbytes) if proposer.needs_logits else 0
-            else:  # the answers: [4, 1, R] int32 a proposal, [m, 1 + 2k] a record of m slots
+            else:  # the answers: [5, 1, R] int32 a proposal, [m, 1 + 2k] a record of m slots
                 back = counted.d2h[-1]
             row[f"{where}_ms"] = round(1000 * statistics.median(times), 2)
             row[f"{where}_bytes"] = back

@@ -5,7 +5,7 @@ Sampling, OpenAI's penalties and logit bias, and recorded log-probabilities need
 whole distributions. Read back, that is B x R x V float32 per step (15.4 MiB at LLaDA-8B's
 vocabulary and 32 rows), worked on in float64 by the host: 70-124 ms a step on a 2-core CPU
 (`benchmarks/results/logits_host.md`) beside a GPU step of 8-11 ms. Here the same rules run
-as small compiled programs beside the logits, and only their answers come back: [4, B, R]
+as small compiled programs beside the logits, and only their answers come back: [5, B, R]
 int32 for a proposal, [m, 1 + 2k] for m slots' log-probabilities.
 
 `DeviceLogits.answer` takes the asks (`runtime.step.ProposeAsk`, `LogprobsAsk`) of every
@@ -106,8 +106,8 @@ def _penalized(ask: step.ProposeAsk) -> bool:
 @functools.partial(jax.jit, static_argnames=("b", "g", "nb", "sample", "filtered", "penalized", "biased", "cap"))
 def _propose(logits, packed, *, b: int, g: int, nb: int, sample: bool, filtered: bool, penalized: bool,
              biased: bool, cap: int | None = None):
-    """[4, b, R] int32 (x0, then the bits of top1, top2, entropy) for b rows of `logits`
-    [B, R, V], each row with its own options (`_Rows`)."""
+    """[5, b, R] int32 (x0, the bits of top1, top2, entropy, then the argmax) for b rows of
+    `logits` [B, R, V], each row with its own options (`_Rows`)."""
     (rows, draw, seeds, count_ids, bias_ids, bias_vals, temperature, top_p, presence, frequency,
      top_k) = _unpack_proposal(packed, b, g, nb)
     z = jnp.take(logits, rows, axis=0).astype(jnp.float32)  # [b, R, V]
@@ -143,7 +143,7 @@ def _propose(logits, packed, *, b: int, g: int, nb: int, sample: bool, filtered:
     top2 = jnp.exp(second - lse)[..., 0]
     ent = (lse - jnp.sum(e * jnp.where(jnp.isfinite(z), z, 0.0), axis=-1, keepdims=True) / s)[..., 0]
     bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)  # noqa: E731
-    return jnp.stack([x0.astype(jnp.int32), bits(top1), bits(top2), bits(ent)])
+    return jnp.stack([x0.astype(jnp.int32), bits(top1), bits(top2), bits(ent), top.astype(jnp.int32)])
 
 
 def _keep(z, temperature, top_k, top_p, cap: int | None = None):
@@ -358,7 +358,7 @@ def _answer_proposals(asks: list[step.ProposeAsk]) -> list[tuple[np.ndarray, ...
     out = []
     for ask, span in zip(asks, spans):
         mine = packed[:, span, :ask.logits._cols]
-        out.append((mine[0].copy(), f(mine[1]), f(mine[2]), f(mine[3])))
+        out.append((mine[0].copy(), f(mine[1]), f(mine[2]), f(mine[3]), mine[4].copy()))
     return out
 
 

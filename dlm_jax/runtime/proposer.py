@@ -92,6 +92,9 @@ class Proposal(NamedTuple):
     # proposed applied the adjustments inside)
     logits: np.ndarray | None = None
     sampler: Proposer | None = None  # who drew `tokens` (temperature, top-k, top-p)
+    # [B, R] int32 the argmax of the adjusted logits, where sampling drew `tokens` beside the
+    # step (an argmax draft needs it, ISD; on the host: `logits.argmax(-1)`)
+    argmax: np.ndarray | None = None
 
 
 def sampling_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
@@ -244,10 +247,11 @@ class Proposer:
         step's `ask` (None: asked and answered here when the step needs one)."""
         k = candidates.shape[1]
         logits = out.logits[:, :k] if out.logits is not None else None
+        argmax = None
         if is_device_logits(logits) and (self.adjusts or self.temperature > 0):
             if answered is None:
                 answered = answer([self.ask(out, candidates, state)])[0]
-            x0, top1, top2, ent = answered
+            x0, top1, top2, ent, argmax = answered
         else:
             if self.adjusts:
                 logits = self.adjusted(logits, state)
@@ -270,7 +274,7 @@ class Proposer:
             # The lowest score a proposal can have: 0, or minus the largest entropy, log V.
             floor = _FLOOR[self.confidence](state.vocab_size)
             conf = np.where(state.is_eos(x0), floor, conf)
-        return Proposal(x0.astype(np.int32), conf, logits, self)
+        return Proposal(x0.astype(np.int32), conf, logits, self, argmax)
 
 
 

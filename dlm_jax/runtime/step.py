@@ -218,8 +218,9 @@ class LogitsAsk:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ProposeAsk(LogitsAsk):
-    """The proposer's (x0 int32, top1, top2, entropy float32) [B, R] for the view's rows, after
-    the penalties and bias: `draw` [B] bool rows that sample (the others take the argmax),
+    """The proposer's (x0 int32, top1, top2, entropy float32, argmax int32) [B, R] for the
+    view's rows, after the penalties and bias (argmax: the adjusted logits', x0 where the row
+    does not sample): `draw` [B] bool rows that sample (the others take the argmax),
     `seeds` [B] uint32 their noise, `count_ids` [B, G] the committed token ids per row (-1:
     none) when a penalty is set."""
 

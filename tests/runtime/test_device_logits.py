@@ -47,7 +47,7 @@ def test_the_device_filter_keeps_what_transformers_warpers_keep(temperature, top
     assert want.sum(-1).min() >= 1 and (~want).any()
 
 
-@pytest.mark.parametrize("cap", [4, 8, 16, 64])
+@pytest.mark.parametrize("cap", [4, 64])
 def test_ranking_only_the_likeliest_tokens_keeps_what_sorting_keeps(cap):
     """`_keep` with a cap ranks each row's `cap` likeliest tokens (`lax.top_k`) and sorts the
     whole row only where the kept set may reach past them: the same set as sorting, row by row
@@ -79,7 +79,7 @@ def test_ranking_only_the_likeliest_tokens_keeps_what_sorting_keeps(cap):
     assert not np.asarray(past).any()
 
 
-@pytest.mark.parametrize("top_p", [0.0517, 0.3013, 0.7021, 0.9007, 0.9903, 0.999])  # (off the tied row's 1/200 grid)
+@pytest.mark.parametrize("top_p", [0.0517, 0.7021, 0.9903])  # (off the tied row's 1/200 grid)
 def test_top_p_by_bisection_keeps_what_sorting_keeps(top_p):
     """Without top-k, a row's top-p set found by bisection over the float32 values (no sort)
     is the sorted ranking's, ties in id order included; flat rows keep most of the vocabulary."""
@@ -213,8 +213,9 @@ def test_device_logits_are_refused_where_they_cannot_stay(model):
         mock_model(answer=[5], confidence=[1.0]).decoder.decode(
             [[1, 2]], dlm_jax.preset("fast-dllm", gen_len=32, temperature=0.5, logits_on="device"))
     isd = dlm_jax.load(shipped_model("idlm-tiny"), executor="jax")
-    with pytest.raises(ConfigError, match="logits_on='device' does not go with the Strided schedule"):
-        isd.generate(["1+1="], dlm_jax.preset("isd", gen_len=8, temperature=0.5, logits_on="device"))
+    for mode in (dict(proposal="sample"), dict(verify="softmax_q"), dict(relax=0.5), dict(iar=True)):
+        with pytest.raises(ConfigError, match="logits_on='device' does not go with the Strided schedule"):
+            isd.generate(["1+1="], dlm_jax.preset("isd", gen_len=8, temperature=0.5, logits_on="device", **mode))
     auto = dlm_jax.load(shipped_model(), executor="auto")  # (may decode on the LiteRT runner)
     assert auto.decoder.capabilities.logits_on == "" and model.decoder.capabilities.logits_on == "cpu"
     with pytest.raises(ConfigError, match="logits_on="):
@@ -284,3 +285,32 @@ def test_a_warmed_engine_compiles_no_program_for_its_asks(model):
     handles = [engine.submit(p, cfg, seed=s) for s, p in enumerate(PROMPTS)]
     assert all(h.result().status == "done" for h in handles) and engine.stats.logits_calls
     assert (_logits._propose._cache_size(), _logits._logprobs._cache_size()) == before
+
+
+@pytest.mark.parametrize("preset", ["isd", "ar"])
+def test_isd_and_left_to_right_sample_beside_the_step(preset):
+    """I-DLM's strict exact rule over argmax drafts needs only the anchors' draws and the mask
+    rows' argmax: with the logits on the device it decodes as on the host at T = 0 (with
+    penalties and a bias), and at T > 0 its samples are each request's own, reproducible,
+    reading back a fraction of the host's bytes."""
+    model = dlm_jax.load(shipped_model("idlm-tiny"), executor="jax")
+    prompts = ["1+1=", "12+7=", "Question: 3+4?"]
+    seven = model.encode("7", chat=False)[-1]
+
+    def gen(on, ps=prompts, seeds=None, **kw):
+        cfg = dlm_jax.preset(preset, gen_len=16, logits_on=on, **kw)
+        if not cfg.proposer.temperature:  # greedy: with a bias beside the penalties
+            cfg = dataclasses.replace(cfg, proposer=dataclasses.replace(cfg.proposer, logit_bias=((seven, -100.0),)))
+        return model.generate(ps, cfg, seeds=seeds)
+
+    greedy = dict(presence_penalty=1.0, frequency_penalty=0.5)
+    host, dev = gen("host", **greedy), gen("device", **greedy)
+    assert dev.texts == host.texts and not any("7" in t for t in dev.texts)
+    sampled = dict(temperature=2.0, top_k=20)
+    together = gen("device", seeds=[1, 2, 3], **sampled)
+    alone = [gen("device", [p], seeds=[s], **sampled).texts[0] for p, s in zip(prompts, [1, 2, 3])]
+    assert together.texts == alone
+    assert gen("device", seeds=[1, 2, 3], **sampled).texts == together.texts
+    assert gen("device", seeds=[10, 20, 30], **sampled).texts != together.texts
+    on_host = gen("host", seeds=[1, 2, 3], **sampled)
+    assert max(on_host.stats.d2h_bytes) > 8 * max(together.stats.d2h_bytes)

@@ -55,6 +55,7 @@ from dlm_jax.runtime.proposer import Proposal, Proposer, sampling_probs
 from dlm_jax.runtime.revision import NoRevision
 from dlm_jax.runtime.scheduler import Cursor, PlanShape, Scheduler, StepPlan
 from dlm_jax.runtime.state import DecodeState, RequestStatus
+from dlm_jax.runtime.step import is_device_logits
 
 VERIFY: tuple[str, ...] = ("exact", "softmax_q")
 PROPOSALS: tuple[str, ...] = ("argmax", "sample")
@@ -214,7 +215,12 @@ class _Strided(Scheduler):
         return self.measure_iar or self.acceptance.relax > 0
 
     def reads_logits(self) -> bool:
-        return True  # (the acceptance rule and the drafts' proposals work on the rows' logits)
+        """The rule reads the rows' logits on the host where it judges a draft by p / q
+        (`proposal="sample"`, `verify="softmax_q"`), relaxes, or measures the IAR. The strict
+        exact rule over argmax drafts needs only the anchors' tokens and the mask rows'
+        argmax (`Proposal.argmax`), which logits kept on the device give."""
+        rule = self.acceptance
+        return self.measure_iar or rule.relax > 0 or not rule.one_hot
 
     def validate(self, config: Any, model: ModelConfig) -> None:
         n = self.n
@@ -293,7 +299,8 @@ class _Strided(Scheduler):
             drafts = state.tokens[b, c + 1:c + 1 + k]
             q_logits = None if cursor.draft_logits is None else cursor.draft_logits[b]
             j, token = rule.judge(drafts, proposal.tokens[b, :k + 1], sampler, state.rngs[b],
-                                  None if logits is None else logits[b, :k + 1], q_logits)
+                                  None if logits is None or is_device_logits(logits) else logits[b, :k + 1],
+                                  q_logits)
             emitted = np.append(drafts[:j], token)
             proposal.tokens[b, :j + 1] = emitted  # the accepted drafts (not the anchors' draws), then the token
             # A request ends at its first EOS, or at the end of its generation.
@@ -321,6 +328,8 @@ class _Strided(Scheduler):
         """The mask rows' proposals: their argmax, or (`proposal="sample"`) the sampler's draw."""
         if self.acceptance.proposal == "sample" or proposal.logits is None or sampler.temperature == 0:
             return proposal.tokens.copy()
+        if proposal.argmax is not None:  # (drawn beside the step: the logits stayed there)
+            return proposal.argmax.copy()
         return proposal.logits.argmax(-1).astype(np.int32)
 
     def _count(self, counts: dict, b: int, k: int, j: int, keep: int, logits, q_logits, drafts) -> None:
