@@ -220,12 +220,12 @@ TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=$
 DEFAULT_PARTS="target attncheck decide dual probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small logits large probecache cacheload probeserial cudnn scan first"
 PARTS=${PARTS:-$DEFAULT_PARTS}    # or rest: what the calls before this one on this machine left
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
-SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=() SWEEP_X=() LOGITS_X=()
+SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=() SWEEP_X=() LOGITS_X=(--repeats 3)
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
   SHAPE=small BATCHES=1 LARGE_BATCHES=2 DUAL_BATCHES="1 2"
   GPU_X=(--shape small --dtype float32 --prompt-len 32 --gen-len 64)
   STEP_X=(--shape small --dtype float32 --reps 2) FIRST_X=(--shape small --dtype float32)
-  GEMM_X=(--shape small --dtype float32) CACHE_X=(--shape small --dtype float32) LOGITS_X=(--vocab 4096)
+  GEMM_X=(--shape small --dtype float32) CACHE_X=(--shape small --dtype float32) LOGITS_X=(--vocab 4096 --repeats 3)
   CHECK_X=(--shape small --stand-in)  # (a CPU has no cuDNN: JAX's XLA attention in its place)
   SWEEP_X=(--shape small --stand-in --layers 2 --tilings default k32)  # (the interpreter ignores warps, stages)
   # One thread per process: torch's OpenMP threads spin against whatever else shares the CPU
