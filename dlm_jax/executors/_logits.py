@@ -268,16 +268,18 @@ def _logprobs(logits, packed, *, k: int):
 
 class DeviceLogits(step.DeviceLogits):
     """The rows' logits [B, R, V] float32 of a step, on the device that ran it
-    (`runtime.step.DeviceLogits`). Indexing `[:, :k]` (the proposer's first k rows) and
-    `rows(i)` (an engine's batch row) make views without a device op; `np.asarray` reads a
-    view back whole (what any host rule without a device form gets)."""
+    (`runtime.step.DeviceLogits`). Indexing `[:, a:b]` (predicted rows a to b: the proposer's
+    first k, the probes after them) and `rows(i)` (an engine's batch row) make views without a
+    device op; `np.asarray` reads a view back whole (what any host rule without a device form
+    gets)."""
 
     __slots__ = ("array", "_rows", "_cols", "_transfers")
 
-    def __init__(self, array: jax.Array, rows: np.ndarray | None = None, cols: int | None = None, transfers=None):
+    def __init__(self, array: jax.Array, rows: np.ndarray | None = None, cols: slice | None = None, transfers=None):
         self.array = array
         self._rows = np.arange(array.shape[0], dtype=np.int32) if rows is None else np.asarray(rows, np.int32)
-        self._cols = array.shape[1] if cols is None else int(cols)
+        # predicted rows [start, stop) of the step's
+        self._cols = slice(0, array.shape[1]) if cols is None else slice(*cols.indices(array.shape[1])[:2])
         self._transfers = transfers  # the step's `Transfers`: what is sent and read back is counted there
 
     def _count(self, sent: int, got: int) -> None:
@@ -286,7 +288,7 @@ class DeviceLogits(step.DeviceLogits):
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return (len(self._rows), self._cols, self.array.shape[2])
+        return (len(self._rows), self._cols.stop - self._cols.start, self.array.shape[2])
 
     @property
     def dtype(self):
@@ -294,9 +296,10 @@ class DeviceLogits(step.DeviceLogits):
 
     def __getitem__(self, index) -> DeviceLogits:
         if (isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None)
-                and isinstance(index[1], slice) and index[1].start in (None, 0) and index[1].step in (None, 1)):
-            stop = self._cols if index[1].stop is None else min(int(index[1].stop), self._cols)
-            return DeviceLogits(self.array, self._rows, stop, self._transfers)
+                and isinstance(index[1], slice) and index[1].step in (None, 1)):
+            start, stop, _ = index[1].indices(self._cols.stop - self._cols.start)
+            at = self._cols.start
+            return DeviceLogits(self.array, self._rows, slice(at + start, at + max(start, stop)), self._transfers)
         return np.asarray(self)[index]
 
     def rows(self, index) -> DeviceLogits:
@@ -304,7 +307,7 @@ class DeviceLogits(step.DeviceLogits):
         return DeviceLogits(self.array, self._rows[np.asarray(index)], self._cols, self._transfers)
 
     def __array__(self, dtype=None, copy=None):
-        host = np.asarray(jax.device_get(self.array[jnp.asarray(self._rows), :self._cols]))
+        host = np.asarray(jax.device_get(self.array[jnp.asarray(self._rows), self._cols]))
         self._count(self._rows.nbytes, host.nbytes)
         return host if dtype is None else host.astype(dtype)
 
@@ -357,7 +360,7 @@ def _answer_proposals(asks: list[step.ProposeAsk]) -> list[tuple[np.ndarray, ...
     f = lambda x: np.ascontiguousarray(x).view(np.float32)  # noqa: E731
     out = []
     for ask, span in zip(asks, spans):
-        mine = packed[:, span, :ask.logits._cols]
+        mine = packed[:, span, ask.logits._cols]
         out.append((mine[0].copy(), f(mine[1]), f(mine[2]), f(mine[3]), mine[4].copy()))
     return out
 
@@ -379,7 +382,7 @@ def _answer_logprobs(asks: list[step.LogprobsAsk]) -> list[tuple[np.ndarray, ...
     request = np.zeros((3, _bucket(m)), np.int32)
     if m:
         request[:, :m] = (np.concatenate([a.logits._rows[np.asarray(a.b, np.int64)] for a in asks]),
-                          np.concatenate([np.asarray(a.i) for a in asks]),
+                          np.concatenate([np.asarray(a.i) + a.logits._cols.start for a in asks]),
                           np.concatenate([np.asarray(a.tokens) for a in asks]))
     packed = np.asarray(jax.device_get(_logprobs(first.array, request, k=k)))
     first._count(request.nbytes, packed.nbytes)

@@ -53,6 +53,7 @@ from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
 from dlm_jax.runtime.kvcache import HostKVCache, KVCache
 from dlm_jax.runtime.revision import NoRevision
+from dlm_jax.runtime.proposer import predict_ask, predicted
 from dlm_jax.runtime.cpu_path import CpuExecutor
 from dlm_jax.runtime.state import DecodeState, TokenLogprobs, TokenState, take
 from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, LogitsAsk, LogprobsAsk, OutputRequest,
@@ -422,8 +423,9 @@ class Decoder:
         for w, p, r in cfg.revision.plan_shapes(prompt_lens, gen, shift=shift, window_shapes=shapes) - shapes:
             if w <= caps.windows.largest and r <= caps.rows.largest:  # wider: refused when planned, none to warm
                 main.add(caps.select(batch=batch, window=w, cache=p, rows=r, logits=logits, **placed))
-        # The CPU path asks for no logits.
-        cpu = {caps.select(batch=batch, window=w, cache=p, rows=r) for w, p, r in cfg.revision.cpu_shapes(prompt_lens, gen)}
+        # The CPU path asks for logits only to predict under the penalties and bias.
+        cpu = {caps.select(batch=batch, window=w, cache=p, rows=r, logits=cfg.proposer.adjusts)
+               for w, p, r in cfg.revision.cpu_shapes(prompt_lens, gen)}
         keys = (tuple(sorted(main)), tuple(sorted(cpu)))
         if memo is not None:
             self._keys[memo] = keys
@@ -539,7 +541,7 @@ class Decoder:
         rule = cfg.rule
         start = time.perf_counter()
         cursor = scheduler.start(state)
-        cpu = revision.cpu_path(self.cpu_executor, mc)
+        cpu = revision.cpu_path(self.cpu_executor, mc, proposer)
         built = self.build_counts()  # the fork, if any, exists now
         # The decode's K/V, held by the executor (or in NumPy beside one that takes them densely).
         # Buckets not built yet compile in the background, first needed first; a step waits for its own.
@@ -592,8 +594,12 @@ class Decoder:
                 revision.after_step(state, plan, proposal, committed)
                 if probed is not None:
                     r = len(plan.rows)
-                    revision.after_probes(state, plan, probed, top=out.top_token[:, r:r + d],
-                                          prob=out.top_prob[:, r:r + d])
+                    top, prob = out.top_token[:, r:r + d], out.top_prob[:, r:r + d]
+                    if proposer.adjusts:  # re-predicted under the penalties and bias too
+                        logits = out.logits[:, r:r + d]
+                        ask = predict_ask(proposer, logits, state)
+                        top, prob = predicted(proposer, logits, state, (yield ask) if ask is not None else None)
+                    revision.after_probes(state, plan, probed, top=top, prob=prob)
                 if state.logprobs is not None:
                     logits = out.logits[:, :open_.shape[1]]
                     ask = state.logprobs_ask(targets, open_, logits)

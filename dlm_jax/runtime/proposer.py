@@ -278,6 +278,35 @@ class Proposer:
 
 
 
+def predicted(proposer: Proposer, logits, state: DecodeState,
+              answered: tuple[np.ndarray, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(argmax int32, its probability float64) [B, n] of rows' logits [B, n, V] after the
+    proposer's penalties and bias: the predictions a revision compares tokens against (DPPR's
+    probes and refresh), so that it never brings back a token the adjustments ruled out. Logits
+    kept on the device are worked on there: `answered` is the answer to `predict_ask` (None:
+    asked and answered here)."""
+    if is_device_logits(logits):
+        if answered is None:
+            answered = answer([predict_ask(proposer, logits, state)])[0]
+        return answered[0].astype(np.int32), answered[1].astype(np.float64)
+    z = proposer.adjusted(logits, state)
+    top = z.argmax(-1)
+    return top.astype(np.int32), _scores(z, top)[0]
+
+
+def predict_ask(proposer: Proposer, logits, state: DecodeState) -> ProposeAsk | None:
+    """What `predicted` needs computed beside the step, for the decode's driver to answer; None
+    for logits on the host."""
+    if not is_device_logits(logits):
+        return None
+    b = logits.shape[0]
+    p = proposer
+    penalized = bool(p.presence_penalty or p.frequency_penalty)
+    return ProposeAsk(logits, np.zeros(b, bool), np.zeros(b, np.uint32),
+                      count_ids=state.committed_ids() if penalized else None, presence=p.presence_penalty,
+                      frequency=p.frequency_penalty, bias=p.logit_bias)
+
+
 def _sample(logits: np.ndarray, cand: np.ndarray, temperature: float, rngs: list, top_k: int = 0,
             top_p: float = 1.0):
     """LLaDA's Gumbel-max in float64: x0 = argmax(exp(logits) / (-log u)^T), confidence = the

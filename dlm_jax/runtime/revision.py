@@ -22,7 +22,7 @@ from dlm_jax.runtime.scheduler import PlanShape, StepPlan
 from dlm_jax.runtime.state import DecodeState
 
 if TYPE_CHECKING:
-    from dlm_jax.runtime.proposer import Proposal
+    from dlm_jax.runtime.proposer import Proposal, Proposer
 
 
 class RevisionPolicy(HookBase):
@@ -62,9 +62,11 @@ class RevisionPolicy(HookBase):
         """The shapes of the CPU path's steps (run on its own executor); default none."""
         return set()
 
-    def cpu_path(self, executor: Callable[[], CpuExecutor], config: ModelConfig) -> CpuPath | None:
+    def cpu_path(self, executor: Callable[[], CpuExecutor], config: ModelConfig,
+                 proposer: Proposer | None = None) -> CpuPath | None:
         """The CPU path of one decode (default: none). `executor()` returns the executor it
-        runs on (the main one's fork, made once per decoder, or the main one)."""
+        runs on (the main one's fork, made once per decoder, or the main one); `proposer` the
+        decode's, whose penalties and bias its predictions honour (`proposer.predicted`)."""
         return None
 
 

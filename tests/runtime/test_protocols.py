@@ -168,7 +168,7 @@ def _recording(log):
 
     @dataclasses.dataclass(frozen=True)
     class Rev(RevisionPolicy):
-        def cpu_path(self, executor, config):
+        def cpu_path(self, executor, config, proposer=None):
             log.append("revision.cpu_path")
             return None
 

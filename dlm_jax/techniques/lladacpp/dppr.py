@@ -50,7 +50,7 @@ from dlm_jax.runtime.state import DecodeState, TokenState
 from dlm_jax.techniques.lladacpp.refresh import Refresher
 
 if TYPE_CHECKING:
-    from dlm_jax.runtime.proposer import Proposal
+    from dlm_jax.runtime.proposer import Proposal, Proposer
 
 _VISIBLE, _STABLE = int(TokenState.VISIBLE), int(TokenState.STABLE)
 
@@ -204,8 +204,9 @@ class ProgressiveRevision(RevisionPolicy):
         return {PlanShape(copies * n, c, copies * n) for n in range(1, self.refresh_rows + 1)
                 for c in range(0, max(prompt_lens) + gen_len + 1)}
 
-    def cpu_path(self, executor: Callable[[], CpuExecutor], config: ModelConfig) -> CpuPath | None:
+    def cpu_path(self, executor: Callable[[], CpuExecutor], config: ModelConfig,
+                 proposer: Proposer | None = None) -> CpuPath | None:
         """The CPU path of one decode (None when refresh is off)."""
         if not self.refresh_rows:
             return None
-        return Refresher(self, config, executor())
+        return Refresher(self, config, executor(), proposer)

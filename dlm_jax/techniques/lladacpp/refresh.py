@@ -25,6 +25,7 @@ from dlm_jax._config import ModelConfig
 from dlm_jax.runtime.buckets import pad_axis
 from dlm_jax.runtime.cpu_path import CpuExecutor, CpuPath
 from dlm_jax.runtime.kvcache import KVCache
+from dlm_jax.runtime.proposer import Proposer, predicted
 from dlm_jax.runtime.state import DecodeState, TokenState
 from dlm_jax.runtime.step import OutputRequest, SlotStep, StepOutputs, mask_rows_gate
 
@@ -47,8 +48,11 @@ class Refresher(CpuPath):
     `cpu.executor` runs the refresh steps: on a thread of its own when `cpu.threaded`, in
     turn otherwise."""
 
-    def __init__(self, policy, config: ModelConfig, cpu: CpuExecutor):
+    def __init__(self, policy, config: ModelConfig, cpu: CpuExecutor, proposer: Proposer | None = None):
         self.policy = policy
+        # Predictions under the proposer's penalties and bias: the refresh then returns its
+        # rows' logits (on this executor's host) and re-predicts from them (`predicted`).
+        self.proposer = proposer if proposer is not None and proposer.adjusts else None
         self.scoring = policy.scoring
         self.config = config
         self.executor = cpu.executor
@@ -93,7 +97,8 @@ class Refresher(CpuPath):
         copies = self.scoring.refresh_copies  # 2: a duplicate mask row per slot scores it
         rows = copies * n
         cached = np.flatnonzero((state.kv_token >= 0).any(axis=0))
-        key = self.capabilities.select(batch=b, window=rows, cache=len(cached), rows=rows)
+        key = self.capabilities.select(batch=b, window=rows, cache=len(cached), rows=rows,
+                                       logits=self.proposer is not None)
         tokens = state.tokens[:, slots]
         tokens = np.concatenate([tokens] + [np.full_like(tokens, state.mask_id)] * (copies - 1), axis=1)
         read = pad_axis(np.where(np.isin(cached, slots), -1, cached).astype(np.int32), key.cache, axis=0, value=-1)
@@ -110,7 +115,7 @@ class Refresher(CpuPath):
                         q_valid=pad_axis(np.ones((b, rows), bool), key.window, axis=1, value=False), read=read,
                         probes=probes, hide=hide, write=np.full((b, key.window), -1, np.int32),
                         logit_rows=np.ascontiguousarray(logit_rows),
-                        want=OutputRequest(kv=True, logits=False), written_only=True,
+                        want=OutputRequest(kv=True, logits=self.proposer is not None), written_only=True,
                         lora_gate=mask_rows_gate(tokens, state.mask_id) if "lora_gate" in self.capabilities.inputs
                         else None)
 
@@ -124,6 +129,8 @@ class Refresher(CpuPath):
         n, slots = len(job.slots), job.slots
         q = n * (self.scoring.refresh_copies - 1)  # the rows that score
         top, prob = out.top_token[:, q:q + n], out.top_prob[:, q:q + n].astype(np.float64)
+        if self.proposer is not None:
+            top, prob = predicted(self.proposer, out.logits[:, q:q + n], state)
         unchanged = job.scored & (state.status[:, slots] == _VISIBLE) & (state.tokens[:, slots] == job.fed)
         self.policy.rescore(state, slots, unchanged, top=top, prob=prob, counter="refresh")
         write = unchanged & job.left[None, :]  # K/V computed from the token fed; a revised slot stays stale
