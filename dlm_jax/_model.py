@@ -60,6 +60,9 @@ class MissingTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         self._fail("decoded")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        self._fail("decoded")
+
     def apply_chat(self, messages, *, add_generation_prompt: bool = True) -> list[int]:
         self._fail("encoded")
 

@@ -12,6 +12,7 @@ prompted, stored as `"prompt_format"` in tokenizer_config.json (absent means "ra
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -44,6 +45,11 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for in text (a piece of a UTF-8 character for a byte
+        token: OpenAI's logprobs `bytes`); a special token's own string."""
+        ...
 
     def apply_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]: ...
 
@@ -111,6 +117,12 @@ class ByteTokenizer:
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        i = int(token_id)
+        if not 0 <= i < self.vocab_size:
+            raise InputError(f"token id {i} is outside the byte tokenizer's vocabulary [0, {self.vocab_size})")
+        return bytes([i]) if i < 256 else self.SPECIALS[i - 256].encode()
+
     def apply_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
         ids = [self.bos_id]
         for m in messages:
@@ -134,6 +146,25 @@ class ByteTokenizer:
 
 
 _MASK_CANDIDATES = ("<|mdm_mask|>", "<|mask|>", "<mask>", "[MASK]")
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read backwards: each byte is a printable character (the
+    printable Latin-1 bytes stand for themselves, the others for code points from 256 on, in
+    byte order); character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_UNICODE_BYTES = _byte_alphabet()
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _SPECIAL_ATTRS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")  # transformers' named specials
 
 
@@ -233,6 +264,47 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """From the token's vocabulary string, as the tokenizer's decoder reads it: GPT-2's
+        byte-level alphabet mapped back to its bytes (`ByteLevel`), `<0xNN>` as byte NN
+        (`ByteFallback`), the decoder's `Replace`s applied (SentencePiece's ▁ for a space, not
+        stripped from a first token as `decode` does); otherwise, and for added tokens, the
+        string's UTF-8."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            raise InputError(f"token id {int(token_id)} is outside the tokenizer's vocabulary of {self.vocab_size}")
+        if piece in self._added:
+            return piece.encode()
+        steps = self._decoder_steps
+        if "ByteLevel" in steps:
+            return bytes(_UNICODE_BYTES[c] for c in piece) if all(c in _UNICODE_BYTES for c in piece) else piece.encode()
+        if "ByteFallback" in steps and _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        for old, new in self._replaces:
+            piece = piece.replace(old, new)
+        return piece.encode()
+
+    @functools.cached_property
+    def _decoder_spec(self) -> dict:
+        return json.loads(self._tok.to_str()).get("decoder") or {}
+
+    @functools.cached_property
+    def _decoder_steps(self) -> tuple[str, ...]:
+        spec = self._decoder_spec
+        parts = spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
+        return tuple(p.get("type", "") for p in parts)
+
+    @functools.cached_property
+    def _replaces(self) -> tuple[tuple[str, str], ...]:
+        spec = self._decoder_spec
+        parts = spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
+        return tuple((p["pattern"]["String"], p["content"]) for p in parts
+                     if p.get("type") == "Replace" and "String" in (p.get("pattern") or {}))
+
+    @functools.cached_property
+    def _added(self) -> frozenset[str]:
+        return frozenset(t.content for t in self._tok.get_added_tokens_decoder().values())
 
     def token_id(self, token: str) -> int:
         tid = self._tok.token_to_id(token)

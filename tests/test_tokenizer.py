@@ -241,3 +241,49 @@ def test_hf_tokenizer_eos_ids(hf_dir):
     (hf_dir / "config.json").unlink()
     assert dlm_jax.load_tokenizer(hf_dir).eos_ids == (endoftext, eot, start)
     assert BYTE.eos_ids == (BYTE.eos_id,)
+
+
+# -- token bytes (OpenAI's logprobs `bytes`) -----------------------------------------------------
+
+@settings(max_examples=100, deadline=None)
+@given(st.text())
+def test_byte_token_bytes_spell_the_text(text):
+    assert b"".join(BYTE.token_bytes(i) for i in BYTE.encode(text)) == text.encode()
+
+
+def test_hf_byte_level_token_bytes_spell_the_text(hf_dir):
+    """GPT-2's byte-level alphabet read back (the same table as transformers'
+    `bytes_to_unicode`): a character split over tokens gives each its own bytes."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from dlm_jax._tokenizer import _UNICODE_BYTES
+
+    assert _UNICODE_BYTES == {c: b for b, c in bytes_to_unicode().items()}
+    ours = dlm_jax.load_tokenizer(hf_dir)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode(), text
+    pieces = [ours.token_bytes(i) for i in ours.encode("ü")]
+    assert len(pieces) == 2 and b"".join(pieces) == "ü".encode()  # (not in the vocabulary whole)
+
+
+def test_hf_byte_fallback_token_bytes_spell_the_text(tmp_path):
+    """A SentencePiece-style tokenizer (Llama's layout: ▁ for a space, <0xNN> byte pieces for
+    what the vocabulary lacks): each token's bytes, the first one's space included."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ["▁", "a", "b", "c", "▁a", "▁b", "ab", "▁ab"]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")],
+                               unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ours = dlm_jax.load_tokenizer(tmp_path)
+    for text in ["ab c", "é ab ✓", "abc"]:
+        ids = ours.encode(text)
+        assert ours.decode(ids) == text
+        assert b"".join(ours.token_bytes(i) for i in ids) == (" " + text).encode(), text
+    assert [ours.token_bytes(i) for i in ours.encode("é")][-2:] == [b"\xc3", b"\xa9"]

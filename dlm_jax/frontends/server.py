@@ -231,10 +231,16 @@ def _token_logprobs(job: Job, model: Model, ids: list[int], lp: TokenLogprobs | 
         def piece(t) -> str:
             return model.tokenizer.decode([int(t)])
 
+        def raw(t) -> list[int]:  # (a byte token's piece of a character: not its text's U+FFFD)
+            return list(model.tokenizer.token_bytes(int(t)))
+
         def offset(n: int) -> int:
             return len(model.tokenizer.decode([int(t) for t in ids[:n]]))
     else:  # the completion's text is its ids, space-separated
         piece = str
+
+        def raw(t) -> list[int]:
+            return list(str(t).encode())
 
         def offset(n: int) -> int:
             return len(" ".join(map(str, ids[:n]))) + (1 if n else 0)
@@ -250,9 +256,10 @@ def _token_logprobs(job: Job, model: Model, ids: list[int], lp: TokenLogprobs | 
         return {"tokens": tokens, "token_logprobs": logprob,
                 "top_logprobs": [{**dict(top), tok: v} for top, tok, v in zip(tops, tokens, logprob)],
                 "text_offset": [offset(start + j) for j in range(len(new))]}
-    return {"content": [{"token": tok, "logprob": v, "bytes": list(tok.encode()),
-                         "top_logprobs": [{"token": s, "logprob": x, "bytes": list(s.encode())} for s, x in top]}
-                        for tok, v, top in zip(tokens, logprob, tops)], "refusal": None}
+    return {"content": [{"token": tok, "logprob": v, "bytes": raw(t),
+                         "top_logprobs": [{"token": s, "logprob": x, "bytes": raw(i)}
+                                          for (s, x), i in zip(top, rows.top_ids[j, :k])]}
+                        for j, (t, tok, v, top) in enumerate(zip(new, tokens, logprob, tops))], "refusal": None}
 
 
 def _stops(body: Mapping[str, Any]) -> list[str]:

@@ -174,7 +174,15 @@ def test_logprobs_through_the_openai_client(live, model):
     content = chat.logprobs.content
     assert [c.token for c in content] == pieces and [c.logprob for c in content] == [float(x) for x in lp.logprob]
     assert [[t.logprob for t in c.top_logprobs] for c in content] == lp.top_logprob.tolist()
-    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)  # (ASCII here)
+    assert bytes(b for c in content for b in c.bytes).decode() == chat.message.content
+    # A byte token that is part of a character: its `bytes` are that byte, not its text's U+FFFD.
+    lead = 0xC3  # the first byte of "é" in the shipped byte tokenizer
+    forced = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, logprobs=True,
+                                            top_logprobs=2, logit_bias={str(lead): 100}).choices[0]
+    assert forced.logprobs.content and all(c.bytes == [lead] and c.token == "\ufffd" for c in forced.logprobs.content)
+    assert all(len(t.bytes) == 1 and t.bytes[0] >= 0x80 for c in forced.logprobs.content for t in c.top_logprobs
+               if t.token == "\ufffd")
     streamed, shown = [], ""
     for chunk in client.chat.completions.create(model=NAME, messages=messages, max_tokens=32, logprobs=True,
                                                 stream=True):
