@@ -183,10 +183,11 @@ class Engine:
         ids = self.model.encode(prompt, chat=chat)
         rule = _stop_rule(self.model, tuple(stop)) if stop else None
         config = self.options(options)
+        tail = None if suffix is None else self.model._suffixes(suffix, 1)[0]
         if config.placement.probe() is not None:  # TIDE's tau='auto' / static sets: from this prompt's probe
             self.model.decoder.check_prompts([ids], None)
-            config = self.model.calibrated(config, [ids], seeds=None if seed is None else [seed])
-        tail = None if suffix is None else self.model._suffixes(suffix, 1)[0]
+            config = self.model.calibrated(config, [ids], seeds=None if seed is None else [seed],
+                                           suffixes=None if tail is None else [tail])
         return Handle(self.model, self.core.submit(ids, config, seed=seed, stop=rule, suffix=tail), stop)
 
     def warmup(self, configs: Sequence[DecodeConfig | Mapping[str, Any]] | None = None, *,

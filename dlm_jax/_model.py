@@ -164,7 +164,7 @@ class Model:
         # what the decode reaches, when it first does: the stats count those compiles.
         if self.decoder.executor.prepares_ahead:
             self.decoder.warmup([len(i) for i in ids], config)
-        config = self.calibrated(config, ids, seeds=seeds)
+        config = self.calibrated(config, ids, seeds=seeds, suffixes=tails)
         built = self.decoder.build_counts()
         # The engine sized to this call: its pooled K/V (allocated and zeroed per call) holds
         # these requests, not the model's longest rows in the largest batch that fits (a
@@ -213,15 +213,18 @@ class Model:
             raise InputError(f"{len(given)} suffixes for {n} prompts")
         return [self.tokenizer.encode(s) if isinstance(s, str) else self.encode(s) for s in given]
 
-    def calibrated(self, config: DecodeConfig, ids: list[list[int]], *, seeds=None) -> DecodeConfig:
+    def calibrated(self, config: DecodeConfig, ids: list[list[int]], *, seeds=None,
+                   suffixes: list[list[int]] | None = None) -> DecodeConfig:
         """`config` with its placement calibrated where it asks for it (`PlacementPolicy.probe`;
-        TIDE's `--tau auto`, `--experts static`): from a probe decode of the prompts `ids`
-        whose report the policy calibrates itself from. `generate` calls it on its own
-        prompts; calling it once first (on other prompts) fixes the placement for later calls."""
+        TIDE's `--tau auto`, `--experts static`): from a probe decode of the prompts `ids` (and
+        their `suffixes`, token ids, when they infill) whose report the policy calibrates
+        itself from. `generate` calls it on its own prompts; calling it once first (on other
+        prompts) fixes the placement for later calls."""
         probe = config.placement.probe()
         if probe is None:
             return config
-        report = self.decoder.decode(ids, dataclasses.replace(config, placement=probe), seeds=seeds).stats.placement
+        report = self.decoder.decode(ids, dataclasses.replace(config, placement=probe), seeds=seeds,
+                                     suffixes=suffixes).stats.placement
         return dataclasses.replace(config, placement=config.placement.calibrated(report, self.config))
 
     def _trim(self, seq: np.ndarray) -> list[int]:

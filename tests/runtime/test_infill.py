@@ -150,3 +150,26 @@ def test_the_litert_runner_infills_as_the_jax_executor(tiny, tmp_path, capsys):
                  *[a for p, s in zip(prompts, suffixes) for a in ("--prompt", p, "--suffix-text", s)]]) == 0
     want = tiny.generate(prompts, dlm_jax.preset("fast-dllm", gen_len=32, cache="dual"), suffixes=suffixes).texts
     assert capsys.readouterr().out.split("\n")[:2] == want
+
+
+@pytest.mark.slow  # (35 s: TIDE's probe and decode compile programs of their own)
+def test_tides_calibration_probe_decodes_the_suffix_too(monkeypatch):
+    """TIDE's tau='auto' calibrates from a probe decode of the request itself: an infilling
+    request's probe decodes its suffix too (its steps' experts are the request's), through
+    `Model.generate` and `Engine.submit` alike."""
+    moe = dlm_jax.load(shipped_model("moe-tiny"), executor="jax")
+    probes = []
+    decode = moe.decoder.decode
+
+    def spy(prompts, cfg, **kw):
+        if cfg.placement.probe() is None and type(cfg.placement).__name__ != "NoPlacement":
+            probes.append(kw.get("suffixes"))
+        return decode(prompts, cfg, **kw)
+
+    monkeypatch.setattr(moe.decoder, "decode", spy)
+    cfg = dlm_jax.preset("fast-dllm", gen_len=16, block_len=8, experts="tide")
+    suffix = moe.encode(" 44", chat=False)
+    moe.generate(["sort: 44 13 37"], cfg, suffixes=[suffix])
+    engine = dlm_jax.Engine(moe)
+    engine.submit("sort: 44 13 37", cfg, suffix=suffix).result()
+    assert probes == [[suffix], [suffix]]
