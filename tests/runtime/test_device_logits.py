@@ -287,14 +287,14 @@ def test_a_warmed_engine_compiles_no_program_for_its_asks(model):
     assert (_logits._propose._cache_size(), _logits._logprobs._cache_size()) == before
 
 
-@pytest.mark.parametrize("preset", ["isd", "ar"])
+@pytest.mark.parametrize("preset", ["isd", pytest.param("ar", marks=pytest.mark.slow)])
 def test_isd_and_left_to_right_sample_beside_the_step(preset):
     """I-DLM's strict exact rule over argmax drafts needs only the anchors' draws and the mask
     rows' argmax: with the logits on the device it decodes as on the host at T = 0 (with
     penalties and a bias), and at T > 0 its samples are each request's own, reproducible,
     reading back a fraction of the host's bytes."""
     model = dlm_jax.load(shipped_model("idlm-tiny"), executor="jax")
-    prompts = ["1+1=", "12+7=", "Question: 3+4?"]
+    prompts = ["12+7=", "Question: 3+4?"]
     seven = model.encode("7", chat=False)[-1]
 
     def gen(on, ps=prompts, seeds=None, **kw):
@@ -307,10 +307,10 @@ def test_isd_and_left_to_right_sample_beside_the_step(preset):
     host, dev = gen("host", **greedy), gen("device", **greedy)
     assert dev.texts == host.texts and not any("7" in t for t in dev.texts)
     sampled = dict(temperature=2.0, top_k=20)
-    together = gen("device", seeds=[1, 2, 3], **sampled)
-    alone = [gen("device", [p], seeds=[s], **sampled).texts[0] for p, s in zip(prompts, [1, 2, 3])]
+    together = gen("device", seeds=[1, 2], **sampled)
+    alone = [gen("device", [p], seeds=[s], **sampled).texts[0] for p, s in zip(prompts, [1, 2])]
     assert together.texts == alone
-    assert gen("device", seeds=[1, 2, 3], **sampled).texts == together.texts
-    assert gen("device", seeds=[10, 20, 30], **sampled).texts != together.texts
-    on_host = gen("host", seeds=[1, 2, 3], **sampled)
+    assert gen("device", seeds=[1, 2], **sampled).texts == together.texts
+    assert gen("device", seeds=[10, 20], **sampled).texts != together.texts
+    on_host = gen("host", seeds=[1, 2], **sampled)
     assert max(on_host.stats.d2h_bytes) > 8 * max(together.stats.d2h_bytes)

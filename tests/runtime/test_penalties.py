@@ -87,7 +87,7 @@ def test_a_revision_never_brings_back_what_the_bias_rules_out():
     model = dlm_jax.load(shipped_model(), executor="jax")
     prompts = ["sort: 37 44 13 33 47 48", "sort: 1 5 3 9 7", "sort: 9 8 7 6 5 4", "sort: 2 4 1 3 3"]
     revised = 0
-    for digit in "134":
+    for digit in "14":
         banned = model.encode(digit, chat=False)[-1]
         texts = {}
         for on in ("host", "device"):
