@@ -461,9 +461,9 @@ def device_specs(key: BucketKey, gated: bool = False) -> tuple[jax.ShapeDtypeStr
 
 
 def _keeps_logits(req: SlotStep, names: list[str], executor) -> bool:
-    """Whether a step's logits stay where it ran (`OutputRequest.device_logits`, off a mesh:
+    """Whether a step's logits stay where it ran (`OutputRequest.device_logits`, one process:
     `_logits.DeviceLogits`); they are then taken out of `names`, the outputs read back."""
-    kept = req.want.device_logits and "logits" in names and executor.placement is None
+    kept = req.want.device_logits and "logits" in names and bool(executor.capabilities.logits_on)
     if kept:
         names.remove("logits")
     return kept
@@ -732,7 +732,10 @@ class JaxExecutor(Executor):
             s = next(iter(self._slots.values())).resident.size
             self._capabilities = dataclasses.replace(self._capabilities, expert_slots=s)
         self.placement = None if mesh is None else _placement(mesh, model, self._slots)
-        if self.placement is None:  # a step's logits can stay on its device (`_logits.DeviceLogits`)
+        # A step's logits can stay where it ran (`_logits.DeviceLogits`): on its device, or
+        # replicated over a mesh of this process's devices (a mesh over several processes reads
+        # them back: its answers would need gathering across the processes).
+        if self.placement is None or jax.process_count() == 1:
             self._capabilities = dataclasses.replace(self._capabilities, logits_on=jax.default_backend())
         # q and k rotated by one RoPE op (`joint_rope`): on one accelerator only. A CPU keeps
         # the bits it had (XLA:CPU rounds the joined op otherwise), and on a mesh q's and k's
@@ -1145,11 +1148,12 @@ class JaxExecutor(Executor):
         return sum(p.compile_count for p in self._all_programs)
 
     def logits_like(self, batch: int, rows: int) -> DeviceLogits | None:
-        """Zero logits [batch, rows, V] float32 where a step keeps them (off a mesh: the
-        default device), for warming the programs that answer their asks."""
-        if self.placement is not None:
+        """Zero logits [batch, rows, V] float32 where a step keeps them (the default device, or
+        replicated over the mesh, as a step's outputs are), for warming the programs that
+        answer their asks."""
+        if not self.capabilities.logits_on:
             return None
-        return DeviceLogits(jnp.zeros((batch, rows, self.config.vocab_size), jnp.float32))
+        return DeviceLogits(self._put(np.zeros((batch, rows, self.config.vocab_size), np.float32)))
 
     def build_counts(self) -> BuildCounts:
         return BuildCounts(compiles=self.compile_count,

@@ -70,7 +70,8 @@ def decode(model, preset, case: dict) -> dict:
            else dlm_jax.decode_config(**preset, gen_len=gen_len))
     out = model.generate(PROMPTS[:case.get("prompts", len(PROMPTS))], cfg, max_batch=case.get("max_batch", 2))
     got = {"engine": out.token_ids, "engine_nfe": out.stats.nfe, "request_nfe": list(out.stats.request_nfe or []),
-           "fixed": None, "fixed_nfe": None}
+           "fixed": None, "fixed_nfe": None, "d2h": max(out.stats.d2h_bytes or [0]),
+           "logits_on": model.decoder.capabilities.logits_on}
     if case.get("fixed", True):
         fixed = model.decoder.decode([model.encode(p) for p in PROMPTS[:2]], cfg)
         got.update(fixed=[np.asarray(s).tolist() for s in fixed.sequences], fixed_nfe=fixed.stats.nfe)
