@@ -76,9 +76,9 @@ class _Rows:
         if ask.bias:
             ids, vals = zip(*ask.bias)
             self.bias_ids[rows, :len(ids)], self.bias_vals[rows, :len(ids)] = ids, vals
-        if ask.temperature > 0:
+        if ask.temperature > 0:  # (a greedy row's filter is never used: it stays off)
             self.temperature[rows] = ask.temperature
-        self.top_p[rows], self.top_k[rows] = ask.top_p, ask.top_k
+            self.top_p[rows], self.top_k[rows] = ask.top_p, ask.top_k
 
     def pack(self) -> np.ndarray:
         """One int32 vector (one transfer, as a step's `pack_request`), `_unpack_proposal`'s."""
