@@ -268,9 +268,9 @@ class HFTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """From the token's vocabulary string, as the tokenizer's decoder reads it: GPT-2's
         byte-level alphabet mapped back to its bytes (`ByteLevel`), `<0xNN>` as byte NN
-        (`ByteFallback`), the decoder's `Replace`s applied (SentencePiece's ▁ for a space, not
-        stripped from a first token as `decode` does); otherwise, and for added tokens, the
-        string's UTF-8."""
+        (`ByteFallback`), the decoder's `Replace`s or `Metaspace` applied (SentencePiece's ▁
+        for a space, not stripped from a first token as `decode` does); otherwise, and for
+        added tokens, the string's UTF-8."""
         piece = self._tok.id_to_token(int(token_id))
         if piece is None:
             raise InputError(f"token id {int(token_id)} is outside the tokenizer's vocabulary of {self.vocab_size}")
@@ -299,8 +299,10 @@ class HFTokenizer:
     def _replaces(self) -> tuple[tuple[str, str], ...]:
         spec = self._decoder_spec
         parts = spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
-        return tuple((p["pattern"]["String"], p["content"]) for p in parts
-                     if p.get("type") == "Replace" and "String" in (p.get("pattern") or {}))
+        return tuple((p["pattern"]["String"], p["content"]) if p.get("type") == "Replace" else
+                     (p.get("replacement", "▁"), " ") for p in parts
+                     if (p.get("type") == "Replace" and "String" in (p.get("pattern") or {}))
+                     or p.get("type") == "Metaspace")
 
     @functools.cached_property
     def _added(self) -> frozenset[str]:

@@ -287,3 +287,9 @@ def test_hf_byte_fallback_token_bytes_spell_the_text(tmp_path):
         assert ours.decode(ids) == text
         assert b"".join(ours.token_bytes(i) for i in ids) == (" " + text).encode(), text
     assert [ours.token_bytes(i) for i in ours.encode("é")][-2:] == [b"\xc3", b"\xa9"]
+    # the same vocabulary under the `Metaspace` decoder (how newer tokenizers write it)
+    tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁"), decoders.ByteFallback(), decoders.Fuse()])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ours = dlm_jax.load_tokenizer(tmp_path)
+    ids = ours.encode("é ab")
+    assert b"".join(ours.token_bytes(i) for i in ids) == " é ab".encode()
