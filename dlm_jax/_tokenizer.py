@@ -278,7 +278,9 @@ class HFTokenizer:
             return piece.encode()
         steps = self._decoder_steps
         if "ByteLevel" in steps:
-            return bytes(_UNICODE_BYTES[c] for c in piece) if all(c in _UNICODE_BYTES for c in piece) else piece.encode()
+            if all(c in _UNICODE_BYTES for c in piece):
+                return bytes(_UNICODE_BYTES[c] for c in piece)
+            return piece.encode()
         if "ByteFallback" in steps and _BYTE_PIECE.fullmatch(piece):
             return bytes([int(piece[3:5], 16)])
         for old, new in self._replaces:

@@ -82,10 +82,10 @@ class _Rows:
 
     def pack(self) -> np.ndarray:
         """One int32 vector (one transfer, as a step's `pack_request`), `_unpack_proposal`'s."""
-        return np.concatenate([self.rows, self.draw, self.seeds.view(np.int32), self.count_ids.ravel(), self.bias_ids.ravel(),
-                               _float_bits(self.bias_vals).ravel(), _float_bits(self.temperature),
-                               _float_bits(self.top_p), _float_bits(self.presence), _float_bits(self.frequency),
-                               self.top_k])
+        return np.concatenate([self.rows, self.draw, self.seeds.view(np.int32), self.count_ids.ravel(),
+                               self.bias_ids.ravel(), _float_bits(self.bias_vals).ravel(),
+                               _float_bits(self.temperature), _float_bits(self.top_p), _float_bits(self.presence),
+                               _float_bits(self.frequency), self.top_k])
 
 
 def _unpack_proposal(packed, b: int, g: int, nb: int):

@@ -277,7 +277,6 @@ class Proposer:
         return Proposal(x0.astype(np.int32), conf, logits, self, argmax)
 
 
-
 def predicted(proposer: Proposer, logits, state: DecodeState,
               answered: tuple[np.ndarray, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(argmax int32, its probability float64) [B, n] of rows' logits [B, n, V] after the
