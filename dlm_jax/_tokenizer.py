@@ -288,19 +288,18 @@ class HFTokenizer:
         return piece.encode()
 
     @functools.cached_property
-    def _decoder_spec(self) -> dict:
-        return json.loads(self._tok.to_str()).get("decoder") or {}
+    def _decoder_parts(self) -> list[dict]:
+        """The decoder's steps as tokenizer.json states them (a `Sequence`'s, in order)."""
+        spec = json.loads(self._tok.to_str()).get("decoder") or {}
+        return spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
 
     @functools.cached_property
     def _decoder_steps(self) -> tuple[str, ...]:
-        spec = self._decoder_spec
-        parts = spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
-        return tuple(p.get("type", "") for p in parts)
+        return tuple(p.get("type", "") for p in self._decoder_parts)
 
     @functools.cached_property
     def _replaces(self) -> tuple[tuple[str, str], ...]:
-        spec = self._decoder_spec
-        parts = spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
+        parts = self._decoder_parts
         return tuple((p["pattern"]["String"], p["content"]) if p.get("type") == "Replace" else
                      (p.get("replacement", "▁"), " ") for p in parts
                      if (p.get("type") == "Replace" and "String" in (p.get("pattern") or {}))

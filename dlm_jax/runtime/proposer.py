@@ -235,10 +235,14 @@ class Proposer:
             for r, rng in enumerate(state.rngs):
                 if rng is not None and candidates[r].any():
                     draw[r], seeds[r] = True, rng.integers(0, 2 ** 32, dtype=np.uint32)
-        penalized = bool(self.presence_penalty or self.frequency_penalty)
         return ProposeAsk(out.logits[:, :candidates.shape[1]], draw, seeds, temperature=self.temperature,
-                          top_k=self.top_k, top_p=self.top_p, count_ids=state.committed_ids() if penalized else None,
-                          presence=self.presence_penalty, frequency=self.frequency_penalty, bias=self.logit_bias)
+                          top_k=self.top_k, top_p=self.top_p, **self._adjustments(state))
+
+    def _adjustments(self, state: DecodeState) -> dict:
+        """A `ProposeAsk`'s fields for this proposer's penalties and bias."""
+        penalized = bool(self.presence_penalty or self.frequency_penalty)
+        return dict(count_ids=state.committed_ids() if penalized else None, presence=self.presence_penalty,
+                    frequency=self.frequency_penalty, bias=self.logit_bias)
 
     def propose(self, out: StepOutputs, candidates: np.ndarray, state: DecodeState,
                 answered: tuple[np.ndarray, ...] | None = None) -> Proposal:
@@ -299,11 +303,7 @@ def predict_ask(proposer: Proposer, logits, state: DecodeState) -> ProposeAsk | 
     if not is_device_logits(logits):
         return None
     b = logits.shape[0]
-    p = proposer
-    penalized = bool(p.presence_penalty or p.frequency_penalty)
-    return ProposeAsk(logits, np.zeros(b, bool), np.zeros(b, np.uint32),
-                      count_ids=state.committed_ids() if penalized else None, presence=p.presence_penalty,
-                      frequency=p.frequency_penalty, bias=p.logit_bias)
+    return ProposeAsk(logits, np.zeros(b, bool), np.zeros(b, np.uint32), **proposer._adjustments(state))
 
 
 def _sample(logits: np.ndarray, cand: np.ndarray, temperature: float, rngs: list, top_k: int = 0,
