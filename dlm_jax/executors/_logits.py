@@ -52,6 +52,16 @@ def _float_bits(x) -> np.ndarray:
     return np.ascontiguousarray(x, np.float32).view(np.int32)
 
 
+def _host_floats(x) -> np.ndarray:
+    """int32 answers read back -> the float32 they carry."""
+    return np.ascontiguousarray(x).view(np.float32)
+
+
+def _bits(x):
+    """float32 -> int32 bits inside a program (its answers travel as one int32 array)."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
 class _Rows:
     """A proposal program's rows: which row of the step's logits each is (`rows` [B]) and its
     options; rows no ask names (padding) stay greedy and unadjusted, and are not read."""
@@ -142,8 +152,7 @@ def _propose(logits, packed, *, b: int, g: int, nb: int, sample: bool, filtered:
     second = jnp.max(jnp.where(jnp.arange(v) == top[..., None], -jnp.inf, z), axis=-1, keepdims=True)  # runner-up
     top2 = jnp.exp(second - lse)[..., 0]
     ent = (lse - jnp.sum(e * jnp.where(jnp.isfinite(z), z, 0.0), axis=-1, keepdims=True) / s)[..., 0]
-    bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)  # noqa: E731
-    return jnp.stack([x0.astype(jnp.int32), bits(top1), bits(top2), bits(ent), top.astype(jnp.int32)])
+    return jnp.stack([x0.astype(jnp.int32), _bits(top1), _bits(top2), _bits(ent), top.astype(jnp.int32)])
 
 
 def _keep(z, temperature, top_k, top_p, cap: int | None = None):
@@ -259,11 +268,10 @@ def _logprobs(logits, packed, *, k: int):
     z = logits[b, i].astype(jnp.float32)  # [m, V]
     lse = jax.nn.logsumexp(z, axis=-1)
     lp = jnp.take_along_axis(z, tokens[:, None], -1)[:, 0] - lse
-    bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)  # noqa: E731
     if not k:
-        return bits(lp)[:, None]
+        return _bits(lp)[:, None]
     vals, ids = jax.lax.top_k(z, k)  # ties: the lower id first
-    return jnp.concatenate([bits(lp)[:, None], ids.astype(jnp.int32), bits(vals - lse[:, None])], axis=1)
+    return jnp.concatenate([_bits(lp)[:, None], ids.astype(jnp.int32), _bits(vals - lse[:, None])], axis=1)
 
 
 class DeviceLogits(step.DeviceLogits):
@@ -357,11 +365,10 @@ def _answer_proposals(asks: list[step.ProposeAsk]) -> list[tuple[np.ndarray, ...
                       cap=_cap(filtered, v) if filtered else None)
     packed = np.asarray(jax.device_get(packed))
     first._count(request.nbytes, packed.nbytes)
-    f = lambda x: np.ascontiguousarray(x).view(np.float32)  # noqa: E731
     out = []
     for ask, span in zip(asks, spans):
         mine = packed[:, span, ask.logits._cols]
-        out.append((mine[0].copy(), f(mine[1]), f(mine[2]), f(mine[3]), mine[4].copy()))
+        out.append((mine[0].copy(), *(_host_floats(mine[j]) for j in (1, 2, 3)), mine[4].copy()))
     return out
 
 
@@ -386,10 +393,9 @@ def _answer_logprobs(asks: list[step.LogprobsAsk]) -> list[tuple[np.ndarray, ...
                           np.concatenate([np.asarray(a.tokens) for a in asks]))
     packed = np.asarray(jax.device_get(_logprobs(first.array, request, k=k)))
     first._count(request.nbytes, packed.nbytes)
-    f = lambda x: np.ascontiguousarray(x).view(np.float32)  # noqa: E731
     out, at = [], 0
     for n in counts:
         mine = packed[at:at + n]
         at += n
-        out.append((f(mine[:, 0]), mine[:, 1:1 + k].copy(), f(mine[:, 1 + k:])))
+        out.append((_host_floats(mine[:, 0]), mine[:, 1:1 + k].copy(), _host_floats(mine[:, 1 + k:])))
     return out
