@@ -39,30 +39,38 @@ def pytest_configure(config: pytest.Config) -> None:
     # its time, so XLA compiles them at backend optimisation level 0 without its expensive LLVM
     # passes (JAX's `jax_disable_most_optimizations`: "useful if the cost of optimization is
     # greater than that of running a less-optimized program"): about a fifth less CPU time, and
-    # the default pass passes whole under it. Set before any test module imports JAX; the
-    # commands tests run inherit it. The slow pass (--runslow: long training runs and decodes,
+    # the default pass passes whole under it. Two XLA:CPU flags halve what is left of a compile
+    # (measured on llada-tiny's and idlm-tiny's decodes: 3.0 s of backend compile to 1.5 s, the
+    # decodes' own time unchanged): the classic elemental emitters in place of the MLIR fusion
+    # emitters, and each program's LLVM module in one piece rather than split for parallel
+    # codegen (two workers share two cores). Set before any test module imports JAX; the
+    # commands tests run inherit them. The slow pass (--runslow: long training runs and decodes,
     # where running time counts) compiles as users do.
     if not config.getoption("--runslow"):
         os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+        fast = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
+        flags = os.environ.get("XLA_FLAGS", "").split()
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in fast if f.split("=")[0] not in
+                                                    {g.split("=")[0] for g in flags}])
 
 
 # The files that take longest, first (measured with --durations=0 on 2 cores, seconds of one
-# worker, 2026-11-29): `make test` hands whole files to its workers (--dist loadfile) in
+# worker, 2026-11-30): `make test` hands whole files to its workers (--dist loadfile) in
 # collection order, and a long file started last keeps one worker busy after the other has run
 # out of work.
-LONGEST_FILES = ("tests/test_docs.py",  # 53 s
-                 "tests/techniques/isd/test_isd.py",  # 32 s
-                 "tests/models/test_cache_equivalence.py",  # 25 s
-                 "tests/frontends/test_server.py",  # 22 s
-                 "tests/executors/test_fused_projections.py",  # 20 s
-                 "tests/training/test_run_safety.py",  # 16 s
-                 "tests/checkpoint/test_parity.py",  # 15 s
+LONGEST_FILES = ("tests/test_docs.py",  # 67 s
+                 "tests/frontends/test_server.py",  # 32 s
+                 "tests/techniques/isd/test_isd.py",  # 25 s
+                 "tests/runtime/test_device_logits.py",  # 24 s
                  "tests/executors/test_runner.py",  # 15 s
-                 "tests/frontends/test_lmeval.py",  # 15 s
-                 "tests/training/test_shipped_models.py",  # 14 s
-                 "tests/techniques/lladacpp/test_lladacpp.py",  # 14 s
-                 "tests/models/test_moe_dispatch.py",  # 13 s
-                 "tests/models/test_quant.py")  # 13 s
+                 "tests/executors/test_fused_projections.py",  # 15 s
+                 "tests/executors/test_in_place_attention.py",  # 13 s
+                 "tests/models/test_quant.py",  # 12 s
+                 "tests/training/test_shipped_models.py",  # 11 s
+                 "tests/test_interrupt.py",  # 11 s
+                 "tests/models/test_moe_dispatch.py",  # 11 s
+                 "tests/models/test_cache_equivalence.py",  # 11 s
+                 "tests/runtime/test_infill.py")  # 10 s
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -37,11 +37,11 @@ def test_peer_logits_match_the_jax_model(pair):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
-# Batch 3 (rows of one length side by side) in the default pass for every mode and rule; batch 1,
-# the same decode on one row, in the slow pass.
+# Batch 3 (rows of one length side by side) in the default pass for every mode under the
+# threshold rule; batch 1 (the same decode on one row) and the top-k rule in the slow pass.
 @pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("mode", ["none", "prefix", "dual"])
-@pytest.mark.parametrize("rule", ["threshold", "topk"])
+@pytest.mark.parametrize("rule", ["threshold", pytest.param("topk", marks=pytest.mark.slow)])
 def test_peer_decodes_like_dlm_jax(pair, mode, rule, batch):
     handle, peer = pair
     prompts = prompts_for("llada-tiny", handle, batch)

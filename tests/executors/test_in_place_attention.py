@@ -335,7 +335,7 @@ def test_the_in_place_step_copies_no_cache(model):
     assert not concats["split"], concats["split"][:2]
 
 
-def test_the_compiled_step_updates_the_cache_without_copying_it(model):
+def test_the_compiled_step_updates_the_cache_without_copying_it(model, monkeypatch):
     """The step the executor compiles writes its window's K/V into the donated cache where it
     lies. Guards a silent cost: XLA:CPU's copy insertion, by default, copies a donated buffer
     that a program both reads and updates, twice (every layer's [B, Hkv, S, Dh] cache, every
@@ -343,7 +343,12 @@ def test_the_compiled_step_updates_the_cache_without_copying_it(model):
     region analysis (`_compile.CPU_COMPILER_OPTIONS`), which drops those copies. The control,
     compiled without it, holds them (or the check would be blind); JAX 0.11's XLA:CPU copies
     none there either, and the control is then a program that must copy a layer's buffer."""
+    from dlm_jax.executors import _compile
     from dlm_jax.executors._compile import jit_options
+
+    # With the default pass's faster XLA flags (tests/conftest.py), the classic emitters copy
+    # the cache: these programs compile with XLA's default emitters, as users' do.
+    monkeypatch.setitem(_compile.CPU_COMPILER_OPTIONS, "xla_cpu_use_fusion_emitters", True)
 
     executor = JaxExecutor(model, attention="split", rows="batched")
     req = _random_step(executor, np.random.default_rng(0), batch=2, slots=40, window=9)
@@ -355,8 +360,10 @@ def test_the_compiled_step_updates_the_cache_without_copying_it(model):
         return [ln.strip()[:120] for ln in text.splitlines() if f"= {shape}" in ln and " copy(" in ln]
 
     fn, specs, kw = executor._build_resident(spec)
-    if not copies(jax.jit(fn, **kw).lower(*specs).compile().as_text()):  # (JAX 0.11: none to drop)
-        keep = jax.jit(lambda x: (x.at[:, :, 0].set(1.0), x), donate_argnums=0)  # the update beside the donated original
+    assert "compiler_options" not in kw
+    default = {"xla_cpu_use_fusion_emitters": True}  # the control: XLA's defaults
+    if not copies(jax.jit(fn, **kw, compiler_options=default).lower(*specs).compile().as_text()):  # (JAX 0.11: none to drop)
+        keep = jax.jit(lambda x: (x.at[:, :, 0].set(1.0), x), donate_argnums=0, compiler_options=default)  # the update beside the donated original
         layer = jax.ShapeDtypeStruct((req.key.batch, cfg.n_kv_heads, spec[1], cfg.head_dim), jnp.float32)
         assert copies(keep.lower(layer).compile().as_text()), "a copy the check does not see: blind"
     assert not copies(jax.jit(fn, **jit_options(kw, "cpu")).lower(*specs).compile().as_text())
