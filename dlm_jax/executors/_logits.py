@@ -13,6 +13,14 @@ view of one step's logits at once: an engine's call of 16 requests, each its own
 own options, is one proposal program over the call's rows (each row's options its own:
 temperature, top-k, top-p, penalties, bias) and one sync, not 16.
 
+Each call needs a program of some shape and options (`_Variant`: rows, penalty and bias
+widths, which of sampling / filter / penalties / bias it applies). Where that exact program has
+not run in this process but a wider one has (more rows, more options), the wider one answers:
+its extra rows are padding and its extra options are off for these rows, so the answers are
+the same bits, and a call that mixes requests whose programs were each built (their union
+warmed by `Engine.warmup`) compiles nothing. Log-probabilities likewise: one program for a
+call's slots, with the largest k its asks want (a power of two; each ask's k first of them).
+
 The rules are the host proposer's (`runtime.proposer`), in float32:
 - adjustments: logit - frequency * c - presence * (c > 0) + bias, c the committed counts;
 - sampling: Gumbel-max, argmax(z / T + g) over the tokens the top-k / top-p filter keeps
@@ -30,6 +38,8 @@ Axes: B batch rows (of the view), R predicted rows, V vocabulary, m slots.
 from __future__ import annotations
 
 import functools
+import threading
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +121,60 @@ def _unpack_proposal(packed, b: int, g: int, nb: int):
 
 def _penalized(ask: step.ProposeAsk) -> bool:
     return ask.count_ids is not None and (ask.presence != 0 or ask.frequency != 0)
+
+
+class _Variant(NamedTuple):
+    """A proposal program's shape and options (`_propose`'s static keywords)."""
+
+    b: int  # rows
+    g: int  # committed ids per row (penalties)
+    nb: int  # bias entries per row
+    sample: bool
+    filtered: bool
+    penalized: bool
+    biased: bool
+    cap: int | None  # the filter's ranking (`_keep`; any gives the same set)
+
+    def covers(self, need: _Variant) -> bool:
+        """Whether this program answers `need`'s rows with the same bits: at least as many rows
+        and entries, and every option `need` applies (an option a row does not use is off for
+        it: greedy rows take the argmax, zero penalties and dropped bias ids change nothing,
+        an unfiltered row keeps every finite logit)."""
+        return (self.b >= need.b and self.g >= need.g and self.nb >= need.nb
+                and all(h or not n for h, n in zip(self[3:7], need[3:7])))
+
+    def excess(self, need: _Variant) -> tuple:
+        """What answering `need` with this program costs beyond its own: rows, then options."""
+        return (self.b, sum(self[3:7]) - sum(need[3:7]), self.cap != need.cap, self.g + self.nb)
+
+
+class _Ran:
+    """The program variants that have run in this process, per kind and logits signature
+    (shape, dtype, sharding: what else keys a compiled program), and the choice for a call:
+    the exact one, else the cheapest that covers it, else the exact one (compiled)."""
+
+    def __init__(self):
+        self._ran: dict[tuple, set] = {}
+        self._lock = threading.Lock()
+
+    def choose(self, sig: tuple, need):
+        with self._lock:
+            ran = self._ran.get(sig, ())
+            if need in ran:
+                return need
+            wider = [v for v in ran if v.covers(need)]
+        return min(wider, key=lambda v: v.excess(need)) if wider else need
+
+    def add(self, sig: tuple, variant) -> None:
+        with self._lock:
+            self._ran.setdefault(sig, set()).add(variant)
+
+
+_RAN = _Ran()
+
+
+def _signature(kind: str, array: jax.Array) -> tuple:
+    return (kind, array.shape, array.dtype, array.sharding)
 
 
 @functools.partial(jax.jit, static_argnames=("b", "g", "nb", "sample", "filtered", "penalized", "biased", "cap"))
@@ -330,13 +394,13 @@ class DeviceLogits(step.DeviceLogits):
     @classmethod
     def answer(cls, asks) -> list:
         """Each ask's answer, in order: one device call (one array sent, one read back) per
-        kind and step, for every view of that step's logits it is asked about. A proposal's
-        rows must not overlap another's in one call; any that do go to a call of their own."""
+        kind and step, for every view of that step's logits it is asked about (views may share
+        rows: each ask has program rows of its own)."""
         out: list = [None] * len(asks)
-        calls: dict[tuple, list[int]] = {}  # (kind, the step's logits[, k]) -> its asks
+        calls: dict[tuple, list[int]] = {}  # (kind, the step's logits) -> its asks
         for j, ask in enumerate(asks):
-            kind = (_answer_proposals,) if isinstance(ask, step.ProposeAsk) else (_answer_logprobs, int(ask.k))
-            calls.setdefault((*kind, id(ask.logits.array)), []).append(j)
+            kind = _answer_proposals if isinstance(ask, step.ProposeAsk) else _answer_logprobs
+            calls.setdefault((kind, id(ask.logits.array)), []).append(j)
         for key, js in calls.items():
             for j, got in zip(js, key[0]([asks[j] for j in js])):
                 out[j] = got
@@ -346,30 +410,35 @@ class DeviceLogits(step.DeviceLogits):
 def _answer_proposals(asks: list[step.ProposeAsk]) -> list[tuple[np.ndarray, ...]]:
     """One `_propose` call for the asks on one step's logits: their views' rows one after the
     other, padded to a power of two (a few programs per step shape; padding rows cost what a
-    row does, so not to the step's whole batch)."""
+    row does, so not to the step's whole batch), in the program `_RAN` chooses."""
     first = asks[0].logits
-    n, v = sum(len(a.logits._rows) for a in asks), first.array.shape[2]
-    b = _bucket(n)
-    g = _bucket(max((np.asarray(a.count_ids).shape[1] for a in asks if _penalized(a)), default=1))
-    nb = _bucket(max(len(a.bias) for a in asks))
-    rows, spans, at = _Rows(b, g, nb, v), [], 0
+    v = first.array.shape[2]
+    variant = _RAN.choose(sig := _signature("propose", first.array), _needs(asks, v))
+    rows, spans, at = _Rows(variant.b, variant.g, variant.nb, v), [], 0
     for ask in asks:
         spans.append(slice(at, at + len(ask.logits._rows)))
         rows.set(ask, spans[-1], v)
         at = spans[-1].stop
-    sample = any(a.temperature > 0 and np.any(a.draw) for a in asks)
-    filtered = [a for a in asks if a.temperature > 0 and np.any(a.draw) and (a.top_k > 0 or a.top_p < 1.0)]
     request = rows.pack()
-    packed = _propose(first.array, request, b=b, g=g, nb=nb, sample=sample, filtered=bool(filtered),
-                      penalized=any(map(_penalized, asks)), biased=any(a.bias for a in asks),
-                      cap=_cap(filtered, v) if filtered else None)
-    packed = np.asarray(jax.device_get(packed))
+    packed = np.asarray(jax.device_get(_propose(first.array, request, **variant._asdict())))
+    _RAN.add(sig, variant)
     first._count(request.nbytes, packed.nbytes)
     out = []
     for ask, span in zip(asks, spans):
         mine = packed[:, span, ask.logits._cols]
         out.append((mine[0].copy(), *(_host_floats(mine[j]) for j in (1, 2, 3)), mine[4].copy()))
     return out
+
+
+def _needs(asks: list[step.ProposeAsk], v: int) -> _Variant:
+    """The program `asks` need: their rows, the widest penalty and bias, the options any uses."""
+    filtered = [a for a in asks if a.temperature > 0 and np.any(a.draw) and (a.top_k > 0 or a.top_p < 1.0)]
+    return _Variant(b=_bucket(sum(len(a.logits._rows) for a in asks)),
+                    g=_bucket(max((np.asarray(a.count_ids).shape[1] for a in asks if _penalized(a)), default=1)),
+                    nb=_bucket(max(len(a.bias) for a in asks)),
+                    sample=any(a.temperature > 0 and np.any(a.draw) for a in asks), filtered=bool(filtered),
+                    penalized=any(map(_penalized, asks)), biased=any(bool(a.bias) for a in asks),
+                    cap=_cap(filtered, v) if filtered else None)
 
 
 def _cap(filtered: list[step.ProposeAsk], v: int) -> int | None:
@@ -381,21 +450,39 @@ def _cap(filtered: list[step.ProposeAsk], v: int) -> int | None:
     return cap if cap < v else None
 
 
+class _Slots(NamedTuple):
+    """A log-probabilities program's shape: slots, and the likeliest tokens each gives."""
+
+    m: int
+    k: int
+
+    def covers(self, need: _Slots) -> bool:
+        return self.m >= need.m and self.k >= need.k  # (a top-k's first j are the top-j: ties by id)
+
+    def excess(self, need: _Slots) -> tuple:
+        return (self.m, self.k)
+
+
 def _answer_logprobs(asks: list[step.LogprobsAsk]) -> list[tuple[np.ndarray, ...]]:
-    """One `_logprobs` call for the slots of all asks on one step's logits (one k)."""
-    first, k = asks[0].logits, int(asks[0].k)
+    """One `_logprobs` call for the slots of all asks on one step's logits, with the largest
+    k any asks for (a power of two, or 0), each ask's answer cut to its own k."""
+    first = asks[0].logits
     counts = [len(a.b) for a in asks]
     m = sum(counts)
-    request = np.zeros((3, _bucket(m)), np.int32)
+    top = max(int(a.k) for a in asks)
+    slots = _RAN.choose(sig := _signature("logprobs", first.array), _Slots(_bucket(m), _bucket(top) if top else 0))
+    k = slots.k
+    request = np.zeros((3, slots.m), np.int32)
     if m:
         request[:, :m] = (np.concatenate([a.logits._rows[np.asarray(a.b, np.int64)] for a in asks]),
                           np.concatenate([np.asarray(a.i) + a.logits._cols.start for a in asks]),
                           np.concatenate([np.asarray(a.tokens) for a in asks]))
     packed = np.asarray(jax.device_get(_logprobs(first.array, request, k=k)))
+    _RAN.add(sig, slots)
     first._count(request.nbytes, packed.nbytes)
     out, at = [], 0
-    for n in counts:
-        mine = packed[at:at + n]
+    for ask, n in zip(asks, counts):
+        mine, j = packed[at:at + n], int(ask.k)
         at += n
-        out.append((_host_floats(mine[:, 0]), mine[:, 1:1 + k].copy(), _host_floats(mine[:, 1 + k:])))
+        out.append((_host_floats(mine[:, 0]), mine[:, 1:1 + j].copy(), _host_floats(mine[:, 1 + k:1 + k + j])))
     return out

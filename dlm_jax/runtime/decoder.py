@@ -249,17 +249,10 @@ def warm_logits(executor: Executor, cfg: DecodeConfig, shapes: Iterable[tuple[in
         logits = executor.logits_like(batch, rows)
         if logits is None:
             continue
-        if p.adjusts or p.temperature > 0:
-            n = 1
-            while n < 2 * batch:
-                n = min(n, batch)
-                counts = np.full((n, cfg.gen_len), -1, np.int32) if p.presence_penalty or p.frequency_penalty else None
-                for draw in ([True, False] if p.temperature > 0 else [False]):
-                    asks.append(ProposeAsk(logits.rows(np.arange(n)), np.full(n, draw), np.zeros(n, np.uint32),
-                                           temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, count_ids=counts,
-                                           presence=p.presence_penalty, frequency=p.frequency_penalty,
-                                           bias=p.logit_bias))
-                n *= 2
+        if _proposes(cfg):
+            for n in _row_counts(batch):
+                draws = [True, False] if p.temperature > 0 else [False]
+                asks += [_proposal_ask(logits, cfg, n, draw) for draw in draws]
         if p.logprobs >= 0:  # a step's recorded slots, 1 to all its rows (padded to powers of two)
             m = 1
             while m < 2 * batch * rows:
@@ -270,6 +263,54 @@ def warm_logits(executor: Executor, cfg: DecodeConfig, shapes: Iterable[tuple[in
     for ask in asks:  # one at a time: each its own program
         answer([ask])
     return len(asks)
+
+
+def warm_mixed_logits(executor: Executor, configs: Sequence[tuple[DecodeConfig, Iterable[tuple[int, int]]]]) -> int:
+    """Run, once, the proposal programs for calls that mix requests of several configs (each
+    with the steps (batch, logit rows) it reaches, `warm_logits`'): for each step shape two or
+    more of them reach, their rows side by side in one program, all their options on, at each
+    row count from one row of each up to the batch. Such a program answers any mix of them
+    with fewer rows (`DeviceLogits.answer` takes a program that covers a call's where its own
+    was never built), so a mixed call compiles nothing. Returns how many ran."""
+    by_shape: dict[tuple[int, int], list[DecodeConfig]] = {}
+    for cfg, shapes in configs:
+        if logits_on_device(cfg, executor.capabilities) and _proposes(cfg):
+            for shape in set(shapes):
+                by_shape.setdefault(shape, []).append(cfg)
+    ran = 0
+    for (batch, rows), cfgs in sorted(by_shape.items(), key=lambda kv: kv[0]):
+        if len(cfgs) < 2 or (logits := executor.logits_like(batch, rows)) is None:
+            continue
+        c = len(cfgs)  # (fewer rows than configs: a program for one row each covers them)
+        for n in sorted({max(m, c) for m in _row_counts(batch)}):
+            answer([_proposal_ask(logits, cfg, n // c + (i < n % c), cfg.proposer.temperature > 0)
+                    for i, cfg in enumerate(cfgs)])
+            ran += 1
+    return ran
+
+
+def _proposes(cfg: DecodeConfig) -> bool:
+    """Whether a decode with `cfg` asks for proposals of its logits (beside the step)."""
+    return cfg.proposer.adjusts or cfg.proposer.temperature > 0
+
+
+def _row_counts(batch: int) -> list[int]:
+    """The rows a call's proposals may take: the powers of two below `batch`, and `batch`."""
+    counts, n = [], 1
+    while n < batch:
+        counts.append(n)
+        n *= 2
+    return counts + [batch]
+
+
+def _proposal_ask(logits, cfg: DecodeConfig, n: int, draw: bool) -> ProposeAsk:
+    """A proposal ask of `cfg`'s options for `n` rows of `logits` (a warm-up's; rows repeat
+    past its batch)."""
+    p = cfg.proposer
+    counts = np.full((n, cfg.gen_len), -1, np.int32) if p.presence_penalty or p.frequency_penalty else None
+    return ProposeAsk(logits.rows(np.arange(n) % logits.shape[0]), np.full(n, draw), np.zeros(n, np.uint32),
+                      temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, count_ids=counts,
+                      presence=p.presence_penalty, frequency=p.frequency_penalty, bias=p.logit_bias)
 
 
 def _wants_placement(cfg: DecodeConfig) -> dict[str, bool]:

@@ -46,7 +46,7 @@ import numpy as np
 from dlm_jax._errors import ConfigError, InputError
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
-from dlm_jax.runtime.decoder import DecodeOutput, DecodeStats, Decoder, warm_logits
+from dlm_jax.runtime.decoder import DecodeOutput, DecodeStats, Decoder, warm_logits, warm_mixed_logits
 from dlm_jax.runtime.kvcache import HostKVCache, KVCache, Transfers
 from dlm_jax.runtime.state import DecodeState, TokenLogprobs
 from dlm_jax.runtime.step import LogitsAsk, SlotStep, StepOutputs, answer, is_device_logits
@@ -365,8 +365,10 @@ class Engine:
         if cpu:  # llada.cpp's refresh: a request's CPU-path steps run alone, on its row (`RowCache.snapshot`)
             new += dec.cpu_executor().executor.warmup_engine(sorted(cpu), slots=self.max_tokens,
                                                               rows=self.max_batch, views=True)
-        for cfg, keys in logits:  # sampling, penalties, bias, logprobs beside the step
-            warm_logits(dec.executor, cfg, [(b, k.rows) for k in keys for b in self._warm_batches(k)])
+        shapes = [(cfg, [(b, k.rows) for k in keys for b in self._warm_batches(k)]) for cfg, keys in logits]
+        for cfg, reached in shapes:  # sampling, penalties, bias, logprobs beside the step
+            warm_logits(dec.executor, cfg, reached)
+        warm_mixed_logits(dec.executor, shapes)  # a call's requests of several configs together
         return new
 
     def _warm_batches(self, key: BucketKey) -> list[int]:

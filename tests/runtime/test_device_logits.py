@@ -274,17 +274,67 @@ def test_one_program_answers_rows_with_other_options_as_alone():
 
 def test_a_warmed_engine_compiles_no_program_for_its_asks(model):
     """`Engine.warmup` runs the programs that answer its configs' asks (proposals sampling or
-    not, log-probabilities of any count of slots) at every call size: requests then compile none."""
+    not, log-probabilities of any count of slots) at every call size, and the programs of calls
+    that mix its configs: requests then compile none, and decode as they do alone."""
     from dlm_jax.executors import _logits
 
-    cfg = dlm_jax.preset("fast-dllm", gen_len=32, logits_on="device", temperature=0.7, top_p=0.9,
-                         presence_penalty=0.5, logprobs=2)
+    seven = model.encode("7", chat=False)[-1]
+    sampled = dlm_jax.preset("fast-dllm", gen_len=32, logits_on="device", temperature=0.7, top_p=0.9,
+                             presence_penalty=0.5, logprobs=2)
+    greedy = dlm_jax.preset("fast-dllm", gen_len=32, logits_on="device", frequency_penalty=1.0, logprobs=5)
+    greedy = dataclasses.replace(greedy, proposer=dataclasses.replace(greedy.proposer, logit_bias=((seven, -100.0),)))
+    top_k = dlm_jax.preset("fast-dllm", gen_len=32, logits_on="device", temperature=1.2, top_k=3)
     engine = dlm_jax.Engine(model, max_batch=4)
-    engine.warmup([cfg], prompt_lens=[len(model.encode(p, chat=False)) for p in PROMPTS])
+    engine.warmup([sampled, greedy, top_k], prompt_lens=sorted({len(model.encode(p, chat=False)) for p in PROMPTS}))
     before = _logits._propose._cache_size(), _logits._logprobs._cache_size()
-    handles = [engine.submit(p, cfg, seed=s) for s, p in enumerate(PROMPTS)]
-    assert all(h.result().status == "done" for h in handles) and engine.stats.logits_calls
+    plan = [(PROMPTS[0], sampled), (PROMPTS[1], greedy), (PROMPTS[2], top_k), (PROMPTS[0], greedy),
+            (PROMPTS[1], sampled), (PROMPTS[2], sampled)]
+    handles = [engine.submit(p, c, seed=s) for s, (p, c) in enumerate(plan)]
+    got = [h.result() for h in handles]
+    assert all(g.status == "done" for g in got) and engine.stats.logits_calls
+    assert engine.stats.calls < sum(h.request.stats.steps for h in handles)  # (the configs shared calls)
     assert (_logits._propose._cache_size(), _logits._logprobs._cache_size()) == before
+    for s, ((p, c), g) in enumerate(zip(plan, got)):
+        alone = model.generate([p], c, seeds=[s])
+        assert g.token_ids == alone.token_ids[0], (p, c.proposer)
+        if c.proposer.logprobs >= 0:
+            np.testing.assert_array_equal(g.logprobs.top_ids, alone.logprobs[0].top_ids[:len(g.token_ids)])
+
+
+def test_a_program_for_more_rows_and_options_answers_a_call_as_its_own_would(monkeypatch):
+    """Where a call's own program was never built, one for more rows and options answers it,
+    with the same bits its own would give and no compile; a call that needs an option no built
+    program applies compiles its own. Log-probabilities likewise, with fewer likeliest tokens."""
+    from dlm_jax.executors import _logits
+    from dlm_jax.runtime.step import LogprobsAsk, ProposeAsk
+
+    rng = np.random.default_rng(11)
+    z = jnp.asarray(rng.normal(0, 2, (4, 3, V + 7)).astype(np.float32))  # (a shape no other test uses)
+    logits = DeviceLogits(z)
+    sample = dict(draw=np.ones(1, bool), seeds=np.array([4], np.uint32), temperature=0.8, top_k=3)
+    penalty = dict(draw=np.zeros(1, bool), seeds=np.zeros(1, np.uint32), count_ids=np.array([[1, 1, 6, -1]], np.int32),
+                   presence=0.5, frequency=1.0)
+    asks = lambda: [ProposeAsk(logits.rows([2]), **sample), ProposeAsk(logits.rows([0]), **penalty)]  # noqa: E731
+    slots = lambda k: LogprobsAsk(logits, np.array([0, 3]), np.array([2, 1]), np.array([5, 9]), k)  # noqa: E731
+
+    monkeypatch.setattr(_logits, "_RAN", _logits._Ran())  # each ask alone, in its own program
+    own = [DeviceLogits.answer([a])[0] for a in asks()] + [DeviceLogits.answer([slots(k)])[0] for k in (0, 2)]
+    monkeypatch.setattr(_logits, "_RAN", _logits._Ran())
+    union = asks() + [ProposeAsk(logits.rows([1, 3]), draw=np.ones(2, bool), seeds=np.array([1, 2], np.uint32),
+                                 temperature=1.1, top_p=0.7, bias=((3, 2.0),))]
+    DeviceLogits.answer(union + [slots(4)])  # 4 rows, every option; 4 likeliest tokens
+    ran = lambda: {kind: variants for (kind, *_), variants in _logits._RAN._ran.items()}  # noqa: E731
+    built = ran()
+    assert [(v.b, *v[3:7]) for v in built["propose"]] == [(4, True, True, True, True)]  # rows, options
+    assert built["logprobs"] == {_logits._Slots(m=2, k=4)}
+    covered = [DeviceLogits.answer([a])[0] for a in asks()] + [DeviceLogits.answer([slots(k)])[0] for k in (0, 2)]
+    assert ran() == built  # no other program ran
+    for a, b in zip(own, covered):
+        for x, y in zip(a, b):
+            assert x.shape == y.shape
+            np.testing.assert_array_equal(x.view(np.int32), y.view(np.int32))
+    DeviceLogits.answer([ProposeAsk(logits.rows([1]), **penalty, bias=tuple((i, 1.0) for i in range(5)))])
+    assert len(ran()["propose"]) == 2  # 5 bias entries: more than the union's, so a program of its own
 
 
 @pytest.mark.parametrize("preset", ["isd", pytest.param("ar", marks=pytest.mark.slow)])
