@@ -323,6 +323,14 @@ def decode_changes(body: Mapping[str, Any], max_tokens: int | None, config_of: C
     if max_tokens is not None:  # the decode runs whole blocks
         block = _block_len(registry.PRESETS[changes["preset"]] if "preset" in changes else registry.decode_options(base),
                            changes)
+        if block and max_tokens % block and isinstance(body.get("suffix"), str) and body["suffix"]:
+            # An infill fills every slot before its suffix: cut at max_tokens, it would no
+            # longer lead into it. One block of max_tokens where fewer than a block are asked.
+            if max_tokens > block:
+                raise ApiError(400, f"max_tokens={max_tokens} with a suffix: an infill fills whole blocks of "
+                                    f"{block} tokens before its suffix; ask for a multiple of {block}, or set "
+                                    f"dlm_jax.block_len to a divisor of {max_tokens}", param="max_tokens")
+            changes["block_len"] = block = max_tokens
         changes["gen_len"] = -(-max_tokens // block) * block if block else max_tokens
     try:
         config_of(changes)

@@ -259,6 +259,10 @@ def test_suffix_infills_between_the_prompt_and_it(live, model):
     assert stream_text(live, "/v1/completions", body)[0] == want[0]
     empty = client.completions.create(model=NAME, prompt=PROMPTS[0], suffix="", max_tokens=32).choices[0].text
     assert empty == model.generate(PROMPTS[0], cfg).texts[0]
+    # Fewer tokens than a block: one block of them, all before the suffix (not 32 cut at 8).
+    short = client.completions.create(model=NAME, prompt=PROMPTS[1], suffix=" 99", max_tokens=8).choices[0].text
+    assert short == model.generate(PROMPTS[1], dlm_jax.preset("fast-dllm", gen_len=8, block_len=8),
+                                   suffixes=[" 99"]).texts[0]  # (here "142"; 32 cut at 8 gave "152")
 
 
 def test_completion_forms_stop_and_max_tokens(live, model):
@@ -475,6 +479,8 @@ BAD = {  # class: (body bytes or object, status, words the message names)
     "suffix beside a revision policy": ({"model": NAME, "prompt": "1", "suffix": "2", "dlm_jax": {"preset": "llada-cpp"}},
                                         400, "suffix (infilling) does not go with"),
     "suffix too long": ({"model": NAME, "prompt": "1", "suffix": "9" * 200}, 400, "suffix (200 tokens)"),
+    "suffix past whole blocks": ({"model": NAME, "prompt": "1", "suffix": "2", "max_tokens": 40}, 400,
+                                 "max_tokens=40 with a suffix: an infill fills whole blocks of 32"),
 }
 
 
