@@ -169,8 +169,9 @@ class Model:
         # The engine sized to this call: its pooled K/V (allocated and zeroed per call) holds
         # these requests, not the model's longest rows in the largest batch that fits (a
         # 64-row pool of 512 slots for one prompt of the shipped tiny model: 60% of its decode).
-        tokens = min(self.decoder.slots(max(map(len, ids)), self.decoder.with_infill(self.decoder._for_model(config),
-                                                                                    tails)),
+        longest = max(map(len, ids))
+        tokens = min(self.decoder.slots(longest, self.decoder.with_infill(self.decoder._for_model(config), tails,
+                                                                          prompt_len=longest)),
                      self.decoder.max_tokens)
         if max_batch is None:
             from dlm_jax.runtime.engine import default_batch

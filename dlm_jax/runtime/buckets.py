@@ -72,6 +72,17 @@ def window_buckets(max_len: int, base: Iterable[int] = DEFAULT_WINDOW_BUCKETS) -
     return BucketSet(tuple(sorted(sizes)), "window bucket")
 
 
+def infill_slots(n: int, room: int | None = None) -> int:
+    """The slots after a generation that hold suffixes of up to `n` tokens (infilling): a power
+    of two from 8, so that requests whose suffixes differ in length share their step shapes
+    (the slots past a request's suffix are padding, which no step reads), but no more than
+    `room` (what fits after the prompt and the generation) unless `n` itself does not fit."""
+    if n <= 0:
+        return 0
+    size = max(8, 1 << (int(n) - 1).bit_length())
+    return size if room is None or size <= room else max(int(n), int(room))
+
+
 def cache_buckets(max_len: int) -> BucketSet:
     """Cache capacities: 0 (no cache), then multiples of 32 to 256, of 64 to 1024, then of 128,
     up to `max_len` (rounded up to 32)."""

@@ -48,7 +48,7 @@ import numpy as np
 
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError, InputError
-from dlm_jax.runtime.buckets import BucketKey
+from dlm_jax.runtime.buckets import BucketKey, infill_slots
 from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
 from dlm_jax.runtime.kvcache import HostKVCache, KVCache
@@ -496,13 +496,16 @@ class Decoder:
             new += self.cpu_executor().executor.warmup(cpu, slots=slots, views=True)
         return new
 
-    def with_infill(self, cfg: DecodeConfig, suffixes: Sequence[Sequence[int]] | None) -> DecodeConfig:
+    def with_infill(self, cfg: DecodeConfig, suffixes: Sequence[Sequence[int]] | None, *,
+                    prompt_len: int | None = None, limit: int | None = None) -> DecodeConfig:
         """`cfg` (a model's, `_for_model`) for requests whose generations end before the given
-        `suffixes` (token ids per request; None or all empty: none): its schedule over as many
-        slots after the generation as the longest suffix (`Scheduler.with_infill`). Raises
-        ConfigError where the slots after a generation are not read (a causal or block-causal
-        model, a schedule that does not read them, a revision policy), InputError for ids
-        outside the vocabulary."""
+        `suffixes` (token ids per request; None or all empty: none): its schedule over the slots
+        after the generation that hold the longest suffix (`Scheduler.with_infill`), a bucket
+        of them (`buckets.infill_slots`: requests with suffixes of other lengths share their
+        programs) within `limit` slots (default the decoder's) for prompts of up to
+        `prompt_len` tokens. Raises ConfigError where the slots after a generation are not
+        read (a causal or block-causal model, a schedule that does not read them, a revision
+        policy), InputError for ids outside the vocabulary."""
         n = max((len(s) for s in suffixes), default=0) if suffixes is not None else 0
         if n:
             mc = self.model_config
@@ -513,6 +516,8 @@ class Decoder:
                 raise ConfigError(f"a suffix (infilling) does not go with the {type(cfg.revision).__name__} revision "
                                   f"policy (its CPU path and probes plan no slots after the generation)")
             self.check_prompts(suffixes, what="suffix")
+            room = None if prompt_len is None else (self.max_tokens if limit is None else limit) - prompt_len - cfg.gen_len
+            n = infill_slots(n, room)
         return dataclasses.replace(cfg, scheduler=cfg.scheduler.with_infill(n))
 
     def decode(self, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, *,
@@ -561,7 +566,7 @@ class Decoder:
         `decode`'s. Closing the generator ends the decode early (its cache closed, its CPU path
         stopped)."""
         mc = self.model_config
-        cfg = self.with_infill(self._for_model(cfg), suffixes)
+        cfg = self.with_infill(self._for_model(cfg), suffixes, prompt_len=max(map(len, prompts), default=0))
         n = len(prompts)
         if suffixes is not None and len(suffixes) != n:
             raise InputError(f"{len(suffixes)} suffixes for {n} prompts")

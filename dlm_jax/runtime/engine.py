@@ -405,7 +405,8 @@ class Engine:
         if ids.ndim != 1 or len(ids) == 0:
             raise InputError("a request's prompt must be a non-empty sequence of token ids")
         suffix = None if suffix is None or len(suffix) == 0 else suffix
-        cfg = dec.with_infill(dec._for_model(config), None if suffix is None else [suffix])
+        cfg = dec.with_infill(dec._for_model(config), None if suffix is None else [suffix], prompt_len=len(ids),
+                              limit=min(self.max_tokens, dec.max_tokens))
         suffix = None if suffix is None else np.asarray(suffix, np.int32)
         dec.bucket_keys([len(ids)], cfg)  # every check of the decoder, with its own messages
         if cfg.placement.probe() is not None:

@@ -54,8 +54,12 @@ def test_every_step_sees_the_suffix_as_transformers_bidirectional_forward(llada,
     out = model.decoder.decode([prompt], cfg, suffixes=[suffix])
     ids, lp = out.sequences[0], out.logprobs[0]
     start = len(prompt)
-    assert all(list(fed_tokens[0, start + 8:]) == suffix for fed_tokens, _ in steps)
-    decided = committing_distributions(llama, steps, start, len(ids))
+    end = start + 8 + len(suffix)
+    # The suffix right after the generation, then padding to the bucket of 8 slots
+    # (`buckets.infill_slots`), which no step reads: the reference sees none of it.
+    assert all(list(fed_tokens[0, start + 8:end]) == suffix and fed_tokens.shape[1] == start + 16
+               for fed_tokens, _ in steps)
+    decided = committing_distributions(llama, [(f[:, :end], s) for f, s in steps], start, len(ids))
     assert sorted(decided) == list(range(8))
     for j, ref in decided.items():
         assert abs(lp.logprob[j] - ref[ids[j]]) <= TOL, j
@@ -173,3 +177,23 @@ def test_tides_calibration_probe_decodes_the_suffix_too(monkeypatch):
     engine = dlm_jax.Engine(moe)
     engine.submit("sort: 44 13 37", cfg, suffix=suffix).result()
     assert probes == [[suffix], [suffix]]
+
+
+def test_suffixes_of_other_lengths_share_their_programs(tiny):
+    """The slots after a generation are a bucket of them (`buckets.infill_slots`; the slots past
+    a request's suffix are padding no step reads, `test_every_step_sees_the_suffix...`), so a
+    request whose suffix has another length runs the programs built for the first: it compiles
+    nothing. Where the bucket does not fit under the engine's `max_tokens` but the suffix does,
+    the slots are what fits: the request is not refused for its bucket."""
+    from dlm_jax.executors._compile import XlaCompileCounter
+
+    cfg = dlm_jax.preset("fast-dllm", gen_len=32, cache="prefix")
+    tiny.generate([PROMPTS[0]], cfg, suffixes=[[5, 6, 7]])
+    xla = XlaCompileCounter.count()
+    again = tiny.generate([PROMPTS[0]], cfg, suffixes=[[5, 6, 7, 8, 9, 10]])
+    assert XlaCompileCounter.count() == xla and again.stats.compiles == 0
+    n = len(tiny.encode(PROMPTS[2]))
+    with dlm_jax.Engine(tiny, cfg, max_tokens=n + 32 + 5) as engine:  # room for 5 slots, not 8
+        assert engine.submit(PROMPTS[2], suffix=[5] * 5).result().status == "done"
+        with pytest.raises(ConfigError, match=r"suffix \(6 tokens\)"):
+            engine.submit(PROMPTS[2], suffix=[5] * 6)
