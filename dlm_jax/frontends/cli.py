@@ -396,7 +396,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock.close()
     handle = _load(args, args.model)
     service = server.Service(handle, cfg, name=name, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                             max_tokens=args.max_tokens, max_body=args.max_body, warmup=args.warmup)
+                             max_tokens=args.max_tokens, max_body=args.max_body, warmup=args.warmup,
+                             warmup_sampling=args.warmup_sampling)
     return server.serve(service, host=args.host, port=args.port, grace=args.grace, log_level=args.log_level)
 
 
@@ -869,6 +870,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds running requests get to finish before they are cancelled (default 30)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="report healthy at once; programs then compile when a request first needs them")
+    p.add_argument("--warmup-sampling", action="store_true",
+                   help="warm up the programs of requests that sample, set penalties or a logit_bias (up to 64 "
+                        "entries), or ask for logprobs too (about twice the warm-up)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info adds a line per request; default warning)")
     _add_model_options(p)

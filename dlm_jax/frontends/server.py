@@ -418,6 +418,23 @@ class Metrics:
 # ---------------------------------------------------------------------------- the service
 
 
+# Bias entries a warm-up with `--warmup-sampling` covers: a request with more compiles the
+# program that answers its proposals when it first runs.
+WARM_BIAS = 64
+
+
+def sampling_variant(cfg: DecodeConfig) -> DecodeConfig:
+    """`cfg` with every option a request may add to it on: sampling with top-p, both penalties,
+    a bias of `WARM_BIAS` entries and `MAX_LOGPROBS` alternatives. Its programs are those of any
+    such request (steps that return their logits; the programs that answer proposals and
+    log-probabilities beside them, which answer calls with fewer options, entries or
+    alternatives, `executors._logits`): what `--warmup-sampling` builds."""
+    proposer = dataclasses.replace(cfg.proposer, temperature=1.0, top_p=0.9, presence_penalty=0.5,
+                                   frequency_penalty=0.5, logprobs=MAX_LOGPROBS,
+                                   logit_bias=tuple((i, 0.0) for i in range(WARM_BIAS)))
+    return dataclasses.replace(cfg, proposer=proposer)
+
+
 class Service:
     """The server's state: the model, its engine (on a background thread), the lifecycle
     (`state`: warming, ready, draining) and the metrics.
@@ -429,17 +446,19 @@ class Service:
       max_batch, max_waiting, max_tokens: the engine's (`dlm_jax.Engine`).
       max_body: the largest request body, bytes.
       warmup: build every program `config` reaches before reporting healthy.
+      warmup_sampling: and those of its requests that sample, set penalties or a bias, or ask
+        for log-probabilities (`sampling_variant`).
     """
 
     def __init__(self, model: Model, config: DecodeConfig, *, name: str, max_batch: int | None = None,
                  max_waiting: int | None = 64, max_tokens: int | None = None, max_body: int = MAX_BODY,
-                 warmup: bool = True):
+                 warmup: bool = True, warmup_sampling: bool = False):
         from dlm_jax._engine import Engine
 
         self.model, self.config, self.name = model, config, name
         self.engine = Engine(model, config, max_batch=max_batch, max_waiting=max_waiting, max_tokens=max_tokens)
         self.max_body = max_body
-        self.warm = warmup
+        self.warm, self.warm_sampling = warmup, warmup_sampling
         self.state = "warming"
         self.warmup_seconds: float | None = None
         self.warmup_programs: int | None = None
@@ -466,6 +485,8 @@ class Service:
                 block = getattr(cfg.scheduler, "block_len", None)
                 lens = range(block, cfg.gen_len + 1, block) if block else [cfg.gen_len]
                 configs = [registry.decode_config(cfg, gen_len=g) for g in lens]
+                if self.warm_sampling:
+                    configs += [sampling_variant(c) for c in configs]
                 self.warmup_programs = self.engine.core.warmup(configs)
         except Exception:  # noqa: BLE001 - a server that cannot warm up still serves (compiling on use)
             log.exception("warm-up failed; programs will compile on first use")
