@@ -423,16 +423,22 @@ class Metrics:
 WARM_BIAS = 64
 
 
-def sampling_variant(cfg: DecodeConfig) -> DecodeConfig:
+def sampling_variant(cfg: DecodeConfig, decoder) -> DecodeConfig:
     """`cfg` with every option a request may add to it on: sampling with top-p, both penalties,
-    a bias of `WARM_BIAS` entries and `MAX_LOGPROBS` alternatives. Its programs are those of any
-    such request (steps that return their logits; the programs that answer proposals and
-    log-probabilities beside them, which answer calls with fewer options, entries or
-    alternatives, `executors._logits`): what `--warmup-sampling` builds."""
+    a bias of `WARM_BIAS` entries and `MAX_LOGPROBS` alternatives (none where `decoder` refuses
+    them with `cfg`: llada.cpp's CPU path). Its programs are those of any such request (steps
+    that return their logits; the programs that answer proposals and log-probabilities beside
+    them, which answer calls with fewer options, entries or alternatives, `executors._logits`):
+    what `--warmup-sampling` builds."""
+    bias = tuple((i, 0.0) for i in range(min(WARM_BIAS, decoder.model_config.vocab_size)))
     proposer = dataclasses.replace(cfg.proposer, temperature=1.0, top_p=0.9, presence_penalty=0.5,
-                                   frequency_penalty=0.5, logprobs=MAX_LOGPROBS,
-                                   logit_bias=tuple((i, 0.0) for i in range(WARM_BIAS)))
-    return dataclasses.replace(cfg, proposer=proposer)
+                                   frequency_penalty=0.5, logprobs=MAX_LOGPROBS, logit_bias=bias)
+    variant = dataclasses.replace(cfg, proposer=proposer)
+    try:
+        decoder.bucket_keys([1], variant)
+    except ConfigError:
+        variant = dataclasses.replace(variant, proposer=dataclasses.replace(proposer, logprobs=-1))
+    return variant
 
 
 class Service:
@@ -485,9 +491,10 @@ class Service:
                 block = getattr(cfg.scheduler, "block_len", None)
                 lens = range(block, cfg.gen_len + 1, block) if block else [cfg.gen_len]
                 configs = [registry.decode_config(cfg, gen_len=g) for g in lens]
-                if self.warm_sampling:
-                    configs += [sampling_variant(c) for c in configs]
                 self.warmup_programs = self.engine.core.warmup(configs)
+                if self.warm_sampling:
+                    variants = [sampling_variant(c, self.engine.core.decoder) for c in configs]
+                    self.warmup_programs += self.engine.core.warmup(variants)
         except Exception:  # noqa: BLE001 - a server that cannot warm up still serves (compiling on use)
             log.exception("warm-up failed; programs will compile on first use")
         self.warmup_seconds = time.perf_counter() - t0
