@@ -461,7 +461,7 @@ def device_specs(key: BucketKey, gated: bool = False) -> tuple[jax.ShapeDtypeStr
 
 
 def _keeps_logits(req: SlotStep, names: list[str], executor) -> bool:
-    """Whether a step's logits stay where it ran (`OutputRequest.device_logits`, one process:
+    """Whether a step's logits stay where it ran (`OutputRequest.device_logits`:
     `_logits.DeviceLogits`); they are then taken out of `names`, the outputs read back."""
     kept = req.want.device_logits and "logits" in names and bool(executor.capabilities.logits_on)
     if kept:
@@ -572,7 +572,7 @@ class DeviceKVCache(KVCache):
         d2h = sum(v.nbytes for v in fetched.values())  # (`_get` gives host arrays)
         out = {**unpack_predictions(fetched.pop("predictions")), **fetched}
         if kept:
-            out["logits"] = DeviceLogits(named["logits"], transfers=self.transfers)
+            out["logits"] = DeviceLogits(ex._kept(named["logits"]), transfers=self.transfers)
         self.transfers.add(sum(x.nbytes for x in inputs), d2h)
         return StepOutputs.from_named(out)
 
@@ -594,7 +594,7 @@ class DeviceKVCache(KVCache):
             named = executor._views.get(key)(executor._leaves, *view, *arrays)
             out = executor._get({n: named[n] for n in names})
             if kept:
-                out["logits"] = DeviceLogits(named["logits"], transfers=transfers)
+                out["logits"] = DeviceLogits(executor._kept(named["logits"]), transfers=transfers)
             transfers.add(req.read.nbytes + req.lengths().nbytes + req.cache_rows().nbytes + sum(a.nbytes for a in arrays),
                           sum(v.nbytes for v in out.values()))
             return StepOutputs(**out, kv=(named["k_new"], named["v_new"]))
@@ -732,11 +732,11 @@ class JaxExecutor(Executor):
             s = next(iter(self._slots.values())).resident.size
             self._capabilities = dataclasses.replace(self._capabilities, expert_slots=s)
         self.placement = None if mesh is None else _placement(mesh, model, self._slots)
-        # A step's logits can stay where it ran (`_logits.DeviceLogits`): on its device, or
-        # replicated over a mesh of this process's devices (a mesh over several processes reads
-        # them back: its answers would need gathering across the processes).
-        if self.placement is None or jax.process_count() == 1:
-            self._capabilities = dataclasses.replace(self._capabilities, logits_on=jax.default_backend())
+        # A step's logits can stay where it ran (`_logits.DeviceLogits`): on its device,
+        # replicated over a mesh of this process's devices, or, on a mesh over several
+        # processes, on the replica this process holds (`_kept`): each process answers its
+        # host's asks there, the same answers as every other process's, with no collective.
+        self._capabilities = dataclasses.replace(self._capabilities, logits_on=jax.default_backend())
         # q and k rotated by one RoPE op (`joint_rope`): on one accelerator only. A CPU keeps
         # the bits it had (XLA:CPU rounds the joined op otherwise), and on a mesh q's and k's
         # heads are split over the devices, which a join along the heads would regather.
@@ -839,6 +839,13 @@ class JaxExecutor(Executor):
         if p.processes == 1 and not put:
             return arrays
         return [x if isinstance(x, jax.Array) else p.put(x, p.batch(np.shape(x)) if rows else None) for x in arrays]
+
+    @staticmethod
+    def _kept(x: jax.Array) -> jax.Array:
+        """A replicated output kept where it is: as it is where this process holds all of it,
+        else this process's replica (programs over a global array would have every process
+        run them together; on its replica each runs its own)."""
+        return x if x.is_fully_addressable else x.addressable_data(0)
 
     def _get(self, named: dict) -> dict[str, np.ndarray]:
         """Outputs on the host (a mesh's replicated outputs read from a local replica)."""
@@ -1153,7 +1160,7 @@ class JaxExecutor(Executor):
         answer their asks."""
         if not self.capabilities.logits_on:
             return None
-        return DeviceLogits(self._put(np.zeros((batch, rows, self.config.vocab_size), np.float32)))
+        return DeviceLogits(self._kept(self._put(np.zeros((batch, rows, self.config.vocab_size), np.float32))))
 
     def build_counts(self) -> BuildCounts:
         return BuildCounts(compiles=self.compile_count,

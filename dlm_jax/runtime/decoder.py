@@ -389,7 +389,7 @@ class Decoder:
         if cfg.proposer.logits_on == "device":
             if not self.capabilities.logits_on:
                 raise ConfigError("logits_on='device' needs an executor that keeps a step's logits on its device "
-                                  "(the JAX executor, on one device or a mesh of this process's devices); "
+                                  "(the JAX executor, on one device or a mesh); "
                                   "use logits_on='host' or 'auto'")
             if cfg.scheduler.reads_logits():
                 raise ConfigError(f"logits_on='device' does not go with the {type(cfg.scheduler).__name__} schedule, "

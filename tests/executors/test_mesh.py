@@ -202,14 +202,22 @@ def _two_processes(argv) -> list[tuple[str, str]]:
 @pytest.mark.slow
 def test_two_processes_decode_as_one():
     """One mesh over two processes (jax.distributed on 127.0.0.1, gloo collectives), each with
-    two host devices, each running the same host loop: the tokens of one process on one device."""
-    case = {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "presets": ["fast-dllm", "fast-dllm-dual"]}
+    two host devices, each running the same host loop: the tokens of one process on one device.
+    With the logits kept on the device (sampling, penalties, logprobs), each process answers its
+    asks on its own replica of them: the same tokens, and one device's bytes read back."""
+    kept = [{"logits_on": "device", "presence_penalty": 1.0, "logprobs": 2},
+            {"logits_on": "device", "temperature": 0.8, "top_k": 4}]
+    case = {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "presets": ["fast-dllm", "fast-dllm-dual", *kept],
+            "max_batch": 4, "prompts": 3}
     outs = [json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
             for out, _ in _two_processes(lambda coordinator, rank: [sys.executable, str(DRIVER), json.dumps(
                 {"devices": 2, "cases": [case], "processes": [coordinator, 2, rank]})])]
     for report in outs:
         assert report["cases"][0]["devices"] == 2  # this process's share of the 4 devices
         assert_same(report)
+        for preset in kept:
+            got = report["cases"][0]["presets"][json.dumps(preset)]
+            assert got["mesh"]["logits_on"] == "cpu" and got["mesh"]["d2h"] == got["one"]["d2h"] < 3 * 32 * 264 * 4 // 8
     assert outs[0]["cases"][0]["presets"] == outs[1]["cases"][0]["presets"]
 
 
