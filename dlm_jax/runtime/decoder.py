@@ -516,7 +516,8 @@ class Decoder:
                 raise ConfigError(f"a suffix (infilling) does not go with the {type(cfg.revision).__name__} revision "
                                   f"policy (its CPU path and probes plan no slots after the generation)")
             self.check_prompts(suffixes, what="suffix")
-            room = None if prompt_len is None else (self.max_tokens if limit is None else limit) - prompt_len - cfg.gen_len
+            top = self.max_tokens if limit is None else limit
+            room = None if prompt_len is None else top - prompt_len - cfg.gen_len
             n = infill_slots(n, room)
         return dataclasses.replace(cfg, scheduler=cfg.scheduler.with_infill(n))
 

@@ -582,8 +582,10 @@ def test_a_sampling_warm_up_leaves_sampled_requests_nothing_to_compile(model):
     try:
         built = model.executor.build_counts().compiles
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
-        for kw in (dict(temperature=0.8, top_p=0.5, seed=1, logprobs=3), dict(presence_penalty=1.0, logit_bias={"5": -100}),
-                   dict(temperature=1.5, frequency_penalty=-0.5, logprobs=0, seed=2, extra_body={"dlm_jax": {"top_k": 4}})):
+        for kw in (dict(temperature=0.8, top_p=0.5, seed=1, logprobs=3),
+                   dict(presence_penalty=1.0, logit_bias={"5": -100}),
+                   dict(temperature=1.5, frequency_penalty=-0.5, logprobs=0, seed=2,
+                        extra_body={"dlm_jax": {"top_k": 4}})):
             assert client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=32, **kw).choices[0].text
         assert model.executor.build_counts().compiles == built
     finally:

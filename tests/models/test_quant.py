@@ -126,7 +126,8 @@ def test_quantized_weights_names_exactly_what_quantize_replaces():
     assert len(int8_leaves) == len(listed)  # nothing else was quantized
 
 
-@pytest.mark.parametrize("decode", [False, pytest.param(True, marks=pytest.mark.slow)])  # (XLA:CPU emulates fp8: a 5 s compile)
+# (XLA:CPU emulates fp8: the decode's compile takes 5 s)
+@pytest.mark.parametrize("decode", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_moe_experts_quantized_per_expert_and_decode(decode):
     model = dlm_jax.load(ROOT / "models" / "moe-tiny", executor="jax", quant="fp8")
     ffn = next(b.ffn for b in model.model.layers if hasattr(b.ffn, "router"))
