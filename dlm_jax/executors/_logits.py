@@ -19,7 +19,7 @@ not run in this process but a wider one has (more rows, more options), the wider
 its extra rows are padding and its extra options are off for these rows, so the answers are
 the same bits, and a call that mixes requests whose programs were each built (their union
 warmed by `Engine.warmup`) compiles nothing. Log-probabilities likewise: one program for a
-call's slots, with the largest k its asks want (a power of two; each ask's k first of them).
+call's slots, with the largest k its asks want (each ask's k first of them).
 
 The rules are the host proposer's (`runtime.proposer`), in float32:
 - adjustments: logit - frequency * c - presence * (c > 0) + bias, c the committed counts;
@@ -465,12 +465,12 @@ class _Slots(NamedTuple):
 
 def _answer_logprobs(asks: list[step.LogprobsAsk]) -> list[tuple[np.ndarray, ...]]:
     """One `_logprobs` call for the slots of all asks on one step's logits, with the largest
-    k any asks for (a power of two, or 0), each ask's answer cut to its own k."""
+    k any asks for (or more, in a program that covers it), each ask's answer cut to its own k."""
     first = asks[0].logits
     counts = [len(a.b) for a in asks]
     m = sum(counts)
     top = max(int(a.k) for a in asks)
-    slots = _RAN.choose(sig := _signature("logprobs", first.array), _Slots(_bucket(m), _bucket(top) if top else 0))
+    slots = _RAN.choose(sig := _signature("logprobs", first.array), _Slots(_bucket(m), top))
     k = slots.k
     request = np.zeros((3, slots.m), np.int32)
     if m:
