@@ -141,11 +141,15 @@ class _Variant(NamedTuple):
         it: greedy rows take the argmax, zero penalties and dropped bias ids change nothing,
         an unfiltered row keeps every finite logit)."""
         return (self.b >= need.b and self.g >= need.g and self.nb >= need.nb
-                and all(h or not n for h, n in zip(self[3:7], need[3:7])))
+                and all(h or not n for h, n in zip(self.options, need.options)))
 
     def excess(self, need: _Variant) -> tuple:
         """What answering `need` with this program costs beyond its own: rows, then options."""
-        return (self.b, sum(self[3:7]) - sum(need[3:7]), self.cap != need.cap, self.g + self.nb)
+        return (self.b, sum(self.options) - sum(need.options), self.cap != need.cap, self.g + self.nb)
+
+    @property
+    def options(self) -> tuple[bool, bool, bool, bool]:
+        return (self.sample, self.filtered, self.penalized, self.biased)
 
 
 class _Ran:

@@ -250,9 +250,8 @@ def warm_logits(executor: Executor, cfg: DecodeConfig, shapes: Iterable[tuple[in
         if logits is None:
             continue
         if _proposes(cfg):
-            for n in _row_counts(batch):
-                draws = [True, False] if p.temperature > 0 else [False]
-                asks += [_proposal_ask(logits, cfg, n, draw) for draw in draws]
+            draws = [True, False] if p.temperature > 0 else [False]
+            asks += [_proposal_ask(logits, cfg, n, draw) for n in _row_counts(batch) for draw in draws]
         if p.logprobs >= 0:  # a step's recorded slots, 1 to all its rows (padded to powers of two)
             m = 1
             while m < 2 * batch * rows:
