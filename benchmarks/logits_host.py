@@ -15,9 +15,14 @@ Each case also runs with the logits kept where a JAX step leaves them (`Proposer
 timed to its answers on the host (the first, compiling, run not counted), with the bytes read
 back.
 
-Last, an engine's call of `--requests` sampling requests, each its own batch row and its own
+Then an engine's call of `--requests` sampling requests, each its own batch row and its own
 options: their proposals answered one request at a time (a device call and a sync each) and
 all at once (`DeviceLogits.answer`: one program over the rows, what the engine runs).
+
+Last, ISD's acceptance of one request's drafts at stride `--stride` (a verify step's 2N-1
+rows, N-1 drafts proposed from the previous step's rows) in its modes that read the logits:
+on the host (`Acceptance.judge` over the rows read back, and the IAR's terms), and beside the
+step (a `JudgeAsk` answered, then `Acceptance.judge_answered`).
 Prints JSON and writes <out>.json and <out>.md.
 """
 
@@ -39,9 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dlm_jax._integrity import atomic_write  # noqa: E402
 from dlm_jax.executors._logits import DeviceLogits  # noqa: E402
 from dlm_jax.runtime.kvcache import Transfers  # noqa: E402
-from dlm_jax.runtime.proposer import Proposer  # noqa: E402
+from dlm_jax.runtime.proposer import Proposer, sampling_probs  # noqa: E402
 from dlm_jax.runtime.state import DecodeState, TokenState  # noqa: E402
-from dlm_jax.runtime.step import ProposeAsk, StepOutputs  # noqa: E402
+from dlm_jax.runtime.step import JudgeAsk, ProposeAsk, StepOutputs, answer  # noqa: E402
+from dlm_jax.techniques.isd.strided import Acceptance  # noqa: E402
 
 from _hardware import machine  # noqa: E402
 
@@ -59,6 +65,15 @@ CASES = [
     ("logprobs, 4 slots decided", Proposer(logprobs=5), 4, 5),
     ("logprobs, 32 slots decided", Proposer(logprobs=5), 32, 5),
     ("logprobs, 32 slots decided, top 20", Proposer(logprobs=20), 32, 20),
+]
+
+
+# ISD's modes that read more of the logits than the anchors' tokens: (case, rule, sampler, IAR)
+JUDGES = [
+    ("ISD relaxed (T = 0, relax 0.5), IAR", Acceptance(relax=0.5), Proposer(), True),
+    ("ISD p / q over sampled drafts (T = 0.7)", Acceptance(proposal="sample"), Proposer(temperature=0.7), False),
+    ("ISD softmax_q, top-p 0.9 (T = 0.7)", Acceptance(verify="softmax_q"), Proposer(temperature=0.7, top_p=0.9),
+     False),
 ]
 
 
@@ -137,6 +152,52 @@ def measure_call(vocab: int, rows: int, requests: int, repeats: int) -> dict[str
     return row
 
 
+def measure_judge(vocab: int, stride: int, repeats: int) -> list[dict[str, Any]]:
+    """ISD's acceptance of one request's N-1 drafts, on the host and beside the step (ms to its
+    decision on the host; bytes read back: the verify step's rows, or the answers)."""
+    k = stride - 1
+    rng = np.random.default_rng(4)
+    p_z = rng.normal(0, 3, (1, 2 * stride - 1, vocab)).astype(np.float32)
+    q_z = rng.normal(0, 3, (1, 2 * stride - 1, vocab)).astype(np.float32)
+    counted = Transfers()
+    p_kept = DeviceLogits(jax.device_put(p_z), transfers=counted)
+    q_kept = DeviceLogits(jax.device_put(q_z))
+    drafts, anchors = p_z[0, :k].argmax(-1), p_z[0, :k + 1].argmax(-1)  # (greedy anchors accept at T = 0)
+    rows = []
+    for name, rule, sampler, iar in JUDGES:
+        t = sampler.temperature
+
+        def host(seed: int) -> None:
+            p_logits = np.asarray(p_z[0, :k + 1])  # (the verify step's rows, read back)
+            q_logits = q_z[0, stride:stride + k]  # (kept from the previous step's)
+            rule.judge(drafts, anchors, sampler, np.random.default_rng(seed), p_logits, q_logits)
+            if iar:
+                idx = np.arange(k)
+                sampling_probs(p_logits[:k], 1.0)[idx, drafts], sampling_probs(q_logits, 1.0)[idx, drafts]
+
+        def device(seed: int) -> None:
+            ask = JudgeAsk(p_kept, b=np.zeros(k, np.int64), i=np.arange(k), tokens=drafts.astype(np.int32),
+                           anchors=anchors[:k].astype(np.int32), seeds=np.full(k, seed, np.uint32),
+                           use_q=np.full(k, not rule.one_hot), temperature=np.full(k, t, np.float32),
+                           top_k=np.zeros(k, np.int32), top_p=np.full(k, sampler.top_p, np.float32), q=q_kept,
+                           qb=np.zeros(k, np.int64), qi=stride + np.arange(k))
+            rule.judge_answered(drafts, anchors, sampler, np.random.default_rng(seed), answer([ask])[0])
+
+        row: dict[str, Any] = {"case": name}
+        for where, run in (("host", host), ("device", device)):
+            times = []
+            for i in range(repeats + (where == "device")):
+                counted.add(0, 0)
+                t0 = time.perf_counter()
+                run(i)
+                if where == "host" or i:  # (the device's first run compiles)
+                    times.append(time.perf_counter() - t0)
+            row[f"{where}_ms"] = round(1000 * statistics.median(times), 2)
+            row[f"{where}_bytes"] = p_z.nbytes if where == "host" else counted.d2h[-1]  # (all the step's rows)
+        rows.append(row)
+    return rows
+
+
 def markdown(rep: dict[str, Any]) -> str:
     lines = [f"# Host cost of proposals from logits (`benchmarks/logits_host.py`)", "",
              f"One request, {rep['rows']} predicted rows, vocabulary {rep['vocab']:,}; random float32 logits; "
@@ -169,6 +230,17 @@ def markdown(rep: dict[str, Any]) -> str:
                   f"| {size(call['per_request_bytes'])} |",
                   f"| together | {call['together_calls']} | {call['together_ms']} | {size(call['together_bytes'])} |",
                   "", f"Per request / together: {call['per_request_over_together']}x."]
+    if rep.get("judge"):
+        lines += ["", f"## ISD's acceptance of {rep['stride'] - 1} drafts (stride {rep['stride']})", "",
+                  "One request's verify step: on the host, its rows read back and the anchors' judged in float64 "
+                  "(`Acceptance.judge`; the drafts' q rows kept from the step before); beside the step, a "
+                  "`JudgeAsk` answered (`_logits._judge`) and `Acceptance.judge_answered`.", "",
+                  "| case | host ms | device ms | host / device | read back, host | read back, device |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for c in rep["judge"]:
+            ratio = f"{c['host_ms'] / c['device_ms']:.1f}" if c["device_ms"] > 0 else "-"
+            lines.append(f"| {c['case']} | {c['host_ms']} | {c['device_ms']} | {ratio} | {size(c['host_bytes'])} "
+                         f"| {size(c['device_bytes'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -178,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--requests", type=int, default=8, help="requests in the engine call case (0: skip it)")
+    ap.add_argument("--stride", type=int, default=4, help="ISD's stride in the acceptance cases (0: skip them)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "logits_host")
     return ap
 
@@ -187,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     rep = measure(args.vocab, args.rows, args.repeats)
     if args.requests:
         rep["call"] = measure_call(args.vocab, args.rows, args.requests, args.repeats)
-    print(json.dumps({"cases": rep["cases"], "call": rep.get("call")}, indent=1))
+    if args.stride > 1:
+        rep["stride"], rep["judge"] = args.stride, measure_judge(args.vocab, args.stride, args.repeats)
+    print(json.dumps({"cases": rep["cases"], "call": rep.get("call"), "judge": rep.get("judge")}, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out.with_suffix(".json"), json.dumps(rep, indent=1) + "\n")
     atomic_write(args.out.with_suffix(".md"), markdown(rep))

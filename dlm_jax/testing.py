@@ -206,7 +206,10 @@ class ToyCausalExecutor(MockExecutor):
     each requested row reads its context back through the step's visibility, so cache reads,
     padding and masks behave as a model's would. A row fed a token x predicts the next token
     from `clean[x]` (logits [n]); a row fed the mask predicts from `mask[y, d]`, y the last
-    token it sees and d its distance from it (clipped to the table). Tokens >= n get -inf."""
+    token it sees and d its distance from it (clipped to the table). Tokens >= n get -inf.
+    With capabilities whose `logits_on` names a platform, a step asked to keep its logits on
+    the device (`OutputRequest.device_logits`) gives them as the JAX executor does, in a JAX
+    array on the CPU, so device rules run on the toy too."""
 
     def __init__(self, config: ModelConfig, *, clean: np.ndarray, mask: np.ndarray,
                  capabilities: Capabilities | None = None):
@@ -246,5 +249,11 @@ class ToyCausalExecutor(MockExecutor):
         out.update(echo_kv(cfg, inputs))
         if inputs.want.logits:
             out["logits"] = logits.astype(np.float32)
+            if inputs.want.device_logits and self.capabilities.logits_on:  # kept "on the device": JAX's CPU
+                import jax.numpy as jnp
+
+                from dlm_jax.executors._logits import DeviceLogits
+
+                out["logits"] = DeviceLogits(jnp.asarray(out["logits"]))
         del p
         return StepOutputs.from_named(out)

@@ -3,10 +3,11 @@ the host runtime asks for (`runtime.step.DeviceLogits`).
 
 Sampling, OpenAI's penalties and logit bias, and recorded log-probabilities need the rows'
 whole distributions. Read back, that is B x R x V float32 per step (15.4 MiB at LLaDA-8B's
-vocabulary and 32 rows), worked on in float64 by the host: 70-124 ms a step on a 2-core CPU
+vocabulary and 32 rows), worked on in float64 by the host: 68-107 ms a step on a 2-core CPU
 (`benchmarks/results/logits_host.md`) beside a GPU step of 8-11 ms. Here the same rules run
 as small compiled programs beside the logits, and only their answers come back: [5, B, R]
-int32 for a proposal, [m, 1 + 2k] for m slots' log-probabilities.
+int32 for a proposal, [m, 1 + 2k] for m slots' log-probabilities, [6, m] for ISD's judging
+of m drafts (`runtime.step.JudgeAsk`: p and q at each draft, the token a rejection emits).
 
 `DeviceLogits.answer` takes the asks (`runtime.step.ProposeAsk`, `LogprobsAsk`) of every
 view of one step's logits at once: an engine's call of 16 requests, each its own view and its
@@ -15,11 +16,18 @@ temperature, top-k, top-p, penalties, bias) and one sync, not 16.
 
 Each call needs a program of some shape and options (`_Variant`: rows, penalty and bias
 widths, which of sampling / filter / penalties / bias it applies). Where that exact program has
-not run in this process but a wider one has (more rows, more options), the wider one answers:
-its extra rows are padding and its extra options are off for these rows, so the answers are
-the same bits, and a call that mixes requests whose programs were each built (their union
-warmed by `Engine.warmup`) compiles nothing. Log-probabilities likewise: one program for a
-call's slots, with the largest k its asks want (each ask's k first of them).
+not run in this process but one for the same rows with more options has, that one answers:
+its extra options are off for these rows, so the answers are the same bits, and a call that
+mixes requests whose programs were each built (their union warmed by `Engine.warmup`)
+compiles nothing. Never one for more rows: XLA may reduce another count of rows in another
+order (vectorized over the slots, XLA:CPU gave 19 of 256 log-probabilities other last bits
+in programs for fewer than 16 slots). Log-probabilities likewise: one program for a call's
+slots, with the largest k its asks want (each ask's k first of them).
+
+On a CPU every program runs its rows one at a time (`_by_row`), so a row's answers are the
+same bits whatever the call holds: an engine's requests answer alone and under load as its
+steps do (`docs/engine.md`). Elsewhere the rows run vectorized, and the call's row count may
+move their last bits, as a batch bucket moves a step's.
 
 The rules are the host proposer's (`runtime.proposer`), in float32:
 - adjustments: logit - frequency * c - presence * (c > 0) + bias, c the committed counts;
@@ -30,9 +38,12 @@ The rules are the host proposer's (`runtime.proposer`), in float32:
   host draws from request b's own generator: a request's draws depend on its seed and its
   own steps, never on the bucket or the other rows of its call;
 - confidences: the softmax probability (temperature 1) of the proposal, the runner-up's, the
-  entropy.
+  entropy;
+- ISD's judging: p and q under the sampler's filter and temperature, as the proposals', q
+  from the rows of the earlier step that proposed each draft; a rejection's token by inverse
+  CDF over max(0, p - q) (or p without the draft) on one uniform of the draft's seed.
 
-Axes: B batch rows (of the view), R predicted rows, V vocabulary, m slots.
+Axes: B batch rows (of the view), R predicted rows, V vocabulary, m slots (or drafts).
 """
 
 from __future__ import annotations
@@ -136,16 +147,17 @@ class _Variant(NamedTuple):
     cap: int | None  # the filter's ranking (`_keep`; any gives the same set)
 
     def covers(self, need: _Variant) -> bool:
-        """Whether this program answers `need`'s rows with the same bits: at least as many rows
-        and entries, and every option `need` applies (an option a row does not use is off for
-        it: greedy rows take the argmax, zero penalties and dropped bias ids change nothing,
-        an unfiltered row keeps every finite logit)."""
-        return (self.b >= need.b and self.g >= need.g and self.nb >= need.nb
+        """Whether this program answers `need`'s rows with the same bits: as many rows (XLA
+        may reduce rows of another count in another order: vectorized, XLA:CPU did, see
+        `_by_row`), at least as many entries, and every option `need` applies (an option a
+        row does not use is off for it: greedy rows take the argmax, zero penalties and
+        dropped bias ids change nothing, an unfiltered row keeps every finite logit)."""
+        return (self.b == need.b and self.g >= need.g and self.nb >= need.nb
                 and all(h or not n for h, n in zip(self.options, need.options)))
 
     def excess(self, need: _Variant) -> tuple:
-        """What answering `need` with this program costs beyond its own: rows, then options."""
-        return (self.b, sum(self.options) - sum(need.options), self.cap != need.cap, self.g + self.nb)
+        """What answering `need` with this program costs beyond its own options."""
+        return (sum(self.options) - sum(need.options), self.cap != need.cap, self.g + self.nb)
 
     @property
     def options(self) -> tuple[bool, bool, bool, bool]:
@@ -186,10 +198,28 @@ def _propose(logits, packed, *, b: int, g: int, nb: int, sample: bool, filtered:
              biased: bool, cap: int | None = None):
     """[5, b, R] int32 (x0, the bits of top1, top2, entropy, then the argmax) for b rows of
     `logits` [B, R, V], each row with its own options (`_Rows`)."""
-    (rows, draw, seeds, count_ids, bias_ids, bias_vals, temperature, top_p, presence, frequency,
-     top_k) = _unpack_proposal(packed, b, g, nb)
+    columns = _unpack_proposal(packed, b, g, nb)
+    return _by_row(functools.partial(_propose_rows, logits, sample=sample, filtered=filtered, penalized=penalized,
+                                     biased=biased, cap=cap), columns).transpose(1, 0, 2)
+
+
+def _by_row(fn, columns):
+    """`fn(*columns)` over columns whose leading axis is a call's rows (slots, drafts), giving
+    one array with that leading axis. On a CPU one row at a time (`lax.map`, each row through
+    the same code whatever their count: XLA:CPU reduces [m, V] rows of another count m in
+    another order, moving the last bits of a row's softmax, so a request's answers would
+    depend on the rows it shares a call with, `Engine`'s batch invariance); elsewhere all at
+    once (a loop of rows would launch kernels for each)."""
+    if jax.default_backend() != "cpu":
+        return fn(*columns)
+    return jax.lax.map(lambda row: fn(*(c[None] for c in row))[0], columns)
+
+
+def _propose_rows(logits, rows, draw, seeds, count_ids, bias_ids, bias_vals, temperature, top_p, presence, frequency,
+                  top_k, *, sample: bool, filtered: bool, penalized: bool, biased: bool, cap: int | None):
+    """`_propose`'s answers [b, 5, R] for its b rows (`_by_row`)."""
     z = jnp.take(logits, rows, axis=0).astype(jnp.float32)  # [b, R, V]
-    _, r, v = z.shape
+    b, r, v = z.shape
     if biased:  # ids v: none (dropped)
         z = z.at[jnp.arange(b)[:, None], :, bias_ids].add(bias_vals[:, :, None], mode="drop")
     if penalized:  # count_ids [B, G], v where none (dropped)
@@ -220,7 +250,7 @@ def _propose(logits, packed, *, b: int, g: int, nb: int, sample: bool, filtered:
     second = jnp.max(jnp.where(jnp.arange(v) == top[..., None], -jnp.inf, z), axis=-1, keepdims=True)  # runner-up
     top2 = jnp.exp(second - lse)[..., 0]
     ent = (lse - jnp.sum(e * jnp.where(jnp.isfinite(z), z, 0.0), axis=-1, keepdims=True) / s)[..., 0]
-    return jnp.stack([x0.astype(jnp.int32), _bits(top1), _bits(top2), _bits(ent), top.astype(jnp.int32)])
+    return jnp.stack([x0.astype(jnp.int32), _bits(top1), _bits(top2), _bits(ent), top.astype(jnp.int32)], axis=1)
 
 
 def _keep(z, temperature, top_k, top_p, cap: int | None = None):
@@ -332,7 +362,11 @@ def _keep_sorted(z, temperature, top_k, top_p):
 
 @functools.partial(jax.jit, static_argnames=("k",))
 def _logprobs(logits, packed, *, k: int):
-    b, i, tokens = packed  # [3, m]: batch row, predicted row, token
+    """[m, 1 + 2k] int32: each slot's log-probability (bits), its k likeliest ids and theirs."""
+    return _by_row(functools.partial(_logprobs_rows, logits, k=k), tuple(packed))  # [3, m]: b, i, token
+
+
+def _logprobs_rows(logits, b, i, tokens, *, k: int):
     z = logits[b, i].astype(jnp.float32)  # [m, V]
     lse = jax.nn.logsumexp(z, axis=-1)
     lp = jnp.take_along_axis(z, tokens[:, None], -1)[:, 0] - lse
@@ -340,6 +374,58 @@ def _logprobs(logits, packed, *, k: int):
         return _bits(lp)[:, None]
     vals, ids = jax.lax.top_k(z, k)  # ties: the lower id first
     return jnp.concatenate([_bits(lp)[:, None], ids.astype(jnp.int32), _bits(vals - lse[:, None])], axis=1)
+
+
+@jax.jit
+def _gather_into(logits, rows, packed):
+    """`rows` [m, V] with row j replaced by `logits`' row (b_j, i_j) where b_j >= 0 (packed
+    [2, m]: b, i; -1: kept): the q rows of a call's drafts, gathered from the one or more
+    earlier steps that proposed them."""
+    b, i = packed
+    got = logits[jnp.maximum(b, 0), i].astype(jnp.float32)
+    return jnp.where((b >= 0)[:, None], got, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("m", "filtered", "cap"))
+def _judge(p_logits, q_rows, packed, *, m: int, filtered: bool, cap: int | None = None):
+    """[6, m] int32 (the bits of p(draft), q(draft), p1(draft), p1(anchor), q1(draft), then the
+    residual's draw) for m drafts (`runtime.step.JudgeAsk`, packed by `_answer_judges`), their
+    q rows [m, V] gathered (`_gather_into`)."""
+    columns = tuple(packed[j * m:(j + 1) * m] for j in range(9)) + (q_rows,)
+    return _by_row(functools.partial(_judge_rows, p_logits, filtered=filtered, cap=cap), columns).T
+
+
+def _judge_rows(p_logits, pb, pi, s, a, seeds, use_q, temperature, top_k, top_p, q_rows, *, filtered: bool,
+                cap: int | None):
+    """`_judge`'s answers [m, 6] for its m drafts (`_by_row`)."""
+    seeds = jax.lax.bitcast_convert_type(seeds, jnp.uint32)
+    temperature, top_p = (jax.lax.bitcast_convert_type(x, jnp.float32)[:, None, None] for x in (temperature, top_p))
+    zp = p_logits[pb, pi].astype(jnp.float32)[:, None, :]  # [m, 1, V]
+    zq = q_rows[:, None, :]
+    v = zp.shape[-1]
+
+    def sampled(z):  # the sampler's distribution: softmax(z / T) over what its filter keeps
+        keep = _keep(z, temperature, top_k[:, None, None], top_p, cap) if filtered else jnp.isfinite(z)
+        return jax.nn.softmax(jnp.where(keep, z / temperature, -jnp.inf), axis=-1)[:, 0]
+
+    def at(x, ids):
+        return jnp.take_along_axis(x, ids[:, None], -1)[:, 0]
+
+    p, q = sampled(zp), sampled(zq)
+    p1, q1 = jax.nn.softmax(zp, axis=-1)[:, 0], jax.nn.softmax(zq, axis=-1)[:, 0]
+    q_s = jnp.where(use_q != 0, at(q, s), 1.0)
+    # A rejection draws from max(0, p - q) (drafts drawn from q), or from p without the draft
+    # (one-hot q); from p where that leaves nothing.
+    w = jnp.where(use_q[:, None] != 0, jnp.maximum(p - q, 0.0), jnp.where(jnp.arange(v) == s[:, None], 0.0, p))
+    w = jnp.where(jnp.sum(w, -1, keepdims=True) > 0, w, p)
+    # Inverse CDF on one uniform a draft: the first token whose cumulative weight passes it
+    # (never past the last token of positive weight, where float32 sums fall short).
+    u = jax.vmap(lambda seed: jax.random.uniform(jax.random.key(seed), (), jnp.float32))(seeds)
+    cdf = jnp.cumsum(w, axis=-1)
+    last = v - 1 - jnp.argmax((w > 0)[:, ::-1], axis=-1)
+    drawn = jnp.minimum(jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1), last)
+    return jnp.stack([_bits(at(p, s)), _bits(q_s), _bits(at(p1, s)), _bits(at(p1, a)), _bits(at(q1, s)),
+                      drawn.astype(jnp.int32)], axis=1)
 
 
 class DeviceLogits(step.DeviceLogits):
@@ -403,7 +489,11 @@ class DeviceLogits(step.DeviceLogits):
         out: list = [None] * len(asks)
         calls: dict[tuple, list[int]] = {}  # (kind, the step's logits) -> its asks
         for j, ask in enumerate(asks):
-            kind = _answer_proposals if isinstance(ask, step.ProposeAsk) else _answer_logprobs
+            kind = _answer_logprobs
+            if isinstance(ask, step.ProposeAsk):
+                kind = _answer_proposals
+            elif isinstance(ask, step.JudgeAsk):
+                kind = _answer_judges
             calls.setdefault((kind, id(ask.logits.array)), []).append(j)
         for key, js in calls.items():
             for j, got in zip(js, key[0]([asks[j] for j in js])):
@@ -442,15 +532,16 @@ def _needs(asks: list[step.ProposeAsk], v: int) -> _Variant:
                     nb=_bucket(max(len(a.bias) for a in asks)),
                     sample=any(a.temperature > 0 and np.any(a.draw) for a in asks), filtered=bool(filtered),
                     penalized=any(map(_penalized, asks)), biased=any(bool(a.bias) for a in asks),
-                    cap=_cap(filtered, v) if filtered else None)
+                    cap=_cap([a.top_k for a in filtered], v) if filtered else None)
 
 
-def _cap(filtered: list[step.ProposeAsk], v: int) -> int | None:
-    """How many of each row's likeliest tokens the filter ranks (`_keep`): top-k's largest
-    where every filtered request sets one (nothing past it is kept), else at least
-    `TOP_P_CAP`, past which a top-p row sorts its whole vocabulary; None: sort (a small one)."""
-    k = _bucket(max(a.top_k for a in filtered))
-    cap = k if all(a.top_k > 0 for a in filtered) else max(k, TOP_P_CAP)
+def _cap(top_ks, v: int) -> int | None:
+    """How many of each row's likeliest tokens the filter ranks (`_keep`), for the top-k of
+    each filtered request (0: none): top-k's largest where every one sets it (nothing past it
+    is kept), else at least `TOP_P_CAP`, past which a top-p row sorts its whole vocabulary;
+    None: sort (a small one)."""
+    k = _bucket(max(top_ks))
+    cap = k if all(k > 0 for k in top_ks) else max(k, TOP_P_CAP)
     return cap if cap < v else None
 
 
@@ -461,10 +552,79 @@ class _Slots(NamedTuple):
     k: int
 
     def covers(self, need: _Slots) -> bool:
-        return self.m >= need.m and self.k >= need.k  # (a top-k's first j are the top-j: ties by id)
+        # As many slots (as `_Variant.covers`); a top-k's first j are the top-j (ties by id).
+        return self.m == need.m and self.k >= need.k
 
     def excess(self, need: _Slots) -> tuple:
-        return (self.m, self.k)
+        return (self.k,)
+
+
+class _Judges(NamedTuple):
+    """A judging program's shape and options: drafts, whether a filter applies (its ranking)."""
+
+    m: int
+    filtered: bool
+    cap: int | None
+
+    def covers(self, need: _Judges) -> bool:
+        """As many drafts (as `_Variant.covers`), and the filter where `need` filters (an
+        unfiltered draft keeps every finite logit under any ranking)."""
+        return self.m == need.m and (not need.filtered or (self.filtered and self.cap == need.cap))
+
+    def excess(self, need: _Judges) -> tuple:
+        return (self.filtered,)
+
+
+def _answer_judges(asks: list[step.JudgeAsk]) -> list[tuple[np.ndarray, ...]]:
+    """One `_judge` call for the drafts of all asks on one step's logits, padded to a power of
+    two, in the program `_RAN` chooses, after one `_gather_into` of their q rows per earlier
+    step they come from (requests of one call may have drafted in calls of other batch sizes:
+    gathered apart, the judging program depends on this step's shape alone)."""
+    first = asks[0].logits
+    counts = [len(a.tokens) for a in asks]
+    m = sum(counts)
+    t = np.concatenate([np.asarray(a.temperature, np.float32) for a in asks])
+    top_k = np.concatenate([np.asarray(a.top_k, np.int32) for a in asks])
+    top_p = np.concatenate([np.asarray(a.top_p, np.float32) for a in asks])
+    filtered = (t > 0) & ((top_k > 0) | (top_p < 1))
+    v = first.array.shape[2]
+    sig = _signature("judge", first.array)
+    judges = _RAN.choose(sig, _Judges(_bucket(m), bool(filtered.any()),
+                                      _cap(top_k[filtered].tolist(), v) if filtered.any() else None))
+    columns = np.zeros((9, judges.m), np.int32)
+    columns[6] = _float_bits(np.ones(judges.m, np.float32))  # (padding: temperature 1, no filter)
+    columns[8] = columns[6]
+    q_rows = jnp.zeros((judges.m, v), jnp.float32)
+    sent = 0
+    if m:
+        cat = lambda f: np.concatenate([np.asarray(f(a)) for a in asks])  # noqa: E731
+        columns[:, :m] = (
+            cat(lambda a: a.logits._rows[np.asarray(a.b, np.int64)]),
+            cat(lambda a: np.asarray(a.i) + a.logits._cols.start),
+            cat(lambda a: a.tokens), cat(lambda a: a.anchors),
+            cat(lambda a: np.asarray(a.seeds, np.uint32).view(np.int32)),
+            cat(lambda a: np.asarray(a.use_q, bool) & (a.q is not None)),
+            _float_bits(np.where(t > 0, t, 1.0)), np.where(t > 0, top_k, 0), _float_bits(np.where(t > 0, top_p, 1.0)))
+        starts = np.cumsum([0] + counts)
+        for array_id in dict.fromkeys(id(a.q.array) for a in asks if a.q is not None):
+            where = np.full((2, judges.m), -1, np.int32)
+            for a, at in zip(asks, starts):
+                if a.q is not None and id(a.q.array) == array_id:
+                    where[:, at:at + len(a.tokens)] = (a.q._rows[np.asarray(a.qb, np.int64)],
+                                                       np.asarray(a.qi) + a.q._cols.start)
+                    array = a.q.array
+            q_rows = _gather_into(array, q_rows, where)
+            sent += where.nbytes
+    request = columns.ravel()
+    packed = np.asarray(jax.device_get(_judge(first.array, q_rows, request, **judges._asdict())))
+    _RAN.add(sig, judges)
+    first._count(request.nbytes + sent, packed.nbytes)
+    out, at = [], 0
+    for n in counts:
+        mine = packed[:, at:at + n]
+        at += n
+        out.append((*(_host_floats(mine[j]) for j in range(5)), mine[5].copy()))
+    return out
 
 
 def _answer_logprobs(asks: list[step.LogprobsAsk]) -> list[tuple[np.ndarray, ...]]:

@@ -12,7 +12,7 @@ Every strategy hook is declared, with a default, by its base class (`Scheduler`,
   each step          scheduler.plan -> revision.probe -> [commit rule.begin at a unit's first
                      step] -> cpu_path.submit -> request built -> placement.before_step ->
                      cache.step (K/V stored where it runs) -> proposer.propose -> rule.select ->
-                     scheduler.settle -> revision.commit -> revision.after_step ->
+                     scheduler.ask -> scheduler.settle -> revision.commit -> revision.after_step ->
                      revision.after_probes (if the plan had probes) -> cpu_path.merge ->
                      placement.after_step -> rule.finished -> scheduler.advance
   after the decode   cpu_path.close; cache.close; placement.end; scheduler.report (DecodeStats.speculation)
@@ -227,10 +227,10 @@ def _wants_logits(cfg: DecodeConfig) -> bool:
 def logits_on_device(cfg: DecodeConfig, caps: Capabilities) -> bool:
     """Whether a decode's steps keep their logits on the executor's device, where the proposer's
     rules over them run (`Proposer.logits_on`): asked (`device`), or `auto` on an executor that
-    keeps them on a GPU or TPU; never for a schedule that reads the logits itself (ISD's
-    acceptance works on the host)."""
+    keeps them on a GPU or TPU; never for a schedule that reads the logits itself on the host
+    (`Scheduler.reads_logits`)."""
     on = cfg.proposer.logits_on
-    if on == "host" or not cfg.proposer.needs_logits or cfg.scheduler.reads_logits() or not caps.logits_on:
+    if on == "host" or not _wants_logits(cfg) or cfg.scheduler.reads_logits(cfg.proposer) or not caps.logits_on:
         return False
     return on == "device" or caps.logits_on in ("gpu", "tpu")
 
@@ -240,7 +240,8 @@ def warm_logits(executor: Executor, cfg: DecodeConfig, shapes: Iterable[tuple[in
     kept on the device (`LogitsAsk`), for steps of each (batch, logit rows) in `shapes`, so
     that its first steps wait for no compile: its proposals (sampling or not) for any number
     of the step's rows and its log-probabilities for any number of slots (each padded to a
-    power of two). Returns how many ran (0 where `cfg` keeps its logits on the host)."""
+    power of two), and what its schedule asks of them (`Scheduler.warm_asks`). Returns how
+    many ran (0 where `cfg` keeps its logits on the host)."""
     if not logits_on_device(cfg, executor.capabilities):
         return 0
     p = cfg.proposer
@@ -259,6 +260,7 @@ def warm_logits(executor: Executor, cfg: DecodeConfig, shapes: Iterable[tuple[in
                 b, i = np.divmod(np.arange(n), rows)
                 asks.append(LogprobsAsk(logits, b, i, np.zeros(n, np.int32), p.logprobs))
                 m *= 2
+    asks += cfg.scheduler.warm_asks(p, sorted(set(shapes)), executor.logits_like)
     for ask in asks:  # one at a time: each its own program
         answer([ask])
     return len(asks)
@@ -267,10 +269,11 @@ def warm_logits(executor: Executor, cfg: DecodeConfig, shapes: Iterable[tuple[in
 def warm_mixed_logits(executor: Executor, configs: Sequence[tuple[DecodeConfig, Iterable[tuple[int, int]]]]) -> int:
     """Run, once, the proposal programs for calls that mix requests of several configs (each
     with the steps (batch, logit rows) it reaches, `warm_logits`'): for each step shape two or
-    more of them reach, their rows side by side in one program, all their options on, at each
-    row count from one row of each up to the batch. Such a program answers any mix of them
-    with fewer rows (`DeviceLogits.answer` takes a program that covers a call's where its own
-    was never built), so a mixed call compiles nothing. Returns how many ran."""
+    more of them reach, at each row count up to the batch, one program with all their options
+    on (where a call has fewer rows than there are configs, each row carries the options of
+    several). Such a program answers any mix of them in as many rows (`DeviceLogits.answer`
+    takes a program with more options where a call's own was never built), so a mixed call
+    compiles nothing. Returns how many ran."""
     by_shape: dict[tuple[int, int], list[DecodeConfig]] = {}
     for cfg, shapes in configs:
         if logits_on_device(cfg, executor.capabilities) and _proposes(cfg):
@@ -280,12 +283,29 @@ def warm_mixed_logits(executor: Executor, configs: Sequence[tuple[DecodeConfig, 
     for (batch, rows), cfgs in sorted(by_shape.items(), key=lambda kv: kv[0]):
         if len(cfgs) < 2 or (logits := executor.logits_like(batch, rows)) is None:
             continue
-        c = len(cfgs)  # (fewer rows than configs: a program for one row each covers them)
-        for n in sorted({max(m, c) for m in _row_counts(batch)}):
-            answer([_proposal_ask(logits, cfg, n // c + (i < n % c), cfg.proposer.temperature > 0)
-                    for i, cfg in enumerate(cfgs)])
+        for n in _row_counts(batch):
+            groups = [cfgs[i::n] for i in range(min(n, len(cfgs)))]  # (the configs, over the rows)
+            g = len(groups)
+            answer([_merged_ask(logits, group, n // g + (i < n % g)) for i, group in enumerate(groups)])
             ran += 1
     return ran
+
+
+def _merged_ask(logits, cfgs: Sequence[DecodeConfig], n: int) -> ProposeAsk:
+    """A proposal ask for `n` rows of `logits` with every option of `cfgs` on (a warm-up's: the
+    program it needs has them all): sampling where one samples; top-k where every filtered
+    one sets it (its largest), else top-p; penalties, with the widest count; the longest bias."""
+    ps = [c.proposer for c in cfgs]
+    sampled = [p for p in ps if p.temperature > 0]
+    filtered = [p for p in sampled if p.top_k > 0 or p.top_p < 1.0]
+    penalized = [c for c in cfgs if c.proposer.presence_penalty or c.proposer.frequency_penalty]
+    top_k = max((p.top_k for p in filtered), default=0) if all(p.top_k > 0 for p in filtered) else 0
+    counts = np.full((n, max(c.gen_len for c in penalized)), -1, np.int32) if penalized else None
+    return ProposeAsk(logits.rows(np.arange(n) % logits.shape[0]), np.full(n, bool(sampled)), np.zeros(n, np.uint32),
+                      temperature=max((p.temperature for p in ps), default=0.0), top_k=top_k,
+                      top_p=min((p.top_p for p in filtered), default=1.0) if filtered and not top_k else 1.0,
+                      count_ids=counts, presence=1.0 if penalized else 0.0,
+                      bias=max((p.logit_bias for p in ps), key=len))
 
 
 def _proposes(cfg: DecodeConfig) -> bool:
@@ -390,9 +410,10 @@ class Decoder:
                 raise ConfigError("logits_on='device' needs an executor that keeps a step's logits on its device "
                                   "(the JAX executor, on one device or a mesh); "
                                   "use logits_on='host' or 'auto'")
-            if cfg.scheduler.reads_logits():
-                raise ConfigError(f"logits_on='device' does not go with the {type(cfg.scheduler).__name__} schedule, "
-                                  f"which reads the rows' logits on the host; use logits_on='host' or 'auto'")
+            if cfg.scheduler.reads_logits(cfg.proposer):
+                raise ConfigError(f"logits_on='device' does not go with the {type(cfg.scheduler).__name__} schedule "
+                                  f"and these sampling options: it reads the rows' logits on the host; "
+                                  f"use logits_on='host' or 'auto'")
         if cfg.proposer.logprobs >= 0 and cfg.revision.cpu_shapes(lens, cfg.gen_len):
             raise ConfigError("logprobs are not recorded beside a CPU path that revises tokens (its steps' logits "
                               "stay there): set refresh_rows=0, or logprobs=-1")
@@ -634,6 +655,8 @@ class Decoder:
                 open_ = ~state.is_final(targets) & state.active[:, None]
                 state.record(targets, open_, proposal.confidence)
                 committed = rule.select(proposal.confidence, candidates, step=plan.step)
+                ask = scheduler.ask(state, plan, proposal, cursor)  # (a rule judging drafts on the device)
+                cursor.answer = (yield ask) if ask is not None else None
                 accepted = scheduler.settle(state, plan, proposal, cursor)
                 if accepted is not None:
                     committed = committed | accepted

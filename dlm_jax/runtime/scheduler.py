@@ -131,15 +131,16 @@ class Cursor:
     unit: int = 0  # the current commit unit (block)
     step: int = 0  # steps taken in it
     window_start: int = 0  # a sliding scheduler: the first slot its window may hold
+    answer: Any = None  # the answer to this step's `Scheduler.ask` (None: it asked nothing)
 
 
 class Scheduler(HookBase):
     """Which slots each step computes, reads, predicts and stores. The decoder calls, per
-    decode: `start`; then per step `plan`, (after the rule's choice) `settle`, and `advance`;
-    `units` and `plan_shapes` before it (checks and warm-up)."""
+    decode: `start`; then per step `plan`, (after the rule's choice) `ask`, `settle`, and
+    `advance`; `units` and `plan_shapes` before it (checks and warm-up)."""
 
-    HOOKS = ("units", "start", "plan", "settle", "advance", "plan_shapes", "overhang", "validate", "wants_logits",
-             "reads_logits", "report", "for_model", "with_infill", "infilled")
+    HOOKS = ("units", "start", "plan", "ask", "settle", "advance", "plan_shapes", "overhang", "validate",
+             "wants_logits", "reads_logits", "warm_asks", "report", "for_model", "with_infill", "infilled")
     # The commit rule (a `registry.RULES` name) this schedule decides with, or None: any rule.
     # A schedule that accepts its own proposals in `settle` (ISD) takes the rule `NoCommit`.
     commit_rule: ClassVar[type | None] = None
@@ -162,6 +163,20 @@ class Scheduler(HookBase):
         (accepted drafts), or None (default). A schedule that verifies its drafts (ISD) may
         replace `proposal.tokens` where it commits a token it drew itself (a correction)."""
         return None
+
+    def ask(self, state: DecodeState, plan: StepPlan, proposal: Proposal, cursor: Cursor) -> Any:
+        """After a step's proposals, before `settle`: a question `settle` needs answered about
+        the step's logits kept on the device (a `runtime.step.LogitsAsk`: the decode's driver
+        answers it, beside the other requests' of its call, into `cursor.answer`), or None
+        (default)."""
+        return None
+
+    def warm_asks(self, proposer: Any, shapes: Sequence[tuple[int, int]], logits_like: Any) -> list:
+        """The questions `ask` may put to the logits of steps of `shapes` (batch, logit rows),
+        for decodes with `proposer`, over stand-in logits (`logits_like(batch, rows)`), so
+        that a warm-up builds the programs that answer them (`runtime.decoder.warm_logits`);
+        default none."""
+        return []
 
     def overhang(self) -> int:
         """Slots past the generation this schedule's windows may reach (look-ahead rows fed
@@ -196,9 +211,10 @@ class Scheduler(HookBase):
         """Whether steps must return the rows' logits whatever the proposer needs (default no)."""
         return False
 
-    def reads_logits(self) -> bool:
-        """Whether `settle` reads the proposal's logits on the host when the step returned them
-        (they then come back whole: `Proposer.logits_on` "device" is refused; default no)."""
+    def reads_logits(self, proposer: Any = None) -> bool:
+        """Whether `settle` reads the proposal's logits on the host when the step returned them,
+        for decodes with `proposer` (they then come back whole: `Proposer.logits_on` "device" is
+        refused; default: where it wants them)."""
         return self.wants_logits()
 
     def report(self, cursor: Cursor) -> dict[str, Any]:

@@ -247,6 +247,35 @@ class LogprobsAsk(LogitsAsk):
     k: int = 0
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class JudgeAsk(LogitsAsk):
+    """What a rule that verifies drafts (ISD's acceptance, `techniques.isd.strided`) needs of
+    the distributions at m drafts: `tokens` [m] each draft, judged by the anchor row `i` [m] of
+    view row `b` [m] of `logits` (p), proposed from row `qi` [m] of view row `qb` [m] of `q`, the
+    logits of the step that proposed it (a view of an earlier step's; None: no q). Each draft's
+    sampler: `temperature` (0: only the untempered answers are used), `top_k`, `top_p`, per
+    draft [m] (a call joins several requests' asks). `anchors` [m]: the anchor's own token;
+    `use_q` [m]: the residual a rejection draws from is max(0, p - q), else p without the
+    draft; `seeds` [m] uint32: that draw's noise.
+
+    The answer, each [m]: (p(draft), q(draft) under the sampler's filter and temperature (1
+    where no q); softmax at temperature 1 of p at the draft and at the anchor, of q at the
+    draft (float32); the residual's draw, int32: the token a rejection emits)."""
+
+    b: np.ndarray
+    i: np.ndarray
+    tokens: np.ndarray
+    anchors: np.ndarray
+    seeds: np.ndarray
+    use_q: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    q: DeviceLogits | None = None
+    qb: np.ndarray | None = None
+    qi: np.ndarray | None = None
+
+
 def answer(asks: Sequence[LogitsAsk]) -> list:
     """Each ask's answer, in order (`DeviceLogits.answer`, by the class of its logits)."""
     out: list = [None] * len(asks)

@@ -159,13 +159,18 @@ def test_data_parallel_replicas_compute_their_own_rows():
 @pytest.mark.slow
 def test_logits_stay_on_a_mesh_of_this_processs_devices():
     """Sampling, penalties and logprobs beside the step (`logits_on="device"`) on tp and dp
-    meshes of one process's devices: the logits stay replicated over the mesh, only the
-    answers come back (as on one device), and the tokens are one device's."""
+    meshes of one process's devices, and ISD's drafts judged there (relaxed with the IAR, p / q
+    over sampled drafts): the logits stay replicated over the mesh, only the answers come back
+    (as on one device), and the tokens are one device's."""
     presets = [{"logits_on": "device", "presence_penalty": 1.0, "frequency_penalty": 0.5,
                 "logprobs": 2},
                {"logits_on": "device", "temperature": 0.8, "top_k": 4}]
-    report = drive({"devices": 4, "cases": [{"model": "models/llada-tiny", "mesh": mesh, "presets": presets,
-                                             "max_batch": 4, "prompts": 3} for mesh in ("tp=2", "tp=2,dp=2")]})
+    judged = [{"cache": "isd", "logits_on": "device", "relax": 0.5, "iar": True},
+              {"cache": "isd", "logits_on": "device", "temperature": 0.8, "proposal": "sample"}]
+    report = drive({"devices": 4, "cases": [
+        {"model": "models/llada-tiny", "mesh": mesh, "presets": presets, "max_batch": 4, "prompts": 3}
+        for mesh in ("tp=2", "tp=2,dp=2")] + [
+        {"model": "models/idlm-tiny", "mesh": "tp=2,dp=2", "presets": judged, "max_batch": 4, "prompts": 3}]})
     assert_same(report)
     for case in report["cases"]:
         for got in case["presets"].values():

@@ -9,6 +9,7 @@ bounded in time. The SIGTERM test runs the command itself, in a process of its o
 from __future__ import annotations
 
 import concurrent.futures as futures
+import functools
 import json
 import os
 import signal
@@ -152,8 +153,9 @@ def test_openai_client_completions_and_chat(live, model):
 def test_logprobs_through_the_openai_client(live, model):
     """logprobs on both endpoints, streamed or not, through OpenAI's client: each completion
     token's log-probability and its likeliest alternatives are `Model.generate`'s (decode
-    option `logprobs`), the tokens spell the text, a stream's chunks carry each token once;
-    a stop string cuts them with the text."""
+    option `logprobs`; the server's engine runs other programs than a fixed batch, so to
+    float32 rounding: `docs/engine.md`), the tokens spell the text, a stream's chunks carry
+    each token once; a stop string cuts them with the text."""
     import openai
 
     client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
@@ -163,17 +165,18 @@ def test_logprobs_through_the_openai_client(live, model):
     pieces = [model.tokenizer.decode([t]) for t in want.token_ids[0]]
     got = client.completions.create(model=NAME, prompt=prompt, max_tokens=32, logprobs=2).choices[0]
     assert got.text == text and got.logprobs.tokens == pieces and "".join(got.logprobs.tokens) == text
-    assert got.logprobs.token_logprobs == [float(x) for x in lp.logprob]
+    near = functools.partial(pytest.approx, rel=1e-5, abs=1e-7)
+    assert got.logprobs.token_logprobs == near([float(x) for x in lp.logprob])
     assert got.logprobs.text_offset == [len("".join(pieces[:j])) for j in range(len(pieces))]
     for top, tok, ids, values in zip(got.logprobs.top_logprobs, pieces, lp.top_ids, lp.top_logprob):
-        assert top == {**{model.tokenizer.decode([int(t)]): float(v) for t, v in zip(ids, values)},
-                       tok: top[tok]}  # the two likeliest, and the chosen token always
+        assert top == near({**{model.tokenizer.decode([int(t)]): float(v) for t, v in zip(ids, values)},
+                            tok: top[tok]})  # the two likeliest, and the chosen token always
     messages = [{"role": "user", "content": prompt}]
     chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=32, logprobs=True,
                                           top_logprobs=2).choices[0]
     content = chat.logprobs.content
-    assert [c.token for c in content] == pieces and [c.logprob for c in content] == [float(x) for x in lp.logprob]
-    assert [[t.logprob for t in c.top_logprobs] for c in content] == lp.top_logprob.tolist()
+    assert [c.token for c in content] == pieces and [c.logprob for c in content] == near([float(x) for x in lp.logprob])
+    assert [t.logprob for c in content for t in c.top_logprobs] == near(lp.top_logprob.ravel().tolist())
     assert all(c.bytes == list(c.token.encode()) for c in content)  # (ASCII here)
     assert bytes(b for c in content for b in c.bytes).decode() == chat.message.content
     # A byte token that is part of a character: its `bytes` are that byte, not its text's U+FFFD.

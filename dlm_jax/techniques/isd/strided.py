@@ -41,6 +41,8 @@ top-p, the same filter the left-to-right decoder samples from):
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
@@ -55,7 +57,7 @@ from dlm_jax.runtime.proposer import Proposal, Proposer, sampling_probs
 from dlm_jax.runtime.revision import NoRevision
 from dlm_jax.runtime.scheduler import Cursor, PlanShape, Scheduler, StepPlan
 from dlm_jax.runtime.state import DecodeState, RequestStatus
-from dlm_jax.runtime.step import is_device_logits
+from dlm_jax.runtime.step import JudgeAsk, is_device_logits
 
 VERIFY: tuple[str, ...] = ("exact", "softmax_q")
 PROPOSALS: tuple[str, ...] = ("argmax", "sample")
@@ -140,39 +142,109 @@ class Acceptance:
         predicts draft i, anchor k the bonus. p_logits: [k + 1, V] the anchors' logits;
         q_logits: [k, V] the logits each draft was proposed from (needed where
         `drafts_need_logits`, and for `relax` at T = 0)."""
+        return self._decide(drafts, anchors, sampler.temperature, rng,
+                            _OnHost(self, drafts, anchors, sampler, p_logits, q_logits))
+
+    def judge_answered(self, drafts: np.ndarray, anchors: np.ndarray, sampler: Proposer,
+                       rng: np.random.Generator | None, judged: tuple[np.ndarray, ...] | None) -> tuple[int, int]:
+        """`judge` from what the device computed of the logits (`runtime.step.JudgeAsk`'s
+        answer for these drafts: p and q at each draft, their untempered probabilities, the
+        residual's draw; None where the rule needs none of it): the same rule in float32, each
+        rejection's token drawn beside the step (not from `rng`, which gives the acceptances)."""
+        return self._decide(drafts, anchors, sampler.temperature, rng, _Answered(judged))
+
+    def _decide(self, drafts: np.ndarray, anchors: np.ndarray, t: float, rng: np.random.Generator | None,
+                dist: _OnHost | _Answered) -> tuple[int, int]:
         k = len(drafts)
-        t = sampler.temperature
         if k == 0:
             return 0, int(anchors[0])
         if t == 0 or (self.one_hot and self.relax == 0):
             # Greedy, or argmax drafts under one-hot q, strict: accept iff the anchor's own token
-            # (its argmax, or its draw from p) is the draft; the first that is not is the
-            # correction (a draw from p conditioned on not being the draft).
-            near = None
-            if t == 0 and self.relax > 0:
-                p1 = _t1(p_logits[:k])
-                near = (1 + self.relax) * p1[np.arange(k), drafts] >= p1[np.arange(k), anchors[:k]]
+            # (its argmax, or its draw from p) is the draft, or (relaxed at T = 0) its
+            # untempered probability is close enough; the first that is not is the correction
+            # (a draw from p conditioned on not being the draft).
+            near = (1 + self.relax) * dist.p1_drafts() >= dist.p1_anchors() if t == 0 and self.relax > 0 else None
             for i in range(k):
                 if drafts[i] != anchors[i] and (near is None or not near[i]):
                     return i, int(anchors[i])
             return k, int(anchors[k])
-        p = sampling_probs(p_logits[:k], t, sampler.top_k, sampler.top_p)
-        q = None if self.one_hot else sampling_probs(q_logits, t, sampler.top_k, sampler.top_p)
         for i in range(k):
-            s = int(drafts[i])
-            q_s = 1.0 if q is None else q[i, s]
-            ratio = math.inf if q_s <= 0 else (1 + self.relax) * p[i, s] / q_s
+            q_s = 1.0 if self.one_hot else dist.q(i)
+            ratio = math.inf if q_s <= 0 else (1 + self.relax) * dist.p(i) / q_s
             if rng.random() < min(1.0, ratio):
                 continue
-            if q is None:
-                residual = p[i].copy()
-                residual[s] = 0.0
-            else:
-                residual = np.maximum(p[i] - q[i], 0.0)
-            if residual.sum() <= 0:
-                residual = p[i]
-            return i, _draw(rng, residual)
+            return i, dist.rejected(i, rng)
         return k, int(anchors[k])
+
+
+class _OnHost:
+    """What `Acceptance._decide` asks of the distributions, from the logits on the host
+    (float64; each computed when first asked)."""
+
+    def __init__(self, rule: Acceptance, drafts, anchors, sampler: Proposer, p_logits, q_logits):
+        self.rule, self.drafts, self.anchors, self.sampler = rule, drafts, anchors, sampler
+        self.p_logits, self.q_logits = p_logits, q_logits
+
+    def p1_drafts(self) -> np.ndarray:
+        k = len(self.drafts)
+        return self._p1[np.arange(k), self.drafts]
+
+    def p1_anchors(self) -> np.ndarray:
+        k = len(self.drafts)
+        return self._p1[np.arange(k), self.anchors[:k]]
+
+    @functools.cached_property
+    def _p1(self) -> np.ndarray:
+        return _t1(self.p_logits[:len(self.drafts)])
+
+    @functools.cached_property
+    def _p(self) -> np.ndarray:
+        s = self.sampler
+        return sampling_probs(self.p_logits[:len(self.drafts)], s.temperature, s.top_k, s.top_p)
+
+    @functools.cached_property
+    def _q(self) -> np.ndarray:
+        s = self.sampler
+        return sampling_probs(self.q_logits, s.temperature, s.top_k, s.top_p)
+
+    def p(self, i: int) -> float:
+        return self._p[i, int(self.drafts[i])]
+
+    def q(self, i: int) -> float:
+        return self._q[i, int(self.drafts[i])]
+
+    def rejected(self, i: int, rng: np.random.Generator) -> int:
+        """The correction after draft i's rejection: from max(0, p - q) (drafts drawn from q),
+        or from p without the draft (one-hot q); from p where that leaves nothing."""
+        p = self._p[i]
+        if self.rule.one_hot:
+            residual = p.copy()
+            residual[int(self.drafts[i])] = 0.0
+        else:
+            residual = np.maximum(p - self._q[i], 0.0)
+        return _draw(rng, residual if residual.sum() > 0 else p)
+
+
+class _Answered:
+    """What `Acceptance._decide` asks of the distributions, from the device's answers."""
+
+    def __init__(self, judged: tuple[np.ndarray, ...] | None):
+        self.judged = judged
+
+    def p1_drafts(self) -> np.ndarray:
+        return self.judged[2].astype(np.float64)
+
+    def p1_anchors(self) -> np.ndarray:
+        return self.judged[3].astype(np.float64)
+
+    def p(self, i: int) -> float:
+        return float(self.judged[0][i])
+
+    def q(self, i: int) -> float:
+        return float(self.judged[1][i])
+
+    def rejected(self, i: int, rng: np.random.Generator) -> int:
+        return int(self.judged[5][i])
 
 
 @dataclasses.dataclass
@@ -183,6 +255,12 @@ class StridedCursor(Cursor):
     drafting: np.ndarray = dataclasses.field(default_factory=lambda: _NONE)  # [B] bool: drafts follow it
     prefilled: bool = False
     draft_logits: np.ndarray | None = None  # [B, N-1, V] logits the drafts were proposed from
+    # Kept on the device instead (`DeviceLogits`): the step's view that proposed the drafts,
+    # and where each row's drafts' rows start in it [B]; where each row's drafts start in
+    # this step's judging answer [B] (`Strided.ask`)
+    draft_view: Any = None
+    draft_at: np.ndarray = dataclasses.field(default_factory=lambda: _NONE)
+    judged_at: np.ndarray = dataclasses.field(default_factory=lambda: _NONE)
     ended: np.ndarray | None = None  # [B] slot of the last token of a request that ended this step (-1)
     counts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -214,13 +292,19 @@ class _Strided(Scheduler):
     def wants_logits(self) -> bool:
         return self.measure_iar or self.acceptance.relax > 0
 
-    def reads_logits(self) -> bool:
-        """The rule reads the rows' logits on the host where it judges a draft by p / q
-        (`proposal="sample"`, `verify="softmax_q"`), relaxes, or measures the IAR. The strict
-        exact rule over argmax drafts needs only the anchors' tokens and the mask rows'
-        argmax (`Proposal.argmax`), which logits kept on the device give."""
+    def _judges(self) -> bool:
+        """Whether the rule reads more of the logits than the anchors' tokens: it judges a draft
+        by p / q (`proposal="sample"`, `verify="softmax_q"`), relaxes, or measures the IAR (the
+        strict exact rule over argmax drafts needs only the anchors' tokens and the mask rows'
+        argmax, `Proposal.argmax`)."""
         rule = self.acceptance
         return self.measure_iar or rule.relax > 0 or not rule.one_hot
+
+    def reads_logits(self, proposer: Any = None) -> bool:
+        """Logits kept on the device are judged there (`ask`); the rule reads them on the host
+        only where it judges and `proposer` applies penalties or a bias (the host judges the
+        adjusted logits; the device's judging program does not adjust)."""
+        return self._judges() and (proposer is None or proposer.adjusts)
 
     def validate(self, config: Any, model: ModelConfig) -> None:
         n = self.n
@@ -240,7 +324,8 @@ class _Strided(Scheduler):
         counts = {"stride": self.n, "steps": 0, "tokens": 0, "emitted": 0, "query_rows": 0, "accept_histogram": {},
                   "verified": [0] * (self.n - 1), "accepted": [0] * (self.n - 1), "iar_sum": 0.0, "iar_count": 0}
         return StridedCursor(cache=np.full(b, state.gen_start - 1, np.int64), drafting=np.zeros(b, bool),
-                             ended=np.full(b, -1, np.int64), counts=counts)
+                             ended=np.full(b, -1, np.int64), counts=counts, draft_at=np.zeros(b, np.int64),
+                             judged_at=np.full(b, -1, np.int64))
 
     # -- plans ------------------------------------------------------------------------------
 
@@ -276,7 +361,65 @@ class _Strided(Scheduler):
                 shapes.add(PlanShape(2 * n - 1, c, 2 * n - 1))
         return shapes
 
+    def warm_asks(self, proposer: Any, shapes: Sequence[tuple[int, int]], logits_like: Any) -> list[JudgeAsk]:
+        """`ask`'s questions at each step shape that can verify drafts (2N-1 rows or more), for
+        each count of its rows with drafts (padded to the same powers of two as a call's), with
+        drafts proposed in each step shape that can propose them (of any batch: an engine's
+        requests may have drafted in calls of other sizes)."""
+        rule, t, k = self.acceptance, proposer.temperature, self.n - 1
+        if not k or not (rule.relax > 0 or self.measure_iar or rule.drafts_need_logits(t)):
+            return []
+        keeps_q = rule.drafts_need_logits(t) or self.measure_iar
+        q_shapes = sorted({(bb, r) for bb, r in shapes if r >= k + 1}) if keeps_q else [None]
+        asks = []
+        for batch, rows in shapes:
+            if rows < 2 * k + 1 or (p := logits_like(batch, rows)) is None:
+                continue
+            # Requests with drafts, one for each count of drafts a call pads to (a power of two).
+            requests = {1 << max(0, j * k - 1).bit_length(): j for j in range(batch, 0, -1)}.values()
+            for j, q_shape in itertools.product(requests, q_shapes):
+                m = j * k
+                b, i = np.repeat(np.arange(j), k), np.tile(np.arange(k), j)
+                q = None if q_shape is None else logits_like(*q_shape)
+                asks.append(JudgeAsk(p, b=b, i=i, tokens=np.zeros(m, np.int32), anchors=np.zeros(m, np.int32),
+                                     seeds=np.zeros(m, np.uint32), use_q=np.full(m, not rule.one_hot),
+                                     temperature=np.full(m, t, np.float32), top_k=np.full(m, proposer.top_k, np.int32),
+                                     top_p=np.full(m, proposer.top_p, np.float32), q=q,
+                                     qb=None if q is None else b % q.shape[0], qi=None if q is None else i + 1))
+        return asks
+
     # -- after the step ---------------------------------------------------------------------
+
+    def ask(self, state: DecodeState, plan: StepPlan, proposal: Proposal, cursor: StridedCursor) -> JudgeAsk | None:
+        """With the logits on the device, what judging this step's drafts needs of them beyond
+        the anchors' tokens (relaxed, p / q and IAR rules: `Acceptance.judge_answered`), for
+        every request with drafts at once; each request that may reject at T > 0 draws one
+        seed for its rejection's token from its own generator. None where nothing is needed."""
+        cursor.judged_at[:] = -1
+        rule, sampler = self.acceptance, proposal.sampler or Proposer()
+        t = sampler.temperature
+        if (not is_device_logits(proposal.logits) or not cursor.prefilled
+                or not (rule.relax > 0 or self.measure_iar or rule.drafts_need_logits(t))):
+            return None
+        k = self.n - 1
+        rows = np.flatnonzero(cursor.drafting & state.active)
+        if not len(rows) or not k:
+            return None
+        cursor.judged_at[rows] = np.arange(len(rows)) * k
+        at = (cursor.cache[rows] + 1)[:, None] + np.arange(k)  # each row's drafts' slots
+        seeds = np.zeros(len(rows), np.uint32)
+        for j, b in enumerate(rows):
+            if t > 0 and state.rngs[b] is not None:
+                seeds[j] = state.rngs[b].integers(0, 2 ** 32, dtype=np.uint32)
+        m = len(rows) * k
+        q = cursor.draft_view
+        return JudgeAsk(proposal.logits, b=np.repeat(rows, k), i=np.tile(np.arange(k), len(rows)),
+                        tokens=np.take_along_axis(state.tokens[rows], at, axis=1).ravel().astype(np.int32),
+                        anchors=proposal.tokens[rows, :k].ravel().astype(np.int32), seeds=np.repeat(seeds, k),
+                        use_q=np.full(m, not rule.one_hot), temperature=np.full(m, t, np.float32),
+                        top_k=np.full(m, sampler.top_k, np.int32), top_p=np.full(m, sampler.top_p, np.float32),
+                        q=q, qb=None if q is None else np.repeat(rows, k),
+                        qi=None if q is None else (cursor.draft_at[rows][:, None] + np.arange(k)).ravel())
 
     def settle(self, state: DecodeState, plan: StepPlan, proposal: Proposal, cursor: StridedCursor) -> np.ndarray:
         """Judge each request's drafts, pick the token after them, draft the next ones. Returns
@@ -289,8 +432,10 @@ class _Strided(Scheduler):
         draft = np.zeros((b_all, r_all), bool)
         draft_tokens = self._draft_tokens(proposal, sampler)
         logits = proposal.logits
+        on_device = is_device_logits(logits)
         keep_q = logits is not None and (rule.drafts_need_logits(sampler.temperature) or self.measure_iar)
-        next_q = np.zeros((b_all, n - 1, logits.shape[-1]), np.float32) if keep_q and n > 1 else None
+        next_q = (np.zeros((b_all, n - 1, logits.shape[-1]), np.float32) if keep_q and n > 1 and not on_device
+                  else None)
         prompt_step = not cursor.prefilled
         cursor.ended[:] = -1
         for b in np.flatnonzero(state.active):
@@ -298,9 +443,19 @@ class _Strided(Scheduler):
             k = n - 1 if cursor.drafting[b] and not prompt_step else 0
             drafts = state.tokens[b, c + 1:c + 1 + k]
             q_logits = None if cursor.draft_logits is None else cursor.draft_logits[b]
-            j, token = rule.judge(drafts, proposal.tokens[b, :k + 1], sampler, state.rngs[b],
-                                  None if logits is None or is_device_logits(logits) else logits[b, :k + 1],
-                                  q_logits)
+            if on_device:
+                at = int(cursor.judged_at[b]) if k else -1
+                judged = None if at < 0 or cursor.answer is None else tuple(x[at:at + k] for x in cursor.answer)
+                j, token = rule.judge_answered(drafts, proposal.tokens[b, :k + 1], sampler, state.rngs[b], judged)
+                iar = None if judged is None or cursor.draft_view is None else (judged[2], judged[4])
+            else:
+                j, token = rule.judge(drafts, proposal.tokens[b, :k + 1], sampler, state.rngs[b],
+                                      None if logits is None else logits[b, :k + 1], q_logits)
+                iar = None
+                if self.measure_iar and logits is not None and q_logits is not None and k:
+                    reached = np.arange(min(j + 1, k))
+                    iar = (_t1(logits[b, :len(reached)])[reached, drafts[reached]],
+                           _t1(q_logits[:len(reached)])[reached, drafts[reached]])
             emitted = np.append(drafts[:j], token)
             proposal.tokens[b, :j + 1] = emitted  # the accepted drafts (not the anchors' draws), then the token
             # A request ends at its first EOS, or at the end of its generation.
@@ -311,14 +466,16 @@ class _Strided(Scheduler):
             if keep < j + 1 or len(eos) or c + keep >= state.gen_end - 1:
                 cursor.ended[b] = c + keep
             if not prompt_step:
-                self._count(counts, b, k, j, keep, logits, q_logits, drafts)
+                self._count(counts, k, j, keep, iar)
             cursor.cache[b] = min(c + j + 1, state.gen_end - 1)  # past the end: the request has ended
             cursor.drafting[b] = j == k and n > 1
             if cursor.drafting[b]:
                 draft[b, k + 1:k + n] = True
+                cursor.draft_at[b] = k + 1
                 if next_q is not None:
                     next_q[b] = logits[b, k + 1:k + n]
         cursor.draft_logits = next_q
+        cursor.draft_view = logits if keep_q and on_device and n > 1 else None
         tgt = plan.target_index
         state.demote(tgt, demote)
         state.draft(tgt, draft, draft_tokens, visible=True)
@@ -332,7 +489,9 @@ class _Strided(Scheduler):
             return proposal.argmax.copy()
         return proposal.logits.argmax(-1).astype(np.int32)
 
-    def _count(self, counts: dict, b: int, k: int, j: int, keep: int, logits, q_logits, drafts) -> None:
+    def _count(self, counts: dict, k: int, j: int, keep: int, iar: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Count a request's step; `iar`: the untempered p and q of its drafts up to the first
+        rejected (the IAR's terms, where it is measured)."""
         counts["steps"] += 1
         counts["tokens"] += keep
         counts["emitted"] += j + 1
@@ -343,11 +502,9 @@ class _Strided(Scheduler):
         for i in range(min(j + 1, k)):
             counts["verified"][i] += 1
             counts["accepted"][i] += i < j
-        if self.measure_iar and logits is not None and q_logits is not None:
+        if self.measure_iar and iar is not None:
             reached = min(j + 1, k)
-            idx = np.arange(reached)
-            p1 = _t1(logits[b, :reached])[idx, drafts[:reached]]
-            q1 = _t1(q_logits[:reached])[idx, drafts[:reached]]
+            p1, q1 = (np.asarray(x[:reached], np.float64) for x in iar)
             counts["iar_sum"] += float(np.minimum(1.0, p1 / np.maximum(q1, 1e-300)).sum())
             counts["iar_count"] += reached
 

@@ -115,10 +115,12 @@ MASK_ROWS = np.log(np.array([[[0.2, 0.7, 0.1], [0.1, 0.1, 0.8]], [[0.7, 0.2, 0.1
                               [[0.1, 0.1, 0.8], [0.6, 0.2, 0.2]]]))
 
 
-def _toy(clean=CLEAN, mask=MASK_ROWS, *, batches: tuple[int, ...] | None = None, **overrides):
+def _toy(clean=CLEAN, mask=MASK_ROWS, *, batches: tuple[int, ...] | None = None, logits_on: str = "", **overrides):
+    """The toy decoder; `logits_on="cpu"`: its steps can keep their logits in JAX arrays (the
+    device rules run on them)."""
     cfg = tiny_config(attention="causal", logit_shift=True, block_size=4, **overrides)
-    caps = None if batches is None else Capabilities.for_length(cfg.max_seq_len, batches=batches)
-    exe = ToyCausalExecutor(cfg, clean=clean, mask=mask, capabilities=caps)
+    caps = Capabilities.for_length(cfg.max_seq_len, **({} if batches is None else dict(batches=batches)))
+    exe = ToyCausalExecutor(cfg, clean=clean, mask=mask, capabilities=dataclasses.replace(caps, logits_on=logits_on))
     return Decoder(exe, cfg), exe
 
 
@@ -241,6 +243,79 @@ def test_sampled_isd_total_variation_below_one_percent(proposal):
     decoder, _ = _toy()
     cfg = decode_config(cache="isd", stride=3, temperature=1.0, gen_len=3, proposal=proposal)
     assert _tv(_draws(decoder, cfg, 80_000, batch=8, length=3), _ar_joint(1, 3)) < 0.01
+
+
+@pytest.fixture
+def logits_stay_on_the_device(monkeypatch):
+    """Fails a test that reads a step's logits back whole (a device rule that fell back to the host)."""
+    from dlm_jax.executors._logits import DeviceLogits
+
+    def refuse(self, dtype=None, copy=None):
+        raise AssertionError("the logits were read back whole")
+
+    monkeypatch.setattr(DeviceLogits, "__array__", refuse)
+
+
+@pytest.mark.parametrize("options", [
+    {"proposal": "sample"},  # drafts drawn from q, judged by min(1, p/q), corrections from max(0, p - q)
+    pytest.param({"proposal": "sample", "top_k": 2, "temperature": 0.7}, marks=pytest.mark.slow),
+    pytest.param({"proposal": "sample", "top_p": 0.75}, marks=pytest.mark.slow),
+    # one-hot q relaxed: must fail the check, as on the host
+    pytest.param({"relax": BIASED_RELAX}, marks=pytest.mark.slow),
+])
+def test_drafts_judged_beside_the_step_pass_the_exactness_check(options, logits_stay_on_the_device):
+    """With the logits kept on the device, ISD's rules that need more than the anchors' tokens
+    (p / q ratios, relaxed acceptance) judge there (`Strided.ask`, the JudgeAsk's program): the
+    exact rule still draws the toy's exact joint, and a relaxed one is still caught."""
+    decoder, _ = _toy(batches=(1, 2, 4, 8, 512), logits_on="cpu")
+    opts = {"temperature": 1.0, "gen_len": 3, "cache": "isd", "stride": 3, "logits_on": "device", **options}
+    exact = _ar_joint(1, 3, opts["temperature"], opts.get("top_k", 0), opts.get("top_p", 1.0))
+    p = _chi2_p(_draws(decoder, decode_config(**opts), N_DRAWS, batch=512), exact)
+    assert (p < ALPHA) if options.get("relax") else (p > ALPHA)
+
+
+def test_the_judging_program_answers_as_the_host_rule():
+    """The device's answers for drafts (`runtime.step.JudgeAsk`) against the host's float64
+    rule: p and q of each draft under the sampler's filter and temperature, the untempered
+    probabilities, and each rejection's token drawn from the residual (max(0, p - q), or p
+    without the draft) by Pearson's chi-square test over 8,192 seeds."""
+    import jax.numpy as jnp
+
+    from dlm_jax.executors._logits import DeviceLogits
+    from dlm_jax.runtime.step import JudgeAsk, answer
+
+    rng = np.random.default_rng(5)
+    v = 12
+    p_z, q_z = rng.normal(0, 1.5, (3, 5, v)).astype(np.float32), rng.normal(0, 1.5, (2, 4, v)).astype(np.float32)
+    p_z[..., v - 1] = q_z[..., v - 1] = -np.inf  # the mask token, as a step returns it
+    p, q = DeviceLogits(jnp.asarray(p_z)), DeviceLogits(jnp.asarray(q_z))
+    b, i, qb, qi = np.array([0, 2, 1, 2]), np.array([0, 1, 3, 4]), np.array([1, 0, 1, 0]), np.array([0, 3, 2, 1])
+    drafts, anchors = np.array([3, 0, 7, 2]), np.array([1, 1, 4, 2])
+    cases = [(1.0, 0, 1.0, True), (0.7, 4, 1.0, True), (1.3, 0, 0.8, False), (0.0, 0, 1.0, False)]
+    for t, top_k, top_p, use_q in cases:
+        n = len(drafts)
+        ask = lambda seeds, rows=slice(None): JudgeAsk(  # noqa: E731
+            p, b=b[rows], i=i[rows], tokens=drafts[rows], anchors=anchors[rows], seeds=seeds,
+            use_q=np.full(len(seeds), use_q), temperature=np.full(len(seeds), t, np.float32),
+            top_k=np.full(len(seeds), top_k, np.int32), top_p=np.full(len(seeds), top_p, np.float32),
+            q=q, qb=qb[rows], qi=qi[rows])
+        p_s, q_s, p1_s, p1_a, q1_s, _ = answer([ask(np.arange(n, dtype=np.uint32))])[0]
+        pz, qz = p_z[b, i].astype(np.float64), q_z[qb, qi].astype(np.float64)
+        soft = lambda z: sampling_probs(z, 1.0)  # noqa: E731
+        np.testing.assert_allclose(p1_s, soft(pz)[range(n), drafts], rtol=2e-6)
+        np.testing.assert_allclose(p1_a, soft(pz)[range(n), anchors], rtol=2e-6)
+        np.testing.assert_allclose(q1_s, soft(qz)[range(n), drafts], rtol=2e-6)
+        if not t:
+            continue
+        hp, hq = sampling_probs(pz, t, top_k, top_p), sampling_probs(qz, t, top_k, top_p)
+        np.testing.assert_allclose(p_s, hp[range(n), drafts], rtol=2e-6, atol=1e-30)
+        np.testing.assert_allclose(q_s, hq[range(n), drafts] if use_q else 1.0, rtol=2e-6, atol=1e-30)
+        for d in (0, 2):  # one draft's rejection token, drawn with 8,192 seeds
+            resid = np.maximum(hp[d] - hq[d], 0) if use_q else np.where(np.arange(v) == drafts[d], 0, hp[d])
+            resid = resid if resid.sum() > 0 else hp[d]
+            seeds = np.arange(N_DRAWS, dtype=np.uint32) + 1000 * d
+            drawn = answer([ask(seeds, np.full(N_DRAWS, d))])[0][5]
+            assert _chi2_p([(int(x),) for x in drawn], {(j,): w / resid.sum() for j, w in enumerate(resid)}) > ALPHA
 
 
 def test_relax_zero_is_the_strict_rule_and_relaxing_accepts_more():
@@ -560,12 +635,14 @@ def test_shipped_risd_adapters_raise_the_tpf_of_an_autoregressive_base_losslessl
     assert risd.stats.tpf > plain.stats.tpf + 0.15, (risd.stats.tpf, plain.stats.tpf)
 
 
-def test_iar_is_min_one_p_over_q_of_the_verified_drafts():
+@pytest.mark.parametrize("on", ["host", "device"])
+def test_iar_is_min_one_p_over_q_of_the_verified_drafts(on):
     """IAR (I-DLM §2) over ISD's verified drafts, from the T = 1 distributions of the anchor
     (p) and of the row that proposed the draft (q). On the toy: t0 = argmax clean[1] = 2, the
-    draft is argmax mask[1, d=1] = 0 with q = 0.7, and the anchor fed 2 gives p(0) = 0.4."""
-    decoder, _ = _toy()
-    out = decoder.decode([[1]], decode_config(cache="isd", stride=2, gen_len=2, iar=True))
+    draft is argmax mask[1, d=1] = 0 with q = 0.7, and the anchor fed 2 gives p(0) = 0.4. With
+    the logits on the device, measured there."""
+    decoder, _ = _toy(logits_on="cpu")
+    out = decoder.decode([[1]], decode_config(cache="isd", stride=2, gen_len=2, iar=True, logits_on=on))
     assert out.sequences[0].tolist()[0] == 2
     assert out.stats.iar == pytest.approx(0.4 / 0.7, abs=1e-4)
     assert decoder.decode([[1]], decode_config(cache="isd", stride=2, gen_len=2)).stats.iar is None
