@@ -397,7 +397,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     handle = _load(args, args.model)
     service = server.Service(handle, cfg, name=name, max_batch=args.max_batch, max_waiting=args.max_waiting,
                              max_tokens=args.max_tokens, max_body=args.max_body, warmup=args.warmup,
-                             warmup_sampling=args.warmup_sampling)
+                             warmup_sampling=args.warmup_sampling, warmup_infill=args.warmup_infill or 0)
     return server.serve(service, host=args.host, port=args.port, grace=args.grace, log_level=args.log_level)
 
 
@@ -873,6 +873,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-sampling", action="store_true",
                    help="warm up the programs of requests that sample, set penalties or a logit_bias (up to 64 "
                         "entries), or ask for logprobs too (about twice the warm-up)")
+    p.add_argument("--warmup-infill", type=positive_int, metavar="N",
+                   help="warm up the programs of requests with a suffix (infilling) of up to N tokens too (one set "
+                        "per size of the slots after a generation: 8, 16, ...; bidirectional models)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info adds a line per request; default warning)")
     _add_model_options(p)

@@ -38,13 +38,14 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dlm_jax._engine import TextStream
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax.runtime import registry
+from dlm_jax.runtime.buckets import infill_slots
 from dlm_jax.runtime.engine import CANCELLED, DONE, FAILED, STOPPED, QueueFull
 from dlm_jax.runtime.proposer import MAX_LOGPROBS
 
@@ -441,6 +442,23 @@ def sampling_variant(cfg: DecodeConfig, decoder) -> DecodeConfig:
     return variant
 
 
+def infill_variants(configs: Sequence[DecodeConfig], decoder, longest: int, max_tokens: int) -> list[DecodeConfig]:
+    """Each of `configs` for requests with a suffix (infilling) of up to `longest` tokens: one
+    per size the slots after a generation take (`runtime.buckets.infill_slots`: 8, 16, ...
+    up to the one that holds `longest`) that leaves a row of `max_tokens` room for a prompt.
+    A request whose suffix fits such a size, and its prompt with it, runs their programs: what
+    `--warmup-infill` builds. Raises ConfigError where the model or the decode cannot infill."""
+    top = infill_slots(longest)
+    out = []
+    for cfg in configs:
+        size = 8
+        while size <= top:
+            if cfg.gen_len + size < max_tokens:
+                out.append(decoder.with_infill(decoder._for_model(cfg), [[0] * size], limit=max_tokens))
+            size *= 2
+    return out
+
+
 class Service:
     """The server's state: the model, its engine (on a background thread), the lifecycle
     (`state`: warming, ready, draining) and the metrics.
@@ -454,17 +472,21 @@ class Service:
       warmup: build every program `config` reaches before reporting healthy.
       warmup_sampling: and those of its requests that sample, set penalties or a bias, or ask
         for log-probabilities (`sampling_variant`).
+      warmup_infill: and those of its requests with a suffix of up to this many tokens
+        (`infill_variants`; 0: none). Raises ConfigError where the model cannot infill.
     """
 
     def __init__(self, model: Model, config: DecodeConfig, *, name: str, max_batch: int | None = None,
                  max_waiting: int | None = 64, max_tokens: int | None = None, max_body: int = MAX_BODY,
-                 warmup: bool = True, warmup_sampling: bool = False):
+                 warmup: bool = True, warmup_sampling: bool = False, warmup_infill: int = 0):
         from dlm_jax._engine import Engine
 
         self.model, self.config, self.name = model, config, name
         self.engine = Engine(model, config, max_batch=max_batch, max_waiting=max_waiting, max_tokens=max_tokens)
         self.max_body = max_body
         self.warm, self.warm_sampling = warmup, warmup_sampling
+        self.infill = infill_variants(self._warm_configs(), self.engine.core.decoder, warmup_infill,
+                                      self.engine.core.max_tokens) if warmup_infill else []
         self.state = "warming"
         self.warmup_seconds: float | None = None
         self.warmup_programs: int | None = None
@@ -487,20 +509,27 @@ class Service:
         t0 = time.perf_counter()
         try:
             if self.warm:
-                cfg = self.config
-                block = getattr(cfg.scheduler, "block_len", None)
-                lens = range(block, cfg.gen_len + 1, block) if block else [cfg.gen_len]
-                configs = [registry.decode_config(cfg, gen_len=g) for g in lens]
+                configs = self._warm_configs()
                 self.warmup_programs = self.engine.core.warmup(configs)
                 if self.warm_sampling:
                     variants = [sampling_variant(c, self.engine.core.decoder) for c in configs]
                     self.warmup_programs += self.engine.core.warmup(variants)
+                if self.infill:
+                    self.warmup_programs += self.engine.core.warmup(self.infill)
         except Exception:  # noqa: BLE001 - a server that cannot warm up still serves (compiling on use)
             log.exception("warm-up failed; programs will compile on first use")
         self.warmup_seconds = time.perf_counter() - t0
         if self.state == "warming":
             self.state = "ready"
         print(f"ready: {self.warmup_programs or 0} programs built in {self.warmup_seconds:.1f} s", flush=True)
+
+    def _warm_configs(self) -> list[DecodeConfig]:
+        """The configured decode at every generation length a request may ask for (multiples
+        of its block up to its own)."""
+        cfg = self.config
+        block = getattr(cfg.scheduler, "block_len", None)
+        lens = range(block, cfg.gen_len + 1, block) if block else [cfg.gen_len]
+        return [registry.decode_config(cfg, gen_len=g) for g in lens]
 
     def drain(self, grace: float) -> None:
         """Stop admitting (503), let running requests finish for up to `grace` seconds, then

@@ -595,6 +595,43 @@ def test_a_sampling_warm_up_leaves_sampled_requests_nothing_to_compile(model):
         live.stop()
 
 
+def test_an_infill_warm_up_leaves_suffix_requests_nothing_to_compile():
+    """`--warmup-infill N` (`Service(warmup_infill=N)`) builds the programs of requests with a
+    suffix of up to N tokens: suffixes of 3 and 6 tokens (one size of slots after the
+    generation, 8) compile nothing after it, and compile without it (each server on a model
+    of its own: its executor's programs its own)."""
+    import openai
+
+    def compiles(infill: int) -> list[int]:
+        model = dlm_jax.load(TINY, executor="jax")
+        service = srv.Service(model, dlm_jax.preset("fast-dllm", gen_len=32), name=NAME, max_batch=2,
+                              max_tokens=56, warmup_infill=infill)
+        live = LiveServer(service)  # (healthy once warm)
+        try:
+            client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
+            new = []
+            for suffix in (" 99", " 1 2 3"):
+                built = model.executor.build_counts().compiles
+                client.completions.create(model=NAME, prompt="66+76=", suffix=suffix, max_tokens=32)
+                new.append(model.executor.build_counts().compiles - built)
+            return new
+        finally:
+            live.stop()
+
+    assert compiles(8) == [0, 0]
+    assert sum(compiles(0)) > 0  # (a compile may be counted after its request answered)
+
+
+def test_an_infill_warm_up_of_a_model_that_cannot_infill_is_one_line(capsys):
+    from dlm_jax.frontends.cli import main
+
+    with pytest.raises(SystemExit) as ex:
+        sys.exit(main(["serve", "--model", "models/idlm-tiny", "--port", "0", "--warmup-infill", "8"]))
+    assert ex.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs a bidirectional model" in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
 # ---------------------------------------------------------------------------- SIGTERM
 
 
