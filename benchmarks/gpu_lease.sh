@@ -131,8 +131,9 @@
 #                all: the budget cuts dlm-jax's int8 cases at b8 (and at b1 if the compiles
 #                are no faster than that).
 #   small    50  benchmarks/gpu.py --small (the correctness half; tiny float32 twin; 20-40 s).
-#   logits   30  benchmarks/logits_host.py: sampling, penalties, bias and logprobs at the 8B
-#                vocabulary, the host's float64 path against the GPU's (`Proposer.logits_on`).
+#   logits   30  benchmarks/logits_host.py: sampling, penalties, bias, logprobs and ISD's
+#                acceptance at the 8B vocabulary, the host's float64 path against the GPU's
+#                (`Proposer.logits_on`).
 #   large   300  benchmarks/gpu.py --sides dlm_jax at batch 16 and 32, both caches, none and
 #                int8, --reps 3, --profile, its own compilation cache (the prefix cache's there:
 #                about 10 programs a batch, minutes cold); Fast-dLLM's side is not timed (its
