@@ -9,10 +9,10 @@ as small compiled programs beside the logits, and only their answers come back: 
 int32 for a proposal, [m, 1 + 2k] for m slots' log-probabilities, [6, m] for ISD's judging
 of m drafts (`runtime.step.JudgeAsk`: p and q at each draft, the token a rejection emits).
 
-`DeviceLogits.answer` takes the asks (`runtime.step.ProposeAsk`, `LogprobsAsk`) of every
-view of one step's logits at once: an engine's call of 16 requests, each its own view and its
-own options, is one proposal program over the call's rows (each row's options its own:
-temperature, top-k, top-p, penalties, bias) and one sync, not 16.
+`DeviceLogits.answer` takes the asks (`runtime.step.ProposeAsk`, `LogprobsAsk`, `JudgeAsk`)
+of every view of one step's logits at once: an engine's call of 16 requests, each its own
+view and its own options, is one proposal program over the call's rows (each row's options
+its own: temperature, top-k, top-p, penalties, bias) and one sync, not 16.
 
 Each call needs a program of some shape and options (`_Variant`: rows, penalty and bias
 widths, which of sampling / filter / penalties / bias it applies). Where that exact program has
