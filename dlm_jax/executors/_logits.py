@@ -605,14 +605,13 @@ def _answer_judges(asks: list[step.JudgeAsk]) -> list[tuple[np.ndarray, ...]]:
             cat(lambda a: np.asarray(a.seeds, np.uint32).view(np.int32)),
             cat(lambda a: np.asarray(a.use_q, bool) & (a.q is not None)),
             _float_bits(np.where(t > 0, t, 1.0)), np.where(t > 0, top_k, 0), _float_bits(np.where(t > 0, top_p, 1.0)))
-        starts = np.cumsum([0] + counts)
-        for array_id in dict.fromkeys(id(a.q.array) for a in asks if a.q is not None):
-            where = np.full((2, judges.m), -1, np.int32)
-            for a, at in zip(asks, starts):
-                if a.q is not None and id(a.q.array) == array_id:
-                    where[:, at:at + len(a.tokens)] = (a.q._rows[np.asarray(a.qb, np.int64)],
-                                                       np.asarray(a.qi) + a.q._cols.start)
-                    array = a.q.array
+        gathers: dict[int, tuple[jax.Array, np.ndarray]] = {}  # an earlier step's logits -> their rows' places
+        for a, at in zip(asks, np.cumsum([0] + counts)):
+            if a.q is not None:
+                array, where = gathers.setdefault(id(a.q.array), (a.q.array, np.full((2, judges.m), -1, np.int32)))
+                where[:, at:at + len(a.tokens)] = (a.q._rows[np.asarray(a.qb, np.int64)],
+                                                   np.asarray(a.qi) + a.q._cols.start)
+        for array, where in gathers.values():
             q_rows = _gather_into(array, q_rows, where)
             sent += where.nbytes
     request = columns.ravel()

@@ -256,11 +256,9 @@ class StridedCursor(Cursor):
     prefilled: bool = False
     draft_logits: np.ndarray | None = None  # [B, N-1, V] logits the drafts were proposed from
     # Kept on the device instead (`DeviceLogits`): the step's view that proposed the drafts,
-    # and where each row's drafts' rows start in it [B]; where each row's drafts start in
-    # this step's judging answer [B] (`Strided.ask`)
+    # and where each row's drafts' rows start in it [B]
     draft_view: Any = None
     draft_at: np.ndarray = dataclasses.field(default_factory=lambda: _NONE)
-    judged_at: np.ndarray = dataclasses.field(default_factory=lambda: _NONE)
     ended: np.ndarray | None = None  # [B] slot of the last token of a request that ended this step (-1)
     counts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -324,8 +322,7 @@ class _Strided(Scheduler):
         counts = {"stride": self.n, "steps": 0, "tokens": 0, "emitted": 0, "query_rows": 0, "accept_histogram": {},
                   "verified": [0] * (self.n - 1), "accepted": [0] * (self.n - 1), "iar_sum": 0.0, "iar_count": 0}
         return StridedCursor(cache=np.full(b, state.gen_start - 1, np.int64), drafting=np.zeros(b, bool),
-                             ended=np.full(b, -1, np.int64), counts=counts, draft_at=np.zeros(b, np.int64),
-                             judged_at=np.full(b, -1, np.int64))
+                             ended=np.full(b, -1, np.int64), counts=counts, draft_at=np.zeros(b, np.int64))
 
     # -- plans ------------------------------------------------------------------------------
 
@@ -393,9 +390,9 @@ class _Strided(Scheduler):
     def ask(self, state: DecodeState, plan: StepPlan, proposal: Proposal, cursor: StridedCursor) -> JudgeAsk | None:
         """With the logits on the device, what judging this step's drafts needs of them beyond
         the anchors' tokens (relaxed, p / q and IAR rules: `Acceptance.judge_answered`), for
-        every request with drafts at once; each request that may reject at T > 0 draws one
-        seed for its rejection's token from its own generator. None where nothing is needed."""
-        cursor.judged_at[:] = -1
+        every request with drafts at once, in batch order (`settle` reads their answers so);
+        each request that may reject at T > 0 draws one seed for its rejection's token from its
+        own generator. None where nothing is needed."""
         rule, sampler = self.acceptance, proposal.sampler or Proposer()
         t = sampler.temperature
         if (not is_device_logits(proposal.logits) or not cursor.prefilled
@@ -405,7 +402,6 @@ class _Strided(Scheduler):
         rows = np.flatnonzero(cursor.drafting & state.active)
         if not len(rows) or not k:
             return None
-        cursor.judged_at[rows] = np.arange(len(rows)) * k
         at = (cursor.cache[rows] + 1)[:, None] + np.arange(k)  # each row's drafts' slots
         seeds = np.zeros(len(rows), np.uint32)
         for j, b in enumerate(rows):
@@ -438,14 +434,17 @@ class _Strided(Scheduler):
                   else None)
         prompt_step = not cursor.prefilled
         cursor.ended[:] = -1
+        judged_at = 0  # where the next request's drafts start in `cursor.answer` (`ask`'s order)
         for b in np.flatnonzero(state.active):
             c = int(cursor.cache[b])
             k = n - 1 if cursor.drafting[b] and not prompt_step else 0
             drafts = state.tokens[b, c + 1:c + 1 + k]
             q_logits = None if cursor.draft_logits is None else cursor.draft_logits[b]
             if on_device:
-                at = int(cursor.judged_at[b]) if k else -1
-                judged = None if at < 0 or cursor.answer is None else tuple(x[at:at + k] for x in cursor.answer)
+                judged = None
+                if k and cursor.answer is not None:
+                    judged = tuple(x[judged_at:judged_at + k] for x in cursor.answer)
+                    judged_at += k
                 j, token = rule.judge_answered(drafts, proposal.tokens[b, :k + 1], sampler, state.rngs[b], judged)
                 iar = None if judged is None or cursor.draft_view is None else (judged[2], judged[4])
             else:
