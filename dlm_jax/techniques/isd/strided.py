@@ -298,6 +298,15 @@ class _Strided(Scheduler):
         rule = self.acceptance
         return self.measure_iar or rule.relax > 0 or not rule.one_hot
 
+    def _asks(self, temperature: float) -> bool:
+        """Whether judging at `temperature` needs more of the logits than the anchors' tokens
+        (with the logits on the device: a `JudgeAsk` each step with drafts)."""
+        return self.acceptance.relax > 0 or self.measure_iar or self.acceptance.drafts_need_logits(temperature)
+
+    def _keeps_q(self, temperature: float) -> bool:
+        """Whether judging at `temperature` needs the logits the drafts were proposed from."""
+        return self.acceptance.drafts_need_logits(temperature) or self.measure_iar
+
     def reads_logits(self, proposer: Any = None) -> bool:
         """Logits kept on the device are judged there (`ask`); the rule reads them on the host
         only where it judges and `proposer` applies penalties or a bias (the host judges the
@@ -364,10 +373,9 @@ class _Strided(Scheduler):
         drafts proposed in each step shape that can propose them (of any batch: an engine's
         requests may have drafted in calls of other sizes)."""
         rule, t, k = self.acceptance, proposer.temperature, self.n - 1
-        if not k or not (rule.relax > 0 or self.measure_iar or rule.drafts_need_logits(t)):
+        if not k or not self._asks(t):
             return []
-        keeps_q = rule.drafts_need_logits(t) or self.measure_iar
-        q_shapes = sorted({(bb, r) for bb, r in shapes if r >= k + 1}) if keeps_q else [None]
+        q_shapes = sorted({(bb, r) for bb, r in shapes if r >= k + 1}) if self._keeps_q(t) else [None]
         asks = []
         for batch, rows in shapes:
             if rows < 2 * k + 1 or (p := logits_like(batch, rows)) is None:
@@ -395,8 +403,7 @@ class _Strided(Scheduler):
         own generator. None where nothing is needed."""
         rule, sampler = self.acceptance, proposal.sampler or Proposer()
         t = sampler.temperature
-        if (not is_device_logits(proposal.logits) or not cursor.prefilled
-                or not (rule.relax > 0 or self.measure_iar or rule.drafts_need_logits(t))):
+        if not is_device_logits(proposal.logits) or not cursor.prefilled or not self._asks(t):
             return None
         k = self.n - 1
         rows = np.flatnonzero(cursor.drafting & state.active)
@@ -429,7 +436,7 @@ class _Strided(Scheduler):
         draft_tokens = self._draft_tokens(proposal, sampler)
         logits = proposal.logits
         on_device = is_device_logits(logits)
-        keep_q = logits is not None and (rule.drafts_need_logits(sampler.temperature) or self.measure_iar)
+        keep_q = logits is not None and self._keeps_q(sampler.temperature)
         next_q = (np.zeros((b_all, n - 1, logits.shape[-1]), np.float32) if keep_q and n > 1 and not on_device
                   else None)
         prompt_step = not cursor.prefilled
