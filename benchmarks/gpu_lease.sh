@@ -60,6 +60,14 @@
 #                back: a second call with PARTS=dual DUAL_QUANTS=int8 measures them in the
 #                decided form. Fast-dLLM's dual b1 and b8 are in gpu_parts/ (the merge pairs
 #                them); its b16 and b32 are not timed.
+#   tiered 180+60  benchmarks/first_decode.py --compile tiered, prefix cache, batch 1 (the first-decode
+#                target's worst case: 142 s cold, gpu.md): the step programs compiled quick (no
+#                autotuning) first, their full compiles (autotuned) built behind on one thread at the
+#                lowest priority while the decode runs; then a second process over its persistent
+#                cache (the full programs, by the first's markers). Its report: the first decode's
+#                wait, the quick programs' second decode against the upgraded one's, the upgrades'
+#                seconds, whether the tokens held (never run: the quick tier's compile seconds on a
+#                GPU are the question; on 2 CPU cores tiered was no faster, first_decode_tiered.md).
 #   probe  130  benchmarks/gpu_step.py, the 9 programs of a prefix-cache decode at batch 1 on
 #                4 threads, no persistent cache: each program's compile s, first execution ms
 #                and step ms (at the autotuner's choice of kernels); XLA writes its autotuning
@@ -202,6 +210,8 @@
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/attention_gqa.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
+#   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode_tiered.json \
+#     $LEASE/first_tiered.json --out benchmarks/results/first_decode_tiered
 #   cp $LEASE/logits_gpu.json $LEASE/logits_gpu.md benchmarks/results/ (the proposer's rules on the GPU; if the
 #     device path is the faster there, as it should be, `logits_on="auto"` already picks it on a GPU)
 set -u -o pipefail
@@ -218,7 +228,7 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-DEFAULT_PARTS="target attncheck decide dual probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small logits large probecache cacheload probeserial cudnn scan first"
+DEFAULT_PARTS="target attncheck decide dual tiered probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small logits large probecache cacheload probeserial cudnn scan first"
 PARTS=${PARTS:-$DEFAULT_PARTS}    # or rest: what the calls before this one on this machine left
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=() SWEEP_X=() LOGITS_X=(--repeats 3)
@@ -233,7 +243,7 @@ if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the s
   # (their tiny decodes went from 0.05 s to 2-7 s on two shared cores).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
-rm -rf "$WORK/xla" "$WORK/xla-large" "$WORK/xla-first" "$WORK/xla-probe" "$WORK/xla-dual"  # measured cold
+rm -rf "$WORK/xla" "$WORK/xla-large" "$WORK/xla-first" "$WORK/xla-probe" "$WORK/xla-dual" "$WORK/xla-tiered"  # measured cold
 mkdir -p "$OUT" "$WORK"
 RES=${RES:-$(mktemp -d "$WORK/out.XXXXXX")}  # the parts' results (a new folder a call), packed into $OUT
 mkdir -p "$RES"
@@ -347,6 +357,13 @@ if want dual && [ -s "$RES/gpu_dual.json" ]; then
     rm -f "$WORK/dual_rest.env"
   fi
 fi
+# A tiered compile's first decode (quick programs, full ones built behind), then a second process.
+t=$(cap 180)
+want tiered && part "tiered cold" "$t" 60 $PY $F --cache prefix --compile tiered --xla-cache "$WORK/xla-tiered" \
+  --upgrade-wait-s $(( t > 100 ? t - 70 : 30 )) --label "tiered cold" "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$RES/first_tiered"
+want tiered && needs "tiered cold" "tiered cache" && part "tiered cache" 60 15 $PY $F --cache prefix --compile tiered \
+  --xla-cache "$WORK/xla-tiered" --upgrade-wait-s 20 --label "tiered cache" "${FIRST_X[@]}" "${CHOSEN[@]}" \
+  --out "$RES/first_tiered"
 # The compile probe: every program of a prefix-cache first decode at batch 1 (9), on the
 # executor's 4 compile threads, timed program by program: without a persistent cache, without
 # XLA's autotuning, with the persistent cache as the executor enables it (XLA's per-fusion

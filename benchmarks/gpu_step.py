@@ -104,6 +104,9 @@ SHAPES = {
                      mask_token_id=126336, max_seq_len=4096, rope_theta=500000.0, norm_eps=1e-5),
     "small": dict(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=768,
                   mask_token_id=1000, max_seq_len=512, rope_theta=500000.0, norm_eps=1e-5),
+    # 113M parameters: a model whose programs take a CPU seconds to compile (`first_decode.py`)
+    "cpu-113m": dict(vocab_size=32768, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_hidden=2048,
+                     mask_token_id=32000, max_seq_len=1024, rope_theta=500000.0, norm_eps=1e-5),
 }
 # LLaDA-8B's shape with its 32 query heads over 8 K/V heads (grouped as Llama 3 8B's are): a
 # quarter of the K/V projections and cache, and the attention kernel's programs take 4 heads.

@@ -74,6 +74,8 @@ JUDGES = [
     ("ISD p / q over sampled drafts (T = 0.7)", Acceptance(proposal="sample"), Proposer(temperature=0.7), False),
     ("ISD softmax_q, top-p 0.9 (T = 0.7)", Acceptance(verify="softmax_q"), Proposer(temperature=0.7, top_p=0.9),
      False),
+    ("ISD p / q, penalties + bias (T = 0.7)", Acceptance(proposal="sample"),
+     Proposer(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, logit_bias=((4, 2.5), (7, -1.0))), False),
 ]
 
 
@@ -163,13 +165,18 @@ def measure_judge(vocab: int, stride: int, repeats: int) -> list[dict[str, Any]]
     p_kept = DeviceLogits(jax.device_put(p_z), transfers=counted)
     q_kept = DeviceLogits(jax.device_put(q_z))
     drafts, anchors = p_z[0, :k].argmax(-1), p_z[0, :k + 1].argmax(-1)  # (greedy anchors accept at T = 0)
+    state = _state(vocab, 0)  # (some committed text: the penalties count it)
+    ids = np.repeat(state.committed_ids(), k, axis=0)
     rows = []
     for name, rule, sampler, iar in JUDGES:
         t = sampler.temperature
 
         def host(seed: int) -> None:
-            p_logits = np.asarray(p_z[0, :k + 1])  # (the verify step's rows, read back)
-            q_logits = q_z[0, stride:stride + k]  # (kept from the previous step's)
+            p_logits = np.asarray(p_z[:, :k + 1])  # (the verify step's rows, read back)
+            q_logits = q_z[:, stride:stride + k]  # (kept from the previous step's, adjusted then)
+            if sampler.adjusts:
+                p_logits, q_logits = sampler.adjusted(p_logits, state), sampler.adjusted(q_logits, state)
+            p_logits, q_logits = p_logits[0], q_logits[0]
             rule.judge(drafts, anchors, sampler, np.random.default_rng(seed), p_logits, q_logits)
             if iar:
                 idx = np.arange(k)
@@ -180,7 +187,10 @@ def measure_judge(vocab: int, stride: int, repeats: int) -> list[dict[str, Any]]
                            anchors=anchors[:k].astype(np.int32), seeds=np.full(k, seed, np.uint32),
                            use_q=np.full(k, not rule.one_hot), temperature=np.full(k, t, np.float32),
                            top_k=np.zeros(k, np.int32), top_p=np.full(k, sampler.top_p, np.float32), q=q_kept,
-                           qb=np.zeros(k, np.int64), qi=stride + np.arange(k))
+                           qb=np.zeros(k, np.int64), qi=stride + np.arange(k),
+                           **(dict(count_ids=ids, q_count_ids=ids, presence=sampler.presence_penalty,
+                                   frequency=sampler.frequency_penalty, bias=sampler.logit_bias)
+                              if sampler.adjusts else {}))
             rule.judge_answered(drafts, anchors, sampler, np.random.default_rng(seed), answer([ask])[0])
 
         row: dict[str, Any] = {"case": name}

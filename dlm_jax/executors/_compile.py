@@ -9,10 +9,15 @@ the "no compilation after warm-up" tests assert on.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import hashlib
+import logging
 import os
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +27,8 @@ import jax
 
 from dlm_jax._errors import ConfigError
 from dlm_jax.runtime.buckets import BucketKey
+
+log = logging.getLogger(__name__)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -67,6 +74,164 @@ def jit_options(options: dict[str, Any] | None = None, platform: str | None = No
     if (platform or target_platform()) == "cpu":
         options["compiler_options"] = {**CPU_COMPILER_OPTIONS, **options.get("compiler_options", {})}
     return options
+
+
+COMPILE_ENV = "DLM_JAX_COMPILE"
+COMPILE_MODES = ("full", "tiered")
+
+# The quick tier of a tiered compile: each platform's options that cut a program's compile
+# most for the step time they cost. XLA:GPU autotunes each program's GEMMs and fusions on the
+# device, which took most of a cold first decode's compiles on one H200 (LLaDA-8B shape, 10
+# programs in 142 s; with GEMMs off Triton the compiles halved, `benchmarks/results/gpu.md`):
+# the quick tier takes XLA's default kernels instead. On a CPU, LLVM at -O0: a 113M-parameter
+# prefix-cache decode's step programs compiled in 3.6 s instead of 4.8 s on 2 cores (and ran
+# slower; `benchmarks/results/first_decode_tiered.md`). No quick tier is known for a TPU: there
+# a tiered compile compiles in full.
+QUICK_OPTIONS: dict[str, dict[str, Any]] = {"cpu": {"xla_backend_optimization_level": 0},
+                                            "gpu": {"xla_gpu_autotune_level": 0}}
+
+
+def choose_compile(compile: str | None = None) -> str:
+    """How the JAX executor compiles its step programs: `compile`, else `$DLM_JAX_COMPILE`,
+    else "full". "tiered": a step program is first compiled quick (`QUICK_OPTIONS`) and
+    replaced by its full compile, built on a background thread at the lowest priority, when
+    that is ready (`CompiledBuckets`)."""
+    from_env = compile is None and bool(os.environ.get(COMPILE_ENV))
+    mode = compile or os.environ.get(COMPILE_ENV) or "full"
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"{COMPILE_ENV if from_env else 'compile'}={mode!r}: known {', '.join(COMPILE_MODES)}")
+    return mode
+
+
+def quick_options(platform: str | None = None) -> dict[str, Any] | None:
+    """The quick tier's compiler options on `platform` (default `target_platform()`); None
+    where none is known (a tiered compile compiles in full there)."""
+    return QUICK_OPTIONS.get(platform or target_platform())
+
+
+def _full_marker(lowered: Any) -> Path | None:
+    """The file that says the full compile of `lowered` is in the persistent XLA cache (its
+    name: a digest of the program's text, the platform, device kind and JAX's version), under
+    the cache's directory; None without a persistent cache. A tiered compile whose program has
+    one compiles it in full at once: a second process loads it from the cache."""
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory:
+        return None
+    device = jax.devices()[0]
+    h = hashlib.sha256(lowered.as_text().encode())
+    h.update(f"|{target_platform()}|{device.device_kind}|{jax.__version__}".encode())
+    return Path(directory) / "dlm-jax-tiered" / h.hexdigest()
+
+
+def _mark_full(marker: Path | None) -> None:
+    if marker is None:
+        return
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass  # (a read-only cache: the next process compiles quick first again)
+
+
+class _Upgrades:
+    """The full compiles of a tiered compile's quick programs, one at a time, in the order
+    queued, on one background thread at the lowest CPU priority (a thread's nice value, on
+    Linux), each started only once no other compile (`foreground`) has run for `QUIET_S`
+    seconds: the programs a decode or a warm-up waits for compile first, without a full compile
+    beside them. At exit, the queue is dropped and the compile under way finishes (it lands in
+    the persistent cache). The queue holds its programs weakly: those of an executor gone are
+    skipped."""
+
+    QUIET_S = 0.25
+
+    def __init__(self) -> None:
+        self._queue: deque = deque()
+        self._busy: Any = None  # the CompiledBuckets whose program is compiling
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._foreground = 0  # other compiles under way
+        self._quiet_since = time.monotonic()
+
+    @contextlib.contextmanager
+    def foreground(self) -> Iterator[None]:
+        """Mark a compile that a caller may wait for: no full compile starts meanwhile."""
+        with self._cv:
+            self._foreground += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._foreground -= 1
+                self._quiet_since = time.monotonic()
+                self._cv.notify_all()
+
+    def put(self, programs: CompiledBuckets, key: Any, job: Any) -> None:
+        """Queue `programs._upgrade(key, job)`."""
+        with self._cv:
+            if self._stopping:
+                return
+            self._queue.append((weakref.ref(programs), key, job))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dlm-jax-upgrade", daemon=True)
+                self._thread.start()
+                atexit.register(self.stop)
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            with self._cv:
+                while not self._stopping:
+                    if self._queue and not self._foreground:
+                        quiet = self._quiet_since + self.QUIET_S - time.monotonic()
+                        if quiet <= 0:
+                            break
+                        self._cv.wait(quiet)
+                    else:
+                        self._cv.wait()
+                if self._stopping:
+                    return
+                ref, key, job = self._queue.popleft()
+                self._busy = programs = ref()
+            if programs is None:
+                continue
+            try:
+                programs._upgrade(key, job)
+            except Exception:  # (`_upgrade` logs its own; the thread keeps serving the queue)
+                log.exception("a tiered compile's full compile failed")
+            finally:
+                del programs
+                with self._cv:
+                    self._busy = None
+                    self._cv.notify_all()
+
+    def _owners(self) -> list:
+        return [p for p in [self._busy, *(ref() for ref, _, _ in self._queue)] if p is not None]
+
+    def pending(self, programs: CompiledBuckets | None = None) -> int:
+        """Full compiles queued or under way (of `programs`, default all)."""
+        with self._cv:
+            return sum(programs is None or p is programs for p in self._owners())
+
+    def wait(self, programs: CompiledBuckets | None = None, timeout: float | None = None) -> bool:
+        """Wait until no full compile (of `programs`, default any) is queued or under way."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not any(programs is None or p is programs for p in self._owners()),
+                                     timeout)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._queue.clear()
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._busy is None)
+
+
+UPGRADES = _Upgrades()
 
 
 class XlaCompileCounter:
@@ -178,33 +343,82 @@ class CompiledBuckets:
     `prefetch(keys)` compiles keys in the background, in the order given; `get(key)` waits for
     its own key only (one not started yet is taken off the queue and compiled at once), and
     `wait_seconds` adds up how long callers waited. Thread-safe.
+
+    `tiered`: each key is first compiled quick (`quick_options`: on a GPU without autotuning,
+    on a CPU with LLVM at -O0) and its full compile queued on `UPGRADES`; once built, the full
+    executable replaces the quick one, and the next `get` returns it (a call under way finishes
+    on the quick one). A key whose full compile a process has put in the persistent cache
+    before (`_full_marker`) is compiled in full at once, from the cache. `tier(key)` says which
+    a key holds; `upgrade_count` / `upgrade_seconds` count the full compiles done behind.
     """
 
-    def __init__(self, build: Build):
+    def __init__(self, build: Build, *, tiered: bool = False):
         self._build = build
+        self.tiered = tiered
         self._executables: dict[BucketKey, jax.stages.Compiled] = {}
+        self._tiers: dict[BucketKey, str] = {}
         self._pending: dict[BucketKey, Future] = {}  # queued or compiling
         self._lock = threading.Lock()
         self.compile_count = 0
         self.compile_seconds = 0.0
         self.wait_seconds = 0.0
+        self.upgrade_count = 0
+        self.upgrade_seconds = 0.0
         XlaCompileCounter.install()
 
     def _compile(self, key: BucketKey) -> jax.stages.Compiled:
         t0 = time.perf_counter()
         try:
-            fn, specs = jitted(self._build, key)
-            exe = fn.lower(*specs).compile()
+            with UPGRADES.foreground():
+                fn, specs = jitted(self._build, key)
+                lowered = fn.lower(*specs)
+                quick = quick_options() if self.tiered else None
+                marker = _full_marker(lowered) if quick is not None else None
+                if quick is not None and not (marker is not None and marker.exists()):
+                    exe, tier = lowered.compile(quick), "quick"
+                else:
+                    exe, tier = lowered.compile(), "full"
         except BaseException:
             with self._lock:
                 self._pending.pop(key, None)  # a later get tries again (and raises there)
             raise
         with self._lock:
             self._executables[key] = exe
+            self._tiers[key] = tier
             self._pending.pop(key, None)
             self.compile_count += 1
             self.compile_seconds += time.perf_counter() - t0
+        if tier == "quick":
+            UPGRADES.put(self, key, (lowered, marker))
         return exe
+
+    def _upgrade(self, key: BucketKey, job: tuple) -> None:
+        """Compile `key`'s program in full (`UPGRADES`' thread) and put it in the quick one's place."""
+        lowered, marker = job
+        t0 = time.perf_counter()
+        try:
+            exe = lowered.compile()
+        except Exception as e:  # (the quick program stays: it computes the same)
+            log.warning("the full compile of %s failed, its quick compile stays: %s", key, e)
+            return
+        _mark_full(marker)
+        with self._lock:
+            self._executables[key] = exe
+            self._tiers[key] = "full"
+            self.upgrade_count += 1
+            self.upgrade_seconds += time.perf_counter() - t0
+
+    def tier(self, key: BucketKey) -> str | None:
+        """"quick" or "full": the compile `key` holds now (None: not compiled)."""
+        return self._tiers.get(key)
+
+    def wait_upgrades(self, timeout: float | None = None) -> bool:
+        """Wait until every queued full compile of these programs is in place; False on `timeout`."""
+        return UPGRADES.wait(self, timeout)
+
+    @property
+    def upgrades_pending(self) -> int:
+        return UPGRADES.pending(self)
 
     def get(self, key: BucketKey) -> jax.stages.Compiled:
         exe = self._executables.get(key)
@@ -242,7 +456,8 @@ class CompiledBuckets:
                     self._pending[key] = pool.submit(self._compile, key)
 
     def cancel(self) -> None:
-        """Drop the queued keys not started yet (those compiling finish)."""
+        """Drop the queued keys not started yet (those compiling finish). Queued full compiles
+        stay queued: they replace programs this object holds."""
         with self._lock:
             for key, fut in list(self._pending.items()):
                 if fut.cancel():

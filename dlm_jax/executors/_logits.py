@@ -130,7 +130,7 @@ def _unpack_proposal(packed, b: int, g: int, nb: int):
             f(frequency), top_k)
 
 
-def _penalized(ask: step.ProposeAsk) -> bool:
+def _penalized(ask: step.ProposeAsk | step.JudgeAsk) -> bool:
     return ask.count_ids is not None and (ask.presence != 0 or ask.frequency != 0)
 
 
@@ -215,16 +215,26 @@ def _by_row(fn, columns):
     return jax.lax.map(lambda row: fn(*(c[None] for c in row))[0], columns)
 
 
+def _adjusted(z, count_ids, presence, frequency, bias_ids, bias_vals, *, penalized: bool, biased: bool):
+    """Logits z [b, R, V] after OpenAI's penalties and bias (`Proposer.adjusted`, in float32):
+    each row's `bias_ids` [b, nb] raised by `bias_vals`, then its `count_ids` [b, G] (the ids
+    its generation holds committed) counted and charged `frequency` [b] per time and
+    `presence` [b] once; ids v (none) are dropped."""
+    b, _, v = z.shape
+    if biased:
+        z = z.at[jnp.arange(b)[:, None], :, bias_ids].add(bias_vals[:, :, None], mode="drop")
+    if penalized:
+        counts = jnp.zeros((b, v), jnp.float32).at[jnp.arange(b)[:, None], count_ids].add(1.0, mode="drop")
+        z = z - (frequency[:, None] * counts + presence[:, None] * (counts > 0))[:, None, :]
+    return z
+
+
 def _propose_rows(logits, rows, draw, seeds, count_ids, bias_ids, bias_vals, temperature, top_p, presence, frequency,
                   top_k, *, sample: bool, filtered: bool, penalized: bool, biased: bool, cap: int | None):
     """`_propose`'s answers [b, 5, R] for its b rows (`_by_row`)."""
     z = jnp.take(logits, rows, axis=0).astype(jnp.float32)  # [b, R, V]
     b, r, v = z.shape
-    if biased:  # ids v: none (dropped)
-        z = z.at[jnp.arange(b)[:, None], :, bias_ids].add(bias_vals[:, :, None], mode="drop")
-    if penalized:  # count_ids [B, G], v where none (dropped)
-        counts = jnp.zeros((b, v), jnp.float32).at[jnp.arange(b)[:, None], count_ids].add(1.0, mode="drop")
-        z = z - (frequency[:, None] * counts + presence[:, None] * (counts > 0))[:, None, :]
+    z = _adjusted(z, count_ids, presence, frequency, bias_ids, bias_vals, penalized=penalized, biased=biased)
     x0 = top = jnp.argmax(z, axis=-1)
     if sample:
         temperature = temperature[:, None, None]
@@ -386,22 +396,35 @@ def _gather_into(logits, rows, packed):
     return jnp.where((b >= 0)[:, None], got, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("m", "filtered", "cap"))
-def _judge(p_logits, q_rows, packed, *, m: int, filtered: bool, cap: int | None = None):
+@functools.partial(jax.jit, static_argnames=("m", "filtered", "cap", "g", "nb", "penalized", "biased"))
+def _judge(p_logits, q_rows, packed, adjust, *, m: int, filtered: bool, cap: int | None = None, g: int = 1,
+           nb: int = 1, penalized: bool = False, biased: bool = False):
     """[6, m] int32 (the bits of p(draft), q(draft), p1(draft), p1(anchor), q1(draft), then the
     residual's draw) for m drafts (`runtime.step.JudgeAsk`, packed by `_answer_judges`), their
-    q rows [m, V] gathered (`_gather_into`)."""
-    columns = tuple(packed[j * m:(j + 1) * m] for j in range(9)) + (q_rows,)
-    return _by_row(functools.partial(_judge_rows, p_logits, filtered=filtered, cap=cap), columns).T
+    q rows [m, V] gathered (`_gather_into`); `adjust` (`_JudgeAdjust.pack`): each draft's
+    penalties and bias, applied to p with the ids committed at this step, to q with those
+    committed at the step that proposed it."""
+    if not (penalized or biased):  # (none sent)
+        adjust = jnp.zeros(2 * m * (g + 1 + nb), jnp.int32)
+    cuts = np.cumsum((0, m * g, m * g, m, m, m * nb, m * nb))
+    count_p, count_q, presence, frequency, bias_ids, bias_vals = (adjust[s:e] for s, e in zip(cuts, cuts[1:]))
+    f = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
+    columns = tuple(packed[j * m:(j + 1) * m] for j in range(9)) + (
+        q_rows, count_p.reshape(m, g), count_q.reshape(m, g), f(presence), f(frequency), bias_ids.reshape(m, nb),
+        f(bias_vals).reshape(m, nb))
+    return _by_row(functools.partial(_judge_rows, p_logits, filtered=filtered, cap=cap, penalized=penalized,
+                                     biased=biased), columns).T
 
 
-def _judge_rows(p_logits, pb, pi, s, a, seeds, use_q, temperature, top_k, top_p, q_rows, *, filtered: bool,
-                cap: int | None):
+def _judge_rows(p_logits, pb, pi, s, a, seeds, use_q, temperature, top_k, top_p, q_rows, count_p, count_q, presence,
+                frequency, bias_ids, bias_vals, *, filtered: bool, cap: int | None, penalized: bool, biased: bool):
     """`_judge`'s answers [m, 6] for its m drafts (`_by_row`)."""
     seeds = jax.lax.bitcast_convert_type(seeds, jnp.uint32)
     temperature, top_p = (jax.lax.bitcast_convert_type(x, jnp.float32)[:, None, None] for x in (temperature, top_p))
-    zp = p_logits[pb, pi].astype(jnp.float32)[:, None, :]  # [m, 1, V]
-    zq = q_rows[:, None, :]
+    adjust = functools.partial(_adjusted, presence=presence, frequency=frequency, bias_ids=bias_ids,
+                               bias_vals=bias_vals, penalized=penalized, biased=biased)
+    zp = adjust(p_logits[pb, pi].astype(jnp.float32)[:, None, :], count_p)  # [m, 1, V]
+    zq = adjust(q_rows[:, None, :], count_q)
     v = zp.shape[-1]
 
     def sampled(z):  # the sampler's distribution: softmax(z / T) over what its filter keeps
@@ -560,19 +583,59 @@ class _Slots(NamedTuple):
 
 
 class _Judges(NamedTuple):
-    """A judging program's shape and options: drafts, whether a filter applies (its ranking)."""
+    """A judging program's shape and options: drafts, whether a filter applies (its ranking),
+    committed ids per draft and bias entries (`_judge`'s adjustments), whether penalties or a
+    bias apply."""
 
     m: int
     filtered: bool
     cap: int | None
+    g: int = 1
+    nb: int = 1
+    penalized: bool = False
+    biased: bool = False
 
     def covers(self, need: _Judges) -> bool:
-        """As many drafts (as `_Variant.covers`), and the filter where `need` filters (an
-        unfiltered draft keeps every finite logit under any ranking)."""
-        return self.m == need.m and (not need.filtered or (self.filtered and self.cap == need.cap))
+        """As many drafts (as `_Variant.covers`), the filter where `need` filters (an
+        unfiltered draft keeps every finite logit under any ranking), at least as many ids and
+        entries, and the adjustments `need` applies (zero penalties and dropped ids change
+        no bit)."""
+        return (self.m == need.m and (not need.filtered or (self.filtered and self.cap == need.cap))
+                and self.g >= need.g and self.nb >= need.nb and (self.penalized or not need.penalized)
+                and (self.biased or not need.biased))
 
     def excess(self, need: _Judges) -> tuple:
-        return (self.filtered,)
+        return (self.filtered + self.penalized + self.biased, self.g + self.nb)
+
+
+class _JudgeAdjust:
+    """The drafts' penalties and bias for `_judge` (`_Judges.penalized` / `biased`): committed
+    ids for p and for q [m, g] (v: none), presence and frequency [m], bias ids and values
+    [m, nb]; padding drafts and asks without them change nothing."""
+
+    def __init__(self, m: int, g: int, nb: int, v: int):
+        self.count_p, self.count_q = np.full((m, g), v, np.int32), np.full((m, g), v, np.int32)
+        self.presence, self.frequency = np.zeros(m, np.float32), np.zeros(m, np.float32)
+        self.bias_ids, self.bias_vals = np.full((m, nb), v, np.int32), np.zeros((m, nb), np.float32)
+
+    def set(self, ask: step.JudgeAsk, rows: slice, v: int) -> None:
+        if _penalized(ask):
+            for ids, into in ((ask.count_ids, self.count_p), (ask.q_count_ids, self.count_q)):
+                if ids is not None:
+                    ids = np.asarray(ids)
+                    into[rows, :ids.shape[1]] = np.where(ids >= 0, ids, v)
+            self.presence[rows], self.frequency[rows] = ask.presence, ask.frequency
+        if ask.bias:
+            ids, vals = zip(*ask.bias)
+            self.bias_ids[rows, :len(ids)], self.bias_vals[rows, :len(ids)] = ids, vals
+
+    def pack(self) -> np.ndarray:
+        return np.concatenate([self.count_p.ravel(), self.count_q.ravel(), _float_bits(self.presence),
+                               _float_bits(self.frequency), self.bias_ids.ravel(), _float_bits(self.bias_vals).ravel()])
+
+
+def _id_width(ask: step.JudgeAsk) -> int:
+    return max(np.shape(ids)[1] for ids in (ask.count_ids, ask.q_count_ids) if ids is not None)
 
 
 def _answer_judges(asks: list[step.JudgeAsk]) -> list[tuple[np.ndarray, ...]]:
@@ -589,8 +652,13 @@ def _answer_judges(asks: list[step.JudgeAsk]) -> list[tuple[np.ndarray, ...]]:
     filtered = (t > 0) & ((top_k > 0) | (top_p < 1))
     v = first.array.shape[2]
     sig = _signature("judge", first.array)
+    penalized = [a for a in asks if _penalized(a)]
     judges = _RAN.choose(sig, _Judges(_bucket(m), bool(filtered.any()),
-                                      _cap(top_k[filtered].tolist(), v) if filtered.any() else None))
+                                      _cap(top_k[filtered].tolist(), v) if filtered.any() else None,
+                                      g=_bucket(max(map(_id_width, penalized), default=1)),
+                                      nb=_bucket(max(len(a.bias) for a in asks)), penalized=bool(penalized),
+                                      biased=any(bool(a.bias) for a in asks)))
+    adjust = _JudgeAdjust(judges.m, judges.g, judges.nb, v)
     columns = np.zeros((9, judges.m), np.int32)
     columns[6] = _float_bits(np.ones(judges.m, np.float32))  # (padding: temperature 1, no filter)
     columns[8] = columns[6]
@@ -607,6 +675,7 @@ def _answer_judges(asks: list[step.JudgeAsk]) -> list[tuple[np.ndarray, ...]]:
             _float_bits(np.where(t > 0, t, 1.0)), np.where(t > 0, top_k, 0), _float_bits(np.where(t > 0, top_p, 1.0)))
         gathers: dict[int, tuple[jax.Array, np.ndarray]] = {}  # an earlier step's logits -> their rows' places
         for a, at in zip(asks, np.cumsum([0] + counts)):
+            adjust.set(a, slice(at, at + len(a.tokens)), v)
             if a.q is not None:
                 array, where = gathers.setdefault(id(a.q.array), (a.q.array, np.full((2, judges.m), -1, np.int32)))
                 where[:, at:at + len(a.tokens)] = (a.q._rows[np.asarray(a.qb, np.int64)],
@@ -615,9 +684,10 @@ def _answer_judges(asks: list[step.JudgeAsk]) -> list[tuple[np.ndarray, ...]]:
             q_rows = _gather_into(array, q_rows, where)
             sent += where.nbytes
     request = columns.ravel()
-    packed = np.asarray(jax.device_get(_judge(first.array, q_rows, request, **judges._asdict())))
+    adjustments = adjust.pack() if judges.penalized or judges.biased else np.zeros(0, np.int32)
+    packed = np.asarray(jax.device_get(_judge(first.array, q_rows, request, adjustments, **judges._asdict())))
     _RAN.add(sig, judges)
-    first._count(request.nbytes + sent, packed.nbytes)
+    first._count(request.nbytes + adjustments.nbytes + sent, packed.nbytes)
     out, at = [], 0
     for n in counts:
         mine = packed[:, at:at + n]

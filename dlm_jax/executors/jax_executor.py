@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from dlm_jax._errors import ConfigError
-from dlm_jax.executors._compile import CompiledBuckets, target_platform
+from dlm_jax.executors._compile import CompiledBuckets, choose_compile, target_platform
 from dlm_jax.executors._logits import DeviceLogits
 from dlm_jax._config import ModelConfig
 from dlm_jax.models import _attention_kernel
@@ -653,12 +653,19 @@ class JaxExecutor(Executor):
 
     `expert_exchange`: how an expert-parallel MoE layer brings rows to their experts on a mesh
     (`dlm_jax.models._transformer.EXPERT_EXCHANGES`): "psum" (default) or "all_to_all";
-    default `$DLM_JAX_EXPERT_EXCHANGE`, else "psum"."""
+    default `$DLM_JAX_EXPERT_EXCHANGE`, else "psum".
+
+    `compile`: "full" (default; `$DLM_JAX_COMPILE`) or "tiered": each step program compiled
+    quick first and replaced by its full compile when a background thread has built it
+    (`dlm_jax.executors._compile.CompiledBuckets`); `tiers()` counts each, `wait_for_upgrades`
+    waits for the full ones."""
 
     def __init__(self, model: Transformer, *, capabilities: Capabilities | None = None, layers: str | None = None,
                  attention: str | None = None, rows: str | None = None, mesh=None,
-                 expert_exchange: str | None = None, projections: str | None = None):
+                 expert_exchange: str | None = None, projections: str | None = None, compile: str | None = None):
         from dlm_jax.techniques.isd.lora import lora_spec
+
+        self.compile = choose_compile(compile)
 
         rows_from_env = rows is None and bool(os.environ.get(ROWS_ENV))
         rows = rows or os.environ.get(ROWS_ENV) or default_rows()
@@ -732,6 +739,10 @@ class JaxExecutor(Executor):
             s = next(iter(self._slots.values())).resident.size
             self._capabilities = dataclasses.replace(self._capabilities, expert_slots=s)
         self.placement = None if mesh is None else _placement(mesh, model, self._slots)
+        if self.compile == "tiered" and self.placement is not None and self.placement.processes > 1:
+            raise ConfigError(f"compile='tiered' on a mesh over {self.placement.processes} processes: each would put "
+                              f"its full programs in place at its own time, and the processes must run the same "
+                              f"programs together; use compile='full'")
         # A step's logits can stay where it ran (`_logits.DeviceLogits`): on its device,
         # replicated over a mesh of this process's devices, or, on a mesh over several
         # processes, on the replica this process holds (`_kept`): each process answers its
@@ -762,11 +773,12 @@ class JaxExecutor(Executor):
         return self._held
 
     def _new_programs(self) -> None:
-        m = self._meshed
-        self._programs = CompiledBuckets(m(self._build))  # the dense step (the contract, bundles' reference)
+        m, tiered = self._meshed, self.compile == "tiered"  # (the steps tiered; the small programs beside them not)
+        self._programs = CompiledBuckets(m(self._build), tiered=tiered)  # the dense step (the contract, bundles')
         self._resident = CompiledBuckets(m(self._build_resident, lambda spec: (
-            None, None, *self._cache_out(spec[2] if len(spec) > 2 else spec[0].batch))))  # (key, slots): a decode's step
-        self._views = CompiledBuckets(m(self._build_view))  # key: a CPU path's step over gathered slots
+            None, None, *self._cache_out(spec[2] if len(spec) > 2 else spec[0].batch))),
+            tiered=tiered)  # (key, slots): a decode's step
+        self._views = CompiledBuckets(m(self._build_view), tiered=tiered)  # key: a CPU path's step over gathered slots
         self._gathers = CompiledBuckets(m(self._build_gather))  # (batch, read, slots, written_only, cache rows)
         self._scatters = CompiledBuckets(m(self._build_scatter, lambda spec: self._cache_out(spec[3])))  # (batch, width, slots, cache rows)
         self._allocs = CompiledBuckets(m(self._build_alloc, lambda spec: self._cache_out(spec[0])))  # (batch, slots): a decode's empty cache
@@ -1162,10 +1174,29 @@ class JaxExecutor(Executor):
             return None
         return DeviceLogits(self._kept(self._put(np.zeros((batch, rows, self.config.vocab_size), np.float32))))
 
+    def tiers(self) -> dict[str, int | float]:
+        """The step programs compiled so far by the compile each holds now ("quick", "full"),
+        the full compiles done behind quick ones ("upgrades", taking "upgrade_seconds") and
+        those still queued or under way ("pending")."""
+        steps = (self._programs, self._resident, self._views)
+        held = [p.tier(k) for p in steps for k in p.keys]
+        return {"quick": held.count("quick"), "full": held.count("full"),
+                "upgrades": sum(p.upgrade_count for p in steps), "pending": sum(p.upgrades_pending for p in steps),
+                "upgrade_seconds": round(sum(p.upgrade_seconds for p in steps), 3)}
+
+    def wait_for_upgrades(self, timeout: float | None = None) -> bool:
+        """Wait until every step program compiled quick holds its full compile (`compile="tiered"`);
+        False where `timeout` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(p.wait_upgrades(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                   for p in (self._programs, self._resident, self._views))
+
     def build_counts(self) -> BuildCounts:
+        tiers = self.tiers()
         return BuildCounts(compiles=self.compile_count,
                            compile_seconds=sum(p.compile_seconds for p in self._all_programs),
-                           compile_wait_seconds=sum(p.wait_seconds for p in self._all_programs))
+                           compile_wait_seconds=sum(p.wait_seconds for p in self._all_programs),
+                           quick_programs=tiers["quick"], upgrades=tiers["upgrades"])
 
     @property
     def compiled_keys(self) -> list[BucketKey]:

@@ -875,7 +875,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "entries), or ask for logprobs too (about twice the warm-up)")
     p.add_argument("--warmup-infill", type=positive_int, metavar="N",
                    help="warm up the programs of requests with a suffix (infilling) of up to N tokens too (one set "
-                        "per size of the slots after a generation: 8, 16, ...; bidirectional models)")
+                        "per size of the slots after a generation: 8, 16, ...; bidirectional models; with "
+                        "--warmup-sampling, suffix requests that sample too)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info adds a line per request; default warning)")
     _add_model_options(p)

@@ -397,6 +397,9 @@ class Metrics:
               registry=r).set_function(service.tokens_per_second)
         Gauge("dlm_jax_ready", "1 once warm and not draining", registry=r).set_function(
             lambda: float(service.state == "ready"))
+        Gauge("dlm_jax_programs_quick", "step programs running their quick compile (DLM_JAX_COMPILE=tiered): "
+              "their full compiles still building", registry=r).set_function(
+            lambda: core.decoder.build_counts().quick_programs)
         self.tokens = Counter("dlm_jax_generated_tokens", "completion tokens sent", registry=r)
         self.prompt_tokens = Counter("dlm_jax_prompt_tokens", "prompt tokens decoded", registry=r)
         self.engine_calls = Gauge("dlm_jax_engine_calls", "executor calls the engine made", registry=r)
@@ -473,7 +476,8 @@ class Service:
       warmup_sampling: and those of its requests that sample, set penalties or a bias, or ask
         for log-probabilities (`sampling_variant`).
       warmup_infill: and those of its requests with a suffix of up to this many tokens
-        (`infill_variants`; 0: none). Raises ConfigError where the model cannot infill.
+        (`infill_variants`; 0: none; with `warmup_sampling`, those of such requests that
+        sample too). Raises ConfigError where the model cannot infill.
     """
 
     def __init__(self, model: Model, config: DecodeConfig, *, name: str, max_batch: int | None = None,
@@ -516,12 +520,17 @@ class Service:
                     self.warmup_programs += self.engine.core.warmup(variants)
                 if self.infill:
                     self.warmup_programs += self.engine.core.warmup(self.infill)
+                if self.infill and self.warm_sampling:  # suffix requests that sample, adjust or ask logprobs
+                    variants = [sampling_variant(c, self.engine.core.decoder) for c in self.infill]
+                    self.warmup_programs += self.engine.core.warmup(variants)
         except Exception:  # noqa: BLE001 - a server that cannot warm up still serves (compiling on use)
             log.exception("warm-up failed; programs will compile on first use")
         self.warmup_seconds = time.perf_counter() - t0
         if self.state == "warming":
             self.state = "ready"
-        print(f"ready: {self.warmup_programs or 0} programs built in {self.warmup_seconds:.1f} s", flush=True)
+        quick = self.engine.core.decoder.build_counts().quick_programs
+        behind = f" ({quick} compiled quick: their full compiles build behind)" if quick else ""
+        print(f"ready: {self.warmup_programs or 0} programs built in {self.warmup_seconds:.1f} s{behind}", flush=True)
 
     def _warm_configs(self) -> list[DecodeConfig]:
         """The configured decode at every generation length a request may ask for (multiples

@@ -53,7 +53,7 @@ from dlm_jax.runtime.config import DecodeConfig
 from dlm_jax.runtime.inputs import StepInputBuilder
 from dlm_jax.runtime.kvcache import HostKVCache, KVCache
 from dlm_jax.runtime.revision import NoRevision
-from dlm_jax.runtime.proposer import predict_ask, predicted
+from dlm_jax.runtime.proposer import Proposer, predict_ask, predicted
 from dlm_jax.runtime.cpu_path import CpuExecutor
 from dlm_jax.runtime.state import DecodeState, TokenLogprobs, TokenState, take
 from dlm_jax.runtime.step import (BuildCounts, Capabilities, Executor, LogitsAsk, LogprobsAsk, OutputRequest,
@@ -260,7 +260,7 @@ def warm_logits(executor: Executor, cfg: DecodeConfig, shapes: Iterable[tuple[in
                 b, i = np.divmod(np.arange(n), rows)
                 asks.append(LogprobsAsk(logits, b, i, np.zeros(n, np.int32), p.logprobs))
                 m *= 2
-    asks += cfg.scheduler.warm_asks(p, sorted(set(shapes)), executor.logits_like)
+    asks += cfg.scheduler.warm_asks(p, sorted(set(shapes)), executor.logits_like, gen_len=cfg.gen_len)
     for ask in asks:  # one at a time: each its own program
         answer([ask])
     return len(asks)
@@ -288,24 +288,52 @@ def warm_mixed_logits(executor: Executor, configs: Sequence[tuple[DecodeConfig, 
             g = len(groups)
             answer([_merged_ask(logits, group, n // g + (i < n % g)) for i, group in enumerate(groups)])
             ran += 1
+    # What schedules ask of the logits (ISD's judges) in calls that mix configs: each schedule's
+    # questions with every config's options on at once (the programs that answer them answer
+    # a call of any mix: `_logits._Judges.covers`).
+    device = [(cfg, shapes) for cfg, shapes in configs if logits_on_device(cfg, executor.capabilities)]
+    if len(device) > 1:
+        merged = _merged_proposer([cfg for cfg, _ in device])
+        gen_len = max(cfg.gen_len for cfg, _ in device)
+        schedules: list[tuple[Any, set]] = []  # each schedule once, over the steps its configs reach
+        for cfg, shapes in device:
+            same = next((s for s in schedules if s[0] == cfg.scheduler), None)
+            if same is None:
+                schedules.append((cfg.scheduler, set(shapes)))
+            else:
+                same[1].update(shapes)
+        for scheduler, shapes in schedules:
+            for ask in scheduler.warm_asks(merged, sorted(shapes), executor.logits_like, gen_len=gen_len):
+                answer([ask])
+                ran += 1
     return ran
 
 
-def _merged_ask(logits, cfgs: Sequence[DecodeConfig], n: int) -> ProposeAsk:
-    """A proposal ask for `n` rows of `logits` with every option of `cfgs` on (a warm-up's: the
-    program it needs has them all): sampling where one samples; top-k where every filtered
-    one sets it (its largest), else top-p; penalties, with the widest count; the longest bias."""
+def _merged_proposer(cfgs: Sequence[DecodeConfig]) -> Proposer:
+    """A proposer with every option of `cfgs` on (a warm-up's: the program it needs has them
+    all): sampling where one samples (the highest temperature); top-k where every filtered one
+    sets it (its largest), else top-p (the smallest); penalties where one has them; the
+    longest bias."""
     ps = [c.proposer for c in cfgs]
     sampled = [p for p in ps if p.temperature > 0]
     filtered = [p for p in sampled if p.top_k > 0 or p.top_p < 1.0]
-    penalized = [c for c in cfgs if c.proposer.presence_penalty or c.proposer.frequency_penalty]
+    penalized = any(p.presence_penalty or p.frequency_penalty for p in ps)
     top_k = max((p.top_k for p in filtered), default=0) if all(p.top_k > 0 for p in filtered) else 0
+    return dataclasses.replace(ps[0], temperature=max((p.temperature for p in ps), default=0.0), top_k=top_k,
+                               top_p=min((p.top_p for p in filtered), default=1.0) if filtered and not top_k else 1.0,
+                               presence_penalty=1.0 if penalized else 0.0, frequency_penalty=0.0,
+                               logit_bias=max((p.logit_bias for p in ps), key=len))
+
+
+def _merged_ask(logits, cfgs: Sequence[DecodeConfig], n: int) -> ProposeAsk:
+    """A proposal ask for `n` rows of `logits` with every option of `cfgs` on (`_merged_proposer`),
+    penalties with the widest count."""
+    p = _merged_proposer(cfgs)
+    penalized = [c for c in cfgs if c.proposer.presence_penalty or c.proposer.frequency_penalty]
     counts = np.full((n, max(c.gen_len for c in penalized)), -1, np.int32) if penalized else None
-    return ProposeAsk(logits.rows(np.arange(n) % logits.shape[0]), np.full(n, bool(sampled)), np.zeros(n, np.uint32),
-                      temperature=max((p.temperature for p in ps), default=0.0), top_k=top_k,
-                      top_p=min((p.top_p for p in filtered), default=1.0) if filtered and not top_k else 1.0,
-                      count_ids=counts, presence=1.0 if penalized else 0.0,
-                      bias=max((p.logit_bias for p in ps), key=len))
+    return ProposeAsk(logits.rows(np.arange(n) % logits.shape[0]), np.full(n, p.temperature > 0),
+                      np.zeros(n, np.uint32), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                      count_ids=counts, presence=p.presence_penalty, bias=p.logit_bias)
 
 
 def _proposes(cfg: DecodeConfig) -> bool:

@@ -171,11 +171,12 @@ class Scheduler(HookBase):
         (default)."""
         return None
 
-    def warm_asks(self, proposer: Any, shapes: Sequence[tuple[int, int]], logits_like: Any) -> list:
+    def warm_asks(self, proposer: Any, shapes: Sequence[tuple[int, int]], logits_like: Any, *,
+                  gen_len: int = 0) -> list:
         """The questions `ask` may put to the logits of steps of `shapes` (batch, logit rows),
-        for decodes with `proposer`, over stand-in logits (`logits_like(batch, rows)`), so
-        that a warm-up builds the programs that answer them (`runtime.decoder.warm_logits`);
-        default none."""
+        for decodes with `proposer` generating `gen_len` tokens, over stand-in logits
+        (`logits_like(batch, rows)`), so that a warm-up builds the programs that answer them
+        (`runtime.decoder.warm_logits`); default none."""
         return []
 
     def overhang(self) -> int:

@@ -256,7 +256,10 @@ class JudgeAsk(LogitsAsk):
     sampler: `temperature` (0: only the untempered answers are used), `top_k`, `top_p`, per
     draft [m] (a call joins several requests' asks). `anchors` [m]: the anchor's own token;
     `use_q` [m]: the residual a rejection draws from is max(0, p - q), else p without the
-    draft; `seeds` [m] uint32: that draw's noise.
+    draft; `seeds` [m] uint32: that draw's noise. With the decode's penalties or bias
+    (`Proposer.adjusted`): `count_ids` [m, G] the ids its generation held committed at this
+    step (-1: none), which adjust p, `q_count_ids` [m, G'] those at the step that proposed the
+    draft, which adjust q, `presence` and `frequency` its penalties, `bias` its (id, value)s.
 
     The answer, each [m]: (p(draft), q(draft) under the sampler's filter and temperature (1
     where no q); softmax at temperature 1 of p at the draft and at the anchor, of q at the
@@ -274,6 +277,11 @@ class JudgeAsk(LogitsAsk):
     q: DeviceLogits | None = None
     qb: np.ndarray | None = None
     qi: np.ndarray | None = None
+    count_ids: np.ndarray | None = None
+    q_count_ids: np.ndarray | None = None
+    presence: float = 0.0
+    frequency: float = 0.0
+    bias: tuple[tuple[int, float], ...] = ()
 
 
 def answer(asks: Sequence[LogitsAsk]) -> list:
@@ -618,13 +626,18 @@ class BuildCounts:
     """What an executor has built so far (cumulative): programs compiled (JAX) or signatures
     set up (LiteRT), buckets exported (the bundle cache), and the seconds each took; and the
     seconds its callers waited for compiles (less than `compile_seconds` where they ran in the
-    background, `Executor.prefetch`). `DecodeStats` records the difference over a decode."""
+    background, `Executor.prefetch`). `DecodeStats` records the difference over a decode.
+    Under a tiered compile (`JaxExecutor(compile="tiered")`): `quick_programs`, the step
+    programs running their quick compile now (not cumulative), and `upgrades`, the full
+    compiles built behind quick ones so far."""
 
     compiles: int = 0
     compile_seconds: float = 0.0
     exports: int = 0
     export_seconds: float = 0.0
     compile_wait_seconds: float = 0.0
+    quick_programs: int = 0
+    upgrades: int = 0
 
     def __add__(self, other: BuildCounts) -> BuildCounts:
         return BuildCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))

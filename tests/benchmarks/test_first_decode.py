@@ -43,3 +43,29 @@ def test_later_prompts_of_other_lengths_compile_only_their_new_windows(tmp_path)
     assert first_decode.main(["--render", str(out.with_suffix(".json")), "--out", str(tmp_path / "report")]) == 0
     report = (tmp_path / "report.md").read_text()
     assert "prefix cache, - (split, prompt 128 first): 40: " in report and "200: " in report
+
+
+@pytest.mark.slow  # (two processes of their own: about 20 s from an empty cache)
+def test_a_tiered_first_decode_and_a_second_process_over_its_cache(tmp_path):
+    """docs/benchmarks.md's tiered command, its --out and --xla-cache here, run twice: the
+    first process decodes on quick programs while their full compiles build behind, and keeps
+    its tokens on the full ones; the second, over the cache the first filled, compiles no
+    quick program (the full ones come from the cache by the first's markers)."""
+    out = tmp_path / "tiered"
+    argv = docs_argv("benchmarks/first_decode.py", "--compile", out=str(out), xla_cache=str(tmp_path / "xla"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for _ in range(2):
+        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "first_decode.py"), *argv], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    cold, cache = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert cold["compile"] == cache["compile"] == "tiered"
+    assert cold["xla_cache_empty_at_start"] and not cache["xla_cache_empty_at_start"]
+    steps = cold["tiers_after_second"]["full"] + cold["tiers_after_second"]["quick"]
+    assert steps >= 3 and cold["tiers_after_first"]["upgrades"] + cold["tiers_after_first"]["pending"] == steps
+    assert cold["upgrades_done"] and cold["upgraded_same_tokens"] and cold["same_tokens"]
+    assert cache["tiers_after_first"] == {"quick": 0, "full": steps, "upgrades": 0, "pending": 0, "upgrade_seconds": 0.0}
+    assert cache["persistent_cache_hits"] >= steps
+    assert first_decode.main(["--render", str(out.with_suffix(".json")), "--out", str(tmp_path / "report")]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "Tiered compiles" in report and f"| small | 0 / {steps} | 0.0 | " in report  # the second process's row

@@ -83,7 +83,8 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     """A part whose flags its script refuses exits at once on the GPU machine (argparse's exit
     status 2 in the log) and its results are simply missing after the lease."""
     parts = [unenv(p) for p in lease_parts(tmp_path, LIMIT="5000", **({"DRY": "1"} if dry else {}))]
-    assert [p[0] for p in parts] == ["target", "attncheck", "decide", "dual", "probe", "fused", "command buffers off",
+    assert [p[0] for p in parts] == ["target", "attncheck", "decide", "dual", "tiered cold", "tiered cache", "probe",
+                                     "fused", "command buffers off",
                                      "probe load", "probe no autotuning", "gemm", "attention", "probe kernel",
                                      "attention gqa", "sweep", "table",
                                      "small", "logits", "large",
@@ -169,6 +170,12 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert "probe load" not in [p[0] for p in lease_parts(tmp_path, tuned=False)]
     cold, cache = args["first cold"], args["first cache"]
     assert cold.cache == cache.cache == "prefix" and cold.xla_cache == cache.xla_cache  # the second reads the first's
+    tiered, again = args["tiered cold"], args["tiered cache"]  # a tiered compile's first decode, then a second process
+    assert tiered.compile == again.compile == "tiered" and tiered.cache == again.cache == "prefix"
+    assert tiered.xla_cache == again.xla_cache and tiered.xla_cache not in (cold.xla_cache, table.xla_cache)
+    limit = int(next(p[1] for p in parts if p[0] == "tiered cold"))
+    assert tiered.upgrade_wait_s + 60 <= limit  # the upgraded decode's report before the part's timeout
+    assert (tiered.shape, tiered.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
     only = lease_parts(tmp_path, PARTS="table small")
     assert [p[0] for p in only] == ["table", "small"]
     (again,) = lease_parts(tmp_path, PARTS="dual", DUAL_QUANTS="int8", DUAL_BATCHES="16 32")  # what a cut left
@@ -273,7 +280,7 @@ def test_the_decided_form_reaches_every_later_part_and_a_later_call(tmp_path):
     (out / "decide_steps.json").write_text(json.dumps(steps_report(fast)))
     (out / "attention_check.json").write_text(json.dumps(check_report()))
     parts = {p[0]: parse(p[4], p[5:]) for p in map(unenv, lease_parts(tmp_path, LIMIT="5000"))}
-    for name in ("dual", "table", "large", "first cold", "first cache"):
+    for name in ("dual", "table", "large", "first cold", "first cache", "tiered cold", "tiered cache"):
         assert (parts[name].attention, parts[name].projections) == ("pallas", "fused"), name
     assert (tmp_path / "work" / "decided.env").read_text() == "ATTENTION=pallas PROJECTIONS=fused\n"
     assert parts["dual"].batches == [1, 8, 16, 32]  # in a new form the targets' batches first

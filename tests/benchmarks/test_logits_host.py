@@ -30,5 +30,5 @@ def test_logits_host_reports_every_case(tmp_path):
     assert "An engine call of 8 sampling requests" in md
     # ISD's acceptance of 3 drafts (stride 4): the verify step's 7 rows, or [6, 4] int32 answers (4: 3 padded)
     assert [c["case"] for c in rep["judge"]] == [name for name, *_ in logits_host.JUDGES]
-    assert [(c["host_bytes"], c["device_bytes"]) for c in rep["judge"]] == [(7 * 300 * 4, 6 * 4 * 4)] * 3
+    assert [(c["host_bytes"], c["device_bytes"]) for c in rep["judge"]] == [(7 * 300 * 4, 6 * 4 * 4)] * 4
     assert all(f"| {name} |" in md for name, *_ in logits_host.JUDGES) and "3 drafts (stride 4)" in md

@@ -622,6 +622,32 @@ def test_an_infill_warm_up_leaves_suffix_requests_nothing_to_compile():
     assert sum(compiles(0)) > 0  # (a compile may be counted after its request answered)
 
 
+@pytest.mark.slow  # (warm-ups of their own: 20 s)
+def test_infill_and_sampling_warm_ups_together_leave_sampled_suffix_requests_nothing_to_compile():
+    """`--warmup-infill 8 --warmup-sampling` (what `Service` warms with both): two suffix
+    requests that sample with a penalty and ask for logprobs, in calls of two rows, compile nothing; with
+    the two warm-ups apart (the sampling one over requests without a suffix) they compile the
+    steps that return their logits."""
+    def compiles(together: bool) -> int:
+        model = dlm_jax.load(TINY, executor="jax")
+        service = srv.Service(model, dlm_jax.preset("fast-dllm", gen_len=32), name=NAME, max_batch=2,
+                              max_tokens=56, warmup_infill=8, warmup_sampling=together)
+        service._warm_up()  # (its engine not started: the warm-up run here, then the requests)
+        engine = service.engine.core
+        if not together:  # the two warm-ups apart
+            engine.warmup([srv.sampling_variant(c, engine.decoder) for c in service._warm_configs()])
+        cfg = dlm_jax.preset("fast-dllm", gen_len=32, temperature=0.8, top_p=0.95, presence_penalty=0.3, logprobs=2)
+        built = model.executor.build_counts().compiles
+        reqs = [engine.submit(model.encode(p, chat=False), cfg, seed=s, suffix=model.encode(" 1 2", chat=False))
+                for s, p in enumerate(PROMPTS[:2])]
+        engine.run()
+        assert all(r.status == "done" for r in reqs)
+        return model.executor.build_counts().compiles - built
+
+    assert compiles(True) == 0
+    assert compiles(False) > 0
+
+
 def test_an_infill_warm_up_of_a_model_that_cannot_infill_is_one_line(capsys):
     from dlm_jax.frontends.cli import main
 
@@ -735,6 +761,40 @@ def test_sigterm_finishes_running_requests_then_exits(tmp_path):
         assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"], lines[-3:]
     assert any("shutting_down" in line for line in results["long"][-2:]), results["long"][-2:]
     assert "draining" in out and "stopped" in out and "Traceback" not in err, (out, err)
+
+
+@pytest.mark.slow
+def test_a_tiered_server_is_ready_on_quick_programs_and_answers_the_same_on_full_ones(tmp_path, live):
+    """`DLM_JAX_COMPILE=tiered dlm-jax serve`, in its own process over an empty compile cache:
+    its ready line counts the programs compiled quick, /metrics' `dlm_jax_programs_quick`
+    falls to 0 as their full compiles come in, and its answers, on quick programs and on full
+    ones, are those of the module's server (compiled in full, in this process)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DLM_JAX_COMPILE": "tiered", "DLM_JAX_CACHE_DIR": str(tmp_path / "xla")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # (the tests' shared cache: this process starts cold)
+    proc = subprocess.Popen([sys.executable, "-m", "dlm_jax.frontends.cli", "serve", "--model", str(TINY), "--port", "0",
+                             "--gen", "32", "--max-batch", "4", "--max-tokens", "128"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+
+    def quick() -> float:
+        text = httpx.get(url + "/metrics", timeout=5).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        return families["dlm_jax_programs_quick"].samples[0].value
+
+    bodies = [{"model": NAME, "prompt": p, "max_tokens": 32} for p in PROMPTS[:3]]
+    try:
+        url = proc.stdout.readline().split()[3]
+        ready = proc.stdout.readline()
+        assert ready.startswith("ready: ") and "compiled quick: their full compiles build behind" in ready, ready
+        early = [httpx.post(url + "/v1/completions", json=b, timeout=DEADLINE).json() for b in bodies]
+        wait_until(lambda: quick() == 0, what="the full compiles", timeout=300)
+        late = [httpx.post(url + "/v1/completions", json=b, timeout=DEADLINE).json() for b in bodies]
+    finally:
+        proc.terminate()
+        proc.wait(DEADLINE)
+    want = [post(live, "/v1/completions", b).json()["choices"][0]["text"] for b in bodies]
+    assert [r["choices"][0]["text"] for r in early] == want == [r["choices"][0]["text"] for r in late]
 
 
 def _status(url: str) -> int | None:

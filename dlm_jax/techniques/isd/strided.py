@@ -259,6 +259,7 @@ class StridedCursor(Cursor):
     # and where each row's drafts' rows start in it [B]
     draft_view: Any = None
     draft_at: np.ndarray = dataclasses.field(default_factory=lambda: _NONE)
+    draft_ids: np.ndarray | None = None  # [B, G] ids committed at that step (its penalties adjusted q there)
     ended: np.ndarray | None = None  # [B] slot of the last token of a request that ended this step (-1)
     counts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -308,10 +309,10 @@ class _Strided(Scheduler):
         return self.acceptance.drafts_need_logits(temperature) or self.measure_iar
 
     def reads_logits(self, proposer: Any = None) -> bool:
-        """Logits kept on the device are judged there (`ask`); the rule reads them on the host
-        only where it judges and `proposer` applies penalties or a bias (the host judges the
-        adjusted logits; the device's judging program does not adjust)."""
-        return self._judges() and (proposer is None or proposer.adjusts)
+        """Never: logits kept on the device are judged there (`ask`), after the proposer's
+        penalties and bias as the host judges them (p with the ids committed at this step, q
+        with those committed at the step that proposed the draft)."""
+        return False
 
     def validate(self, config: Any, model: ModelConfig) -> None:
         n = self.n
@@ -367,12 +368,15 @@ class _Strided(Scheduler):
                 shapes.add(PlanShape(2 * n - 1, c, 2 * n - 1))
         return shapes
 
-    def warm_asks(self, proposer: Any, shapes: Sequence[tuple[int, int]], logits_like: Any) -> list[JudgeAsk]:
+    def warm_asks(self, proposer: Any, shapes: Sequence[tuple[int, int]], logits_like: Any, *,
+                  gen_len: int = 0) -> list[JudgeAsk]:
         """`ask`'s questions at each step shape that can verify drafts (2N-1 rows or more), for
         each count of its rows with drafts (padded to the same powers of two as a call's), with
         drafts proposed in each step shape that can propose them (of any batch: an engine's
-        requests may have drafted in calls of other sizes)."""
+        requests may have drafted in calls of other sizes), with `proposer`'s penalties (over a
+        generation of `gen_len`) and bias."""
         rule, t, k = self.acceptance, proposer.temperature, self.n - 1
+        penalized = bool(proposer.presence_penalty or proposer.frequency_penalty)
         if not k or not self._asks(t):
             return []
         q_shapes = sorted({(bb, r) for bb, r in shapes if r >= k + 1}) if self._keeps_q(t) else [None]
@@ -386,11 +390,14 @@ class _Strided(Scheduler):
                 m = j * k
                 b, i = np.repeat(np.arange(j), k), np.tile(np.arange(k), j)
                 q = None if q_shape is None else logits_like(*q_shape)
+                ids = np.full((m, max(1, gen_len)), -1, np.int32) if penalized else None
                 asks.append(JudgeAsk(p, b=b, i=i, tokens=np.zeros(m, np.int32), anchors=np.zeros(m, np.int32),
                                      seeds=np.zeros(m, np.uint32), use_q=np.full(m, not rule.one_hot),
                                      temperature=np.full(m, t, np.float32), top_k=np.full(m, proposer.top_k, np.int32),
                                      top_p=np.full(m, proposer.top_p, np.float32), q=q,
-                                     qb=None if q is None else b % q.shape[0], qi=None if q is None else i + 1))
+                                     qb=None if q is None else b % q.shape[0], qi=None if q is None else i + 1,
+                                     count_ids=ids, q_count_ids=ids, presence=proposer.presence_penalty,
+                                     frequency=proposer.frequency_penalty, bias=proposer.logit_bias))
         return asks
 
     # -- after the step ---------------------------------------------------------------------
@@ -416,13 +423,19 @@ class _Strided(Scheduler):
                 seeds[j] = state.rngs[b].integers(0, 2 ** 32, dtype=np.uint32)
         m = len(rows) * k
         q = cursor.draft_view
+        penalized = bool(sampler.presence_penalty or sampler.frequency_penalty)
+        ids = np.repeat(state.committed_ids()[rows], k, axis=0) if penalized else None
+        q_ids = (np.repeat(cursor.draft_ids[rows], k, axis=0) if penalized and q is not None
+                 and cursor.draft_ids is not None else None)
         return JudgeAsk(proposal.logits, b=np.repeat(rows, k), i=np.tile(np.arange(k), len(rows)),
                         tokens=np.take_along_axis(state.tokens[rows], at, axis=1).ravel().astype(np.int32),
                         anchors=proposal.tokens[rows, :k].ravel().astype(np.int32), seeds=np.repeat(seeds, k),
                         use_q=np.full(m, not rule.one_hot), temperature=np.full(m, t, np.float32),
                         top_k=np.full(m, sampler.top_k, np.int32), top_p=np.full(m, sampler.top_p, np.float32),
                         q=q, qb=None if q is None else np.repeat(rows, k),
-                        qi=None if q is None else (cursor.draft_at[rows][:, None] + np.arange(k)).ravel())
+                        qi=None if q is None else (cursor.draft_at[rows][:, None] + np.arange(k)).ravel(),
+                        count_ids=ids, q_count_ids=q_ids, presence=sampler.presence_penalty,
+                        frequency=sampler.frequency_penalty, bias=sampler.logit_bias)
 
     def settle(self, state: DecodeState, plan: StepPlan, proposal: Proposal, cursor: StridedCursor) -> np.ndarray:
         """Judge each request's drafts, pick the token after them, draft the next ones. Returns
@@ -440,6 +453,10 @@ class _Strided(Scheduler):
         next_q = (np.zeros((b_all, n - 1, logits.shape[-1]), np.float32) if keep_q and n > 1 and not on_device
                   else None)
         prompt_step = not cursor.prefilled
+        # The ids committed now adjusted this step's logits (the proposer's penalties): those
+        # that adjust the q of the drafts it proposes, when the device judges them next step.
+        ids_now = (state.committed_ids() if on_device and keep_q and n > 1
+                   and (sampler.presence_penalty or sampler.frequency_penalty) else None)
         cursor.ended[:] = -1
         judged_at = 0  # where the next request's drafts start in `cursor.answer` (`ask`'s order)
         for b in np.flatnonzero(state.active):
@@ -482,6 +499,7 @@ class _Strided(Scheduler):
                     next_q[b] = logits[b, k + 1:k + n]
         cursor.draft_logits = next_q
         cursor.draft_view = logits if keep_q and on_device and n > 1 else None
+        cursor.draft_ids = ids_now
         tgt = plan.target_index
         state.demote(tgt, demote)
         state.draft(tgt, draft, draft_tokens, visible=True)

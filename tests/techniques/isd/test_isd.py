@@ -256,8 +256,10 @@ def logits_stay_on_the_device(monkeypatch):
     monkeypatch.setattr(DeviceLogits, "__array__", refuse)
 
 
+# (All slow, 5 s each: the default pass checks the judging program against the host's rule
+# below, and whole decodes judged beside the step against the host's, tests/runtime/test_device_logits.py.)
 @pytest.mark.parametrize("options", [
-    {"proposal": "sample"},  # drafts drawn from q, judged by min(1, p/q), corrections from max(0, p - q)
+    pytest.param({"proposal": "sample"}, marks=pytest.mark.slow),  # drafts from q, min(1, p/q), max(0, p - q)
     pytest.param({"proposal": "sample", "top_k": 2, "temperature": 0.7}, marks=pytest.mark.slow),
     pytest.param({"proposal": "sample", "top_p": 0.75}, marks=pytest.mark.slow),
     # one-hot q relaxed: must fail the check, as on the host
@@ -316,6 +318,55 @@ def test_the_judging_program_answers_as_the_host_rule():
             seeds = np.arange(N_DRAWS, dtype=np.uint32) + 1000 * d
             drawn = answer([ask(seeds, np.full(N_DRAWS, d))])[0][5]
             assert _chi2_p([(int(x),) for x in drawn], {(j,): w / resid.sum() for j, w in enumerate(resid)}) > ALPHA
+
+
+def test_the_judging_program_adjusts_p_and_q_as_the_host_rule_does():
+    """With penalties and a bias (`Proposer.adjusted`, float64 on the host), the device judges
+    p after them with the ids committed at its step and q with those committed at the step
+    that proposed the draft (each draft its own), one ask with them beside one without: p, q
+    and the untempered values of each draft as the host's, and the ask without them as
+    unadjusted (a program with the adjustments on answers it with the same bits)."""
+    import jax.numpy as jnp
+
+    from dlm_jax.executors._logits import DeviceLogits
+    from dlm_jax.runtime.step import JudgeAsk, answer
+
+    rng = np.random.default_rng(7)
+    v, m = 12, 4
+    p_z, q_z = rng.normal(0, 1.5, (2, 5, v)).astype(np.float32), rng.normal(0, 1.5, (2, 4, v)).astype(np.float32)
+    p, q = DeviceLogits(jnp.asarray(p_z)), DeviceLogits(jnp.asarray(q_z))
+    b, i, qb, qi = np.array([0, 0, 1, 1]), np.array([0, 1, 2, 3]), np.array([1, 1, 0, 0]), np.array([0, 1, 2, 3])
+    drafts, anchors = np.array([3, 0, 7, 2]), np.array([1, 3, 4, 2])
+    ids = np.array([[3, 3, 5, -1, -1], [3, 3, 5, -1, -1], [7, 0, 0, 0, 2], [7, 0, 0, 0, 2]], np.int32)
+    q_ids = np.array([[3, -1, -1], [3, -1, -1], [7, 0, 0], [7, 0, 0]], np.int32)  # (fewer: an earlier step's)
+    bias, pres, freq, t, top_k = ((2, 1.5), (7, -0.75), (3, 0.5)), 0.6, 0.4, 0.9, 5
+    common = dict(b=b, i=i, tokens=drafts, anchors=anchors, seeds=np.arange(m, dtype=np.uint32), use_q=np.ones(m, bool),
+                  temperature=np.full(m, t, np.float32), top_k=np.full(m, top_k, np.int32),
+                  top_p=np.ones(m, np.float32), q=q, qb=qb, qi=qi)
+    adjusted, plain = answer([JudgeAsk(p, **common, count_ids=ids, q_count_ids=q_ids, presence=pres, frequency=freq,
+                                       bias=bias), JudgeAsk(p, **common)])
+
+    def host(z, committed):
+        z = z.astype(np.float64).copy()
+        for tok, val in bias:
+            z[:, tok] += val
+        counts = np.stack([np.bincount(r[r >= 0], minlength=v) for r in committed]).astype(np.float64)
+        return z - freq * counts - pres * (counts > 0)
+
+    pz, qz = host(p_z[b, i], ids), host(q_z[qb, qi], q_ids)
+    n = np.arange(m)
+    hp, hq = sampling_probs(pz, t, top_k, 1.0), sampling_probs(qz, t, top_k, 1.0)
+    p_s, q_s, p1_s, p1_a, q1_s, _ = adjusted
+    np.testing.assert_allclose(p_s, hp[n, drafts], rtol=2e-6, atol=1e-30)
+    np.testing.assert_allclose(q_s, hq[n, drafts], rtol=2e-6, atol=1e-30)
+    np.testing.assert_allclose(p1_s, sampling_probs(pz, 1.0)[n, drafts], rtol=2e-6)
+    np.testing.assert_allclose(p1_a, sampling_probs(pz, 1.0)[n, anchors], rtol=2e-6)
+    np.testing.assert_allclose(q1_s, sampling_probs(qz, 1.0)[n, drafts], rtol=2e-6)
+    alone = answer([JudgeAsk(p, **common)])[0]  # (its own program: no adjustments)
+    for got, want in zip(plain, alone):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(plain[0], sampling_probs(p_z[b, i].astype(np.float64), t, top_k, 1.0)[n, drafts],
+                               rtol=2e-6, atol=1e-30)
 
 
 def test_relax_zero_is_the_strict_rule_and_relaxing_accepts_more():

@@ -1,0 +1,135 @@
+"""A tiered compile (`JaxExecutor(compile="tiered")`, `$DLM_JAX_COMPILE`): each step program
+compiled quick first, replaced by its full compile built behind."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dlm_jax
+from dlm_jax._errors import ConfigError
+from dlm_jax.executors import _compile
+from dlm_jax.executors._compile import COMPILE_ENV, CompiledBuckets, XlaCompileCounter, choose_compile
+from dlm_jax.executors.jax_executor import JaxExecutor
+from dlm_jax.runtime.decoder import Decoder
+from dlm_jax.testing import tiny_model
+
+PROMPTS = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+
+
+@pytest.fixture
+def compiles(monkeypatch, tmp_path):
+    """Every `Lowered.compile` call's compiler options, in order; the full compiles held back
+    until `release` is set; the tiered compiles' markers under `tmp_path` (this process's
+    persistent cache is the tests' shared one)."""
+    calls: list[dict | None] = []
+    release = threading.Event()
+    original = jax.stages.Lowered.compile
+
+    def compile(self, compiler_options=None, **kw):
+        calls.append(compiler_options)
+        return original(self, compiler_options, **kw)
+
+    upgrade = CompiledBuckets._upgrade
+
+    def held(self, key, job):
+        assert release.wait(120)
+        return upgrade(self, key, job)
+
+    marker = _compile._full_marker
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile)
+    monkeypatch.setattr(CompiledBuckets, "_upgrade", held)
+    monkeypatch.setattr(_compile, "_full_marker", lambda lowered: tmp_path / marker(lowered).name)
+    yield calls, release
+    release.set()
+    _compile.UPGRADES.wait(timeout=120)
+
+
+def test_a_program_runs_quick_until_its_full_compile_takes_its_place(compiles):
+    """Guards a tiered compile that is not one: quick options never passed (the first call
+    waits for the full compile), a full compile that never replaces the quick one (every
+    call slower for good), or one that replaces another key's program."""
+    calls, release = compiles
+    programs = CompiledBuckets(lambda n: (lambda x: jnp.tanh(x * n).sum(), (jax.ShapeDtypeStruct((4, n), jnp.float32),)),
+                               tiered=True)
+    quick = _compile.quick_options()
+    assert quick == {"xla_backend_optimization_level": 0}  # (this CPU's)
+    exes = {n: programs.get(n) for n in (2, 3)}
+    assert calls == [quick, quick]
+    assert [programs.tier(n) for n in (2, 3)] == ["quick", "quick"] and programs.upgrades_pending == 2
+    assert programs.get(2) is exes[2]  # held: the quick one answers
+    release.set()
+    assert programs.wait_upgrades(timeout=120)
+    assert calls[2:] == [None, None]
+    assert [programs.tier(n) for n in (2, 3)] == ["full", "full"] and programs.upgrade_count == 2
+    for n in (2, 3):
+        x = np.full((4, n), 0.5, np.float32)
+        full = programs.get(n)
+        assert full is not exes[n]
+        assert float(full(x)) == pytest.approx(float(exes[n](x)), rel=1e-6) == float(np.tanh(x * n).sum())
+    assert programs.compile_count == 2  # the full compiles are upgrades, not compiles a caller waited for
+
+
+@pytest.mark.slow  # (3 s; the default pass checks the mechanism above, on a small program)
+def test_a_tiered_decode_keeps_its_tokens_and_the_next_executor_starts_full(compiles):
+    """A decode on quick programs gives the full programs' tokens; once upgraded, a decode
+    compiles nothing; and an executor built after (another process, for the markers) compiles
+    the step in full at once, without a quick compile: a second process with the persistent
+    cache loads the full program instead of running the quick one first."""
+    calls, release = compiles
+    cfg = dlm_jax.decode_config(gen_len=16, block_len=8, cache="prefix", rule="threshold", threshold=0.9)
+    model = tiny_model(seed=1, eos_token_id=None, n_layers=2)
+    want = Decoder(JaxExecutor(model), model.config).decode(PROMPTS, cfg).sequences
+    calls.clear()
+    ex = JaxExecutor(model, compile="tiered")
+    dec = Decoder(ex, model.config)
+    got = dec.decode(PROMPTS, cfg)
+    tiers = ex.tiers()
+    assert tiers["quick"] >= 2 and tiers["full"] == 0 and tiers["pending"] == tiers["quick"]
+    assert dec.build_counts().quick_programs == tiers["quick"]
+    assert [g.tolist() for g in got.sequences] == [w.tolist() for w in want]
+    release.set()
+    assert ex.wait_for_upgrades(timeout=120)
+    upgraded = ex.tiers()
+    assert upgraded["upgrade_seconds"] > 0
+    assert upgraded == {"quick": 0, "full": tiers["quick"], "upgrades": tiers["quick"], "pending": 0,
+                        "upgrade_seconds": upgraded["upgrade_seconds"]}
+    before = XlaCompileCounter.count()
+    again = dec.decode(PROMPTS, cfg)
+    assert XlaCompileCounter.count() == before and again.stats.compiles == 0
+    assert [g.tolist() for g in again.sequences] == [w.tolist() for w in want]
+    calls.clear()
+    later = JaxExecutor(model, compile="tiered")
+    Decoder(later, model.config).decode(PROMPTS, cfg)
+    assert later.tiers()["quick"] == 0 and later.tiers()["full"] == tiers["quick"]
+    assert _compile.quick_options() not in calls
+
+
+def test_no_quick_tier_compiles_in_full_and_a_bad_mode_is_refused_in_one_line(monkeypatch, compiles):
+    calls, _ = compiles
+    monkeypatch.setattr(_compile, "QUICK_OPTIONS", {})  # (a TPU's: none known)
+    programs = CompiledBuckets(lambda n: (lambda x: x * n, (jax.ShapeDtypeStruct((n,), jnp.float32),)), tiered=True)
+    programs.get(2)
+    assert calls == [None] and programs.tier(2) == "full" and programs.upgrades_pending == 0
+    monkeypatch.setenv(COMPILE_ENV, "fast")
+    with pytest.raises(ConfigError, match=r"^DLM_JAX_COMPILE='fast': known full, tiered$"):
+        choose_compile()
+    assert choose_compile("tiered") == "tiered"
+    monkeypatch.delenv(COMPILE_ENV)
+    assert choose_compile() == "full"
+
+
+def test_a_mesh_over_several_processes_refuses_a_tiered_compile(monkeypatch):
+    """Processes of one mesh run each step's program together: one that swapped in its full
+    program while another still ran the quick one would pair different programs' collectives."""
+    from types import SimpleNamespace
+
+    from dlm_jax.executors import jax_executor
+
+    monkeypatch.setattr(jax_executor, "_placement", lambda mesh, model, slots: SimpleNamespace(processes=2))
+    with pytest.raises(ConfigError, match=r"^compile='tiered' on a mesh over 2 processes: .*use compile='full'$"):
+        JaxExecutor(tiny_model(seed=1, n_layers=1), mesh="tp=2", compile="tiered")
