@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         done = executor.wait_for_upgrades(args.upgrade_wait_s)
         record.update(upgrade_wait_seconds=round(time.perf_counter() - t, 2), upgrades_done=done,
-                      upgrade_seconds=executor.tiers()["upgrade_seconds"])
+                      upgrade_seconds=executor.tiers()["upgrade_seconds"], tiers_upgraded=executor.tiers())
         if done:
             t = time.perf_counter()
             upgraded = decoder.decode(prompts, dc)
@@ -190,15 +190,19 @@ def markdown(rep: dict) -> str:
     tiered = [r for r in rep["runs"] if r.get("compile") == "tiered"]
     if tiered:
         lines += ["", "Tiered compiles (`--compile tiered`): the step programs each run holds after its first decode "
-                  "(quick / full), the full compiles' seconds on their thread, how long the run then waited for the "
-                  "rest, the decode once all were full against the second decode, and whether it kept the first "
-                  "decode's tokens. Waited s above: the first decode over the faster of the two.", "",
-                  "| run | shape | quick / full after the first decode | full compiles s | then waited s | "
-                  "second decode s | decode on full programs s | same tokens |", "|---|---|---|---:|---:|---:|---:|---|"]
+                  "(quick / full), its steps that ran padded in a wider window's program while their own was "
+                  "built behind (attention read in place: the steps of one cache share a read bucket), the full "
+                  "compiles' seconds on their thread, how long the run then waited for the rest, the decode once all "
+                  "were full against the second decode, and whether it kept the first decode's tokens. Waited s "
+                  "above: the first decode over the faster of the two.", "",
+                  "| run | shape | attention | quick / full after the first decode | steps in a wider window | "
+                  "full compiles s | then waited s | second decode s | decode on full programs s | same tokens |",
+                  "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
         for r in tiered:
             t = r.get("tiers_after_first", {})
             done = r.get("upgraded_decode_seconds")
-            lines.append(f"| {r['label']} | {r['shape']} | {t.get('quick', '-')} / {t.get('full', '-')} | "
+            lines.append(f"| {r['label']} | {r['shape']} | {r.get('attention', '-')} | "
+                         f"{t.get('quick', '-')} / {t.get('full', '-')} | {t.get('widened', '-')} | "
                          f"{r.get('upgrade_seconds', '-')} | "
                          f"{r.get('upgrade_wait_seconds', '-')}{'' if r.get('upgrades_done', True) else ' (cut)'} | "
                          f"{r['second_decode_seconds']:.3f} | {'-' if done is None else f'{done:.3f}'} | "

@@ -63,7 +63,9 @@
 #   tiered 180+60  benchmarks/first_decode.py --compile tiered, prefix cache, batch 1 (the first-decode
 #                target's worst case: 142 s cold, gpu.md): the step programs compiled quick (no
 #                autotuning) first, their full compiles (autotuned) built behind on one thread at the
-#                lowest priority while the decode runs; then a second process over its persistent
+#                lowest priority while the decode runs, and the steps of a window with no program yet
+#                run padded in a wider window's compiled one (the read bucket in place: about 3 programs
+#                waited for instead of 10) while theirs is built behind; then a second process over its persistent
 #                cache (the full programs, by the first's markers). Its report: the first decode's
 #                wait, the quick programs' second decode against the upgraded one's, the upgrades'
 #                seconds, whether the tokens held (never run: the quick tier's compile seconds on a

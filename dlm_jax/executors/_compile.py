@@ -134,10 +134,10 @@ def _mark_full(marker: Path | None) -> None:
 
 
 class _Upgrades:
-    """The full compiles of a tiered compile's quick programs, one at a time, in the order
-    queued, on one background thread at the lowest CPU priority (a thread's nice value, on
-    Linux), each started only once no other compile (`foreground`) has run for `QUIET_S`
-    seconds: the programs a decode or a warm-up waits for compile first, without a full compile
+    """The full compiles of a tiered compile's quick programs (and of the programs built
+    behind, `CompiledBuckets.build_behind`), one at a time, in the order queued, on one
+    background thread at the lowest CPU priority (a thread's nice value, on Linux), each
+    started only once no other compile (`foreground`) has run for `QUIET_S` seconds: the programs a decode or a warm-up waits for compile first, without a full compile
     beside them. At exit, the queue is dropped and the compile under way finishes (it lands in
     the persistent cache). The queue holds its programs weakly: those of an executor gone are
     skipped."""
@@ -349,7 +349,10 @@ class CompiledBuckets:
     executable replaces the quick one, and the next `get` returns it (a call under way finishes
     on the quick one). A key whose full compile a process has put in the persistent cache
     before (`_full_marker`) is compiled in full at once, from the cache. `tier(key)` says which
-    a key holds; `upgrade_count` / `upgrade_seconds` count the full compiles done behind.
+    a key holds; `upgrade_count` counts the full compiles done behind quick ones.
+    `build_behind(key)` queues there the full compile of a key nobody waits for (a caller runs
+    its steps in another program meanwhile: `JaxExecutor`'s wider windows); `behind_count`
+    counts those built. `upgrade_seconds`: that thread's seconds on both.
     """
 
     def __init__(self, build: Build, *, tiered: bool = False):
@@ -364,6 +367,8 @@ class CompiledBuckets:
         self.wait_seconds = 0.0
         self.upgrade_count = 0
         self.upgrade_seconds = 0.0
+        self.behind_count = 0
+        self._behind: set = set()  # keys queued on UPGRADES by `build_behind`, not built yet
         XlaCompileCounter.install()
 
     def _compile(self, key: BucketKey) -> jax.stages.Compiled:
@@ -392,21 +397,55 @@ class CompiledBuckets:
             UPGRADES.put(self, key, (lowered, marker))
         return exe
 
-    def _upgrade(self, key: BucketKey, job: tuple) -> None:
-        """Compile `key`'s program in full (`UPGRADES`' thread) and put it in the quick one's place."""
-        lowered, marker = job
+    def _upgrade(self, key: BucketKey, job: tuple | None) -> None:
+        """Compile `key`'s program in full (`UPGRADES`' thread) and put it in the quick one's
+        place; `job` None: lower it first (`build_behind`: a key not compiled yet)."""
         t0 = time.perf_counter()
+        with self._lock:
+            done = self._tiers.get(key) == "full" or (job is None and key in self._pending)
+            if done:  # (built in full meanwhile, or a caller now compiles it itself)
+                self._behind.discard(key)
+                return
         try:
+            if job is None:
+                fn, specs = jitted(self._build, key)
+                lowered = fn.lower(*specs)
+                marker = _full_marker(lowered) if self.tiered else None
+            else:
+                lowered, marker = job
             exe = lowered.compile()
         except Exception as e:  # (the quick program stays: it computes the same)
-            log.warning("the full compile of %s failed, its quick compile stays: %s", key, e)
+            log.warning("the full compile of %s failed%s: %s", key, "" if job is None else ", its quick compile stays", e)
+            with self._lock:
+                self._behind.discard(key)
             return
         _mark_full(marker)
         with self._lock:
             self._executables[key] = exe
             self._tiers[key] = "full"
-            self.upgrade_count += 1
+            if job is None:
+                self._behind.discard(key)
+                self.behind_count += 1
+            else:
+                self.upgrade_count += 1
             self.upgrade_seconds += time.perf_counter() - t0
+
+    def build_behind(self, key: BucketKey) -> bool:
+        """Queue the full compile of `key` on `UPGRADES` (lowered there too), unless it is
+        compiled, compiling, queued on the background threads or already queued there; True
+        where queued now. A `get(key)` meanwhile compiles it in the caller's thread (quick,
+        where tiered), and the full compile queued here then replaces that."""
+        with self._lock:
+            if key in self._executables or key in self._pending or key in self._behind:
+                return False
+            self._behind.add(key)
+        UPGRADES.put(self, key, None)
+        return True
+
+    def held(self) -> list:
+        """The keys compiled so far (any tier)."""
+        with self._lock:
+            return list(self._executables)
 
     def tier(self, key: BucketKey) -> str | None:
         """"quick" or "full": the compile `key` holds now (None: not compiled)."""

@@ -44,10 +44,9 @@ from dlm_jax.models._transformer import (ATTENTION_FORMS, CUDNN_FORMS, EXPERT_EX
                                          attention_form, expert_mesh, joint_rope, layers_traced_once)
 from dlm_jax.runtime.buckets import JAX_BATCH_BUCKETS, BucketKey, pad_axis
 from dlm_jax.runtime.kvcache import KVCache, Transfers
-from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, REQUEST, VIEW_NAMES, BuildCounts, Capabilities, Executor,
-                                  SlotStep, StepInputs, StepOutputs, input_specs, model_outputs, output_names,
-                                  output_specs,
-                                  request_specs, visibility)
+from dlm_jax.runtime.step import (INPUT_NAMES, LORA_GATE, OUTPUTS, REQUEST, VIEW_NAMES, BuildCounts, Capabilities,
+                                  Executor, SlotStep, StepInputs, StepOutputs, input_specs, model_outputs,
+                                  output_names, output_specs, request_specs, visibility)
 
 # How a decode's step reads its resident K/V: in place ("split", "concat", "cudnn" or
 # "cudnn_split", the model's `ATTENTION_FORMS`, over every slot with the unread ones masked;
@@ -74,6 +73,7 @@ def default_rows() -> str:
     bound by reading the weights once per call, not once per row."""
     return "each" if target_platform() == "cpu" else "batched"
 _NOT_BATCH_LEADING = ("k_new", "v_new", "router_topk", "ffn_active")  # [L or M, B, ...]
+_WINDOW_AXIS = {s.name: s.axes.index("W") for s in OUTPUTS if "W" in s.axes}  # outputs along the window
 # The JAX executors built over each model. One that changes its model in place (fusing its
 # projections, stacking its layers: the joined arrays are deleted) marks the others over that
 # model stale, and a stale executor refuses to run in one line (its arrays are gone).
@@ -551,7 +551,13 @@ class DeviceKVCache(KVCache):
         ex = self.executor
         key = ex.read_bucket(req.key, self._slots)
         req = req if key is req.key else req.widened(key.cache)
-        program = ex._resident.get(self._resident_key(req))
+        spec, own = self._resident_key(req), req.key.window
+        if ex.compile == "tiered" and spec not in ex._resident and (wider := ex._wider_window(spec)):
+            ex._resident.build_behind(spec)  # (this step runs padded until its own program is built)
+            req = req.widened_window(wider)
+            spec = self._resident_key(req)
+            ex.widened_steps += 1
+        program = ex._resident.get(spec)
         inputs = ex.resident_inputs(req)
         arrays = ex._send(inputs)
         names = [n for n in output_names(req.key) if n not in ("k_new", "v_new", *PREDICTIONS)]
@@ -571,6 +577,9 @@ class DeviceKVCache(KVCache):
             timings.update(h2d=t1 - t0, compute=t2 - t1, d2h=time.perf_counter() - t2)
         d2h = sum(v.nbytes for v in fetched.values())  # (`_get` gives host arrays)
         out = {**unpack_predictions(fetched.pop("predictions")), **fetched}
+        if req.key.window != own:  # a wider window's program: this step's rows of its window outputs
+            out = {n: a[(slice(None),) * _WINDOW_AXIS[n] + (slice(0, own),)] if n in _WINDOW_AXIS else a
+                   for n, a in out.items()}
         if kept:
             out["logits"] = DeviceLogits(ex._kept(named["logits"]), transfers=self.transfers)
         self.transfers.add(sum(x.nbytes for x in inputs), d2h)
@@ -666,6 +675,7 @@ class JaxExecutor(Executor):
         from dlm_jax.techniques.isd.lora import lora_spec
 
         self.compile = choose_compile(compile)
+        self.widened_steps = 0  # steps run in a wider window's program while theirs compiled (tiered)
 
         rows_from_env = rows is None and bool(os.environ.get(ROWS_ENV))
         rows = rows or os.environ.get(ROWS_ENV) or default_rows()
@@ -1176,17 +1186,29 @@ class JaxExecutor(Executor):
 
     def tiers(self) -> dict[str, int | float]:
         """The step programs compiled so far by the compile each holds now ("quick", "full"),
-        the full compiles done behind quick ones ("upgrades", taking "upgrade_seconds") and
-        those still queued or under way ("pending")."""
+        the full compiles done behind quick ones ("upgrades"), the programs built behind while
+        their steps ran in a wider window ("behind"; "widened": those steps), the background
+        thread's seconds on both ("upgrade_seconds") and its compiles still queued or under way
+        ("pending")."""
         steps = (self._programs, self._resident, self._views)
         held = [p.tier(k) for p in steps for k in p.keys]
         return {"quick": held.count("quick"), "full": held.count("full"),
-                "upgrades": sum(p.upgrade_count for p in steps), "pending": sum(p.upgrades_pending for p in steps),
+                "upgrades": sum(p.upgrade_count for p in steps), "behind": self._resident.behind_count,
+                "widened": self.widened_steps, "pending": sum(p.upgrades_pending for p in steps),
                 "upgrade_seconds": round(sum(p.upgrade_seconds for p in steps), 3)}
 
+    def _wider_window(self, spec: tuple) -> int | None:
+        """The narrowest window of a resident program compiled so far that could run `spec`'s
+        step padded: the same in all but a wider window (None: none is)."""
+        key = spec[0]
+        widths = [held[0].window for held in self._resident.held()
+                  if held[1:] == spec[1:] and held[0].window > key.window
+                  and held[0] == dataclasses.replace(key, window=held[0].window)]
+        return min(widths, default=None)
+
     def wait_for_upgrades(self, timeout: float | None = None) -> bool:
-        """Wait until every step program compiled quick holds its full compile (`compile="tiered"`);
-        False where `timeout` seconds passed first."""
+        """Wait until every step program compiled quick holds its full compile, and every one
+        built behind is in (`compile="tiered"`); False where `timeout` seconds passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         return all(p.wait_upgrades(None if deadline is None else max(0.0, deadline - time.monotonic()))
                    for p in (self._programs, self._resident, self._views))
@@ -1196,7 +1218,8 @@ class JaxExecutor(Executor):
         return BuildCounts(compiles=self.compile_count,
                            compile_seconds=sum(p.compile_seconds for p in self._all_programs),
                            compile_wait_seconds=sum(p.wait_seconds for p in self._all_programs),
-                           quick_programs=tiers["quick"], upgrades=tiers["upgrades"])
+                           quick_programs=tiers["quick"], upgrades=tiers["upgrades"],
+                           widened_steps=self.widened_steps)
 
     @property
     def compiled_keys(self) -> list[BucketKey]:

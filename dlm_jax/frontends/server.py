@@ -400,6 +400,9 @@ class Metrics:
         Gauge("dlm_jax_programs_quick", "step programs running their quick compile (DLM_JAX_COMPILE=tiered): "
               "their full compiles still building", registry=r).set_function(
             lambda: core.decoder.build_counts().quick_programs)
+        Gauge("dlm_jax_steps_widened", "steps run padded in a wider window's program while theirs was built behind "
+              "(DLM_JAX_COMPILE=tiered), since start", registry=r).set_function(
+            lambda: core.decoder.build_counts().widened_steps)
         self.tokens = Counter("dlm_jax_generated_tokens", "completion tokens sent", registry=r)
         self.prompt_tokens = Counter("dlm_jax_prompt_tokens", "prompt tokens decoded", registry=r)
         self.engine_calls = Gauge("dlm_jax_engine_calls", "executor calls the engine made", registry=r)

@@ -80,6 +80,7 @@ class DecodeStats:
     compiles: int = 0  # programs compiled (or signatures set up) during the decode, CPU path included
     compile_seconds: float = 0.0
     compile_wait_seconds: float = 0.0  # of which the decode waited for (the rest ran beside its steps)
+    widened_steps: int = 0  # steps run padded in a wider window's program while theirs compiled (tiered)
     exports: int = 0  # buckets exported during the decode (the bundle cache)
     export_seconds: float = 0.0
     # Bytes between the host and where the step runs (`KVCache.transfers`): once when the
@@ -153,7 +154,8 @@ class DecodeStats:
                 "peak_rss_mb": round(self.peak_rss_mb, 1), "buckets": dict(sorted(self.buckets.items())),
                 "counters": self.counters, "compiles": self.compiles,
                 "compile_seconds": round(self.compile_seconds, 3),
-                "compile_wait_seconds": round(self.compile_wait_seconds, 3), "exports": self.exports,
+                "compile_wait_seconds": round(self.compile_wait_seconds, 3), "widened_steps": self.widened_steps,
+                "exports": self.exports,
                 "export_seconds": round(self.export_seconds, 3), "opened_bytes": self.opened_bytes,
                 "h2d_bytes": int(sum(self.h2d_bytes)), "d2h_bytes": int(sum(self.d2h_bytes)),
                 "max_step_h2d_bytes": max(self.h2d_bytes, default=0),
@@ -731,7 +733,7 @@ class Decoder:
         stats.h2d_bytes, stats.d2h_bytes = list(cache.transfers.h2d), list(cache.transfers.d2h)
         grown = self.build_counts() - built
         stats.compiles, stats.compile_seconds = grown.compiles, grown.compile_seconds
-        stats.compile_wait_seconds = grown.compile_wait_seconds
+        stats.compile_wait_seconds, stats.widened_steps = grown.compile_wait_seconds, grown.widened_steps
         stats.exports, stats.export_seconds = grown.exports, grown.export_seconds
         stats.counters = dict(sorted(state.counters.items()))
         stats.speculation = scheduler.report(cursor)

@@ -416,6 +416,27 @@ class SlotStep:
             read=np.pad(self.read, ((0, 0), (0, cache - own)), constant_values=-1),
             hide=np.where(self.hide >= own, self.hide + (cache - own), self.hide).astype(np.int32))
 
+    def widened_window(self, window: int) -> SlotStep:
+        """The same step in window bucket `window` (at least its own): the rows past its own
+        are padding, as a bucket's are: not real (`q_valid`, so no row sees their keys), storing
+        nothing (`write` -1), hiding nothing. The requested logit rows and the read list stay,
+        and so do the hidden columns (window columns are numbered after the read ones). A
+        program of the wider window computes the same rows; its outputs along the window
+        (`router_topk`, `ffn_active`) have `window` rows, this step's first."""
+        own = self.tokens.shape[1]
+        if window == own:
+            return self
+        if window < own:
+            raise ValueError(f"a step of window {own} cannot be widened to {window}")
+
+        def pad(a: np.ndarray | None, value) -> np.ndarray | None:
+            return None if a is None else np.pad(a, ((0, 0), (0, window - own)), constant_values=value)
+
+        return dataclasses.replace(
+            self, key=dataclasses.replace(self.key, window=window), tokens=pad(self.tokens, 0),
+            positions=pad(self.positions, 0), q_valid=pad(self.q_valid, False), probes=pad(self.probes, False),
+            hide=pad(self.hide, -1), write=pad(self.write, -1), lora_gate=pad(self.lora_gate, 0))
+
 
 
 _IDENTITY: dict[int, np.ndarray] = {}
@@ -628,8 +649,9 @@ class BuildCounts:
     seconds its callers waited for compiles (less than `compile_seconds` where they ran in the
     background, `Executor.prefetch`). `DecodeStats` records the difference over a decode.
     Under a tiered compile (`JaxExecutor(compile="tiered")`): `quick_programs`, the step
-    programs running their quick compile now (not cumulative), and `upgrades`, the full
-    compiles built behind quick ones so far."""
+    programs running their quick compile now (not cumulative), `upgrades`, the full
+    compiles built behind quick ones so far, and `widened_steps`, the steps run padded in a
+    wider window's program while their own was built behind."""
 
     compiles: int = 0
     compile_seconds: float = 0.0
@@ -638,6 +660,7 @@ class BuildCounts:
     compile_wait_seconds: float = 0.0
     quick_programs: int = 0
     upgrades: int = 0
+    widened_steps: int = 0
 
     def __add__(self, other: BuildCounts) -> BuildCounts:
         return BuildCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))

@@ -48,9 +48,10 @@ def test_later_prompts_of_other_lengths_compile_only_their_new_windows(tmp_path)
 @pytest.mark.slow  # (two processes of their own: about 20 s from an empty cache)
 def test_a_tiered_first_decode_and_a_second_process_over_its_cache(tmp_path):
     """docs/benchmarks.md's tiered command, its --out and --xla-cache here, run twice: the
-    first process decodes on quick programs while their full compiles build behind, and keeps
-    its tokens on the full ones; the second, over the cache the first filled, compiles no
-    quick program (the full ones come from the cache by the first's markers)."""
+    first process decodes on quick programs, and in wider windows' programs, while the full
+    compiles build behind, and keeps its tokens on the full ones; the second, over the cache
+    the first filled, compiles no quick program (the full ones come from the cache by the
+    first's markers)."""
     out = tmp_path / "tiered"
     argv = docs_argv("benchmarks/first_decode.py", "--compile", out=str(out), xla_cache=str(tmp_path / "xla"))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -61,11 +62,15 @@ def test_a_tiered_first_decode_and_a_second_process_over_its_cache(tmp_path):
     cold, cache = json.loads(out.with_suffix(".json").read_text())["runs"]
     assert cold["compile"] == cache["compile"] == "tiered"
     assert cold["xla_cache_empty_at_start"] and not cache["xla_cache_empty_at_start"]
-    steps = cold["tiers_after_second"]["full"] + cold["tiers_after_second"]["quick"]
-    assert steps >= 3 and cold["tiers_after_first"]["upgrades"] + cold["tiers_after_first"]["pending"] == steps
+    first, steps = cold["tiers_after_first"], cold["tiers_upgraded"]["full"]
+    assert steps >= 5 and cold["tiers_upgraded"]["quick"] == 0 and cold["tiers_upgraded"]["pending"] == 0
+    assert first["upgrades"] + first["behind"] + first["pending"] == steps
+    assert first["quick"] + first["full"] <= 3 < steps and first["widened"] > 0  # (the prefix cache's narrower windows)
     assert cold["upgrades_done"] and cold["upgraded_same_tokens"] and cold["same_tokens"]
-    assert cache["tiers_after_first"] == {"quick": 0, "full": steps, "upgrades": 0, "pending": 0, "upgrade_seconds": 0.0}
-    assert cache["persistent_cache_hits"] >= steps
+    assert cache["tiers_after_first"]["quick"] == cache["tiers_after_first"]["upgrades"] == 0
+    assert cache["tiers_upgraded"]["full"] == steps and cache["tiers_upgraded"]["quick"] == 0
+    assert cache["persistent_cache_hits"] >= cache["tiers_after_first"]["full"] > 0
     assert first_decode.main(["--render", str(out.with_suffix(".json")), "--out", str(tmp_path / "report")]) == 0
     report = (tmp_path / "report.md").read_text()
-    assert "Tiered compiles" in report and f"| small | 0 / {steps} | 0.0 | " in report  # the second process's row
+    assert "Tiered compiles" in report
+    assert f"| small | split | 0 / {cache['tiers_after_first']['full']} | " in report  # the second process's row

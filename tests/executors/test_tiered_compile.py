@@ -89,15 +89,16 @@ def test_a_tiered_decode_keeps_its_tokens_and_the_next_executor_starts_full(comp
     dec = Decoder(ex, model.config)
     got = dec.decode(PROMPTS, cfg)
     tiers = ex.tiers()
-    assert tiers["quick"] >= 2 and tiers["full"] == 0 and tiers["pending"] == tiers["quick"]
+    behind = tiers["pending"] - tiers["quick"]  # (programs of steps run in a wider window meanwhile)
+    assert tiers["quick"] >= 2 and tiers["full"] == 0 and behind >= 0
     assert dec.build_counts().quick_programs == tiers["quick"]
     assert [g.tolist() for g in got.sequences] == [w.tolist() for w in want]
     release.set()
     assert ex.wait_for_upgrades(timeout=120)
     upgraded = ex.tiers()
     assert upgraded["upgrade_seconds"] > 0
-    assert upgraded == {"quick": 0, "full": tiers["quick"], "upgrades": tiers["quick"], "pending": 0,
-                        "upgrade_seconds": upgraded["upgrade_seconds"]}
+    assert upgraded == {"quick": 0, "full": tiers["quick"] + behind, "upgrades": tiers["quick"], "behind": behind,
+                        "widened": tiers["widened"], "pending": 0, "upgrade_seconds": upgraded["upgrade_seconds"]}
     before = XlaCompileCounter.count()
     again = dec.decode(PROMPTS, cfg)
     assert XlaCompileCounter.count() == before and again.stats.compiles == 0
@@ -105,8 +106,69 @@ def test_a_tiered_decode_keeps_its_tokens_and_the_next_executor_starts_full(comp
     calls.clear()
     later = JaxExecutor(model, compile="tiered")
     Decoder(later, model.config).decode(PROMPTS, cfg)
-    assert later.tiers()["quick"] == 0 and later.tiers()["full"] == tiers["quick"]
+    assert later.tiers()["quick"] == 0 and later.tiers()["full"] >= tiers["quick"]
     assert _compile.quick_options() not in calls
+
+
+def test_a_step_runs_in_a_wider_window_until_its_own_program_is_built_behind(compiles):
+    """A prefix-cache decode's window narrows block by block: tiered, a step whose program is
+    not compiled runs padded in a wider window's compiled program of the same cache, and its
+    own program is built behind. Guards a fallback that changes tokens, returns the wider
+    window's rows of the routed experts (the placement trace would differ in shape), waits
+    for the program after all (as many compiles as the full executor), or keeps padding once
+    the program is built."""
+    from dlm_jax.runtime import preset
+    from dlm_jax.testing import sharp_model
+
+    calls, release = compiles
+    model = sharp_model(seed=2, ffn="moe", n_experts=8, n_experts_per_tok=2, moe_ffn_hidden=16, n_shared_experts=1,
+                        router="sigmoid", router_bias=True, n_layers=3, dense_layers=(0,))
+    cfg = preset("fast-dllm", gen_len=32, block_len=8, threshold=0.7, experts="all")
+    full = JaxExecutor(model, attention="split")
+    want = Decoder(full, model.config).decode(PROMPTS, cfg)
+    windows = sorted(k[0].window for k in full._resident.keys)
+    assert len(windows) >= 4  # (32, 24, 16, 8 and the refresh: one program each)
+    ex = JaxExecutor(model, attention="split", compile="tiered")
+    dec = Decoder(ex, model.config)
+    got = dec.decode(PROMPTS, cfg)
+    held = sorted(k[0].window for k in ex._resident.keys)
+    tiers = ex.tiers()
+    assert len(held) < len(windows) and tiers["widened"] > 0 and tiers["behind"] == 0
+    assert tiers["pending"] == tiers["quick"] + len(windows) - len(held)
+    assert got.stats.widened_steps == tiers["widened"] == dec.build_counts().widened_steps
+    assert [g.tolist() for g in got.sequences] == [w.tolist() for w in want.sequences]
+    trace, ref = got.stats.placement["trace"], want.stats.placement["trace"]
+    assert [len(b) for b in trace] == [len(b) for b in ref]
+    for block, ref_block in zip(trace, ref):
+        for s, r in zip(block, ref_block):
+            np.testing.assert_array_equal(s, r)
+    release.set()
+    assert ex.wait_for_upgrades(timeout=120)
+    built = ex.tiers()
+    assert built["behind"] == len(windows) - len(held) and built["quick"] == 0
+    assert sorted(k[0].window for k in ex._resident.keys) == windows
+    again = dec.decode(PROMPTS, cfg)
+    assert ex.tiers()["widened"] == tiers["widened"] and again.stats.compiles == again.stats.widened_steps == 0
+    assert [g.tolist() for g in again.sequences] == [w.tolist() for w in want.sequences]
+
+
+def test_a_widened_step_pads_its_window_with_rows_nobody_sees():
+    from dlm_jax.runtime import BucketKey
+    from dlm_jax.runtime.step import SlotStep
+
+    key = BucketKey(batch=1, window=2, cache=4, rows=2)
+    step = SlotStep(key, tokens=np.array([[7, 8]], np.int32), positions=np.array([[4, 5]], np.int32),
+                    q_valid=np.ones((1, 2), bool), read=np.arange(4, dtype=np.int32), probes=np.array([True, False]),
+                    hide=np.array([5, -1], np.int32), write=np.array([[4, 5]], np.int32),
+                    logit_rows=np.array([[0, 1]], np.int32))
+    wide = step.widened_window(4)
+    assert wide.key == BucketKey(batch=1, window=4, cache=4, rows=2) and wide.widened_window(4) is wide
+    assert wide.tokens.tolist() == [[7, 8, 0, 0]] and wide.q_valid.tolist() == [[True, True, False, False]]
+    assert wide.write.tolist() == [[4, 5, -1, -1]] and wide.hide.tolist() == [[5, -1, -1, -1]]
+    assert wide.probes.tolist() == [[True, False, False, False]] and wide.logit_rows is step.logit_rows
+    assert wide.read is step.read and wide.lora_gate is None
+    with pytest.raises(ValueError, match="window 2 cannot be widened to 1"):
+        step.widened_window(1)
 
 
 def test_no_quick_tier_compiles_in_full_and_a_bad_mode_is_refused_in_one_line(monkeypatch, compiles):
