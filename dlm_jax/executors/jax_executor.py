@@ -72,8 +72,24 @@ def default_rows() -> str:
     invariance costs nothing; "batched" on an accelerator, whose step at small batches is
     bound by reading the weights once per call, not once per row."""
     return "each" if target_platform() == "cpu" else "batched"
+
+
 _NOT_BATCH_LEADING = ("k_new", "v_new", "router_topk", "ffn_active")  # [L or M, B, ...]
 _WINDOW_AXIS = {s.name: s.axes.index("W") for s in OUTPUTS if "W" in s.axes}  # outputs along the window
+
+
+def _widest(specs: Sequence[tuple]) -> list[tuple]:
+    """Of resident program specs ((key, slots, ...)), in order, those of which no wider window
+    with the same rest is among them."""
+    def rest(spec: tuple) -> tuple:
+        return (dataclasses.replace(spec[0], window=0), *spec[1:])
+
+    top: dict[tuple, int] = {}
+    for spec in specs:
+        top[rest(spec)] = max(top.get(rest(spec), 0), spec[0].window)
+    return [spec for spec in specs if spec[0].window == top[rest(spec)]]
+
+
 # The JAX executors built over each model. One that changes its model in place (fusing its
 # projections, stacking its layers: the joined arrays are deleted) marks the others over that
 # model stale, and a stale executor refuses to run in one line (its arrays are gone).
@@ -1269,10 +1285,12 @@ class JaxExecutor(Executor):
         return sum(n for (programs, _), n in zip(groups, built) if programs in (self._resident, self._views))
 
     def prefetch(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False):
-        """Compile the programs of `keys` (as `warmup` would) on background threads, in order."""
+        """Compile the programs of `keys` (as `warmup` would) on background threads, in order.
+        Tiered, a resident step of which a wider window is queued too is left out: its steps run
+        padded in that one's program until its own is built behind (`DeviceKVCache.step`)."""
         groups = self._program_keys(keys, slots, views)
         for programs, ks in groups:
-            programs.prefetch(ks)
+            programs.prefetch(_widest(ks) if programs is self._resident and self.compile == "tiered" else ks)
 
         def cancel() -> None:
             for programs, _ in groups:

@@ -152,6 +152,26 @@ def test_a_step_runs_in_a_wider_window_until_its_own_program_is_built_behind(com
     assert [g.tolist() for g in again.sequences] == [w.tolist() for w in want.sequences]
 
 
+def test_a_tiered_prefetch_leaves_out_the_windows_a_wider_one_runs(monkeypatch):
+    """Background threads (a GPU's) compile a decode's programs ahead; tiered, a step of which
+    a wider window is queued runs padded in that one's program, so queueing its own as well
+    would compile it quick only to build it again behind."""
+    from dlm_jax.runtime import BucketKey
+
+    seen = []
+    monkeypatch.setattr(CompiledBuckets, "prefetch", lambda self, keys: seen.append((self, list(keys))))
+    keys = [BucketKey(1, 64, 0, 32), BucketKey(1, 64, 64, 32), BucketKey(1, 32, 64, 32), BucketKey(1, 32, 96, 32),
+            BucketKey(2, 32, 64, 32)]
+    model = tiny_model(seed=1, n_layers=1)
+    for compile, windows in (("full", [(1, 64, 0), (1, 64, 1), (1, 32, 1), (2, 32, 1)]),
+                             ("tiered", [(1, 64, 0), (1, 64, 1), (2, 32, 1)])):
+        ex = JaxExecutor(model, attention="split", compile=compile)  # (read in place: every read bucket the slots)
+        seen.clear()
+        ex.prefetch(keys, slots=200)
+        [resident] = [ks for programs, ks in seen if programs is ex._resident]
+        assert [(k.batch, k.window, k.cache // slots) for k, slots in resident] == windows, compile
+
+
 def test_a_widened_step_pads_its_window_with_rows_nobody_sees():
     from dlm_jax.runtime import BucketKey
     from dlm_jax.runtime.step import SlotStep
