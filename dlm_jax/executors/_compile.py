@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -224,10 +225,15 @@ class _Upgrades:
                                      timeout)
 
     def stop(self) -> None:
+        """Drop the queue and wait for the compile under way (at exit: XLA's compiler may not
+        be left running while the interpreter ends), saying so on stderr where there is one."""
         with self._cv:
             self._stopping = True
             self._queue.clear()
             self._cv.notify_all()
+            if self._busy is not None:
+                print("dlm-jax: exiting once the full compile under way ends (DLM_JAX_COMPILE=tiered; it goes to the "
+                      "persistent cache)", file=sys.stderr, flush=True)
             self._cv.wait_for(lambda: self._busy is None)
 
 

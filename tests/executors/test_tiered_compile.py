@@ -3,6 +3,9 @@ compiled quick first, replaced by its full compile built behind."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import jax
@@ -215,3 +218,33 @@ def test_a_mesh_over_several_processes_refuses_a_tiered_compile(monkeypatch):
     monkeypatch.setattr(jax_executor, "_placement", lambda mesh, model, slots: SimpleNamespace(processes=2))
     with pytest.raises(ConfigError, match=r"^compile='tiered' on a mesh over 2 processes: .*use compile='full'$"):
         JaxExecutor(tiny_model(seed=1, n_layers=1), mesh="tp=2", compile="tiered")
+
+
+EXIT_SCRIPT = """
+import time
+import jax, jax.numpy as jnp
+from dlm_jax.executors._compile import UPGRADES, CompiledBuckets
+upgrade = CompiledBuckets._upgrade
+def slow(self, key, job):
+    time.sleep(1.0)
+    upgrade(self, key, job)
+    print("upgraded", flush=True)
+CompiledBuckets._upgrade = slow
+programs = CompiledBuckets(lambda n: (lambda x: x * n, (jax.ShapeDtypeStruct((n,), jnp.float32),)), tiered=True)
+programs.get(2)
+programs.get(3)
+deadline = time.monotonic() + 60
+while UPGRADES._busy is None and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_exiting_during_a_full_compile_says_it_waits_for_that_one_only(tmp_path):
+    """At exit the queue is dropped and the compile under way finishes (XLA's compiler is not
+    left running while the interpreter ends): one line on stderr says why the process lingers."""
+    result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "DLM_JAX_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["exiting", "upgraded"]  # (the second program's upgrade dropped)
+    assert "dlm-jax: exiting once the full compile under way ends" in result.stderr
