@@ -1235,7 +1235,7 @@ class JaxExecutor(Executor):
                            compile_seconds=sum(p.compile_seconds for p in self._all_programs),
                            compile_wait_seconds=sum(p.wait_seconds for p in self._all_programs),
                            quick_programs=tiers["quick"], upgrades=tiers["upgrades"],
-                           widened_steps=self.widened_steps)
+                           widened_steps=self.widened_steps, pending_compiles=tiers["pending"])
 
     @property
     def compiled_keys(self) -> list[BucketKey]:
@@ -1258,19 +1258,32 @@ class JaxExecutor(Executor):
         """Compile every bucket of `keys`: with `slots`, as the resident steps of a decode of
         that many slots (or, with `views`, as a CPU path's gather, step and write); without,
         as dense steps. Returns how many programs were compiled (the cache allocations, not
-        buckets, are counted in `build_counts` only)."""
+        buckets, are counted in `build_counts` only). Tiered, a resident step of which a wider
+        window is among them is queued to build behind instead (`_behind`)."""
         new = 0
         for programs, ks in self._program_keys(keys, slots, views):
-            n = programs.warmup(ks)
+            n = programs.warmup(self._behind(programs, ks))
             new += 0 if programs is self._allocs else n
         return new
+
+    def _behind(self, programs: CompiledBuckets, specs: list) -> list:
+        """Of `specs` to build now: tiered, of the resident steps, those no wider window among
+        them could run padded (`DeviceKVCache.step`), the others queued to build behind
+        (`CompiledBuckets.build_behind`); otherwise all."""
+        if programs is not self._resident or self.compile != "tiered":
+            return specs
+        now = _widest(specs)
+        for spec in specs:
+            if spec not in now:
+                programs.build_behind(spec)
+        return now
 
     def warmup_engine(self, keys: Sequence[BucketKey], *, slots: int, rows: int, views: bool = False) -> int:
         """Compile an engine's programs: the pooled steps of `keys` on a cache of `rows` rows
         (`DeviceKVCache.assign` makes a cache shared), its allocation and row clearing; with
         `views`, a CPU path's gather, step and write on one row of it. Queued on the background
         compile threads first, so that they build side by side. Returns how many step programs
-        were new."""
+        were new. Tiered, the narrower windows of a step are left to build behind (`_behind`)."""
         cap = self.capacity(slots)
         if views:
             groups = [(self._gathers, list(dict.fromkeys((k.batch, k.cache, cap, True, rows) for k in keys))),
@@ -1279,6 +1292,7 @@ class JaxExecutor(Executor):
         else:
             groups = [(self._allocs, [(rows, cap)]), (self._clears, [(rows, cap)]),
                       (self._resident, list(dict.fromkeys((self.read_bucket(k, cap), cap, rows, True) for k in keys)))]
+        groups = [(programs, self._behind(programs, ks)) for programs, ks in groups]
         for programs, ks in groups:
             programs.prefetch(ks)
         built = [programs.warmup(ks) for programs, ks in groups]

@@ -400,6 +400,9 @@ class Metrics:
         Gauge("dlm_jax_programs_quick", "step programs running their quick compile (DLM_JAX_COMPILE=tiered): "
               "their full compiles still building", registry=r).set_function(
             lambda: core.decoder.build_counts().quick_programs)
+        Gauge("dlm_jax_compiles_pending", "full compiles queued or under way behind (DLM_JAX_COMPILE=tiered): "
+              "0 once every program the server has met is built in full", registry=r).set_function(
+            lambda: core.decoder.build_counts().pending_compiles)
         Gauge("dlm_jax_steps_widened", "steps run padded in a wider window's program while theirs was built behind "
               "(DLM_JAX_COMPILE=tiered), since start", registry=r).set_function(
             lambda: core.decoder.build_counts().widened_steps)
@@ -531,8 +534,11 @@ class Service:
         self.warmup_seconds = time.perf_counter() - t0
         if self.state == "warming":
             self.state = "ready"
-        quick = self.engine.core.decoder.build_counts().quick_programs
-        behind = f" ({quick} compiled quick: their full compiles build behind)" if quick else ""
+        counts = self.engine.core.decoder.build_counts()
+        quick, later = counts.quick_programs, counts.pending_compiles - counts.quick_programs
+        behind = ", ".join(([f"{quick} compiled quick: their full compiles build behind"] if quick else [])
+                           + ([f"{later} more build behind"] if later > 0 else []))
+        behind = f" ({behind})" if behind else ""
         print(f"ready: {self.warmup_programs or 0} programs built in {self.warmup_seconds:.1f} s{behind}", flush=True)
 
     def _warm_configs(self) -> list[DecodeConfig]:

@@ -650,8 +650,9 @@ class BuildCounts:
     background, `Executor.prefetch`). `DecodeStats` records the difference over a decode.
     Under a tiered compile (`JaxExecutor(compile="tiered")`): `quick_programs`, the step
     programs running their quick compile now (not cumulative), `upgrades`, the full
-    compiles built behind quick ones so far, and `widened_steps`, the steps run padded in a
-    wider window's program while their own was built behind."""
+    compiles built behind quick ones so far, `widened_steps`, the steps run padded in a
+    wider window's program while their own was built behind, and `pending_compiles`, the
+    full compiles still queued or under way behind (not cumulative)."""
 
     compiles: int = 0
     compile_seconds: float = 0.0
@@ -661,6 +662,7 @@ class BuildCounts:
     quick_programs: int = 0
     upgrades: int = 0
     widened_steps: int = 0
+    pending_compiles: int = 0
 
     def __add__(self, other: BuildCounts) -> BuildCounts:
         return BuildCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))

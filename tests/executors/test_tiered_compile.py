@@ -175,6 +175,27 @@ def test_a_tiered_prefetch_leaves_out_the_windows_a_wider_one_runs(monkeypatch):
         assert [(k.batch, k.window, k.cache // slots) for k, slots in resident] == windows, compile
 
 
+def test_a_tiered_warmup_builds_the_widest_window_now_and_the_narrower_ones_behind(compiles):
+    """A warm-up (a server's, before it reports ready) compiles, tiered, only the resident steps
+    no wider window among them could run padded; the rest are queued behind, and every one is
+    there once they are built."""
+    from dlm_jax.runtime import BucketKey
+
+    calls, release = compiles
+    model = tiny_model(seed=1, n_layers=1)
+    keys = [BucketKey(1, w, 64, 8) for w in (8, 16, 32)] + [BucketKey(1, 64, 0, 8)]
+    ex = JaxExecutor(model, attention="split", compile="tiered")
+    assert ex.warmup(keys, slots=100) == 2  # (window 32 over the cache, 64 without one)
+    counts = ex.build_counts()
+    assert counts.quick_programs == 2 and counts.pending_compiles == 4
+    release.set()
+    assert ex.wait_for_upgrades(timeout=120)
+    assert sorted(k[0].window for k in ex._resident.keys) == [8, 16, 32, 64]
+    assert ex.tiers()["behind"] == 2 and ex.build_counts().pending_compiles == 0
+    full = JaxExecutor(model, attention="split")
+    assert full.warmup(keys, slots=100) == 4
+
+
 def test_a_widened_step_pads_its_window_with_rows_nobody_sees():
     from dlm_jax.runtime import BucketKey
     from dlm_jax.runtime.step import SlotStep
@@ -244,7 +265,8 @@ def test_a_process_exiting_during_a_full_compile_says_it_waits_for_that_one_only
     """At exit the queue is dropped and the compile under way finishes (XLA's compiler is not
     left running while the interpreter ends): one line on stderr says why the process lingers."""
     result = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "DLM_JAX_CACHE_DIR": str(tmp_path)})
+                            env={**os.environ, "DLM_JAX_CACHE_DIR": str(tmp_path),
+                                 "JAX_COMPILATION_CACHE_DIR": str(tmp_path)})  # (no marker from an earlier run)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["exiting", "upgraded"]  # (the second program's upgrade dropped)
     assert "dlm-jax: exiting once the full compile under way ends" in result.stderr

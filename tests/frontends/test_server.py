@@ -12,6 +12,7 @@ import concurrent.futures as futures
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -765,13 +766,17 @@ def test_sigterm_finishes_running_requests_then_exits(tmp_path):
 
 @pytest.mark.slow
 def test_a_tiered_server_is_ready_on_quick_programs_and_answers_the_same_on_full_ones(tmp_path, live):
-    """`DLM_JAX_COMPILE=tiered dlm-jax serve`, in its own process over an empty compile cache:
-    its ready line counts the programs compiled quick, /metrics' `dlm_jax_programs_quick`
-    falls to 0 as their full compiles come in, and its answers, on quick programs and on full
-    ones, are those of the module's server (compiled in full, in this process)."""
+    """`DLM_JAX_COMPILE=tiered dlm-jax serve`, in its own process over an empty compile cache,
+    reading the cache in place (a GPU's form: a step's narrower windows share its read bucket):
+    its ready line counts the programs compiled quick and those left to build behind (a
+    narrower window's steps run padded in a wider one's program meanwhile), /metrics'
+    `dlm_jax_programs_quick` falls to 0 as their full compiles come in, and its answers, on
+    quick programs and on full ones, are those of the module's server (compiled in full, in
+    this process, reading the cache in its gathered form)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DLM_JAX_COMPILE": "tiered", "DLM_JAX_CACHE_DIR": str(tmp_path / "xla")}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DLM_JAX_COMPILE": "tiered", "DLM_JAX_ATTENTION": "split",
+           "DLM_JAX_CACHE_DIR": str(tmp_path / "xla")}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # (the tests' shared cache: this process starts cold)
     proc = subprocess.Popen([sys.executable, "-m", "dlm_jax.frontends.cli", "serve", "--model", str(TINY), "--port", "0",
                              "--gen", "32", "--max-batch", "4", "--max-tokens", "128"],
@@ -787,6 +792,7 @@ def test_a_tiered_server_is_ready_on_quick_programs_and_answers_the_same_on_full
         url = proc.stdout.readline().split()[3]
         ready = proc.stdout.readline()
         assert ready.startswith("ready: ") and "compiled quick: their full compiles build behind" in ready, ready
+        assert re.search(r", [1-9]\d* more build behind\)$", ready.strip()), ready
         early = [httpx.post(url + "/v1/completions", json=b, timeout=DEADLINE).json() for b in bodies]
         wait_until(lambda: quick() == 0, what="the full compiles", timeout=300)
         late = [httpx.post(url + "/v1/completions", json=b, timeout=DEADLINE).json() for b in bodies]
