@@ -41,14 +41,19 @@ sys.path.insert(0, str(ROOT))
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402 (imports no JAX)
 
 
-def _prompts(model, n: int) -> list[list[int]]:
+def prompt_texts(n: int) -> list[str]:
+    """`n` held-out task prompts, the tasks interleaved."""
     from dlm_jax.training.data import TASKS, make_split
 
     tasks = sorted(TASKS)
     per = -(-n // len(tasks))
-    out = [model.encode(ex.prompt) for t in tasks for ex in make_split(TASKS[t], per, split="heldout", seed=0)]
+    out = [ex.prompt for t in tasks for ex in make_split(TASKS[t], per, split="heldout", seed=0)]
     order = np.random.default_rng(0).permutation(len(out))  # the tasks interleaved
     return [out[i] for i in order[:n]]
+
+
+def _prompts(model, n: int) -> list[list[int]]:
+    return [model.encode(text) for text in prompt_texts(n)]
 
 
 def _trim(seq, eos) -> list[int]:

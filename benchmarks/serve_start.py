@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.batching import prompt_texts  # noqa: E402
 from benchmarks.serve import Server  # noqa: E402
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402 (imports no JAX)
 
@@ -44,18 +45,6 @@ READY = re.compile(r"ready: (\d+) programs built in ([\d.]+) s(?: \((.*)\))?$")
 
 def _log(msg: str) -> None:
     print(f"[serve_start.py {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def prompts(n: int) -> list[str]:
-    """`n` held-out task prompts, the tasks interleaved (the texts `benchmarks/batching.py` encodes)."""
-    import numpy as np
-
-    from dlm_jax.training.data import TASKS, make_split
-
-    per = -(-n // len(TASKS))
-    out = [ex.prompt for t in sorted(TASKS) for ex in make_split(TASKS[t], per, split="heldout", seed=0)]
-    order = np.random.default_rng(0).permutation(len(out))
-    return [out[i] for i in order[:n]]
 
 
 def ready_counts(line: str) -> dict:
@@ -155,7 +144,7 @@ def main(argv=None) -> int:
                    help="seconds to wait for the server to be ready, and then for its compiles behind")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    texts = prompts(args.requests)
+    texts = prompt_texts(args.requests)
     runs = []
     with tempfile.TemporaryDirectory(prefix="serve_start_") as tmp:
         work = Path(tmp)

@@ -78,16 +78,19 @@ _NOT_BATCH_LEADING = ("k_new", "v_new", "router_topk", "ffn_active")  # [L or M,
 _WINDOW_AXIS = {s.name: s.axes.index("W") for s in OUTPUTS if "W" in s.axes}  # outputs along the window
 
 
-def _widest(specs: Sequence[tuple]) -> list[tuple]:
-    """Of resident program specs ((key, slots, ...)), in order, those of which no wider window
-    with the same rest is among them."""
-    def rest(spec: tuple) -> tuple:
-        return (dataclasses.replace(spec[0], window=0), *spec[1:])
+def _but_window(spec: tuple) -> tuple:
+    """A resident program's spec ((key, slots, ...)) but its window: the programs that could
+    run each other's steps padded share it."""
+    return (dataclasses.replace(spec[0], window=0), *spec[1:])
 
+
+def _widest(specs: Sequence[tuple]) -> list[tuple]:
+    """Of resident program specs, in order, those of which no wider window with the same rest
+    is among them."""
     top: dict[tuple, int] = {}
     for spec in specs:
-        top[rest(spec)] = max(top.get(rest(spec), 0), spec[0].window)
-    return [spec for spec in specs if spec[0].window == top[rest(spec)]]
+        top[_but_window(spec)] = max(top.get(_but_window(spec), 0), spec[0].window)
+    return [spec for spec in specs if spec[0].window == top[_but_window(spec)]]
 
 
 # The JAX executors built over each model. One that changes its model in place (fusing its
@@ -1216,11 +1219,9 @@ class JaxExecutor(Executor):
     def _wider_window(self, spec: tuple) -> int | None:
         """The narrowest window of a resident program compiled so far that could run `spec`'s
         step padded: the same in all but a wider window (None: none is)."""
-        key = spec[0]
-        widths = [held[0].window for held in self._resident.held()
-                  if held[1:] == spec[1:] and held[0].window > key.window
-                  and held[0] == dataclasses.replace(key, window=held[0].window)]
-        return min(widths, default=None)
+        rest = _but_window(spec)
+        return min((held[0].window for held in self._resident.held()
+                    if held[0].window > spec[0].window and _but_window(held) == rest), default=None)
 
     def wait_for_upgrades(self, timeout: float | None = None) -> bool:
         """Wait until every step program compiled quick holds its full compile, and every one
