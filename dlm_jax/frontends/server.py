@@ -456,15 +456,34 @@ def infill_variants(configs: Sequence[DecodeConfig], decoder, longest: int, max_
     per size the slots after a generation take (`runtime.buckets.infill_slots`: 8, 16, ...
     up to the one that holds `longest`) that leaves a row of `max_tokens` room for a prompt.
     A request whose suffix fits such a size, and its prompt with it, runs their programs: what
-    `--warmup-infill` builds. Raises ConfigError where the model or the decode cannot infill."""
+    `--warmup-infill` builds. With them, the decode of the shortest of `configs` at every
+    `max_tokens` below its block (`short_infills`: such a request decodes one block of its
+    length). Raises ConfigError where the model or the decode cannot infill."""
     top = infill_slots(longest)
     out = []
-    for cfg in configs:
+    for cfg in [*configs, *short_infills(configs)]:
         size = 8
         while size <= top:
             if cfg.gen_len + size < max_tokens:
                 out.append(decoder.with_infill(decoder._for_model(cfg), [[0] * size], limit=max_tokens))
             size *= 2
+    return out
+
+
+def short_infills(configs: Sequence[DecodeConfig]) -> list[DecodeConfig]:
+    """The decodes of suffix requests that ask for fewer tokens than a block (`decode_changes`:
+    one block of `max_tokens` tokens, so that the generation ends where the suffix begins): the
+    shortest of `configs` with each generation length from 1 to its block less one (as many
+    configs; their step programs share buckets, `Engine.warmup` builds each once). Lengths the
+    decode refuses are left out, as their requests are."""
+    cfg = min(configs, key=lambda c: c.gen_len, default=None)
+    block = getattr(cfg.scheduler, "block_len", None) if cfg is not None else None
+    out = []
+    for n in range(1, block or 0):
+        try:
+            out.append(registry.decode_config(cfg, gen_len=n, block_len=n))
+        except ConfigError:
+            continue
     return out
 
 

@@ -599,8 +599,9 @@ def test_a_sampling_warm_up_leaves_sampled_requests_nothing_to_compile(model):
 def test_an_infill_warm_up_leaves_suffix_requests_nothing_to_compile():
     """`--warmup-infill N` (`Service(warmup_infill=N)`) builds the programs of requests with a
     suffix of up to N tokens: suffixes of 3 and 6 tokens (one size of slots after the
-    generation, 8) compile nothing after it, and compile without it (each server on a model
-    of its own: its executor's programs its own)."""
+    generation, 8) compile nothing after it, at a whole block and at fewer tokens than a block
+    (a block of their own length), and compile without it (each server on a model of its
+    own: its executor's programs its own)."""
     import openai
 
     def compiles(infill: int) -> list[int]:
@@ -611,15 +612,16 @@ def test_an_infill_warm_up_leaves_suffix_requests_nothing_to_compile():
         try:
             client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
             new = []
-            for suffix in (" 99", " 1 2 3"):
+            for suffix, n in ((" 99", 32), (" 1 2 3", 32), (" 99", 5), (" 1 2 3", 13), (" 1", 31)):
                 built = model.executor.build_counts().compiles
-                client.completions.create(model=NAME, prompt="66+76=", suffix=suffix, max_tokens=32)
+                out = client.completions.create(model=NAME, prompt="66+76=", suffix=suffix, max_tokens=n)
+                assert out.usage.completion_tokens <= n
                 new.append(model.executor.build_counts().compiles - built)
             return new
         finally:
             live.stop()
 
-    assert compiles(8) == [0, 0]
+    assert compiles(8) == [0] * 5
     assert sum(compiles(0)) > 0  # (a compile may be counted after its request answered)
 
 
