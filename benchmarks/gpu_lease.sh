@@ -62,7 +62,9 @@
 #                them); its b16 and b32 are not timed.
 #   tiered 180+60  benchmarks/first_decode.py --compile tiered, prefix cache, batch 1 (the first-decode
 #                target's worst case: 142 s cold, gpu.md): the step programs compiled quick (no
-#                autotuning) first, their full compiles (autotuned) built behind on one thread at the
+#                autotuning, cuBLAS's GEMMs: for an H200 on 2 CPU cores 3.4-4.2 s a batch-1 prefix
+#                program against Triton's 6.0-7.9, gpu_target_parts/h200_target_quick.md) first,
+#                their full compiles (autotuned) built behind on one thread at the
 #                lowest priority while the decode runs, and the steps of a window with no program yet
 #                run padded in a wider window's compiled one (the read bucket in place: about 3 programs
 #                waited for instead of 10) while theirs is built behind; then a second process over its persistent

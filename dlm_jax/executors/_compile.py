@@ -84,12 +84,18 @@ COMPILE_MODES = ("full", "tiered")
 # most for the step time they cost. XLA:GPU autotunes each program's GEMMs and fusions on the
 # device, which took most of a cold first decode's compiles on one H200 (LLaDA-8B shape, 10
 # programs in 142 s; with GEMMs off Triton the compiles halved, `benchmarks/results/gpu.md`):
-# the quick tier takes XLA's default kernels instead. On a CPU, LLVM at -O0: a 113M-parameter
+# the quick tier takes XLA's default kernels instead, and cuBLAS's GEMMs at its own heuristic's
+# choice instead of Triton's GEMM fusions at default tiles. Compiled for an H200 on 2 CPU cores
+# without autotuning, the 18 programs of a prefix-cache decode at batch 1 and 8 took 80.3 s
+# that way against 120.3 s with Triton's GEMMs (a batch-1 prefix program 3.4-4.2 s against
+# 6.0-7.9 s; `benchmarks/results/gpu_target_parts/h200_target_quick.md`); autotuned on one
+# H200, cuBLAS's steps ran 0.4-23% slower than Triton's (`gpu_step.md`), and a tiered decode
+# runs on the quick programs only until their full compiles replace them. On a CPU, LLVM at -O0: a 113M-parameter
 # prefix-cache decode's step programs compiled in 3.6 s instead of 4.8 s on 2 cores (and ran
 # slower; `benchmarks/results/first_decode_tiered.md`). No quick tier is known for a TPU: there
 # a tiered compile compiles in full.
 QUICK_OPTIONS: dict[str, dict[str, Any]] = {"cpu": {"xla_backend_optimization_level": 0},
-                                            "gpu": {"xla_gpu_autotune_level": 0}}
+                                            "gpu": {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}}
 
 
 def choose_compile(compile: str | None = None) -> str:
@@ -350,11 +356,12 @@ class CompiledBuckets:
     its own key only (one not started yet is taken off the queue and compiled at once), and
     `wait_seconds` adds up how long callers waited. Thread-safe.
 
-    `tiered`: each key is first compiled quick (`quick_options`: on a GPU without autotuning,
-    on a CPU with LLVM at -O0) and its full compile queued on `UPGRADES`; once built, the full
-    executable replaces the quick one, and the next `get` returns it (a call under way finishes
-    on the quick one). A key whose full compile a process has put in the persistent cache
-    before (`_full_marker`) is compiled in full at once, from the cache. `tier(key)` says which
+    `tiered`: each key is first compiled quick (`quick_options`: on a GPU without autotuning
+    and with cuBLAS's GEMMs, on a CPU with LLVM at -O0) and its full compile queued on
+    `UPGRADES`; once built, the full executable replaces the quick one, and the next `get`
+    returns it (a call under way finishes on the quick one). A key whose full compile a
+    process has put in the persistent cache before (`_full_marker`) is compiled in full at
+    once, from the cache. `tier(key)` says which
     a key holds; `upgrade_count` counts the full compiles done behind quick ones.
     `build_behind(key)` queues there the full compile of a key nobody waits for (a caller runs
     its steps in another program meanwhile: `JaxExecutor`'s wider windows); `behind_count`

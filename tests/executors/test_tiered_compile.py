@@ -52,6 +52,20 @@ def compiles(monkeypatch, tmp_path):
     _compile.UPGRADES.wait(timeout=120)
 
 
+def test_every_platform_s_quick_options_are_options_xla_knows():
+    """XLA refuses an option it does not know (`No such compile option`) only when a program
+    compiles with it, and a GPU's quick options never compile on this CPU otherwise: a
+    misspelt one would fail every tiered compile of a GPU's first decode. XLA's debug options
+    are one set for every backend, so this CPU's compiler checks the names (and refuses a
+    misspelling, which the second half checks)."""
+    lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(3))
+    assert set(_compile.QUICK_OPTIONS) >= {"cpu", "gpu"}
+    for options in _compile.QUICK_OPTIONS.values():
+        lowered.compile(options)
+    with pytest.raises(Exception, match="No such compile option"):
+        lowered.compile({**_compile.QUICK_OPTIONS["gpu"], "xla_gpu_autotune_levle": 0})
+
+
 def test_a_program_runs_quick_until_its_full_compile_takes_its_place(compiles):
     """Guards a tiered compile that is not one: quick options never passed (the first call
     waits for the full compile), a full compile that never replaces the quick one (every
