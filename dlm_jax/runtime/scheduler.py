@@ -319,6 +319,13 @@ class BlockScheduler(Scheduler):
         (aligned, after the prompt's slots in the block, which are computed too)."""
         raise NotImplementedError
 
+    def window_lengths(self, step: int, start: int, end: int, total: int) -> tuple[int, int]:
+        """How many window slots and cached slots `window` gives, for `plan_shapes` (a warm-up
+        asks for every prompt length a row holds); the cache modes here count them without
+        building the slots."""
+        window, cached, _ = self.window(step, start, end, total)
+        return len(window), len(cached)
+
     def _plan(self, unit: int, step: int, gen_start: int, total: int, shift: int,
               state: DecodeState | None = None, leads: Sequence[int] = ()) -> StepPlan:
         """The plan of a step; when the requests' blocks sit at different slots (`leads`), with
@@ -355,6 +362,16 @@ class BlockScheduler(Scheduler):
                 a.flags.writeable = False
         return arrays
 
+    def _shape(self, unit: int, step: int, gen_start: int, total: int, shift: int, lo_lead: int = 0,
+               hi_lead: int = 0) -> PlanShape:
+        """`_plan(...).shape` (this class's plans carry no probes), from `_geometry`'s bounds and
+        `window_lengths`, without the plan's slots."""
+        start = gen_start + unit * self.block_len - hi_lead
+        lo = max(gen_start, start)
+        hi = gen_start + (unit + 1) * self.block_len - lo_lead
+        w, c = self.window_lengths(min(step, 1), max(start - shift, 0), hi, total)
+        return PlanShape(w, c, max(0, hi - lo))
+
     def plan(self, state: DecodeState, cursor: Cursor) -> StepPlan | None:
         leads = self._state_leads(state)
         if cursor.unit >= self._units(state.gen_len, leads) or not state.active.any():
@@ -386,7 +403,12 @@ class BlockScheduler(Scheduler):
         """Each block's first step and its later steps (all alike within a block)."""
         p_max = max(prompt_lens)
         leads = self._leads(prompt_lens) if self.align else ()
-        return {self._plan(unit, step, p_max, p_max + gen_len + self.overhang(), shift, leads=leads).shape
+        total = p_max + gen_len + self.overhang()
+        if type(self)._plan is not BlockScheduler._plan or type(self)._geometry is not BlockScheduler._geometry:
+            return {self._plan(unit, step, p_max, total, shift, leads=leads).shape
+                    for unit in range(self._units(gen_len, leads)) for step in (0, 1)}
+        lo_lead, hi_lead = (min(leads), max(leads)) if leads else (0, 0)
+        return {self._shape(unit, step, p_max, total, shift, lo_lead, hi_lead)
                 for unit in range(self._units(gen_len, leads)) for step in (0, 1)}
 
 
@@ -401,6 +423,9 @@ class NoCache(BlockScheduler):
     def window(self, step: int, start: int, end: int, total: int):
         return _full(total, store=False)
 
+    def window_lengths(self, step: int, start: int, end: int, total: int) -> tuple[int, int]:
+        return total, 0
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefixCache(BlockScheduler):
@@ -412,6 +437,9 @@ class PrefixCache(BlockScheduler):
             return _full(total, store=True)
         return np.arange(start, total), np.arange(start), False
 
+    def window_lengths(self, step: int, start: int, end: int, total: int) -> tuple[int, int]:
+        return (total, 0) if step == 0 else (max(0, total - start), max(0, start))
+
 
 @dataclasses.dataclass(frozen=True)
 class DualCache(BlockScheduler):
@@ -422,3 +450,6 @@ class DualCache(BlockScheduler):
         if step == 0:
             return _full(total, store=True)
         return np.arange(start, end), np.concatenate([np.arange(start), np.arange(end, total)]), False
+
+    def window_lengths(self, step: int, start: int, end: int, total: int) -> tuple[int, int]:
+        return (total, 0) if step == 0 else (max(0, end - start), max(0, start) + max(0, total - end))

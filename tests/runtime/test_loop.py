@@ -2,8 +2,12 @@
 be worked out by hand, the plans each scheduler sends, warm-up, buckets, token and request
 states, the K/V store, sampling and bad input. No model, no JAX."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlm_jax import ConfigError
 from dlm_jax.runtime.kvcache import HostKVCache
@@ -66,6 +70,26 @@ def test_each_scheduler_plans_what_it_states(cache, shapes):
     stores = [i.want.kv for i in exe.calls]
     assert sum(stores) == (0 if cache == "none" else 2)
     assert all(i.k_cache.shape[2] == 0 for i, kv in zip(exe.calls, stores) if kv)  # full forwards
+
+
+@settings(max_examples=300, deadline=None)
+@given(cache=st.sampled_from(["none", "prefix", "dual"]), block=st.integers(1, 12), units=st.integers(1, 5),
+       prompts=st.lists(st.integers(1, 40), min_size=1, max_size=4), align=st.booleans(),
+       infill=st.integers(0, 9), shift=st.integers(0, 1))
+def test_plan_shapes_counted_are_the_plans_shapes(cache, block, units, prompts, align, infill, shift):
+    """`plan_shapes` counts each step's window, cache and rows from the block's bounds
+    (`BlockScheduler._shape`, `window_lengths`: a warm-up asks for every prompt length a row
+    holds) without building the slots: the same shapes as the plans a decode runs
+    (`_plan`), over blocks aligned or not, prompts whose blocks sit apart, a suffix's slots
+    and a logit shift."""
+    sched = decode_config(gen_len=block * units, block_len=block, cache=cache).scheduler
+    sched = dataclasses.replace(sched, align=align, infill=0 if align else infill)
+    gen = block * units
+    p_max = max(prompts)
+    leads = sched._leads(prompts) if align else ()
+    planned = {sched._plan(unit, step, p_max, p_max + gen + sched.overhang(), shift, leads=leads).shape
+               for unit in range(sched._units(gen, leads)) for step in (0, 1)}
+    assert sched.plan_shapes(prompts, gen, shift=shift) == planned
 
 
 def test_logit_shift_plans_predict_the_next_slot():
