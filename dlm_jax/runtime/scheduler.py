@@ -404,12 +404,24 @@ class BlockScheduler(Scheduler):
         p_max = max(prompt_lens)
         leads = self._leads(prompt_lens) if self.align else ()
         total = p_max + gen_len + self.overhang()
-        if type(self)._plan is not BlockScheduler._plan or type(self)._geometry is not BlockScheduler._geometry:
+        if not _counts_its_windows(type(self)):
             return {self._plan(unit, step, p_max, total, shift, leads=leads).shape
                     for unit in range(self._units(gen_len, leads)) for step in (0, 1)}
         lo_lead, hi_lead = (min(leads), max(leads)) if leads else (0, 0)
         return {self._shape(unit, step, p_max, total, shift, lo_lead, hi_lead)
                 for unit in range(self._units(gen_len, leads)) for step in (0, 1)}
+
+
+@functools.cache
+def _counts_its_windows(cls: type) -> bool:
+    """Whether `BlockScheduler._shape` gives `cls`'s plans' shapes: its plans and geometry are
+    `BlockScheduler`'s, and its `window_lengths` counts its own `window` (defined beside it, or
+    the default, which calls it), not a base class's form of another window."""
+    def owner(name: str) -> type:
+        return next(c for c in cls.__mro__ if name in c.__dict__)
+
+    return (cls._plan is BlockScheduler._plan and cls._geometry is BlockScheduler._geometry
+            and owner("window_lengths") in (BlockScheduler, owner("window")))
 
 
 def _full(total: int, store: bool) -> tuple[np.ndarray, np.ndarray, bool]:

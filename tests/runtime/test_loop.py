@@ -92,6 +92,23 @@ def test_plan_shapes_counted_are_the_plans_shapes(cache, block, units, prompts, 
     assert sched.plan_shapes(prompts, gen, shift=shift) == planned
 
 
+def test_a_schedule_with_a_window_of_its_own_plans_its_own_shapes():
+    """A subclass that changes a cache mode's `window` (and not `window_lengths`) is not
+    counted by its base's arithmetic: `plan_shapes` still gives its plans' shapes."""
+    from dlm_jax.runtime.scheduler import DualCache
+
+    @dataclasses.dataclass(frozen=True)
+    class WiderDual(DualCache):  # each later step computes one more slot after its block
+        def window(self, step, start, end, total):
+            window, cached, store = super().window(step, start, min(end + 1, total) if step else end, total)
+            return window, cached, store
+
+    sched = WiderDual(block_len=4)
+    planned = {sched._plan(unit, step, 5, 5 + 12, 0).shape for unit in range(3) for step in (0, 1)}
+    assert sched.plan_shapes([5], 12, shift=0) == planned
+    assert planned != DualCache(block_len=4).plan_shapes([5], 12, shift=0)  # (else nothing is checked)
+
+
 def test_logit_shift_plans_predict_the_next_slot():
     """With logit shift, row i predicts slot i + 1: the block's first slot is predicted from
     the last prompt token's row, so the cached window starts one slot early."""
