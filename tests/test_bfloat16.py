@@ -15,6 +15,7 @@ a margin of one to two prompts.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -172,6 +173,48 @@ def test_decodes_in_bfloat16_like_float32(name, load_options, decode, loaded, sp
     # The requests' loops end last (a placement's calibration decode, if any, runs first).
     assert [len(seq) for seq in spy.sequences[-len(PROMPTS):]] == [GEN] * len(PROMPTS)
     assert not any(mask in ids for ids in got.token_ids)  # every slot before EOS decided
+    agree = sum(a == b for a, b in zip(want.token_ids, got.token_ids))
+    assert agree >= AGREE, (agree, want.texts, got.texts)
+
+
+@pytest.mark.parametrize("name, load_options, decode", CASES)
+def test_decodes_with_a_gpu_s_defaults_like_the_cpu_s(name, load_options, decode, loaded, spy, monkeypatch):
+    """The path a GPU user's decode takes, on the CPU backend: the executor built for a GPU
+    (`building_for("gpu")`: the resident cache read in place by the split attention, an
+    engine's rows batched, q and k rotated by one RoPE op) and the rows' logits kept on the
+    device, where the proposer's and the schedule's questions are answered (a GPU's
+    `logits_on="auto"`). Each case decodes as with the CPU's defaults (the read slots gathered,
+    row by row, logits on the host): bfloat16 weights and K/V, finite outputs, every slot
+    decided, and the CPU defaults' completions on most prompts (measured: 6 of 6 in every case).
+    A step, schedule or answer that only a GPU build takes fails here, not first on a GPU."""
+    from dlm_jax.executors._compile import building_for
+    from dlm_jax.executors._logits import DeviceLogits
+    from dlm_jax.runtime.decoder import logits_on_device
+
+    asked = []
+    real_answer = DeviceLogits.answer.__func__
+    monkeypatch.setattr(DeviceLogits, "answer", classmethod(lambda cls, asks: asked.append(len(asks))
+                                                            or real_answer(cls, asks)))
+    options = dict(decode)
+    cfg = dlm_jax.preset(options.pop("preset"), gen_len=GEN, **options)
+    seeds = list(range(len(PROMPTS)))
+    _, cpu = loaded(name, **load_options)
+    want = cpu.generate(PROMPTS, cfg, seeds=seeds)
+    spy.kv_dtypes.clear()
+    spy.outputs, spy.nonfinite, spy.sequences = 0, [], []
+    asked.clear()
+    with building_for("gpu"):
+        gpu = dlm_jax.load(MODELS / name, executor="jax", **BF16, **load_options)
+        ex = gpu.executor
+        assert (ex.attention, ex.rows, ex.one_rope) == ("split", "batched", True)
+        on_device = dataclasses.replace(cfg, proposer=dataclasses.replace(cfg.proposer, logits_on="device"))
+        got = gpu.generate(PROMPTS, on_device, seeds=seeds)
+    assert spy.outputs > 0 and not spy.nonfinite
+    assert spy.kv_dtypes == {"bfloat16"}
+    assert [len(seq) for seq in spy.sequences[-len(PROMPTS):]] == [GEN] * len(PROMPTS)
+    assert not any(gpu.config.mask_token_id in ids for ids in got.token_ids)
+    # Answered on the device where the decode reads its logits (sampling, ISD's judging).
+    assert bool(asked) == logits_on_device(on_device, ex.capabilities)
     agree = sum(a == b for a, b in zip(want.token_ids, got.token_ids))
     assert agree >= AGREE, (agree, want.texts, got.texts)
 
