@@ -585,7 +585,8 @@ class _Slots(NamedTuple):
 class _Judges(NamedTuple):
     """A judging program's shape and options: drafts, whether a filter applies (its ranking),
     committed ids per draft and bias entries (`_judge`'s adjustments), whether penalties or a
-    bias apply."""
+    bias apply; `top_p`: whether a filtered draft sets top-p (a call's fact, not the
+    program's: the program filters each draft by its own options)."""
 
     m: int
     filtered: bool
@@ -594,18 +595,29 @@ class _Judges(NamedTuple):
     nb: int = 1
     penalized: bool = False
     biased: bool = False
+    top_p: bool = False
 
     def covers(self, need: _Judges) -> bool:
         """As many drafts (as `_Variant.covers`), the filter where `need` filters (an
-        unfiltered draft keeps every finite logit under any ranking), at least as many ids and
-        entries, and the adjustments `need` applies (zero penalties and dropped ids change
-        no bit)."""
-        return (self.m == need.m and (not need.filtered or (self.filtered and self.cap == need.cap))
+        unfiltered draft keeps every finite logit under any ranking) with a ranking that keeps
+        `need`'s sets bit for bit, at least as many ids and entries, and the adjustments `need`
+        applies (zero penalties and dropped ids change no bit)."""
+        return (self.m == need.m and (not need.filtered or (self.filtered and self._ranks_alike(need)))
                 and self.g >= need.g and self.nb >= need.nb and (self.penalized or not need.penalized)
                 and (self.biased or not need.biased))
 
+    def _ranks_alike(self, need: _Judges) -> bool:
+        """The same ranking, or, where no draft of `need` sets top-p, any that ranks at least its
+        largest top-k (`_keep`): a top-k set is the k likeliest tokens, ties by the lower id,
+        whether `lax.top_k` ranked k or more of them or the whole row was sorted. A top-p set is
+        kept to its own ranking: its mass is summed over the ranked tokens, and float32 sums
+        of another length may round to the other side of p."""
+        if self.cap == need.cap:
+            return True
+        return not need.top_p and (self.cap is None or (need.cap is not None and self.cap >= need.cap))
+
     def excess(self, need: _Judges) -> tuple:
-        return (self.filtered + self.penalized + self.biased, self.g + self.nb)
+        return (self.filtered + self.penalized + self.biased, self.cap != need.cap, self.g + self.nb)
 
 
 class _JudgeAdjust:
@@ -657,7 +669,7 @@ def _answer_judges(asks: list[step.JudgeAsk]) -> list[tuple[np.ndarray, ...]]:
                                       _cap(top_k[filtered].tolist(), v) if filtered.any() else None,
                                       g=_bucket(max(map(_id_width, penalized), default=1)),
                                       nb=_bucket(max(len(a.bias) for a in asks)), penalized=bool(penalized),
-                                      biased=any(bool(a.bias) for a in asks)))
+                                      biased=any(bool(a.bias) for a in asks), top_p=bool((top_p[filtered] < 1).any())))
     adjust = _JudgeAdjust(judges.m, judges.g, judges.nb, v)
     columns = np.zeros((9, judges.m), np.int32)
     columns[6] = _float_bits(np.ones(judges.m, np.float32))  # (padding: temperature 1, no filter)
@@ -685,7 +697,8 @@ def _answer_judges(asks: list[step.JudgeAsk]) -> list[tuple[np.ndarray, ...]]:
             sent += where.nbytes
     request = columns.ravel()
     adjustments = adjust.pack() if judges.penalized or judges.biased else np.zeros(0, np.int32)
-    packed = np.asarray(jax.device_get(_judge(first.array, q_rows, request, adjustments, **judges._asdict())))
+    program = {k: x for k, x in judges._asdict().items() if k != "top_p"}  # (the call's, not a program's)
+    packed = np.asarray(jax.device_get(_judge(first.array, q_rows, request, adjustments, **program)))
     _RAN.add(sig, judges)
     first._count(request.nbytes + adjustments.nbytes + sent, packed.nbytes)
     out, at = [], 0

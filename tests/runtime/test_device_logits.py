@@ -325,7 +325,7 @@ def test_a_program_with_more_options_answers_a_call_as_its_own_would(monkeypatch
     union = ProposeAsk(logits.rows([1]), np.ones(1, bool), np.array([1], np.uint32), temperature=1.1, top_p=0.7,
                        count_ids=np.array([[2, -1, -1, -1]], np.int32), presence=1.0, bias=((3, 2.0),))
     DeviceLogits.answer([union, slots(4)])  # 1 row, every option; 4 likeliest tokens
-    ran = lambda: {kind: variants for (kind, *_), variants in _logits._RAN._ran.items()}  # noqa: E731
+    ran = lambda: {kind: set(variants) for (kind, *_), variants in _logits._RAN._ran.items()}  # noqa: E731
     built = ran()
     assert [(v.b, *v[3:7]) for v in built["propose"]] == [(1, True, True, True, True)]  # rows, options
     assert built["logprobs"] == {_logits._Slots(m=2, k=4)}
@@ -339,6 +339,53 @@ def test_a_program_with_more_options_answers_a_call_as_its_own_would(monkeypatch
     assert len(ran()["propose"]) == 2  # 5 bias entries: more than the union's, so a program of its own
     DeviceLogits.answer(asks())
     assert len(ran()["propose"]) == 3  # 2 rows: a program of their own
+
+
+def test_a_judging_program_that_ranks_more_answers_top_k_drafts_as_their_own_would(monkeypatch):
+    """ISD's judging program for drafts under top-k alone is answered, where it was never
+    built, by a filtered one that ranks at least as many tokens (a top-p one, as a server's
+    warm-up builds where its configs mix top-k and top-p), with the bits their own gives and no
+    compile; drafts that set top-p keep to a program of their own ranking."""
+    from dlm_jax.executors import _logits
+    from dlm_jax.runtime.step import JudgeAsk
+
+    rng = np.random.default_rng(3)
+    v = 4096  # (past the top-p ranking's 1,024 tokens: the programs rank, not sort)
+    p = DeviceLogits(jnp.asarray(rng.normal(0, 3, (2, 4, v)).astype(np.float32)))
+    q = DeviceLogits(jnp.asarray(rng.normal(0, 3, (2, 4, v)).astype(np.float32)))
+
+    def ask(top_k: int, top_p: float = 1.0) -> JudgeAsk:
+        n = 4
+        return JudgeAsk(p, b=np.array([0, 0, 1, 1]), i=np.array([0, 1, 2, 3]), tokens=rng.integers(0, v, n),
+                        anchors=rng.integers(0, v, n), seeds=np.arange(n, dtype=np.uint32),
+                        use_q=np.ones(n, bool), temperature=np.full(n, 0.9, np.float32),
+                        top_k=np.full(n, top_k, np.int32), top_p=np.full(n, top_p, np.float32),
+                        q=q, qb=np.array([1, 0, 1, 0]), qi=np.array([3, 2, 1, 0]))
+
+    top_k, top_k_and_p, wide_k = ask(5), ask(5, 0.8), ask(3000)
+    ran = lambda: {kind: set(variants) for (kind, *_), variants in _logits._RAN._ran.items()}  # noqa: E731
+    monkeypatch.setattr(_logits, "_RAN", _logits._Ran())
+    own = [DeviceLogits.answer([a])[0] for a in (top_k, top_k_and_p, wide_k)]
+    assert sorted(j.cap or v for j in ran()["judge"]) == [8, v]  # (top-k 5, with top-p or not, ranks
+    # its 8 likeliest; top-k 3,000 sorts)
+
+    def same(a, b):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(np.asarray(x).view(np.int32), np.asarray(y).view(np.int32))
+
+    for wider, cap in ((ask(0, 0.9), 1024), (ask(3000, 0.5), None)):  # top-p alone ranks 1,024; top-k 3,000 sorts
+        monkeypatch.setattr(_logits, "_RAN", _logits._Ran())
+        DeviceLogits.answer([wider])
+        built = ran()
+        assert [j.cap for j in built["judge"]] == [cap]
+        same(own[0], DeviceLogits.answer([top_k])[0])
+        assert ran() == built  # no other program ran
+        same(own[1], DeviceLogits.answer([top_k_and_p])[0])  # top-p: ranked as its own program ranks
+        assert sorted(j.cap or v for j in ran()["judge"]) == [8, cap or v]
+    monkeypatch.setattr(_logits, "_RAN", _logits._Ran())
+    DeviceLogits.answer([ask(0, 0.9)])
+    same(own[2], DeviceLogits.answer([wide_k])[0])  # more than the program ranks: its own
+    assert sorted(j.cap or v for j in ran()["judge"]) == [1024, v]
 
 
 ISD_PROMPTS = ["12+7=", "Question: 3+4?", "sort: 2 4 1"]
