@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default=None, help="the executor's attention form (default: the platform's)")
     p.add_argument("--projections", choices=("separate", "fused"), default=None,
                    help="the executor's projections (default: its own, $DLM_JAX_PROJECTIONS or separate)")
+    p.add_argument("--path", choices=("decoder", "engine"), default="decoder",
+                   help="decode with the decoder (Decoder.decode, the default) or with an engine (dlm_jax.runtime."
+                        "engine.Engine: what Model.generate, the commands and the server run), max_batch --batch")
     p.add_argument("--compile", choices=("full", "tiered"), default="full",
                    help="the executor's compile (tiered: quick programs first, full ones built behind)")
     p.add_argument("--upgrade-wait-s", type=float, default=None,
@@ -112,17 +115,20 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.mask_token_id, args.prompt_len).tolist() for _ in range(args.batch)]
     dc = decode_config(gen_len=args.gen_len, block_len=32, cache=args.cache, rule="threshold", threshold=0.9)
+    decode = decoder.decode if args.path == "decoder" else engine_decode(decoder, args.batch,
+                                                                         args.prompt_len + args.gen_len)
     t = time.perf_counter()
-    first = decoder.decode(prompts, dc)
+    first = decode(prompts, dc)
     first_s = time.perf_counter() - t
     hits_first = hits[0]
     tiers_first = executor.tiers()
     t = time.perf_counter()
-    second = decoder.decode(prompts, dc)
+    second = decode(prompts, dc)
     second_s = time.perf_counter() - t
     tiered = {"tiers_after_first": tiers_first, "tiers_after_second": executor.tiers()} if args.compile == "tiered" \
         else {}
-    record = {"label": args.label, "shape": args.shape, "dtype": args.dtype, "cache": args.cache, "batch": args.batch,
+    record = {"label": args.label, "path": args.path, "shape": args.shape, "dtype": args.dtype, "cache": args.cache,
+              "batch": args.batch,
               "layers": getattr(executor, "layers", "unrolled"), "attention": executor.attention,
               "projections": getattr(executor, "projections", "separate"), "compile": args.compile,
               "prompt_len": args.prompt_len, "gen_len": args.gen_len,
@@ -153,7 +159,7 @@ def main(argv=None) -> int:
                       upgrade_seconds=executor.tiers()["upgrade_seconds"], tiers_upgraded=executor.tiers())
         if done:
             t = time.perf_counter()
-            upgraded = decoder.decode(prompts, dc)
+            upgraded = decode(prompts, dc)
             record["upgraded_decode_seconds"] = round(time.perf_counter() - t, 3)
             record["waited_seconds"] = round(first_s - min(second_s, record["upgraded_decode_seconds"]), 3)
             record["upgraded_same_tokens"] = all(np.array_equal(a, b) for a, b in zip(first.sequences,
@@ -165,7 +171,7 @@ def main(argv=None) -> int:
         later = [rng.integers(0, cfg.mask_token_id, n).tolist() for _ in range(args.batch)]
         before, had = executor.compile_count, set(executor.compiled_keys)
         t = time.perf_counter()
-        out = decoder.decode(later, dc)
+        out = decode(later, dc)
         record["later"].append({"prompt_len": n, "seconds": round(time.perf_counter() - t, 3),
                                 "compiles": executor.compile_count - before, "nfe": out.stats.nfe,
                                 "new_buckets": [str(k) for k in executor.compiled_keys if k not in had],
@@ -175,14 +181,38 @@ def main(argv=None) -> int:
     return 0
 
 
+def engine_decode(decoder, max_batch: int, max_tokens: int):
+    """`decoder.decode` through an engine of `max_batch` rows of `max_tokens` slots: the
+    prompts submitted together; the outputs' `sequences` (each request's ids) and `stats`
+    (`compiles`, `compile_wait_seconds`, `compile_seconds` over the engine's run, `nfe` its
+    calls), as `Decoder.decode` gives them."""
+    from types import SimpleNamespace
+
+    from dlm_jax.runtime.engine import Engine
+
+    engine = Engine(decoder, max_batch=max_batch, max_tokens=max_tokens)
+
+    def decode(prompts, cfg):
+        before, calls = decoder.build_counts(), engine.stats.calls
+        handles = [engine.submit(p, cfg) for p in prompts]
+        engine.run()
+        built = decoder.build_counts() - before
+        stats = SimpleNamespace(compiles=built.compiles, compile_wait_seconds=built.compile_wait_seconds,
+                                compile_seconds=built.compile_seconds, nfe=engine.stats.calls - calls)
+        return SimpleNamespace(sequences=[h.result() for h in handles], stats=stats)
+
+    return decode
+
+
 def markdown(rep: dict) -> str:
     lines = ["# The first decode of a fresh process (`benchmarks/first_decode.py`)", "",
              *[f"- {n}" for n in rep.get("notes", [])], "",
-             "| run | device | shape | cache | batch | layers | compile | XLA cache at start | first decode s | "
+             "| run | device | shape | cache | batch | path | layers | compile | XLA cache at start | first decode s | "
              "second decode s | waited s | compile s (all threads) | persistent-cache hits | NFE | process s |",
-             "|---|---|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rep["runs"]:
         lines.append(f"| {r['label']} | {r['device']} | {r['shape']} {r['dtype']} | {r['cache']} | {r['batch']} | "
+                     f"{r.get('path', 'decoder')} | "
                      f"{r['layers']} | {r.get('compile', 'full')} | {'empty' if r['xla_cache_empty_at_start'] else 'filled'} | "
                      f"{r['first_decode_seconds']:.2f} | {r['second_decode_seconds']:.3f} | {r['waited_seconds']:.2f} | "
                      f"{r['first_compile_seconds']:.1f} | {r['persistent_cache_hits']} | {r['nfe']} | "

@@ -450,7 +450,7 @@ def test_gpu_commands_install_extras_that_exist_and_parse():
     assert len(sweeps) == 2
     # Runs as written in tests/benchmarks/test_first_decode.py.
     firsts = [line for line in bench if "benchmarks/first_decode.py" in line]
-    assert len(firsts) == 2
+    assert len(firsts) == 3
     assert len(steps) == 3 and len(peers) + len(steps) + len(leases) + len(loads) + len(checks) + len(sweeps) \
         + len(firsts) == len(bench), bench
     import kernel_sweep

@@ -157,6 +157,12 @@ class AutoExecutor(Executor):
             return self.litert.warmup_engine(keys, slots=slots, rows=rows, views=views)
         return self.jax.warmup_engine(keys, slots=slots, rows=rows, views=views)
 
+    def prefetch_engine(self, keys: Sequence[BucketKey], *, slots: int, rows: int,
+                        views: bool = False) -> Callable[[], None]:
+        """An engine admits requests: their calls' programs built ahead by the executor its run
+        took (`session`)."""
+        return self._current.prefetch_engine(keys, slots=slots, rows=rows, views=views)
+
     def prefetch(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False) -> Callable[[], None]:
         """A decode starts: run it on LiteRT if the cache holds all its buckets, else on JAX."""
         if self._covered(keys):

@@ -1285,19 +1285,34 @@ class JaxExecutor(Executor):
         `views`, a CPU path's gather, step and write on one row of it. Queued on the background
         compile threads first, so that they build side by side. Returns how many step programs
         were new. Tiered, the narrower windows of a step are left to build behind (`_behind`)."""
-        cap = self.capacity(slots)
-        if views:
-            groups = [(self._gathers, list(dict.fromkeys((k.batch, k.cache, cap, True, rows) for k in keys))),
-                      (self._views, list(keys)),
-                      (self._scatters, list(dict.fromkeys((k.batch, k.window, cap, rows) for k in keys)))]
-        else:
-            groups = [(self._allocs, [(rows, cap)]), (self._clears, [(rows, cap)]),
-                      (self._resident, list(dict.fromkeys((self.read_bucket(k, cap), cap, rows, True) for k in keys)))]
-        groups = [(programs, self._behind(programs, ks)) for programs, ks in groups]
+        groups = [(programs, self._behind(programs, ks)) for programs, ks in self._engine_keys(keys, slots, rows, views)]
         for programs, ks in groups:
             programs.prefetch(ks)
         built = [programs.warmup(ks) for programs, ks in groups]
         return sum(n for (programs, _), n in zip(groups, built) if programs in (self._resident, self._views))
+
+    def _engine_keys(self, keys: Sequence[BucketKey], slots: int, rows: int, views: bool) -> list:
+        """(programs, their keys) of an engine's calls of `keys` (`warmup_engine`), in order."""
+        cap = self.capacity(slots)
+        if views:
+            return [(self._gathers, list(dict.fromkeys((k.batch, k.cache, cap, True, rows) for k in keys))),
+                    (self._views, list(keys)),
+                    (self._scatters, list(dict.fromkeys((k.batch, k.window, cap, rows) for k in keys)))]
+        return [(self._allocs, [(rows, cap)]), (self._clears, [(rows, cap)]),
+                (self._resident, list(dict.fromkeys((self.read_bucket(k, cap), cap, rows, True) for k in keys)))]
+
+    def prefetch_engine(self, keys: Sequence[BucketKey], *, slots: int, rows: int, views: bool = False):
+        """Compile an engine's programs of `keys` (as `warmup_engine` would) on the background
+        threads, in order; tiered, only the widest of a step's windows (as `prefetch`)."""
+        groups = self._engine_keys(keys, slots, rows, views)
+        for programs, ks in groups:
+            programs.prefetch(_widest(ks) if programs is self._resident and self.compile == "tiered" else ks)
+
+        def cancel() -> None:
+            for programs, _ in groups:
+                programs.cancel()
+
+        return cancel
 
     def prefetch(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False):
         """Compile the programs of `keys` (as `warmup` would) on background threads, in order.

@@ -46,7 +46,7 @@ import numpy as np
 from dlm_jax._errors import ConfigError, InputError
 from dlm_jax.runtime.buckets import BucketKey
 from dlm_jax.runtime.config import DecodeConfig
-from dlm_jax.runtime.decoder import DecodeOutput, DecodeStats, Decoder, warm_logits, warm_mixed_logits
+from dlm_jax.runtime.decoder import DecodeOutput, DecodeStats, Decoder, _use_order, warm_logits, warm_mixed_logits
 from dlm_jax.runtime.kvcache import HostKVCache, KVCache, Transfers
 from dlm_jax.runtime.state import DecodeState, TokenLogprobs
 from dlm_jax.runtime.step import LogitsAsk, SlotStep, StepOutputs, answer, is_device_logits
@@ -329,6 +329,7 @@ class Engine:
         self._ids = itertools.count()
         self._pool: KVCache | None = None
         self._end_session: Callable[[], None] | None = None
+        self._prefetched: list[Callable[[], None]] = []  # `Executor.prefetch_engine`'s cancels, this run's
         self._lock = threading.RLock()  # submit from any thread; one tick at a time
         self._cond = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -565,6 +566,9 @@ class Engine:
             self._pool.close()
             self._pool = None
             end, self._end_session = self._end_session, None
+            cancels, self._prefetched = self._prefetched, []
+            for cancel in cancels:  # (the compiles not started: none of this run's requests waits for them)
+                cancel()
             if end is not None:
                 end()
 
@@ -588,6 +592,7 @@ class Engine:
         return self._pool
 
     def _admit(self) -> None:
+        admitted = []
         free = [r for r in range(self.max_batch) if r not in self._running]
         load = collections.Counter(self._replica(r) for r in self._running)
         while free and self._waiting:
@@ -620,6 +625,34 @@ class Engine:
                                           on_step=on_step, open_cache=open_cache, prefetch=False, batch=1,
                                           suffixes=None if req.suffix is None else [req.suffix])
             self._advance(req, None)
+            admitted.append(req)
+        if admitted:
+            self._prefetch(admitted)
+
+    def _prefetch(self, reqs: list[Request]) -> None:
+        """Queue the programs the admitted requests' steps will likely run on the executor's
+        background compile threads (`Executor.prefetch_engine`; none where it has no threads),
+        first reached first: each of their steps' buckets at the batch of a call of all the
+        running requests (requests admitted together step together until their blocks part).
+        A step then waits for its own program only, as a decode's do (`Decoder.steps`), instead
+        of compiling (or loading) each program when it first reaches it."""
+        dec, n = self.decoder, len(self._running)
+        keys: dict[BucketKey, None] = {}
+        for req in reqs:
+            main, _ = dec._keys_of([len(req.prompt)], req.config)
+            keys.update((dataclasses.replace(k, batch=self._call_batch(k, n)), None) for k in _use_order(main))
+        self._prefetched.append(dec.executor.prefetch_engine(list(keys), slots=self.max_tokens, rows=self.max_batch))
+
+    def _call_batch(self, key: BucketKey, n: int) -> int:
+        """The batch of the first call of n running requests whose steps share `key` (`_groups`,
+        `_call`)."""
+        sizes = self._call_sizes(key)
+        want = self.max_batch if self.padding == "free" else n
+        if self.replicas > 1:
+            want = max(want, self.replicas * -(-n // self.replicas))
+        elif self.padding == "split":  # the largest call the requests fill
+            want = max((b for b in sizes if b <= n), default=want)
+        return next((b for b in sizes if b >= want), sizes[-1])
 
     def _after_step(self, req: Request, state: DecodeState) -> None:
         """After each of the request's steps: stream what became final, ask its stop rule."""

@@ -701,10 +701,12 @@ class Executor(HookBase):
        and benchmarks call]
       build_counts()     before and after a decode (`DecodeStats.compiles` / `exports`).
       close()            release native resources now; default nothing.
-    `set_progress(progress)` hands it a `(stage, done, total)` callback for long builds."""
+    `set_progress(progress)` hands it a `(stage, done, total)` callback for long builds. An
+    engine (`dlm_jax.runtime.engine`) calls `session` when a run of requests starts,
+    `prefetch_engine` as it admits requests and `warmup_engine` for its warm-up."""
 
     HOOKS = ("capabilities", "step", "warmup", "prefetch", "prepare", "fork", "open", "close", "build_counts",
-             "set_progress", "place", "session", "logits_like")
+             "set_progress", "place", "session", "logits_like", "warmup_engine", "prefetch_engine")
     prepares_ahead: bool = False  # `prepare` builds in batches: give it the buckets of nearby prompt lengths too
     # The batch sizes an engine's calls may take (None: every batch bucket of `capabilities`),
     # and how it runs a group of steps that fills none (`dlm_jax.runtime.engine.PADDING`).
@@ -743,6 +745,14 @@ class Executor(HookBase):
         slots each (`views`: a CPU path's steps on a row of it). Default: the dense `warmup`
         (an executor whose steps the engine feeds dense inputs, `HostKVCache`)."""
         return self.warmup(keys, slots=slots, views=views)
+
+    def prefetch_engine(self, keys: Sequence[BucketKey], *, slots: int, rows: int,
+                        views: bool = False) -> Callable[[], None]:
+        """Start building in the background, in the order given, what `warmup_engine` builds for
+        `keys` (an engine's requests just admitted: the calls their steps will likely run), as
+        `prefetch` does for a decode's own steps; returns a callable that drops those not started
+        (the engine calls it when its run of requests ends). Default: nothing is built ahead."""
+        return _nothing
 
     def prepare(self, keys: Sequence[BucketKey]) -> None:
         """Build the buckets of `keys` in one batch, ahead of their warm-up (default: nothing)."""

@@ -74,3 +74,27 @@ def test_a_tiered_first_decode_and_a_second_process_over_its_cache(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "Tiered compiles" in report
     assert f"| small | split | 0 / {cache['tiers_after_first']['full']} | " in report  # the second process's row
+
+
+@pytest.mark.slow  # (a process of its own: about 10 s from an empty cache)
+def test_an_engine_s_first_decode_compiles_its_programs_ahead(tmp_path):
+    """docs/benchmarks.md's engine command (its environment too), its --out and --xla-cache
+    here: the decodes run through an engine, which hands the programs of the request it admits
+    to the background compile thread, so the steps wait for less than the compiles took (every
+    compile, waited for in the decode's own thread, is at least its wait), with the tokens of
+    the second decode, all compiled."""
+    line = next(line for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+                if "benchmarks/first_decode.py" in line and "--path engine" in line)
+    assert line.startswith("DLM_JAX_COMPILE_THREADS=1 ")
+    out = tmp_path / "engine"
+    argv = docs_argv("benchmarks/first_decode.py", "--path", out=str(out), xla_cache=str(tmp_path / "xla"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DLM_JAX_COMPILE_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "first_decode.py"), *argv], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert run["path"] == "engine" and run["xla_cache_empty_at_start"] and run["same_tokens"]
+    assert run["first_compiles"] > 2 and run["nfe"] > 0
+    assert 0 < run["first_compile_wait_seconds"] < run["first_compile_seconds"], run
+    assert first_decode.main(["--render", str(out.with_suffix(".json")), "--out", str(tmp_path / "report")]) == 0
+    assert "| 1 | engine | unrolled | full | empty |" in (tmp_path / "report.md").read_text()
