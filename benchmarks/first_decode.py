@@ -115,8 +115,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.mask_token_id, args.prompt_len).tolist() for _ in range(args.batch)]
     dc = decode_config(gen_len=args.gen_len, block_len=32, cache=args.cache, rule="threshold", threshold=0.9)
-    decode = decoder.decode if args.path == "decoder" else engine_decode(decoder, args.batch,
-                                                                         args.prompt_len + args.gen_len)
+    decode = decoder.decode if args.path == "decoder" else engine_decode(  # (rows for the later prompts too)
+        decoder, args.batch, max([args.prompt_len, *args.prompt_lens]) + args.gen_len)
     t = time.perf_counter()
     first = decode(prompts, dc)
     first_s = time.perf_counter() - t
