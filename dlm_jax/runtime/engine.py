@@ -638,10 +638,15 @@ class Engine:
         of compiling (or loading) each program when it first reaches it."""
         dec, n = self.decoder, len(self._running)
         keys: dict[BucketKey, None] = {}
+        cpu: dict[BucketKey, None] = {}  # a CPU path's steps: each request's alone, on its row
         for req in reqs:
-            main, _ = dec._keys_of([len(req.prompt)], req.config)
+            main, theirs = dec._keys_of([len(req.prompt)], req.config)
             keys.update((dataclasses.replace(k, batch=self._call_batch(k, n)), None) for k in _use_order(main))
+            cpu.update(dict.fromkeys(_use_order(theirs)))
         self._prefetched.append(dec.executor.prefetch_engine(list(keys), slots=self.max_tokens, rows=self.max_batch))
+        if cpu:
+            self._prefetched.append(dec.cpu_executor().executor.prefetch_engine(
+                list(cpu), slots=self.max_tokens, rows=self.max_batch, views=True))
 
     def _call_batch(self, key: BucketKey, n: int) -> int:
         """The batch of the first call of n running requests whose steps share `key` (`_groups`,

@@ -189,26 +189,35 @@ def test_an_engine_prefetches_exactly_its_calls_buckets_in_the_order_it_reaches_
     assert [str(k) for k in keys] == list(engine.stats.buckets)  # (in the order of first use)
 
 
-def test_an_engine_with_background_compiles_gives_the_same_tokens(threads):
-    """The engine's requests with their programs built ahead on a background thread decode the
-    tokens they decode with every program compiled on first use, and their steps waited for
-    less than all the compiling."""
+@pytest.mark.parametrize("name", ["fast-dllm", "llada-cpp"])
+def test_an_engine_with_background_compiles_gives_the_same_tokens(threads, name, monkeypatch):
+    """The engine's requests with their programs built ahead on a background thread (llada.cpp's
+    CPU path's too) decode the tokens they decode with every program compiled on first use,
+    and their steps waited for less than all the compiling."""
     from dlm_jax.runtime.engine import Engine
 
-    cfg = preset("fast-dllm", gen_len=32)
+    cfg = preset(name, gen_len=32)
     prompts = [[5, 17, 3, 44, 9], [8, 1]]
     model = sharp_model(seed=5)
     out = []
+    handed = []
     for ahead in (False, True):
-        ex = JaxExecutor(model)
-        if not ahead:
-            ex.prefetch_engine = Executor.prefetch_engine.__get__(ex)  # the default: compile on first use
-        engine = Engine(Decoder(ex, model.config), max_batch=2, max_tokens=64)
-        handles = [engine.submit(p, cfg) for p in prompts]
-        engine.run()
+        with monkeypatch.context() as m:
+            if ahead:  # (the CPU path's fork is a JaxExecutor too)
+                real = JaxExecutor.prefetch_engine
+                m.setattr(JaxExecutor, "prefetch_engine", lambda self, keys, **kw: handed.append(kw.get("views", False))
+                          or real(self, keys, **kw))
+            else:  # the default: compile on first use
+                m.setattr(JaxExecutor, "prefetch_engine", Executor.prefetch_engine)
+            ex = JaxExecutor(model)
+            engine = Engine(Decoder(ex, model.config), max_batch=2, max_tokens=64)
+            handles = [engine.submit(p, cfg) for p in prompts]
+            engine.run()
         out.append(([h.result() for h in handles], ex._resident.compile_count, ex._resident.wait_seconds,
                      ex._resident.compile_seconds))
+    assert handed == ([False, True] if name == "llada-cpp" else [False])  # (llada.cpp: its CPU path's views)
     (lazy, n_lazy, waited_lazy, compiled_lazy), (eager, n_eager, waited, compiled) = out
-    assert [list(t) for t in eager] == [list(t) for t in lazy] and n_eager == n_lazy >= 2
+    assert [list(t) for t in eager] == [list(t) for t in lazy] and n_eager >= n_lazy >= 1
     assert waited_lazy >= compiled_lazy  # every compile waited for
-    assert waited < compiled, (waited, compiled)  # (measured: 0.74-0.76 of it here)
+    if name == "fast-dllm":  # (llada.cpp's main steps: one program, its wait about its compile)
+        assert waited < compiled, (waited, compiled)  # (measured: 0.74-0.76 of it here)
