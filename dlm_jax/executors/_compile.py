@@ -507,12 +507,14 @@ class CompiledBuckets:
                 if key not in self._executables and key not in self._pending:
                     self._pending[key] = pool.submit(self._compile, key)
 
-    def cancel(self) -> None:
-        """Drop the queued keys not started yet (those compiling finish). Queued full compiles
-        stay queued: they replace programs this object holds."""
+    def cancel(self, keys: Iterable[BucketKey] | None = None) -> None:
+        """Drop the queued keys not started yet (those compiling finish): those of `keys`
+        (default all), so that a caller drops what it queued and not another's. Queued full
+        compiles stay queued: they replace programs this object holds."""
         with self._lock:
-            for key, fut in list(self._pending.items()):
-                if fut.cancel():
+            for key in list(self._pending if keys is None else keys):
+                fut = self._pending.get(key)
+                if fut is not None and fut.cancel():
                     del self._pending[key]
 
     def warmup(self, keys: Iterable[BucketKey]) -> int:

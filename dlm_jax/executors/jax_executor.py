@@ -1304,13 +1304,14 @@ class JaxExecutor(Executor):
     def prefetch_engine(self, keys: Sequence[BucketKey], *, slots: int, rows: int, views: bool = False):
         """Compile an engine's programs of `keys` (as `warmup_engine` would) on the background
         threads, in order; tiered, only the widest of a step's windows (as `prefetch`)."""
-        groups = self._engine_keys(keys, slots, rows, views)
+        groups = [(programs, _widest(ks) if programs is self._resident and self.compile == "tiered" else ks)
+                  for programs, ks in self._engine_keys(keys, slots, rows, views)]
         for programs, ks in groups:
-            programs.prefetch(_widest(ks) if programs is self._resident and self.compile == "tiered" else ks)
+            programs.prefetch(ks)
 
-        def cancel() -> None:
-            for programs, _ in groups:
-                programs.cancel()
+        def cancel() -> None:  # (only these: a warm-up's beside them stay queued)
+            for programs, ks in groups:
+                programs.cancel(ks)
 
         return cancel
 
@@ -1318,13 +1319,14 @@ class JaxExecutor(Executor):
         """Compile the programs of `keys` (as `warmup` would) on background threads, in order.
         Tiered, a resident step of which a wider window is queued too is left out: its steps run
         padded in that one's program until its own is built behind (`DeviceKVCache.step`)."""
-        groups = self._program_keys(keys, slots, views)
+        groups = [(programs, _widest(ks) if programs is self._resident and self.compile == "tiered" else ks)
+                  for programs, ks in self._program_keys(keys, slots, views)]
         for programs, ks in groups:
-            programs.prefetch(_widest(ks) if programs is self._resident and self.compile == "tiered" else ks)
+            programs.prefetch(ks)
 
-        def cancel() -> None:
-            for programs, _ in groups:
-                programs.cancel()
+        def cancel() -> None:  # (only these: another decode's, or a warm-up's, stay queued)
+            for programs, ks in groups:
+                programs.cancel(ks)
 
         return cancel
 

@@ -76,6 +76,20 @@ def test_cancel_drops_what_has_not_started(threads):
     assert programs.keys == [1] and set(builds.by) == {1}
 
 
+def test_a_cancel_of_some_keys_leaves_the_others_queued(threads):
+    """What a decode or an engine queued is dropped when it ends (`cancel(keys)`), not what
+    another queued beside it on the same programs (a second decode's, a server's warm-up's)."""
+    builds = Builds()
+    programs = CompiledBuckets(builds)
+    programs.prefetch([1, 2, 3])  # the first caller's (1 holds the one thread)
+    programs.prefetch([4, 5])  # another's
+    assert builds.started.wait(30)
+    programs.cancel([2, 3, 9])  # the first caller ends (9: never queued)
+    builds.release.set()
+    _compile._POOL.shutdown(wait=True)
+    assert programs.keys == [1, 4, 5] and set(builds.by) == {1, 4, 5}
+
+
 def test_cancel_leaves_a_compile_a_caller_runs_on_its_own_thread():
     """Regression: a key compiling on a caller's own thread (not queued) sits in the pending
     table as a bare Future, which `cancel` (the end of another decode, e.g. the main thread's
