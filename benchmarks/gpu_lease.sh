@@ -60,7 +60,8 @@
 #                back: a second call with PARTS=dual DUAL_QUANTS=int8 measures them in the
 #                decided form. Fast-dLLM's dual b1 and b8 are in gpu_parts/ (the merge pairs
 #                them); its b16 and b32 are not timed.
-#   tiered 180+60  benchmarks/first_decode.py --compile tiered, prefix cache, batch 1 (the first-decode
+#   tiered 180+60  benchmarks/first_decode.py --path engine --compile tiered, prefix cache, batch 1 (an
+#                engine's first request, as Model.generate, the commands and the server run it; the first-decode
 #                target's worst case: 142 s cold, gpu.md): the step programs compiled quick (no
 #                autotuning, cuBLAS's GEMMs: for an H200 on 2 CPU cores 3.4-4.2 s a batch-1 prefix
 #                program against Triton's 6.0-7.9, gpu_target_parts/h200_target_quick.md) first,
@@ -169,7 +170,8 @@
 #                every layer's weights out of the stack with the flag as without it (the same
 #                kernels and bytes: 16.56 GB written at dual b1 against the unrolled 1.51;
 #                benchmarks/results/gpu_target.md). PARTS=scandsf runs it.
-#   first 60+60  benchmarks/first_decode.py, prefix cache: cold, then a second process over its
+#   first 60+60  benchmarks/first_decode.py --path engine (an engine's first request, its programs
+#                handed to the 4 compile threads as it is admitted), prefix cache: cold, then a second process over its
 #                cache (the dual cache's are in first_decode.json), which then decodes a
 #                200-token prompt, a later request of another length: its new compiles (the
 #                refresh's window; the cached steps' programs are the 128-token prompt's, as
@@ -363,9 +365,9 @@ if want dual && [ -s "$RES/gpu_dual.json" ]; then
 fi
 # A tiered compile's first decode (quick programs, full ones built behind), then a second process.
 t=$(cap 180)
-want tiered && part "tiered cold" "$t" 60 $PY $F --cache prefix --compile tiered --xla-cache "$WORK/xla-tiered" \
+want tiered && part "tiered cold" "$t" 60 $PY $F --path engine --cache prefix --compile tiered --xla-cache "$WORK/xla-tiered" \
   --upgrade-wait-s $(( t > 100 ? t - 70 : 30 )) --label "tiered cold" "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$RES/first_tiered"
-want tiered && needs "tiered cold" "tiered cache" && part "tiered cache" 60 15 $PY $F --cache prefix --compile tiered \
+want tiered && needs "tiered cold" "tiered cache" && part "tiered cache" 60 15 $PY $F --path engine --cache prefix --compile tiered \
   --xla-cache "$WORK/xla-tiered" --upgrade-wait-s 20 --label "tiered cache" "${FIRST_X[@]}" "${CHOSEN[@]}" \
   --out "$RES/first_tiered"
 # The compile probe: every program of a prefix-cache first decode at batch 1 (9), on the
@@ -439,9 +441,9 @@ want scan && part scan 45 25 $PY $S --batches 1 8 --kinds dual prefix --layers s
   --out "$RES/scan"
 want scandsf && part "scan dsf" 40 25 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true \
   $PY $S --batches 1 8 --kinds dual --layers scan --reps 10 "${STEP_X[@]}" --out "$RES/scan_dsf"
-want first && part "first cold" 60 40 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cold \
+want first && part "first cold" 60 40 $PY $F --path engine --cache prefix --xla-cache "$WORK/xla-first" --label cold \
   "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$RES/first_decode"
-want first && needs "first cold" "first cache" && part "first cache" 60 15 $PY $F --cache prefix --xla-cache "$WORK/xla-first" --label cache \
+want first && needs "first cold" "first cache" && part "first cache" 60 15 $PY $F --path engine --cache prefix --xla-cache "$WORK/xla-first" --label cache \
   --prompt-lens 200 "${FIRST_X[@]}" "${CHOSEN[@]}" --out "$RES/first_decode"
 rm -f "$RES"/*.tmp
 pack

@@ -170,8 +170,10 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert "probe load" not in [p[0] for p in lease_parts(tmp_path, tuned=False)]
     cold, cache = args["first cold"], args["first cache"]
     assert cold.cache == cache.cache == "prefix" and cold.xla_cache == cache.xla_cache  # the second reads the first's
+    assert cold.path == cache.path == "engine"  # (the users' path: Model.generate, the commands, the server)
     tiered, again = args["tiered cold"], args["tiered cache"]  # a tiered compile's first decode, then a second process
     assert tiered.compile == again.compile == "tiered" and tiered.cache == again.cache == "prefix"
+    assert tiered.path == again.path == "engine"
     assert tiered.xla_cache == again.xla_cache and tiered.xla_cache not in (cold.xla_cache, table.xla_cache)
     limit = int(next(p[1] for p in parts if p[0] == "tiered cold"))
     assert tiered.upgrade_wait_s + 60 <= limit  # the upgraded decode's report before the part's timeout
