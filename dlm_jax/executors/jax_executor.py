@@ -25,7 +25,7 @@ import functools
 import os
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -1304,27 +1304,24 @@ class JaxExecutor(Executor):
     def prefetch_engine(self, keys: Sequence[BucketKey], *, slots: int, rows: int, views: bool = False):
         """Compile an engine's programs of `keys` (as `warmup_engine` would) on the background
         threads, in order; tiered, only the widest of a step's windows (as `prefetch`)."""
-        groups = [(programs, _widest(ks) if programs is self._resident and self.compile == "tiered" else ks)
-                  for programs, ks in self._engine_keys(keys, slots, rows, views)]
-        for programs, ks in groups:
-            programs.prefetch(ks)
-
-        def cancel() -> None:  # (only these: a warm-up's beside them stay queued)
-            for programs, ks in groups:
-                programs.cancel(ks)
-
-        return cancel
+        return self._queue(self._engine_keys(keys, slots, rows, views))
 
     def prefetch(self, keys: Sequence[BucketKey], *, slots: int = 0, views: bool = False):
         """Compile the programs of `keys` (as `warmup` would) on background threads, in order.
         Tiered, a resident step of which a wider window is queued too is left out: its steps run
         padded in that one's program until its own is built behind (`DeviceKVCache.step`)."""
+        return self._queue(self._program_keys(keys, slots, views))
+
+    def _queue(self, groups: list) -> Callable[[], None]:
+        """Queue each (programs, keys) of `groups` on the background threads (tiered, a
+        resident step's widest windows only); returns what drops these keys again, not another
+        caller's (a second decode's, a warm-up's)."""
         groups = [(programs, _widest(ks) if programs is self._resident and self.compile == "tiered" else ks)
-                  for programs, ks in self._program_keys(keys, slots, views)]
+                  for programs, ks in groups]
         for programs, ks in groups:
             programs.prefetch(ks)
 
-        def cancel() -> None:  # (only these: another decode's, or a warm-up's, stay queued)
+        def cancel() -> None:
             for programs, ks in groups:
                 programs.cancel(ks)
 
