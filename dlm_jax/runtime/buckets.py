@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -95,6 +96,11 @@ def cache_buckets(max_len: int) -> BucketSet:
 KEY_FLAGS: tuple[tuple[str, str], ...] = (("full_logits", "_full"), ("router_topk", "_topk"), ("ffn_active", "_act"))
 
 
+@functools.lru_cache(maxsize=4096)  # named at every step (stats)
+def _key_name(key: BucketKey) -> str:
+    return f"b{key.batch}_w{key.window}_p{key.cache}_r{key.rows}" + key.flag_suffix
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class BucketKey:
     """One compiled step program: batch, window, cache capacity, logit rows, full logits,
@@ -110,7 +116,7 @@ class BucketKey:
     ffn_active: bool = False
 
     def __str__(self) -> str:
-        return f"b{self.batch}_w{self.window}_p{self.cache}_r{self.rows}" + self.flag_suffix
+        return _key_name(self)
 
     @property
     def flag_suffix(self) -> str:

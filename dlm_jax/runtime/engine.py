@@ -839,9 +839,12 @@ def merge(steps: Sequence[SlotStep], rows: Sequence[int], batch: int, *, mask_id
     wide = [s.widened(p) for s in steps]  # window columns follow the cache's
 
     def rows_of(name: str, fill, dtype, of=steps) -> np.ndarray:
-        parts = [np.atleast_2d(getattr(s, name)) for s in of]
-        blank = np.full((1,) + parts[0].shape[1:], fill, dtype)
-        return np.concatenate([blank if i is None else parts[i] for i in order], axis=0).astype(dtype, copy=False)
+        first = getattr(of[0], name)
+        out = np.full((batch,) + (first.shape[1:] if first.ndim >= 2 else first.shape or (1,)), fill, dtype)
+        for b, i in enumerate(order):
+            if i is not None:
+                out[b] = getattr(of[i], name)  # a batch-1 step's row (its one row, or a 1-d array)
+        return out
 
     lengths = [0 if i is None else int(steps[i].lengths()[0]) for i in order]
     return SlotStep(key=key, tokens=rows_of("tokens", mask_id, np.int32), positions=rows_of("positions", 0, np.int32),
@@ -858,9 +861,11 @@ def split(out: StepOutputs, i: int) -> StepOutputs:
     """Batch row `i` of a call's outputs, as a batch-1 step's."""
     def row(name: str, axis: int):
         x = getattr(out, name)
+        if x is None:
+            return None
         if is_device_logits(x):
             return x.rows([i])  # (a view: the logits stay where the step ran)
-        return None if x is None else np.take(x, [i], axis=axis)
+        return x[i:i + 1].copy() if axis == 0 else np.take(x, [i], axis=axis)
 
     return StepOutputs(top_token=row("top_token", 0), top_prob=row("top_prob", 0), second_prob=row("second_prob", 0),
                        entropy=row("entropy", 0), logits=row("logits", 0), router_topk=row("router_topk", 1),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import typing
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -116,6 +117,7 @@ def _fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init and f.metadata.get("option", True)]
 
 
+@functools.cache
 def _field_type(cls: type, name: str) -> type:
     hint = typing.get_type_hints(cls)[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -123,7 +125,20 @@ def _field_type(cls: type, name: str) -> type:
 
 
 def options() -> dict[str, Option]:
-    """Every flat decode option, from the registered classes."""
+    """Every flat decode option, from the registered classes (made once per state of the
+    tables: a request's options are checked against it, at every `submit`)."""
+    global _OPTIONS
+    key = tuple((sel.option, tuple(sel.table.items())) for sel in SELECTORS)
+    made = _OPTIONS
+    if made is None or made[0] != key:
+        made = _OPTIONS = (key, _make_options())
+    return dict(made[1])
+
+
+_OPTIONS: tuple | None = None  # (the tables it was made from, the options)
+
+
+def _make_options() -> dict[str, Option]:
     out: dict[str, Option] = {"gen_len": Option("gen_len", int, 128, "tokens to generate per request")}
     for sel in SELECTORS:
         out[sel.option] = Option(sel.option, str, sel.default, sel.help, tuple(sel.table))

@@ -104,7 +104,9 @@ class LeftToRight(PerStepRule):
 
 
 def test_adding_a_commit_rule_is_a_class_and_one_registry_line(monkeypatch):
+    assert "width" not in registry.options()  # made once per state of the tables: seen again after the line
     monkeypatch.setitem(registry.RULES, "left_to_right", LeftToRight)  # the registry line
+    assert registry.options()["width"].owners == ("rule='left_to_right'",)
     cfg = _parse(["--rule", "left_to_right", "--width", "3", "--gen", "8", "--block", "8"])
     assert cfg.rule == LeftToRight(3) and decode_options(cfg)["rule"] == "left_to_right"
     with pytest.raises(ConfigError, match=r"width=2 applies to rule='left_to_right' only"):
@@ -116,6 +118,8 @@ def test_adding_a_commit_rule_is_a_class_and_one_registry_line(monkeypatch):
     assert out.stats.nfe == 3 and out.stats.commit_histogram == {3: 2, 2: 1}
     first_fed = exe.calls[1].tokens[0, :8]  # the block, first in the second step's window
     assert (first_fed[:3] != config.mask_token_id).all() and (first_fed[3:] == config.mask_token_id).all()
+    monkeypatch.undo()
+    assert "width" not in registry.options()
 
 
 def test_top_level_names():
