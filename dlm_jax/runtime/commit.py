@@ -114,7 +114,7 @@ def _rank(confidence: np.ndarray, candidates: np.ndarray) -> tuple[np.ndarray, n
     # lexsort: the last key is primary -> candidates first, then -confidence, then (stable)
     # lower position index. Non-candidates never interleave with candidates, even at +-inf.
     order = np.lexsort((-confidence, ~candidates), axis=-1)
-    sorted_conf = np.take_along_axis(confidence, order, axis=1)
+    sorted_conf = confidence[np.arange(len(order))[:, None], order]
     m = candidates.sum(axis=1)
     return order, sorted_conf, m
 
@@ -122,15 +122,14 @@ def _rank(confidence: np.ndarray, candidates: np.ndarray) -> tuple[np.ndarray, n
 def _commit_prefix(order: np.ndarray, n: np.ndarray) -> np.ndarray:
     """Commit the first n[b] ranked positions of each row. order: [B, W]; n: [B] -> [B, W] bool."""
     width = order.shape[1]
-    in_prefix = np.arange(width)[None, :] < n[:, None]  # [B, W] in rank order
-    out = np.zeros(order.shape, dtype=bool)
-    np.put_along_axis(out, order, in_prefix, axis=1)
+    out = np.empty(order.shape, dtype=bool)  # (each row's order is a permutation: every entry set)
+    out[np.arange(len(order))[:, None], order] = np.arange(width)[None, :] < n[:, None]  # rank < n
     return out
 
 
 def _at_least_one(n: np.ndarray, m: np.ndarray) -> np.ndarray:
     """Clamp per-row counts to [1, m] where a row has candidates, 0 where it has none."""
-    return np.where(m > 0, np.clip(n, 1, np.maximum(m, 1)), 0)
+    return np.where(m > 0, np.minimum(np.maximum(n, 1), np.maximum(m, 1)), 0)  # (np.clip, without its overhead)
 
 
 def _real(value: Any) -> bool:

@@ -101,13 +101,14 @@ class DecodeStats:
         """Count one step: `candidates` / `committed` [B, R] (rows past the requests are padding);
         `host_seconds` is the host's whole share of it, `prep_seconds` the part building inputs."""
         n = len(self.request_nfe)
-        counts = committed.sum(axis=1)[:n]
-        took_part = candidates.any(axis=1)[:n]
-        for r in np.flatnonzero(took_part):
-            self.request_nfe[r] += 1
-            self.commit_histogram[int(counts[r])] = self.commit_histogram.get(int(counts[r]), 0) + 1
-        self.buckets[str(key)] = self.buckets.get(str(key), 0) + 1
-        self.tokens_committed += int(counts.sum())
+        counts = committed.sum(axis=1)[:n].tolist()
+        for r, took_part in enumerate(candidates.any(axis=1)[:n].tolist()):
+            if took_part:
+                self.request_nfe[r] += 1
+                self.commit_histogram[counts[r]] = self.commit_histogram.get(counts[r], 0) + 1
+        name = str(key)
+        self.buckets[name] = self.buckets.get(name, 0) + 1
+        self.tokens_committed += sum(counts)
         self.nfe += 1
         self.step_seconds.append(step_seconds)
         self.host_seconds.append(host_seconds)

@@ -50,6 +50,7 @@ class StepInputBuilder:
         for keys in self._by_size.values():
             keys.sort(key=lambda k: k.rows)
         self._memo: dict[tuple, BucketKey] = {}
+        self._want: tuple | None = None  # (an OutputRequest, it without K/V)
 
     def key(self, plan: StepPlan, batch: int, want: OutputRequest) -> BucketKey:
         shape = (batch, *plan.shape, want.logits, want.router_topk, want.ffn_active)
@@ -82,8 +83,14 @@ class StepInputBuilder:
         (positions, q_valid, read, is_probe, hide, logit_rows), geometry = self._static[1], self._static[2]
         return SlotStep(key=key, tokens=tokens, positions=positions, q_valid=q_valid, read=read, probes=is_probe,
                         hide=hide, write=self._write(plan, state, key, plan.window), logit_rows=logit_rows,
-                        want=dataclasses.replace(want, kv=False), geometry=geometry,
+                        want=self._no_kv(want), geometry=geometry,
                         read_len=self._lengths(plan), lora_gate=self._gate(tokens, state))
+
+    def _no_kv(self, want: OutputRequest) -> OutputRequest:
+        """`want` without K/V outputs (made once per decode: `dataclasses.replace` is slow)."""
+        if self._want is None or self._want[0] is not want:
+            self._want = (want, dataclasses.replace(want, kv=False))
+        return self._want[1]
 
     def _write(self, plan: StepPlan, state: DecodeState, key: BucketKey, window: np.ndarray) -> np.ndarray:
         """[B, W] the slot each stored window row's K/V go to (`plan.store`, `plan.store_rows`),
@@ -119,7 +126,7 @@ class StepInputBuilder:
                         probes=np.zeros((state.batch, key.window), bool),
                         hide=np.full((state.batch, key.window), -1, np.int32),
                         write=self._write(plan, state, key, slots),
-                        logit_rows=logit_rows, want=dataclasses.replace(want, kv=False),
+                        logit_rows=logit_rows, want=self._no_kv(want),
                         read_len=self._lengths(plan), lora_gate=self._gate(tokens, state))
 
     @staticmethod

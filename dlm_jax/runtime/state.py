@@ -31,6 +31,7 @@ index array is a list per batch row (requests at different places: ISD, left to 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import enum
 from collections.abc import Sequence
 
@@ -142,25 +143,45 @@ class SlotLogprobs:
 def take(x: np.ndarray, slots: Index) -> np.ndarray:
     """`x[:, slots]` of a [B, S] array; `slots` may also be [B, n], a list per batch row."""
     if isinstance(slots, np.ndarray) and slots.ndim == 2:
-        return np.take_along_axis(x, slots, axis=1)
+        return x[_row_index(len(x)), slots]  # (np.take_along_axis, without its overhead)
     return x[:, slots]
+
+
+@functools.lru_cache(maxsize=64)
+def _row_index(batch: int) -> np.ndarray:
+    """[B, 1] the batch rows, to index a [B, n] slot list with."""
+    rows = np.arange(batch)[:, None]
+    rows.flags.writeable = False
+    return rows
 
 
 def put(x: np.ndarray, slots: Index, values: np.ndarray) -> None:
     """`x[:, slots] = values` of a [B, S] array; `slots` may also be [B, n]."""
     if isinstance(slots, np.ndarray) and slots.ndim == 2:
-        np.put_along_axis(x, slots, np.broadcast_to(values, slots.shape), axis=1)
+        x[_row_index(len(x)), slots] = values  # (broadcast to [B, n]: np.put_along_axis, without its overhead)
     else:
         x[:, slots] = values
 
 
 def as_index(slots: np.ndarray) -> Index:
     """`slots` as a basic slice when they are an ascending run (views, no gather), else as
-    they are. Every entry is checked: equal endpoints do not make a range."""
+    they are. Every entry is checked: equal endpoints do not make a range. The answer for a
+    read-only array (a schedule's slots, made once and shared by its steps) is kept with it."""
+    frozen = isinstance(slots, np.ndarray) and not slots.flags.writeable and slots.base is None
+    if frozen and (seen := _RUNS.get(id(slots))) is not None and seen[0] is slots:
+        return seen[1]
     n = len(slots)
+    out = slots
     if n and int(slots[-1]) - int(slots[0]) == n - 1 and (n < 2 or bool((np.diff(slots) == 1).all())):
-        return slice(int(slots[0]), int(slots[0]) + n)
-    return slots
+        out = slice(int(slots[0]), int(slots[0]) + n)
+    if frozen:
+        if len(_RUNS) >= 4096:
+            _RUNS.clear()
+        _RUNS[id(slots)] = (slots, out)  # (the array kept too: its id is not reused meanwhile)
+    return out
+
+
+_RUNS: dict[int, tuple[np.ndarray, Index]] = {}  # id of a read-only array -> (it, `as_index` of it)
 
 
 class StateError(RuntimeError):
@@ -448,6 +469,7 @@ class DecodeState:
         """Per request, its generated ids up to the first slot that is not final: what no later
         step can change (drafts, and visible tokens a revision may replace, are not), so a
         stream of these only ever grows."""
-        final = _FINAL[self.status[:self.n_requests, self.gen_start:self.gen_end]]
-        ends = np.where(final.all(axis=1), final.shape[1], np.argmin(final, axis=1))
-        return [self.tokens[r, self.gen_start:self.gen_start + int(n)].copy() for r, n in enumerate(ends)]
+        start = self.gen_start
+        final = _FINAL[self.status[:self.n_requests, start:self.gen_end]]
+        ends = np.where(final.all(axis=1), final.shape[1], np.argmin(final, axis=1)).tolist()
+        return [self.tokens[r, start:start + n].copy() for r, n in enumerate(ends)]
