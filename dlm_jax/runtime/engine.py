@@ -660,11 +660,14 @@ class Engine:
         return next((b for b in sizes if b >= want), sizes[-1])
 
     def _after_step(self, req: Request, state: DecodeState) -> None:
-        """After each of the request's steps: stream what became final, ask its stop rule."""
-        final = state.final_prefixes()[0]
+        """After each of the request's steps: stream what became final, ask its stop rule (the
+        final prefix only grows: nothing to do while it has not)."""
         req.stats.steps += 1
         if state.logprobs is not None:
             req._state = state  # (read when asked: no copy per step)
+        if not state.final_beyond(0, len(req.final)):
+            return
+        final = state.final_prefixes()[0]
         if len(final) > len(req.final):
             now = time.perf_counter() - req._submitted
             if req.stats.first_token_seconds is None:

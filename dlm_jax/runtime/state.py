@@ -465,6 +465,11 @@ class DecodeState:
         """Per request, its `gen_len` generated ids (mask ids where undecided)."""
         return [self.tokens[r, self.gen_start:self.gen_end].copy() for r in range(self.n_requests)]
 
+    def final_beyond(self, row: int, n: int) -> bool:
+        """Whether request `row`'s final prefix (`final_prefixes`) is longer than `n` tokens, given
+        that it was `n` long: its slot n is final now (one look instead of the whole row)."""
+        return n < self.gen_len and bool(_FINAL[self.status[row, self.gen_start + n]])
+
     def final_prefixes(self) -> list[np.ndarray]:
         """Per request, its generated ids up to the first slot that is not final: what no later
         step can change (drafts, and visible tokens a revision may replace, are not), so a
