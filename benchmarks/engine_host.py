@@ -97,7 +97,7 @@ def markdown(report: dict) -> str:
     lines = [f"# The engine's host time ({report['machine']}, {report['cores']} cores, JAX executor)", "",
              f"Written by `benchmarks/engine_host.py`. Model `{report['model']}`; each request {GEN} tokens, dual "
              f"cache, one token committed per step; median of {report['repeats']} fresh processes per side"
-             + (f", alternating with commit `{base}`." if base else "."), "",
+             + (f", alternating with commit `{base}`." if base else ".") + f" Working tree: `{report['tree']}`.", "",
              "| batch | side | host us / request-step | executor ms / tick | host share of a tick | submit ms / request |",
              "|---|---|---|---|---|---|"]
     for row in report["rows"]:
@@ -150,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             row["same_tokens"] = row["tree"]["tokens"] == row["base"]["tokens"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    report = {"benchmark": "benchmarks/engine_host.py", "base": args.base, "model": args.model.name,
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "dlm_jax"], cwd=ROOT, capture_output=True, text=True)
+    tree = (head.stdout.strip() or "unknown") + (" with changes to dlm_jax/" if dirty.stdout.strip() else "")
+    report = {"benchmark": "benchmarks/engine_host.py", "base": args.base, "tree": tree, "model": args.model.name,
               "machine": platform.machine(), "cores": os.cpu_count(), "repeats": args.repeats, "gen_len": GEN,
               "rows": rows}
     atomic_write_json(args.out.with_suffix(".json"), report)
