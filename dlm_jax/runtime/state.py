@@ -31,8 +31,8 @@ index array is a list per batch row (requests at different places: ISD, left to 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import enum
+import functools
 from collections.abc import Sequence
 
 import numpy as np
