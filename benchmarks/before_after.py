@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from _commits import extract, run_case  # noqa: E402
 from _models import model_path  # noqa: E402
 
 CASES = ([("random-29m", g, m, 1) for g in (128, 256) for m in ("none", "prefix", "dual")]
@@ -52,14 +52,7 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "nfe": out.stats.nfe, "fi
 
 
 def run(pythonpath: str, args: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=pythonpath, DLM_JAX_EXECUTOR="jax")  # the JAX executor on both sides
-    p = subprocess.run([sys.executable, "-c", _CASE, *args], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
-    if p.returncode != 0:
-        raise RuntimeError(p.stderr[-2000:])
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    if not out["file"].startswith(pythonpath):
-        raise RuntimeError(f"imported {out['file']}, not the copy under {pythonpath}")
-    return out
+    return run_case(_CASE, args, pythonpath, DLM_JAX_EXECUTOR="jax")  # the JAX executor on both sides
 
 
 def main() -> None:
@@ -71,8 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as before:
-        archive = subprocess.run(["git", "archive", args.base, "dlm_jax"], cwd=ROOT, capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", before], input=archive.stdout, check=True)
+        extract(args.base, before)
         for i, (name, gen, mode, batch) in enumerate(CASES[:args.cases]):
             case = [str(model_path(name, args.workdir)), str(gen), mode, str(batch)]
             order = [("before", before), ("after", str(ROOT))]

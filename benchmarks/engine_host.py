@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402 (imports no JAX)
 
+from _commits import extract, run_case  # noqa: E402
+
 GEN = 64
 
 _CASE = """
@@ -68,15 +70,7 @@ print(json.dumps(out))
 
 
 def run(pythonpath: str, model: Path, batches: list[int]) -> dict:
-    env = dict(os.environ, PYTHONPATH=pythonpath)
-    p = subprocess.run([sys.executable, "-c", _CASE, str(model), str(GEN), ",".join(map(str, batches))],
-                       capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
-    if p.returncode != 0:
-        raise RuntimeError(p.stderr[-2000:])
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    if not out["file"].startswith(pythonpath):
-        raise RuntimeError(f"imported {out['file']}, not the copy under {pythonpath}")
-    return out
+    return run_case(_CASE, [str(model), str(GEN), ",".join(map(str, batches))], pythonpath)
 
 
 def summary(runs: list[dict], b: int) -> dict:
@@ -130,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as before:
         paths = [("tree", str(ROOT))]
         if args.base:
-            archive = subprocess.run(["git", "archive", args.base, "dlm_jax"], cwd=ROOT, capture_output=True,
-                                     check=True)
-            subprocess.run(["tar", "-x", "-C", before], input=archive.stdout, check=True)
+            extract(args.base, before)
             paths.insert(0, ("base", before))
         for i in range(args.repeats):
             for side, path in (paths if i % 2 == 0 else paths[::-1]):
