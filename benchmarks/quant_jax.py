@@ -2,6 +2,8 @@
 weights as stored, on the shipped models.
 
     .venv/bin/python benchmarks/quant_jax.py --out benchmarks/results/quant_jax
+    .venv/bin/python benchmarks/quant_jax.py --variants int8 int8-g32 fp8 fp8-g32 "int8 f32" "int8-g32 f32" \
+        --out benchmarks/results/quant_jax_grouped
 
 Per shipped model (models/llada-12m, llada-tiny, ar-tiny, idlm-tiny, moe-tiny, sparse-tiny) and variant, all decoded in this
 run on the JAX executor with the default decoder (`dlm_jax.decode_config`: prefix cache,
@@ -18,6 +20,8 @@ there are chaotic.
   channel, dequantised inside the matmuls, activations in bfloat16), as a GPU user runs it;
 - int8 f32: the float32 model quantized, activations in float32: what the weights' rounding
   alone changes, against float32;
+- int8-g32, fp8-g32, int8-g32 f32: the same with a scale per output channel and group of 32
+  input rows (`quant="int8-g32"`): GGUF Q8_0's block size;
 - bf16 1 ulp: the bfloat16 model with every weight that int8 quantizes
   (`dlm_jax.models.quant.quantized_weights`) moved one unit in the last place of its bfloat16
   value, up or down at random (`nudge_one_ulp`). No weight format that changes these weights
@@ -62,6 +66,9 @@ VARIANTS: dict[str, dict] = {  # name -> dlm_jax.load options
     "int8": {**BF16, "quant": "int8"},
     "fp8": {**BF16, "quant": "fp8"},
     "int8 f32": {"quant": "int8"},  # the float32 model quantized: weights alone differ from float32's
+    "int8-g32": {**BF16, "quant": "int8-g32"},  # grouped: a scale per 32 input rows and output channel
+    "fp8-g32": {**BF16, "quant": "fp8-g32"},
+    "int8-g32 f32": {"quant": "int8-g32"},
     NUDGED: BF16,  # and then `nudge_one_ulp`
 }
 
@@ -122,7 +129,7 @@ def same_share(a: dict, b: dict) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-def report_model(spec: str, cfg, n: int, batch: int, nudge_seeds: int = 1) -> dict:
+def report_model(spec: str, cfg, n: int, batch: int, nudge_seeds: int = 1, variants=tuple(VARIANTS)) -> dict:
     """Every variant of `spec` ("model" or "model:preset", `--models`) decoded and compared;
     `NUDGED` once per seed 0 .. `nudge_seeds` - 1 (its row: seed 0's, and every seed's share
     identical to bfloat16 in `identical_to_bfloat16_seeds`)."""
@@ -130,7 +137,7 @@ def report_model(spec: str, cfg, n: int, batch: int, nudge_seeds: int = 1) -> di
     if preset:
         cfg = dlm_jax.preset(preset, gen_len=cfg.gen_len)
     runs = {}
-    for variant in VARIANTS:
+    for variant in variants:
         print(f"{spec}: {variant}", file=sys.stderr, flush=True)
         runs[variant] = decode_variant(ROOT / "models" / name, variant, cfg, n, batch)
     rows = {}
@@ -162,11 +169,14 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--nudge-seeds", type=int, default=4,
                     help=f"decodes of '{NUDGED}', each with its own random nudges (the floor's spread)")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="the variants to decode (float32 and bfloat16, the references, always are)")
     args = ap.parse_args()
+    variants = [v for v in VARIANTS if v in {"float32", "bfloat16", *args.variants}]
     cfg = dlm_jax.decode_config(gen_len=args.gen_len)
     result = {"machine": machine(), "decoder": decode_options(cfg), "n_per_task": args.n,
-              "tasks": list(TASKS), "variants": {k: {o: v for o, v in opts.items()} for k, opts in VARIANTS.items()},
-              "models": {m: report_model(m, cfg, args.n, args.batch, args.nudge_seeds) for m in args.models}}
+              "tasks": list(TASKS), "variants": {k: dict(VARIANTS[k]) for k in variants},
+              "models": {m: report_model(m, cfg, args.n, args.batch, args.nudge_seeds, variants) for m in args.models}}
     write(result, args.out)
     print(json_summary(result))
 
@@ -187,7 +197,7 @@ def write(result: dict, out: Path) -> None:
     lines = ["# Weight-only quantization on the JAX executor (`benchmarks/quant_jax.py`)", "",
              f"Held-out prompts: {result['n_per_task']} per task ({', '.join(result['tasks'])}; {n_all} per model), "
              f"decoder {result['decoder']}, machine: {result['machine'].get('cpu', result['machine'])}. int8 / fp8: the bfloat16 model quantized "
-             "at load (per output channel; activations in bfloat16). Identical: the share of completions equal, "
+             "at load (per output channel, or with -g32 per output channel and group of 32 input rows; activations in bfloat16). Identical: the share of completions equal, "
              f"character for character, to float32's / bfloat16's. One completion is {100 / n_all:.2f}% of a "
              f"model's, and one correct answer {100 / n_all:.2f} points of its accuracy.", "",
              "| model | variant | accuracy | identical to float32 | identical to bfloat16 | weight MB |",
@@ -197,7 +207,7 @@ def write(result: dict, out: Path) -> None:
             lines.append(f"| {model} | {variant} | {r['accuracy']:.3f} | {r['identical_to_float32']:.3f} | "
                          f"{r['identical_to_bfloat16']:.3f} | {r['weight_bytes'] / 1e6:.2f} |")
     lines += ["", "Target of the issue (int8): at least 98% of completions identical and held-out accuracy within "
-              "1 point, against the model int8 is quantized from (int8: bfloat16; int8 f32: float32). For scale, "
+              "1 point, against the model int8 is quantized from (int8, int8-g32: bfloat16; int8 f32, int8-g32 f32: float32). For scale, "
               "bfloat16 itself against float32 is in the table, and `bf16 1 ulp` (every quantized weight of the "
               "bfloat16 model moved one ulp) gives the floor: the share of completions that stay identical to "
               "bfloat16's when these weights change as little as a weight can (the table: seed 0's nudges; "
@@ -205,7 +215,9 @@ def write(result: dict, out: Path) -> None:
               "default decoder.", ""]
     for model, rows in result["models"].items():
         for name, ref, key in (("int8", "bfloat16", "identical_to_bfloat16"), ("int8 f32", "float32",
-                                                                             "identical_to_float32")):
+                                                                             "identical_to_float32"),
+                               ("int8-g32", "bfloat16", "identical_to_bfloat16"),
+                               ("int8-g32 f32", "float32", "identical_to_float32")):
             if name not in rows:
                 continue
             r, b = rows[name], rows[ref]

@@ -29,6 +29,24 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 WEIGHT_QUANTS: tuple[str, ...] = ("int8", "fp8")
 
 
+def weight_quant_parts(mode: str) -> tuple[str, int | None]:
+    """(format, group) of a weight-only quant mode: "int8" / "fp8" -> (it, None), one scale per
+    output channel; "int8-g128" / "fp8-g32" -> (format, 128 / 32), one scale per output channel
+    and group of that many consecutive input rows (`dlm_jax.models.quant`). A ConfigError names
+    what is wrong with any other text."""
+    if not isinstance(mode, str):
+        raise ConfigError(f"quant must be a string such as 'int8' or 'int8-g128', not {mode!r}")
+    fmt, sep, group = mode.partition("-g")
+    if fmt not in WEIGHT_QUANTS or (sep and not (group.isdigit() and str(int(group)) == group)) or (sep == "" and group):
+        raise ConfigError(f"unknown quant {mode!r}; known: {', '.join(WEIGHT_QUANTS)}, each with an optional "
+                          f"'-gN' (a scale per N input rows: 'int8-g128'), or None: weights as stored")
+    if not sep:
+        return fmt, None
+    if int(group) < 2:
+        raise ConfigError(f"quant={mode!r}: a group holds at least 2 input rows")
+    return fmt, int(group)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Hyper-parameters of the shared transformer.

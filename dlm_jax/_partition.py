@@ -32,18 +32,26 @@ _COL = r"(kernel|qkernel)$"
 PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"attn\.q_proj\." + _COL, (None, MODEL)),
     (r"attn\.q_proj\.(bias|scale)$", (MODEL,)),
+    (r"attn\.q_proj\.scale$", (None, MODEL)),  # grouped scales [G, O] (`dlm_jax.models.quant`)
     (r"attn\.(k|v)_proj\." + _COL, (None, KV_HEADS)),
     (r"attn\.(k|v)_proj\.(bias|scale)$", (KV_HEADS,)),
+    (r"attn\.(k|v)_proj\.scale$", (None, KV_HEADS)),
     (r"attn\.o_proj\." + _COL, (MODEL, None)),
+    (r"attn\.o_proj\.scale$", (MODEL, None)),  # grouped: its groups of input rows split as the rows
     (r"(ffn|shared)\.(gate|up)_proj\." + _COL, (None, MODEL)),
     (r"(ffn|shared)\.(gate|up)_proj\.scale$", (MODEL,)),
+    (r"(ffn|shared)\.(gate|up)_proj\.scale$", (None, MODEL)),
     (r"(ffn|shared)\.down_proj\." + _COL, (MODEL, None)),
+    (r"(ffn|shared)\.down_proj\.scale$", (MODEL, None)),
     (r"ffn\.(gate|up)$", (EXPERT, None, MODEL)),
     (r"ffn\.(gate|up)_scale$", (EXPERT, MODEL)),
+    (r"ffn\.(gate|up)_scale$", (EXPERT, None, MODEL)),
     (r"ffn\.down$", (EXPERT, MODEL, None)),
     (r"ffn\.down_scale$", (EXPERT, None)),
+    (r"ffn\.down_scale$", (EXPERT, MODEL, None)),
     (r"lm_head\." + _COL, (None, MODEL)),
     (r"lm_head\.scale$", (MODEL,)),
+    (r"lm_head\.scale$", (None, MODEL)),
     (r"embed\.embedding$", (MODEL, None)),
 )
 
@@ -55,16 +63,19 @@ def param_name(path: Sequence) -> str:
     return ".".join(parts[:-1] if parts and parts[-1] == "value" else parts)
 
 
+_STACKED = "layers.block."  # a scanned stack's parameters (`dlm_jax.models._scan.StackedLayers`): [L, ...]
+
+
 def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
     """The logical axis of each dimension of parameter `name` (None: not split), by the first
-    rule whose pattern matches and whose rank is `ndim` or `ndim - 1` (a scanned stack's leading
-    [L] axis, never split)."""
+    rule whose pattern matches and whose rank is `ndim`; a scanned stack's parameter
+    (`layers.block.*`) by its layer's rule after its leading [L] axis, never split. (A weight-only
+    quantized kernel's scales are [O] per output channel or [G, O] grouped, each with its rules.)"""
+    if name.startswith(_STACKED) or f".{_STACKED}" in name:
+        return (None, *logical_axes(name.replace(_STACKED, "layers.0.", 1), ndim - 1))
     for pattern, spec in PARTITION_RULES:
-        if re.search(pattern, name):
-            if len(spec) == ndim:
-                return spec
-            if len(spec) == ndim - 1:
-                return (None, *spec)
+        if len(spec) == ndim and re.search(pattern, name):
+            return spec
     return (None,) * ndim
 
 

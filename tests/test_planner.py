@@ -235,3 +235,24 @@ def test_bad_plan_input_ends_in_one_line(argv, message, capsys):
     base.update(dict(zip(argv[::2], argv[1::2])))
     assert main(["plan", *[x for kv in base.items() for x in kv]]) == 2
     assert one_error_line(capsys.readouterr().err) == message
+
+
+def test_grouped_scales_split_as_their_kernels_and_stacks_never_split_their_layers():
+    """A grouped scale [G, O] splits G as its kernel's input rows (row-parallel) and O as its
+    output (column-parallel); [O] and a scanned stack's leading [L] axis read the same rules.
+    Guards grouped expert scales [E, G, O] taking the [E, O] rule shifted by one (E left whole,
+    G split over the experts' axis)."""
+    from dlm_jax._partition import EXPERT, MODEL, logical_axes
+
+    assert logical_axes("layers.0.attn.q_proj.scale", 1) == (MODEL,)
+    assert logical_axes("layers.0.attn.q_proj.scale", 2) == (None, MODEL)
+    assert logical_axes("layers.0.attn.o_proj.scale", 1) == (None,)
+    assert logical_axes("layers.0.attn.o_proj.scale", 2) == (MODEL, None)
+    assert logical_axes("layers.block.attn.o_proj.scale", 2) == (None, None)  # [L, O]: per channel, stacked
+    assert logical_axes("layers.block.attn.o_proj.scale", 3) == (None, MODEL, None)  # [L, G, O]
+    assert logical_axes("layers.block.attn.q_proj.kernel", 3) == (None, None, MODEL)
+    assert logical_axes("layers.1.ffn.gate_scale", 2) == (EXPERT, MODEL)
+    assert logical_axes("layers.1.ffn.gate_scale", 3) == (EXPERT, None, MODEL)
+    assert logical_axes("layers.1.ffn.down_scale", 3) == (EXPERT, MODEL, None)
+    assert logical_axes("layers.block.ffn.gate_scale", 3) == (None, EXPERT, MODEL)  # [L, E, O]
+    assert logical_axes("lm_head.scale", 2) == (None, MODEL)

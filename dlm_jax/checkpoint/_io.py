@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from dlm_jax import _integrity
-from dlm_jax._config import WEIGHT_QUANTS, ConfigError, ModelConfig
+from dlm_jax._config import WEIGHT_QUANTS, ConfigError, ModelConfig, weight_quant_parts
 from dlm_jax._hub import resolve_checkpoint
 from dlm_jax._tokenizer import declared_mask_token_id
 from dlm_jax.checkpoint import _names, _stream
@@ -219,9 +219,13 @@ def stored_quant(path: str | os.PathLike) -> str | None:
     in (config.json `weight_quant`, written by `save_pretrained` for a quantized model), or None."""
     data = _read_json(Path(path) / CONFIG_NAME)
     quant = data.get("weight_quant") if data.get("model_type") == "dlm_jax" else None  # (only it stores one)
-    if quant is not None and quant not in WEIGHT_QUANTS:
-        raise ConfigError(f"{Path(path) / CONFIG_NAME}: weight_quant={quant!r} is not supported "
-                          f"(supported: {list(WEIGHT_QUANTS)})")
+    if quant is not None:
+        try:
+            weight_quant_parts(quant)
+        except ConfigError:
+            raise ConfigError(f"{Path(path) / CONFIG_NAME}: weight_quant={quant!r} is not supported "
+                              f"(supported: {', '.join(WEIGHT_QUANTS)}, each with an optional group: "
+                              f"'int8-g128')") from None
     return quant
 
 
@@ -306,7 +310,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
 
     A weight-only quantized model (`dlm_jax.models.quant`, `model.quant`) saves only in the
     `dlm_jax` family: each quantized kernel as its int8 / float8_e4m3fn tensor named as the
-    float kernel's with `.qkernel` appended, and its float32 scales [out] with `.scale`
+    float kernel's with `.qkernel` appended, and its float32 scales [out] (grouped: [groups,
+    out], as held) with `.scale`
     (`NameScheme.sources`); config.json records `weight_quant`, and `load_pretrained` builds
     the quantized model from them.
     """

@@ -63,8 +63,8 @@ class NameScheme:
         A weight-only quantized model (`dlm_jax.models.quant`) stores each quantized kernel
         under the names of the float kernel it stands for, with `QKERNEL_SUFFIX` (`quantized`:
         the parameter holds int8 / float8 weights: `X.qkernel` or the experts' `ffn.gate`),
-        and its float32 scales [O] (one per expert) with `SCALE_SUFFIX` (`X.scale` beside
-        `X.qkernel`, `ffn.gate_scale`)."""
+        and its float32 scales [O] or grouped [G, O] (one per expert) with `SCALE_SUFFIX`
+        (`X.scale` beside `X.qkernel`, `ffn.gate_scale`)."""
         if quantized:
             base = name[:-len(".qkernel")] + ".kernel" if name.endswith(".qkernel") else name
             return [src + QKERNEL_SUFFIX for src in self.sources(base, shape)]
@@ -167,7 +167,7 @@ EXPERTS, STACKED, KERNEL, PLAIN = "experts", "stacked", "kernel", "plain"
 
 def layout(name: str) -> str:
     """EXPERTS: one [out, in] tensor per expert, stacked then transposed to [E, in, out];
-    STACKED: one tensor per expert (a quantized expert kernel's scales [out]), stacked;
+    STACKED: one tensor per expert (a quantized expert kernel's scales [out] or [groups, out]), stacked;
     KERNEL: one [out, in] tensor, transposed; PLAIN: one tensor, as stored."""
     if _is_expert(name):
         return EXPERTS
@@ -198,7 +198,7 @@ def checkpoint_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     if _is_expert(name):
         return (shape[2], shape[1])
     if _is_expert_scale(name):
-        return (shape[1],)
+        return tuple(shape[1:])  # [O], or [G, O] grouped
     if name.endswith(_KERNELS):
         return tuple(reversed(shape))
     return tuple(shape)

@@ -770,12 +770,24 @@ def _add_dtype_option(p: argparse.ArgumentParser) -> None:
 
 
 def _add_quant_option(p: argparse.ArgumentParser) -> None:
-    from dlm_jax._config import WEIGHT_QUANTS as QUANT_MODES  # (dlm_jax.models.quant imports JAX)
-
     # dest weight_quant: `export --quant` (a bundle's quantisation) is another option
-    p.add_argument("--quant", dest="weight_quant", choices=QUANT_MODES,
+    p.add_argument("--quant", dest="weight_quant", type=_weight_quant_arg, metavar="{int8,fp8}[-gN]",
                    help="weight-only quantization at load, JAX executor: int8 or fp8 (e4m3) weights with a scale "
-                        "per output channel, dequantised inside the matmuls (default: the weights as stored)")
+                        "per output channel, or with -gN per output channel and group of N input rows "
+                        "(int8-g128), dequantised inside the matmuls (default: the weights as stored)")
+
+
+def _weight_quant_arg(text: str) -> str:
+    """A --quant value of the decode commands (`dlm_jax._config.weight_quant_parts`; the module
+    `dlm_jax.models.quant` imports JAX)."""
+    from dlm_jax._config import weight_quant_parts
+    from dlm_jax._errors import ConfigError
+
+    try:
+        weight_quant_parts(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _checkpoint_arg(text: str) -> str:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dlm_jax._config import ModelConfig
+from dlm_jax._errors import ConfigError
 from dlm_jax._masks import attention_rule
 from dlm_jax.models import _attention_kernel
 from dlm_jax.models.quant import QuantExperts, QuantLinear, expert_einsum
@@ -630,9 +631,19 @@ def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Arr
             axes = tuple(a for a in (split_experts, split_neurons) if a is not None)
             return jax.lax.psum(out, axes) if axes else out
 
-    # quantized experts: the [E, O] scales split as their weights' expert and output axes
-    weight_specs = (QuantExperts(P(*s), P(s[0], s[2])) if isinstance(w, QuantExperts) else P(*s)
-                    for s, w in zip(specs, (gate, up, down)))
+    # quantized experts: the [E, O] scales split as their weights' expert and output axes, grouped
+    # [E, G, O] ones their groups as the input rows too (the partition rules of their names)
+    weight_specs = []
+    for s, (name, w) in zip(specs, (("gate", gate), ("up", up), ("down", down))):
+        if not isinstance(w, QuantExperts):
+            weight_specs.append(P(*s))
+            continue
+        scale_spec = leaf_axes(f"ffn.{name}_scale", w.scale.shape, logical)
+        if w.scale.ndim == 3 and scale_spec[1] != s[1]:
+            raise ConfigError(f"the experts' {name} weights split their {w.q.shape[1]} input rows over "
+                              f"{s[1]} but not their {w.scale.shape[1]} groups of scales: pick a quant group "
+                              f"size whose group count the mesh axis divides")
+        weight_specs.append(QuantExperts(P(*s), P(*scale_spec)))
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *weight_specs), out_specs=P(),
                          axis_names=set(free), check_vma=False)(x, routing.experts, routing.weights, gate, up, down)
 

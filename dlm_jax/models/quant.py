@@ -1,8 +1,9 @@
 """Weight-only quantization of a loaded model for the JAX executor: int8 or fp8 (e4m3) weights
-with one float32 scale per output channel, dequantised inside the matmuls.
+with one float32 scale per output channel, or per output channel and group of input rows,
+dequantised inside the matmuls.
 
 Axes: I a kernel's input width, O its output width (the channel a scale belongs to), E experts,
-N rows.
+G groups of input rows, N rows.
 
 `quantize(model, mode)` swaps, in place, every dense `nnx.Linear` of attention (q/k/v/o), of the
 dense FFNs and the MoE layers' shared experts (gate/up/down) and the untied output head for a
@@ -13,10 +14,17 @@ table, the norms, the router and the biases stay as stored.
 - int8: symmetric per output channel, scale[o] = max_i |W[i, o]| / 127 (1 for a zero column),
   q = round(W / scale) clipped to [-127, 127].
 - fp8: float8_e4m3fn with scale[o] = max_i |W[i, o]| / 448 (its largest finite value).
+- "int8-gK" / "fp8-gK" (grouped): the same within each group of K consecutive input rows,
+  scale[g, o] = max over rows gK..gK+K-1 of |W[i, o]| / qmax, so that one large weight coarsens
+  only its group's steps (the layout of GPTQ / AWQ groups and GGUF's Q8_0 blocks, K = 32).
+  Scales are [G, O] (G = I / K; a kernel with I <= K is one group; K must divide a larger I).
 
-A product is `(x @ q.astype(x.dtype)) * scale`, accumulated in float32
+A per-channel product is `(x @ q.astype(x.dtype)) * scale`, accumulated in float32
 (`preferred_element_type`) and cast back to x's dtype: on a GPU, XLA fuses the convert into the
-GEMM's operand read, so a step reads 1 byte per weight instead of 2 (bfloat16) or 4.
+GEMM's operand read, so a step reads 1 byte per weight instead of 2 (bfloat16) or 4. A grouped
+product cannot scale after the sum (each group's partial sum has its own scale): the kernel is
+dequantised to x's dtype first, `x @ (q * scale[g])`, a convert and a multiply XLA can fuse into
+the operand read the same way; in bfloat16 the dequantised weights are rounded to bfloat16 too.
 
 Scales are computed at load, in float32, one kernel at a time on the device the weights live on,
 and each stored kernel is dropped as its quantized twin replaces it: quantizing needs the
@@ -32,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dlm_jax._config import WEIGHT_QUANTS
+from dlm_jax._config import WEIGHT_QUANTS, weight_quant_parts
 from dlm_jax._errors import ConfigError
 
 QUANT_MODES = WEIGHT_QUANTS
@@ -41,39 +49,70 @@ _QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
 def check_quant(mode: str | None) -> None:
-    """Refuse a quant mode that is neither None nor one of `QUANT_MODES`, in one line."""
-    if mode is not None and mode not in QUANT_MODES:
-        raise ConfigError(f"unknown quant {mode!r}; known: {', '.join(QUANT_MODES)} (or None: weights as stored)")
+    """Refuse a quant mode that is neither None nor a format of `QUANT_MODES` with an optional
+    group ("int8-g128"), in one line."""
+    if mode is not None:
+        weight_quant_parts(mode)
+
+
+def groups(mode: str, rows: int, what: str = "a kernel") -> int | None:
+    """How many groups of input rows a kernel with `rows` input rows has under `mode`: None per
+    output channel (scales [..., O]), else G (scales [..., G, O]). A ConfigError names `what`
+    when the group size neither divides `rows` nor covers them."""
+    _, group = weight_quant_parts(mode)
+    if group is None:
+        return None
+    if rows <= group:
+        return 1
+    if rows % group:
+        raise ConfigError(f"quant={mode!r}: {what} has {rows} input rows, not a multiple of groups of {group}; "
+                          f"pick a group size that divides it (or one of at least {rows})")
+    return rows // group
 
 
 @functools.partial(jax.jit, static_argnames=("mode",))
 def quantize_kernel(w: jax.Array, *, mode: str) -> tuple[jax.Array, jax.Array]:
-    """(q, scale) of a kernel w [..., I, O]: q [..., I, O] int8 or float8_e4m3fn, scale [..., O]
-    float32, per output channel (the last axis) and per leading index (an expert)."""
-    qmax = _QMAX[mode]
+    """(q, scale) of a kernel w [..., I, O]: q [..., I, O] int8 or float8_e4m3fn, scale float32
+    per output channel (the last axis) and per leading index (an expert): [..., O], or
+    [..., G, O] for a grouped mode (per group of input rows too)."""
+    fmt, _ = weight_quant_parts(mode)
+    qmax = _QMAX[fmt]
     w32 = w.astype(jnp.float32)
+    *lead, rows, cols = w.shape
+    g = groups(mode, rows)
+    if g is not None:
+        w32 = w32.reshape(*lead, g, rows // g, cols)
     amax = jnp.max(jnp.abs(w32), axis=-2)
     scale = jnp.where(amax > 0, amax / qmax, 1.0)  # a zero column: scale 1, q 0
-    y = jnp.clip(w32 / scale[..., None, :], -qmax, qmax)  # rounding w / scale may land past qmax
-    q = jnp.round(y).astype(jnp.int8) if mode == "int8" else y.astype(jnp.float8_e4m3fn)
+    y = jnp.clip(w32 / scale[..., None, :], -qmax, qmax).reshape(w.shape)  # w / scale may round past qmax
+    q = jnp.round(y).astype(jnp.int8) if fmt == "int8" else y.astype(jnp.float8_e4m3fn)
     return q, scale
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """The weights [..., I, O] that q [..., I, O] and scale [..., O] stand for, in `dtype`."""
-    return (q.astype(jnp.float32) * scale[..., None, :]).astype(dtype)
+    """The weights [..., I, O] that q [..., I, O] and scale [..., O] (per output channel) or
+    [..., G, O] (grouped) stand for, in `dtype`."""
+    q32 = q.astype(jnp.float32)
+    if scale.ndim == q.ndim - 1:
+        return (q32 * scale[..., None, :]).astype(dtype)
+    *lead, rows, cols = q.shape
+    g = scale.shape[-2]
+    return (q32.reshape(*lead, g, rows // g, cols) * scale[..., None, :]).reshape(q.shape).astype(dtype)
 
 
 def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [..., I] @ the kernel that q [I, O] and scale [O] stand for -> [..., O] float32: q
-    converted to x's dtype inside the matmul, accumulated in float32, then scaled."""
+    """x [..., I] @ the kernel that q [I, O] and scale [O] or [G, O] stand for -> [..., O]
+    float32, accumulated in float32: per channel, q converted to x's dtype inside the matmul,
+    then scaled; grouped, q dequantised to x's dtype first."""
+    if scale.ndim == q.ndim:
+        return jnp.einsum("...i,io->...o", x, dequantize(q, scale, x.dtype), preferred_element_type=jnp.float32)
     y = jnp.einsum("...i,io->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
     return y * scale
 
 
 class QuantLinear(nnx.Module):
     """A weight-only quantized `nnx.Linear`: `qkernel` [I, O] (int8 or float8_e4m3fn), `scale`
-    [O] float32 and the stored bias [O] or None; called as the Linear was, x [..., I] ->
+    [O] (or [G, O], grouped) float32 and the stored bias [O] or None; called as the Linear was, x [..., I] ->
     [..., O] in the Linear's `dtype`."""
 
     def __init__(self, qkernel: jax.Array, scale: jax.Array, bias: jax.Array | None, *, dtype):
@@ -104,7 +143,7 @@ class QuantLinear(nnx.Module):
 
 class QuantExperts(NamedTuple):
     """Routed experts' weights quantized per expert and output channel: q [E, I, O] int8 or
-    float8_e4m3fn, scale [E, O] float32 (`dlm_jax.models._transformer.dispatch_experts` and
+    float8_e4m3fn, scale [E, O] (or [E, G, O], grouped) float32 (`dlm_jax.models._transformer.dispatch_experts` and
     `dense_experts` take it where they take a dense [E, I, O] array)."""
 
     q: jax.Array
@@ -127,6 +166,9 @@ def expert_einsum(spec: str, x: jax.Array, w: jax.Array | QuantExperts) -> jax.A
     the expert axis before the output-channel axis (`ecd,edf->ecf`, `nd,edf->nef`)."""
     if not isinstance(w, QuantExperts):
         return jnp.einsum(spec, x, w)
+    if w.scale.ndim == w.q.ndim:  # grouped: dequantised first (`quantized_matmul`)
+        return jnp.einsum(spec, x, dequantize(w.q, w.scale, x.dtype), preferred_element_type=jnp.float32
+                          ).astype(x.dtype)
     ins, out = spec.split("->")
     wspec = ins.split(",")[1]
     e, o = wspec[0], wspec[-1]
@@ -157,7 +199,7 @@ def quantized_weights(model) -> list[tuple[nnx.Module, str]]:
 
 def quantize(model, mode: str):
     """Quantize `model` (a `dlm_jax.models.Transformer`) in place, weight-only, to `mode`
-    ("int8" or "fp8"); returns it. See the module docstring (and `quantized_weights`) for which
+    ("int8" or "fp8", optionally grouped: "int8-g128"); returns it. See the module docstring (and `quantized_weights`) for which
     weights. A model whose MoE layers are split (TIDE's expert slots) is refused: its experts
     live on the host too."""
     check_quant(mode)
@@ -172,6 +214,10 @@ def quantize(model, mode: str):
     if any(getattr(module, "slot_of", None) is not None for module, _ in weights):
         raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
                           f"quantize before splitting is not built yet; drop one of them")
+    for module, name in weights:  # every group size checked before anything is swapped
+        weight = getattr(module, name)
+        rows = weight.in_features if isinstance(weight, nnx.Linear) else weight[...].shape[-2]
+        groups(mode, rows, f"{type(module).__name__}.{name}")
     for module, name in weights:
         weight = getattr(module, name)
         if isinstance(weight, nnx.Linear):

@@ -70,6 +70,8 @@ def test_quant_jax_reports_the_floor_beside_int8(tmp_path):
         assert rows["bfloat16"]["identical_to_bfloat16"] == 1.0
         assert rows[quant_jax.NUDGED]["weight_bytes"] == rows["bfloat16"]["weight_bytes"]
         assert len(rows[quant_jax.NUDGED]["identical_to_bfloat16_seeds"]) == 2
+        # grouped: a float32 scale per 32 weights of a column on top of int8's bytes
+        assert rows["int8"]["weight_bytes"] < rows["int8-g32"]["weight_bytes"] < rows["bfloat16"]["weight_bytes"]
     md = out.with_suffix(".md").read_text()
-    assert md.count("1-ulp floor") == 2 and md.count("over 2 seeds") == 2 and "| idlm-tiny:isd | bf16 1 ulp |" in md
+    assert md.count("1-ulp floor") == 4 and md.count("over 2 seeds") == 4  # int8 and int8-g32, each model and "| idlm-tiny:isd | bf16 1 ulp |" in md
     assert out.with_suffix(".png").stat().st_size > 0

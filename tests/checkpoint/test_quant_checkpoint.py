@@ -87,6 +87,32 @@ def test_fp8_moe_checkpoint_round_trips_its_experts(tmp_path):
         np.testing.assert_array_equal(_bits(want[k]), _bits(got[k]))
 
 
+def test_grouped_int8_moe_checkpoint_stores_group_scales_and_round_trips(tmp_path):
+    """Grouped scales ([G, O] a kernel, [G, O] per expert) saved and reloaded: a writer that
+    drops the groups, or a reader that expects [O], fails here (the shapes come from the mode
+    config.json records)."""
+    handle, path = _saved(tmp_path, ROOT / "models" / "moe-tiny", "int8-g32")
+    loaded = dlm_jax.load(path, executor="jax")
+    assert loaded.model.quant == "int8-g32"
+    want, got = get_params(handle.model), get_params(loaded.model)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert want[k].dtype == got[k].dtype and want[k].shape == got[k].shape
+        np.testing.assert_array_equal(_bits(want[k]), _bits(got[k]))
+    tensors = load_file(path / "model.safetensors")
+    float32 = load_file(ROOT / "models" / "moe-tiny" / "model.safetensors")
+    for name in [k[:-len(".qkernel")] for k in tensors if k.endswith(".qkernel")]:
+        q, scale, w = tensors[name + ".qkernel"], tensors[name + ".scale"], float32[name]  # w: [out, in]
+        groups = max(w.shape[1] // 32, 1)
+        assert scale.shape == (groups, w.shape[0]), name
+        amax = np.abs(w.T.reshape(groups, -1, w.shape[0])).max(axis=1)
+        np.testing.assert_allclose(scale, amax / 127, rtol=1e-6, err_msg=name)
+        assert np.abs(q.T * np.repeat(scale, w.shape[1] // groups, axis=0) - w.T).max() <= scale.max() / 2 + 1e-7
+    cfg = dlm_jax.decode_config(gen_len=16, block_len=16)
+    assert handle.generate(["1 + 1 =", "sort: 3 1 2 ->"], cfg).token_ids == \
+        loaded.generate(["1 + 1 =", "sort: 3 1 2 ->"], cfg).token_ids
+
+
 def test_quantized_checkpoint_refusals_are_one_line(tmp_path):
     handle, path = _saved(tmp_path, TINY, "int8")
     with pytest.raises(ConfigError, match=r"^quant='fp8': .* is stored weight-only quantized as 'int8'; "

@@ -112,6 +112,12 @@ QUANT_CASES = [
     {"model": "models/moe-tiny", "mesh": "tp=2", "load": {"quant": "int8", "dtype": "bfloat16",
                                                          "param_dtype": "bfloat16"}, "presets": ["fast-dllm-dual"]},
     {"model": "models/moe-tiny", "mesh": "dp=2", "load": {"quant": "int8"}, "presets": ["fast-dllm"]},
+    # grouped scales ([G, O] a kernel, [E, G, O] the experts): groups split as the input rows
+    {"model": "models/moe-tiny", "mesh": "ep=2,tp=2", "load": {"quant": "int8-g32"}, "presets": ["fast-dllm"]},
+    {"model": "models/moe-tiny", "mesh": "ep=2,tp=2", "exchange": "all_to_all", "load": {"quant": "fp8-g32"},
+     "presets": ["fast-dllm-dual"]},
+    {"model": "models/llada-tiny", "mesh": "tp=2", "load": {"quant": "int8-g32", "dtype": "bfloat16",
+                                                            "param_dtype": "bfloat16"}, "presets": ["fast-dllm"]},
     # weight-only int8 (kernels and scales split alike) and bfloat16, on tp and dp
     {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "load": {"quant": "int8"},
      "presets": ["fast-dllm", "fast-dllm-dual"]},

@@ -54,14 +54,65 @@ def test_fp8_uses_e4m3_per_channel_with_its_bound():
     assert rel.max() <= 2 ** -4 * 448 / 448 + 1e-6  # e4m3: 3 mantissa bits, half an ulp of the top binade
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def _numpy_grouped_int8(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """int8 with one scale per output channel and group of `group` input rows, from the
+    definition: scale[g, j] = max over rows g*group..(g+1)*group-1 of |W[i, j]| / 127."""
+    rows, cols = w.shape
+    amax = np.abs(w.reshape(rows // group, group, cols)).max(axis=1)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.round(w / np.repeat(scale, group, axis=0)), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def test_grouped_int8_matches_a_numpy_reference_and_confines_an_outlier_to_its_group():
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(128, 24)).astype(np.float32)
+    w[5, :] *= 40.0  # one outlier input row: per channel, every step of every column coarsens
+    q, scale = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8-g32"))
+    want_q, want_scale = _numpy_grouped_int8(w, 32)
+    assert q.dtype == np.int8 and scale.shape == (4, 24)
+    np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
+    assert np.abs(q.astype(np.int32) - want_q.astype(np.int32)).max() <= 1
+    grouped = np.abs(q.astype(np.float32) * np.repeat(scale, 32, axis=0) - w)
+    assert (grouped <= np.repeat(scale, 32, axis=0) / 2 * (1 + 1e-5)).all()
+    q1, s1 = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8"))
+    per_channel = np.abs(q1.astype(np.float32) * s1 - w)
+    assert grouped[32:].mean() < per_channel[32:].mean() / 10  # the groups without the outlier row
+    q2, s2 = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8-g256"))  # a group past the rows: one
+    assert s2.shape == (1, 24)
+    np.testing.assert_array_equal(q2, q1)
+    np.testing.assert_allclose(s2[0], s1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("text, parts", [("int8", ("int8", None)), ("fp8", ("fp8", None)),
+                                         ("int8-g128", ("int8", 128)), ("fp8-g32", ("fp8", 32))])
+def test_quant_modes_parse(text, parts):
+    from dlm_jax._config import weight_quant_parts
+
+    assert weight_quant_parts(text) == parts
+
+
+@pytest.mark.parametrize("text, message", [("int4", "unknown quant 'int4'"), ("int8-g", "unknown quant"),
+                                           ("int8-gx", "unknown quant"), ("int8g32", "unknown quant"),
+                                           ("int8-g032", "unknown quant"), ("int8-g1", "at least 2 input rows")])
+def test_quant_modes_refused(text, message):
+    from dlm_jax._config import weight_quant_parts
+
+    with pytest.raises(ConfigError, match=message):
+        weight_quant_parts(text)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8", "int8-g8", "fp8-g16"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_quant_linear_is_x_times_the_dequantised_kernel(mode, dtype):
     linear = nnx.Linear(32, 12, use_bias=True, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     linear.bias[...] = jnp.arange(12, dtype=jnp.float32) / 10
     ql = QuantLinear.from_linear(linear, mode)
     x = jax.random.normal(jax.random.key(1), (3, 5, 32)).astype(dtype)
-    w = np.asarray(ql.qkernel[...]).astype(np.float32) * np.asarray(ql.scale[...])
+    scale = np.asarray(ql.scale[...])
+    if scale.ndim == 2:  # grouped: [G, O], one row per group of input rows
+        scale = np.repeat(scale, 32 // scale.shape[0], axis=0)
+    w = np.asarray(ql.qkernel[...]).astype(np.float32) * scale
     want = np.asarray(x, np.float32) @ w + np.arange(12, dtype=np.float32) / 10
     got = ql(x)
     assert got.dtype == dtype and got.shape == (3, 5, 12)
@@ -75,6 +126,14 @@ def test_expert_einsum_matches_dequantised_experts():
     x = jax.random.normal(jax.random.key(3), (4, 3, 16))
     dense = np.einsum("ecd,edf->ecf", np.asarray(x), np.asarray(q, np.float32) * np.asarray(scale)[:, None, :])
     np.testing.assert_allclose(expert_einsum("ecd,edf->ecf", x, QuantExperts(q, scale)), dense, rtol=1e-5, atol=1e-5)
+    q, scale = quantize_kernel(w, mode="int8-g4")  # grouped: [E, G, O] scales
+    assert scale.shape == (4, 4, 8)
+    dense = np.einsum("ecd,edf->ecf", np.asarray(x),
+                      np.asarray(q, np.float32) * np.repeat(np.asarray(scale), 4, axis=1))
+    np.testing.assert_allclose(expert_einsum("ecd,edf->ecf", x, QuantExperts(q, scale)), dense, rtol=1e-5, atol=1e-5)
+    taken = QuantExperts(q, scale).take(jnp.array([2, 0]), jnp.float32)
+    np.testing.assert_allclose(taken, (np.asarray(q, np.float32) * np.repeat(np.asarray(scale), 4, axis=1))[[2, 0]],
+                               rtol=1e-6)
 
 
 def _heldout(handle, n: int) -> list[list[int]]:
@@ -93,6 +152,11 @@ def test_int8_llada_tiny_decodes_as_float32_on_most_prompts():
     got = quant.generate(prompts, cfg).texts
     same = np.mean([a == b for a, b in zip(want, got)])
     assert same >= 14 / 16, (same, want, got)  # measured 16/16
+    grouped = dlm_jax.load(ROOT / "models" / "llada-tiny", executor="jax", quant="int8-g32")
+    assert grouped.model.layers[0].ffn.down_proj.scale[...].shape == (384 // 32, 128)
+    got = grouped.generate(prompts, cfg).texts
+    same = np.mean([a == b for a, b in zip(want, got)])
+    assert same >= 14 / 16, (same, want, got)
 
 
 def test_quantized_executor_leaves_are_int8_and_smaller():
@@ -167,6 +231,15 @@ def test_quant_refusals_are_one_line():
         dlm_jax.load(ROOT / "models" / "moe-tiny", quant="int8", expert_slots=2)
 
 
+def test_a_group_size_that_divides_no_kernel_is_refused_before_anything_is_swapped():
+    model = dlm_jax.init_model(tiny_config(), seed=0)  # d_model 32
+    with pytest.raises(ConfigError, match=r"^quant='int8-g12': Attention.q_proj has 32 input rows, not a multiple "
+                                          r"of groups of 12"):
+        quantize(model, "int8-g12")
+    assert getattr(model, "quant", None) is None
+    assert not any(isinstance(m, QuantLinear) for _, m in nnx.iter_modules(model))
+
+
 def test_cli_quant_errors(capsys):
     args = ["generate", "--model", str(ROOT / "models" / "llada-tiny"), "--prompt", "hi", "--gen", "8", "--block", "8"]
     assert main([*args, "--quant", "int8", "--executor", "litert"]) == 2
@@ -174,4 +247,8 @@ def test_cli_quant_errors(capsys):
     assert len(err) == 1 and err[0].startswith("error: quant='int8' runs on the JAX executor"), err
     with pytest.raises(SystemExit) as e:
         main([*args, "--quant", "int4"])
-    assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "argument --quant: unknown quant 'int4'" in err[-1], err
+    assert main([*args, "--quant", "int8-g48"]) == 2  # 128 input rows: no whole groups of 48
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: quant='int8-g48': Attention.q_proj has 128 input rows"), err
