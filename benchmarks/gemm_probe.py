@@ -14,7 +14,9 @@ each in one jitted program (what XLA makes of three dots sharing their input is 
 step gets), its weights stored as the model holds them (`--quant none`) or weight-only int8
 per output channel and dequantised inside the matmul as `dlm_jax.models.quant.QuantLinear`
 does (`--quant int8`: the int8 weights converted to x's dtype in the product, accumulated in
-float32, scaled). Per case: the compile seconds, the median over `--reps` rounds of `--calls`
+float32, scaled), or grouped (`--quant int8-g128`: a scale per output channel and 128 input
+rows, the kernel dequantised to x's dtype before the product: does XLA fuse that into the
+GEMM's operand read as it fuses int8's convert?). Per case: the compile seconds, the median over `--reps` rounds of `--calls`
 calls dispatched back to back (the time a call takes in a stream of them), the weights' bytes
 read per call over it (against the device's measured copy bandwidth) and the FLOP rate; per
 pair, the fused call's time over the separate one's. A decode step at batch 1 reads its
@@ -51,7 +53,7 @@ SHAPES = {"llada-8b": dict(d_model=4096, heads=32, kv_heads=32, head_dim=128, ff
           "small": dict(d_model=256, heads=4, kv_heads=4, head_dim=64, ffn_hidden=768)}
 GROUPS = ("qkv", "gate_up")
 FORMS = ("separate", "fused")
-QUANTS = ("none", "int8")
+QUANTS = ("none", "int8", "int8-g128")
 _T0 = time.perf_counter()
 
 
@@ -68,7 +70,7 @@ def widths(shape: dict[str, int], group: str) -> list[int]:
 
 def weights(shape: dict[str, int], group: str, quant: str, dtype, seed: int) -> list[Any]:
     """The group's kernels [d, o] (as stored: `dtype`; int8: (q, scale) per kernel, per output
-    channel, by the quantizer `dlm_jax.load(quant="int8")` uses)."""
+    channel or grouped, by the quantizer `dlm_jax.load(quant=...)` uses)."""
     key = jax.random.key(seed)
     out = []
     for i, o in enumerate(widths(shape, group)):
@@ -81,7 +83,7 @@ def fuse(kernels: list[Any], quant: str) -> Any:
     """The kernels side by side [d, sum o] (int8: their q and their scales side by side)."""
     if quant == "none":
         return jnp.concatenate(kernels, axis=1)
-    return jnp.concatenate([q for q, _ in kernels], axis=1), jnp.concatenate([s for _, s in kernels])
+    return jnp.concatenate([q for q, _ in kernels], axis=1), jnp.concatenate([s for _, s in kernels], axis=-1)
 
 
 def product(x: jax.Array, w: Any, quant: str) -> jax.Array:
@@ -170,7 +172,7 @@ def write(rep: dict[str, Any], out: Path) -> None:
 
 def pairs(rep: dict[str, Any]) -> list[dict[str, Any]]:
     """Per (group, quant, rows): separate and fused ms, and fused / separate; per (group, form,
-    rows) with both quants: int8 / unquantized."""
+    rows) with a quantized case and the unquantized one: quantized / unquantized (int8_over_none)."""
     by = {(c["group"], c["quant"], c["rows"], c["form"]): c for c in rep["cases"]}
     out = []
     for (group, quant, rows, form), c in by.items():
@@ -200,7 +202,7 @@ def markdown(rep: dict[str, Any]) -> str:
     for c in rep["cases"]:
         lines.append(f"| {c['group']} | {c['quant']} | {c['rows']} | {c['form']} | {c['ms']:.4f} | "
                      f"{c['weight_gbps']:.0f} | {c['weight_read_over_copy']:.2f} | {c['tflops']:.1f} | {c['compile_s']:.1f} |")
-    lines += ["", "| group | quant | rows | separate ms | fused ms | fused / separate | int8 / unquantized (separate, fused) |",
+    lines += ["", "| group | quant | rows | separate ms | fused ms | fused / separate | quantized / unquantized (separate, fused) |",
               "|---|---|---:|---:|---:|---:|---|"]
     for p in pairs(rep):
         q = p["int8_over_none"]

@@ -31,9 +31,11 @@ def test_fused_and_separate_compute_the_same_products_from_the_same_weights():
             assert [y.shape[1] for y in sep] == gemm_probe.widths(shape, group)
             np.testing.assert_allclose(np.asarray(gemm_probe.program("fused", quant)(x, fused)),
                                        np.concatenate([np.asarray(y) for y in sep], axis=1), rtol=1e-5, atol=1e-6)
-            if quant == "int8":  # the quantizer's int8 kernels with float32 scales, per output channel
+            if quant != "none":  # the quantizer's int8 kernels with float32 scales, per output channel (or group)
                 q, scale = kernels[0]
-                assert q.dtype == jnp.int8 and scale.shape == (q.shape[1],)
+                assert q.dtype == jnp.int8 and scale.shape == ((q.shape[1],) if quant == "int8" else (2, q.shape[1]))
+                if scale.ndim == 2:
+                    scale = np.repeat(np.asarray(scale), q.shape[0] // 2, axis=0)
                 dense = gemm_probe.weights(shape, group, "none", jnp.float32, seed=1)[0]
                 np.testing.assert_allclose(np.asarray(q, np.float32) * np.asarray(scale), np.asarray(dense),
                                            atol=float(np.abs(np.asarray(dense)).max()) / 127)
