@@ -142,7 +142,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     assert table.attention is None  # the executor's default (split on a GPU)
     gemm = args["gemm"]  # one layer's GEMMs at the model's shape, both layouts, both weight formats
     assert (gemm.shape, gemm.dtype) == (("small", "float32") if dry else ("llada-8b", "bfloat16"))
-    assert gemm.quant == ["none", "int8"] and gemm.groups == ["qkv", "gate_up"] and gemm.rows == [32, 256]
+    assert gemm.quant == ["none", "int8", "int8-g128"] and gemm.groups == ["qkv", "gate_up"] and gemm.rows == [32, 256]
     names = ("probe", "probe load", "probe no autotuning", "probe cache", "probe cache again", "probe serial")
     probes = [args[n] for n in names]
     kernel = args["probe kernel"]  # the probe's programs again in the attention kernel's form
