@@ -23,8 +23,8 @@ decode, without a warm-up: the compiles it waits for included), then the median 
 timed ones. A second dlm-jax process times its first decodes over the persistent compilation
 cache the first one filled.
 
-`--quant none int8 fp8` (default none; several allowed): dlm-jax decodes each case once per
-weight mode (`dlm_jax.load(path, quant=...)`, int8 per channel or fp8 e4m3), each mode loaded
+`--quant none int8 int8-g128 fp8` (default none; several allowed): dlm-jax decodes each case once per
+weight mode (`dlm_jax.load(path, quant=...)`, int8 per channel or per 128 input rows, or fp8 e4m3), each mode loaded
 in turn, unquantized first, with one mode's weights on the device at a time; a quantized case
 is named with its mode ("prefix b8 int8"). Fast-dLLM runs unquantized: a quantized case is
 timed against its case of the same batch and cache (ratio, token agreement), its answers are
@@ -119,7 +119,7 @@ MARKER = "dlm_jax_benchmark.json"  # the recipe a checkpoint was written with
 SIDES = ("fast_dllm", "dlm_jax")
 CACHES = ("prefix", "dual")
 # dlm-jax's weight modes (`dlm_jax.load(quant=...)`; "none": as stored). Fast-dLLM runs unquantized.
-QUANTS = ("none", "int8", "fp8")
+QUANTS = ("none", "int8", "int8-g128", "fp8")  # int8-g128: grouped scales (`quant="int8-g128"`)
 SKIPPED = "skipped: time budget"  # a case `--budget-s` left unmeasured
 
 # LLaDA-8B-Instruct's architecture (its config.json) and the tiny twin of `--small`.

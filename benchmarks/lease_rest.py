@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-QUANT_ORDER = ("none", "int8", "fp8")
+QUANT_ORDER = ("none", "int8", "int8-g128", "fp8")
 
 
 def parts_left(state: str, parts: list[str]) -> list[str]:
