@@ -16,7 +16,8 @@ per output channel and dequantised inside the matmul as `dlm_jax.models.quant.Qu
 does (`--quant int8`: the int8 weights converted to x's dtype in the product, accumulated in
 float32, scaled), or grouped (`--quant int8-g128`: a scale per output channel and 128 input
 rows, the kernel dequantised to x's dtype before the product: does XLA fuse that into the
-GEMM's operand read as it fuses int8's convert?). Per case: the compile seconds, the median over `--reps` rounds of `--calls`
+GEMM's operand read as it fuses int8's convert?).
+Per case: the compile seconds, the median over `--reps` rounds of `--calls`
 calls dispatched back to back (the time a call takes in a stream of them), the weights' bytes
 read per call over it (against the device's measured copy bandwidth) and the FLOP rate; per
 pair, the fused call's time over the separate one's. A decode step at batch 1 reads its

@@ -37,7 +37,8 @@ def weight_quant_parts(mode: str) -> tuple[str, int | None]:
     if not isinstance(mode, str):
         raise ConfigError(f"quant must be a string such as 'int8' or 'int8-g128', not {mode!r}")
     fmt, sep, group = mode.partition("-g")
-    if fmt not in WEIGHT_QUANTS or (sep and not (group.isdigit() and str(int(group)) == group)) or (sep == "" and group):
+    whole = group.isdigit() and str(int(group)) == group  # (no sign, no leading zero)
+    if fmt not in WEIGHT_QUANTS or (sep and not whole) or (not sep and group):
         raise ConfigError(f"unknown quant {mode!r}; known: {', '.join(WEIGHT_QUANTS)}, each with an optional "
                           f"'-gN' (a scale per N input rows: 'int8-g128'), or None: weights as stored")
     if not sep:

@@ -199,9 +199,9 @@ def quantized_weights(model) -> list[tuple[nnx.Module, str]]:
 
 def quantize(model, mode: str):
     """Quantize `model` (a `dlm_jax.models.Transformer`) in place, weight-only, to `mode`
-    ("int8" or "fp8", optionally grouped: "int8-g128"); returns it. See the module docstring (and `quantized_weights`) for which
-    weights. A model whose MoE layers are split (TIDE's expert slots) is refused: its experts
-    live on the host too."""
+    ("int8" or "fp8", optionally grouped: "int8-g128"); returns it. See the module docstring
+    (and `quantized_weights`) for which weights. A model whose MoE layers are split (TIDE's
+    expert slots) is refused: its experts live on the host too."""
     check_quant(mode)
     if mode is None:
         return model
