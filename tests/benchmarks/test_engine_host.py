@@ -21,6 +21,7 @@ def own_caches(tmp_path, monkeypatch):
         monkeypatch.setenv(name, str(tmp_path / "xla"))
 
 
+@pytest.mark.slow  # (6 s: a benchmark script's run, in the slow pass as the others are)
 def test_engine_host_reports_each_batch(tmp_path, own_caches):
     assert engine_host.main(["--batches", "1", "2", "--repeats", "1", "--out", str(tmp_path / "eh")]) == 0
     rep = json.loads((tmp_path / "eh.json").read_text())
