@@ -159,6 +159,7 @@ class Family:
 
     def config_from_json(self, data: dict[str, Any], *, source: str, strict: bool = True) -> ModelConfig:
         r = _Reader(data, source)
+        r.get("quantization_config")  # a pre-quantized checkpoint's: read and checked by `_fp8.fp8_layout`
         kwargs = {**self.implied, **self.parse(self, r)}
         r.finish(self.irrelevant, strict=strict)
         return ModelConfig(**kwargs)
@@ -456,6 +457,7 @@ def _parse_native(fam: Family, r: _Reader) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise ConfigError(f"{r.source}: format_version={version} is not supported (expected {FORMAT_VERSION})")
     r.get("weight_quant")  # the stored weights' quantization: read and checked by `_io.stored_quant`
+    r.get("weight_quant_head")  # ... and whether it covers the untied head (`_io._stored_quant_head`)
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     kw = {k: r.get(k) for k in r.data if k in known}
     if "dense_layers" in kw:

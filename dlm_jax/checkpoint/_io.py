@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -37,7 +38,7 @@ from dlm_jax import _integrity
 from dlm_jax._config import WEIGHT_QUANTS, ConfigError, ModelConfig, weight_quant_parts
 from dlm_jax._hub import resolve_checkpoint
 from dlm_jax._tokenizer import declared_mask_token_id
-from dlm_jax.checkpoint import _names, _stream
+from dlm_jax.checkpoint import _fp8, _names, _stream
 from dlm_jax.checkpoint._families import Family, family_for, get_family
 from dlm_jax._errors import CheckpointError
 from dlm_jax.checkpoint._safetensors import TensorInfo, read_header, save_file
@@ -201,13 +202,77 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
     path = resolve_checkpoint(path)
     verify_checkpoint(path, verify)
     cfg, family = load_config(path, strict=strict, **overrides)
-    quant = stored_quant(path)
-    specs = param_shapes(cfg, quant=quant)
+    place = None if placement is None else (lambda name, x: placement.put(x, placement.leaf(name, x.shape)))
+    data = _read_json(path / CONFIG_NAME)
+    fp8 = _fp8.fp8_layout(data, str(path / CONFIG_NAME))
+    if fp8 is not None:
+        return _load_fp8(path, cfg, family, fp8, place)
+    quant, head = stored_quant(path), _stored_quant_head(data, path)
+    specs = param_shapes(cfg, quant=quant, quant_head=head)
     quantized = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) in _QUANT_DTYPES)
     plan = _plan(path, cfg, family, {name: tuple(s.shape) for name, s in specs.items()}, quantized=quantized)
-    place = None if placement is None else (lambda name, x: placement.put(x, placement.leaf(name, x.shape)))
     params = _stream.load_params(plan, {name: s.dtype for name, s in specs.items()}, place=place)
-    return model_from_params(cfg, params, quant=quant)
+    return model_from_params(cfg, params, quant=quant, quant_head=head)
+
+
+def _stored_quant_head(data: dict[str, Any], path: Path) -> bool:
+    """Whether a checkpoint stored quantized holds its untied head quantized too (config.json
+    `weight_quant_head`, written False for a model loaded from an FP8 checkpoint whose head is
+    float; default True)."""
+    head = data.get("weight_quant_head", True) if data.get("model_type") == "dlm_jax" else True
+    if not isinstance(head, bool):
+        raise ConfigError(f"{path / CONFIG_NAME}: weight_quant_head={head!r}: expected true or false")
+    return head
+
+
+def _load_fp8(path: Path, cfg: ModelConfig, family: Family, layout: _fp8.FP8Layout, place) -> Transformer:
+    """A fine-grained FP8 checkpoint (`_fp8`) as a model weight-only quantized to
+    `layout.mode`: its float8 kernels as stored, its block scales expanded to dlm-jax's groups."""
+    index = _tensor_index(path)
+    head_src = family.scheme.top["lm_head.kernel"]
+    head = (not cfg.tie_embeddings and head_src in index
+            and index[head_src].dtype == np.dtype(ml_dtypes.float8_e4m3fn))
+    try:
+        specs = param_shapes(cfg, quant=layout.mode, quant_head=head)
+    except ConfigError as e:  # a kernel's input width neither a multiple of bi nor at most bi
+        raise ConfigError(f"{path}: its FP8 blocks of {layout.block} do not fit this model ({e})") from None
+    quantized = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) in _QUANT_DTYPES)
+    scale_of = {}  # scale parameter -> its kernel, in the model's order
+    for name in (n for n in specs if n in quantized):
+        scale = name[:-len(".qkernel")] + ".scale" if name.endswith(".qkernel") else f"{name}_scale"
+        scale_of[scale] = name
+    shapes = {name: tuple(s.shape) for name, s in specs.items() if name not in scale_of}
+    plan = _plan(path, cfg, family, shapes, quantized=quantized, qsuffix="",  # names, shapes, dtypes checked
+                 also_used=frozenset(n for n in index if n.endswith(_fp8.SCALE_SUFFIX)), index=index)
+    fused = family.scheme._fused_parts(shapes)
+    missing = sorted({src.partition("#")[0] + _fp8.SCALE_SUFFIX for kernel in scale_of.values()
+                      for src in family.scheme.sources(kernel, shapes[kernel], quantized=True, qsuffix="")}
+                     - set(index))
+    if missing:
+        raise CheckpointError(f"{path}: missing FP8 scales {missing[:8]}"
+                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    scales: dict[str, np.ndarray] = {}
+    for scale, kernel in scale_of.items():
+        parts = []
+        for src in family.scheme.sources(kernel, shapes[kernel], quantized=True, qsuffix=""):
+            base, _, k = src.partition("#")
+            what = f"{path}: tensor {base + _fp8.SCALE_SUFFIX!r}"
+            rows = slice(None)
+            if k:  # a row block of a fused weight: its rows of the fused scales
+                sizes = [shp[0] for _, shp in fused[base]]
+                begin = sum(sizes[:int(k)])
+                rows = slice(begin, begin + sizes[int(k)])
+            out, inp = index[base].shape
+            parts.append(_fp8.expand_scales(index[base + _fp8.SCALE_SUFFIX].read(), out=out, inp=inp,
+                                            layout=layout, rows=rows, what=what))
+        scales[scale] = np.stack(parts) if _names.layout(scale) == _names.STACKED else parts[0]
+    params = _stream.load_params(plan, {name: specs[name].dtype for name in shapes}, place=place)
+    for name, value in scales.items():
+        if tuple(value.shape) != tuple(specs[name].shape):
+            raise CheckpointError(f"{path}: the FP8 scales of {scale_of[name]!r} expand to {tuple(value.shape)}, "
+                                  f"expected {tuple(specs[name].shape)}")
+        params[name] = jax.device_put(value) if place is None else place(name, jax.device_put(value))
+    return model_from_params(cfg, params, quant=layout.mode, quant_head=head)
 
 
 # The dtypes of weight-only quantized kernels (`dlm_jax.models.quant`): int8, float8_e4m3fn.
@@ -215,9 +280,13 @@ _QUANT_DTYPES = (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn))
 
 
 def stored_quant(path: str | os.PathLike) -> str | None:
-    """The weight-only quantization ("int8" / "fp8") the checkpoint directory `path` is stored
-    in (config.json `weight_quant`, written by `save_pretrained` for a quantized model), or None."""
+    """The weight-only quantization ("int8" / "fp8", grouped "int8-g32") the checkpoint directory
+    `path` is stored in (config.json `weight_quant`, written by `save_pretrained` for a quantized
+    model; a fine-grained FP8 checkpoint's `quantization_config`, `_fp8`), or None."""
     data = _read_json(Path(path) / CONFIG_NAME)
+    fp8 = _fp8.fp8_layout(data, str(Path(path) / CONFIG_NAME))
+    if fp8 is not None:
+        return fp8.mode
     quant = data.get("weight_quant") if data.get("model_type") == "dlm_jax" else None  # (only it stores one)
     if quant is not None:
         try:
@@ -238,15 +307,18 @@ def refuse_stored_quant(path: str | os.PathLike, what: str) -> None:
 
 
 def _plan(path: Path, cfg: ModelConfig, family: Family, shapes: Mapping[str, tuple[int, ...]], *,
-          quantized: frozenset[str] = frozenset()) -> dict[str, list[TensorInfo]]:
+          quantized: frozenset[str] = frozenset(), qsuffix: str = _names.QKERNEL_SUFFIX,
+          also_used: frozenset[str] = frozenset(),
+          index: Mapping[str, TensorInfo] | None = None) -> dict[str, list[TensorInfo]]:
     """Parameter name -> its checkpoint tensors, every header, name and shape checked (a fused
     tensor's row blocks stand for its parts, see `NameScheme.split`); the parameters named in
-    `quantized` hold int8 / float8 kernels (`NameScheme.sources`)."""
-    infos = family.scheme.split(_tensor_index(path), shapes)
-    used: set[str] = set()
+    `quantized` hold int8 / float8 kernels (`NameScheme.sources`, their names with `qsuffix`),
+    the others float ones; `also_used`: tensors read by other means (an FP8 checkpoint's scales)."""
+    infos = family.scheme.split(_tensor_index(path) if index is None else index, shapes)
+    used: set[str] = set(also_used)
     missing: list[str] = []
     plan: dict[str, list[TensorInfo]] = {}
-    for name, sources in _names.iter_sources(family.scheme, shapes, quantized=quantized):
+    for name, sources in _names.iter_sources(family.scheme, shapes, quantized=quantized, qsuffix=qsuffix):
         want = _names.checkpoint_shape(name, shapes[name])
         found = []
         for src in sources:
@@ -259,6 +331,9 @@ def _plan(path: Path, cfg: ModelConfig, family: Family, shapes: Mapping[str, tup
             if name in quantized and infos[src].dtype not in _QUANT_DTYPES:  # (a cast would make new weights)
                 raise CheckpointError(f"{infos[src].path}: tensor {src!r} is {infos[src].dtype}, "
                                       f"expected a weight-only quantized kernel (int8 or float8_e4m3fn)")
+            if name not in quantized and infos[src].dtype in _QUANT_DTYPES:  # a cast would drop its scales
+                raise CheckpointError(f"{infos[src].path}: tensor {src!r} is {infos[src].dtype}, where dlm-jax "
+                                      f"holds {name!r} in float")
             found.append(infos[src])
             used.add(src)
         plan[name] = found
@@ -324,6 +399,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
             raise CheckpointError(f"a weight-only quantized model ({quant}) saves only with family='dlm_jax', "
                                   f"not {fam.name!r}")
         config["weight_quant"] = quant
+        if not getattr(model, "quant_head", True) and not model.config.tie_embeddings:
+            config["weight_quant_head"] = False  # (loaded from an FP8 checkpoint with a float head)
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path}: already exists (pass overwrite=True to replace it)")
     extra = dict(extra_files or {})

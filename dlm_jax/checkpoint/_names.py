@@ -57,17 +57,19 @@ class NameScheme:
     experts: Mapping[str, str] = dataclasses.field(default_factory=dict)
     ignorable: tuple[str, ...] = (r".*rotary_emb\.inv_freq$",)
 
-    def sources(self, name: str, shape: tuple[int, ...], *, quantized: bool = False) -> list[str]:
+    def sources(self, name: str, shape: tuple[int, ...], *, quantized: bool = False,
+                qsuffix: str = QKERNEL_SUFFIX) -> list[str]:
         """Checkpoint tensor names that make up the dlm-jax parameter `name` of `shape`.
 
         A weight-only quantized model (`dlm_jax.models.quant`) stores each quantized kernel
         under the names of the float kernel it stands for, with `QKERNEL_SUFFIX` (`quantized`:
         the parameter holds int8 / float8 weights: `X.qkernel` or the experts' `ffn.gate`),
         and its float32 scales [O] or grouped [G, O] (one per expert) with `SCALE_SUFFIX`
-        (`X.scale` beside `X.qkernel`, `ffn.gate_scale`)."""
+        (`X.scale` beside `X.qkernel`, `ffn.gate_scale`). A pre-quantized Hugging Face checkpoint
+        stores the quantized kernel under the float kernel's own name (`qsuffix=""`)."""
         if quantized:
             base = name[:-len(".qkernel")] + ".kernel" if name.endswith(".qkernel") else name
-            return [src + QKERNEL_SUFFIX for src in self.sources(base, shape)]
+            return [src + qsuffix for src in self.sources(base, shape)]
         if name in self.top:
             return [self.top[name]]
         if name.endswith(".scale") and name[:-len(".scale")] + ".kernel" in self.top:  # a quantized head's
@@ -95,9 +97,10 @@ class NameScheme:
         parts: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}
         for name, shape in shapes.items():
             m = _LAYER.fullmatch(name)
-            if m is None or "#" not in self.layer.get(m.group(2), ""):
+            suffix = m and m.group(2).removesuffix(QKERNEL_SUFFIX) + (".kernel" if name.endswith(QKERNEL_SUFFIX) else "")
+            if m is None or "#" not in self.layer.get(suffix, ""):
                 continue
-            src = self.sources(name, shape)[0]
+            src = self.sources(f"layers.{m.group(1)}.{suffix}", shape)[0]  # (a quantized kernel's: the float one's)
             fused, k = src.rsplit("#", 1)
             parts.setdefault(fused, []).append((int(k), src, checkpoint_shape(name, shape)))
         return {f: [(src, shp) for _, src, shp in sorted(p)] for f, p in parts.items()}
@@ -205,11 +208,12 @@ def checkpoint_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def iter_sources(scheme: NameScheme, shapes: Mapping[str, tuple[int, ...]], *,
-                 quantized: frozenset[str] = frozenset()) -> Iterator[tuple[str, list[str]]]:
+                 quantized: frozenset[str] = frozenset(),
+                 qsuffix: str = QKERNEL_SUFFIX) -> Iterator[tuple[str, list[str]]]:
     """(name, its checkpoint tensor names) for every parameter of `shapes`; those named in
     `quantized` hold int8 / float8 weights (`NameScheme.sources`)."""
     for name, shape in shapes.items():
-        yield name, scheme.sources(name, tuple(shape), quantized=name in quantized)
+        yield name, scheme.sources(name, tuple(shape), quantized=name in quantized, qsuffix=qsuffix)
 
 
 # -- the schemes ----------------------------------------------------------------------------

@@ -183,25 +183,27 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
             "qkv_proj", "gate_up_proj")  # the last two: fused (`dlm_jax.models._fuse`)
 
 
-def quantized_weights(model) -> list[tuple[nnx.Module, str]]:
+def quantized_weights(model, *, head: bool = True) -> list[tuple[nnx.Module, str]]:
     """(module, attribute) of every weight `quantize` replaces, in model order: the routed
     experts' "gate" / "up" / "down" arrays of an MoE layer, then each dense `nnx.Linear` named in
-    `_LINEARS`, then the untied output head ("lm_head" of the model)."""
+    `_LINEARS`, then the untied output head ("lm_head" of the model) unless `head` is False."""
     out: list[tuple[nnx.Module, str]] = []
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(getattr(module, "gate", None), nnx.Param):  # an MoEFFN's routed experts [E, I, O]
             out += [(module, name) for name in ("gate", "up", "down")]
         out += [(module, name) for name in _LINEARS if isinstance(getattr(module, name, None), nnx.Linear)]
-    if isinstance(model.lm_head, nnx.Linear):
+    if head and isinstance(model.lm_head, nnx.Linear):
         out.append((model, "lm_head"))
     return out
 
 
-def quantize(model, mode: str):
+def quantize(model, mode: str, *, head: bool = True):
     """Quantize `model` (a `dlm_jax.models.Transformer`) in place, weight-only, to `mode`
     ("int8" or "fp8", optionally grouped: "int8-g128"); returns it. See the module docstring
-    (and `quantized_weights`) for which weights. A model whose MoE layers are split (TIDE's
-    expert slots) is refused: its experts live on the host too."""
+    (and `quantized_weights`) for which weights; `head=False` keeps an untied output head as
+    stored (`model.quant_head`: a pre-quantized checkpoint that stores its head in float,
+    `dlm_jax.checkpoint._io`). A model whose MoE layers are split (TIDE's expert slots) is
+    refused: its experts live on the host too."""
     check_quant(mode)
     if mode is None:
         return model
@@ -210,7 +212,7 @@ def quantize(model, mode: str):
     if getattr(model.layers, "stacked", False):  # a `_scan.StackedLayers` (checked before anything is swapped)
         raise ConfigError(f"quant={mode!r}: the model's layers are stacked for a scan (layers='scan'); quantize "
                           f"before the executor stacks them (dlm_jax.load(..., quant=...))")
-    weights = quantized_weights(model)
+    weights = quantized_weights(model, head=head)
     if any(getattr(module, "slot_of", None) is not None for module, _ in weights):
         raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
                           f"quantize before splitting is not built yet; drop one of them")
@@ -227,6 +229,7 @@ def quantize(model, mode: str):
         setattr(module, name, nnx.Param(q))  # the stored weights are dropped here, one tensor at a time
         setattr(module, f"{name}_scale", nnx.Param(scale))
     model.quant = mode
+    model.quant_head = head
     return model
 
 

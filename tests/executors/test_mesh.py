@@ -118,6 +118,8 @@ QUANT_CASES = [
      "presets": ["fast-dllm-dual"]},
     {"model": "models/llada-tiny", "mesh": "tp=2", "load": {"quant": "int8-g32", "dtype": "bfloat16",
                                                             "param_dtype": "bfloat16"}, "presets": ["fast-dllm"]},
+    # a fine-grained FP8 checkpoint (its block scales expanded to groups of 32 input rows)
+    {"model": "fp8:models/llada-tiny", "mesh": "tp=2", "presets": ["fast-dllm"]},
     # weight-only int8 (kernels and scales split alike) and bfloat16, on tp and dp
     {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "load": {"quant": "int8"},
      "presets": ["fast-dllm", "fast-dllm-dual"]},

@@ -127,6 +127,7 @@ def test_a_tiered_decode_keeps_its_tokens_and_the_next_executor_starts_full(comp
     assert _compile.quick_options() not in calls
 
 
+@pytest.mark.slow  # (20-30 s; the default pass checks the widened step's padding and the tiered warm-up below)
 def test_a_step_runs_in_a_wider_window_until_its_own_program_is_built_behind(compiles):
     """A prefix-cache decode's window narrows block by block: tiered, a step whose program is
     not compiled runs padded in a wider window's compiled program of the same cache, and its

@@ -596,6 +596,7 @@ def test_a_sampling_warm_up_leaves_sampled_requests_nothing_to_compile(model):
         live.stop()
 
 
+@pytest.mark.slow  # (two servers' warm-ups: 15-20 s; the default pass checks the other warm-ups)
 def test_an_infill_warm_up_leaves_suffix_requests_nothing_to_compile():
     """`--warmup-infill N` (`Service(warmup_infill=N)`) builds the programs of requests with a
     suffix of up to N tokens: suffixes of 3 and 6 tokens (one size of slots after the

@@ -1,0 +1,189 @@
+"""Fine-grained FP8 checkpoints (config `quantization_config.quant_method: "fp8"`, weights
+float8_e4m3fn beside `<name>_scale_inv` block scales) load as weight-only fp8 and compute what
+transformers computes from the same files (its CPU path dequantises them to float32)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file as torch_load, save_file as torch_save
+
+import dlm_jax
+from dlm_jax._errors import CheckpointError, ConfigError
+from dlm_jax.checkpoint._io import refuse_stored_quant
+
+from .hf_models import build, glm4_moe_to_llada2, logits
+from .test_llada2 import _tiny_config
+
+IDS = np.random.default_rng(0).integers(0, 96, (2, 13))
+TOL = 1e-4
+_LINEAR = ("proj.weight", "query_key_value.weight", "dense.weight", "lm_head.weight")
+
+
+def fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] | None, *, keep: tuple[str, ...] = ("lm_head",),
+                   **config) -> dict[str, torch.Tensor]:
+    """Copy the float checkpoint `src` to `dst` with every linear's weight (but those whose names
+    start with one of `keep`) stored as float8_e4m3fn and `_scale_inv` scales per `block`
+    (None: per tensor), as transformers' FineGrainedFP8 layout has them; returns the float32
+    weights the FP8 tensors stand for (by name)."""
+    shutil.copytree(src, dst)
+    tensors = torch_load(str(src / "model.safetensors"))
+    out, dequantized = {}, {}
+    for name, w in tensors.items():
+        if not name.endswith(_LINEAR) or name.startswith(keep) or ".gate.weight" in name:
+            out[name] = w
+            continue
+        w = w.float()
+        rows, cols = w.shape
+        bo, bi = block or (rows, cols)
+        go, gi = -(-rows // bo), -(-cols // bi)
+        scale = torch.empty(go, gi)
+        q = torch.empty_like(w)
+        for a in range(go):
+            for b in range(gi):
+                blk = w[a * bo:(a + 1) * bo, b * bi:(b + 1) * bi]
+                scale[a, b] = blk.abs().max() / 448.0
+                q[a * bo:(a + 1) * bo, b * bi:(b + 1) * bi] = (blk / scale[a, b]).clamp(-448, 448)
+        q8 = q.to(torch.float8_e4m3fn)
+        full = scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :cols]
+        dequantized[name] = q8.float() * full
+        out[name] = q8
+        out[name[:-len("weight")] + "weight_scale_inv"] = scale if block is not None else scale.reshape(())
+    torch_save(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "manifest.json").unlink(missing_ok=True)
+    data = json.loads((dst / "config.json").read_text())
+    data["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                   "weight_block_size": None if block is None else list(block), **config}
+    (dst / "config.json").write_text(json.dumps(data))
+    return dequantized
+
+
+def _ours(path: Path):
+    model = dlm_jax.load_pretrained(path)
+    # one jitted program: op by op, every primitive of the MoE forward compiles alone
+    return model, np.asarray(jax.jit(lambda ids: model(ids).logits)(jnp.asarray(IDS, jnp.int32)))
+
+
+def _transformers(path: Path) -> np.ndarray:
+    """transformers' own FP8 loading (on a CPU it dequantises the weights, in float32 here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return logits(ref.eval(), IDS)
+
+
+@pytest.mark.parametrize("kind,block,mode", [("qwen3", (16, 16), "fp8-g16"), ("qwen3_moe", None, "fp8"),
+                                             ("qwen3_moe", (8, 16), "fp8-g16")])
+def test_fp8_checkpoint_matches_transformers(kind, block, mode, tmp_path):
+    build(kind).save_pretrained(tmp_path / "float")
+    dequantized = fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", block)
+    ref = _transformers(tmp_path / "fp8")
+    model, ours = _ours(tmp_path / "fp8")
+    assert model.quant == mode and not model.quant_head  # the head stays as stored: float
+    assert type(model.lm_head).__name__ == "Linear"
+    q = model.layers[0].attn.q_proj
+    assert q.qkernel[...].dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(  # the stored e4m3 bytes as they are, the scales expanded exactly
+        np.asarray(q.qkernel[...].astype(jnp.float32) * (q.scale[...] if block is None else
+                                                         np.repeat(q.scale[...], block[1], axis=0)[:32])),
+        dequantized["model.layers.0.self_attn.q_proj.weight"].numpy().T)
+    assert float(np.abs(ours - ref).max()) <= TOL
+    with pytest.raises(ConfigError, match="stored weight-only quantized as"):
+        dlm_jax.load(tmp_path / "fp8", quant="int8")
+    with pytest.raises(ConfigError, match=f"stored weight-only quantized \\({mode}, for the JAX executor\\); a GGUF"):
+        refuse_stored_quant(tmp_path / "fp8", "a GGUF export")  # (exports start from float weights)
+
+
+def test_fp8_saved_by_dlm_jax_reloads_bit_for_bit(tmp_path):
+    build("qwen3").save_pretrained(tmp_path / "float")
+    fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", (16, 16))
+    model, ours = _ours(tmp_path / "fp8")
+    dlm_jax.save_pretrained(model, tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["weight_quant_head"] is False
+    again, theirs = _ours(tmp_path / "saved")
+    assert again.quant == "fp8-g16" and not again.quant_head
+    np.testing.assert_array_equal(ours, theirs)
+    with pytest.raises(CheckpointError, match="saves only with family='dlm_jax'"):
+        dlm_jax.save_pretrained(model, tmp_path / "hf", family="qwen3")
+
+
+def test_fp8_fused_llada2_rows_straddling_blocks(tmp_path):
+    """LLaDA2.0's fused query_key_value: blocks of 24 rows straddle its q / k / v row blocks, so
+    each part takes its own rows of the fused scales. The reference: transformers' Glm4Moe (the
+    same computation as the float checkpoint holding the weights the FP8 tensors stand for
+    (whose load matches transformers' Glm4Moe: test_llada2)."""
+    glm = build("glm4_moe")
+    glm4_moe_to_llada2(glm, tmp_path / "float", _tiny_config(glm))
+    dequantized = fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", (24, 16))
+    model, ours = _ours(tmp_path / "fp8")
+    assert model.quant == "fp8-g16"
+    # the fused [q; k; v] rows of the first layer, dequantised, against the model's parts
+    qkv = dequantized["model.layers.0.attention.query_key_value.weight"].numpy()
+    attn = model.layers[0].attn
+    parts = [np.asarray(p.qkernel[...].astype(jnp.float32) * np.repeat(p.scale[...], 16, axis=0)[:32]).T
+             for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    np.testing.assert_array_equal(np.concatenate(parts), qkv)
+    # the whole model against the float reference holding the dequantised weights
+    shutil.copytree(tmp_path / "float", tmp_path / "deq")
+    tensors = torch_load(str(tmp_path / "float" / "model.safetensors"))
+    tensors.update({k: v.to(tensors[k].dtype) for k, v in dequantized.items()})
+    torch_save(tensors, str(tmp_path / "deq" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "deq" / "manifest.json").unlink(missing_ok=True)
+    _, deq = _ours(tmp_path / "deq")
+    assert float(np.abs(ours - deq).max()) <= 1e-5
+
+
+@pytest.mark.parametrize("edit,error,match", [
+    ({"quant_method": "gptq"}, ConfigError, "quant_method='gptq' is not supported"),
+    ({"activation_scheme": "static"}, ConfigError, "activation_scheme='static' is not supported"),
+    ({"fmt": "e5m2"}, ConfigError, "fmt='e5m2' is not supported"),
+    ({"scale_fmt": "ue8m0"}, ConfigError, "scale_fmt='ue8m0' is not supported"),
+    ({"weight_block_size": [16, 1]}, ConfigError, "at least 2 input columns"),
+    ({"weight_block_size": [16]}, ConfigError, "expected two positive integers"),
+    ({"weight_block_size": [32, 16]}, CheckpointError, r"weight_scale_inv': shape \(\d+, \d+\), expected \(\d+, \d+\) .blocks of 32 x 16"),
+])
+def test_fp8_config_refusals(edit, error, match, tmp_path):
+    build("qwen3").save_pretrained(tmp_path / "float")
+    fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", (16, 16))
+    data = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    data["quantization_config"].update(edit)
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(data))
+    with pytest.raises((ConfigError, CheckpointError), match=match) as e:
+        dlm_jax.load_pretrained(tmp_path / "fp8")
+    assert e.type is error and "\n" not in str(e.value)
+
+
+def test_fp8_checkpoint_refusals(tmp_path):
+    build("qwen3").save_pretrained(tmp_path / "float")
+    # an input width that is neither a multiple of the block's columns nor at most it
+    fp8_checkpoint(tmp_path / "float", tmp_path / "wide", (16, 20))
+    with pytest.raises(ConfigError, match="blocks of .16, 20. do not fit this model"):
+        dlm_jax.load_pretrained(tmp_path / "wide")
+    # a kernel dlm-jax quantizes kept in float (only the untied head may be)
+    fp8_checkpoint(tmp_path / "float", tmp_path / "mixed", (16, 16), keep=("lm_head", "model.layers.1.mlp"))
+    with pytest.raises(CheckpointError, match="is float32, expected a weight-only quantized kernel"):
+        dlm_jax.load_pretrained(tmp_path / "mixed")
+    # a missing scale
+    fp8_checkpoint(tmp_path / "float", tmp_path / "noscale", (16, 16))
+    tensors = torch_load(str(tmp_path / "noscale" / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    torch_save(tensors, str(tmp_path / "noscale" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing FP8 scales .'model.layers.1.self_attn.o_proj.weight_scale_inv'"):
+        dlm_jax.load_pretrained(tmp_path / "noscale")
+    # a float parameter stored in float8 (its cast would drop the scale)
+    tensors = torch_load(str(tmp_path / "float" / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.float8_e4m3fn)
+    shutil.copytree(tmp_path / "float", tmp_path / "f8norm")
+    torch_save(tensors, str(tmp_path / "f8norm" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "f8norm" / "manifest.json").unlink(missing_ok=True)
+    with pytest.raises(CheckpointError, match="'model.norm.weight' is float8_e4m3fn, where dlm-jax holds"):
+        dlm_jax.load_pretrained(tmp_path / "f8norm")
