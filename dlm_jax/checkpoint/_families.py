@@ -159,7 +159,7 @@ class Family:
 
     def config_from_json(self, data: dict[str, Any], *, source: str, strict: bool = True) -> ModelConfig:
         r = _Reader(data, source)
-        r.get("quantization_config")  # a pre-quantized checkpoint's: read and checked by `_fp8.fp8_layout`
+        r.get("quantization_config")  # a pre-quantized checkpoint's: read and checked by `_prequantized.layout`
         kwargs = {**self.implied, **self.parse(self, r)}
         r.finish(self.irrelevant, strict=strict)
         return ModelConfig(**kwargs)

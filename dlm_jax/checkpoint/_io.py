@@ -38,7 +38,7 @@ from dlm_jax import _integrity
 from dlm_jax._config import WEIGHT_QUANTS, ConfigError, ModelConfig, weight_quant_parts
 from dlm_jax._hub import resolve_checkpoint
 from dlm_jax._tokenizer import declared_mask_token_id
-from dlm_jax.checkpoint import _fp8, _names, _stream
+from dlm_jax.checkpoint import _names, _prequantized, _stream
 from dlm_jax.checkpoint._families import Family, family_for, get_family
 from dlm_jax._errors import CheckpointError
 from dlm_jax.checkpoint._safetensors import TensorInfo, read_header, save_file
@@ -204,15 +204,28 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
     cfg, family = load_config(path, strict=strict, **overrides)
     place = None if placement is None else (lambda name, x: placement.put(x, placement.leaf(name, x.shape)))
     data = _read_json(path / CONFIG_NAME)
-    fp8 = _fp8.fp8_layout(data, str(path / CONFIG_NAME))
-    if fp8 is not None:
-        return _load_fp8(path, cfg, family, fp8, place)
+    prequantized = _prequantized.layout(data, str(path / CONFIG_NAME))
+    if prequantized is not None:
+        return _load_prequantized(path, cfg, family, prequantized, place)
     quant, head = stored_quant(path), _stored_quant_head(data, path)
     specs = param_shapes(cfg, quant=quant, quant_head=head)
     quantized = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) in _QUANT_DTYPES)
     plan = _plan(path, cfg, family, {name: tuple(s.shape) for name, s in specs.items()}, quantized=quantized)
     params = _stream.load_params(plan, {name: s.dtype for name, s in specs.items()}, place=place)
     return model_from_params(cfg, params, quant=quant, quant_head=head)
+
+
+def stored_quant_head(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint directory `path`, stored quantized (`stored_quant`), holds its
+    untied output head quantized too (a pre-quantized checkpoint's head is float unless it has
+    scales; True for a float checkpoint, which `quant=` quantizes whole)."""
+    path = Path(path)
+    data = _read_json(path / CONFIG_NAME)
+    prequantized = _prequantized.layout(data, str(path / CONFIG_NAME))
+    if prequantized is None:
+        return _stored_quant_head(data, path)
+    head = family_for(data, source=str(path / CONFIG_NAME)).scheme.top["lm_head.kernel"]
+    return head + prequantized.scale_suffix in _tensor_index(path)
 
 
 def _stored_quant_head(data: dict[str, Any], path: Path) -> bool:
@@ -225,53 +238,79 @@ def _stored_quant_head(data: dict[str, Any], path: Path) -> bool:
     return head
 
 
-def _load_fp8(path: Path, cfg: ModelConfig, family: Family, layout: _fp8.FP8Layout, place) -> Transformer:
-    """A fine-grained FP8 checkpoint (`_fp8`) as a model weight-only quantized to
-    `layout.mode`: its float8 kernels as stored, its block scales expanded to dlm-jax's groups."""
+def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _prequantized.Layout,
+                       place) -> Transformer:
+    """A pre-quantized checkpoint (`_prequantized`: fine-grained FP8, compressed-tensors) as a
+    model weight-only quantized to `layout.mode`: its int8 / float8 kernels as stored (packed
+    ones unpacked on the host), its scales reshaped to dlm-jax's."""
     index = _tensor_index(path)
-    head_src = family.scheme.top["lm_head.kernel"]
-    head = (not cfg.tie_embeddings and head_src in index
-            and index[head_src].dtype == np.dtype(ml_dtypes.float8_e4m3fn))
+    scheme = family.scheme
+    head = not cfg.tie_embeddings and scheme.top["lm_head.kernel"] + layout.scale_suffix in index
     try:
         specs = param_shapes(cfg, quant=layout.mode, quant_head=head)
-    except ConfigError as e:  # a kernel's input width neither a multiple of bi nor at most bi
-        raise ConfigError(f"{path}: its FP8 blocks of {layout.block} do not fit this model ({e})") from None
+    except ConfigError as e:  # a kernel's input width neither a multiple of the group nor at most it
+        raise ConfigError(f"{path}: its quantization ({layout.strategy}"
+                          + (f" {list(layout.block)}" if layout.block else "") + f") does not fit this model ({e})"
+                          ) from None
     quantized = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) in _QUANT_DTYPES)
     scale_of = {}  # scale parameter -> its kernel, in the model's order
     for name in (n for n in specs if n in quantized):
-        scale = name[:-len(".qkernel")] + ".scale" if name.endswith(".qkernel") else f"{name}_scale"
-        scale_of[scale] = name
+        scale_of[name[:-len(".qkernel")] + ".scale" if name.endswith(".qkernel") else f"{name}_scale"] = name
     shapes = {name: tuple(s.shape) for name, s in specs.items() if name not in scale_of}
-    plan = _plan(path, cfg, family, shapes, quantized=quantized, qsuffix="",  # names, shapes, dtypes checked
-                 also_used=frozenset(n for n in index if n.endswith(_fp8.SCALE_SUFFIX)), index=index)
-    fused = family.scheme._fused_parts(shapes)
-    missing = sorted({src.partition("#")[0] + _fp8.SCALE_SUFFIX for kernel in scale_of.values()
-                      for src in family.scheme.sources(kernel, shapes[kernel], quantized=True, qsuffix="")}
-                     - set(index))
+
+    def bases(kernel: str) -> list[tuple[str, str]]:  # (float weight name, row block "" or "k") per source
+        return [src.partition("#")[::2] for src in scheme.sources(kernel, shapes[kernel], quantized=True, qsuffix="")]
+
+    beside = layout.extra_suffixes + ((layout.weight_suffix,) if layout.packed else ())
+    planned = {n: s for n, s in shapes.items() if not (layout.packed and n in quantized)}
+    used = frozenset(n for n in index if n.endswith(beside))
+    plan = _plan(path, cfg, family, planned, quantized=quantized, qsuffix=layout.weight_suffix,  # names, shapes, dtypes
+                 also_used=used, index=index)
+    missing = sorted({base + suffix for kernel in scale_of.values() for base, _ in bases(kernel)
+                      for suffix in beside} - set(index))
     if missing:
-        raise CheckpointError(f"{path}: missing FP8 scales {missing[:8]}"
+        raise CheckpointError(f"{path}: missing quantized tensors {missing[:8]}"
                               + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    scales: dict[str, np.ndarray] = {}
-    for scale, kernel in scale_of.items():
-        parts = []
-        for src in family.scheme.sources(kernel, shapes[kernel], quantized=True, qsuffix=""):
-            base, _, k = src.partition("#")
-            what = f"{path}: tensor {base + _fp8.SCALE_SUFFIX!r}"
-            rows = slice(None)
-            if k:  # a row block of a fused weight: its rows of the fused scales
-                sizes = [shp[0] for _, shp in fused[base]]
-                begin = sum(sizes[:int(k)])
-                rows = slice(begin, begin + sizes[int(k)])
-            out, inp = index[base].shape
-            parts.append(_fp8.expand_scales(index[base + _fp8.SCALE_SUFFIX].read(), out=out, inp=inp,
-                                            layout=layout, rows=rows, what=what))
-        scales[scale] = np.stack(parts) if _names.layout(scale) == _names.STACKED else parts[0]
-    params = _stream.load_params(plan, {name: specs[name].dtype for name in shapes}, place=place)
-    for name, value in scales.items():
+    for name in quantized & set(plan):
+        for info in plan[name]:
+            if info.dtype != np.dtype(specs[name].dtype):  # (a cast between int8 and float8 would make new weights)
+                raise CheckpointError(f"{info.path}: tensor {info.name!r} is {info.dtype}, expected "
+                                      f"{np.dtype(specs[name].dtype)} for quantization {layout.mode!r}")
+    fused = scheme._fused_parts(shapes)
+
+    def rows_of(base: str, k: str) -> slice:  # a row block of a fused weight: its rows of the fused tensors
+        if not k:
+            return slice(None)
+        sizes = [shp[0] for _, shp in fused[base]]
+        return slice(sum(sizes[:int(k)]), sum(sizes[:int(k) + 1]))
+
+    params: dict[str, Any] = {}
+
+    def put(name: str, value: np.ndarray) -> None:  # on the device at once: the host holds one kernel at a time
         if tuple(value.shape) != tuple(specs[name].shape):
-            raise CheckpointError(f"{path}: the FP8 scales of {scale_of[name]!r} expand to {tuple(value.shape)}, "
+            raise CheckpointError(f"{path}: the quantized tensors of {name!r} give shape {tuple(value.shape)}, "
                                   f"expected {tuple(specs[name].shape)}")
         params[name] = jax.device_put(value) if place is None else place(name, jax.device_put(value))
+
+    for scale, kernel in scale_of.items():
+        scales, kernels = [], []
+        for base, k in bases(kernel):
+            out, inp = (tuple(index[base].shape) if not layout.packed
+                        else tuple(int(x) for x in index[base + "_shape"].read().reshape(-1)))
+            what = f"{path}: tensor {base + layout.scale_suffix!r}"
+            scales.append(_prequantized.expand_scales(index[base + layout.scale_suffix].read(), out=out, inp=inp,
+                                                      layout=layout, rows=rows_of(base, k), what=what))
+            if layout.packed:
+                kernels.append(_prequantized.unpack_int8(index[base + layout.weight_suffix].read(),
+                                                         index[base + "_shape"].read(),
+                                                         what=f"{path}: tensor {base + layout.weight_suffix!r}"
+                                                         )[rows_of(base, k)])
+        stacked = _names.layout(scale) == _names.STACKED
+        put(scale, np.stack(scales) if stacked else scales[0])
+        if layout.packed:
+            put(kernel, np.ascontiguousarray(_names.from_layout(_names.layout(kernel), np.stack(kernels) if stacked
+                                                                else kernels[0])))
+    params.update(_stream.load_params(plan, {name: specs[name].dtype for name in plan}, place=place))
     return model_from_params(cfg, params, quant=layout.mode, quant_head=head)
 
 
@@ -282,11 +321,11 @@ _QUANT_DTYPES = (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn))
 def stored_quant(path: str | os.PathLike) -> str | None:
     """The weight-only quantization ("int8" / "fp8", grouped "int8-g32") the checkpoint directory
     `path` is stored in (config.json `weight_quant`, written by `save_pretrained` for a quantized
-    model; a fine-grained FP8 checkpoint's `quantization_config`, `_fp8`), or None."""
+    model; a pre-quantized checkpoint's `quantization_config`, `_prequantized`), or None."""
     data = _read_json(Path(path) / CONFIG_NAME)
-    fp8 = _fp8.fp8_layout(data, str(Path(path) / CONFIG_NAME))
-    if fp8 is not None:
-        return fp8.mode
+    prequantized = _prequantized.layout(data, str(Path(path) / CONFIG_NAME))
+    if prequantized is not None:
+        return prequantized.mode
     quant = data.get("weight_quant") if data.get("model_type") == "dlm_jax" else None  # (only it stores one)
     if quant is not None:
         try:

@@ -567,7 +567,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dlm_jax.planner import format_plan, plan, read_config
 
     from dlm_jax._hub import resolve_checkpoint
-    from dlm_jax.checkpoint._io import CONFIG_NAME, stored_quant
+    from dlm_jax.checkpoint._io import CONFIG_NAME, stored_quant, stored_quant_head
 
     cfg, family = read_config(args.model, strict=args.strict)
     if args.dtype:  # as `--dtype` loads it on the decode commands
@@ -583,8 +583,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--quant {quant}: {args.model} is stored weight-only quantized as {stored!r}; plan it "
                               f"with --quant {stored} or without --quant")
         quant = stored
+    head = stored_quant_head(directory) if stored is not None else True  # (a pre-quantized one's may be float)
     result = plan(cfg, devices=args.devices, memory_gib=args.memory, batch=args.batch, context=args.context,
-                  quant=quant)
+                  quant=quant, quant_head=head)
     if args.json:
         print(json.dumps({"model": args.model, "family": family, **result.to_dict()}, indent=2))
     else:

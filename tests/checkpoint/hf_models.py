@@ -163,3 +163,26 @@ def glm4_moe_to_llada2(model: torch.nn.Module, dst: Path, config: dict) -> None:
     dst.mkdir(parents=True)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, dst / "model.safetensors")
+
+
+def loaded_logits(path: Path, ids: np.ndarray):
+    """(model, logits) of the checkpoint `path` loaded by dlm-jax, in one jitted program (op by
+    op, every primitive of an MoE forward would compile alone)."""
+    import jax
+    import jax.numpy as jnp
+
+    import dlm_jax
+
+    model = dlm_jax.load_pretrained(path)
+    return model, np.asarray(jax.jit(lambda x: model(x).logits)(jnp.asarray(ids, jnp.int32)))
+
+
+def reference_logits(path: Path, ids: np.ndarray, **kwargs) -> np.ndarray:
+    """transformers' logits of the checkpoint `path` as its own loading reads it, in float32
+    (a pre-quantized checkpoint dequantised on the CPU; `kwargs`: from_pretrained's)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kwargs)
+    return logits(ref.eval(), ids)

@@ -85,10 +85,10 @@ def main() -> None:
             path = case["model"]
             if path.startswith("random:"):
                 path = str(random_model(path.split(":", 1)[1], Path(tmp)))
-            if path.startswith("fp8:"):  # a copy in fine-grained FP8 (blocks of 32 x 32, the head too)
+            if path.startswith("fp8:"):  # a copy in fine-grained FP8 (blocks of 32 x 32, the head float)
                 from tests.checkpoint.test_fp8_checkpoint import fp8_checkpoint
 
-                fp8_checkpoint(Path(path[4:]), Path(tmp) / "fp8", (32, 32), keep=())
+                fp8_checkpoint(Path(path[4:]), Path(tmp) / "fp8", (32, 32))
                 path = str(Path(tmp) / "fp8")
             one = dlm_jax.load(path, executor="jax", **case.get("load", {}))
             os.environ["DLM_JAX_EXPERT_EXCHANGE"] = case.get("exchange", "psum")
@@ -105,7 +105,8 @@ def main() -> None:
             row = {"model": case["model"], "mesh": case["mesh"], "load": case.get("load", {}), "presets": {},
                    "param_bytes": sorted(per_device.values()), "devices": len(per_device),
                    "plan_param_bytes": weight_bytes_per_device(mesh.config, shape,
-                                                               quant=getattr(one.model, "quant", None)),
+                                                               quant=getattr(one.model, "quant", None),
+                                                               quant_head=getattr(one.model, "quant_head", True)),
                    "kv_bytes": sorted(kv.values()),
                    "plan_kv_bytes": kv_bytes_per_device(mesh.config, shape, batch=2, context=slots),
                    "total_param_bytes": sum(int(np.asarray(x).nbytes) for x in

@@ -1,0 +1,228 @@
+"""Pre-quantized Hugging Face checkpoints, read as dlm-jax's weight-only int8 / fp8
+(`dlm_jax.models.quant`): fine-grained FP8 and compressed-tensors.
+
+Two layouts, both named by config.json's `quantization_config`:
+
+- **Fine-grained FP8** (`quant_method: "fp8"`: transformers' `FineGrainedFP8Config`, DeepSeek-V3,
+  the "-FP8" releases of Qwen3). Each quantized linear's weight [out, in] is float8_e4m3fn
+  under the float weight's own name, beside `<name>_scale_inv`: float32 scales, one per block
+  of `weight_block_size` = [bo, bi] ([128, 128] where the key is absent), shaped
+  [ceil(out / bo), ceil(in / bi)], so that `w[o, i] = q[o, i] * scale_inv[o // bo, i // bi]`.
+  With `weight_block_size: null`, one scale per tensor.
+- **compressed-tensors** (`quant_method: "compressed-tensors"`: llm-compressor's output, the
+  "-FP8-dynamic" / "-W8A16" / "-W8A8" releases vLLM serves). Its `config_groups` give the
+  weights' `num_bits`, `type` (int / float), `strategy` and the storage `format`:
+  `float-quantized` (float8_e4m3fn under the weight's name), `int-quantized` /
+  `naive-quantized` (int8 under the weight's name) or `pack-quantized` (int8 values plus 128,
+  packed four to an int32 little-endian, as `<name>_packed` [out, in / 4] beside
+  `<name>_shape`). The scales are `<name>_scale`: one per tensor ([1]), per output channel
+  ([out, 1]), per output channel and group of `group_size` input columns ([out, in / g]) or
+  per block of `block_structure` [bo, bi] (as fine-grained FP8's).
+
+dlm-jax holds each as one of its own modes: per tensor or per channel as `fp8` / `int8` (one
+scale per output channel; a tensor's scale repeated), a group of g columns as `fp8-gg` /
+`int8-gg`, a block [bo, bi] as `fp8-gbi` with each block's scale repeated over its bo output
+channels. Every one of those is exact: a decode computes with the checkpoint's own weights,
+the float32 weights transformers' own loading gives (dequantised on a CPU). The stored e4m3 /
+int8 bytes load as they are (packed ones are unpacked on the host); only the scales change
+shape, on the host (they are a small fraction of the weights).
+
+Kernels the checkpoint keeps in float (`modules_to_not_convert`, `ignore`; the output head by
+default): an untied output head stays float; any other kernel that dlm-jax quantizes is
+refused. Also refused, each in one line: another quant method, fewer or more than 8 bits,
+e5m2, asymmetric weights (zero points), activation-ordered groups, static activation scales,
+ue8m0 scales, FP4 experts, several weight schemes in one model, sparsity and transforms,
+quantized embeddings, and an input width that is neither a multiple of the group nor at most it.
+
+Activations: the GPU kernels these formats were made for also quantize the activations
+("dynamic", per token or group); dlm-jax keeps them in the model's dtype (weight-only), as
+transformers' CPU path does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from dlm_jax._errors import CheckpointError, ConfigError
+
+DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config.weight_block_size
+
+# fine-grained FP8's quantization_config keys that change the computation, with the values
+# dlm-jax computes.
+_FP8_SUPPORTED: dict[str, list[Any]] = {
+    "fmt": [None, "e4m3"],
+    "activation_scheme": [None, "dynamic"],
+    "scale_fmt": [None, "float"],
+    "expert_dtype": [None, "fp8"],
+    "modules_to_convert": [None, []],
+}
+# compressed-tensors' storage formats dlm-jax reads: format -> (weight type, packed)
+_CT_FORMATS = {"float-quantized": ("float", False), "int-quantized": ("int", False),
+               "naive-quantized": ("int", False), "pack-quantized": ("int", True)}
+_CT_STRATEGIES = ("tensor", "channel", "group", "block")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a pre-quantized checkpoint stores its quantized kernels.
+
+    mode: the `dlm_jax.models.quant` mode that holds them exactly.
+    strategy: "tensor", "channel", "group" or "block": what one scale covers.
+    block: (bo, bi) output rows and input columns of one scale ("block"), or (1, g) ("group").
+    weight_suffix: appended to the float weight's name for the stored weight ("_packed").
+    scale_suffix: appended to the float weight's name for its scales.
+    packed: int8 values stored four to an int32 (compressed-tensors' pack-quantized).
+    """
+
+    mode: str
+    strategy: str
+    block: tuple[int, int] | None
+    scale_suffix: str
+    weight_suffix: str = ""
+    packed: bool = False
+
+    @property
+    def extra_suffixes(self) -> tuple[str, ...]:
+        """Suffixes of the tensors that stand beside a quantized weight."""
+        return (self.scale_suffix, "_shape") if self.packed else (self.scale_suffix,)
+
+
+def layout(data: dict[str, Any], source: str) -> Layout | None:
+    """The pre-quantized layout config.json `data` declares (`quantization_config`), None for a
+    float checkpoint; a ConfigError names the key of one dlm-jax cannot read."""
+    qc = data.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{source}: quantization_config must be an object, not {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _fp8_layout(qc, source)
+    if method == "compressed-tensors":
+        return _compressed_tensors_layout(qc, source)
+    raise ConfigError(f"{source}: quantization_config.quant_method={method!r} is not supported: dlm-jax reads "
+                      f"fine-grained FP8 ('fp8') and 8-bit compressed-tensors checkpoints; load a float checkpoint "
+                      f"with quant='int8' or 'fp8' instead")
+
+
+def _fp8_layout(qc: dict[str, Any], source: str) -> Layout:
+    for key, allowed in _FP8_SUPPORTED.items():
+        if qc.get(key) not in allowed:
+            raise ConfigError(f"{source}: quantization_config.{key}={qc.get(key)!r} is not supported "
+                              f"(supported: {[a for a in allowed if a is not None]})")
+    block = qc.get("weight_block_size", DEFAULT_BLOCK)
+    if block is None:
+        return Layout("fp8", "tensor", None, "_scale_inv")
+    bo, bi = _pair(block, f"{source}: quantization_config.weight_block_size")
+    return Layout(f"fp8-g{bi}", "block", (bo, bi), "_scale_inv")
+
+
+def _pair(block: Any, what: str) -> tuple[int, int]:
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConfigError(f"{what}={block!r}: expected two positive integers")
+    if block[1] < 2:
+        raise ConfigError(f"{what}={list(block)}: dlm-jax's groups hold at least 2 input columns")
+    return int(block[0]), int(block[1])
+
+
+def _compressed_tensors_layout(qc: dict[str, Any], source: str) -> Layout:
+    key = f"{source}: quantization_config"
+    for name in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if qc.get(name):
+            raise ConfigError(f"{key}.{name} is set: dlm-jax reads quantized weights only, without "
+                              f"{name.split('_')[0].replace('kv', 'K/V cache quantization')}")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ConfigError(f"{key}.quantization_status={status!r}: dlm-jax reads compressed checkpoints only")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{key}.config_groups: expected an object of one or more schemes")
+    schemes = set()
+    for name, group in groups.items():
+        where = f"{key}.config_groups.{name}"
+        if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+            raise ConfigError(f"{where}: expected an object with 'weights'")
+        for act in ("input_activations", "output_activations"):
+            args = group.get(act)
+            if args is not None and (act == "output_activations" or args.get("dynamic") is not True):
+                raise ConfigError(f"{where}.{act}: static activation quantization is not supported (dlm-jax "
+                                  f"quantizes weights only; dynamic input activations are computed unquantized)")
+        w = group["weights"]
+        fmt = group.get("format") or qc.get("format")
+        schemes.add((fmt, w.get("num_bits"), w.get("type"), w.get("strategy"), w.get("group_size"),
+                     tuple(w.get("block_structure") or ()), w.get("symmetric"), w.get("dynamic"),
+                     w.get("actorder") or None))
+    if len(schemes) > 1:
+        raise ConfigError(f"{key}.config_groups: {len(schemes)} different weight schemes; dlm-jax holds one per "
+                          f"model")
+    fmt, bits, wtype, strategy, group, block, symmetric, dynamic, actorder = schemes.pop()
+    where = f"{key}.config_groups"
+    if fmt not in _CT_FORMATS:
+        raise ConfigError(f"{where}: format {fmt!r} is not supported (supported: {', '.join(_CT_FORMATS)})")
+    if bits != 8:
+        raise ConfigError(f"{where}: {bits}-bit weights are not supported: the JAX executor holds 8-bit int8 / "
+                          f"fp8 weights")
+    if wtype != _CT_FORMATS[fmt][0]:
+        raise ConfigError(f"{where}: weights of type {wtype!r} in format {fmt!r} are not supported")
+    if symmetric is not True:
+        raise ConfigError(f"{where}: asymmetric weights (zero points) are not supported")
+    if dynamic:
+        raise ConfigError(f"{where}: dynamic weight scales are not supported")
+    if actorder:
+        raise ConfigError(f"{where}: activation-ordered groups (actorder={actorder!r}) are not supported")
+    if strategy not in _CT_STRATEGIES:
+        raise ConfigError(f"{where}: weight strategy {strategy!r} is not supported "
+                          f"(supported: {', '.join(_CT_STRATEGIES)})")
+    qfmt = "fp8" if wtype == "float" else "int8"
+    packed = _CT_FORMATS[fmt][1]
+    suffix = "_packed" if packed else ""
+    if strategy in ("tensor", "channel"):
+        return Layout(qfmt, strategy, None, "_scale", suffix, packed)
+    if strategy == "group":
+        if not isinstance(group, int) or isinstance(group, bool) or group < 2:
+            raise ConfigError(f"{where}: group_size={group!r}: expected an integer of at least 2")
+        return Layout(f"{qfmt}-g{group}", "group", (1, group), "_scale", suffix, packed)
+    bo, bi = _pair(list(block) or None, f"{where}: block_structure")
+    return Layout(f"{qfmt}-g{bi}", "block", (bo, bi), "_scale", suffix, packed)
+
+
+def expand_scales(scale: np.ndarray, *, out: int, inp: int, layout: Layout, rows: slice,
+                  what: str) -> np.ndarray:
+    """The `dlm_jax.models.quant` scales of rows `rows` of a checkpoint weight [out, inp] whose
+    scale tensor is `scale`: float32 [G, len(rows)] for a grouped mode (G = ceil(inp / bi)), or
+    [len(rows)] per output channel. `what` names the tensor in errors."""
+    s = np.asarray(scale).astype(np.float32)
+    if layout.strategy == "tensor":
+        if s.size != 1:
+            raise CheckpointError(f"{what}: shape {tuple(s.shape)}, expected one scale per tensor")
+        return np.full((len(range(out)[rows]),), s.reshape(()), np.float32)
+    if layout.strategy == "channel":
+        if s.shape not in ((out,), (out, 1)):
+            raise CheckpointError(f"{what}: shape {tuple(s.shape)}, expected ({out}, 1): one scale per output channel")
+        return np.ascontiguousarray(s.reshape(out)[rows])
+    bo, bi = layout.block
+    want = (-(-out // bo), -(-inp // bi))
+    if tuple(s.shape) != want:
+        raise CheckpointError(f"{what}: shape {tuple(s.shape)}, expected {want} ("
+                              + (f"blocks of {bo} x {bi}" if layout.strategy == "block" else f"groups of {bi}")
+                              + f" over the weight's [{out}, {inp}])")
+    if inp > bi and inp % bi:
+        raise CheckpointError(f"{what}: the weight's {inp} input columns are not a multiple of {bi}; dlm-jax's "
+                              f"groups of input rows cannot hold the last, partial one")
+    return np.ascontiguousarray(np.repeat(s, bo, axis=0)[:out][rows].T)
+
+
+def unpack_int8(packed: np.ndarray, shape: np.ndarray, *, what: str) -> np.ndarray:
+    """The int8 weight [out, in] that compressed-tensors' pack-quantized `packed` [out,
+    ceil(in / 4)] int32 holds (each value plus 128 as one byte, four to a word, the first in the
+    lowest byte), checked against its stored `shape`."""
+    out, inp = (int(x) for x in np.asarray(shape).reshape(-1))
+    if packed.dtype != np.int32 or packed.shape != (out, -(-inp // 4)):
+        raise CheckpointError(f"{what}: {packed.dtype} {tuple(packed.shape)}, expected int32 "
+                              f"({out}, {-(-inp // 4)}) for a weight of shape ({out}, {inp})")
+    data = np.ascontiguousarray(packed, dtype="<i4").view(np.uint8).reshape(out, -1)[:, :inp]  # (any host order)
+    return (data.astype(np.int16) - 128).astype(np.int8)

@@ -1,0 +1,181 @@
+"""8-bit compressed-tensors checkpoints (config `quantization_config.quant_method:
+"compressed-tensors"`), written by the compressed-tensors library itself, load as weight-only
+int8 / fp8 and compute what transformers computes from the same files (its CPU path
+decompresses them to float32)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.quantization import (
+    QuantizationConfig, QuantizationStatus, apply_quantization_config, preset_name_to_scheme)
+from compressed_tensors.quantization.utils import calculate_qparams
+
+import dlm_jax
+from dlm_jax._errors import CheckpointError, ConfigError
+from dlm_jax.checkpoint._prequantized import unpack_int8
+
+from .hf_models import build, loaded_logits, reference_logits
+
+
+IDS = np.random.default_rng(0).integers(0, 96, (2, 13))
+TOL = 1e-4
+
+
+def ct_checkpoint(dst: Path, preset: str, *, kind: str = "qwen3", weights: dict | None = None,
+                  ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    """A tiny random `kind` model quantized by compressed-tensors' `preset` scheme (its groups
+    and blocks 16 wide, `weights` replacing fields of its weight arguments), each scale set as a
+    min-max observer sets it, compressed and saved by the library."""
+    model = build(kind)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    args = scheme.weights
+    for field, value in {"group_size": 16 if args.group_size else None,
+                         "block_structure": [16, 16] if args.block_structure else None, **(weights or {})}.items():
+        setattr(args, field, value)
+    if scheme.input_activations is not None and scheme.input_activations.group_size:
+        scheme.input_activations.group_size = 16
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore),
+                                quantization_status=QuantizationStatus.INITIALIZED)
+    apply_quantization_config(model, config, show_progress=False)
+    for module in model.modules():
+        if not hasattr(module, "weight_scale"):
+            continue
+        w = module.weight.data.float()
+        rows, cols = w.shape
+        if args.strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        elif args.strategy == "tensor":
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        elif args.strategy == "group":
+            g = w.reshape(rows, cols // args.group_size, args.group_size)
+            lo, hi = g.amin(-1), g.amax(-1)
+        else:
+            bo, bi = args.block_structure
+            b = w.reshape(rows // bo, bo, cols // bi, bi)
+            lo, hi = b.amin((1, 3)), b.amax((1, 3))
+        scale, zero = calculate_qparams(lo, hi, args)
+        module.weight_scale.data = scale.reshape(module.weight_scale.shape).to(module.weight_scale.dtype)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data = zero.reshape(module.weight_zero_point.shape).to(
+                module.weight_zero_point.dtype)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    return dst
+
+
+def _ours(path: Path):
+    return loaded_logits(path, IDS)
+
+
+def _transformers(path: Path) -> np.ndarray:
+    return reference_logits(path, IDS, quantization_config=T.CompressedTensorsConfig(run_compressed=False))
+
+
+@pytest.mark.parametrize("preset,weights,mode,stored", [
+    ("FP8_DYNAMIC", None, "fp8", "float8_e4m3fn"),  # per channel, the "-FP8-dynamic" releases
+    ("FP8_BLOCK", None, "fp8-g16", "float8_e4m3fn"),  # DeepSeek-style blocks
+    ("W8A8", None, "int8", "int8"),  # int-quantized, per channel
+    ("W8A16", None, "int8-g16", "int32"),  # pack-quantized groups
+    ("W8A16", {"strategy": "channel", "group_size": None}, "int8", "int32"),  # pack-quantized per channel
+    ("W8A16", {"strategy": "tensor", "group_size": None}, "int8", "int32"),  # one scale a tensor
+])
+def test_compressed_tensors_checkpoint_matches_transformers(preset, weights, mode, stored, tmp_path):
+    path = ct_checkpoint(tmp_path / "ct", preset, weights=weights)
+    fmt = json.loads((path / "config.json").read_text())["quantization_config"]["format"]
+    ref = _transformers(path)
+    model, ours = _ours(path)
+    assert model.quant == mode and not model.quant_head  # (the head, ignored, stays float)
+    q = model.layers[0].attn.q_proj
+    assert q.qkernel[...].dtype == (jnp.int8 if mode.startswith("int8") else jnp.float8_e4m3fn), fmt
+    assert (stored == "int32") == (fmt == "pack-quantized")
+    diff = float(np.abs(ours - ref).max())
+    assert diff <= TOL, (fmt, diff)
+
+
+def test_a_quantized_head_and_a_dlm_jax_save_reload_bit_for_bit(tmp_path):
+    path = ct_checkpoint(tmp_path / "ct", "W8A16", ignore=())
+    model, ours = _ours(path)
+    assert model.quant == "int8-g16" and model.quant_head and type(model.lm_head).__name__ == "QuantLinear"
+    np.testing.assert_allclose(ours, _transformers(path), atol=TOL)
+    dlm_jax.save_pretrained(model, tmp_path / "saved")
+    again, theirs = _ours(tmp_path / "saved")
+    assert again.quant == "int8-g16" and again.quant_head
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("cols", [4, 10, 32])
+def test_unpacking_is_compressed_tensors_own(cols):
+    values = torch.randint(-128, 128, (3, cols), dtype=torch.int8)
+    packed = pack_to_int32(values, 8)
+    ours = unpack_int8(packed.numpy(), np.array([3, cols]), what="w")
+    np.testing.assert_array_equal(ours, unpack_from_int32(packed, 8, torch.Size([3, cols])).numpy())
+    np.testing.assert_array_equal(ours, values.numpy())
+
+
+def _edit(path: Path, change) -> None:
+    data = json.loads((path / "config.json").read_text())
+    change(data["quantization_config"])
+    (path / "config.json").write_text(json.dumps(data))
+
+
+def _group(qc: dict) -> dict:
+    return next(iter(qc["config_groups"].values()))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda qc: _group(qc)["weights"].update(num_bits=4), "4-bit weights are not supported"),
+    (lambda qc: _group(qc)["weights"].update(symmetric=False), "asymmetric weights"),
+    (lambda qc: _group(qc)["weights"].update(actorder="group"), "activation-ordered groups"),
+    (lambda qc: _group(qc)["weights"].update(strategy="tensor_group"), "strategy 'tensor_group' is not supported"),
+    (lambda qc: _group(qc).update(input_activations={"dynamic": False, "num_bits": 8, "type": "float",
+                                                      "strategy": "tensor"}), "static activation quantization"),
+    (lambda qc: _group(qc).update(format="nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized' is not supported"),
+    (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config is set"),
+    (lambda qc: qc["config_groups"].update(group_1={**copy.deepcopy(_group(qc)), "weights": {
+        **_group(qc)["weights"], "group_size": 32}}), "2 different weight schemes"),
+    (lambda qc: qc.update(quant_method="gptq"), "quant_method='gptq' is not supported"),
+])
+def test_compressed_tensors_refusals_are_one_line(change, match, tmp_path):
+    path = ct_checkpoint(tmp_path / "ct", "W8A16")
+    _edit(path, change)
+    with pytest.raises(ConfigError, match=match) as e:
+        dlm_jax.load_pretrained(path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_packed_weight_of_the_wrong_shape_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = ct_checkpoint(tmp_path / "ct", "W8A16")
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight_packed"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor '{name}': int32 .48, 7., expected int32 .48, 8."):
+        dlm_jax.load_pretrained(path)
+
+
+@pytest.mark.parametrize("ignore", [("lm_head",), ()])
+def test_plan_counts_the_bytes_a_pre_quantized_checkpoint_loads_into(ignore, tmp_path, capsys):
+    """`dlm-jax plan` (and the memory check of a mesh load) counts the head as stored: float
+    where the checkpoint keeps it float, quantized where it has scales."""
+    from dlm_jax.frontends.cli import main
+    from dlm_jax.models.quant import weight_bytes
+
+    path = ct_checkpoint(tmp_path / "ct", "W8A16", ignore=ignore)
+    assert main(["plan", "--model", str(path), "--devices", "1", "--memory", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["quant"] == "int8-g16"
+    assert out["meshes"][0]["weights_bytes"] == weight_bytes(dlm_jax.load_pretrained(path))
