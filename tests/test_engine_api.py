@@ -88,6 +88,7 @@ def test_a_background_engine_serves_requests_from_many_threads():
     assert engine.stats.admitted == 8 and engine.stats.retired == {"done": 8}
 
 
+@pytest.mark.slow  # (6 s)
 def test_generate_sizes_its_engine_to_the_call(monkeypatch):
     """Every `Model.generate` call allocated and zeroed an engine cache as large as the model
     allows (64 rows of 512 slots for the shipped tiny model), one prompt or many: 60% of a

@@ -66,6 +66,7 @@ def _leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
 
 
+@pytest.mark.slow  # (7 s; the other interrupts stay in the default pass)
 def test_generate_ends_on_one_line_after_an_outside_sigint(tmp_path):
     """As `timeout -s INT 12 dlm-jax generate ...` does: the signal from another process, once
     the first block's text is out (one prompt streams its blocks as they commit)."""

@@ -66,6 +66,7 @@ def test_the_run_reports_every_case_and_pair(tmp_path):
     assert "| gate_up | int8 | 32 |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size
 
 
+@pytest.mark.slow  # (3 s: a benchmark script's run, as the others')
 def test_a_probe_cut_short_keeps_the_pairs_it_finished(tmp_path, monkeypatch):
     """A lease part ends at its time limit, killed: the report is written after every pair, so
     the pairs timed before the kill are on disk, marked incomplete (here the third timing dies)."""

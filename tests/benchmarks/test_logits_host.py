@@ -7,12 +7,15 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import logits_host  # noqa: E402
 
 
+@pytest.mark.slow  # (5 s: a benchmark script's run, as the others')
 def test_logits_host_reports_every_case(tmp_path):
     assert logits_host.main(["--vocab", "300", "--rows", "4", "--repeats", "1", "--out", str(tmp_path / "lh")]) == 0
     rep = json.loads((tmp_path / "lh.json").read_text())

@@ -58,6 +58,7 @@ def test_a_failed_background_export_is_not_started_again(cache, monkeypatch):
     assert "names the cache entry" in log and "nothing exported" in log
 
 
+@pytest.mark.slow  # (4 s: an export)
 def test_a_decode_during_a_background_export_equals_the_decodes_after_it(cache, monkeypatch):
     monkeypatch.setenv(BACKGROUND_ENV, "1")
     cfg = dlm_jax.preset("fast-dllm", **CFG)

@@ -188,6 +188,7 @@ def importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+@pytest.mark.slow  # (5 s: two commands in processes of their own)
 def test_cli_export_then_run_never_loads_jax(tmp_path):
     """`dlm-jax export` then `dlm-jax run` in fresh processes: the answer of `generate`, and
     the run process never imports JAX or Flax."""

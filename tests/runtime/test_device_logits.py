@@ -273,6 +273,7 @@ def test_one_program_answers_rows_with_other_options_as_alone():
     np.testing.assert_allclose(together[3][1], 0, atol=1)
 
 
+@pytest.mark.slow  # (6 s; the ISD warm-up's test below and tests/runtime/test_warmup.py stay in the default pass)
 def test_a_warmed_engine_compiles_no_program_for_its_asks(model):
     """`Engine.warmup` runs the programs that answer its configs' asks (proposals sampling or
     not, log-probabilities of any count of slots) at every call size, and the programs of calls
@@ -475,7 +476,8 @@ def test_a_program_for_more_rows_answers_no_call():
     np.testing.assert_array_equal(np.concatenate([g[0] for g in got]).view(np.int32), own[:, 0])
 
 
-@pytest.mark.parametrize("preset", ["isd", pytest.param("ar", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (8 s; ISD's judging beside the step stays in the default pass: the tests above)
+@pytest.mark.parametrize("preset", ["isd", "ar"])
 def test_isd_and_left_to_right_sample_beside_the_step(preset):
     """I-DLM's strict exact rule over argmax drafts needs only the anchors' draws and the mask
     rows' argmax: with the logits on the device it decodes as on the host at T = 0 (with

@@ -141,6 +141,7 @@ def test_bad_suffixes_are_refused_in_one_line(tiny):
             engine.submit("1+1=", suffix=[5] * 200)
 
 
+@pytest.mark.slow  # (7 s: an export; infilling on the JAX executor stays in the default pass)
 def test_the_litert_runner_infills_as_the_jax_executor(tiny, tmp_path, capsys):
     """A bundle exported for dual-cache decodes, run by `dlm-jax run --suffix-text`: the
     completions the JAX executor infills, token for token."""

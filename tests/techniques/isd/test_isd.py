@@ -556,6 +556,7 @@ def test_isd_mistakes_are_one_line_errors(model, argv, message, capsys):
     assert len(err) == 1 and err[0].startswith(message), err
 
 
+@pytest.mark.slow  # (4 s: an export)
 def test_a_bundle_exported_for_isd_decodes_as_the_jax_executor(idlm, tmp_path):
     """`export --preset isd` writes the ISD buckets and records the decoder; the LiteRT runner
     (no JAX) then decodes the bundle's default exactly as the JAX executor does."""

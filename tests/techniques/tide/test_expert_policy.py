@@ -91,6 +91,7 @@ def test_placement_is_lossless_and_never_changes_routing(decoder):
                 np.testing.assert_array_equal(s, r)
 
 
+@pytest.mark.slow  # (4 s)
 def test_loop_accounting_replays_the_placement_over_its_trace(decoder, model):
     """The loop's totals are `ExpertPlacement`'s over the recorded trace, t restarting per
     block; padding rows (bucket and finished requests) carry no assignments."""
