@@ -97,8 +97,10 @@ class NameScheme:
         parts: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}
         for name, shape in shapes.items():
             m = _LAYER.fullmatch(name)
-            suffix = m and m.group(2).removesuffix(QKERNEL_SUFFIX) + (".kernel" if name.endswith(QKERNEL_SUFFIX) else "")
-            if m is None or "#" not in self.layer.get(suffix, ""):
+            if m is None:
+                continue
+            suffix = m.group(2).removesuffix(QKERNEL_SUFFIX) + (".kernel" if name.endswith(QKERNEL_SUFFIX) else "")
+            if "#" not in self.layer.get(suffix, ""):
                 continue
             src = self.sources(f"layers.{m.group(1)}.{suffix}", shape)[0]  # (a quantized kernel's: the float one's)
             fused, k = src.rsplit("#", 1)

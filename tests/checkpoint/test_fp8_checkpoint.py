@@ -169,7 +169,8 @@ def test_fp8_checkpoint_refusals(tmp_path):
     tensors = torch_load(str(tmp_path / "noscale" / "model.safetensors"))
     del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
     torch_save(tensors, str(tmp_path / "noscale" / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"missing quantized tensors \['model.layers.1.self_attn.o_proj.weight_scale_"):
+    missing = r"missing quantized tensors \['model.layers.1.self_attn.o_proj.weight_scale_inv'\]"
+    with pytest.raises(CheckpointError, match=missing):
         dlm_jax.load_pretrained(tmp_path / "noscale")
     # a float parameter stored in float8 (its cast would drop the scale)
     tensors = torch_load(str(tmp_path / "float" / "model.safetensors"))
