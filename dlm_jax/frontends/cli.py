@@ -551,8 +551,15 @@ def _export_gguf(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import dlm_jax
 
+    from dlm_jax._hub import resolve_checkpoint
+    from dlm_jax.checkpoint._io import stored_quant, stored_quant_head
+
     cfg, family = dlm_jax.load_config(args.model, strict=args.strict)
-    print(json.dumps({"family": family.name, "parameters": dlm_jax.param_count(cfg),
+    path = resolve_checkpoint(args.model)
+    quant = stored_quant(path) if path.is_dir() else None  # stored weight-only quantized: loads so, and only so
+    stored = {"weight_quant": quant} if quant is None or cfg.tie_embeddings else {
+        "weight_quant": quant, "weight_quant_head": stored_quant_head(path)}
+    print(json.dumps({"family": family.name, "parameters": dlm_jax.param_count(cfg), **stored,
                       "config": cfg.to_dict()}, indent=2))
     return 0
 

@@ -179,3 +179,6 @@ def test_plan_counts_the_bytes_a_pre_quantized_checkpoint_loads_into(ignore, tmp
     out = json.loads(capsys.readouterr().out)
     assert out["quant"] == "int8-g16"
     assert out["meshes"][0]["weights_bytes"] == weight_bytes(dlm_jax.load_pretrained(path))
+    assert main(["inspect", "--model", str(path)]) == 0  # and `inspect` says how it is stored
+    out = json.loads(capsys.readouterr().out)
+    assert (out["family"], out["weight_quant"], out["weight_quant_head"]) == ("qwen3", "int8-g16", not ignore)
