@@ -38,7 +38,7 @@ DEADLINE = 60.0  # seconds any one wait on the server may take
 class LiveServer:
     """`build_app(service)` under uvicorn on a thread, listening on 127.0.0.1:<free port>."""
 
-    def __init__(self, service: srv.Service):
+    def __init__(self, service: srv.Service, *, ready_timeout: float = DEADLINE):
         import uvicorn
 
         self.service = service
@@ -47,7 +47,7 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(srv.build_app(service), log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        wait_until(lambda: _health(self.url) == 200, what="the server to be ready")
+        wait_until(lambda: _health(self.url) == 200, what="the server to be ready", timeout=ready_timeout)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -609,8 +609,8 @@ def test_an_infill_warm_up_leaves_suffix_requests_nothing_to_compile():
         model = dlm_jax.load(TINY, executor="jax")
         service = srv.Service(model, dlm_jax.preset("fast-dllm", gen_len=32), name=NAME, max_batch=2,
                               max_tokens=56, warmup_infill=infill)
-        live = LiveServer(service)  # (healthy once warm)
-        try:
+        live = LiveServer(service, ready_timeout=5 * DEADLINE)  # (healthy once warm: in the slow pass, its
+        try:  # programs compile as users' do, a minute or more on two cores)
             client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE)
             new = []
             for suffix, n in ((" 99", 32), (" 1 2 3", 32), (" 99", 5), (" 1 2 3", 13), (" 1", 31)):
