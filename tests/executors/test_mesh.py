@@ -93,7 +93,8 @@ def test_every_preset_on_tensor_parallel_meshes(tp):
 
 EXPERT_CASES = [
     {"model": "models/moe-tiny", "mesh": "ep=2", "presets": BIDIRECTIONAL},
-    {"model": "models/moe-tiny", "mesh": "ep=4", "presets": BIDIRECTIONAL},
+    {"model": "models/moe-tiny", "mesh": "ep=4", "presets": BIDIRECTIONAL}]
+EXPERT_MORE_CASES = [
     {"model": "models/moe-tiny", "mesh": "ep=4,tp=2", "presets": ["fast-dllm", "fast-dllm-dual"]},
     # routed rows exchanged with all-to-all instead of every device computing its experts for all rows
     {"model": "models/moe-tiny", "mesh": "ep=4", "exchange": "all_to_all", "presets": ["fast-dllm", "llada-cpp"]},
@@ -134,12 +135,12 @@ DATA_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cases", [EXPERT_CASES, QUANT_CASES, QUANT_DENSE_CASES, DATA_CASES],
-                         ids=["expert", "quantized", "quantized-dense", "data"])
+@pytest.mark.parametrize("cases", [EXPERT_CASES, EXPERT_MORE_CASES, QUANT_CASES, QUANT_DENSE_CASES, DATA_CASES],
+                         ids=["expert", "expert-more", "quantized", "quantized-dense", "data"])
 def test_every_preset_on_expert_and_data_parallel_meshes(cases):
     """Every case's tokens and NFE equal one device's and each device holds the planner's bytes.
-    (Four driver runs: as one, a fresh clone's slow pass ran past the driver's 600 s, and the
-    quantized cases' run alone reached it on a slower machine.)"""
+    (Five driver runs: as one, a fresh clone's slow pass ran past the driver's 600 s, and the
+    expert and quantized cases' runs each reached it on a slower machine.)"""
     report = drive({"devices": 8, "cases": cases})
     assert_same(report)
     assert_bytes(report)
