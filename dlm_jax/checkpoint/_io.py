@@ -230,7 +230,7 @@ def stored_quant_head(path: str | os.PathLike) -> bool:
 
 def _stored_quant_head(data: dict[str, Any], path: Path) -> bool:
     """Whether a checkpoint stored quantized holds its untied head quantized too (config.json
-    `weight_quant_head`, written False for a model loaded from an FP8 checkpoint whose head is
+    `weight_quant_head`, written False for a model loaded from a pre-quantized checkpoint whose head is
     float; default True)."""
     head = data.get("weight_quant_head", True) if data.get("model_type") == "dlm_jax" else True
     if not isinstance(head, bool):
@@ -352,7 +352,8 @@ def _plan(path: Path, cfg: ModelConfig, family: Family, shapes: Mapping[str, tup
     """Parameter name -> its checkpoint tensors, every header, name and shape checked (a fused
     tensor's row blocks stand for its parts, see `NameScheme.split`); the parameters named in
     `quantized` hold int8 / float8 kernels (`NameScheme.sources`, their names with `qsuffix`),
-    the others float ones; `also_used`: tensors read by other means (an FP8 checkpoint's scales)."""
+    the others float ones; `also_used`: tensors read by other means (a pre-quantized
+    checkpoint's scales and packed weights)."""
     infos = family.scheme.split(_tensor_index(path) if index is None else index, shapes)
     used: set[str] = set(also_used)
     missing: list[str] = []
@@ -439,7 +440,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
                                   f"not {fam.name!r}")
         config["weight_quant"] = quant
         if not getattr(model, "quant_head", True) and not model.config.tie_embeddings:
-            config["weight_quant_head"] = False  # (loaded from an FP8 checkpoint with a float head)
+            config["weight_quant_head"] = False  # (loaded from a pre-quantized checkpoint with a float head)
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path}: already exists (pass overwrite=True to replace it)")
     extra = dict(extra_files or {})
