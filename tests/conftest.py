@@ -82,9 +82,54 @@ LONGEST_FILES = ("tests/test_docs.py",  # 67 s
                  "tests/runtime/test_infill.py")  # 10 s
 
 
+# The slow pass's longest tests, first (a prefix of their ids; measured with --durations=0 on 2
+# cores, 2026-12-02, seconds of one worker). .ci/run hands the slow pass's tests to its workers
+# one at a time (--dist load --maxschedchunk 1): longest first, the two workers end together
+# (as whole files they did not: the mesh tests' 1,200 s kept one worker busy long after the other
+# had run out of work, and CI's 90 minutes ran out).
+SLOW_LONGEST = ("tests/executors/test_mesh.py::test_every_preset_on_expert_and_data_parallel_meshes",  # 60-330 s
+                "tests/benchmarks/test_quant_jax.py::test_quant_jax_reports_the_floor_beside_int8",  # 280 s
+                "tests/benchmarks/test_tide.py::test_tide_benchmark_reports_its_targets",  # 190 s
+                "tests/benchmarks/test_serve.py::test_small_run_against_the_real_server",  # 160 s
+                "tests/executors/test_mesh.py::test_every_preset_on_tensor_parallel_meshes",  # 45-105 s
+                "tests/executors/test_mesh.py::test_logits_stay_on_a_mesh_of_this_processs_devices",  # 90 s
+                "tests/runtime/test_engine_invariance.py::test_every_preset_is_batch_invariant",  # 5-70 s
+                "tests/test_packaging.py::test_built_wheel_installs_and_demo_uses_the_shipped_model",  # 60 s
+                "tests/test_docs.py::test_console_block[docs/techniques/powerinfer.md:161]",  # 60 s
+                "tests/executors/test_runner.py::test_a_bundle_exported_for_llada_cpp_holds_every_bucket_it_needs",
+                "tests/executors/test_mesh.py::test_two_processes_decode_as_one",  # 55 s
+                "tests/benchmarks/test_powerinfer.py::test_powerinfer_benchmark_runs_and_reports",  # 55 s
+                "tests/techniques/isd/test_isd.py::test_sampled_isd_total_variation_below_one_percent",  # 40-55 s
+                "tests/benchmarks/test_peer.py::test_default_executor_benchmark_compares_the_commands",  # 50 s
+                "tests/runtime/test_device_logits.py::test_an_engine_warmed_for_isd_judges",  # 50 s
+                "tests/runtime/test_resident.py::test_tokens_equal_the_dense_path",  # 1-47 s
+                "tests/benchmarks/test_isd.py::test_isd_benchmark_reports_its_targets",  # 47 s
+                "tests/test_bfloat16.py::test_decodes_in_bfloat16_like_float32",  # 5-42 s
+                "tests/benchmarks/test_serve_start.py::",  # 39 s
+                "tests/test_bfloat16.py::test_decodes_with_a_gpu_s_defaults_like_the_cpu_s",  # 5-36 s
+                "tests/runtime/test_infill.py::test_tides_calibration_probe_decodes_the_suffix_too",  # 36 s
+                "tests/executors/test_mesh.py::test_serve_on_a_mesh_answers_as_one_device",  # 35 s
+                "tests/frontends/test_lmeval.py::test_cli_run_scores_as_dlm_jax_eval",  # 33 s
+                "tests/benchmarks/test_first_decode.py::",  # 20-32 s
+                "tests/test_docs.py::test_training_block",  # 31 s
+                "tests/techniques/tide/test_moe_reduced_precision.py::",  # 25-30 s
+                "tests/frontends/test_server.py::test_infill_and_sampling_warm_ups_together",  # 30 s
+                "tests/executors/test_fused_projections.py::",  # 30 s
+                "tests/techniques/tide/test_expert_policy.py::",  # 20-28 s
+                "tests/runtime/test_device_logits.py::",  # 27 s
+                "tests/executors/test_mesh.py::")  # 15-27 s
+
+
+def _slow_rank(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(SLOW_LONGEST) if nodeid.startswith(prefix)), len(SLOW_LONGEST))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    first = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the rest as collected
+    if config.getoption("--runslow"):
+        items.sort(key=lambda item: _slow_rank(item.nodeid))  # stable: the rest as collected
+    else:
+        first = {name: i for i, name in enumerate(LONGEST_FILES)}
+        items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
     for item in items:
         if "slow" in item.keywords and not config.getoption("--runslow"):
             item.add_marker(pytest.mark.skip(reason="slow: pass --runslow"))
