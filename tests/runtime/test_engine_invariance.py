@@ -16,6 +16,8 @@ from dlm_jax.runtime.decoder import Decoder
 from dlm_jax.runtime.engine import DONE, Engine
 from dlm_jax.training.data import TASKS, make_split
 
+pytestmark = pytest.mark.users_compile  # (invariance in the programs users run: XLA's optimisations reorder sums)
+
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
 # (preset, model, options): every preset on a shipped model it decodes.
