@@ -127,6 +127,7 @@ def test_runs_that_compiled_differently_render_with_a_column_saying_how(tmp_path
     column naming each row's compile setting."""
     argv = ["--shape", "small", "--abstract", "--batches", "1", "--kinds", "prefix", "--at", "0", "7",
             "--threads", "1"]
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # (the test passes set flags of their own: tests/conftest.py)
     assert gpu_step.main([*argv, "--out", str(tmp_path / "a")]) == 0
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
     assert gpu_step.main([*argv, "--out", str(tmp_path / "b")]) == 0
