@@ -55,8 +55,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # codegen (two workers share two cores). Set before any test module imports JAX; the
     # commands tests run inherit them. The slow pass compiles so too, and finds the default
     # pass's programs in the persistent cache (the same models, buckets and presets). Tests whose
-    # claim is about the programs users run (batch invariance, bfloat16's agreement with
-    # float32: XLA's optimisations reorder sums) are marked `users_compile`, and CI runs them once
+    # claim is about the programs users run (batch invariance: XLA's optimisations reorder sums,
+    # and may do so differently for each batch bucket) are marked `users_compile`, and CI runs them once
     # more with --users-compile, which keeps XLA's defaults. jaxlib 0.11 has no classic emitters
     # left, and XLA ends the process at a flag it does not know: the first flag is for older ones.
     if not config.getoption("--users-compile"):

@@ -28,8 +28,6 @@ from dlm_jax.executors.jax_executor import DeviceKVCache, JaxExecutor
 from dlm_jax.runtime.decoder import Decoder
 from dlm_jax.training.data import TASKS, make_split
 
-pytestmark = pytest.mark.users_compile  # (bfloat16's agreement with float32 in the programs users run)
-
 MODELS = Path(__file__).resolve().parents[1] / "models"
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
 GEN = 32
