@@ -88,19 +88,19 @@ LONGEST_FILES = ("tests/test_docs.py",  # 67 s
 
 
 # The slow pass's longest tests, first (a prefix of their ids; measured with --durations=0 on 2
-# cores, 2026-12-02, seconds of one worker). .ci/run hands the slow pass's tests to its workers
+# cores, 2026-12-02, seconds of one worker: XLA's defaults, then the default pass's compile). .ci/run hands the slow pass's tests to its workers
 # one at a time (--dist load --maxschedchunk 1): longest first, the two workers end together
 # (as whole files they did not: the mesh tests' 1,200 s kept one worker busy long after the other
 # had run out of work, and CI's 90 minutes ran out).
 SLOW_LONGEST = ("tests/executors/test_mesh.py::test_every_preset_on_expert_and_data_parallel_meshes",  # 60-330 s
-                "tests/benchmarks/test_quant_jax.py::test_quant_jax_reports_the_floor_beside_int8",  # 280 s
+                "tests/test_docs.py::test_console_block[docs/techniques/powerinfer.md:161]",  # 60-150 s
+                "tests/benchmarks/test_quant_jax.py::test_quant_jax_reports_the_floor_beside_int8",  # 50-100 s
                 "tests/benchmarks/test_tide.py::test_tide_benchmark_reports_its_targets",  # 190 s
                 "tests/benchmarks/test_serve.py::test_small_run_against_the_real_server",  # 160 s
                 "tests/executors/test_mesh.py::test_every_preset_on_tensor_parallel_meshes",  # 45-105 s
                 "tests/executors/test_mesh.py::test_logits_stay_on_a_mesh_of_this_processs_devices",  # 90 s
                 "tests/runtime/test_engine_invariance.py::test_every_preset_is_batch_invariant",  # 5-70 s
                 "tests/test_packaging.py::test_built_wheel_installs_and_demo_uses_the_shipped_model",  # 60 s
-                "tests/test_docs.py::test_console_block[docs/techniques/powerinfer.md:161]",  # 60 s
                 "tests/executors/test_runner.py::test_a_bundle_exported_for_llada_cpp_holds_every_bucket_it_needs",
                 "tests/executors/test_mesh.py::test_two_processes_decode_as_one",  # 55 s
                 "tests/benchmarks/test_powerinfer.py::test_powerinfer_benchmark_runs_and_reports",  # 55 s
