@@ -53,8 +53,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # decodes' own time unchanged): the classic elemental emitters in place of the MLIR fusion
     # emitters, and each program's LLVM module in one piece rather than split for parallel
     # codegen (two workers share two cores). Set before any test module imports JAX; the
-    # commands tests run inherit them. The slow pass compiles so too, and finds the default
-    # pass's programs in the persistent cache (the same models, buckets and presets). Tests whose
+    # commands tests run inherit them. The slow pass compiles so too (about two thirds of its
+    # time under XLA's defaults, measured), and may take the default pass's programs from the
+    # persistent cache, whose keys include these options (hits not counted). Tests whose
     # claim is about the programs users run (batch invariance: XLA's optimisations reorder sums,
     # and may do so differently for each batch bucket) are marked `users_compile`, and CI runs them once
     # more with --users-compile, which keeps XLA's defaults. jaxlib 0.11 has no classic emitters
