@@ -80,7 +80,7 @@ def nudge_one_ulp(model, seed: int = 0) -> int:
     moves the magnitude one ulp up, subtracting 1 one ulp down, for either sign."""
     rng = np.random.default_rng(seed)
     moved = 0
-    for module, name in quantized_weights(model):
+    for _, module, name in quantized_weights(model):
         weight = getattr(module, name)
         param = weight.kernel if isinstance(weight, nnx.Linear) else weight
         w = np.asarray(param[...])

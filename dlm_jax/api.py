@@ -171,10 +171,10 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
     if mesh is not None:  # checked against the config, the devices and their memory before any weight loads
         if executor not in (None, AUTO, "jax"):
             raise ConfigError(f"mesh {mesh}: mesh decoding runs on the JAX executor, not {executor!r}")
-        from dlm_jax.checkpoint._io import stored_quant_head
+        from dlm_jax.checkpoint._io import stored_quant_float
 
-        head = stored_quant_head(path) if stored is not None else True  # (a pre-quantized one's may be float)
-        placement = mesh_placement(path, mesh, expert_slots=expert_slots, quant=quant, quant_head=head, **overrides)
+        keep = stored_quant_float(path) if stored is not None else frozenset()  # (a pre-quantized one's float kernels)
+        placement = mesh_placement(path, mesh, expert_slots=expert_slots, quant=quant, quant_float=keep, **overrides)
         executor = "jax"
     model = load_pretrained(path, strict=strict, verify=verify, placement=placement, **overrides)
     tokenizer = stored_tokenizer(path)
@@ -231,7 +231,8 @@ def _stored_quant_refusal(path, stored: str, executor: str) -> ConfigError:
 
 
 def mesh_placement(path, mesh, *, expert_slots: int | None = None, quant: str | None = None,
-                   quant_head: bool = True, batch: int = 1, context: int | None = None, **overrides: Any):
+                   quant_float: frozenset[str] = frozenset(), batch: int = 1, context: int | None = None,
+                   **overrides: Any):
     """The `MeshPlacement` a checkpoint at `path` decodes on: `mesh` parsed and checked against
     the checkpoint's config (heads, experts, expert slots), the devices JAX sees, and their
     memory (the planner's per-device share of the weights, a K/V cache of `batch` rows of
@@ -253,5 +254,5 @@ def mesh_placement(path, mesh, *, expert_slots: int | None = None, quant: str | 
     memory = device_memory(placement)
     if memory is not None:
         check_fits(config, shape, memory_bytes=memory, batch=batch,
-                   context=min(context or 256, config.max_seq_len), quant=quant, quant_head=quant_head)
+                   context=min(context or 256, config.max_seq_len), quant=quant, quant_float=quant_float)
     return placement

@@ -72,14 +72,14 @@ def cache_slots(config: ModelConfig, context: int) -> int:
     return size if size <= top else max(top, context)
 
 
-def _grouped(config: ModelConfig, quant: str | None, quant_head: bool = True) -> Counter:
+def _grouped(config: ModelConfig, quant: str | None, quant_float: frozenset[str] = frozenset()) -> Counter:
     """(name with its layer index as `*`, shape, dtype) -> how many parameters have them: the
     rules do not read the layer index, so each group is split alike (and a 100B MoE's ~500
     parameters become ~30 groups)."""
     from dlm_jax.models._params import param_shapes  # (imports JAX)
 
     return Counter((_LAYER.sub("layers.*.", name), tuple(s.shape), np.dtype(s.dtype).name)
-                   for name, s in param_shapes(config, quant=quant, quant_head=quant_head).items())
+                   for name, s in param_shapes(config, quant=quant, quant_float=quant_float).items())
 
 
 def _weights(config: ModelConfig, groups: Counter, mesh: MeshShape) -> tuple[int, tuple[str, ...]]:
@@ -98,11 +98,11 @@ def _weights(config: ModelConfig, groups: Counter, mesh: MeshShape) -> tuple[int
 
 
 def weight_bytes_per_device(config: ModelConfig, mesh: MeshShape | str, *, quant: str | None = None,
-                            quant_head: bool = True) -> int:
+                            quant_float: frozenset[str] = frozenset()) -> int:
     """The parameter bytes each device of `mesh` holds: every parameter of `param_shapes` (in its
-    stored dtype; `quant`: int8 / fp8 kernels and their float32 scales, the untied head float
-    unless `quant_head`) divided by how many ways `leaf_axes` splits it."""
-    return _weights(config, _grouped(config, quant, quant_head), MeshShape.parse(mesh))[0]
+    stored dtype; `quant`: int8 / fp8 kernels and their float32 scales, but the weights named in
+    `quant_float`) divided by how many ways `leaf_axes` splits it."""
+    return _weights(config, _grouped(config, quant, quant_float), MeshShape.parse(mesh))[0]
 
 
 def _local_rows(mesh: MeshShape, batch: int) -> int:
@@ -286,10 +286,11 @@ def _mesh_plan(config: ModelConfig, groups: Counter, mesh: MeshShape, *, usable:
 
 
 def plan(config: ModelConfig, *, devices: int, memory_gib: float, batch: int = 1, context: int | None = None,
-         quant: str | None = None, quant_head: bool = True) -> Plan:
+         quant: str | None = None, quant_float: frozenset[str] = frozenset()) -> Plan:
     """Plan `config` on `devices` devices of `memory_gib` GiB each, of which the `usable_fraction`
     counts, for `batch` rows of `context` positions (default: the model's max_seq_len); `quant`:
-    weights quantized so (the untied head float unless `quant_head`)."""
+    weights quantized so (but those named in `quant_float`: a pre-quantized checkpoint's float
+    kernels, `dlm_jax.models.quant.quantize`'s keep)."""
     t0 = time.perf_counter()
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ConfigError(f"devices={devices!r} must be a whole number >= 1")
@@ -299,7 +300,7 @@ def plan(config: ModelConfig, *, devices: int, memory_gib: float, batch: int = 1
     _check_request(config, batch=batch, context=context)
     fraction = usable_fraction()
     usable = int(memory_gib * GIB * fraction)
-    groups = _grouped(config, quant, quant_head)
+    groups = _grouped(config, quant, frozenset(quant_float))
     meshes, refused = [], []
     for mesh in _meshes(devices):
         try:
@@ -315,14 +316,14 @@ def plan(config: ModelConfig, *, devices: int, memory_gib: float, batch: int = 1
 
 
 def check_fits(config: ModelConfig, mesh: MeshShape | str, *, memory_bytes: int, batch: int, context: int,
-               quant: str | None = None, quant_head: bool = True) -> MeshPlan:
+               quant: str | None = None, quant_float: frozenset[str] = frozenset()) -> MeshPlan:
     """`mesh`'s plan, refusing in one line (ConfigError) a mesh the model's heads or experts do not
     allow or whose bytes per device exceed `memory_bytes` (what each device has for the decode)."""
     mesh = MeshShape.parse(mesh)
     mesh.check(config)
     _check_request(config, batch=batch, context=context)
-    p = _mesh_plan(config, _grouped(config, quant, quant_head), mesh, usable=memory_bytes, batch=batch, context=context,
-                   quant=quant)
+    p = _mesh_plan(config, _grouped(config, quant, frozenset(quant_float)), mesh, usable=memory_bytes, batch=batch,
+                   context=context, quant=quant)
     if not p.fits:
         raise ConfigError(
             f"mesh {full_name(mesh)} does not fit: it needs {_size(p.total)} per device (weights {_size(p.weights)}, "

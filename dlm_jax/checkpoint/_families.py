@@ -457,7 +457,8 @@ def _parse_native(fam: Family, r: _Reader) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise ConfigError(f"{r.source}: format_version={version} is not supported (expected {FORMAT_VERSION})")
     r.get("weight_quant")  # the stored weights' quantization: read and checked by `_io.stored_quant`
-    r.get("weight_quant_head")  # ... and whether it covers the untied head (`_io._stored_quant_head`)
+    r.get("weight_quant_head")  # ... whether it covers the untied head (an earlier version's key) ...
+    r.get("weight_quant_float")  # ... and the weights it leaves float (`_io._stored_quant_float`)
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     kw = {k: r.get(k) for k in r.data if k in known}
     if "dense_layers" in kw:

@@ -207,35 +207,70 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
     prequantized = _prequantized.layout(data, str(path / CONFIG_NAME))
     if prequantized is not None:
         return _load_prequantized(path, cfg, family, prequantized, place)
-    quant, head = stored_quant(path), _stored_quant_head(data, path)
-    specs = param_shapes(cfg, quant=quant, quant_head=head)
+    quant, keep = stored_quant(path), _stored_quant_float(data, path)
+    specs = param_shapes(cfg, quant=quant, quant_float=keep)
     quantized = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) in _QUANT_DTYPES)
     plan = _plan(path, cfg, family, {name: tuple(s.shape) for name, s in specs.items()}, quantized=quantized)
     params = _stream.load_params(plan, {name: s.dtype for name, s in specs.items()}, place=place)
-    return model_from_params(cfg, params, quant=quant, quant_head=head)
+    return model_from_params(cfg, params, quant=quant, quant_float=keep)
 
 
-def stored_quant_head(path: str | os.PathLike) -> bool:
-    """Whether the checkpoint directory `path`, stored quantized (`stored_quant`), holds its
-    untied output head quantized too (a pre-quantized checkpoint's head is float unless it has
-    scales; True for a float checkpoint, which `quant=` quantizes whole)."""
+def stored_quant_float(path: str | os.PathLike) -> frozenset[str]:
+    """The weights that the checkpoint directory `path`, stored quantized (`stored_quant`), holds
+    in float although dlm-jax's quantization covers them (`dlm_jax.models.quant.quantized_weights`'
+    names: "lm_head", "layers.1.ffn.gate"): a pre-quantized checkpoint's kernels without scales,
+    the head by default. Empty for a float checkpoint, which `quant=` quantizes whole."""
     path = Path(path)
     data = _read_json(path / CONFIG_NAME)
     prequantized = _prequantized.layout(data, str(path / CONFIG_NAME))
     if prequantized is None:
-        return _stored_quant_head(data, path)
-    head = family_for(data, source=str(path / CONFIG_NAME)).scheme.top["lm_head.kernel"]
-    return head + prequantized.scale_suffix in _tensor_index(path)
+        return _stored_quant_float(data, path)
+    cfg, family = load_config(path)
+    return _prequantized_float(path, cfg, family, prequantized, _tensor_index(path))
 
 
-def _stored_quant_head(data: dict[str, Any], path: Path) -> bool:
-    """Whether a checkpoint stored quantized holds its untied head quantized too (config.json
-    `weight_quant_head`, written False for a model loaded from a pre-quantized checkpoint whose head is
-    float; default True)."""
-    head = data.get("weight_quant_head", True) if data.get("model_type") == "dlm_jax" else True
+def _stored_quant_float(data: dict[str, Any], path: Path) -> frozenset[str]:
+    """The weights a dlm-jax checkpoint stored quantized holds in float (config.json
+    `weight_quant_float`, written for a model loaded from a pre-quantized checkpoint with float
+    kernels; `weight_quant_head: false`, an earlier version's, is ["lm_head"])."""
+    if data.get("model_type") != "dlm_jax":
+        return frozenset()
+    head = data.get("weight_quant_head", True)
     if not isinstance(head, bool):
         raise ConfigError(f"{path / CONFIG_NAME}: weight_quant_head={head!r}: expected true or false")
-    return head
+    names = data.get("weight_quant_float", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{path / CONFIG_NAME}: weight_quant_float={names!r}: expected a list of weight names")
+    return frozenset(names) | (frozenset() if head else frozenset({"lm_head"}))
+
+
+def _prequantized_float(path: Path, cfg: ModelConfig, family: Family, layout: _prequantized.Layout,
+                        index: Mapping[str, Any]) -> frozenset[str]:
+    """The weights dlm-jax quantizes (`quantized_weights`) that a pre-quantized checkpoint stores
+    in float: its tensors have no scales beside them and a float dtype (`ignore` /
+    `modules_to_not_convert`: the head by default; a model's experts, which llm-compressor leaves
+    float where transformers holds them fused). A weight stored in several tensors (experts, a
+    fused projection) must be quantized in all or none."""
+    from dlm_jax.models._params import _abstract_model
+    from dlm_jax.models.quant import quantized_weights
+
+    shapes = {name: tuple(s.shape) for name, s in param_shapes(cfg).items()}
+    out = set()
+    for weight, _, _ in quantized_weights(_abstract_model(cfg)):
+        param = weight + ".kernel" if weight + ".kernel" in shapes else weight
+        bases = sorted({src.partition("#")[0] for src in family.scheme.sources(param, shapes[param])})
+        stored = [b + layout.scale_suffix in index or (b + "_packed" in index if layout.packed else
+                                                         b in index and np.dtype(index[b].dtype) in _QUANT_DTYPES)
+                  for b in bases]  # (a quantized weight without its scales: named missing below)
+        if all(stored):
+            continue
+        if any(stored):
+            raise CheckpointError(f"{path}: {weight!r} is stored partly quantized ({sum(stored)} of its "
+                                  f"{len(bases)} tensors, {bases[stored.index(True)]!r} quantized, "
+                                  f"{bases[stored.index(False)]!r} not); dlm-jax holds a weight whole, "
+                                  f"quantized or float")
+        out.add(weight)
+    return frozenset(out)
 
 
 def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _prequantized.Layout,
@@ -245,9 +280,9 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
     ones unpacked on the host), its scales reshaped to dlm-jax's."""
     index = _tensor_index(path)
     scheme = family.scheme
-    head = not cfg.tie_embeddings and scheme.top["lm_head.kernel"] + layout.scale_suffix in index
+    keep = _prequantized_float(path, cfg, family, layout, index)
     try:
-        specs = param_shapes(cfg, quant=layout.mode, quant_head=head)
+        specs = param_shapes(cfg, quant=layout.mode, quant_float=keep)
     except ConfigError as e:  # a kernel's input width neither a multiple of the group nor at most it
         raise ConfigError(f"{path}: its quantization ({layout.strategy}"
                           + (f" {list(layout.block)}" if layout.block else "") + f") does not fit this model ({e})"
@@ -311,7 +346,7 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
             put(kernel, np.ascontiguousarray(_names.from_layout(_names.layout(kernel), np.stack(kernels) if stacked
                                                                 else kernels[0])))
     params.update(_stream.load_params(plan, {name: specs[name].dtype for name in plan}, place=place))
-    return model_from_params(cfg, params, quant=layout.mode, quant_head=head)
+    return model_from_params(cfg, params, quant=layout.mode, quant_float=keep)
 
 
 # The dtypes of weight-only quantized kernels (`dlm_jax.models.quant`): int8, float8_e4m3fn.
@@ -439,8 +474,9 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
             raise CheckpointError(f"a weight-only quantized model ({quant}) saves only with family='dlm_jax', "
                                   f"not {fam.name!r}")
         config["weight_quant"] = quant
-        if not getattr(model, "quant_head", True) and not model.config.tie_embeddings:
-            config["weight_quant_head"] = False  # (loaded from a pre-quantized checkpoint with a float head)
+        keep = sorted(getattr(model, "quant_float", ()))
+        if keep:
+            config["weight_quant_float"] = keep  # (loaded from a pre-quantized checkpoint with float kernels)
     if path.exists() and not overwrite:
         raise CheckpointError(f"{path}: already exists (pass overwrite=True to replace it)")
     extra = dict(extra_files or {})

@@ -28,8 +28,10 @@ int8 bytes load as they are (packed ones are unpacked on the host); only the sca
 shape, on the host (they are a small fraction of the weights).
 
 Kernels the checkpoint keeps in float (`modules_to_not_convert`, `ignore`; the output head by
-default): an untied output head stays float; any other kernel that dlm-jax quantizes is
-refused. Also refused, each in one line: another quant method, fewer or more than 8 bits,
+default; a Qwen3-MoE's experts, which compressed-tensors leaves float where transformers holds
+them fused) stay float (`dlm_jax.checkpoint._io._prequantized_float`, `quantize(keep=...)`); a
+weight stored quantized in some of its tensors and float in others is refused. Also refused,
+each in one line: another quant method, fewer or more than 8 bits,
 e5m2, asymmetric weights (zero points), activation-ordered groups, static activation scales,
 ue8m0 scales, FP4 experts, several weight schemes in one model, sparsity and transforms,
 quantized embeddings, and an input width that is neither a multiple of the group nor at most it.

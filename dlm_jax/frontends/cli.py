@@ -552,13 +552,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import dlm_jax
 
     from dlm_jax._hub import resolve_checkpoint
-    from dlm_jax.checkpoint._io import stored_quant, stored_quant_head
+    from dlm_jax.checkpoint._io import stored_quant, stored_quant_float
 
     cfg, family = dlm_jax.load_config(args.model, strict=args.strict)
     path = resolve_checkpoint(args.model)
     quant = stored_quant(path) if path.is_dir() else None  # stored weight-only quantized: loads so, and only so
-    stored = {"weight_quant": quant} if quant is None or cfg.tie_embeddings else {
-        "weight_quant": quant, "weight_quant_head": stored_quant_head(path)}
+    stored = {"weight_quant": quant} if quant is None else {
+        "weight_quant": quant, "weight_quant_float": sorted(stored_quant_float(path))}
     print(json.dumps({"family": family.name, "parameters": dlm_jax.param_count(cfg), **stored,
                       "config": cfg.to_dict()}, indent=2))
     return 0
@@ -574,7 +574,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dlm_jax.planner import format_plan, plan, read_config
 
     from dlm_jax._hub import resolve_checkpoint
-    from dlm_jax.checkpoint._io import CONFIG_NAME, stored_quant, stored_quant_head
+    from dlm_jax.checkpoint._io import CONFIG_NAME, stored_quant, stored_quant_float
 
     cfg, family = read_config(args.model, strict=args.strict)
     if args.dtype:  # as `--dtype` loads it on the decode commands
@@ -590,9 +590,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--quant {quant}: {args.model} is stored weight-only quantized as {stored!r}; plan it "
                               f"with --quant {stored} or without --quant")
         quant = stored
-    head = stored_quant_head(directory) if stored is not None else True  # (a pre-quantized one's may be float)
+    keep = stored_quant_float(directory) if stored is not None else frozenset()  # (a pre-quantized one's float kernels)
     result = plan(cfg, devices=args.devices, memory_gib=args.memory, batch=args.batch, context=args.context,
-                  quant=quant, quant_head=head)
+                  quant=quant, quant_float=keep)
     if args.json:
         print(json.dumps({"model": args.model, "family": family, **result.to_dict()}, indent=2))
     else:

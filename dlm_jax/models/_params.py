@@ -45,23 +45,24 @@ class _ShapeOnlyRngs:
 
 
 @functools.lru_cache(maxsize=4)
-def _abstract_model(cfg: ModelConfig, quant: str | None = None, quant_head: bool = True) -> Transformer:
+def _abstract_model(cfg: ModelConfig, quant: str | None = None,
+                    quant_float: frozenset[str] = frozenset()) -> Transformer:
     """The model of `cfg` with `jax.ShapeDtypeStruct`s for arrays (read, never mutated);
-    weight-only quantized to `quant` (`dlm_jax.models.quant.quantize`, the untied head too unless
-    `quant_head` is False) unless None."""
+    weight-only quantized to `quant` (`dlm_jax.models.quant.quantize`, but the weights named in
+    `quant_float`) unless None."""
     def build() -> Transformer:
         model = Transformer(cfg, rngs=_ShapeOnlyRngs())
-        return model if quant is None else quantize(model, quant, head=quant_head)
+        return model if quant is None else quantize(model, quant, keep=quant_float)
 
     return nnx.eval_shape(build)
 
 
 def param_shapes(cfg: ModelConfig, *, quant: str | None = None,
-                 quant_head: bool = True) -> dict[str, jax.ShapeDtypeStruct]:
+                 quant_float: frozenset[str] = frozenset()) -> dict[str, jax.ShapeDtypeStruct]:
     """Name -> shape/dtype of every parameter, without allocating any (of the model quantized
-    to `quant`, int8 / float8 kernels and float32 scales, unless None; `quant_head=False` keeps
-    an untied head float)."""
-    state = nnx.state(_abstract_model(cfg, quant, quant_head), nnx.Param)
+    to `quant`, int8 / float8 kernels and float32 scales, unless None; the weights named in
+    `quant_float`, "lm_head" say, stay float)."""
+    state = nnx.state(_abstract_model(cfg, quant, frozenset(quant_float)), nnx.Param)
     return {_path_name(p): v.get_value() for p, v in nnx.to_flat_state(state)}
 
 
@@ -85,17 +86,17 @@ _STACKED = "layers.block."  # a `StackedLayers`' one block, its arrays [L, ...]
 
 
 def model_from_params(cfg: ModelConfig, params: Mapping[str, np.ndarray | jax.Array], *,
-                      quant: str | None = None, quant_head: bool = True) -> Transformer:
+                      quant: str | None = None, quant_float: frozenset[str] = frozenset()) -> Transformer:
     """Build a model whose parameters are exactly `params` (names and shapes must match).
 
     No random initialisation runs: the module graph is built abstractly and filled in. A
     device array already in the parameter's dtype is used as it is (no copy); anything else is
     converted once (`jnp.asarray`). `quant` ("int8" / "fp8"): the model is weight-only
     quantized (`dlm_jax.models.quant`) and `params` hold its quantized kernels and scales
-    (`param_shapes(cfg, quant=quant)` names them; `quant_head=False`: the untied head float);
-    no float kernel is made.
+    (`param_shapes(cfg, quant=quant, quant_float=quant_float)` names them; the weights named in
+    `quant_float` float); no float kernel is made for the others.
     """
-    graphdef, state = nnx.split(_abstract_model(cfg, quant, quant_head))
+    graphdef, state = nnx.split(_abstract_model(cfg, quant, frozenset(quant_float)))
     flat = []
     expected = set()
     for path, var in nnx.to_flat_state(state):

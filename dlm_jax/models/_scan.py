@@ -71,7 +71,12 @@ def scan_refusal(model: Transformer) -> str | None:
     first = nnx.graphdef(blocks[0])
     for i, b in enumerate(blocks[1:], 1):
         if nnx.graphdef(b) != first:
-            return f"layers 0 and {i} differ in structure ({type(blocks[0].ffn).__name__} / {type(b.ffn).__name__})"
+            kinds = [type(x.ffn).__name__ for x in (blocks[0], b)]
+            if kinds[0] == kinds[1] and getattr(model, "quant_float", None):  # some quantized, some float
+                floats = sorted(getattr(model, "quant_float", ()))
+                return (f"layers 0 and {i} differ in which weights are quantized (the checkpoint keeps "
+                        f"{', '.join(floats[:3])}{', ...' if len(floats) > 3 else ''} float)")
+            return f"layers 0 and {i} differ in structure ({kinds[0]} / {kinds[1]})"
     return None
 
 

@@ -9,7 +9,8 @@ G groups of input rows, N rows.
 dense FFNs and the MoE layers' shared experts (gate/up/down) and the untied output head for a
 `QuantLinear`, and the routed experts' gate/up/down [E, I, O] for int8 / fp8 arrays with [E, O]
 scales (`QuantExperts`, read by the MoE einsums of `dlm_jax.models._transformer`). The embedding
-table, the norms, the router and the biases stay as stored.
+table, the norms, the router and the biases stay as stored, and so does any weight named in
+`quantize(..., keep=...)` (a pre-quantized checkpoint's float kernels: its head, or its experts).
 
 - int8: symmetric per output channel, scale[o] = max_i |W[i, o]| / 127 (1 for a zero column),
   q = round(W / scale) clipped to [-127, 127].
@@ -183,27 +184,31 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
             "qkv_proj", "gate_up_proj")  # the last two: fused (`dlm_jax.models._fuse`)
 
 
-def quantized_weights(model, *, head: bool = True) -> list[tuple[nnx.Module, str]]:
-    """(module, attribute) of every weight `quantize` replaces, in model order: the routed
-    experts' "gate" / "up" / "down" arrays of an MoE layer, then each dense `nnx.Linear` named in
-    `_LINEARS`, then the untied output head ("lm_head" of the model) unless `head` is False."""
-    out: list[tuple[nnx.Module, str]] = []
-    for _, module in list(nnx.iter_modules(model)):
+def quantized_weights(model, *, keep: frozenset[str] = frozenset()) -> list[tuple[str, nnx.Module, str]]:
+    """(name, module, attribute) of every weight `quantize` replaces, the routed experts' "gate" /
+    "up" / "down" arrays of an MoE layer ("layers.1.ffn.gate"), each dense `nnx.Linear` named in
+    `_LINEARS` ("layers.0.attn.q_proj": its parameters are that name's ".kernel" and ".bias") and
+    the untied output head ("lm_head"), but those named in `keep`."""
+    out: list[tuple[str, nnx.Module, str]] = []
+    for path, module in list(nnx.iter_modules(model)):
+        prefix = "".join(f"{p}." for p in path)
         if isinstance(getattr(module, "gate", None), nnx.Param):  # an MoEFFN's routed experts [E, I, O]
-            out += [(module, name) for name in ("gate", "up", "down")]
-        out += [(module, name) for name in _LINEARS if isinstance(getattr(module, name, None), nnx.Linear)]
-    if head and isinstance(model.lm_head, nnx.Linear):
-        out.append((model, "lm_head"))
-    return out
+            out += [(prefix + name, module, name) for name in ("gate", "up", "down")]
+        out += [(prefix + name, module, name) for name in _LINEARS
+                if isinstance(getattr(module, name, None), nnx.Linear)]
+    if isinstance(model.lm_head, nnx.Linear):
+        out.append(("lm_head", model, "lm_head"))
+    return [w for w in out if w[0] not in keep]
 
 
-def quantize(model, mode: str, *, head: bool = True):
+def quantize(model, mode: str, *, keep: frozenset[str] | set[str] | tuple[str, ...] = frozenset()):
     """Quantize `model` (a `dlm_jax.models.Transformer`) in place, weight-only, to `mode`
     ("int8" or "fp8", optionally grouped: "int8-g128"); returns it. See the module docstring
-    (and `quantized_weights`) for which weights; `head=False` keeps an untied output head as
-    stored (`model.quant_head`: a pre-quantized checkpoint that stores its head in float,
-    `dlm_jax.checkpoint._io`). A model whose MoE layers are split (TIDE's expert slots) is
-    refused: its experts live on the host too."""
+    (and `quantized_weights`) for which weights; those named in `keep` ("lm_head",
+    "layers.1.ffn.gate", "layers.0.attn.q_proj") stay as they are: a pre-quantized checkpoint
+    that stores some of them in float (`dlm_jax.checkpoint._io`). `model.quant_float` is then
+    that set, and `model.quant_head` whether an untied head is quantized. A model whose MoE layers
+    are split (TIDE's expert slots) is refused: its experts live on the host too."""
     check_quant(mode)
     if mode is None:
         return model
@@ -212,7 +217,13 @@ def quantize(model, mode: str, *, head: bool = True):
     if getattr(model.layers, "stacked", False):  # a `_scan.StackedLayers` (checked before anything is swapped)
         raise ConfigError(f"quant={mode!r}: the model's layers are stacked for a scan (layers='scan'); quantize "
                           f"before the executor stacks them (dlm_jax.load(..., quant=...))")
-    weights = quantized_weights(model, head=head)
+    keep = frozenset(keep)
+    every = quantized_weights(model)
+    unknown = sorted(keep - {name for name, _, _ in every} - {"lm_head"})  # (a tied head is the embedding's)
+    if unknown:
+        raise ConfigError(f"quant={mode!r}: keep names {unknown[:4]}, which are no weights it quantizes "
+                          f"(e.g. {every[0][0]!r}, 'lm_head')")
+    weights = [(module, name) for n, module, name in every if n not in keep]
     if any(getattr(module, "slot_of", None) is not None for module, _ in weights):
         raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
                           f"quantize before splitting is not built yet; drop one of them")
@@ -229,7 +240,8 @@ def quantize(model, mode: str, *, head: bool = True):
         setattr(module, name, nnx.Param(q))  # the stored weights are dropped here, one tensor at a time
         setattr(module, f"{name}_scale", nnx.Param(scale))
     model.quant = mode
-    model.quant_head = head
+    model.quant_float = keep
+    model.quant_head = "lm_head" not in keep
     return model
 
 

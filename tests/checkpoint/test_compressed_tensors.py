@@ -22,9 +22,10 @@ from compressed_tensors.quantization.utils import calculate_qparams
 
 import dlm_jax
 from dlm_jax._errors import CheckpointError, ConfigError
+from dlm_jax.executors.jax_executor import JaxExecutor
 from dlm_jax.checkpoint._prequantized import unpack_int8
 
-from .hf_models import build, loaded_logits, reference_logits
+from .hf_models import build, loaded_logits, logits, reference_logits
 
 
 IDS = np.random.default_rng(0).integers(0, 96, (2, 13))
@@ -79,6 +80,28 @@ def _ours(path: Path):
     return loaded_logits(path, IDS)
 
 
+def _dequantized(path: Path, kind: str) -> np.ndarray:
+    """transformers' logits of `kind`'s float model (`ct_checkpoint`'s, the same seed) with every
+    weight the checkpoint `path` holds quantized replaced by compressed-tensors' own unpacking and
+    dequantisation of it: the reference where transformers cannot load the checkpoint itself (a
+    Qwen3-MoE whose experts stay float: transformers 5.24 finds none of them to fuse)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors.torch import load_file
+
+    group = _group(json.loads((path / "config.json").read_text())["quantization_config"])
+    args = QuantizationArgs(**group["weights"])
+    tensors = load_file(str(path / "model.safetensors"))
+    model = build(kind)
+    state = model.state_dict()
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        base = name[:-len("_scale")]
+        q = (unpack_from_int32(tensors[base + "_packed"], 8, torch.Size(tensors[base + "_shape"].tolist()))
+             if base + "_packed" in tensors else tensors[base])
+        state[base].copy_(dequantize(q, tensors[name], args=args, dtype=torch.float32))
+    return logits(model, IDS)
+
+
 def _transformers(path: Path) -> np.ndarray:
     return reference_logits(path, IDS, quantization_config=T.CompressedTensorsConfig(run_compressed=False))
 
@@ -96,7 +119,8 @@ def test_compressed_tensors_checkpoint_matches_transformers(preset, weights, mod
     fmt = json.loads((path / "config.json").read_text())["quantization_config"]["format"]
     ref = _transformers(path)
     model, ours = _ours(path)
-    assert model.quant == mode and not model.quant_head  # (the head, ignored, stays float)
+    assert model.quant == mode and model.quant_float == {"lm_head"}  # (the head, ignored, stays float)
+    assert not model.quant_head and type(model.lm_head).__name__ == "Linear"
     q = model.layers[0].attn.q_proj
     assert q.qkernel[...].dtype == (jnp.int8 if mode.startswith("int8") else jnp.float8_e4m3fn), fmt
     assert (stored == "int32") == (fmt == "pack-quantized")
@@ -107,12 +131,59 @@ def test_compressed_tensors_checkpoint_matches_transformers(preset, weights, mod
 def test_a_quantized_head_and_a_dlm_jax_save_reload_bit_for_bit(tmp_path):
     path = ct_checkpoint(tmp_path / "ct", "W8A16", ignore=())
     model, ours = _ours(path)
-    assert model.quant == "int8-g16" and model.quant_head and type(model.lm_head).__name__ == "QuantLinear"
+    assert model.quant == "int8-g16" and model.quant_float == set() and type(model.lm_head).__name__ == "QuantLinear"
     np.testing.assert_allclose(ours, _transformers(path), atol=TOL)
     dlm_jax.save_pretrained(model, tmp_path / "saved")
     again, theirs = _ours(tmp_path / "saved")
     assert again.quant == "int8-g16" and again.quant_head
     np.testing.assert_array_equal(ours, theirs)
+
+
+# compressed-tensors leaves a Qwen3-MoE's experts float: transformers 5 holds them fused, not as the
+# `Linear`s its schemes target (and the recipes' `ignore` names the router); a dense layer's MLP
+# named in `ignore` stays float too. dlm-jax holds those kernels float, the others quantized.
+MOE_FLOAT = {"lm_head", "layers.1.ffn.gate", "layers.1.ffn.up", "layers.1.ffn.down"}
+
+
+@pytest.mark.parametrize("kind,preset,ignore,float_", [
+    ("qwen3_moe", "W8A16", ("lm_head", "re:.*mlp.gate$"), MOE_FLOAT),
+    ("qwen3_moe", "FP8_DYNAMIC", ("lm_head", "re:.*mlp.gate$"), MOE_FLOAT),
+    ("qwen3", "W8A8", ("lm_head", "re:.*layers.1.mlp.*"), {
+        "lm_head", "layers.1.ffn.gate_proj", "layers.1.ffn.up_proj", "layers.1.ffn.down_proj"}),
+])
+def test_kernels_the_checkpoint_keeps_float_stay_float(kind, preset, ignore, float_, tmp_path, capsys):
+    from dlm_jax.frontends.cli import main
+    from dlm_jax.models.quant import weight_bytes
+
+    path = ct_checkpoint(tmp_path / "ct", preset, kind=kind, ignore=ignore)
+    model, ours = _ours(path)
+    assert model.quant_float == float_
+    layer = model.layers[1]
+    assert type(layer.attn.q_proj).__name__ == "QuantLinear"
+    assert type(model.layers[0].ffn.up_proj).__name__ == "QuantLinear"
+    if kind == "qwen3_moe":
+        assert layer.ffn.gate[...].dtype == jnp.float32 and getattr(layer.ffn, "gate_scale", None) is None
+    else:
+        assert type(layer.ffn.up_proj).__name__ == "Linear"
+        with pytest.raises(ConfigError, match="layers 0 and 1 differ in which weights are quantized .the checkpoint "
+                                              "keeps layers.1.ffn.down_proj, "):
+            JaxExecutor(model, layers="scan")
+    ref = _dequantized(path, kind)
+    assert float(np.abs(ref - logits(build(kind), IDS)).max()) > 10 * TOL  # (it is not the float model)
+    if kind == "qwen3":  # (the reference checked against transformers' own loading where it loads)
+        np.testing.assert_allclose(ref, _transformers(path), atol=1e-5)
+    diff = float(np.abs(ours - ref).max())
+    assert diff <= TOL, diff
+    dlm_jax.save_pretrained(model, tmp_path / "saved")  # the float kernels saved float, and named so
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["weight_quant_float"] == sorted(float_)
+    again, theirs = _ours(tmp_path / "saved")
+    assert again.quant == model.quant and again.quant_float == float_
+    np.testing.assert_array_equal(ours, theirs)
+    for source in (path, tmp_path / "saved"):  # `plan` counts them float, `inspect` names them
+        assert main(["plan", "--model", str(source), "--devices", "1", "--memory", "1", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["meshes"][0]["weights_bytes"] == weight_bytes(model)
+        assert main(["inspect", "--model", str(source)]) == 0
+        assert json.loads(capsys.readouterr().out)["weight_quant_float"] == sorted(float_)
 
 
 @pytest.mark.parametrize("cols", [4, 10, 32])
@@ -181,4 +252,4 @@ def test_plan_counts_the_bytes_a_pre_quantized_checkpoint_loads_into(ignore, tmp
     assert out["meshes"][0]["weights_bytes"] == weight_bytes(dlm_jax.load_pretrained(path))
     assert main(["inspect", "--model", str(path)]) == 0  # and `inspect` says how it is stored
     out = json.loads(capsys.readouterr().out)
-    assert (out["family"], out["weight_quant"], out["weight_quant_head"]) == ("qwen3", "int8-g16", not ignore)
+    assert (out["family"], out["weight_quant"], out["weight_quant_float"]) == ("qwen3", "int8-g16", list(ignore))

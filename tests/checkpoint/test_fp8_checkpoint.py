@@ -99,12 +99,48 @@ def test_fp8_saved_by_dlm_jax_reloads_bit_for_bit(tmp_path):
     fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", (16, 16))
     model, ours = _ours(tmp_path / "fp8")
     dlm_jax.save_pretrained(model, tmp_path / "saved")
-    assert json.loads((tmp_path / "saved" / "config.json").read_text())["weight_quant_head"] is False
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["weight_quant_float"] == ["lm_head"]
     again, theirs = _ours(tmp_path / "saved")
     assert again.quant == "fp8-g16" and not again.quant_head
     np.testing.assert_array_equal(ours, theirs)
     with pytest.raises(CheckpointError, match="saves only with family='dlm_jax'"):
         dlm_jax.save_pretrained(model, tmp_path / "hf", family="qwen3")
+
+
+def test_fp8_kernels_kept_float_stay_float(tmp_path):
+    """`modules_to_not_convert` beyond the head: a layer's MLP stays float (transformers leaves it
+    a `Linear`), the rest fp8; experts quantized in some tensors only are refused in one line; a
+    save of an earlier version (`weight_quant_head: false`) still loads with its head float."""
+    build("qwen3").save_pretrained(tmp_path / "float")
+    fp8_checkpoint(tmp_path / "float", tmp_path / "mixed", (16, 16), keep=("lm_head", "model.layers.1.mlp"),
+                   modules_to_not_convert=["lm_head", "model.layers.1.mlp"])
+    model, ours = _ours(tmp_path / "mixed")
+    assert model.quant == "fp8-g16"
+    assert model.quant_float == {"lm_head", "layers.1.ffn.gate_proj", "layers.1.ffn.up_proj", "layers.1.ffn.down_proj"}
+    assert type(model.layers[1].ffn.down_proj).__name__ == "Linear"
+    assert float(np.abs(ours - _transformers(tmp_path / "mixed")).max()) <= TOL
+    dlm_jax.save_pretrained(model, tmp_path / "saved")
+    data = json.loads((tmp_path / "saved" / "config.json").read_text())
+    data.pop("weight_quant_float")
+    data["weight_quant_head"] = False
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(data))
+    (tmp_path / "saved" / "manifest.json").unlink()  # (edited by hand)
+    with pytest.raises(CheckpointError, match=r"missing tensors \['model.layers.1.mlp.down_proj.weight.qkernel', "):
+        dlm_jax.load_pretrained(tmp_path / "saved")  # (its MLP is float: the key no longer says so)
+    fp8_checkpoint(tmp_path / "float", tmp_path / "head", (16, 16))
+    dlm_jax.save_pretrained(_ours(tmp_path / "head")[0], tmp_path / "saved_head")
+    data = json.loads((tmp_path / "saved_head" / "config.json").read_text())
+    assert data.pop("weight_quant_float") == ["lm_head"]
+    data["weight_quant_head"] = False
+    (tmp_path / "saved_head" / "config.json").write_text(json.dumps(data))
+    (tmp_path / "saved_head" / "manifest.json").unlink()
+    assert dlm_jax.load_pretrained(tmp_path / "saved_head").quant_float == {"lm_head"}
+    build("qwen3_moe").save_pretrained(tmp_path / "moe")
+    fp8_checkpoint(tmp_path / "moe", tmp_path / "half", None, keep=("lm_head", "model.layers.1.mlp.experts.0."))
+    with pytest.raises(CheckpointError, match=r"'layers.1.ffn.(gate|up|down)' is stored partly quantized \(3 of its "
+                                              r"4 tensors") as e:
+        dlm_jax.load_pretrained(tmp_path / "half")
+    assert "\n" not in str(e.value)
 
 
 def test_fp8_fused_llada2_rows_straddling_blocks(tmp_path):
@@ -160,10 +196,6 @@ def test_fp8_checkpoint_refusals(tmp_path):
     fp8_checkpoint(tmp_path / "float", tmp_path / "wide", (16, 20))
     with pytest.raises(ConfigError, match=r"its quantization \(block \[16, 20\]\) does not fit this model"):
         dlm_jax.load_pretrained(tmp_path / "wide")
-    # a kernel dlm-jax quantizes kept in float (only the untied head may be)
-    fp8_checkpoint(tmp_path / "float", tmp_path / "mixed", (16, 16), keep=("lm_head", "model.layers.1.mlp"))
-    with pytest.raises(CheckpointError, match="is float32, expected a weight-only quantized kernel"):
-        dlm_jax.load_pretrained(tmp_path / "mixed")
     # a missing scale
     fp8_checkpoint(tmp_path / "float", tmp_path / "noscale", (16, 16))
     tensors = torch_load(str(tmp_path / "noscale" / "model.safetensors"))

@@ -104,9 +104,9 @@ def main() -> None:
             cache.close()
             row = {"model": case["model"], "mesh": case["mesh"], "load": case.get("load", {}), "presets": {},
                    "param_bytes": sorted(per_device.values()), "devices": len(per_device),
-                   "plan_param_bytes": weight_bytes_per_device(mesh.config, shape,
-                                                               quant=getattr(one.model, "quant", None),
-                                                               quant_head=getattr(one.model, "quant_head", True)),
+                   "plan_param_bytes": weight_bytes_per_device(
+                       mesh.config, shape, quant=getattr(one.model, "quant", None),
+                       quant_float=getattr(one.model, "quant_float", frozenset())),
                    "kv_bytes": sorted(kv.values()),
                    "plan_kv_bytes": kv_bytes_per_device(mesh.config, shape, batch=2, context=slots),
                    "total_param_bytes": sum(int(np.asarray(x).nbytes) for x in

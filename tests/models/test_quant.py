@@ -179,15 +179,33 @@ def test_quantized_weights_names_exactly_what_quantize_replaces():
                       dense_layers=(0,), tie_embeddings=False)
     model = dlm_jax.init_model(cfg, seed=0)
     listed = quantized_weights(model)
-    names = [name for _, name in listed]
+    names = [name for _, _, name in listed]
     assert names.count("gate") == names.count("up") == names.count("down") == 1  # the MoE layer's routed experts
     assert names.count("q_proj") == 2 and names.count("down_proj") == 2  # the dense layer's FFN and the shared expert
     assert names[-1] == "lm_head"
+    full = {full for full, _, _ in listed}
+    assert {"layers.1.ffn.gate", "layers.1.ffn.shared.down_proj", "layers.0.attn.q_proj", "lm_head"} <= full
+    params = dlm_jax.get_params(model)  # each name is its weight's parameter (a Linear's: with ".kernel")
+    assert all(f"{n}.kernel" in params or n in params for n in full)
     quantize(model, "int8")
-    replaced = [getattr(module, name) for module, name in listed]
+    replaced = [getattr(module, name) for _, module, name in listed]
     assert all(isinstance(w, QuantLinear) or w[...].dtype == jnp.int8 for w in replaced)
     int8_leaves = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if x.dtype == jnp.int8]
     assert len(int8_leaves) == len(listed)  # nothing else was quantized
+
+
+def test_quantize_keeps_the_weights_named_float():
+    cfg = tiny_config(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=16, n_shared_experts=1,
+                      dense_layers=(0,), tie_embeddings=False)
+    keep = {"lm_head", "layers.1.ffn.gate", "layers.1.ffn.up", "layers.1.ffn.down", "layers.0.attn.o_proj"}
+    model = quantize(dlm_jax.init_model(cfg, seed=0), "int8", keep=keep)
+    assert model.quant_float == keep and not model.quant_head
+    assert type(model.lm_head) is nnx.Linear and type(model.layers[0].attn.o_proj) is nnx.Linear
+    assert isinstance(model.layers[0].attn.q_proj, QuantLinear) and model.layers[1].ffn.gate[...].dtype == jnp.float32
+    assert {name for name, _, _ in quantized_weights(model, keep=keep)}.isdisjoint(keep)
+    with pytest.raises(ConfigError, match=r"^quant='int8': keep names \['layers.1.ffn.router'\], which are no "
+                                          r"weights it quantizes"):
+        quantize(dlm_jax.init_model(cfg, seed=0), "int8", keep={"layers.1.ffn.router"})
 
 
 # (XLA:CPU emulates fp8: the decode's compile takes 5 s)
