@@ -119,7 +119,7 @@ MARKER = "dlm_jax_benchmark.json"  # the recipe a checkpoint was written with
 SIDES = ("fast_dllm", "dlm_jax")
 CACHES = ("prefix", "dual")
 # dlm-jax's weight modes (`dlm_jax.load(quant=...)`; "none": as stored). Fast-dLLM runs unquantized.
-QUANTS = ("none", "int8", "int8-g128", "fp8")  # int8-g128: grouped scales (`quant="int8-g128"`)
+QUANTS = ("none", "int8", "int8-g128", "fp8", "int4-g128")  # -g128: grouped scales (`quant="int8-g128"`)
 SKIPPED = "skipped: time budget"  # a case `--budget-s` left unmeasured
 
 # LLaDA-8B-Instruct's architecture (its config.json) and the tiny twin of `--small`.

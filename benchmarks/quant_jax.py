@@ -4,6 +4,8 @@ weights as stored, on the shipped models.
     .venv/bin/python benchmarks/quant_jax.py --out benchmarks/results/quant_jax
     .venv/bin/python benchmarks/quant_jax.py --variants int8 int8-g32 fp8 fp8-g32 "int8 f32" "int8-g32 f32" \
         --out benchmarks/results/quant_jax_grouped
+    .venv/bin/python benchmarks/quant_jax.py --variants int8-g32 int4-g32 --models llada-tiny moe-tiny --n 50 \
+        --out benchmarks/results/quant_jax_int4
 
 Per shipped model (models/llada-12m, llada-tiny, ar-tiny, idlm-tiny, moe-tiny, sparse-tiny) and variant, all decoded in this
 run on the JAX executor with the default decoder (`dlm_jax.decode_config`: prefix cache,
@@ -22,6 +24,8 @@ there are chaotic.
   alone changes, against float32;
 - int8-g32, fp8-g32, int8-g32 f32: the same with a scale per output channel and group of 32
   input rows (`quant="int8-g32"`): GGUF Q8_0's block size;
+- int4-g32: the bfloat16 model in 4-bit integers, a scale per output channel and group of 32
+  input rows (`quant="int4-g32"`): the layout of GPTQ / AWQ and compressed-tensors' W4A16;
 - bf16 1 ulp: the bfloat16 model with every weight that int8 quantizes
   (`dlm_jax.models.quant.quantized_weights`) moved one unit in the last place of its bfloat16
   value, up or down at random (`nudge_one_ulp`). No weight format that changes these weights
@@ -69,6 +73,7 @@ VARIANTS: dict[str, dict] = {  # name -> dlm_jax.load options
     "int8-g32": {**BF16, "quant": "int8-g32"},  # grouped: a scale per 32 input rows and output channel
     "fp8-g32": {**BF16, "quant": "fp8-g32"},
     "int8-g32 f32": {"quant": "int8-g32"},
+    "int4-g32": {**BF16, "quant": "int4-g32"},  # 4 bits in groups of 32 (GPTQ / AWQ, W4A16's layout)
     NUDGED: BF16,  # and then `nudge_one_ulp`
 }
 

@@ -26,7 +26,7 @@ ROUTER_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # Weight-only quantization the JAX executor applies at load (`dlm_jax.models.quant`): named here,
 # without JAX, so that the command line offers them without importing it.
-WEIGHT_QUANTS: tuple[str, ...] = ("int8", "fp8")
+WEIGHT_QUANTS: tuple[str, ...] = ("int8", "fp8", "int4")
 
 
 def weight_quant_parts(mode: str) -> tuple[str, int | None]:

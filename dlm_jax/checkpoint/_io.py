@@ -211,8 +211,26 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
     specs = param_shapes(cfg, quant=quant, quant_float=keep)
     quantized = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) in _QUANT_DTYPES)
     plan = _plan(path, cfg, family, {name: tuple(s.shape) for name, s in specs.items()}, quantized=quantized)
-    params = _stream.load_params(plan, {name: s.dtype for name, s in specs.items()}, place=place)
+    int4 = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) == _INT4)
+    params = _stream.load_params(plan, {name: np.dtype(np.int8) if name in int4 else s.dtype
+                                        for name, s in specs.items()}, place=place)
+    for name in int4:
+        params[name] = _narrow_int4(params[name], plan[name], name)
     return model_from_params(cfg, params, quant=quant, quant_float=keep)
+
+
+def _narrow_int4(x: jax.Array, infos, name: str) -> jax.Array:
+    """An int4 kernel from the int8 tensors a dlm-jax checkpoint stores it in (safetensors has no
+    4-bit integer type), refusing other dtypes and values outside int4's [-8, 7]."""
+    for info in infos:
+        if info.dtype != np.int8:
+            raise CheckpointError(f"{info.path}: tensor {info.name!r} is {info.dtype}, expected int8 holding "
+                                  f"the int4 kernel {name!r}")
+    lo, hi = int(jax.numpy.min(x)), int(jax.numpy.max(x))
+    if lo < -8 or hi > 7:
+        raise CheckpointError(f"{infos[0].path}: tensor {infos[0].name!r} holds values {lo}..{hi}, outside the "
+                              f"int4 range [-8, 7] of {name!r}")
+    return x.astype(jax.numpy.int4)
 
 
 def stored_quant_float(path: str | os.PathLike) -> frozenset[str]:
@@ -336,21 +354,23 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
             scales.append(_prequantized.expand_scales(index[base + layout.scale_suffix].read(), out=out, inp=inp,
                                                       layout=layout, rows=rows_of(base, k), what=what))
             if layout.packed:
-                kernels.append(_prequantized.unpack_int8(index[base + layout.weight_suffix].read(),
-                                                         index[base + "_shape"].read(),
-                                                         what=f"{path}: tensor {base + layout.weight_suffix!r}"
-                                                         )[rows_of(base, k)])
+                kernels.append(_prequantized.unpack(index[base + layout.weight_suffix].read(),
+                                                    index[base + "_shape"].read(), bits=layout.bits,
+                                                    what=f"{path}: tensor {base + layout.weight_suffix!r}"
+                                                    )[rows_of(base, k)])
         stacked = _names.layout(scale) == _names.STACKED
         put(scale, np.stack(scales) if stacked else scales[0])
         if layout.packed:
             put(kernel, np.ascontiguousarray(_names.from_layout(_names.layout(kernel), np.stack(kernels) if stacked
-                                                                else kernels[0])))
+                                                                else kernels[0]), dtype=specs[kernel].dtype))
     params.update(_stream.load_params(plan, {name: specs[name].dtype for name in plan}, place=place))
     return model_from_params(cfg, params, quant=layout.mode, quant_float=keep)
 
 
-# The dtypes of weight-only quantized kernels (`dlm_jax.models.quant`): int8, float8_e4m3fn.
-_QUANT_DTYPES = (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn))
+# The dtypes of weight-only quantized kernels (`dlm_jax.models.quant`): int8, float8_e4m3fn, int4
+# (stored as int8: safetensors has no 4-bit integer type).
+_INT4 = np.dtype(ml_dtypes.int4)
+_QUANT_DTYPES = (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn), _INT4)
 
 
 def stored_quant(path: str | os.PathLike) -> str | None:
@@ -459,8 +479,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
     every file (size, sha256); the directory and files get the umask's permissions.
 
     A weight-only quantized model (`dlm_jax.models.quant`, `model.quant`) saves only in the
-    `dlm_jax` family: each quantized kernel as its int8 / float8_e4m3fn tensor named as the
-    float kernel's with `.qkernel` appended, and its float32 scales [out] (grouped: [groups,
+    `dlm_jax` family: each quantized kernel as its int8 / float8_e4m3fn tensor (int4: int8) named as
+    the float kernel's with `.qkernel` appended, and its float32 scales [out] (grouped: [groups,
     out], as held) with `.scale`
     (`NameScheme.sources`); config.json records `weight_quant`, and `load_pretrained` builds
     the quantized model from them.
@@ -488,7 +508,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
         quantized = quant is not None and value.dtype in _QUANT_DTYPES
         for src, arr in zip(fam.scheme.sources(name, value.shape, quantized=quantized),
                             _names.to_checkpoint(name, value)):
-            tensors[src] = arr
+            tensors[src] = arr.astype(np.int8) if arr.dtype == _INT4 else arr  # (no int4 in safetensors)
     tensors = fam.scheme.join(tensors)  # fused tensors (LLaDA2.0's query_key_value) from their parts
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _integrity.make_temp_dir(path.parent, prefix=f".{path.name}.tmp-")

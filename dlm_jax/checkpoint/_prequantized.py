@@ -76,7 +76,9 @@ class Layout:
     block: (bo, bi) output rows and input columns of one scale ("block"), or (1, g) ("group").
     weight_suffix: appended to the float weight's name for the stored weight ("_packed").
     scale_suffix: appended to the float weight's name for its scales.
-    packed: int8 values stored four to an int32 (compressed-tensors' pack-quantized).
+    packed: int8 values stored four to an int32, or 4-bit ones eight (compressed-tensors'
+      pack-quantized).
+    bits: the stored weights' bits (8, or 4: held as int4).
     """
 
     mode: str
@@ -85,6 +87,7 @@ class Layout:
     scale_suffix: str
     weight_suffix: str = ""
     packed: bool = False
+    bits: int = 8
 
     @property
     def extra_suffixes(self) -> tuple[str, ...]:
@@ -165,9 +168,10 @@ def _compressed_tensors_layout(qc: dict[str, Any], source: str) -> Layout:
     where = f"{key}.config_groups"
     if fmt not in _CT_FORMATS:
         raise ConfigError(f"{where}: format {fmt!r} is not supported (supported: {', '.join(_CT_FORMATS)})")
-    if bits != 8:
-        raise ConfigError(f"{where}: {bits}-bit weights are not supported: the JAX executor holds 8-bit int8 / "
-                          f"fp8 weights")
+    if bits not in (4, 8) or (bits == 4 and (fmt != "pack-quantized" or wtype != "int")):
+        raise ConfigError(f"{where}: {bits}-bit weights{'' if bits != 4 else f' in format {fmt!r}'} are not "
+                          f"supported: the JAX executor holds 8-bit int8 / fp8 weights and 4-bit int4 ones "
+                          f"(pack-quantized)")
     if wtype != _CT_FORMATS[fmt][0]:
         raise ConfigError(f"{where}: weights of type {wtype!r} in format {fmt!r} are not supported")
     if symmetric is not True:
@@ -179,17 +183,17 @@ def _compressed_tensors_layout(qc: dict[str, Any], source: str) -> Layout:
     if strategy not in _CT_STRATEGIES:
         raise ConfigError(f"{where}: weight strategy {strategy!r} is not supported "
                           f"(supported: {', '.join(_CT_STRATEGIES)})")
-    qfmt = "fp8" if wtype == "float" else "int8"
+    qfmt = "fp8" if wtype == "float" else "int4" if bits == 4 else "int8"
     packed = _CT_FORMATS[fmt][1]
     suffix = "_packed" if packed else ""
     if strategy in ("tensor", "channel"):
-        return Layout(qfmt, strategy, None, "_scale", suffix, packed)
+        return Layout(qfmt, strategy, None, "_scale", suffix, packed, bits)
     if strategy == "group":
         if not isinstance(group, int) or isinstance(group, bool) or group < 2:
             raise ConfigError(f"{where}: group_size={group!r}: expected an integer of at least 2")
-        return Layout(f"{qfmt}-g{group}", "group", (1, group), "_scale", suffix, packed)
+        return Layout(f"{qfmt}-g{group}", "group", (1, group), "_scale", suffix, packed, bits)
     bo, bi = _pair(list(block) or None, f"{where}: block_structure")
-    return Layout(f"{qfmt}-g{bi}", "block", (bo, bi), "_scale", suffix, packed)
+    return Layout(f"{qfmt}-g{bi}", "block", (bo, bi), "_scale", suffix, packed, bits)
 
 
 def expand_scales(scale: np.ndarray, *, out: int, inp: int, layout: Layout, rows: slice,
@@ -218,13 +222,17 @@ def expand_scales(scale: np.ndarray, *, out: int, inp: int, layout: Layout, rows
     return np.ascontiguousarray(np.repeat(s, bo, axis=0)[:out][rows].T)
 
 
-def unpack_int8(packed: np.ndarray, shape: np.ndarray, *, what: str) -> np.ndarray:
-    """The int8 weight [out, in] that compressed-tensors' pack-quantized `packed` [out,
-    ceil(in / 4)] int32 holds (each value plus 128 as one byte, four to a word, the first in the
-    lowest byte), checked against its stored `shape`."""
+def unpack(packed: np.ndarray, shape: np.ndarray, *, bits: int = 8, what: str) -> np.ndarray:
+    """The weight [out, in], as int8, that compressed-tensors' pack-quantized `packed` [out,
+    ceil(in * bits / 32)] int32 holds, checked against its stored `shape`: 8 bits, each value plus
+    128 as one byte, four to a word, the first in the lowest byte; 4 bits, each value plus 8 as
+    one nibble, eight to a word, the first in the lowest nibble (values from -8 to 7)."""
     out, inp = (int(x) for x in np.asarray(shape).reshape(-1))
-    if packed.dtype != np.int32 or packed.shape != (out, -(-inp // 4)):
+    per = 32 // bits
+    if packed.dtype != np.int32 or packed.shape != (out, -(-inp // per)):
         raise CheckpointError(f"{what}: {packed.dtype} {tuple(packed.shape)}, expected int32 "
-                              f"({out}, {-(-inp // 4)}) for a weight of shape ({out}, {inp})")
-    data = np.ascontiguousarray(packed, dtype="<i4").view(np.uint8).reshape(out, -1)[:, :inp]  # (any host order)
-    return (data.astype(np.int16) - 128).astype(np.int8)
+                              f"({out}, {-(-inp // per)}) for a weight of shape ({out}, {inp})")
+    data = np.ascontiguousarray(packed, dtype="<i4").view(np.uint8).reshape(out, -1)  # (any host order)
+    if bits == 4:
+        data = np.stack([data & 0xF, data >> 4], axis=-1).reshape(out, -1)
+    return (data[:, :inp].astype(np.int16) - (1 << (bits - 1))).astype(np.int8)

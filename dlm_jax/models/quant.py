@@ -15,6 +15,10 @@ table, the norms, the router and the biases stay as stored, and so does any weig
 - int8: symmetric per output channel, scale[o] = max_i |W[i, o]| / 127 (1 for a zero column),
   q = round(W / scale) clipped to [-127, 127].
 - fp8: float8_e4m3fn with scale[o] = max_i |W[i, o]| / 448 (its largest finite value).
+- int4: as int8 within [-7, 7], scale[o] = max_i |W[i, o]| / 7, held as JAX's int4 (a
+  pre-quantized checkpoint's may hold -8 too); made for groups ("int4-g32", "int4-g128": the
+  layout of GPTQ / AWQ and compressed-tensors' W4A16), as one scale per channel over 15 steps is
+  coarse.
 - "int8-gK" / "fp8-gK" (grouped): the same within each group of K consecutive input rows,
   scale[g, o] = max over rows gK..gK+K-1 of |W[i, o]| / qmax, so that one large weight coarsens
   only its group's steps (the layout of GPTQ / AWQ groups and GGUF's Q8_0 blocks, K = 32).
@@ -45,8 +49,8 @@ from dlm_jax._config import WEIGHT_QUANTS, weight_quant_parts
 from dlm_jax._errors import ConfigError
 
 QUANT_MODES = WEIGHT_QUANTS
-_QMAX = {"int8": 127.0, "fp8": 448.0}
-_QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+_QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+_QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}
 
 
 def check_quant(mode: str | None) -> None:
@@ -86,7 +90,7 @@ def quantize_kernel(w: jax.Array, *, mode: str) -> tuple[jax.Array, jax.Array]:
     amax = jnp.max(jnp.abs(w32), axis=-2)
     scale = jnp.where(amax > 0, amax / qmax, 1.0)  # a zero column: scale 1, q 0
     y = jnp.clip(w32 / scale[..., None, :], -qmax, qmax).reshape(w.shape)  # w / scale may round past qmax
-    q = jnp.round(y).astype(jnp.int8) if fmt == "int8" else y.astype(jnp.float8_e4m3fn)
+    q = y.astype(jnp.float8_e4m3fn) if fmt == "fp8" else jnp.round(y).astype(_QDTYPE[fmt])
     return q, scale
 
 

@@ -23,7 +23,7 @@ from compressed_tensors.quantization.utils import calculate_qparams
 import dlm_jax
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax.executors.jax_executor import JaxExecutor
-from dlm_jax.checkpoint._prequantized import unpack_int8
+from dlm_jax.checkpoint._prequantized import unpack
 
 from .hf_models import build, loaded_logits, logits, reference_logits
 
@@ -113,6 +113,8 @@ def _transformers(path: Path) -> np.ndarray:
     ("W8A16", None, "int8-g16", "int32"),  # pack-quantized groups
     ("W8A16", {"strategy": "channel", "group_size": None}, "int8", "int32"),  # pack-quantized per channel
     ("W8A16", {"strategy": "tensor", "group_size": None}, "int8", "int32"),  # one scale a tensor
+    ("W4A16", None, "int4-g16", "int32"),  # 4 bits, eight to an int32, in groups: GPTQ's layout
+    ("W4A16", {"strategy": "channel", "group_size": None}, "int4", "int32"),
 ])
 def test_compressed_tensors_checkpoint_matches_transformers(preset, weights, mode, stored, tmp_path):
     path = ct_checkpoint(tmp_path / "ct", preset, weights=weights)
@@ -122,7 +124,8 @@ def test_compressed_tensors_checkpoint_matches_transformers(preset, weights, mod
     assert model.quant == mode and model.quant_float == {"lm_head"}  # (the head, ignored, stays float)
     assert not model.quant_head and type(model.lm_head).__name__ == "Linear"
     q = model.layers[0].attn.q_proj
-    assert q.qkernel[...].dtype == (jnp.int8 if mode.startswith("int8") else jnp.float8_e4m3fn), fmt
+    dtypes = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
+    assert q.qkernel[...].dtype == dtypes[mode.split("-")[0]], fmt
     assert (stored == "int32") == (fmt == "pack-quantized")
     diff = float(np.abs(ours - ref).max())
     assert diff <= TOL, (fmt, diff)
@@ -186,12 +189,13 @@ def test_kernels_the_checkpoint_keeps_float_stay_float(kind, preset, ignore, flo
         assert json.loads(capsys.readouterr().out)["weight_quant_float"] == sorted(float_)
 
 
-@pytest.mark.parametrize("cols", [4, 10, 32])
-def test_unpacking_is_compressed_tensors_own(cols):
-    values = torch.randint(-128, 128, (3, cols), dtype=torch.int8)
-    packed = pack_to_int32(values, 8)
-    ours = unpack_int8(packed.numpy(), np.array([3, cols]), what="w")
-    np.testing.assert_array_equal(ours, unpack_from_int32(packed, 8, torch.Size([3, cols])).numpy())
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("cols", [4, 10, 32, 33])
+def test_unpacking_is_compressed_tensors_own(cols, bits):
+    values = torch.randint(-(1 << bits - 1), 1 << bits - 1, (3, cols), dtype=torch.int8)
+    packed = pack_to_int32(values, bits)
+    ours = unpack(packed.numpy(), np.array([3, cols]), bits=bits, what="w")
+    np.testing.assert_array_equal(ours, unpack_from_int32(packed, bits, torch.Size([3, cols])).numpy())
     np.testing.assert_array_equal(ours, values.numpy())
 
 
@@ -206,7 +210,9 @@ def _group(qc: dict) -> dict:
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda qc: _group(qc)["weights"].update(num_bits=4), "4-bit weights are not supported"),
+    (lambda qc: _group(qc)["weights"].update(num_bits=2), "2-bit weights are not supported"),
+    (lambda qc: (_group(qc)["weights"].update(num_bits=4), _group(qc).update(format="int-quantized")),
+     "4-bit weights in format .int-quantized. are not supported"),
     (lambda qc: _group(qc)["weights"].update(symmetric=False), "asymmetric weights"),
     (lambda qc: _group(qc)["weights"].update(actorder="group"), "activation-ordered groups"),
     (lambda qc: _group(qc)["weights"].update(strategy="tensor_group"), "strategy 'tensor_group' is not supported"),

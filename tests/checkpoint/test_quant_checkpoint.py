@@ -111,6 +111,32 @@ def test_grouped_int8_moe_checkpoint_stores_group_scales_and_round_trips(tmp_pat
     # (bit-for-bit parameters decode alike: the per-channel test above decodes its round trip)
 
 
+def test_int4_moe_checkpoint_stores_int8_tensors_and_round_trips(tmp_path):
+    """int4 kernels (safetensors has no 4-bit integer type) are stored as int8 tensors within
+    [-7, 7] and come back as int4, bit for bit; a stored value outside int4's range is named."""
+    handle, path = _saved(tmp_path, ROOT / "models" / "moe-tiny", "int4-g32")
+    tensors = load_file(path / "model.safetensors")
+    quantized = [k for k in tensors if k.endswith(".qkernel")]
+    assert any(".mlp.experts." in k for k in quantized)
+    assert all(tensors[k].dtype == np.int8 and -7 <= tensors[k].min() and tensors[k].max() <= 7 for k in quantized)
+    loaded = dlm_jax.load(path, executor="jax")
+    assert loaded.model.quant == "int4-g32" and str(loaded.model.layers[0].attn.q_proj.qkernel[...].dtype) == "int4"
+    want, got = get_params(handle.model), get_params(loaded.model)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert want[k].dtype == got[k].dtype and want[k].shape == got[k].shape
+        np.testing.assert_array_equal(np.asarray(want[k], np.float32), np.asarray(got[k], np.float32))
+    name = quantized[0]
+    tensors[name] = tensors[name].copy()
+    tensors[name].flat[0] = 9
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' holds values -?\d+..9, outside the int4 range"):
+        dlm_jax.load(path, executor="jax")
+
+
 def test_quantized_checkpoint_refusals_are_one_line(tmp_path):
     handle, path = _saved(tmp_path, TINY, "int8")
     with pytest.raises(ConfigError, match=r"^quant='fp8': .* is stored weight-only quantized as 'int8'; "

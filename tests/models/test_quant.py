@@ -84,15 +84,34 @@ def test_grouped_int8_matches_a_numpy_reference_and_confines_an_outlier_to_its_g
     np.testing.assert_allclose(s2[0], s1, rtol=1e-6)
 
 
+def test_grouped_int4_matches_a_numpy_reference():
+    """int4: [-7, 7] with scale max|W| / 7 per output channel and group, held as JAX's int4."""
+    rng = np.random.default_rng(4)
+    w = rng.normal(size=(64, 24)).astype(np.float32)
+    w[:32, 3] = 0.0  # a zero group: scale 1, q 0
+    q, scale = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int4-g32"))
+    assert q.dtype == ml_dtypes.int4 and scale.shape == (2, 24)
+    amax = np.abs(w.reshape(2, 32, 24)).max(axis=1)
+    want_scale = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)
+    np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
+    q32 = q.astype(np.int32)
+    want_q = np.clip(np.round(w / np.repeat(want_scale, 32, axis=0)), -7, 7)
+    assert np.abs(q32 - want_q).max() <= 1 and q32.min() >= -7 and q32.max() <= 7
+    assert (q32[:32, 3] == 0).all() and scale[0, 3] == 1.0
+    err = np.abs(q32 * np.repeat(scale, 32, axis=0) - w)
+    assert (err <= np.repeat(scale, 32, axis=0) / 2 * (1 + 1e-5)).all()
+
+
 @pytest.mark.parametrize("text, parts", [("int8", ("int8", None)), ("fp8", ("fp8", None)),
-                                         ("int8-g128", ("int8", 128)), ("fp8-g32", ("fp8", 32))])
+                                         ("int8-g128", ("int8", 128)), ("fp8-g32", ("fp8", 32)),
+                                         ("int4-g32", ("int4", 32)), ("int4", ("int4", None))])
 def test_quant_modes_parse(text, parts):
     from dlm_jax._config import weight_quant_parts
 
     assert weight_quant_parts(text) == parts
 
 
-@pytest.mark.parametrize("text, message", [("int4", "unknown quant 'int4'"), ("int8-g", "unknown quant"),
+@pytest.mark.parametrize("text, message", [("int2", "unknown quant 'int2'"), ("int8-g", "unknown quant"),
                                            ("int8-gx", "unknown quant"), ("int8g32", "unknown quant"),
                                            ("int8-g032", "unknown quant"), ("int8-g1", "at least 2 input rows")])
 def test_quant_modes_refused(text, message):
@@ -102,7 +121,7 @@ def test_quant_modes_refused(text, message):
         weight_quant_parts(text)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8", "int8-g8", "fp8-g16"])
+@pytest.mark.parametrize("mode", ["int8", "fp8", "int8-g8", "fp8-g16", "int4-g8"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_quant_linear_is_x_times_the_dequantised_kernel(mode, dtype):
     linear = nnx.Linear(32, 12, use_bias=True, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -157,6 +176,11 @@ def test_int8_llada_tiny_decodes_as_float32_on_most_prompts():
     got = grouped.generate(prompts, cfg).texts
     same = np.mean([a == b for a, b in zip(want, got)])
     assert same >= 14 / 16, (same, want, got)
+    int4 = dlm_jax.load(ROOT / "models" / "llada-tiny", executor="jax", quant="int4-g32")
+    assert int4.model.layers[0].ffn.down_proj.qkernel[...].dtype == jnp.int4
+    got = int4.generate(prompts, cfg).texts
+    same = np.mean([a == b for a, b in zip(want, got)])
+    assert same >= 14 / 16, (same, want, got)  # measured 16/16 (int4 per channel: 14/16)
 
 
 def test_quantized_executor_leaves_are_int8_and_smaller():
@@ -241,8 +265,8 @@ def test_quantize_refuses_before_it_swaps_anything():
 
 
 def test_quant_refusals_are_one_line():
-    with pytest.raises(ConfigError, match="unknown quant 'int4'"):
-        dlm_jax.load(ROOT / "models" / "llada-tiny", quant="int4")
+    with pytest.raises(ConfigError, match="unknown quant 'int3'"):
+        dlm_jax.load(ROOT / "models" / "llada-tiny", quant="int3")
     with pytest.raises(ConfigError, match="quant='int8' runs on the JAX executor, not 'litert'"):
         dlm_jax.load(ROOT / "models" / "llada-tiny", quant="int8", executor="litert")
     with pytest.raises(ConfigError, match="expert_slots"):
@@ -264,9 +288,9 @@ def test_cli_quant_errors(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: quant='int8' runs on the JAX executor"), err
     with pytest.raises(SystemExit) as e:
-        main([*args, "--quant", "int4"])
+        main([*args, "--quant", "int3"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and "argument --quant: unknown quant 'int4'" in err[-1], err
+    assert e.value.code == 2 and "argument --quant: unknown quant 'int3'" in err[-1], err
     assert main([*args, "--quant", "int8-g48"]) == 2  # 128 input rows: no whole groups of 48
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: quant='int8-g48': Attention.q_proj has 128 input rows"), err
