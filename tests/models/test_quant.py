@@ -271,6 +271,8 @@ def test_quant_refusals_are_one_line():
         dlm_jax.load(ROOT / "models" / "llada-tiny", quant="int8", executor="litert")
     with pytest.raises(ConfigError, match="expert_slots"):
         dlm_jax.load(ROOT / "models" / "moe-tiny", quant="int8", expert_slots=2)
+    with pytest.raises(ConfigError, match=r"^quant='int4-g32' on a mesh \(tp=2\) is not supported yet"):
+        dlm_jax.load(ROOT / "models" / "llada-tiny", quant="int4-g32", mesh="tp=2")
 
 
 def test_a_group_size_that_divides_no_kernel_is_refused_before_anything_is_swapped():
