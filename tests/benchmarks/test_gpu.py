@@ -407,7 +407,7 @@ def test_quant_attention_and_budget_arguments():
     default = gpu.parse_args(["--small"])
     assert (default.quant, default.attention, default.budget_s, default.deadline) == (["none"], None, None, None)
     assert [gpu.case_name(8, "prefix", q) for q in gpu.QUANTS] == ["prefix b8", "prefix b8 int8", "prefix b8 int8-g128",
-                                                                         "prefix b8 fp8"]
+                                                                         "prefix b8 fp8", "prefix b8 int4-g128"]
     assert gpu.row_quant({"case": "dual b1"}) == "none"  # a row written before --quant
     assert gpu.worker_quants({"quants": ["int8", "none", "fp8"]}, second=False) == ["none", "int8", "fp8"]
     assert gpu.worker_quants({"quants": ["int8", "none"]}, second=True) == ["none"]  # the second process: one
