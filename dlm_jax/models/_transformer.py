@@ -819,6 +819,12 @@ class Transformer(nnx.Module):
         self.lm_head = (None if cfg.tie_embeddings else
                         _linear(cfg, cfg.d_model, cfg.embedding_rows, bias=False, rngs=rngs))
 
+    @property
+    def quant_head(self) -> bool:
+        """Whether weight-only quantization (`dlm_jax.models.quant.quantize`) covers the untied
+        head: all but "lm_head" in `quant_float`, the weights it left float."""
+        return "lm_head" not in getattr(self, "quant_float", ())
+
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  mask: jax.Array | None = None, k_cache: jax.Array | None = None,
                  v_cache: jax.Array | None = None,

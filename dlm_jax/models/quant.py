@@ -244,8 +244,7 @@ def quantize(model, mode: str, *, keep: frozenset[str] | set[str] | tuple[str, .
         setattr(module, name, nnx.Param(q))  # the stored weights are dropped here, one tensor at a time
         setattr(module, f"{name}_scale", nnx.Param(scale))
     model.quant = mode
-    model.quant_float = keep
-    model.quant_head = "lm_head" not in keep
+    model.quant_float = keep  # (`model.quant_head` reads it)
     return model
 
 
