@@ -228,7 +228,12 @@ def _narrow_int4(x: jax.Array, infos, name: str) -> jax.Array:
                                   f"the int4 kernel {name!r}")
     lo, hi = int(jax.numpy.min(x)), int(jax.numpy.max(x))
     if lo < -8 or hi > 7:
-        raise CheckpointError(f"{infos[0].path}: tensor {infos[0].name!r} holds values {lo}..{hi}, outside the "
+        for info in infos:  # (a kernel of several tensors, experts say: name the one out of range)
+            data = info.read()
+            if data.size and (int(data.min()) < -8 or int(data.max()) > 7):
+                lo, hi = int(data.min()), int(data.max())
+                break
+        raise CheckpointError(f"{info.path}: tensor {info.name!r} holds values {lo}..{hi}, outside the "
                               f"int4 range [-8, 7] of {name!r}")
     return x.astype(jax.numpy.int4)
 
@@ -354,10 +359,14 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
             scales.append(_prequantized.expand_scales(index[base + layout.scale_suffix].read(), out=out, inp=inp,
                                                       layout=layout, rows=rows_of(base, k), what=what))
             if layout.packed:
-                kernels.append(_prequantized.unpack(index[base + layout.weight_suffix].read(),
-                                                    index[base + "_shape"].read(), bits=layout.bits,
-                                                    what=f"{path}: tensor {base + layout.weight_suffix!r}"
-                                                    )[rows_of(base, k)])
+                q = _prequantized.unpack(index[base + layout.weight_suffix].read(), index[base + "_shape"].read(),
+                                         bits=layout.bits, what=f"{path}: tensor {base + layout.weight_suffix!r}"
+                                         )[rows_of(base, k)]
+                if layout.zero_suffix:  # asymmetric: q - zero, held as int8
+                    q = _prequantized.subtract_zero_points(
+                        q, index[base + layout.zero_suffix].read(), out=out, inp=inp, layout=layout,
+                        rows=rows_of(base, k), what=f"{path}: tensor {base + layout.zero_suffix!r}")
+                kernels.append(q)
         stacked = _names.layout(scale) == _names.STACKED
         put(scale, np.stack(scales) if stacked else scales[0])
         if layout.packed:

@@ -17,7 +17,12 @@ Two layouts, both named by config.json's `quantization_config`:
   packed four to an int32 little-endian, as `<name>_packed` [out, in / 4] beside
   `<name>_shape`). The scales are `<name>_scale`: one per tensor ([1]), per output channel
   ([out, 1]), per output channel and group of `group_size` input columns ([out, in / g]) or
-  per block of `block_structure` [bo, bi] (as fine-grained FP8's).
+  per block of `block_structure` [bo, bi] (as fine-grained FP8's). Asymmetric 4-bit weights
+  (`symmetric: false`: llm-compressor's AWQ and "W4A16_ASYM" output) add `<name>_zero_point`, one
+  per scale, so that `w = (q - zero) * scale`: packed like the weights but along the output
+  rows ([ceil(out / 8), groups] int32) per channel or group, as int8 beside a tensor's or a
+  block's scale. `actorder: "weight"` (alias "static", llm-compressor's GPTQ default) changed
+  only the calibration order: the format is the same as without it.
 
 dlm-jax holds each as one of its own modes: per tensor or per channel as `fp8` / `int8` (one
 scale per output channel; a tensor's scale repeated), a group of g columns as `fp8-gg` /
@@ -25,14 +30,17 @@ scale per output channel; a tensor's scale repeated), a group of g columns as `f
 channels. Every one of those is exact: a decode computes with the checkpoint's own weights,
 the float32 weights transformers' own loading gives (dequantised on a CPU). The stored e4m3 /
 int8 bytes load as they are (packed ones are unpacked on the host); only the scales change
-shape, on the host (they are a small fraction of the weights).
+shape, on the host (they are a small fraction of the weights). Asymmetric 4-bit weights load
+as `int8` / `int8-gg` holding `q - zero` (from -15 to 15: one bit more than int4 holds, so twice
+the bytes of the symmetric int4 layout), subtracted on the host as the weights are unpacked.
 
 Kernels the checkpoint keeps in float (`modules_to_not_convert`, `ignore`; the output head by
 default; a Qwen3-MoE's experts, which compressed-tensors leaves float where transformers holds
 them fused) stay float (`dlm_jax.checkpoint._io._prequantized_float`, `quantize(keep=...)`); a
 weight stored quantized in some of its tensors and float in others is refused. Also refused,
 each in one line: another quant method, fewer or more than 8 bits,
-e5m2, asymmetric weights (zero points), activation-ordered groups, static activation scales,
+e5m2, asymmetric 8-bit weights (`q - zero` needs 9 bits), activation-ordered groups with a
+column-to-group map (`actorder: "group"`, a `g_idx` tensor), static activation scales,
 ue8m0 scales, FP4 experts, several weight schemes in one model, sparsity and transforms,
 quantized embeddings, and an input width that is neither a multiple of the group nor at most it.
 
@@ -78,7 +86,9 @@ class Layout:
     scale_suffix: appended to the float weight's name for its scales.
     packed: int8 values stored four to an int32, or 4-bit ones eight (compressed-tensors'
       pack-quantized).
-    bits: the stored weights' bits (8, or 4: held as int4).
+    bits: the stored weights' bits (8, or 4: held as int4, or as int8 with zero points).
+    zero_suffix: appended to the float weight's name for its zero points (asymmetric
+      weights), "" for symmetric ones.
     """
 
     mode: str
@@ -88,11 +98,13 @@ class Layout:
     weight_suffix: str = ""
     packed: bool = False
     bits: int = 8
+    zero_suffix: str = ""
 
     @property
     def extra_suffixes(self) -> tuple[str, ...]:
         """Suffixes of the tensors that stand beside a quantized weight."""
-        return (self.scale_suffix, "_shape") if self.packed else (self.scale_suffix,)
+        return ((self.scale_suffix, "_shape") if self.packed else (self.scale_suffix,)) + (
+            (self.zero_suffix,) if self.zero_suffix else ())
 
 
 def layout(data: dict[str, Any], source: str) -> Layout | None:
@@ -109,8 +121,8 @@ def layout(data: dict[str, Any], source: str) -> Layout | None:
     if method == "compressed-tensors":
         return _compressed_tensors_layout(qc, source)
     raise ConfigError(f"{source}: quantization_config.quant_method={method!r} is not supported: dlm-jax reads "
-                      f"fine-grained FP8 ('fp8') and 8-bit compressed-tensors checkpoints; load a float checkpoint "
-                      f"with quant='int8' or 'fp8' instead")
+                      f"fine-grained FP8 ('fp8') and compressed-tensors (8-bit, 4-bit integer) checkpoints; load a "
+                      f"float checkpoint with quant='int8', 'fp8' or 'int4-g128' instead")
 
 
 def _fp8_layout(qc: dict[str, Any], source: str) -> Layout:
@@ -174,26 +186,29 @@ def _compressed_tensors_layout(qc: dict[str, Any], source: str) -> Layout:
                           f"(pack-quantized)")
     if wtype != _CT_FORMATS[fmt][0]:
         raise ConfigError(f"{where}: weights of type {wtype!r} in format {fmt!r} are not supported")
-    if symmetric is not True:
-        raise ConfigError(f"{where}: asymmetric weights (zero points) are not supported")
+    if symmetric is not True and bits != 4:
+        raise ConfigError(f"{where}: asymmetric {bits}-bit weights (zero points) are not supported: q - zero "
+                          f"needs {bits + 1} bits (asymmetric 4-bit weights load as int8)")
     if dynamic:
         raise ConfigError(f"{where}: dynamic weight scales are not supported")
-    if actorder:
-        raise ConfigError(f"{where}: activation-ordered groups (actorder={actorder!r}) are not supported")
+    if actorder not in (None, "weight", "static"):  # ("weight": the order of calibration only; the format is unchanged)
+        raise ConfigError(f"{where}: activation-ordered groups (actorder={actorder!r}: a group index per input "
+                          f"column) are not supported; actorder 'weight' is")
     if strategy not in _CT_STRATEGIES:
         raise ConfigError(f"{where}: weight strategy {strategy!r} is not supported "
                           f"(supported: {', '.join(_CT_STRATEGIES)})")
-    qfmt = "fp8" if wtype == "float" else "int4" if bits == 4 else "int8"
+    zero = "" if symmetric is True else "_zero_point"
+    qfmt = "fp8" if wtype == "float" else "int4" if bits == 4 and not zero else "int8"
     packed = _CT_FORMATS[fmt][1]
     suffix = "_packed" if packed else ""
     if strategy in ("tensor", "channel"):
-        return Layout(qfmt, strategy, None, "_scale", suffix, packed, bits)
+        return Layout(qfmt, strategy, None, "_scale", suffix, packed, bits, zero)
     if strategy == "group":
         if not isinstance(group, int) or isinstance(group, bool) or group < 2:
             raise ConfigError(f"{where}: group_size={group!r}: expected an integer of at least 2")
-        return Layout(f"{qfmt}-g{group}", "group", (1, group), "_scale", suffix, packed, bits)
+        return Layout(f"{qfmt}-g{group}", "group", (1, group), "_scale", suffix, packed, bits, zero)
     bo, bi = _pair(list(block) or None, f"{where}: block_structure")
-    return Layout(f"{qfmt}-g{bi}", "block", (bo, bi), "_scale", suffix, packed, bits)
+    return Layout(f"{qfmt}-g{bi}", "block", (bo, bi), "_scale", suffix, packed, bits, zero)
 
 
 def expand_scales(scale: np.ndarray, *, out: int, inp: int, layout: Layout, rows: slice,
@@ -220,6 +235,32 @@ def expand_scales(scale: np.ndarray, *, out: int, inp: int, layout: Layout, rows
         raise CheckpointError(f"{what}: the weight's {inp} input columns are not a multiple of {bi}; dlm-jax's "
                               f"groups of input rows cannot hold the last, partial one")
     return np.ascontiguousarray(np.repeat(s, bo, axis=0)[:out][rows].T)
+
+
+def subtract_zero_points(q: np.ndarray, zero: np.ndarray, *, out: int, inp: int, layout: Layout, rows: slice,
+                         what: str) -> np.ndarray:
+    """`q - zero` as int8 [len(rows), inp]: the rows `rows` of an asymmetric checkpoint weight
+    whose unpacked values [len(rows), inp] are `q` and whose zero-point tensor is `zero` (one per
+    scale; packed along the output rows per channel or group, int8 per tensor or block). `what`
+    names the zero-point tensor in errors."""
+    z = np.asarray(zero)
+    lo, hi = -(1 << layout.bits - 1), (1 << layout.bits - 1) - 1
+    if layout.strategy in ("group", "channel"):
+        cols = 1 if layout.strategy == "channel" else -(-inp // layout.block[1])
+        want = (-(-out * layout.bits // 32), cols)
+        if z.dtype != np.int32 or z.shape != want:
+            raise CheckpointError(f"{what}: {z.dtype} {tuple(z.shape)}, expected int32 {want}: {layout.bits}-bit zero "
+                                  f"points packed along the {out} output rows")
+        z = unpack(z.T, np.array([cols, out]), bits=layout.bits, what=what).T
+    elif z.dtype != np.int8 or z.size and (z.min() < lo or z.max() > hi):
+        raise CheckpointError(f"{what}: {z.dtype} from {z.min() if z.size else '-'} to {z.max() if z.size else '-'}, "
+                              f"expected int8 zero points from {lo} to {hi}")
+    z = expand_scales(z, out=out, inp=inp, layout=layout, rows=rows, what=what).astype(np.int16)
+    if layout.strategy in ("group", "block"):
+        z = np.repeat(z.T, layout.block[1], axis=1)[:, :inp]
+    else:
+        z = z[:, None]
+    return (q.astype(np.int16) - z).astype(np.int8)  # (within [-15, 15] for 4 bits)
 
 
 def unpack(packed: np.ndarray, shape: np.ndarray, *, bits: int = 8, what: str) -> np.ndarray:

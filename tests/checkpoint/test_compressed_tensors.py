@@ -1,7 +1,7 @@
-"""8-bit compressed-tensors checkpoints (config `quantization_config.quant_method:
-"compressed-tensors"`), written by the compressed-tensors library itself, load as weight-only
-int8 / fp8 and compute what transformers computes from the same files (its CPU path
-decompresses them to float32)."""
+"""compressed-tensors checkpoints (config `quantization_config.quant_method:
+"compressed-tensors"`), 8-bit and 4-bit, symmetric and asymmetric, written by the
+compressed-tensors library itself, load as weight-only int8 / int4 / fp8 and compute what
+transformers computes from the same files (its CPU path decompresses them to float32)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import copy
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -115,6 +116,11 @@ def _transformers(path: Path) -> np.ndarray:
     ("W8A16", {"strategy": "tensor", "group_size": None}, "int8", "int32"),  # one scale a tensor
     ("W4A16", None, "int4-g16", "int32"),  # 4 bits, eight to an int32, in groups: GPTQ's layout
     ("W4A16", {"strategy": "channel", "group_size": None}, "int4", "int32"),
+    ("W4A16", {"actorder": "weight"}, "int4-g16", "int32"),  # llm-compressor's GPTQ default: the format unchanged
+    ("W4A16_ASYM", None, "int8-g16", "int32"),  # AWQ's layout: zero points packed along the output rows
+    ("W4A16_ASYM", {"strategy": "channel", "group_size": None}, "int8", "int32"),
+    ("W4A16_ASYM", {"strategy": "tensor", "group_size": None}, "int8", "int32"),  # one int8 zero point
+    ("W4A16_ASYM", {"strategy": "block", "group_size": None, "block_structure": [16, 16]}, "int8-g16", "int32"),
 ])
 def test_compressed_tensors_checkpoint_matches_transformers(preset, weights, mode, stored, tmp_path):
     path = ct_checkpoint(tmp_path / "ct", preset, weights=weights)
@@ -127,6 +133,10 @@ def test_compressed_tensors_checkpoint_matches_transformers(preset, weights, mod
     dtypes = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
     assert q.qkernel[...].dtype == dtypes[mode.split("-")[0]], fmt
     assert (stored == "int32") == (fmt == "pack-quantized")
+    if preset.endswith("_ASYM"):  # held as q - zero: past int4's [-8, 7] where a zero point is not 0
+        from flax import nnx
+        kernels = [np.asarray(x, np.int16) for x in jax.tree.leaves(nnx.state(model)) if x.dtype == jnp.int8]
+        assert any(k.max() > 7 or k.min() < -8 for k in kernels)
     diff = float(np.abs(ours - ref).max())
     assert diff <= TOL, (fmt, diff)
 
@@ -213,7 +223,8 @@ def _group(qc: dict) -> dict:
     (lambda qc: _group(qc)["weights"].update(num_bits=2), "2-bit weights are not supported"),
     (lambda qc: (_group(qc)["weights"].update(num_bits=4), _group(qc).update(format="int-quantized")),
      "4-bit weights in format .int-quantized. are not supported"),
-    (lambda qc: _group(qc)["weights"].update(symmetric=False), "asymmetric weights"),
+    (lambda qc: _group(qc)["weights"].update(symmetric=False), "asymmetric 8-bit weights .zero points. are not "
+                                                                "supported: q - zero needs 9 bits"),
     (lambda qc: _group(qc)["weights"].update(actorder="group"), "activation-ordered groups"),
     (lambda qc: _group(qc)["weights"].update(strategy="tensor_group"), "strategy 'tensor_group' is not supported"),
     (lambda qc: _group(qc).update(input_activations={"dynamic": False, "num_bits": 8, "type": "float",
@@ -230,6 +241,28 @@ def test_compressed_tensors_refusals_are_one_line(change, match, tmp_path):
     with pytest.raises(ConfigError, match=match) as e:
         dlm_jax.load_pretrained(path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("strategy,bad", [
+    ("group", lambda z: z[:-1].contiguous()),  # packed [ceil(out / 8), groups] int32: a row short
+    ("tensor", lambda z: torch.full_like(z, 9)),  # an int8 zero point outside 4 bits
+])
+def test_a_bad_zero_point_tensor_is_named(strategy, bad, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = None if strategy == "group" else {"strategy": strategy, "group_size": None}
+    path = ct_checkpoint(tmp_path / "ct", "W4A16_ASYM", weights=weights)
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight_zero_point"
+    tensors[name] = bad(tensors[name])
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    want = "int32 .3, 3., expected int32 .4, 3.: 4-bit zero points" if strategy == "group" else "int8 from 9 to 9"
+    with pytest.raises(CheckpointError, match=f"tensor '{name}': {want}"):
+        dlm_jax.load_pretrained(path)
+    del tensors[name]  # and a missing one is named
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"missing quantized tensors .'{name}'.$"):
+        dlm_jax.load_pretrained(path)
 
 
 def test_a_packed_weight_of_the_wrong_shape_is_named(tmp_path):
