@@ -282,7 +282,7 @@ def _prequantized_float(path: Path, cfg: ModelConfig, family: Family, layout: _p
     for weight, _, _ in quantized_weights(_abstract_model(cfg)):
         param = weight + ".kernel" if weight + ".kernel" in shapes else weight
         bases = sorted({src.partition("#")[0] for src in family.scheme.sources(param, shapes[param])})
-        stored = [b + layout.scale_suffix in index or (b + "_packed" in index if layout.packed else
+        stored = [layout.name(b, "scale") in index or (layout.name(b, "weight") in index if layout.packed else
                                                          b in index and np.dtype(index[b].dtype) in _QUANT_DTYPES)
                   for b in bases]  # (a quantized weight without its scales: named missing below)
         if all(stored):
@@ -319,13 +319,12 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
     def bases(kernel: str) -> list[tuple[str, str]]:  # (float weight name, row block "" or "k") per source
         return [src.partition("#")[::2] for src in scheme.sources(kernel, shapes[kernel], quantized=True, qsuffix="")]
 
-    beside = layout.extra_suffixes + ((layout.weight_suffix,) if layout.packed else ())
+    beside = {layout.name(base, role) for kernel in scale_of.values() for base, _ in bases(kernel)
+              for role in layout.roles}
     planned = {n: s for n, s in shapes.items() if not (layout.packed and n in quantized)}
-    used = frozenset(n for n in index if n.endswith(beside))
     plan = _plan(path, cfg, family, planned, quantized=quantized, qsuffix=layout.weight_suffix,  # names, shapes, dtypes
-                 also_used=used, index=index)
-    missing = sorted({base + suffix for kernel in scale_of.values() for base, _ in bases(kernel)
-                      for suffix in beside} - set(index))
+                 also_used=frozenset(beside & set(index)), index=index)
+    missing = sorted(beside - set(index))
     if missing:
         raise CheckpointError(f"{path}: missing quantized tensors {missing[:8]}"
                               + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
@@ -353,19 +352,9 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
     for scale, kernel in scale_of.items():
         scales, kernels = [], []
         for base, k in bases(kernel):
-            out, inp = (tuple(index[base].shape) if not layout.packed
-                        else tuple(int(x) for x in index[base + "_shape"].read().reshape(-1)))
-            what = f"{path}: tensor {base + layout.scale_suffix!r}"
-            scales.append(_prequantized.expand_scales(index[base + layout.scale_suffix].read(), out=out, inp=inp,
-                                                      layout=layout, rows=rows_of(base, k), what=what))
-            if layout.packed:
-                q = _prequantized.unpack(index[base + layout.weight_suffix].read(), index[base + "_shape"].read(),
-                                         bits=layout.bits, what=f"{path}: tensor {base + layout.weight_suffix!r}"
-                                         )[rows_of(base, k)]
-                if layout.zero_suffix:  # asymmetric: q - zero, held as int8
-                    q = _prequantized.subtract_zero_points(
-                        q, index[base + layout.zero_suffix].read(), out=out, inp=inp, layout=layout,
-                        rows=rows_of(base, k), what=f"{path}: tensor {base + layout.zero_suffix!r}")
+            s, q = _prequantized.read_weight(index, base, layout=layout, rows=rows_of(base, k), where=str(path))
+            scales.append(s)
+            if q is not None:
                 kernels.append(q)
         stacked = _names.layout(scale) == _names.STACKED
         put(scale, np.stack(scales) if stacked else scales[0])

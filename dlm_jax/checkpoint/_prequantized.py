@@ -1,7 +1,7 @@
-"""Pre-quantized Hugging Face checkpoints, read as dlm-jax's weight-only int8 / fp8
-(`dlm_jax.models.quant`): fine-grained FP8 and compressed-tensors.
+"""Pre-quantized Hugging Face checkpoints, read as dlm-jax's weight-only int8 / int4 / fp8
+(`dlm_jax.models.quant`): fine-grained FP8, compressed-tensors and AutoAWQ.
 
-Two layouts, both named by config.json's `quantization_config`:
+Three layouts, each named by config.json's `quantization_config`:
 
 - **Fine-grained FP8** (`quant_method: "fp8"`: transformers' `FineGrainedFP8Config`, DeepSeek-V3,
   the "-FP8" releases of Qwen3). Each quantized linear's weight [out, in] is float8_e4m3fn
@@ -23,23 +23,33 @@ Two layouts, both named by config.json's `quantization_config`:
   rows ([ceil(out / 8), groups] int32) per channel or group, as int8 beside a tensor's or a
   block's scale. `actorder: "weight"` (alias "static", llm-compressor's GPTQ default) changed
   only the calibration order: the format is the same as without it.
+- **AutoAWQ** (`quant_method: "awq"`, `version: "gemm"`: the "-AWQ" releases). Each quantized
+  linear `<module>` stores `<module>.qweight` [in, out / 8] int32, eight unsigned 4-bit values to
+  a word along the output columns in AWQ's order (the word's k-th nibble holds column
+  `AWQ_ORDER[k]` of its eight), `<module>.scales` [in / g, out] (float16) and, with
+  `zero_point: true`, `<module>.qzeros` [in / g, out / 8] packed as qweight, so that
+  `w[i, o] = (q[i, o] - zero[i // g, o]) * scale[i // g, o]`; without zero points, q - 8. The
+  float weight `<module>.weight` is absent.
 
 dlm-jax holds each as one of its own modes: per tensor or per channel as `fp8` / `int8` (one
 scale per output channel; a tensor's scale repeated), a group of g columns as `fp8-gg` /
-`int8-gg`, a block [bo, bi] as `fp8-gbi` with each block's scale repeated over its bo output
-channels. Every one of those is exact: a decode computes with the checkpoint's own weights,
+`int8-gg` / `int4-gg`, a block [bo, bi] as `fp8-gbi` (or int) with each block's scale repeated
+over its bo output channels; AutoAWQ's as `int8-gg` (with zero points) or `int4-gg`. Every one of those is exact: a decode computes with the checkpoint's own weights,
 the float32 weights transformers' own loading gives (dequantised on a CPU). The stored e4m3 /
 int8 bytes load as they are (packed ones are unpacked on the host); only the scales change
 shape, on the host (they are a small fraction of the weights). Asymmetric 4-bit weights load
 as `int8` / `int8-gg` holding `q - zero` (from -15 to 15: one bit more than int4 holds, so twice
 the bytes of the symmetric int4 layout), subtracted on the host as the weights are unpacked.
+AutoAWQ's float16 scales become float32 exactly; transformers' float32 path through
+compressed-tensors multiplies in float16 instead (1e-3 apart in a tiny model's logits).
 
 Kernels the checkpoint keeps in float (`modules_to_not_convert`, `ignore`; the output head by
 default; a Qwen3-MoE's experts, which compressed-tensors leaves float where transformers holds
 them fused) stay float (`dlm_jax.checkpoint._io._prequantized_float`, `quantize(keep=...)`); a
 weight stored quantized in some of its tensors and float in others is refused. Also refused,
-each in one line: another quant method, fewer or more than 8 bits,
-e5m2, asymmetric 8-bit weights (`q - zero` needs 9 bits), activation-ordered groups with a
+each in one line: another quant method (GPTQ's own, bitsandbytes, ...), fewer or more than 8
+bits (but 4-bit integers: pack-quantized, AutoAWQ), AutoAWQ's packings but "gemm" and its
+`group_size: -1`, e5m2, asymmetric 8-bit weights (`q - zero` needs 9 bits), activation-ordered groups with a
 column-to-group map (`actorder: "group"`, a `g_idx` tensor), static activation scales,
 ue8m0 scales, FP4 experts, several weight schemes in one model, sparsity and transforms,
 quantized embeddings, and an input width that is neither a multiple of the group nor at most it.
@@ -52,6 +62,7 @@ transformers' CPU path does.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -89,6 +100,7 @@ class Layout:
     bits: the stored weights' bits (8, or 4: held as int4, or as int8 with zero points).
     zero_suffix: appended to the float weight's name for its zero points (asymmetric
       weights), "" for symmetric ones.
+    awq: AutoAWQ's tensors, named after the module (`name`) and packed its way.
     """
 
     mode: str
@@ -99,12 +111,22 @@ class Layout:
     packed: bool = False
     bits: int = 8
     zero_suffix: str = ""
+    awq: bool = False
 
     @property
-    def extra_suffixes(self) -> tuple[str, ...]:
-        """Suffixes of the tensors that stand beside a quantized weight."""
-        return ((self.scale_suffix, "_shape") if self.packed else (self.scale_suffix,)) + (
-            (self.zero_suffix,) if self.zero_suffix else ())
+    def roles(self) -> tuple[str, ...]:
+        """The tensors a quantized weight is stored in, besides the weight itself where it is
+        not packed (`name`'s roles)."""
+        return (("scale",) + (("weight",) + (() if self.awq else ("shape",)) if self.packed else ())
+                + (("zero",) if self.zero_suffix else ()))
+
+    def name(self, base: str, role: str) -> str:
+        """The tensor holding `role` ("weight", "scale", "zero", "shape") of the quantized weight
+        whose float weight is named `base` ("model.layers.0.mlp.up_proj.weight")."""
+        if self.awq:
+            return base.removesuffix(".weight") + {"weight": ".qweight", "scale": ".scales", "zero": ".qzeros"}[role]
+        return base + {"weight": self.weight_suffix, "scale": self.scale_suffix, "zero": self.zero_suffix,
+                       "shape": "_shape"}[role]
 
 
 def layout(data: dict[str, Any], source: str) -> Layout | None:
@@ -120,9 +142,28 @@ def layout(data: dict[str, Any], source: str) -> Layout | None:
         return _fp8_layout(qc, source)
     if method == "compressed-tensors":
         return _compressed_tensors_layout(qc, source)
+    if method == "awq":
+        return _awq_layout(qc, source)
     raise ConfigError(f"{source}: quantization_config.quant_method={method!r} is not supported: dlm-jax reads "
-                      f"fine-grained FP8 ('fp8') and compressed-tensors (8-bit, 4-bit integer) checkpoints; load a "
-                      f"float checkpoint with quant='int8', 'fp8' or 'int4-g128' instead")
+                      f"fine-grained FP8 ('fp8'), compressed-tensors (8-bit, 4-bit integer) and AutoAWQ ('awq') "
+                      f"checkpoints; load a float checkpoint with quant='int8', 'fp8' or 'int4-g128' instead")
+
+
+def _awq_layout(qc: dict[str, Any], source: str) -> Layout:
+    key = f"{source}: quantization_config"
+    bits, version = qc.get("bits", 4), qc.get("version", "gemm")
+    if bits != 4:
+        raise ConfigError(f"{key}.bits={bits!r}: AutoAWQ checkpoints of 4 bits only are supported")
+    if not isinstance(version, str) or version.lower() != "gemm":
+        raise ConfigError(f"{key}.version={version!r} is not supported: dlm-jax reads AutoAWQ's 'gemm' packing "
+                          f"(not 'gemv', 'exllama', 'marlin' or 'ipex')")
+    group, zero = qc.get("group_size", 128), qc.get("zero_point", True)
+    if not isinstance(zero, bool):
+        raise ConfigError(f"{key}.zero_point={zero!r}: expected true or false")
+    fmt, zero_suffix = ("int8", ".qzeros") if zero else ("int4", "")  # (q - zero needs 5 bits)
+    if not isinstance(group, int) or isinstance(group, bool) or group < 2:  # (-1, one group a column: refused)
+        raise ConfigError(f"{key}.group_size={group!r}: expected an integer of at least 2")
+    return Layout(f"{fmt}-g{group}", "group", (1, group), ".scales", ".qweight", True, 4, zero_suffix, awq=True)
 
 
 def _fp8_layout(qc: dict[str, Any], source: str) -> Layout:
@@ -235,6 +276,77 @@ def expand_scales(scale: np.ndarray, *, out: int, inp: int, layout: Layout, rows
         raise CheckpointError(f"{what}: the weight's {inp} input columns are not a multiple of {bi}; dlm-jax's "
                               f"groups of input rows cannot hold the last, partial one")
     return np.ascontiguousarray(np.repeat(s, bo, axis=0)[:out][rows].T)
+
+
+def read_weight(tensors: Mapping[str, Any], base: str, *, layout: Layout, rows: slice,
+                where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(scales, kernel) of rows `rows` of the quantized weight whose float weight is named
+    `base`, from `tensors` (name -> `TensorInfo`): the scales as `expand_scales` gives them;
+    the kernel, where stored packed, int8 [len(rows), in] (q - zero where asymmetric, held as
+    int4 by its caller where symmetric and 4-bit), else None (the stored weight loads as it is).
+    `where` (the checkpoint) begins each error."""
+    def what(role: str) -> str:
+        return f"{where}: tensor {layout.name(base, role)!r}"
+
+    if layout.awq:
+        qweight, scale = tensors[layout.name(base, "weight")].read(), tensors[layout.name(base, "scale")].read()
+        q, scale = _awq_weight(qweight, scale, None if not layout.zero_suffix else
+                               tensors[layout.name(base, "zero")].read(), layout=layout, what=what)
+        out, inp = q.shape
+        return (expand_scales(scale, out=out, inp=inp, layout=layout, rows=rows, what=what("scale")),
+                q[rows])
+    if not layout.packed:
+        out, inp = tensors[base].shape
+    else:
+        out, inp = (int(x) for x in np.asarray(tensors[layout.name(base, "shape")].read()).reshape(-1))
+    scales = expand_scales(tensors[layout.name(base, "scale")].read(), out=out, inp=inp, layout=layout, rows=rows,
+                           what=what("scale"))
+    if not layout.packed:
+        return scales, None
+    q = unpack(tensors[layout.name(base, "weight")].read(), tensors[layout.name(base, "shape")].read(),
+               bits=layout.bits, what=what("weight"))[rows]
+    if layout.zero_suffix:  # asymmetric: q - zero, held as int8
+        q = subtract_zero_points(q, tensors[layout.name(base, "zero")].read(), out=out, inp=inp, layout=layout,
+                                 rows=rows, what=what("zero"))
+    return scales, q
+
+
+# AutoAWQ's order of a word's eight 4-bit columns: nibble k (bits 4k..4k+3) holds column AWQ_ORDER[k]
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def awq_unpack(packed: np.ndarray, *, what: str) -> np.ndarray:
+    """The unsigned 4-bit values [rows, 8 * words] (uint8, 0 to 15) that AutoAWQ's int32
+    `packed` [rows, words] holds in its order (`AWQ_ORDER`)."""
+    if packed.dtype != np.int32 or packed.ndim != 2:
+        raise CheckpointError(f"{what}: {packed.dtype} {tuple(packed.shape)}, expected a 2-D int32 tensor of "
+                              f"packed 4-bit values")
+    words = np.ascontiguousarray(packed).view(np.uint32)
+    nibbles = (words[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 0xF  # [rows, words, k]
+    out = np.empty_like(nibbles, dtype=np.uint8)
+    out[..., list(AWQ_ORDER)] = nibbles
+    return out.reshape(packed.shape[0], -1)
+
+
+def _awq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray | None, *, layout: Layout,
+                what) -> tuple[np.ndarray, np.ndarray]:
+    """(q - zero as int8 [out, in], scales [out, G]) of an AutoAWQ linear's tensors."""
+    q = awq_unpack(qweight, what=what("weight"))  # [in, out]
+    inp, out = q.shape
+    g = layout.block[1]
+    groups = -(-inp // g)
+    if scale.shape != (groups, out):
+        raise CheckpointError(f"{what('scale')}: shape {tuple(scale.shape)}, expected ({groups}, {out}): a scale per "
+                              f"output column and group of {g} of the weight's {inp} input rows")
+    if qzeros is None:
+        zero = np.full((groups, out), 8, np.int16)
+    else:
+        zero = awq_unpack(qzeros, what=what("zero")).astype(np.int16)
+        if zero.shape != (groups, out):
+            raise CheckpointError(f"{what('zero')}: int32 {tuple(qzeros.shape)}, expected int32 ({groups}, "
+                                  f"{out // 8}): zero points packed as the weight")
+    diff = q.astype(np.int16) - np.repeat(zero, g, axis=0)[:inp]
+    return np.ascontiguousarray(diff.T.astype(np.int8)), np.ascontiguousarray(np.asarray(scale).T)
 
 
 def subtract_zero_points(q: np.ndarray, zero: np.ndarray, *, out: int, inp: int, layout: Layout, rows: slice,
