@@ -34,11 +34,13 @@ def _pack(u: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(words.view(np.int32))
 
 
-def awq_checkpoint(dst: Path, *, group: int = 16, zero: bool = True, keep: list[str] | None = None) -> Path:
-    """A tiny random Qwen3 in AutoAWQ's layout: each linear but the head (and the modules named in
-    `keep`, AutoAWQ's `modules_to_not_convert`) quantized to 4 bits per group of `group` input
-    rows by min-max, with zero points or symmetric (q + 8 stored)."""
-    build("qwen3").save_pretrained(dst)
+def awq_checkpoint(dst: Path, *, kind: str = "qwen3", group: int = 16, zero: bool = True,
+                   keep: list[str] | None = None) -> Path:
+    """A tiny random `kind` model in AutoAWQ's layout: each projection (a Qwen3-MoE's experts
+    too; not the head or the router) but the modules named in `keep` (AutoAWQ's
+    `modules_to_not_convert`) quantized to 4 bits per group of `group` input rows by min-max,
+    with zero points or symmetric (q + 8 stored)."""
+    build(kind).save_pretrained(dst)
     tensors = load_file(str(dst / "model.safetensors"))
     for name in [n for n in tensors if n.endswith("_proj.weight") and not any(k in n for k in keep or ())]:
         w = np.ascontiguousarray(tensors.pop(name).double().numpy().T)  # [in, out]
@@ -82,6 +84,36 @@ def _converted(path: Path, dst: Path) -> np.ndarray:
     return reference_logits(dst, IDS, quantization_config=T.CompressedTensorsConfig(run_compressed=False))
 
 
+def _dequantized(path: Path, dst: Path) -> np.ndarray:
+    """transformers' logits of the float checkpoint made of the AutoAWQ checkpoint `path` by
+    compressed-tensors' converter and its own unpacking and dequantisation (in float32) of each
+    weight: the reference where transformers cannot load the converted checkpoint (a Qwen3-MoE's
+    per-expert quantized tensors, which transformers 5 holds fused)."""
+    from compressed_tensors.entrypoints.convert import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters import AutoAWQConverter
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    convert_checkpoint(path, dst / "ct", AutoAWQConverter.from_pretrained(str(path)), max_workers=1, device="cpu")
+    config = json.loads((dst / "ct" / "config.json").read_text())
+    args = QuantizationArgs(**next(iter(config.pop("quantization_config")["config_groups"].values()))["weights"])
+    tensors = load_file(str(dst / "ct" / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        base = name[:-len("_packed")]
+        shape = torch.Size(tensors.pop(base + "_shape").tolist())
+        scale = tensors.pop(base + "_scale").float()
+        zero = tensors.pop(base + "_zero_point", None)
+        if zero is not None:
+            zero = unpack_from_int32(zero, 4, torch.Size([shape[0], scale.shape[-1]]), packed_dim=0)
+        q = unpack_from_int32(tensors.pop(name), 4, shape)
+        tensors[base] = dequantize(q, scale, zero_point=zero, args=args, dtype=torch.float32).contiguous()
+    (dst / "float").mkdir()
+    save_file(tensors, str(dst / "float" / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "float" / "config.json").write_text(json.dumps(config))
+    return reference_logits(dst / "float", IDS)
+
+
 @pytest.mark.parametrize("group,zero,mode", [
     (16, True, "int8-g16"),  # AutoAWQ's default: zero points, q - zero held as int8
     (16, False, "int4-g16"),  # symmetric: q - 8 fits int4
@@ -95,6 +127,22 @@ def test_awq_checkpoint_matches_compressed_tensors_conversion(group, zero, mode,
     diff = float(np.abs(ours - ref).max())
     assert diff <= TOL, diff
     assert float(np.abs(ref - logits(build("qwen3"), IDS)).max()) > 10 * TOL  # (it is not the float model)
+    if zero:  # (the MoE test's reference, checked against transformers' own loading where it loads)
+        np.testing.assert_allclose(_dequantized(path, tmp_path / "d"), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero", [True, False])
+def test_awq_moe_experts_load_quantized(zero, tmp_path):
+    """A Qwen3-MoE's routed experts, one AutoAWQ linear each, stack into one quantized [E, I, O]
+    array per layer; the router stays float."""
+    path = awq_checkpoint(tmp_path / "awq", kind="qwen3_moe", zero=zero)
+    model, ours = loaded_logits(path, IDS)
+    assert model.quant == ("int8-g16" if zero else "int4-g16") and model.quant_float == {"lm_head"}
+    experts = model.layers[1].ffn
+    assert str(experts.gate[...].dtype) == model.quant.split("-")[0] and experts.gate_scale[...].shape == (4, 2, 16)
+    ref = _dequantized(path, tmp_path)
+    diff = float(np.abs(ours - ref).max())
+    assert diff <= TOL, diff
 
 
 def test_modules_awq_keeps_float_stay_float(tmp_path, capsys):
