@@ -34,8 +34,9 @@ Three layouts, each named by config.json's `quantization_config`:
 dlm-jax holds each as one of its own modes: per tensor or per channel as `fp8` / `int8` (one
 scale per output channel; a tensor's scale repeated), a group of g columns as `fp8-gg` /
 `int8-gg` / `int4-gg`, a block [bo, bi] as `fp8-gbi` (or int) with each block's scale repeated
-over its bo output channels; AutoAWQ's as `int8-gg` (with zero points) or `int4-gg`. Every one of those is exact: a decode computes with the checkpoint's own weights,
-the float32 weights transformers' own loading gives (dequantised on a CPU). The stored e4m3 /
+over its bo output channels; AutoAWQ's as `int8-gg` (with zero points) or `int4-gg`. Every one
+of those is exact: a decode computes with the checkpoint's own weights, the float32 weights
+transformers' own loading gives (dequantised on a CPU). The stored e4m3 /
 int8 bytes load as they are (packed ones are unpacked on the host); only the scales change
 shape, on the host (they are a small fraction of the weights). Asymmetric 4-bit weights load
 as `int8` / `int8-gg` holding `q - zero` (from -15 to 15: one bit more than int4 holds, so twice
@@ -49,8 +50,8 @@ them fused) stay float (`dlm_jax.checkpoint._io._prequantized_float`, `quantize(
 weight stored quantized in some of its tensors and float in others is refused. Also refused,
 each in one line: another quant method (GPTQ's own, bitsandbytes, ...), fewer or more than 8
 bits (but 4-bit integers: pack-quantized, AutoAWQ), AutoAWQ's packings but "gemm" and its
-`group_size: -1`, e5m2, asymmetric 8-bit weights (`q - zero` needs 9 bits), activation-ordered groups with a
-column-to-group map (`actorder: "group"`, a `g_idx` tensor), static activation scales,
+`group_size: -1`, e5m2, asymmetric 8-bit weights (`q - zero` needs 9 bits), activation-ordered
+groups with a column-to-group map (`actorder: "group"`, a `g_idx` tensor), static activation scales,
 ue8m0 scales, FP4 experts, several weight schemes in one model, sparsity and transforms,
 quantized embeddings, and an input width that is neither a multiple of the group nor at most it.
 
