@@ -168,10 +168,6 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
             raise ConfigError(f"quant={quant!r} with expert_slots={expert_slots} (split expert execution) is not "
                               f"supported; drop one of them")
     placement = None
-    if mesh is not None and quant is not None and quant.startswith("int4"):
-        raise ConfigError(f"quant={quant!r} on a mesh ({mesh}) is not supported yet: the compiled step refuses int4 "
-                          f"arrays split over devices (their 4-bit layout); decode int4 on one device, or int8 on "
-                          f"the mesh")
     if mesh is not None:  # checked against the config, the devices and their memory before any weight loads
         if executor not in (None, AUTO, "jax"):
             raise ConfigError(f"mesh {mesh}: mesh decoding runs on the JAX executor, not {executor!r}")

@@ -37,6 +37,7 @@ from dlm_jax.executors._compile import CompiledBuckets, choose_compile, target_p
 from dlm_jax.executors._logits import DeviceLogits
 from dlm_jax._config import ModelConfig
 from dlm_jax.models import _attention_kernel
+from dlm_jax.models.quant import widen_int4
 from dlm_jax.models._fuse import PROJECTIONS_ENV, choose_projections, fuse_projections, is_fused
 from dlm_jax.models._scan import ScannedTransformer, StackedLayers, choose_layers
 from dlm_jax._partition import param_name
@@ -754,6 +755,8 @@ class JaxExecutor(Executor):
                                                      inputs=self._capabilities.inputs | {"lora_gate"})
         self._capabilities = dataclasses.replace(self._capabilities,
                                                  outputs=self._capabilities.outputs | model_outputs(self.config))
+        if mesh is not None:  # int4 kernels held as int8 on a mesh (`widen_int4`: split int4's layout)
+            widen_int4(model)
         self._graphdef, state = nnx.split(ScannedTransformer(model) if self.layers == "scan" else model)
         # Flattened once: the state pytree is not re-walked on every step.
         paths, self._treedef = jax.tree_util.tree_flatten_with_path(state)

@@ -248,6 +248,20 @@ def quantize(model, mode: str, *, keep: frozenset[str] | set[str] | tuple[str, .
     return model
 
 
+def widen_int4(model) -> int:
+    """Hold every int4 weight of `model` as int8, the same values, in place; returns how many.
+    On a mesh: a program compiled for int4 arguments split over devices asks for them packed two
+    to a byte, a layout JAX's CPU arrays do not take (jax 0.10: "compiled for input layouts that
+    disagree"); split int4 on GPUs is untried. A CPU holds an int4 in a byte either way, and the
+    planner counts one (`dlm_jax.planner`)."""
+    n = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param) and getattr(node[...], "dtype", None) == jnp.int4:
+            node.set_value(node[...].astype(jnp.int8))
+            n += 1
+    return n
+
+
 def weight_bytes(model) -> int:
     """Bytes of every parameter of `model` as held (quantized weights and their scales included)."""
     state = nnx.state(model, nnx.Param)

@@ -271,8 +271,6 @@ def test_quant_refusals_are_one_line():
         dlm_jax.load(ROOT / "models" / "llada-tiny", quant="int8", executor="litert")
     with pytest.raises(ConfigError, match="expert_slots"):
         dlm_jax.load(ROOT / "models" / "moe-tiny", quant="int8", expert_slots=2)
-    with pytest.raises(ConfigError, match=r"^quant='int4-g32' on a mesh \(tp=2\) is not supported yet"):
-        dlm_jax.load(ROOT / "models" / "llada-tiny", quant="int4-g32", mesh="tp=2")
 
 
 def test_a_group_size_that_divides_no_kernel_is_refused_before_anything_is_swapped():
@@ -296,3 +294,20 @@ def test_cli_quant_errors(capsys):
     assert main([*args, "--quant", "int8-g48"]) == 2  # 128 input rows: no whole groups of 48
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: quant='int8-g48': Attention.q_proj has 128 input rows"), err
+
+
+def test_int4_kernels_widen_to_int8_with_the_same_values():
+    """On a mesh the executor holds int4 kernels as int8 (`widen_int4`): every one, the values
+    unchanged, an MoE's experts included."""
+    from dlm_jax.models.quant import widen_int4
+
+    model = dlm_jax.load(ROOT / "models" / "moe-tiny", executor="jax", quant="int4-g32").model
+    flat = lambda: dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))  # noqa: E731
+    before = {k: np.asarray(v[...], np.int8) for k, v in flat().items() if v[...].dtype == jnp.int4}
+    assert any("gate" in "/".join(map(str, k)) and "ffn" in "/".join(map(str, k)) for k in before)
+    assert widen_int4(model) == len(before) > 0
+    after = flat()
+    assert all(after[k][...].dtype == jnp.int8 for k in before)
+    assert not any(v[...].dtype == jnp.int4 for v in after.values())
+    for k, v in before.items():
+        np.testing.assert_array_equal(np.asarray(after[k][...]), v)
