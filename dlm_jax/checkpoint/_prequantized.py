@@ -49,8 +49,8 @@ default; a Qwen3-MoE's experts, which compressed-tensors leaves float where tran
 them fused) stay float (`dlm_jax.checkpoint._io._prequantized_float`, `quantize(keep=...)`); a
 weight stored quantized in some of its tensors and float in others is refused. Also refused,
 each in one line: another quant method (GPTQ's own, bitsandbytes, ...), fewer or more than 8
-bits (but 4-bit integers: pack-quantized, AutoAWQ), AutoAWQ's packings but "gemm" and its
-`group_size: -1`, e5m2, asymmetric 8-bit weights (`q - zero` needs 9 bits), activation-ordered
+bits (but 4-bit integers: pack-quantized, AutoAWQ), AutoAWQ's packings but "gemm", its
+`group_size: -1` and llm-awq's checkpoints, e5m2, asymmetric 8-bit weights (`q - zero` needs 9 bits), activation-ordered
 groups with a column-to-group map (`actorder: "group"`, a `g_idx` tensor), static activation scales,
 ue8m0 scales, FP4 experts, several weight schemes in one model, sparsity and transforms,
 quantized embeddings, and an input width that is neither a multiple of the group nor at most it.
@@ -158,6 +158,9 @@ def _awq_layout(qc: dict[str, Any], source: str) -> Layout:
     if not isinstance(version, str) or version.lower() != "gemm":
         raise ConfigError(f"{key}.version={version!r} is not supported: dlm-jax reads AutoAWQ's 'gemm' packing "
                           f"(not 'gemv', 'exllama', 'marlin' or 'ipex')")
+    if qc.get("backend", "autoawq") not in (None, "autoawq"):  # (llm-awq packs its own way)
+        raise ConfigError(f"{key}.backend={qc['backend']!r} is not supported: dlm-jax reads AutoAWQ's checkpoints "
+                          f"('autoawq')")
     group, zero = qc.get("group_size", 128), qc.get("zero_point", True)
     if not isinstance(zero, bool):
         raise ConfigError(f"{key}.zero_point={zero!r}: expected true or false")

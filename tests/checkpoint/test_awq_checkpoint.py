@@ -188,6 +188,7 @@ def _edit(path: Path, **change) -> None:
     ({"version": "gemv"}, "version='gemv' is not supported: dlm-jax reads AutoAWQ's 'gemm' packing"),
     ({"group_size": 0}, "group_size=0: expected an integer of at least 2"),
     ({"group_size": -1}, "group_size=-1: expected an integer of at least 2"),
+    ({"backend": "llm-awq"}, "backend='llm-awq' is not supported: dlm-jax reads AutoAWQ's checkpoints"),
 ])
 def test_awq_refusals_are_one_line(change, match, tmp_path):
     path = awq_checkpoint(tmp_path / "awq")
