@@ -325,11 +325,14 @@ def awq_unpack(packed: np.ndarray, *, what: str) -> np.ndarray:
     if packed.dtype != np.int32 or packed.ndim != 2:
         raise CheckpointError(f"{what}: {packed.dtype} {tuple(packed.shape)}, expected a 2-D int32 tensor of "
                               f"packed 4-bit values")
-    words = np.ascontiguousarray(packed).view(np.uint32)
-    nibbles = (words[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 0xF  # [rows, words, k]
-    out = np.empty_like(nibbles, dtype=np.uint8)
-    out[..., list(AWQ_ORDER)] = nibbles
-    return out.reshape(packed.shape[0], -1)
+    data = np.ascontiguousarray(packed, dtype="<i4").view(np.uint8).reshape(*packed.shape, 4)  # (any host order)
+    nibbles = np.empty((*packed.shape, 8), np.uint8)  # [rows, words, k]: nibble k = bits 4k..4k+3
+    np.bitwise_and(data, 0xF, out=nibbles[..., 0::2])
+    np.right_shift(data, 4, out=nibbles[..., 1::2])
+    return nibbles[..., _AWQ_COLUMNS].reshape(packed.shape[0], -1)
+
+
+_AWQ_COLUMNS = np.argsort(AWQ_ORDER)  # column c of a word's eight is its nibble _AWQ_COLUMNS[c]
 
 
 def _awq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray | None, *, layout: Layout,
@@ -343,14 +346,18 @@ def _awq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray | Non
         raise CheckpointError(f"{what('scale')}: shape {tuple(scale.shape)}, expected ({groups}, {out}): a scale per "
                               f"output column and group of {g} of the weight's {inp} input rows")
     if qzeros is None:
-        zero = np.full((groups, out), 8, np.int16)
+        zero = np.full((groups, out), 8, np.int8)
     else:
-        zero = awq_unpack(qzeros, what=what("zero")).astype(np.int16)
+        zero = awq_unpack(qzeros, what=what("zero")).view(np.int8)
         if zero.shape != (groups, out):
             raise CheckpointError(f"{what('zero')}: int32 {tuple(qzeros.shape)}, expected int32 ({groups}, "
                                   f"{out // 8}): zero points packed as the weight")
-    diff = q.astype(np.int16) - np.repeat(zero, g, axis=0)[:inp]
-    return np.ascontiguousarray(diff.T.astype(np.int8)), np.ascontiguousarray(np.asarray(scale).T)
+    diff = q.view(np.int8)  # (0..15 minus 0..15 fits int8)
+    if inp == groups * g:  # in place, group by group
+        diff.reshape(groups, g, out)[...] -= zero[:, None, :]
+    else:
+        diff = diff - np.repeat(zero, g, axis=0)[:inp]
+    return diff.T, np.asarray(scale).T  # ([out, in] views: the caller's layout, transposed back there)
 
 
 def subtract_zero_points(q: np.ndarray, zero: np.ndarray, *, out: int, inp: int, layout: Layout, rows: slice,
