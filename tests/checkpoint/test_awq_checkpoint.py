@@ -114,20 +114,22 @@ def _dequantized(path: Path, dst: Path) -> np.ndarray:
     return reference_logits(dst / "float", IDS)
 
 
-@pytest.mark.parametrize("group,zero,mode", [
-    (16, True, "int8-g16"),  # AutoAWQ's default: zero points, q - zero held as int8
-    (16, False, "int4-g16"),  # symmetric: q - 8 fits int4
+@pytest.mark.parametrize("kind,group,zero,mode", [
+    ("qwen3", 16, True, "int8-g16"),  # AutoAWQ's default: zero points, q - zero held as int8
+    ("qwen3", 16, False, "int4-g16"),  # symmetric: q - 8 fits int4
+    ("qwen2", 16, True, "int8-g16"),  # q/k/v biases stored float beside qweight (Dream's layout)
 ])
-def test_awq_checkpoint_matches_compressed_tensors_conversion(group, zero, mode, tmp_path):
-    path = awq_checkpoint(tmp_path / "awq", group=group, zero=zero)
+def test_awq_checkpoint_matches_compressed_tensors_conversion(kind, group, zero, mode, tmp_path):
+    path = awq_checkpoint(tmp_path / "awq", kind=kind, group=group, zero=zero)
     ref = _converted(path, tmp_path / "ct")
     model, ours = loaded_logits(path, IDS)
     assert model.quant == mode and model.quant_float == {"lm_head"}
     assert str(model.layers[0].attn.q_proj.qkernel[...].dtype) == mode.split("-")[0]
+    assert (model.layers[0].attn.q_proj.bias is not None) == (kind == "qwen2")
     diff = float(np.abs(ours - ref).max())
     assert diff <= TOL, diff
-    assert float(np.abs(ref - logits(build("qwen3"), IDS)).max()) > 10 * TOL  # (it is not the float model)
-    if zero:  # (the MoE test's reference, checked against transformers' own loading where it loads)
+    assert float(np.abs(ref - logits(build(kind), IDS)).max()) > 10 * TOL  # (it is not the float model)
+    if zero and kind == "qwen3":  # (the MoE test's reference, checked against transformers' own loading where it loads)
         np.testing.assert_allclose(_dequantized(path, tmp_path / "d"), ref, atol=1e-5)
 
 
