@@ -238,6 +238,14 @@ def _narrow_int4(x: jax.Array, infos, name: str) -> jax.Array:
     return x.astype(jax.numpy.int4)
 
 
+def stored_quant_layout(path: str | os.PathLike) -> str | None:
+    """How the pre-quantized checkpoint directory `path` stores its quantized weights, in one
+    line (`_prequantized.Layout.describe`), or None (a float checkpoint, or one dlm-jax saved)."""
+    path = Path(path)
+    layout = _prequantized.layout(_read_json(path / CONFIG_NAME), str(path / CONFIG_NAME))
+    return None if layout is None else layout.describe()
+
+
 def stored_quant_float(path: str | os.PathLike) -> frozenset[str]:
     """The weights that the checkpoint directory `path`, stored quantized (`stored_quant`), holds
     in float although dlm-jax's quantization covers them (`dlm_jax.models.quant.quantized_weights`'

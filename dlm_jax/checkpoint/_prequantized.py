@@ -121,6 +121,21 @@ class Layout:
         return (("scale",) + (("weight",) + (() if self.awq else ("shape",)) if self.packed else ())
                 + (("zero",) if self.zero_suffix else ()))
 
+    def describe(self) -> str:
+        """One line saying how the checkpoint stores its quantized weights and how dlm-jax holds
+        them ("AutoAWQ (gemm): 4-bit integers with zero points, a scale per group of 128 input
+        columns; held as int8-g128 (q - zero)")."""
+        fp8 = self.mode.startswith("fp8")
+        source = ("AutoAWQ (gemm)" if self.awq else "fine-grained FP8" if self.scale_suffix == "_scale_inv"
+                  else "compressed-tensors " + ("pack-quantized" if self.packed else "float-quantized" if fp8
+                                                else "int-quantized"))
+        per = {"tensor": "tensor", "channel": "output channel",
+               "group": f"group of {self.block[1] if self.block else 0} input columns",
+               "block": f"block of {' x '.join(map(str, self.block or ()))}"}[self.strategy]
+        return (f"{source}: {self.bits}-bit {'floats (e4m3)' if fp8 else 'integers'}"
+                f"{' with zero points' if self.zero_suffix else ''}, a scale per {per}; held as {self.mode}"
+                f"{' (q - zero)' if self.zero_suffix else ''}")
+
     def name(self, base: str, role: str) -> str:
         """The tensor holding `role` ("weight", "scale", "zero", "shape") of the quantized weight
         whose float weight is named `base` ("model.layers.0.mlp.up_proj.weight")."""

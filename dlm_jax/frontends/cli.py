@@ -552,13 +552,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import dlm_jax
 
     from dlm_jax._hub import resolve_checkpoint
-    from dlm_jax.checkpoint._io import stored_quant, stored_quant_float
+    from dlm_jax.checkpoint._io import stored_quant, stored_quant_float, stored_quant_layout
 
     cfg, family = dlm_jax.load_config(args.model, strict=args.strict)
     path = resolve_checkpoint(args.model)
     quant = stored_quant(path) if path.is_dir() else None  # stored weight-only quantized: loads so, and only so
     stored = {"weight_quant": quant} if quant is None else {
         "weight_quant": quant, "weight_quant_float": sorted(stored_quant_float(path))}
+    if quant is not None and (layout := stored_quant_layout(path)) is not None:  # published pre-quantized
+        stored["weight_quant_stored"] = layout
     print(json.dumps({"family": family.name, "parameters": dlm_jax.param_count(cfg), **stored,
                       "config": cfg.to_dict()}, indent=2))
     return 0

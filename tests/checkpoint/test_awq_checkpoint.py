@@ -159,6 +159,8 @@ def test_modules_awq_keeps_float_stay_float(tmp_path, capsys):
     assert main(["inspect", "--model", str(path)]) == 0  # `inspect` says how it is stored, `plan` counts it so
     out = json.loads(capsys.readouterr().out)
     assert (out["weight_quant"], out["weight_quant_float"]) == ("int8-g16", sorted(float_))
+    assert out["weight_quant_stored"] == ("AutoAWQ (gemm): 4-bit integers with zero points, a scale per group of 16 "
+                                          "input columns; held as int8-g16 (q - zero)")
     assert main(["plan", "--model", str(path), "--devices", "1", "--memory", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["meshes"][0]["weights_bytes"] == weight_bytes(model)
     dlm_jax.save_pretrained(model, tmp_path / "saved")  # and saves as dlm-jax's int8-g16, bit for bit

@@ -292,3 +292,5 @@ def test_plan_counts_the_bytes_a_pre_quantized_checkpoint_loads_into(ignore, tmp
     assert main(["inspect", "--model", str(path)]) == 0  # and `inspect` says how it is stored
     out = json.loads(capsys.readouterr().out)
     assert (out["family"], out["weight_quant"], out["weight_quant_float"]) == ("qwen3", "int8-g16", list(ignore))
+    assert out["weight_quant_stored"] == ("compressed-tensors pack-quantized: 8-bit integers, a scale per group of 16 "
+                                          "input columns; held as int8-g16")

@@ -100,6 +100,11 @@ def test_fp8_saved_by_dlm_jax_reloads_bit_for_bit(tmp_path):
     model, ours = _ours(tmp_path / "fp8")
     dlm_jax.save_pretrained(model, tmp_path / "saved")
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["weight_quant_float"] == ["lm_head"]
+    from dlm_jax.checkpoint._io import stored_quant_layout  # (what `inspect` prints as weight_quant_stored)
+
+    assert stored_quant_layout(tmp_path / "fp8") == ("fine-grained FP8: 8-bit floats (e4m3), a scale per block of "
+                                                     "16 x 16; held as fp8-g16")
+    assert stored_quant_layout(tmp_path / "saved") is None  # (saved by dlm-jax: its own weight_quant)
     again, theirs = _ours(tmp_path / "saved")
     assert again.quant == "fp8-g16" and not again.quant_head
     np.testing.assert_array_equal(ours, theirs)
