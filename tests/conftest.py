@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Commands run by tests share one persistent XLA cache (the CLI keeps compiled buckets there),
@@ -70,22 +71,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The files that take longest, first (measured with --durations=0 on 2 cores, seconds of one
-# worker, 2026-11-30): `make test` hands whole files to its workers (--dist loadfile) in
+# worker, 2026-12-03): `make test` hands whole files to its workers (--dist loadfile) in
 # collection order, and a long file started last keeps one worker busy after the other has run
 # out of work.
-LONGEST_FILES = ("tests/test_docs.py",  # 67 s
-                 "tests/frontends/test_server.py",  # 32 s
-                 "tests/techniques/isd/test_isd.py",  # 25 s
-                 "tests/runtime/test_device_logits.py",  # 24 s
-                 "tests/executors/test_runner.py",  # 15 s
-                 "tests/executors/test_fused_projections.py",  # 15 s
-                 "tests/executors/test_in_place_attention.py",  # 13 s
-                 "tests/models/test_quant.py",  # 12 s
-                 "tests/training/test_shipped_models.py",  # 11 s
-                 "tests/test_interrupt.py",  # 11 s
-                 "tests/models/test_moe_dispatch.py",  # 11 s
-                 "tests/models/test_cache_equivalence.py",  # 11 s
-                 "tests/runtime/test_infill.py")  # 10 s
+LONGEST_FILES = ("tests/test_docs.py",  # 21 s
+                 "tests/frontends/test_server.py",  # 16 s
+                 "tests/executors/test_in_place_attention.py",  # 14 s
+                 "tests/executors/test_runner.py",  # 13 s
+                 "tests/checkpoint/test_compressed_tensors.py",  # 12 s
+                 "tests/techniques/lladacpp/test_lladacpp.py",  # 10 s
+                 "tests/runtime/test_reference_semantics.py",  # 10 s
+                 "tests/runtime/test_infill.py",  # 10 s
+                 "tests/runtime/test_warmup.py",  # 10 s
+                 "tests/runtime/test_decoder.py")  # 10 s
 
 
 # The slow pass's longest tests, first (a prefix of their ids; measured with --durations=0 on 2
@@ -130,7 +128,27 @@ def _slow_rank(nodeid: str) -> int:
     return next((i for i, prefix in enumerate(SLOW_LONGEST) if nodeid.startswith(prefix)), len(SLOW_LONGEST))
 
 
+def _whole_suite(config: pytest.Config) -> bool:
+    """Whether this session collects every test (no file or directory of its own named)."""
+    tests = Path(config.rootpath, "tests")
+    return all(Path(config.invocation_params.dir, arg).resolve() == tests for arg in config.args)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m and -k deselect: `-m slow` sees the marks added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The default pass's longest tests run in the slow pass (tests/slow_by_time.txt, written by
+    # tests/pick_slow.py from a --durations report), so that the default pass stays under five minutes.
+    from tests.pick_slow import read_list
+
+    listed = read_list()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+    if _whole_suite(config):
+        gone = sorted(set(listed) - {item.nodeid for item in items})
+        if gone:
+            raise pytest.UsageError(f"tests/slow_by_time.txt names {len(gone)} test(s) that do not exist "
+                                    f"(renamed or removed? delete their lines): {', '.join(gone[:5])}")
     if config.getoption("--runslow"):
         items.sort(key=lambda item: _slow_rank(item.nodeid))  # stable: the rest as collected
     else:
