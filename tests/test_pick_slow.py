@@ -45,9 +45,8 @@ def test_durations_are_read_from_pytests_own_report(tmp_path, monkeypatch):
     pick_slow.write_list({"test_timed.py::gone_by_hand_edit": 9.0}, listed)
     (tmp_path / "durations.txt").write_text(report.stdout)
     pick_slow.main([str(tmp_path / "durations.txt"), "--over", "0.5"])
-    assert pick_slow.read_list(listed) == {"test_timed.py::gone_by_hand_edit": 9.0,
-                                           "test_timed.py::test_long": pytest.approx(seconds["test_timed.py::test_long"],
-                                                                                     abs=0.01)}
+    long = pytest.approx(seconds["test_timed.py::test_long"], abs=0.01)
+    assert pick_slow.read_list(listed) == {"test_timed.py::gone_by_hand_edit": 9.0, "test_timed.py::test_long": long}
     pick_slow.main([str(tmp_path / "durations.txt"), "--over", "0"])  # KEEP stays in the default pass
     assert set(pick_slow.read_list(listed)) == {"test_timed.py::gone_by_hand_edit", "test_timed.py::test_long",
                                                 "test_timed.py::test_short[a b]"}

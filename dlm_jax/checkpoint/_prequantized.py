@@ -1,7 +1,7 @@
 """Pre-quantized Hugging Face checkpoints, read as dlm-jax's weight-only int8 / int4 / fp8
-(`dlm_jax.models.quant`): fine-grained FP8, compressed-tensors and AutoAWQ.
+(`dlm_jax.models.quant`): fine-grained FP8, compressed-tensors, AutoAWQ and GPTQ.
 
-Three layouts, each named by config.json's `quantization_config`:
+Four layouts, each named by config.json's `quantization_config`:
 
 - **Fine-grained FP8** (`quant_method: "fp8"`: transformers' `FineGrainedFP8Config`, DeepSeek-V3,
   the "-FP8" releases of Qwen3). Each quantized linear's weight [out, in] is float8_e4m3fn
@@ -30,29 +30,41 @@ Three layouts, each named by config.json's `quantization_config`:
   `zero_point: true`, `<module>.qzeros` [in / g, out / 8] packed as qweight, so that
   `w[i, o] = (q[i, o] - zero[i // g, o]) * scale[i // g, o]`; without zero points, q - 8. The
   float weight `<module>.weight` is absent.
+- **GPTQ** (`quant_method: "gptq"`: AutoGPTQ's, GPTQModel's and AutoRound's `auto_gptq` output,
+  the "-GPTQ-Int4" / "-Int8" releases). Each quantized linear `<module>` stores
+  `<module>.qweight` [in * bits / 32, out] int32, 32 / bits unsigned values a word along the
+  input rows (the first lowest), `<module>.scales` [G, out] float16 (G = in / group_size, or 1
+  where `group_size` is -1), `<module>.qzeros` [G, out * bits / 32] packed along the output
+  columns, each zero point minus one (`checkpoint_format: "gptq"`) or as it is ("gptq_v2"), and
+  `<module>.g_idx` [in], each input row's group; `w[i, o] = (q[i, o] - zero[g, o]) * scale[g, o]`
+  for g = g_idx[i]. With `sym: true` every zero point is 2^(bits - 1). GPTQModel's `dynamic`
+  rules "-:<regex>" leave modules float (their tensors say so too).
 
 dlm-jax holds each as one of its own modes: per tensor or per channel as `fp8` / `int8` (one
 scale per output channel; a tensor's scale repeated), a group of g columns as `fp8-gg` /
 `int8-gg` / `int4-gg`, a block [bo, bi] as `fp8-gbi` (or int) with each block's scale repeated
-over its bo output channels; AutoAWQ's as `int8-gg` (with zero points) or `int4-gg`. Every one
+over its bo output channels; AutoAWQ's as `int8-gg` (with zero points) or `int4-gg`; GPTQ's as
+`int4-gg` (4 bits, symmetric), `int8-gg` (`q - zero`: asymmetric 4-bit; 8-bit) or, without
+groups, `int4` / `int8`. Every one
 of those is exact: a decode computes with the checkpoint's own weights, the float32 weights
 transformers' own loading gives (dequantised on a CPU). The stored e4m3 /
 int8 bytes load as they are (packed ones are unpacked on the host); only the scales change
 shape, on the host (they are a small fraction of the weights). Asymmetric 4-bit weights load
 as `int8` / `int8-gg` holding `q - zero` (from -15 to 15: one bit more than int4 holds, so twice
 the bytes of the symmetric int4 layout), subtracted on the host as the weights are unpacked.
-AutoAWQ's float16 scales become float32 exactly; transformers' float32 path through
+AutoAWQ's and GPTQ's float16 scales become float32 exactly; transformers' float32 path through
 compressed-tensors multiplies in float16 instead (1e-3 apart in a tiny model's logits).
 
 Kernels the checkpoint keeps in float (`modules_to_not_convert`, `ignore`; the output head by
 default; a Qwen3-MoE's experts, which compressed-tensors leaves float where transformers holds
 them fused) stay float (`dlm_jax.checkpoint._io._prequantized_float`, `quantize(keep=...)`); a
 weight stored quantized in some of its tensors and float in others is refused. Also refused,
-each in one line: another quant method (GPTQ's own, bitsandbytes, ...), fewer or more than 8
-bits (but 4-bit integers: pack-quantized, AutoAWQ), AutoAWQ's packings but "gemm", its
-`group_size: -1` and llm-awq's checkpoints, e5m2, asymmetric 8-bit weights (`q - zero` needs 9 bits), activation-ordered
-groups with a column-to-group map (`actorder: "group"`, a `g_idx` tensor), static activation scales,
-ue8m0 scales, FP4 experts, several weight schemes in one model, sparsity and transforms,
+each in one line: another quant method (bitsandbytes, HQQ, ...), fewer or more than 8 bits
+(but 4-bit integers: pack-quantized, AutoAWQ, GPTQ), AutoAWQ's packings but "gemm", its
+`group_size: -1` and llm-awq's checkpoints, GPTQ repacked for a kernel ("marlin", ...) or with
+`dynamic` rules that change a module's bits, e5m2, asymmetric 8-bit weights (`q - zero` needs 9
+bits), activation-ordered groups with a column-to-group map (`actorder: "group"`; a GPTQ
+`g_idx` other than row // g), static activation scales, ue8m0 scales, FP4 experts, several weight schemes in one model, sparsity and transforms,
 quantized embeddings, and an input width that is neither a multiple of the group nor at most it.
 
 Activations: the GPU kernels these formats were made for also quantize the activations
@@ -101,7 +113,10 @@ class Layout:
     bits: the stored weights' bits (8, or 4: held as int4, or as int8 with zero points).
     zero_suffix: appended to the float weight's name for its zero points (asymmetric
       weights), "" for symmetric ones.
-    awq: AutoAWQ's tensors, named after the module (`name`) and packed its way.
+    packing: "awq" (AutoAWQ), "gptq" or "gptq_v2" (GPTQ's checkpoint formats): tensors named
+      after the module (`name`) and packed that format's way; "" for the others.
+    middle_zeros: zero points stored, each the middle of the stored range (GPTQ's `sym: true`):
+      `q - zero` fits the stored bits, held as int4 (4 bits) or int8 (8 bits).
     """
 
     mode: str
@@ -112,35 +127,40 @@ class Layout:
     packed: bool = False
     bits: int = 8
     zero_suffix: str = ""
-    awq: bool = False
+    packing: str = ""
+    middle_zeros: bool = False
 
     @property
     def roles(self) -> tuple[str, ...]:
         """The tensors a quantized weight is stored in, besides the weight itself where it is
         not packed (`name`'s roles)."""
-        return (("scale",) + (("weight",) + (() if self.awq else ("shape",)) if self.packed else ())
-                + (("zero",) if self.zero_suffix else ()))
+        return (("scale",) + (("weight",) + (() if self.packing else ("shape",)) if self.packed else ())
+                + (("zero",) if self.zero_suffix else ()) + (("g_idx",) if self.packing.startswith("gptq") else ()))
 
     def describe(self) -> str:
         """One line saying how the checkpoint stores its quantized weights and how dlm-jax holds
         them ("AutoAWQ (gemm): 4-bit integers with zero points, a scale per group of 128 input
         columns; held as int8-g128 (q - zero)")."""
         fp8 = self.mode.startswith("fp8")
-        source = ("AutoAWQ (gemm)" if self.awq else "fine-grained FP8" if self.scale_suffix == "_scale_inv"
-                  else "compressed-tensors " + ("pack-quantized" if self.packed else "float-quantized" if fp8
-                                                else "int-quantized"))
+        source = ({"awq": "AutoAWQ (gemm)", "gptq": "GPTQ", "gptq_v2": "GPTQ (v2)"}.get(self.packing)
+                  or ("fine-grained FP8" if self.scale_suffix == "_scale_inv"
+                      else "compressed-tensors " + ("pack-quantized" if self.packed else "float-quantized" if fp8
+                                                    else "int-quantized")))
+        zero = bool(self.zero_suffix) and not self.middle_zeros
         per = {"tensor": "tensor", "channel": "output channel",
                "group": f"group of {self.block[1] if self.block else 0} input columns",
                "block": f"block of {' x '.join(map(str, self.block or ()))}"}[self.strategy]
         return (f"{source}: {self.bits}-bit {'floats (e4m3)' if fp8 else 'integers'}"
-                f"{' with zero points' if self.zero_suffix else ''}, a scale per {per}; held as {self.mode}"
-                f"{' (q - zero)' if self.zero_suffix else ''}")
+                f"{' with zero points' if zero else ''}, a scale per {per}; held as {self.mode}"
+                f"{' (q - zero)' if zero else ''}")
+
 
     def name(self, base: str, role: str) -> str:
         """The tensor holding `role` ("weight", "scale", "zero", "shape") of the quantized weight
         whose float weight is named `base` ("model.layers.0.mlp.up_proj.weight")."""
-        if self.awq:
-            return base.removesuffix(".weight") + {"weight": ".qweight", "scale": ".scales", "zero": ".qzeros"}[role]
+        if self.packing:
+            return base.removesuffix(".weight") + {"weight": ".qweight", "scale": ".scales", "zero": ".qzeros",
+                                                   "g_idx": ".g_idx"}[role]
         return base + {"weight": self.weight_suffix, "scale": self.scale_suffix, "zero": self.zero_suffix,
                        "shape": "_shape"}[role]
 
@@ -160,9 +180,43 @@ def layout(data: dict[str, Any], source: str) -> Layout | None:
         return _compressed_tensors_layout(qc, source)
     if method == "awq":
         return _awq_layout(qc, source)
+    if method == "gptq":
+        return _gptq_layout(qc, source)
     raise ConfigError(f"{source}: quantization_config.quant_method={method!r} is not supported: dlm-jax reads "
-                      f"fine-grained FP8 ('fp8'), compressed-tensors (8-bit, 4-bit integer) and AutoAWQ ('awq') "
-                      f"checkpoints; load a float checkpoint with quant='int8', 'fp8' or 'int4-g128' instead")
+                      f"fine-grained FP8 ('fp8'), compressed-tensors (8-bit, 4-bit integer), AutoAWQ ('awq') and "
+                      f"GPTQ ('gptq') checkpoints; load a float checkpoint with quant='int8', 'fp8' or 'int4-g128' "
+                      f"instead")
+
+
+def _gptq_layout(qc: dict[str, Any], source: str) -> Layout:
+    key = f"{source}: quantization_config"
+    bits, group, sym = qc.get("bits", 4), qc.get("group_size", 128), qc.get("sym", True)
+    fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"  # (transformers' key, GPTQModel's)
+    if bits not in (4, 8) or isinstance(bits, bool):
+        raise ConfigError(f"{key}.bits={bits!r}: GPTQ checkpoints of 4 or 8 bits are supported")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ConfigError(f"{key}: format {fmt!r} is not supported: dlm-jax reads GPTQ's own packing "
+                          f"('gptq', 'gptq_v2'), not a kernel's repacking ('marlin', 'bitblas', ...)")
+    if not isinstance(sym, bool):
+        raise ConfigError(f"{key}.sym={sym!r}: expected true or false")
+    if not sym and bits == 8:
+        raise ConfigError(f"{key}: asymmetric 8-bit weights (sym: false) are not supported: q - zero needs 9 bits")
+    dynamic = qc.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise ConfigError(f"{key}.dynamic={dynamic!r}: expected an object")
+    for rule, change in dynamic.items():  # ("-:<regex>": modules left float, their tensors say so too)
+        if not rule.startswith("-:") and any(change.get(k) != qc.get(k) for k in (change or {})):
+            raise ConfigError(f"{key}.dynamic[{rule!r}]: per-module bits or groups are not supported "
+                              f"({change}); dlm-jax holds one scheme per model (modules left out, '-:', are read)")
+    if qc.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+        raise ConfigError(f"{key}.pack_dtype={qc['pack_dtype']!r}: dlm-jax reads weights packed in int32 words")
+    if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group >= 2):
+        raise ConfigError(f"{key}.group_size={group!r}: expected -1 (a scale per output channel) or an integer of "
+                          f"at least 2")
+    mode = "int4" if bits == 4 and sym else "int8"  # (q - zero: 5 bits where asymmetric)
+    if group == -1:
+        return Layout(mode, "channel", None, ".scales", ".qweight", True, bits, ".qzeros", fmt, sym)
+    return Layout(f"{mode}-g{group}", "group", (1, group), ".scales", ".qweight", True, bits, ".qzeros", fmt, sym)
 
 
 def _awq_layout(qc: dict[str, Any], source: str) -> Layout:
@@ -182,7 +236,7 @@ def _awq_layout(qc: dict[str, Any], source: str) -> Layout:
     fmt, zero_suffix = ("int8", ".qzeros") if zero else ("int4", "")  # (q - zero needs 5 bits)
     if not isinstance(group, int) or isinstance(group, bool) or group < 2:  # (-1, one group a column: refused)
         raise ConfigError(f"{key}.group_size={group!r}: expected an integer of at least 2")
-    return Layout(f"{fmt}-g{group}", "group", (1, group), ".scales", ".qweight", True, 4, zero_suffix, awq=True)
+    return Layout(f"{fmt}-g{group}", "group", (1, group), ".scales", ".qweight", True, 4, zero_suffix, packing="awq")
 
 
 def _fp8_layout(qc: dict[str, Any], source: str) -> Layout:
@@ -307,7 +361,14 @@ def read_weight(tensors: Mapping[str, Any], base: str, *, layout: Layout, rows: 
     def what(role: str) -> str:
         return f"{where}: tensor {layout.name(base, role)!r}"
 
-    if layout.awq:
+    if layout.packing.startswith("gptq"):
+        q, scale = _gptq_weight(*(tensors[layout.name(base, role)].read() for role in ("weight", "scale", "zero",
+                                                                                         "g_idx")),
+                                layout=layout, what=what)
+        out, inp = q.shape
+        return (expand_scales(scale, out=out, inp=inp, layout=layout, rows=rows, what=what("scale")),
+                q[rows])
+    if layout.packing == "awq":
         qweight, scale = tensors[layout.name(base, "weight")].read(), tensors[layout.name(base, "scale")].read()
         q, scale = _awq_weight(qweight, scale, None if not layout.zero_suffix else
                                tensors[layout.name(base, "zero")].read(), layout=layout, what=what)
@@ -372,6 +433,63 @@ def _awq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray | Non
         diff.reshape(groups, g, out)[...] -= zero[:, None, :]
     else:
         diff = diff - np.repeat(zero, g, axis=0)[:inp]
+    return diff.T, np.asarray(scale).T  # ([out, in] views: the caller's layout, transposed back there)
+
+
+def gptq_unpack(packed: np.ndarray, bits: int, axis: int, *, what: str) -> np.ndarray:
+    """The unsigned `bits`-bit values (uint8) that GPTQ's int32 `packed` holds along `axis` (0:
+    qweight [in * bits / 32, out], the input rows; 1: qzeros [groups, out * bits / 32], the output
+    columns): 32 / bits values a word, the first in its lowest bits."""
+    if packed.dtype != np.int32 or packed.ndim != 2:
+        raise CheckpointError(f"{what}: {packed.dtype} {tuple(packed.shape)}, expected a 2-D int32 tensor of "
+                              f"packed {bits}-bit values")
+    data = np.ascontiguousarray(packed, dtype="<i4").view(np.uint8).reshape(*packed.shape, 4)  # (any host order)
+    if bits == 4:
+        values = np.empty((*packed.shape, 8), np.uint8)
+        np.bitwise_and(data, 0xF, out=values[..., 0::2])
+        np.right_shift(data, 4, out=values[..., 1::2])
+    else:
+        values = data
+    if axis == 1:
+        return values.reshape(packed.shape[0], -1)
+    return values.transpose(0, 2, 1).reshape(-1, packed.shape[1])
+
+
+def _gptq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray, g_idx: np.ndarray, *, layout: Layout,
+                 what) -> tuple[np.ndarray, np.ndarray]:
+    """(q - zero as int8 [out, in], scales [out, G]) of a GPTQ linear's tensors: qweight [in *
+    bits / 32, out], scales [G, out], qzeros [G, out * bits / 32] (the zero points minus one in
+    the format 'gptq', as they are in 'gptq_v2') and g_idx [in] (each input row's group: row // g,
+    the only order dlm-jax's groups hold)."""
+    q = gptq_unpack(qweight, layout.bits, 0, what=what("weight"))  # [in, out]
+    inp, out = q.shape
+    g = layout.block[1] if layout.block else inp
+    groups = -(-inp // g)
+    if scale.shape != (groups, out):
+        raise CheckpointError(f"{what('scale')}: shape {tuple(scale.shape)}, expected ({groups}, {out}): a scale per "
+                              f"output column and group of {g} of the weight's {inp} input rows")
+    gi = np.asarray(g_idx)
+    if gi.shape != (inp,) or not np.array_equal(gi, np.arange(inp) // g):
+        raise CheckpointError(f"{what('g_idx')}: the input rows are not in groups of {g} in order (act-order "
+                              f"groups, desc_act without static_groups, are not supported: dlm-jax's groups are "
+                              f"runs of consecutive rows)")
+    zero = gptq_unpack(qzeros, layout.bits, 1, what=what("zero")).astype(np.int16)
+    if zero.shape != (groups, out):
+        raise CheckpointError(f"{what('zero')}: int32 {tuple(qzeros.shape)}, expected int32 ({groups}, "
+                              f"{out * layout.bits // 32}): zero points packed along the output columns")
+    if layout.packing == "gptq":
+        zero += 1  # (the format stores zero - 1)
+    middle = 1 << (layout.bits - 1)
+    if layout.middle_zeros and (zero != middle).any():
+        raise CheckpointError(f"{what('zero')}: zero points other than {middle} in a symmetric checkpoint (sym: true)")
+    if layout.bits == 8:  # symmetric (the layout refuses others): q - 128, the bytes' top bit flipped
+        diff = q.view(np.int8) ^ np.int8(-128)
+    else:
+        diff = q.view(np.int8)  # (0..15 minus 1..16 fits int8)
+        if inp == groups * g:  # in place, group by group
+            diff.reshape(groups, g, out)[...] -= zero.astype(np.int8)[:, None, :]
+        else:
+            diff = diff - np.repeat(zero.astype(np.int8), g, axis=0)[:inp]
     return diff.T, np.asarray(scale).T  # ([out, in] views: the caller's layout, transposed back there)
 
 

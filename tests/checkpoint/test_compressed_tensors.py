@@ -233,7 +233,7 @@ def _group(qc: dict) -> dict:
     (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config is set"),
     (lambda qc: qc["config_groups"].update(group_1={**copy.deepcopy(_group(qc)), "weights": {
         **_group(qc)["weights"], "group_size": 32}}), "2 different weight schemes"),
-    (lambda qc: qc.update(quant_method="gptq"), "quant_method='gptq' is not supported"),
+    (lambda qc: qc.update(quant_method="bitsandbytes"), "quant_method='bitsandbytes' is not supported"),
 ])
 def test_compressed_tensors_refusals_are_one_line(change, match, tmp_path):
     path = ct_checkpoint(tmp_path / "ct", "W8A16")

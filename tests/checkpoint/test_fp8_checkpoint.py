@@ -175,7 +175,7 @@ def test_fp8_fused_llada2_rows_straddling_blocks(tmp_path):
 
 
 @pytest.mark.parametrize("edit,error,match", [
-    ({"quant_method": "gptq"}, ConfigError, "quant_method='gptq' is not supported"),
+    ({"quant_method": "bitsandbytes"}, ConfigError, "quant_method='bitsandbytes' is not supported"),
     ({"activation_scheme": "static"}, ConfigError, "activation_scheme='static' is not supported"),
     ({"fmt": "e5m2"}, ConfigError, "fmt='e5m2' is not supported"),
     ({"scale_fmt": "ue8m0"}, ConfigError, "scale_fmt='ue8m0' is not supported"),

@@ -1,0 +1,268 @@
+"""GPTQ checkpoints (config `quantization_config.quant_method: "gptq"`, written here by AutoRound's
+own quantizer and packer, `format="auto_gptq"`) load as weight-only int4 (symmetric) or int8
+(`q - zero`, asymmetric 4-bit; 8-bit) and compute what transformers computes with the weights
+AutoRound's own GPTQ kernel (`QuantLinear`, torch backend) dequantises from the same files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file, save_file
+
+import dlm_jax
+from dlm_jax._errors import CheckpointError, ConfigError
+from dlm_jax.checkpoint._prequantized import gptq_unpack
+
+from .hf_models import build, loaded_logits, logits, reference_logits, word_tokenizer
+
+IDS = np.random.default_rng(0).integers(0, 96, (2, 13))
+TOL = 1e-4
+
+
+def gptq_checkpoint(dst: Path, *, kind: str = "qwen3", bits: int = 4, group: int = 16, sym: bool = True) -> Path:
+    """A tiny random `kind` model quantized by AutoRound (round to nearest: no calibration) and
+    saved in GPTQ's format (format "gptq": zero points stored minus one)."""
+    from auto_round import AutoRound
+
+    dst.mkdir(parents=True, exist_ok=True)
+    word_tokenizer(dst)
+    tokenizer = T.PreTrainedTokenizerFast(tokenizer_file=str(dst / "tokenizer.json"), unk_token="<unk>",
+                                          pad_token="<|endoftext|>")
+    # (dimensions that are multiples of 32: AutoRound leaves other linears float)
+    rounder = AutoRound(build(kind, intermediate_size=64), tokenizer=tokenizer, bits=bits, group_size=group, sym=sym,
+                        iters=0, disable_opt_rtn=True)
+    rounder.quantize_and_save(str(dst / "out"), format="auto_gptq")
+    (out,) = [p for p in (dst / "out").iterdir() if (p / "config.json").exists()] or [dst / "out"]
+    return out
+
+
+def _dequantized(path: Path, dst: Path) -> np.ndarray:
+    """transformers' float32 logits with each GPTQ linear of `path` replaced by the weight
+    AutoRound's GPTQ kernel computes from its tensors (its float16 scales cast to float32, which
+    is exact: the kernel multiplies in the scales' dtype, and dlm-jax holds (q - zero) * scale in
+    float32)."""
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+
+    config = json.loads((path / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        module = name[:-len(".qweight")]
+        inp, out = tensors[name].shape[0] * 32 // qc["bits"], tensors[name].shape[1]
+        # (groups of consecutive rows, as the checkpoint's g_idx says: the kernel's g_idx path is
+        # its act-order one)
+        layer = QuantLinear(qc["bits"], inp if qc["group_size"] == -1 else qc["group_size"], inp, out, bias=False)
+        layer.qweight, layer.qzeros = tensors.pop(name), tensors.pop(module + ".qzeros")
+        layer.scales = tensors.pop(module + ".scales").float()
+        g = inp if qc["group_size"] == -1 else qc["group_size"]
+        np.testing.assert_array_equal(tensors.pop(module + ".g_idx").numpy(), np.arange(inp) // g)
+        with torch.no_grad():
+            tensors[module + ".weight"] = layer(torch.eye(inp)).T.contiguous()  # [out, in]
+    for name in tensors:
+        tensors[name] = tensors[name].float()
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config))
+    return reference_logits(dst, IDS)
+
+
+@pytest.fixture(scope="module")
+def symmetric(tmp_path_factory) -> Path:
+    """A Qwen3's GPTQ checkpoint (4 bits, symmetric, groups of 16), quantized once for the file."""
+    return gptq_checkpoint(tmp_path_factory.mktemp("gptq"))
+
+
+@pytest.fixture
+def gptq(symmetric, tmp_path) -> Path:
+    """A test's own copy of `symmetric`, to edit."""
+    return Path(shutil.copytree(symmetric, tmp_path / "gptq"))
+
+
+SLOW = pytest.mark.slow  # (4 s each, most of it AutoRound's quantization)
+
+
+@pytest.mark.parametrize("kind,bits,group,sym,mode", [
+    ("qwen3", 4, 16, True, "int4-g16"),  # GPTQ's default: symmetric, q - 8 fits int4
+    pytest.param("qwen3", 4, 16, False, "int8-g16", marks=SLOW),  # zero points: q - zero held as int8
+    # 8 bits (q - 128), q/k/v biases stored float beside the qweight
+    pytest.param("qwen2", 8, 16, True, "int8-g16", marks=SLOW),
+    pytest.param("llama", 4, -1, True, "int4", marks=SLOW),  # group_size -1: a scale per output channel
+])
+def test_gptq_checkpoint_matches_autorounds_kernel(kind, bits, group, sym, mode, symmetric, tmp_path):
+    path = (symmetric if (kind, bits, group, sym) == ("qwen3", 4, 16, True) else
+            gptq_checkpoint(tmp_path / "gptq", kind=kind, bits=bits, group=group, sym=sym))
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "gptq"
+    # AutoRound leaves float the linears whose width is not a multiple of 32 (k_proj and v_proj
+    # but Qwen3's, 2 heads of 8) and names them in GPTQModel's `dynamic` ("-:<module>")
+    left = {f"layers.{i}.attn.{p}" for i in (0, 1) for p in ("k_proj", "v_proj")} if kind != "qwen3" else set()
+    assert len(qc.get("dynamic", {})) == len(left) and all(rule.startswith("-:") for rule in qc.get("dynamic", {}))
+    ref = _dequantized(path, tmp_path / "float")
+    model, ours = loaded_logits(path, IDS)
+    assert model.quant == mode and model.quant_float == {"lm_head"} | left
+    assert str(model.layers[0].attn.q_proj.qkernel[...].dtype) == mode.split("-")[0]
+    assert (model.layers[0].attn.q_proj.bias is not None) == (kind == "qwen2")
+    diff = float(np.abs(ours - ref).max())
+    assert diff <= TOL, diff
+    float_logits = logits(build(kind, intermediate_size=64), IDS)
+    assert float(np.abs(ref - float_logits).max()) > 10 * TOL  # (it is not the float model)
+
+
+@SLOW
+def test_the_reference_is_what_autorounds_own_loading_computes(gptq, tmp_path):
+    """transformers loading the GPTQ checkpoint through AutoRound (`AutoRoundConfig`, torch
+    backend) computes in float16: the float32 reference above within float16's rounding."""
+    path = gptq
+    ref = _dequantized(path, tmp_path / "float")
+    theirs = reference_logits(path, IDS, quantization_config=T.AutoRoundConfig(backend="torch"))
+    np.testing.assert_allclose(theirs, ref, atol=2e-2)
+    _, ours = loaded_logits(path, IDS)
+    assert float(np.abs(ours - ref).max()) < float(np.abs(theirs - ref).max())  # (float32 closer than float16)
+
+
+def gptq_moe_checkpoint(dst: Path, *, group: int = 16) -> Path:
+    """A tiny random Qwen3-MoE in GPTQ's layout, one quantized linear a routed expert (as the
+    "-GPTQ-Int4" MoE releases hold them): every projection's weight quantized to 4 bits per group
+    of `group` input rows by round to nearest, symmetric, packed by AutoRound's own GPTQ packer."""
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+
+    # (widths that are multiples of 32: AutoRound's packer packs rows and columns in 32s)
+    build("qwen3_moe", moe_intermediate_size=32, intermediate_size=64, head_dim=16).save_pretrained(dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        w = tensors.pop(name).float()  # [out, in]
+        out, inp = w.shape
+        scales = (w.reshape(out, inp // group, group).abs().amax(-1) / 7).clamp_min(1e-5).half().float()  # [out, G]
+        linear = torch.nn.Linear(inp, out, bias=False)
+        linear.weight.data = w
+        layer = QuantLinear(4, group, inp, out, bias=False)
+        layer.pack(linear, scales, 8)
+        module = name[:-len(".weight")]
+        tensors.update({module + ".qweight": layer.qweight, module + ".qzeros": layer.qzeros, module + ".scales":
+                        layer.scales, module + ".g_idx": torch.arange(inp, dtype=torch.int32) // group})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
+                                     "desc_act": False}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@SLOW
+def test_gptq_moe_experts_load_quantized(tmp_path):
+    """A Qwen3-MoE's routed experts, one GPTQ linear each, stack into one int4 [E, I, O] array per
+    layer; the router stays float."""
+    path = gptq_moe_checkpoint(tmp_path / "gptq")
+    model, ours = loaded_logits(path, IDS)
+    assert model.quant == "int4-g16" and model.quant_float == {"lm_head"}
+    experts = model.layers[1].ffn
+    assert str(experts.gate[...].dtype) == "int4" and experts.gate_scale[...].shape == (4, 2, 32)
+    ref = _dequantized(path, tmp_path / "float")
+    diff = float(np.abs(ours - ref).max())
+    assert diff <= TOL, diff
+
+
+def _v2(path: Path) -> None:
+    """Rewrite `path` in GPTQModel's format "gptq_v2": the zero points as they are (not minus one)."""
+    tensors = load_file(str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    bits = config["quantization_config"]["bits"]
+    for name in [n for n in tensors if n.endswith(".qzeros")]:
+        zero = gptq_unpack(tensors[name].numpy(), bits, 1, what=name).astype(np.uint32) + 1
+        per = 32 // bits
+        words = np.zeros((zero.shape[0], zero.shape[1] // per), np.uint32)
+        for j in range(per):
+            words |= zero[:, j::per] << np.uint32(bits * j)
+        tensors[name] = torch.from_numpy(words.view(np.int32))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"]["checkpoint_format"] = "gptq_v2"
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@SLOW
+def test_gptq_v2_zero_points_and_inspect(tmp_path, capsys):
+    from dlm_jax.frontends.cli import main
+
+    path = gptq_checkpoint(tmp_path / "gptq", sym=False)
+    _, v1 = loaded_logits(path, IDS)
+    _v2(path)
+    model, v2 = loaded_logits(path, IDS)
+    np.testing.assert_array_equal(v1, v2)
+    assert main(["inspect", "--model", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weight_quant_stored"] == ("GPTQ (v2): 4-bit integers with zero points, a scale per group of 16 "
+                                          "input columns; held as int8-g16 (q - zero)")
+    dlm_jax.save_pretrained(model, tmp_path / "saved")  # saved as dlm-jax's int8-g16, bit for bit
+    again, theirs = loaded_logits(tmp_path / "saved", IDS)
+    assert again.quant == "int8-g16"
+    np.testing.assert_array_equal(v2, theirs)
+
+
+def test_unpacking_is_autorounds_own():
+    """GPTQ's packing (32 / bits values a word along the input rows, the first lowest) read as
+    AutoRound's kernel reads it."""
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+
+    for bits in (4, 8):
+        u = np.random.default_rng(bits).integers(0, 1 << bits, (64, 16)).astype(np.uint8)  # [in, out]
+        layer = QuantLinear(bits, 64, 64, 16, bias=False)
+        per = 32 // bits
+        words = np.zeros((64 // per, 16), np.uint32)
+        for j in range(per):
+            words |= u[j::per].astype(np.uint32) << np.uint32(bits * j)
+        layer.qweight = torch.from_numpy(words.view(np.int32))
+        layer.qzeros = torch.zeros((1, 16 // per), dtype=torch.int32)  # zero points 1 (stored minus one)
+        layer.scales = torch.ones((1, 16))
+        np.testing.assert_array_equal(gptq_unpack(words.view(np.int32), bits, 0, what="w"), u)
+        with torch.no_grad():
+            np.testing.assert_array_equal(layer(torch.eye(64)).numpy(), u.astype(np.float32) - 1)
+
+
+def _edit(path: Path, **change) -> None:
+    data = json.loads((path / "config.json").read_text())
+    data["quantization_config"].update(change)
+    (path / "config.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"bits": 3}, "bits=3: GPTQ checkpoints of 4 or 8 bits are supported"),
+    ({"bits": 8, "sym": False}, "asymmetric 8-bit weights .sym: false. are not supported: q - zero needs 9 bits"),
+    ({"checkpoint_format": "marlin"}, "format 'marlin' is not supported: dlm-jax reads GPTQ's own packing"),
+    ({"group_size": 0}, "group_size=0: expected -1 .a scale per output channel. or an integer of at least 2"),
+    ({"dynamic": {"+:.*mlp.*": {"bits": 8}}}, r"dynamic\['\+:.\*mlp.\*'\]: per-module bits or groups are not "
+                                               r"supported \({'bits': 8}\)"),
+    ({"pack_dtype": "int16"}, "pack_dtype='int16': dlm-jax reads weights packed in int32 words"),
+])
+def test_gptq_refusals_are_one_line(change, match, gptq):
+    path = gptq
+    _edit(path, **change)
+    with pytest.raises(ConfigError, match=match) as e:
+        dlm_jax.load_pretrained(path)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_gptq_tensors_are_named(gptq):
+    path = gptq
+    original = load_file(str(path / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.g_idx"
+
+    def save(**edits) -> None:
+        save_file({**original, **edits}, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    save(**{name: original[name].flip(0).contiguous()})  # act-order: a permuted column-to-group map
+    with pytest.raises(CheckpointError, match=f"tensor '{name}': the input rows are not in groups of 16 in order "
+                                              f".act-order groups"):
+        dlm_jax.load_pretrained(path)
+    zeros = "model.layers.0.self_attn.o_proj.qzeros"
+    save(**{zeros: torch.zeros_like(original[zeros])})  # symmetric, but zero points of 1
+    with pytest.raises(CheckpointError, match=f"tensor '{zeros}': zero points other than 8 in a symmetric checkpoint"):
+        dlm_jax.load_pretrained(path)
+    save(**{zeros: original[zeros][:, :-1].contiguous()})
+    with pytest.raises(CheckpointError, match=f"tensor '{zeros}': int32 .4, 3., expected int32 .4, 4.: zero points"):
+        dlm_jax.load_pretrained(path)
