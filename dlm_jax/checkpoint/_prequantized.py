@@ -64,8 +64,9 @@ each in one line: another quant method (bitsandbytes, HQQ, ...), fewer or more t
 `group_size: -1` and llm-awq's checkpoints, GPTQ repacked for a kernel ("marlin", ...) or with
 `dynamic` rules that change a module's bits, e5m2, asymmetric 8-bit weights (`q - zero` needs 9
 bits), activation-ordered groups with a column-to-group map (`actorder: "group"`; a GPTQ
-`g_idx` other than row // g), static activation scales, ue8m0 scales, FP4 experts, several weight schemes in one model, sparsity and transforms,
-quantized embeddings, and an input width that is neither a multiple of the group nor at most it.
+`g_idx` other than row // g), static activation scales, ue8m0 scales, FP4 experts, several
+weight schemes in one model, sparsity and transforms, quantized embeddings, and an input width
+that is neither a multiple of the group nor at most it.
 
 Activations: the GPU kernels these formats were made for also quantize the activations
 ("dynamic", per token or group); dlm-jax keeps them in the model's dtype (weight-only), as
@@ -153,7 +154,6 @@ class Layout:
         return (f"{source}: {self.bits}-bit {'floats (e4m3)' if fp8 else 'integers'}"
                 f"{' with zero points' if zero else ''}, a scale per {per}; held as {self.mode}"
                 f"{' (q - zero)' if zero else ''}")
-
 
     def name(self, base: str, role: str) -> str:
         """The tensor holding `role` ("weight", "scale", "zero", "shape") of the quantized weight
