@@ -79,6 +79,7 @@ LONGEST_FILES = ("tests/test_docs.py",  # 21 s
                  "tests/executors/test_in_place_attention.py",  # 14 s
                  "tests/executors/test_runner.py",  # 13 s
                  "tests/checkpoint/test_compressed_tensors.py",  # 12 s
+                 "tests/checkpoint/test_gptq_checkpoint.py",  # 12 s (AutoRound's import and quantization)
                  "tests/techniques/lladacpp/test_lladacpp.py",  # 10 s
                  "tests/runtime/test_reference_semantics.py",  # 10 s
                  "tests/runtime/test_infill.py",  # 10 s

@@ -126,16 +126,17 @@ def test_the_reference_is_what_autorounds_own_loading_computes(gptq, tmp_path):
     assert float(np.abs(ours - ref).max()) < float(np.abs(theirs - ref).max())  # (float32 closer than float16)
 
 
-def gptq_moe_checkpoint(dst: Path, *, group: int = 16) -> Path:
+def gptq_moe_checkpoint(dst: Path, *, group: int = 16, head: bool = False) -> Path:
     """A tiny random Qwen3-MoE in GPTQ's layout, one quantized linear a routed expert (as the
-    "-GPTQ-Int4" MoE releases hold them): every projection's weight quantized to 4 bits per group
-    of `group` input rows by round to nearest, symmetric, packed by AutoRound's own GPTQ packer."""
+    "-GPTQ-Int4" MoE releases hold them): every projection's weight (and with `head` the output
+    head's, GPTQ's `lm_head: true`) quantized to 4 bits per group of `group` input rows by round
+    to nearest, symmetric, packed by AutoRound's own GPTQ packer."""
     from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
 
     # (widths that are multiples of 32: AutoRound's packer packs rows and columns in 32s)
     build("qwen3_moe", moe_intermediate_size=32, intermediate_size=64, head_dim=16).save_pretrained(dst)
     tensors = load_file(str(dst / "model.safetensors"))
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+    for name in [n for n in tensors if n.endswith("_proj.weight") or head and n == "lm_head.weight"]:
         w = tensors.pop(name).float()  # [out, in]
         out, inp = w.shape
         scales = (w.reshape(out, inp // group, group).abs().amax(-1) / 7).clamp_min(1e-5).half().float()  # [out, G]
@@ -149,18 +150,20 @@ def gptq_moe_checkpoint(dst: Path, *, group: int = 16) -> Path:
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
-                                     "desc_act": False}
+                                     "desc_act": False, "lm_head": head}
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
 
 @SLOW
-def test_gptq_moe_experts_load_quantized(tmp_path):
+@pytest.mark.parametrize("head", [False, True])
+def test_gptq_moe_experts_load_quantized(head, tmp_path):
     """A Qwen3-MoE's routed experts, one GPTQ linear each, stack into one int4 [E, I, O] array per
-    layer; the router stays float."""
-    path = gptq_moe_checkpoint(tmp_path / "gptq")
+    layer; the router stays float; the output head is quantized where the checkpoint stores it so."""
+    path = gptq_moe_checkpoint(tmp_path / "gptq", head=head)
     model, ours = loaded_logits(path, IDS)
-    assert model.quant == "int4-g16" and model.quant_float == {"lm_head"}
+    assert model.quant == "int4-g16" and model.quant_float == (set() if head else {"lm_head"})
+    assert model.quant_head == head
     experts = model.layers[1].ffn
     assert str(experts.gate[...].dtype) == "int4" and experts.gate_scale[...].shape == (4, 2, 32)
     ref = _dequantized(path, tmp_path / "float")
