@@ -213,6 +213,10 @@ def _gptq_layout(qc: dict[str, Any], source: str) -> Layout:
     if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group >= 2):
         raise ConfigError(f"{key}.group_size={group!r}: expected -1 (a scale per output channel) or an integer of "
                           f"at least 2")
+    if qc.get("desc_act") and not qc.get("static_groups") and group != -1:
+        raise ConfigError(f"{key}: desc_act: true without static_groups (act-order groups: each input row's "
+                          f"group in a permuted g_idx) is not supported: dlm-jax's groups are runs of "
+                          f"{group} consecutive rows")
     mode = "int4" if bits == 4 and sym else "int8"  # (q - zero: 5 bits where asymmetric)
     if group == -1:
         return Layout(mode, "channel", None, ".scales", ".qweight", True, bits, ".qzeros", fmt, sym)

@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -241,6 +242,8 @@ def _edit(path: Path, **change) -> None:
     ({"dynamic": {"+:.*mlp.*": {"bits": 8}}}, r"dynamic\['\+:.\*mlp.\*'\]: per-module bits or groups are not "
                                                r"supported \({'bits': 8}\)"),
     ({"pack_dtype": "int16"}, "pack_dtype='int16': dlm-jax reads weights packed in int32 words"),
+    ({"desc_act": True}, "desc_act: true without static_groups .act-order groups: each input row's group in a "
+                         "permuted g_idx. is not supported: dlm-jax's groups are runs of 16 consecutive rows"),
 ])
 def test_gptq_refusals_are_one_line(change, match, gptq):
     path = gptq
@@ -248,6 +251,17 @@ def test_gptq_refusals_are_one_line(change, match, gptq):
     with pytest.raises(ConfigError, match=match) as e:
         dlm_jax.load_pretrained(path)
     assert "\n" not in str(e.value)
+
+
+def test_act_order_with_static_groups_loads(gptq):
+    """desc_act with static_groups (groups fixed before the columns were reordered: g_idx is row
+    // g) reads as without act-order."""
+    from flax import nnx
+
+    before = nnx.state(dlm_jax.load_pretrained(gptq))
+    _edit(gptq, desc_act=True, static_groups=True)
+    after = nnx.state(dlm_jax.load_pretrained(gptq))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), before, after))
 
 
 def test_bad_gptq_tensors_are_named(gptq):
