@@ -165,6 +165,13 @@ def glm4_moe_to_llada2(model: torch.nn.Module, dst: Path, config: dict) -> None:
     save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, dst / "model.safetensors")
 
 
+def edit_quantization_config(path: Path, **change) -> None:
+    """Change keys of the checkpoint `path`'s `quantization_config` in its config.json."""
+    data = json.loads((path / "config.json").read_text())
+    data["quantization_config"].update(change)
+    (path / "config.json").write_text(json.dumps(data))
+
+
 def loaded_logits(path: Path, ids: np.ndarray):
     """(model, logits) of the checkpoint `path` loaded by dlm-jax, in one jitted program (op by
     op, every primitive of an MoE forward would compile alone)."""

@@ -18,7 +18,7 @@ import dlm_jax
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax.checkpoint._prequantized import AWQ_ORDER, awq_unpack
 
-from .hf_models import build, loaded_logits, logits, reference_logits
+from .hf_models import build, edit_quantization_config, loaded_logits, logits, reference_logits
 
 IDS = np.random.default_rng(0).integers(0, 96, (2, 13))
 TOL = 1e-4
@@ -181,12 +181,6 @@ def test_unpacking_is_the_converters_own():
     np.testing.assert_array_equal(ours, u)
 
 
-def _edit(path: Path, **change) -> None:
-    data = json.loads((path / "config.json").read_text())
-    data["quantization_config"].update(change)
-    (path / "config.json").write_text(json.dumps(data))
-
-
 @pytest.mark.parametrize("change,match", [
     ({"bits": 8}, "bits=8: AutoAWQ checkpoints of 4 bits only"),
     ({"version": "gemv"}, "version='gemv' is not supported: dlm-jax reads AutoAWQ's 'gemm' packing"),
@@ -196,7 +190,7 @@ def _edit(path: Path, **change) -> None:
 ])
 def test_awq_refusals_are_one_line(change, match, tmp_path):
     path = awq_checkpoint(tmp_path / "awq")
-    _edit(path, **change)
+    edit_quantization_config(path, **change)
     with pytest.raises(ConfigError, match=match) as e:
         dlm_jax.load_pretrained(path)
     assert "\n" not in str(e.value)

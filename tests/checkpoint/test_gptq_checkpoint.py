@@ -20,7 +20,8 @@ import dlm_jax
 from dlm_jax._errors import CheckpointError, ConfigError
 from dlm_jax.checkpoint._prequantized import gptq_unpack
 
-from .hf_models import build, loaded_logits, logits, reference_logits, word_tokenizer
+from .hf_models import (build, edit_quantization_config, loaded_logits, logits, reference_logits,
+                        word_tokenizer)
 
 IDS = np.random.default_rng(0).integers(0, 96, (2, 13))
 TOL = 1e-4
@@ -228,12 +229,6 @@ def test_unpacking_is_autorounds_own():
             np.testing.assert_array_equal(layer(torch.eye(64)).numpy(), u.astype(np.float32) - 1)
 
 
-def _edit(path: Path, **change) -> None:
-    data = json.loads((path / "config.json").read_text())
-    data["quantization_config"].update(change)
-    (path / "config.json").write_text(json.dumps(data))
-
-
 @pytest.mark.parametrize("change,match", [
     ({"bits": 3}, "bits=3: GPTQ checkpoints of 4 or 8 bits are supported"),
     ({"bits": 8, "sym": False}, "asymmetric 8-bit weights .sym: false. are not supported: q - zero needs 9 bits"),
@@ -247,7 +242,7 @@ def _edit(path: Path, **change) -> None:
 ])
 def test_gptq_refusals_are_one_line(change, match, gptq):
     path = gptq
-    _edit(path, **change)
+    edit_quantization_config(path, **change)
     with pytest.raises(ConfigError, match=match) as e:
         dlm_jax.load_pretrained(path)
     assert "\n" not in str(e.value)
@@ -259,7 +254,7 @@ def test_act_order_with_static_groups_loads(gptq):
     from flax import nnx
 
     before = nnx.state(dlm_jax.load_pretrained(gptq))
-    _edit(gptq, desc_act=True, static_groups=True)
+    edit_quantization_config(gptq, desc_act=True, static_groups=True)
     after = nnx.state(dlm_jax.load_pretrained(gptq))
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), before, after))
 
