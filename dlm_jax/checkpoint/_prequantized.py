@@ -405,11 +405,36 @@ def awq_unpack(packed: np.ndarray, *, what: str) -> np.ndarray:
     if packed.dtype != np.int32 or packed.ndim != 2:
         raise CheckpointError(f"{what}: {packed.dtype} {tuple(packed.shape)}, expected a 2-D int32 tensor of "
                               f"packed 4-bit values")
+    return _word_values(packed, 4)[..., _AWQ_COLUMNS].reshape(packed.shape[0], -1)
+
+
+def _word_values(packed: np.ndarray, bits: int) -> np.ndarray:
+    """The unsigned `bits`-bit values (4 or 8) of each int32 word of `packed`, [..., words, 32 /
+    bits] uint8: value k holds bits k * bits to (k + 1) * bits - 1 of its word."""
     data = np.ascontiguousarray(packed, dtype="<i4").view(np.uint8).reshape(*packed.shape, 4)  # (any host order)
-    nibbles = np.empty((*packed.shape, 8), np.uint8)  # [rows, words, k]: nibble k = bits 4k..4k+3
+    if bits == 8:
+        return data
+    nibbles = np.empty((*packed.shape, 8), np.uint8)
     np.bitwise_and(data, 0xF, out=nibbles[..., 0::2])
     np.right_shift(data, 4, out=nibbles[..., 1::2])
-    return nibbles[..., _AWQ_COLUMNS].reshape(packed.shape[0], -1)
+    return nibbles
+
+
+def _check_group_scales(scale: np.ndarray, *, groups: int, out: int, g: int, inp: int, what: str) -> None:
+    if scale.shape != (groups, out):
+        raise CheckpointError(f"{what}: shape {tuple(scale.shape)}, expected ({groups}, {out}): a scale per output "
+                              f"column and group of {g} of the weight's {inp} input rows")
+
+
+def _minus_group_zeros(q: np.ndarray, zero: np.ndarray, g: int) -> np.ndarray:
+    """`q - zero` as int8 [in, out] for unsigned 4-bit values q [in, out] (uint8, overwritten)
+    and zero points [G, out] (int8) of groups of g consecutive input rows."""
+    diff = q.view(np.int8)  # (0..15 minus 0..16 fits int8)
+    groups, out = zero.shape
+    if q.shape[0] == groups * g:  # in place, group by group
+        diff.reshape(groups, g, out)[...] -= zero[:, None, :]
+        return diff
+    return diff - np.repeat(zero, g, axis=0)[:q.shape[0]]
 
 
 _AWQ_COLUMNS = np.argsort(AWQ_ORDER)  # column c of a word's eight is its nibble _AWQ_COLUMNS[c]
@@ -422,9 +447,7 @@ def _awq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray | Non
     inp, out = q.shape
     g = layout.block[1]
     groups = -(-inp // g)
-    if scale.shape != (groups, out):
-        raise CheckpointError(f"{what('scale')}: shape {tuple(scale.shape)}, expected ({groups}, {out}): a scale per "
-                              f"output column and group of {g} of the weight's {inp} input rows")
+    _check_group_scales(scale, groups=groups, out=out, g=g, inp=inp, what=what("scale"))
     if qzeros is None:
         zero = np.full((groups, out), 8, np.int8)
     else:
@@ -432,12 +455,8 @@ def _awq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray | Non
         if zero.shape != (groups, out):
             raise CheckpointError(f"{what('zero')}: int32 {tuple(qzeros.shape)}, expected int32 ({groups}, "
                                   f"{out // 8}): zero points packed as the weight")
-    diff = q.view(np.int8)  # (0..15 minus 0..15 fits int8)
-    if inp == groups * g:  # in place, group by group
-        diff.reshape(groups, g, out)[...] -= zero[:, None, :]
-    else:
-        diff = diff - np.repeat(zero, g, axis=0)[:inp]
-    return diff.T, np.asarray(scale).T  # ([out, in] views: the caller's layout, transposed back there)
+    # ([out, in] views: the caller's layout, transposed back there)
+    return _minus_group_zeros(q, zero, g).T, np.asarray(scale).T
 
 
 def gptq_unpack(packed: np.ndarray, bits: int, axis: int, *, what: str) -> np.ndarray:
@@ -447,13 +466,7 @@ def gptq_unpack(packed: np.ndarray, bits: int, axis: int, *, what: str) -> np.nd
     if packed.dtype != np.int32 or packed.ndim != 2:
         raise CheckpointError(f"{what}: {packed.dtype} {tuple(packed.shape)}, expected a 2-D int32 tensor of "
                               f"packed {bits}-bit values")
-    data = np.ascontiguousarray(packed, dtype="<i4").view(np.uint8).reshape(*packed.shape, 4)  # (any host order)
-    if bits == 4:
-        values = np.empty((*packed.shape, 8), np.uint8)
-        np.bitwise_and(data, 0xF, out=values[..., 0::2])
-        np.right_shift(data, 4, out=values[..., 1::2])
-    else:
-        values = data
+    values = _word_values(packed, bits)
     if axis == 1:
         return values.reshape(packed.shape[0], -1)
     return values.transpose(0, 2, 1).reshape(-1, packed.shape[1])
@@ -469,9 +482,7 @@ def _gptq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray, g_i
     inp, out = q.shape
     g = layout.block[1] if layout.block else inp
     groups = -(-inp // g)
-    if scale.shape != (groups, out):
-        raise CheckpointError(f"{what('scale')}: shape {tuple(scale.shape)}, expected ({groups}, {out}): a scale per "
-                              f"output column and group of {g} of the weight's {inp} input rows")
+    _check_group_scales(scale, groups=groups, out=out, g=g, inp=inp, what=what("scale"))
     gi = np.asarray(g_idx)
     if gi.shape != (inp,) or not np.array_equal(gi, np.arange(inp) // g):
         raise CheckpointError(f"{what('g_idx')}: the input rows are not in groups of {g} in order (act-order "
@@ -489,11 +500,7 @@ def _gptq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray, g_i
     if layout.bits == 8:  # symmetric (the layout refuses others): q - 128, the bytes' top bit flipped
         diff = q.view(np.int8) ^ np.int8(-128)
     else:
-        diff = q.view(np.int8)  # (0..15 minus 1..16 fits int8)
-        if inp == groups * g:  # in place, group by group
-            diff.reshape(groups, g, out)[...] -= zero.astype(np.int8)[:, None, :]
-        else:
-            diff = diff - np.repeat(zero.astype(np.int8), g, axis=0)[:inp]
+        diff = _minus_group_zeros(q, zero.astype(np.int8), g)
     return diff.T, np.asarray(scale).T  # ([out, in] views: the caller's layout, transposed back there)
 
 
