@@ -70,7 +70,7 @@ def widths(shape: dict[str, int], group: str) -> list[int]:
 
 
 def weights(shape: dict[str, int], group: str, quant: str, dtype, seed: int) -> list[Any]:
-    """The group's kernels [d, o] (as stored: `dtype`; int8: (q, scale) per kernel, per output
+    """The group's kernels [d, o] (as stored: `dtype`; int8: (q, scale, zero) per kernel, per output
     channel or grouped, by the quantizer `dlm_jax.load(quant=...)` uses)."""
     key = jax.random.key(seed)
     out = []
@@ -81,10 +81,12 @@ def weights(shape: dict[str, int], group: str, quant: str, dtype, seed: int) -> 
 
 
 def fuse(kernels: list[Any], quant: str) -> Any:
-    """The kernels side by side [d, sum o] (int8: their q and their scales side by side)."""
+    """The kernels side by side [d, sum o] (int8: their q, their scales and zero points side by side)."""
     if quant == "none":
         return jnp.concatenate(kernels, axis=1)
-    return jnp.concatenate([q for q, _ in kernels], axis=1), jnp.concatenate([s for _, s in kernels], axis=-1)
+    q, s, z = zip(*kernels)
+    return (jnp.concatenate(q, axis=1), jnp.concatenate(s, axis=-1),
+            None if z[0] is None else jnp.concatenate(z, axis=-1))
 
 
 def product(x: jax.Array, w: Any, quant: str) -> jax.Array:

@@ -158,9 +158,10 @@
 #                with the blocks traced once (the executor's default) and one by one. On 2 CPU
 #                cores the load was 0.65 of it at the 8B shape (benchmarks/results/cache_load.md).
 #   probeserial 120  the probe on 1 thread (the autotuner alone on the device).
-#   int4     60  benchmarks/gpu_step.py --quant none int8 int4-g128, dual steps at batch 1 and 8 (6
-#                programs, three sets of weights made): whether int4 weights in groups of 128 (the
-#                "-W4A16" releases' layout) halve int8's batch-1 step, as their bytes would (never run;
+#   int4     75  benchmarks/gpu_step.py --quant none int8 int4-g128 uint4-g128, dual steps at batch 1
+#                and 8 (8 programs, four sets of weights made): whether int4 weights in groups of 128
+#                (the "-W4A16" releases' layout) halve int8's batch-1 step, as their bytes would, and
+#                whether uint4's zero points (the "-AWQ" releases') cost anything more (never run;
 #                whether XLA packs int4 two to a byte and fuses its convert into the GEMM is the question).
 #   cudnn    40  benchmarks/gpu_step.py --attention cudnn, batch 1 and 8, dual and prefix.
 #   scan     45  benchmarks/gpu_step.py --layers scan, batch 1 and 8, dual and prefix.
@@ -439,7 +440,7 @@ want probecache && needs "probe cache" "probe cache again" && part "probe cache 
 want cacheload && needs "probe cache" "cache load" && part "cache load" 75 30 $PY benchmarks/cache_load.py --kinds refresh prefix --at 0 1 2 3 4 5 6 7 \
   --repeats 1 --xla-cache "$WORK/xla-probe" "${CACHE_X[@]}" --out "$RES/cache_load"
 want probeserial && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$RES/probe_serial"
-want int4 && part int4 60 30 $PY $S --batches 1 8 --kinds dual --quant none int8 int4-g128 --reps 10 "${STEP_X[@]}" \
+want int4 && part int4 75 30 $PY $S --batches 1 8 --kinds dual --quant none int8 int4-g128 uint4-g128 --reps 10 "${STEP_X[@]}" \
   --out "$RES/int4"
 want cudnn && part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" \
   --out "$RES/cudnn"

@@ -6,7 +6,7 @@ weights as stored, on the shipped models.
         --out benchmarks/results/quant_jax_grouped
     .venv/bin/python benchmarks/quant_jax.py --variants int8-g32 int4-g32 --models llada-tiny moe-tiny --n 50 \
         --out benchmarks/results/quant_jax_int4
-    .venv/bin/python benchmarks/quant_jax.py --variants int4-g32 "int4 asym-g32" --models llada-tiny moe-tiny \
+    .venv/bin/python benchmarks/quant_jax.py --variants int4-g32 uint4-g32 --models llada-tiny moe-tiny \
         --n 50 --out benchmarks/results/quant_jax_int4_asym
 
 Per shipped model (models/llada-12m, llada-tiny, ar-tiny, idlm-tiny, moe-tiny, sparse-tiny) and variant, all decoded in this
@@ -28,11 +28,10 @@ there are chaotic.
   input rows (`quant="int8-g32"`): GGUF Q8_0's block size;
 - int4-g32: the bfloat16 model in 4-bit integers, a scale per output channel and group of 32
   input rows (`quant="int4-g32"`): the layout of GPTQ / AWQ and compressed-tensors' W4A16;
-- int4 asym-g32: the bfloat16 model rounded to asymmetric 4-bit levels per output channel and
-  group of 32 (min-max: 16 levels from the group's minimum to its maximum, each group's zero
-  among them, `asymmetric_4bit`): what an AutoAWQ or "W4A16_ASYM" checkpoint stores, without
-  AWQ's activation-aware scaling, and held as dlm-jax loads such a checkpoint (int8-g32 holding
-  `q - zero`);
+- uint4-g32: the bfloat16 model in asymmetric 4-bit integers with a zero point per output
+  channel and group of 32 (`quant="uint4-g32"`: min-max, 16 levels from the group's minimum to
+  its maximum, each group's zero among them): what an AutoAWQ or "W4A16_ASYM" checkpoint
+  stores, without AWQ's activation-aware scaling, held as dlm-jax loads such a checkpoint;
 - bf16 1 ulp: the bfloat16 model with every weight that int8 quantizes
   (`dlm_jax.models.quant.quantized_weights`) moved one unit in the last place of its bfloat16
   value, up or down at random (`nudge_one_ulp`). No weight format that changes these weights
@@ -63,14 +62,13 @@ import dlm_jax  # noqa: E402
 from _hardware import machine  # noqa: E402
 from _plots import png_bytes  # noqa: E402
 from dlm_jax._integrity import atomic_write, atomic_write_json  # noqa: E402
-from dlm_jax.models.quant import quantize, quantized_weights, weight_bytes  # noqa: E402
+from dlm_jax.models.quant import quantized_weights, weight_bytes  # noqa: E402
 from dlm_jax.runtime.registry import decode_options  # noqa: E402
 from dlm_jax.training.data import TASKS, make_split  # noqa: E402
 
 MODELS = ("llada-12m", "llada-tiny", "ar-tiny", "ar-tiny:ar", "idlm-tiny", "idlm-tiny:isd", "moe-tiny",
           "sparse-tiny")  # every shipped model (model:preset decodes with that preset)
 NUDGED = "bf16 1 ulp"
-ASYM = "int4 asym-g32"
 BF16 = {"dtype": "bfloat16", "param_dtype": "bfloat16"}
 VARIANTS: dict[str, dict] = {  # name -> dlm_jax.load options
     "float32": {},
@@ -82,7 +80,7 @@ VARIANTS: dict[str, dict] = {  # name -> dlm_jax.load options
     "fp8-g32": {**BF16, "quant": "fp8-g32"},
     "int8-g32 f32": {"quant": "int8-g32"},
     "int4-g32": {**BF16, "quant": "int4-g32"},  # 4 bits in groups of 32 (GPTQ / AWQ, W4A16's layout)
-    ASYM: BF16,  # and then `asymmetric_4bit`
+    "uint4-g32": {**BF16, "quant": "uint4-g32"},  # asymmetric: zero points (AutoAWQ's default, W4A16_ASYM)
     NUDGED: BF16,  # and then `nudge_one_ulp`
 }
 
@@ -110,46 +108,16 @@ def nudge_one_ulp(model, seed: int = 0) -> int:
     return moved
 
 
-def asymmetric_4bit(model, group: int = 32) -> None:
-    """Quantize `model` (in place) to asymmetric 4-bit levels per output channel and group of
-    `group` input rows, held as `int8-g{group}` with `q - zero` as its int8 values: per group,
-    lo = min(min w, 0), hi = max(max w, 0), scale = (hi - lo) / 15, zero = round(-lo / scale),
-    q = clip(round(w / scale) + zero, 0, 15) (compressed-tensors' and AutoAWQ's min-max
-    rounding); a constant-zero group gets scale 1."""
-    levels = {}
-    for name, module, attr in quantized_weights(model):
-        weight = getattr(module, attr)
-        w = np.asarray((weight.kernel if isinstance(weight, nnx.Linear) else weight)[...], np.float32)
-        *lead, rows, cols = w.shape
-        g = min(group, rows)
-        blocks = w.reshape(*lead, rows // g, g, cols)
-        lo, hi = np.minimum(blocks.min(-2), 0), np.maximum(blocks.max(-2), 0)
-        scale = np.where(hi > lo, (hi - lo) / 15, 1).astype(np.float32)
-        zero = np.clip(np.round(-lo / scale), 0, 15)
-        q = np.clip(np.round(blocks / scale[..., None, :]) + zero[..., None, :], 0, 15)
-        levels[name] = (module, attr, (q - zero[..., None, :]).reshape(w.shape).astype(np.int8), scale)
-    quantize(model, f"int8-g{group}")  # (the same modules now hold QuantLinears, the experts int8 arrays)
-    for module, attr, q, scale in levels.values():
-        weight = getattr(module, attr)
-        if hasattr(weight, "qkernel"):
-            weight.qkernel[...], weight.scale[...] = jnp.asarray(q), jnp.asarray(scale)
-        else:  # routed experts: [E, I, O] int8 and their `<name>_scale`
-            weight[...], getattr(module, f"{attr}_scale")[...] = jnp.asarray(q), jnp.asarray(scale)
-
-
 def load_variant(path: Path, variant: str, seed: int = 0):
     """The model of `variant` (`VARIANTS`) ready to decode on the JAX executor (`seed`: the
     nudges of `NUDGED`)."""
-    if variant not in (NUDGED, ASYM):
+    if variant != NUDGED:
         return dlm_jax.load(path, executor="jax", **VARIANTS[variant])
     from dlm_jax.api import jax_executor, stored_tokenizer
     from dlm_jax.checkpoint import load_pretrained
 
     model = load_pretrained(path, **VARIANTS[variant])
-    if variant == NUDGED:
-        nudge_one_ulp(model, seed)  # before the executor holds the weights
-    else:
-        asymmetric_4bit(model)
+    nudge_one_ulp(model, seed)  # before the executor holds the weights
     return dlm_jax.Model(model, stored_tokenizer(path), executor=jax_executor(model, source=path))
 
 

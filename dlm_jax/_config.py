@@ -26,7 +26,10 @@ ROUTER_KINDS: tuple[str, ...] = ("softmax", "sigmoid")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # Weight-only quantization the JAX executor applies at load (`dlm_jax.models.quant`): named here,
 # without JAX, so that the command line offers them without importing it.
-WEIGHT_QUANTS: tuple[str, ...] = ("int8", "fp8", "int4")
+WEIGHT_QUANTS: tuple[str, ...] = ("int8", "fp8", "int4", "uint4")
+# uint4 holds each unsigned 4-bit value q (0 to 15) and its zero point as q - 8 and zero - 8
+# (`dlm_jax.models.quant`): q - 8 fits JAX's int4, and the difference is unchanged.
+ZERO_OFFSET = 8
 
 
 def weight_quant_parts(mode: str) -> tuple[str, int | None]:

@@ -31,27 +31,27 @@ MODEL, EXPERT, KV_HEADS = "model", "expert", "kv_heads"
 _COL = r"(kernel|qkernel)$"
 PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"attn\.q_proj\." + _COL, (None, MODEL)),
-    (r"attn\.q_proj\.(bias|scale)$", (MODEL,)),
-    (r"attn\.q_proj\.scale$", (None, MODEL)),  # grouped scales [G, O] (`dlm_jax.models.quant`)
+    (r"attn\.q_proj\.(bias|scale|zero)$", (MODEL,)),
+    (r"attn\.q_proj\.(scale|zero)$", (None, MODEL)),  # grouped [G, O] (`dlm_jax.models.quant`; uint4 zeros alike)
     (r"attn\.(k|v)_proj\." + _COL, (None, KV_HEADS)),
-    (r"attn\.(k|v)_proj\.(bias|scale)$", (KV_HEADS,)),
-    (r"attn\.(k|v)_proj\.scale$", (None, KV_HEADS)),
+    (r"attn\.(k|v)_proj\.(bias|scale|zero)$", (KV_HEADS,)),
+    (r"attn\.(k|v)_proj\.(scale|zero)$", (None, KV_HEADS)),
     (r"attn\.o_proj\." + _COL, (MODEL, None)),
-    (r"attn\.o_proj\.scale$", (MODEL, None)),  # grouped: its groups of input rows split as the rows
+    (r"attn\.o_proj\.(scale|zero)$", (MODEL, None)),  # grouped: its groups of input rows split as the rows
     (r"(ffn|shared)\.(gate|up)_proj\." + _COL, (None, MODEL)),
-    (r"(ffn|shared)\.(gate|up)_proj\.scale$", (MODEL,)),
-    (r"(ffn|shared)\.(gate|up)_proj\.scale$", (None, MODEL)),
+    (r"(ffn|shared)\.(gate|up)_proj\.(scale|zero)$", (MODEL,)),
+    (r"(ffn|shared)\.(gate|up)_proj\.(scale|zero)$", (None, MODEL)),
     (r"(ffn|shared)\.down_proj\." + _COL, (MODEL, None)),
-    (r"(ffn|shared)\.down_proj\.scale$", (MODEL, None)),
+    (r"(ffn|shared)\.down_proj\.(scale|zero)$", (MODEL, None)),
     (r"ffn\.(gate|up)$", (EXPERT, None, MODEL)),
-    (r"ffn\.(gate|up)_scale$", (EXPERT, MODEL)),
-    (r"ffn\.(gate|up)_scale$", (EXPERT, None, MODEL)),
+    (r"ffn\.(gate|up)_(scale|zero)$", (EXPERT, MODEL)),
+    (r"ffn\.(gate|up)_(scale|zero)$", (EXPERT, None, MODEL)),
     (r"ffn\.down$", (EXPERT, MODEL, None)),
-    (r"ffn\.down_scale$", (EXPERT, None)),
-    (r"ffn\.down_scale$", (EXPERT, MODEL, None)),
+    (r"ffn\.down_(scale|zero)$", (EXPERT, None)),
+    (r"ffn\.down_(scale|zero)$", (EXPERT, MODEL, None)),
     (r"lm_head\." + _COL, (None, MODEL)),
-    (r"lm_head\.scale$", (MODEL,)),
-    (r"lm_head\.scale$", (None, MODEL)),
+    (r"lm_head\.(scale|zero)$", (MODEL,)),
+    (r"lm_head\.(scale|zero)$", (None, MODEL)),
     (r"embed\.embedding$", (MODEL, None)),
 )
 

@@ -209,7 +209,7 @@ def load_pretrained(path: str | os.PathLike, *, strict: bool = False, verify: bo
         return _load_prequantized(path, cfg, family, prequantized, place)
     quant, keep = stored_quant(path), _stored_quant_float(data, path)
     specs = param_shapes(cfg, quant=quant, quant_float=keep)
-    quantized = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) in _QUANT_DTYPES)
+    quantized = _quantized_kernels(specs)
     plan = _plan(path, cfg, family, {name: tuple(s.shape) for name, s in specs.items()}, quantized=quantized)
     int4 = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) == _INT4)
     params = _stream.load_params(plan, {name: np.dtype(np.int8) if name in int4 else s.dtype
@@ -318,11 +318,16 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
         raise ConfigError(f"{path}: its quantization ({layout.strategy}"
                           + (f" {list(layout.block)}" if layout.block else "") + f") does not fit this model ({e})"
                           ) from None
-    quantized = frozenset(name for name, s in specs.items() if np.dtype(s.dtype) in _QUANT_DTYPES)
-    scale_of = {}  # scale parameter -> its kernel, in the model's order
+    quantized = _quantized_kernels(specs)
+    scale_of, zero_of = {}, {}  # scale parameter -> its kernel, in the model's order; kernel -> its zero points
     for name in (n for n in specs if n in quantized):
-        scale_of[name[:-len(".qkernel")] + ".scale" if name.endswith(".qkernel") else f"{name}_scale"] = name
-    shapes = {name: tuple(s.shape) for name, s in specs.items() if name not in scale_of}
+        side = (lambda s: name[:-len(".qkernel")] + f".{s}") if name.endswith(".qkernel") else (
+            lambda s: f"{name}_{s}")
+        scale_of[side("scale")] = name
+        if side("zero") in specs:  # (uint4)
+            zero_of[name] = side("zero")
+    shapes = {name: tuple(s.shape) for name, s in specs.items()
+              if name not in scale_of and name not in zero_of.values()}
 
     def bases(kernel: str) -> list[tuple[str, str]]:  # (float weight name, row block "" or "k") per source
         return [src.partition("#")[::2] for src in scheme.sources(kernel, shapes[kernel], quantized=True, qsuffix="")]
@@ -358,14 +363,18 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
         params[name] = jax.device_put(value) if place is None else place(name, jax.device_put(value))
 
     for scale, kernel in scale_of.items():
-        scales, kernels = [], []
+        scales, kernels, zeros = [], [], []
         for base, k in bases(kernel):
-            s, q = _prequantized.read_weight(index, base, layout=layout, rows=rows_of(base, k), where=str(path))
+            s, q, z = _prequantized.read_weight(index, base, layout=layout, rows=rows_of(base, k), where=str(path))
             scales.append(s)
             if q is not None:
                 kernels.append(q)
+            if z is not None:
+                zeros.append(z)
         stacked = _names.layout(scale) == _names.STACKED
         put(scale, np.stack(scales) if stacked else scales[0])
+        if kernel in zero_of:  # (the layout gives zero points exactly where the mode holds them)
+            put(zero_of[kernel], np.stack(zeros) if stacked else zeros[0])
         if layout.packed:
             put(kernel, np.ascontiguousarray(_names.from_layout(_names.layout(kernel), np.stack(kernels) if stacked
                                                                 else kernels[0]), dtype=specs[kernel].dtype))
@@ -377,6 +386,13 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
 # (stored as int8: safetensors has no 4-bit integer type).
 _INT4 = np.dtype(ml_dtypes.int4)
 _QUANT_DTYPES = (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn), _INT4)
+
+
+def _quantized_kernels(specs: Mapping[str, Any]) -> frozenset[str]:
+    """The parameters of `specs` (name -> shape/dtype) that hold weight-only quantized kernels:
+    int8 / float8 / int4, but uint4's int8 zero points."""
+    return frozenset(name for name, s in specs.items()
+                     if np.dtype(s.dtype) in _QUANT_DTYPES and not _names.is_zero_points(name))
 
 
 def stored_quant(path: str | os.PathLike) -> str | None:
@@ -432,7 +448,11 @@ def _plan(path: Path, cfg: ModelConfig, family: Family, shapes: Mapping[str, tup
             if name in quantized and infos[src].dtype not in _QUANT_DTYPES:  # (a cast would make new weights)
                 raise CheckpointError(f"{infos[src].path}: tensor {src!r} is {infos[src].dtype}, "
                                       f"expected a weight-only quantized kernel (int8 or float8_e4m3fn)")
-            if name not in quantized and infos[src].dtype in _QUANT_DTYPES:  # a cast would drop its scales
+            if _names.is_zero_points(name):  # uint4's, as a dlm-jax checkpoint stores them
+                if infos[src].dtype != np.int8:
+                    raise CheckpointError(f"{infos[src].path}: tensor {src!r} is {infos[src].dtype}, expected "
+                                          f"int8 zero points")
+            elif name not in quantized and infos[src].dtype in _QUANT_DTYPES:  # a cast would drop its scales
                 raise CheckpointError(f"{infos[src].path}: tensor {src!r} is {infos[src].dtype}, where dlm-jax "
                                       f"holds {name!r} in float")
             found.append(infos[src])
@@ -511,7 +531,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: str 
             raise CheckpointError(f"extra file {name!r}: not a plain file name, or one save_pretrained writes itself")
     tensors: dict[str, np.ndarray] = {}
     for name, value in get_params(model).items():
-        quantized = quant is not None and value.dtype in _QUANT_DTYPES
+        quantized = quant is not None and value.dtype in _QUANT_DTYPES and not _names.is_zero_points(name)
         for src, arr in zip(fam.scheme.sources(name, value.shape, quantized=quantized),
                             _names.to_checkpoint(name, value)):
             tensors[src] = arr.astype(np.int8) if arr.dtype == _INT4 else arr  # (no int4 in safetensors)

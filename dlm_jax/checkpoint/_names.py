@@ -27,16 +27,26 @@ EXPERT_KEYS = ("ffn.gate", "ffn.up", "ffn.down")
 # A weight-only quantized kernel and its per-output-channel scales, beside the float kernel's name.
 QKERNEL_SUFFIX = ".qkernel"
 SCALE_SUFFIX = ".scale"
+ZERO_SUFFIX = ".zero"  # uint4's zero points, beside its scales
+_SIDES = ("scale", "zero")
 
 
-def _quant_scale_of(suffix: str) -> str | None:
-    """The layer parameter (after `layers.i.`) whose scales the layer parameter `suffix` holds,
-    if it is one: `attn.q_proj.scale` -> `attn.q_proj.kernel`, `ffn.gate_scale` -> `ffn.gate`."""
-    if suffix.endswith(".scale"):
-        return suffix[:-len(".scale")] + ".kernel"
-    if suffix.endswith("_scale") and suffix[:-len("_scale")] in EXPERT_KEYS:
-        return suffix[:-len("_scale")]
+def _quant_scale_of(suffix: str) -> tuple[str, str] | None:
+    """(the layer parameter whose scales or zero points the layer parameter `suffix` (after
+    `layers.i.`) holds, which: "scale" or "zero") if it is one: `attn.q_proj.scale` ->
+    (`attn.q_proj.kernel`, "scale"), `ffn.gate_zero` -> (`ffn.gate`, "zero")."""
+    for side in _SIDES:
+        if suffix.endswith(f".{side}"):
+            return suffix[:-len(side) - 1] + ".kernel", side
+        if suffix.endswith(f"_{side}") and suffix[:-len(side) - 1] in EXPERT_KEYS:
+            return suffix[:-len(side) - 1], side
     return None
+
+
+def is_zero_points(name: str) -> bool:
+    """Whether parameter `name` holds uint4's zero points (`X.zero`, `ffn.gate_zero`): int8, but
+    no quantized kernel."""
+    return name.endswith(ZERO_SUFFIX) or any(name.endswith(f"{k}_zero") for k in EXPERT_KEYS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +82,9 @@ class NameScheme:
             return [src + qsuffix for src in self.sources(base, shape)]
         if name in self.top:
             return [self.top[name]]
-        if name.endswith(".scale") and name[:-len(".scale")] + ".kernel" in self.top:  # a quantized head's
-            return [self.top[name[:-len(".scale")] + ".kernel"] + SCALE_SUFFIX]
+        for side in _SIDES:  # a quantized head's scales or zero points
+            if name.endswith(f".{side}") and name[:-len(side) - 1] + ".kernel" in self.top:
+                return [self.top[name[:-len(side) - 1] + ".kernel"] + f".{side}"]
         m = _LAYER.fullmatch(name)
         if m is None:
             raise KeyError(f"parameter {name!r} has no name in this checkpoint family")
@@ -83,8 +94,8 @@ class NameScheme:
             return [prefix + self.experts[suffix].format(e=e) for e in range(shape[0])]
         if suffix not in self.layer:
             scaled = _quant_scale_of(suffix)
-            if scaled is not None and (scaled in self.layer or scaled in self.experts):
-                return [src + SCALE_SUFFIX for src in self.sources(f"layers.{i}.{scaled}", shape)]
+            if scaled is not None and (scaled[0] in self.layer or scaled[0] in self.experts):
+                return [f"{src}.{scaled[1]}" for src in self.sources(f"layers.{i}.{scaled[0]}", shape)]
             raise KeyError(f"parameter {name!r} has no name in this checkpoint family")
         return [prefix + self.layer[suffix]]
 
@@ -149,7 +160,7 @@ def _is_expert(name: str) -> bool:
 
 def _is_expert_scale(name: str) -> bool:
     m = _LAYER.fullmatch(name)
-    return m is not None and m.group(2) in tuple(f"{k}_scale" for k in EXPERT_KEYS)
+    return m is not None and m.group(2) in tuple(f"{k}_{side}" for k in EXPERT_KEYS for side in _SIDES)
 
 
 _KERNELS = (".kernel", ".qkernel")

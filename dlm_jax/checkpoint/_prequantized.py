@@ -43,15 +43,15 @@ Four layouts, each named by config.json's `quantization_config`:
 dlm-jax holds each as one of its own modes: per tensor or per channel as `fp8` / `int8` (one
 scale per output channel; a tensor's scale repeated), a group of g columns as `fp8-gg` /
 `int8-gg` / `int4-gg`, a block [bo, bi] as `fp8-gbi` (or int) with each block's scale repeated
-over its bo output channels; AutoAWQ's as `int8-gg` (with zero points) or `int4-gg`; GPTQ's as
-`int4-gg` (4 bits, symmetric), `int8-gg` (`q - zero`: asymmetric 4-bit; 8-bit) or, without
-groups, `int4` / `int8`. Every one
+over its bo output channels; AutoAWQ's as `uint4-gg` (with zero points) or `int4-gg`; GPTQ's as
+`int4-gg` (4 bits, symmetric), `uint4-gg` (asymmetric 4-bit), `int8-gg` (8-bit) or, without
+groups, `int4` / `uint4` / `int8`. Every one
 of those is exact: a decode computes with the checkpoint's own weights, the float32 weights
 transformers' own loading gives (dequantised on a CPU). The stored e4m3 /
 int8 bytes load as they are (packed ones are unpacked on the host); only the scales change
 shape, on the host (they are a small fraction of the weights). Asymmetric 4-bit weights load
-as `int8` / `int8-gg` holding `q - zero` (from -15 to 15: one bit more than int4 holds, so twice
-the bytes of the symmetric int4 layout), subtracted on the host as the weights are unpacked.
+as `uint4` / `uint4-gg`: the values minus 8 as int4 (the symmetric layout's bytes) and the zero
+points minus 8 as int8 beside the scales (`dlm_jax.models.quant`), the difference unchanged.
 AutoAWQ's and GPTQ's float16 scales become float32 exactly; transformers' float32 path through
 compressed-tensors multiplies in float16 instead (1e-3 apart in a tiny model's logits).
 
@@ -62,9 +62,9 @@ weight stored quantized in some of its tensors and float in others is refused. A
 each in one line: another quant method (bitsandbytes, HQQ, ...), fewer or more than 8 bits
 (but 4-bit integers: pack-quantized, AutoAWQ, GPTQ), AutoAWQ's packings but "gemm", its
 `group_size: -1` and llm-awq's checkpoints, GPTQ repacked for a kernel ("marlin", ...) or with
-`dynamic` rules that change a module's bits, e5m2, asymmetric 8-bit weights (`q - zero` needs 9
-bits), activation-ordered groups with a column-to-group map (`actorder: "group"`; a GPTQ
-`g_idx` other than row // g), static activation scales, ue8m0 scales, FP4 experts, several
+`dynamic` rules that change a module's bits, e5m2, asymmetric 8-bit weights (dlm-jax holds
+zero points for 4-bit weights only), activation-ordered groups with a column-to-group map
+(`actorder: "group"`; a GPTQ `g_idx` other than row // g), static activation scales, ue8m0 scales, FP4 experts, several
 weight schemes in one model, sparsity and transforms, quantized embeddings, and an input width
 that is neither a multiple of the group nor at most it.
 
@@ -81,6 +81,7 @@ from typing import Any
 
 import numpy as np
 
+from dlm_jax._config import ZERO_OFFSET
 from dlm_jax._errors import CheckpointError, ConfigError
 
 DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config.weight_block_size
@@ -111,7 +112,7 @@ class Layout:
     scale_suffix: appended to the float weight's name for its scales.
     packed: int8 values stored four to an int32, or 4-bit ones eight (compressed-tensors'
       pack-quantized).
-    bits: the stored weights' bits (8, or 4: held as int4, or as int8 with zero points).
+    bits: the stored weights' bits (8, or 4: held as int4, with zero points beside where uint4).
     zero_suffix: appended to the float weight's name for its zero points (asymmetric
       weights), "" for symmetric ones.
     packing: "awq" (AutoAWQ), "gptq" or "gptq_v2" (GPTQ's checkpoint formats): tensors named
@@ -141,7 +142,7 @@ class Layout:
     def describe(self) -> str:
         """One line saying how the checkpoint stores its quantized weights and how dlm-jax holds
         them ("AutoAWQ (gemm): 4-bit integers with zero points, a scale per group of 128 input
-        columns; held as int8-g128 (q - zero)")."""
+        columns; held as uint4-g128")."""
         fp8 = self.mode.startswith("fp8")
         source = ({"awq": "AutoAWQ (gemm)", "gptq": "GPTQ", "gptq_v2": "GPTQ (v2)"}.get(self.packing)
                   or ("fine-grained FP8" if self.scale_suffix == "_scale_inv"
@@ -152,8 +153,7 @@ class Layout:
                "group": f"group of {self.block[1] if self.block else 0} input columns",
                "block": f"block of {' x '.join(map(str, self.block or ()))}"}[self.strategy]
         return (f"{source}: {self.bits}-bit {'floats (e4m3)' if fp8 else 'integers'}"
-                f"{' with zero points' if zero else ''}, a scale per {per}; held as {self.mode}"
-                f"{' (q - zero)' if zero else ''}")
+                f"{' with zero points' if zero else ''}, a scale per {per}; held as {self.mode}")
 
     def name(self, base: str, role: str) -> str:
         """The tensor holding `role` ("weight", "scale", "zero", "shape") of the quantized weight
@@ -200,7 +200,8 @@ def _gptq_layout(qc: dict[str, Any], source: str) -> Layout:
     if not isinstance(sym, bool):
         raise ConfigError(f"{key}.sym={sym!r}: expected true or false")
     if not sym and bits == 8:
-        raise ConfigError(f"{key}: asymmetric 8-bit weights (sym: false) are not supported: q - zero needs 9 bits")
+        raise ConfigError(f"{key}: asymmetric 8-bit weights (sym: false) are not supported: dlm-jax holds zero "
+                          f"points for 4-bit weights only (uint4)")
     dynamic = qc.get("dynamic") or {}
     if not isinstance(dynamic, dict):
         raise ConfigError(f"{key}.dynamic={dynamic!r}: expected an object")
@@ -217,7 +218,7 @@ def _gptq_layout(qc: dict[str, Any], source: str) -> Layout:
         raise ConfigError(f"{key}: desc_act: true without static_groups (act-order groups: each input row's "
                           f"group in a permuted g_idx) is not supported: dlm-jax's groups are runs of "
                           f"{group} consecutive rows")
-    mode = "int4" if bits == 4 and sym else "int8"  # (q - zero: 5 bits where asymmetric)
+    mode = ("int4" if sym else "uint4") if bits == 4 else "int8"  # (8 bits: symmetric, q - 128)
     if group == -1:
         return Layout(mode, "channel", None, ".scales", ".qweight", True, bits, ".qzeros", fmt, sym)
     return Layout(f"{mode}-g{group}", "group", (1, group), ".scales", ".qweight", True, bits, ".qzeros", fmt, sym)
@@ -237,7 +238,7 @@ def _awq_layout(qc: dict[str, Any], source: str) -> Layout:
     group, zero = qc.get("group_size", 128), qc.get("zero_point", True)
     if not isinstance(zero, bool):
         raise ConfigError(f"{key}.zero_point={zero!r}: expected true or false")
-    fmt, zero_suffix = ("int8", ".qzeros") if zero else ("int4", "")  # (q - zero needs 5 bits)
+    fmt, zero_suffix = ("uint4", ".qzeros") if zero else ("int4", "")
     if not isinstance(group, int) or isinstance(group, bool) or group < 2:  # (-1, one group a column: refused)
         raise ConfigError(f"{key}.group_size={group!r}: expected an integer of at least 2")
     return Layout(f"{fmt}-g{group}", "group", (1, group), ".scales", ".qweight", True, 4, zero_suffix, packing="awq")
@@ -305,8 +306,8 @@ def _compressed_tensors_layout(qc: dict[str, Any], source: str) -> Layout:
     if wtype != _CT_FORMATS[fmt][0]:
         raise ConfigError(f"{where}: weights of type {wtype!r} in format {fmt!r} are not supported")
     if symmetric is not True and bits != 4:
-        raise ConfigError(f"{where}: asymmetric {bits}-bit weights (zero points) are not supported: q - zero "
-                          f"needs {bits + 1} bits (asymmetric 4-bit weights load as int8)")
+        raise ConfigError(f"{where}: asymmetric {bits}-bit weights (zero points) are not supported: dlm-jax "
+                          f"holds zero points for 4-bit weights only (they load as uint4)")
     if dynamic:
         raise ConfigError(f"{where}: dynamic weight scales are not supported")
     if actorder not in (None, "weight", "static"):  # ("weight": the order of calibration only; the format is unchanged)
@@ -316,7 +317,7 @@ def _compressed_tensors_layout(qc: dict[str, Any], source: str) -> Layout:
         raise ConfigError(f"{where}: weight strategy {strategy!r} is not supported "
                           f"(supported: {', '.join(_CT_STRATEGIES)})")
     zero = "" if symmetric is True else "_zero_point"
-    qfmt = "fp8" if wtype == "float" else "int4" if bits == 4 and not zero else "int8"
+    qfmt = "fp8" if wtype == "float" else ("uint4" if zero else "int4") if bits == 4 else "int8"
     packed = _CT_FORMATS[fmt][1]
     suffix = "_packed" if packed else ""
     if strategy in ("tensor", "channel"):
@@ -356,29 +357,28 @@ def expand_scales(scale: np.ndarray, *, out: int, inp: int, layout: Layout, rows
 
 
 def read_weight(tensors: Mapping[str, Any], base: str, *, layout: Layout, rows: slice,
-                where: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """(scales, kernel) of rows `rows` of the quantized weight whose float weight is named
-    `base`, from `tensors` (name -> `TensorInfo`): the scales as `expand_scales` gives them;
-    the kernel, where stored packed, int8 [len(rows), in] (q - zero where asymmetric, held as
-    int4 by its caller where symmetric and 4-bit), else None (the stored weight loads as it is).
-    `where` (the checkpoint) begins each error."""
+                where: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(scales, kernel, zero points) of rows `rows` of the quantized weight whose float weight is
+    named `base`, from `tensors` (name -> `TensorInfo`): the scales as `expand_scales` gives them;
+    the kernel, where stored packed, int8 [len(rows), in] (4-bit: q - 8, held as int4 by its
+    caller), else None (the stored weight loads as it is); a uint4 layout's zero points minus 8
+    (int8, shaped as the scales), else None. `where` (the checkpoint) begins each error."""
     def what(role: str) -> str:
         return f"{where}: tensor {layout.name(base, role)!r}"
 
-    if layout.packing.startswith("gptq"):
-        q, scale = _gptq_weight(*(tensors[layout.name(base, role)].read() for role in ("weight", "scale", "zero",
-                                                                                         "g_idx")),
-                                layout=layout, what=what)
+    if layout.packing:
+        if layout.packing.startswith("gptq"):
+            q, scale, zero = _gptq_weight(*(tensors[layout.name(base, role)].read()
+                                            for role in ("weight", "scale", "zero", "g_idx")), layout=layout, what=what)
+        else:
+            q, scale, zero = _awq_weight(tensors[layout.name(base, "weight")].read(),
+                                         tensors[layout.name(base, "scale")].read(),
+                                         None if not layout.zero_suffix else tensors[layout.name(base, "zero")].read(),
+                                         layout=layout, what=what)
         out, inp = q.shape
-        return (expand_scales(scale, out=out, inp=inp, layout=layout, rows=rows, what=what("scale")),
-                q[rows])
-    if layout.packing == "awq":
-        qweight, scale = tensors[layout.name(base, "weight")].read(), tensors[layout.name(base, "scale")].read()
-        q, scale = _awq_weight(qweight, scale, None if not layout.zero_suffix else
-                               tensors[layout.name(base, "zero")].read(), layout=layout, what=what)
-        out, inp = q.shape
-        return (expand_scales(scale, out=out, inp=inp, layout=layout, rows=rows, what=what("scale")),
-                q[rows])
+        return (expand_scales(scale, out=out, inp=inp, layout=layout, rows=rows, what=what("scale")), q[rows],
+                None if zero is None else
+                expand_scales(zero, out=out, inp=inp, layout=layout, rows=rows, what=what("zero")).astype(np.int8))
     if not layout.packed:
         out, inp = tensors[base].shape
     else:
@@ -386,13 +386,12 @@ def read_weight(tensors: Mapping[str, Any], base: str, *, layout: Layout, rows: 
     scales = expand_scales(tensors[layout.name(base, "scale")].read(), out=out, inp=inp, layout=layout, rows=rows,
                            what=what("scale"))
     if not layout.packed:
-        return scales, None
+        return scales, None, None
     q = unpack(tensors[layout.name(base, "weight")].read(), tensors[layout.name(base, "shape")].read(),
                bits=layout.bits, what=what("weight"))[rows]
-    if layout.zero_suffix:  # asymmetric: q - zero, held as int8
-        q = subtract_zero_points(q, tensors[layout.name(base, "zero")].read(), out=out, inp=inp, layout=layout,
-                                 rows=rows, what=what("zero"))
-    return scales, q
+    zero = None if not layout.zero_suffix else zero_points(tensors[layout.name(base, "zero")].read(), out=out,
+                                                           inp=inp, layout=layout, rows=rows, what=what("zero"))
+    return scales, q, zero
 
 
 # AutoAWQ's order of a word's eight 4-bit columns: nibble k (bits 4k..4k+3) holds column AWQ_ORDER[k]
@@ -426,37 +425,35 @@ def _check_group_scales(scale: np.ndarray, *, groups: int, out: int, g: int, inp
                               f"column and group of {g} of the weight's {inp} input rows")
 
 
-def _minus_group_zeros(q: np.ndarray, zero: np.ndarray, g: int) -> np.ndarray:
-    """`q - zero` as int8 [in, out] for unsigned 4-bit values q [in, out] (uint8, overwritten)
-    and zero points [G, out] (int8) of groups of g consecutive input rows."""
-    diff = q.view(np.int8)  # (0..15 minus 0..16 fits int8)
-    groups, out = zero.shape
-    if q.shape[0] == groups * g:  # in place, group by group
-        diff.reshape(groups, g, out)[...] -= zero[:, None, :]
-        return diff
-    return diff - np.repeat(zero, g, axis=0)[:q.shape[0]]
+def _minus_offset(q: np.ndarray) -> np.ndarray:
+    """q - 8 as int8 for unsigned 4-bit values q (uint8, overwritten): what int4 holds (the
+    symmetric layouts' q - zero, their zero points all 8; uint4's q, `ZERO_OFFSET`)."""
+    diff = q.view(np.int8)
+    diff -= ZERO_OFFSET
+    return diff
 
 
 _AWQ_COLUMNS = np.argsort(AWQ_ORDER)  # column c of a word's eight is its nibble _AWQ_COLUMNS[c]
 
 
 def _awq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray | None, *, layout: Layout,
-                what) -> tuple[np.ndarray, np.ndarray]:
-    """(q - zero as int8 [out, in], scales [out, G]) of an AutoAWQ linear's tensors."""
+                what) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(q - 8 as int8 [out, in], scales [out, G], zero points - 8 as int8 [out, G] or None where
+    the checkpoint has none, every zero point 8) of an AutoAWQ linear's tensors."""
     q = awq_unpack(qweight, what=what("weight"))  # [in, out]
     inp, out = q.shape
     g = layout.block[1]
     groups = -(-inp // g)
     _check_group_scales(scale, groups=groups, out=out, g=g, inp=inp, what=what("scale"))
-    if qzeros is None:
-        zero = np.full((groups, out), 8, np.int8)
-    else:
-        zero = awq_unpack(qzeros, what=what("zero")).view(np.int8)
+    zero = None
+    if qzeros is not None:
+        zero = awq_unpack(qzeros, what=what("zero"))
         if zero.shape != (groups, out):
             raise CheckpointError(f"{what('zero')}: int32 {tuple(qzeros.shape)}, expected int32 ({groups}, "
                                   f"{out // 8}): zero points packed as the weight")
+        zero = _minus_offset(zero).T
     # ([out, in] views: the caller's layout, transposed back there)
-    return _minus_group_zeros(q, zero, g).T, np.asarray(scale).T
+    return _minus_offset(q).T, np.asarray(scale).T, zero
 
 
 def gptq_unpack(packed: np.ndarray, bits: int, axis: int, *, what: str) -> np.ndarray:
@@ -473,8 +470,10 @@ def gptq_unpack(packed: np.ndarray, bits: int, axis: int, *, what: str) -> np.nd
 
 
 def _gptq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray, g_idx: np.ndarray, *, layout: Layout,
-                 what) -> tuple[np.ndarray, np.ndarray]:
-    """(q - zero as int8 [out, in], scales [out, G]) of a GPTQ linear's tensors: qweight [in *
+                 what) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(the values held as int8 [out, in], scales [out, G], uint4's zero points - 8 as int8 [out, G]
+    or None where symmetric) of a GPTQ linear's tensors: the values q - 8 (4 bits) or q - 128 (8
+    bits, symmetric: the layout refuses others); qweight [in *
     bits / 32, out], scales [G, out], qzeros [G, out * bits / 32] (the zero points minus one in
     the format 'gptq', as they are in 'gptq_v2') and g_idx [in] (each input row's group: row // g,
     the only order dlm-jax's groups hold)."""
@@ -499,17 +498,17 @@ def _gptq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray, g_i
         raise CheckpointError(f"{what('zero')}: zero points other than {middle} in a symmetric checkpoint (sym: true)")
     if layout.bits == 8:  # symmetric (the layout refuses others): q - 128, the bytes' top bit flipped
         diff = q.view(np.int8) ^ np.int8(-128)
-    else:
-        diff = _minus_group_zeros(q, zero.astype(np.int8), g)
-    return diff.T, np.asarray(scale).T  # ([out, in] views: the caller's layout, transposed back there)
+    else:  # 4 bits: q - 8 (symmetric: q - zero itself)
+        diff = _minus_offset(q)
+    held_zero = None if layout.middle_zeros else (zero - ZERO_OFFSET).astype(np.int8).T  # (-8 to 8)
+    return diff.T, np.asarray(scale).T, held_zero  # ([out, in] views: the caller's layout, transposed back there)
 
 
-def subtract_zero_points(q: np.ndarray, zero: np.ndarray, *, out: int, inp: int, layout: Layout, rows: slice,
-                         what: str) -> np.ndarray:
-    """`q - zero` as int8 [len(rows), inp]: the rows `rows` of an asymmetric checkpoint weight
-    whose unpacked values [len(rows), inp] are `q` and whose zero-point tensor is `zero` (one per
-    scale; packed along the output rows per channel or group, int8 per tensor or block). `what`
-    names the zero-point tensor in errors."""
+def zero_points(zero: np.ndarray, *, out: int, inp: int, layout: Layout, rows: slice, what: str) -> np.ndarray:
+    """The uint4 zero points (int8, minus 8 as `unpack` gives the weights) of rows `rows` of an
+    asymmetric compressed-tensors weight [out, inp] whose zero-point tensor is `zero` (one per
+    scale; packed along the output rows per channel or group, int8 per tensor or block), shaped
+    as `expand_scales` gives the scales. `what` names the zero-point tensor in errors."""
     z = np.asarray(zero)
     lo, hi = -(1 << layout.bits - 1), (1 << layout.bits - 1) - 1
     if layout.strategy in ("group", "channel"):
@@ -522,12 +521,7 @@ def subtract_zero_points(q: np.ndarray, zero: np.ndarray, *, out: int, inp: int,
     elif z.dtype != np.int8 or z.size and (z.min() < lo or z.max() > hi):
         raise CheckpointError(f"{what}: {z.dtype} from {z.min() if z.size else '-'} to {z.max() if z.size else '-'}, "
                               f"expected int8 zero points from {lo} to {hi}")
-    z = expand_scales(z, out=out, inp=inp, layout=layout, rows=rows, what=what).astype(np.int16)
-    if layout.strategy in ("group", "block"):
-        z = np.repeat(z.T, layout.block[1], axis=1)[:, :inp]
-    else:
-        z = z[:, None]
-    return (q.astype(np.int16) - z).astype(np.int8)  # (within [-15, 15] for 4 bits)
+    return expand_scales(z, out=out, inp=inp, layout=layout, rows=rows, what=what).astype(np.int8)
 
 
 def unpack(packed: np.ndarray, shape: np.ndarray, *, bits: int = 8, what: str) -> np.ndarray:

@@ -781,10 +781,11 @@ def _add_dtype_option(p: argparse.ArgumentParser) -> None:
 
 def _add_quant_option(p: argparse.ArgumentParser) -> None:
     # dest weight_quant: `export --quant` (a bundle's quantisation) is another option
-    p.add_argument("--quant", dest="weight_quant", type=_weight_quant_arg, metavar="{int8,fp8,int4}[-gN]",
-                   help="weight-only quantization at load, JAX executor: int8, fp8 (e4m3) or int4 weights with a "
-                        "scale per output channel, or with -gN per output channel and group of N input rows "
-                        "(int8-g128, int4-g32), dequantised inside the matmuls (default: the weights as stored)")
+    p.add_argument("--quant", dest="weight_quant", type=_weight_quant_arg, metavar="{int8,fp8,int4,uint4}[-gN]",
+                   help="weight-only quantization at load, JAX executor: int8, fp8 (e4m3), int4 or uint4 (4-bit "
+                        "with zero points) weights with a scale per output channel, or with -gN per output channel "
+                        "and group of N input rows (int8-g128, int4-g32), dequantised inside the matmuls (default: "
+                        "the weights as stored)")
 
 
 def _weight_quant_arg(text: str) -> str:

@@ -13,7 +13,7 @@ stacks do (q/k/v and gate/up are merged at load in vLLM and TensorRT-LLM). The J
 
 The product is the same per output column: column j of `x @ [Wq Wk Wv]` is column j of the
 projection it came from, and the fused linear keeps each kernel's dtype, bias and weight-only
-quantization (int8 / fp8 scales are per output column, so they concatenate too).
+quantization (scales, and uint4's zero points, are per output column, so they concatenate too).
 
 Ownership of the weights, as `dlm_jax.models._scan.stack_layers` does it: `fuse_projections`
 concatenates one group at a time and deletes the arrays it joined, so at most one group's
@@ -41,7 +41,7 @@ PROJECTIONS_ENV = "DLM_JAX_PROJECTIONS"
 
 # A fused parameter's dotted name -> (owner prefix, fused linear, leaf): `get_params` splits it
 # back into the names of the projections it holds.
-_FUSED_NAME = re.compile(r"^(?P<owner>.*)\.(?P<fused>qkv_proj|gate_up_proj)\.(?P<leaf>kernel|bias|qkernel|scale)$")
+_FUSED_NAME = re.compile(r"^(?P<owner>.*)\.(?P<fused>qkv_proj|gate_up_proj)\.(?P<leaf>kernel|bias|qkernel|scale|zero)$")
 _PARTS = {"qkv_proj": Attention.QKV, "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -60,12 +60,15 @@ def _fused_linear(linears: list, keep: frozenset[int]):
     if not isinstance(first, (QuantLinear, nnx.Linear)) or any(
             len({key(lin) for lin in linears}) != 1
             for key in (type, lambda lin: lin.dtype, lambda lin: lin.bias is None,
+                        lambda lin: getattr(lin, "zero", None) is None,
                         lambda lin: (lin.qkernel if quantized else lin.kernel).get_value().dtype)):
         return None  # (checked before anything is joined: joining deletes the parts)
     bias = None if first.bias is None else _joined([lin.bias.get_value() for lin in linears], keep)
     if quantized:
+        zero = None if first.zero is None else _joined([lin.zero.get_value() for lin in linears], keep)
         return QuantLinear(_joined([lin.qkernel.get_value() for lin in linears], keep),
-                           _joined([lin.scale.get_value() for lin in linears], keep), bias, dtype=first.dtype)
+                           _joined([lin.scale.get_value() for lin in linears], keep), bias, dtype=first.dtype,
+                           zero=zero)
     kernel = _joined([lin.kernel.get_value() for lin in linears], keep)
     fused = nnx.eval_shape(lambda: nnx.Linear(kernel.shape[0], kernel.shape[1], use_bias=bias is not None,
                                               dtype=first.dtype, param_dtype=kernel.dtype,

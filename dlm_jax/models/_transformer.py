@@ -643,7 +643,7 @@ def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Arr
             raise ConfigError(f"the experts' {name} weights split their {w.q.shape[1]} input rows over "
                               f"{s[1]} but not their {w.scale.shape[1]} groups of scales: pick a quant group "
                               f"size whose group count the mesh axis divides")
-        weight_specs.append(QuantExperts(P(*s), P(*scale_spec)))
+        weight_specs.append(QuantExperts(P(*s), P(*scale_spec), None if w.zero is None else P(*scale_spec)))
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *weight_specs), out_specs=P(),
                          axis_names=set(free), check_vma=False)(x, routing.experts, routing.weights, gate, up, down)
 
@@ -702,10 +702,12 @@ class MoEFFN(nnx.Module):
 
     def expert_weights(self, name: str, dtype) -> jax.Array | QuantExperts:
         """The routed experts' `name` ("gate", "up", "down") weights: [E, I, O] in `dtype`, or
-        their `QuantExperts` once quantized (`dlm_jax.models.quant.quantize` adds the scales)."""
+        their `QuantExperts` once quantized (`dlm_jax.models.quant.quantize` adds the scales, and
+        uint4's zero points)."""
         scale = getattr(self, f"{name}_scale", None)
+        zero = getattr(self, f"{name}_zero", None)
         w = getattr(self, name)[...]
-        return w.astype(dtype) if scale is None else QuantExperts(w, scale[...])
+        return w.astype(dtype) if scale is None else QuantExperts(w, scale[...], None if zero is None else zero[...])
 
     def routing(self, flat: jax.Array) -> Routing:
         logits = flat.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)

@@ -19,8 +19,18 @@ table, the norms, the router and the biases stay as stored, and so does any weig
   pre-quantized checkpoint's may hold -8 too); made for groups ("int4-g32", "int4-g128": the
   layout of GPTQ / AWQ and compressed-tensors' W4A16), as one scale per channel over 15 steps is
   coarse.
-- "int8-gK" / "fp8-gK" (grouped): the same within each group of K consecutive input rows,
-  scale[g, o] = max over rows gK..gK+K-1 of |W[i, o]| / qmax, so that one large weight coarsens
+- uint4: asymmetric 4-bit, each weight an unsigned value q from 0 to 15 with a zero point z per
+  scale, w = (q - z) * scale: the layout of AutoAWQ's default and of GPTQ / compressed-tensors'
+  `sym: false` checkpoints, whose 16 steps span a column's or group's own range where int4's
+  are centred on zero (a skewed column leaves half of them unused). Made as GPTQ's quantizer
+  does: over the range [min(w, 0), max(w, 0)] of a channel or group,
+  scale = (hi - lo) / 15, z = round(-lo / scale). Held offset by 8, the difference unchanged:
+  `qkernel` as JAX's int4 holding q - 8, and `zero` (one per scale, [O] or [G, O]) as int8
+  holding z - 8 (int8, not int4: GPTQ's first checkpoint format can hold a zero point of 16).
+  Both the weights' dequantisation and the zero-point subtraction are exact in float32.
+- "int8-gK" / "fp8-gK" / "uint4-gK" (grouped): the same within each group of K consecutive
+  input rows, scale[g, o] = max over rows gK..gK+K-1 of |W[i, o]| / qmax (uint4: the group's
+  range, its own zero point), so that one large weight coarsens
   only its group's steps (the layout of GPTQ / AWQ groups and GGUF's Q8_0 blocks, K = 32).
   Scales are [G, O] (G = I / K; a kernel with I <= K is one group; K must divide a larger I).
 
@@ -30,10 +40,13 @@ GEMM's operand read, so a step reads 1 byte per weight instead of 2 (bfloat16) o
 product cannot scale after the sum (each group's partial sum has its own scale): the kernel is
 dequantised to x's dtype first, `x @ (q * scale[g])`, a convert and a multiply XLA can fuse into
 the operand read the same way; in bfloat16 the dequantised weights are rounded to bfloat16 too.
+uint4 (per channel or grouped) is dequantised first the same way, `x @ ((q - z) * scale)`, the
+subtraction exact in float32.
 
 Scales are computed at load, in float32, one kernel at a time on the device the weights live on,
 and each stored kernel is dropped as its quantized twin replaces it: quantizing needs the
-model's memory plus about one kernel's.
+model's memory plus about one kernel's (uint4: a few float32 copies of the kernel being
+quantized, as its divisions are kept whole, `quantize_kernel`).
 """
 
 from __future__ import annotations
@@ -45,12 +58,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dlm_jax._config import WEIGHT_QUANTS, weight_quant_parts
+from dlm_jax._config import WEIGHT_QUANTS, ZERO_OFFSET, weight_quant_parts
 from dlm_jax._errors import ConfigError
 
 QUANT_MODES = WEIGHT_QUANTS
-_QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
-_QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}
+_QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0, "uint4": 15.0}
+_QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4, "uint4": jnp.int4}
 
 
 def check_quant(mode: str | None) -> None:
@@ -76,10 +89,11 @@ def groups(mode: str, rows: int, what: str = "a kernel") -> int | None:
 
 
 @functools.partial(jax.jit, static_argnames=("mode",))
-def quantize_kernel(w: jax.Array, *, mode: str) -> tuple[jax.Array, jax.Array]:
-    """(q, scale) of a kernel w [..., I, O]: q [..., I, O] int8 or float8_e4m3fn, scale float32
-    per output channel (the last axis) and per leading index (an expert): [..., O], or
-    [..., G, O] for a grouped mode (per group of input rows too)."""
+def quantize_kernel(w: jax.Array, *, mode: str) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(q, scale, zero) of a kernel w [..., I, O]: q [..., I, O] int8, int4 or float8_e4m3fn,
+    scale float32 per output channel (the last axis) and per leading index (an expert): [..., O],
+    or [..., G, O] for a grouped mode (per group of input rows too); zero the uint4 zero points
+    (int8, shaped as the scales, minus `ZERO_OFFSET` as q is), None for the symmetric modes."""
     fmt, _ = weight_quant_parts(mode)
     qmax = _QMAX[fmt]
     w32 = w.astype(jnp.float32)
@@ -87,56 +101,80 @@ def quantize_kernel(w: jax.Array, *, mode: str) -> tuple[jax.Array, jax.Array]:
     g = groups(mode, rows)
     if g is not None:
         w32 = w32.reshape(*lead, g, rows // g, cols)
+    if fmt == "uint4":  # GPTQ's range: zero always representable
+        lo = jnp.minimum(jnp.min(w32, axis=-2), 0.0)
+        hi = jnp.maximum(jnp.max(w32, axis=-2), 0.0)
+        # divided, not multiplied by a reciprocal (XLA's rewrite of a division by a broadcast
+        # array, up to an ulp off, which moves a rounding tie): exactly what GPTQ's, AutoRound's
+        # and compressed-tensors' quantizers compute (the barriers keep the divisors whole arrays)
+        steps = jax.lax.optimization_barrier(jnp.full(hi.shape, qmax, jnp.float32))
+        scale = jnp.where(hi > lo, (hi - lo) / steps, 1.0)  # a zero column: scale 1, q = z
+        zero = jnp.clip(jnp.round(-lo / scale), 0, qmax)
+        per_weight = jax.lax.optimization_barrier(jnp.broadcast_to(scale[..., None, :], w32.shape))
+        y = jnp.clip(jnp.round(w32 / per_weight) + zero[..., None, :], 0, qmax).reshape(w.shape)
+        return ((y - ZERO_OFFSET).astype(jnp.int4), scale,
+                (zero - ZERO_OFFSET).astype(jnp.int8))
     amax = jnp.max(jnp.abs(w32), axis=-2)
     scale = jnp.where(amax > 0, amax / qmax, 1.0)  # a zero column: scale 1, q 0
     y = jnp.clip(w32 / scale[..., None, :], -qmax, qmax).reshape(w.shape)  # w / scale may round past qmax
     q = y.astype(jnp.float8_e4m3fn) if fmt == "fp8" else jnp.round(y).astype(_QDTYPE[fmt])
-    return q, scale
+    return q, scale, None
 
 
-def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32, zero: jax.Array | None = None) -> jax.Array:
     """The weights [..., I, O] that q [..., I, O] and scale [..., O] (per output channel) or
-    [..., G, O] (grouped) stand for, in `dtype`."""
+    [..., G, O] (grouped) stand for, in `dtype`: q * scale, or (q - zero) * scale with uint4's
+    zero points (shaped as the scales)."""
     q32 = q.astype(jnp.float32)
     if scale.ndim == q.ndim - 1:
+        if zero is not None:
+            q32 = q32 - zero[..., None, :].astype(jnp.float32)
         return (q32 * scale[..., None, :]).astype(dtype)
     *lead, rows, cols = q.shape
     g = scale.shape[-2]
-    return (q32.reshape(*lead, g, rows // g, cols) * scale[..., None, :]).reshape(q.shape).astype(dtype)
+    q32 = q32.reshape(*lead, g, rows // g, cols)
+    if zero is not None:
+        q32 = q32 - zero[..., None, :].astype(jnp.float32)
+    return (q32 * scale[..., None, :]).reshape(q.shape).astype(dtype)
 
 
-def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [..., I] @ the kernel that q [I, O] and scale [O] or [G, O] stand for -> [..., O]
-    float32, accumulated in float32: per channel, q converted to x's dtype inside the matmul,
-    then scaled; grouped, q dequantised to x's dtype first."""
-    if scale.ndim == q.ndim:
-        return jnp.einsum("...i,io->...o", x, dequantize(q, scale, x.dtype), preferred_element_type=jnp.float32)
+def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None) -> jax.Array:
+    """x [..., I] @ the kernel that q [I, O], scale [O] or [G, O] (and uint4's zero points) stand
+    for -> [..., O] float32, accumulated in float32: per channel, q converted to x's dtype inside
+    the matmul, then scaled; grouped or with zero points, q dequantised to x's dtype first."""
+    if scale.ndim == q.ndim or zero is not None:
+        return jnp.einsum("...i,io->...o", x, dequantize(q, scale, x.dtype, zero),
+                          preferred_element_type=jnp.float32)
     y = jnp.einsum("...i,io->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
     return y * scale
 
 
 class QuantLinear(nnx.Module):
-    """A weight-only quantized `nnx.Linear`: `qkernel` [I, O] (int8 or float8_e4m3fn), `scale`
-    [O] (or [G, O], grouped) float32 and the stored bias [O] or None; called as the Linear was, x [..., I] ->
-    [..., O] in the Linear's `dtype`."""
+    """A weight-only quantized `nnx.Linear`: `qkernel` [I, O] (int8, int4 or float8_e4m3fn),
+    `scale` [O] (or [G, O], grouped) float32, uint4's `zero` points (int8, shaped as `scale`; None
+    for the symmetric modes) and the stored bias [O] or None; called as the Linear was, x [..., I]
+    -> [..., O] in the Linear's `dtype`."""
 
-    def __init__(self, qkernel: jax.Array, scale: jax.Array, bias: jax.Array | None, *, dtype):
+    def __init__(self, qkernel: jax.Array, scale: jax.Array, bias: jax.Array | None, *, dtype,
+                 zero: jax.Array | None = None):
         self.qkernel = nnx.Param(qkernel)
         self.scale = nnx.Param(scale)
+        self.zero = nnx.Param(zero) if zero is not None else None
         self.bias = nnx.Param(bias) if bias is not None else None
         self.dtype = dtype
         self.in_features, self.out_features = qkernel.shape
 
     @classmethod
     def from_linear(cls, linear: nnx.Linear, mode: str) -> QuantLinear:
-        q, scale = quantize_kernel(linear.kernel[...], mode=mode)
+        q, scale, zero = quantize_kernel(linear.kernel[...], mode=mode)
         bias = None if linear.bias is None else linear.bias[...]
-        return cls(q, scale, bias, dtype=linear.dtype or linear.kernel[...].dtype)
+        return cls(q, scale, bias, dtype=linear.dtype or linear.kernel[...].dtype, zero=zero)
 
     def product(self, x: jax.Array) -> jax.Array:
         """x [..., I] @ the dequantised kernel -> [..., O] float32 (no bias): the int8/fp8 weights
         converted to x's dtype inside the matmul, accumulated in float32, then scaled."""
-        return quantized_matmul(x, self.qkernel[...], self.scale[...])
+        return quantized_matmul(x, self.qkernel[...], self.scale[...],
+                                None if self.zero is None else self.zero[...])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype or x.dtype
@@ -148,11 +186,13 @@ class QuantLinear(nnx.Module):
 
 class QuantExperts(NamedTuple):
     """Routed experts' weights quantized per expert and output channel: q [E, I, O] int8 or
-    float8_e4m3fn, scale [E, O] (or [E, G, O], grouped) float32 (`dlm_jax.models._transformer.dispatch_experts` and
+    float8_e4m3fn, scale [E, O] (or [E, G, O], grouped) float32 and uint4's zero points (int8,
+    shaped as the scales) or None (`dlm_jax.models._transformer.dispatch_experts` and
     `dense_experts` take it where they take a dense [E, I, O] array)."""
 
     q: jax.Array
     scale: jax.Array
+    zero: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -161,7 +201,8 @@ class QuantExperts(NamedTuple):
     def take(self, experts: jax.Array, dtype) -> jax.Array:
         """The dense [U, I, O] weights of the experts [U] in `dtype` (dequantised as gathered:
         one fused gather, no copy of the others)."""
-        return dequantize(jnp.take(self.q, experts, axis=0), jnp.take(self.scale, experts, axis=0), dtype)
+        return dequantize(jnp.take(self.q, experts, axis=0), jnp.take(self.scale, experts, axis=0), dtype,
+                          None if self.zero is None else jnp.take(self.zero, experts, axis=0))
 
 
 def expert_einsum(spec: str, x: jax.Array, w: jax.Array | QuantExperts) -> jax.Array:
@@ -171,8 +212,8 @@ def expert_einsum(spec: str, x: jax.Array, w: jax.Array | QuantExperts) -> jax.A
     the expert axis before the output-channel axis (`ecd,edf->ecf`, `nd,edf->nef`)."""
     if not isinstance(w, QuantExperts):
         return jnp.einsum(spec, x, w)
-    if w.scale.ndim == w.q.ndim:  # grouped: dequantised first (`quantized_matmul`)
-        return jnp.einsum(spec, x, dequantize(w.q, w.scale, x.dtype), preferred_element_type=jnp.float32
+    if w.scale.ndim == w.q.ndim or w.zero is not None:  # grouped or zero points: dequantised first
+        return jnp.einsum(spec, x, dequantize(w.q, w.scale, x.dtype, w.zero), preferred_element_type=jnp.float32
                           ).astype(x.dtype)
     ins, out = spec.split("->")
     wspec = ins.split(",")[1]
@@ -207,7 +248,7 @@ def quantized_weights(model, *, keep: frozenset[str] = frozenset()) -> list[tupl
 
 def quantize(model, mode: str, *, keep: frozenset[str] | set[str] | tuple[str, ...] = frozenset()):
     """Quantize `model` (a `dlm_jax.models.Transformer`) in place, weight-only, to `mode`
-    ("int8" or "fp8", optionally grouped: "int8-g128"); returns it. See the module docstring
+    ("int8", "fp8", "int4" or "uint4", optionally grouped: "int8-g128"); returns it. See the module docstring
     (and `quantized_weights`) for which weights; those named in `keep` ("lm_head",
     "layers.1.ffn.gate", "layers.0.attn.q_proj") stay as they are: a pre-quantized checkpoint
     that stores some of them in float (`dlm_jax.checkpoint._io`). `model.quant_float` is then
@@ -240,9 +281,11 @@ def quantize(model, mode: str, *, keep: frozenset[str] | set[str] | tuple[str, .
         if isinstance(weight, nnx.Linear):
             setattr(module, name, QuantLinear.from_linear(weight, mode))
             continue
-        q, scale = quantize_kernel(weight[...], mode=mode)
+        q, scale, zero = quantize_kernel(weight[...], mode=mode)
         setattr(module, name, nnx.Param(q))  # the stored weights are dropped here, one tensor at a time
         setattr(module, f"{name}_scale", nnx.Param(scale))
+        if zero is not None:
+            setattr(module, f"{name}_zero", nnx.Param(zero))
     model.quant = mode
     model.quant_float = keep  # (`model.quant_head` reads it)
     return model

@@ -32,8 +32,9 @@ def test_fused_and_separate_compute_the_same_products_from_the_same_weights():
             np.testing.assert_allclose(np.asarray(gemm_probe.program("fused", quant)(x, fused)),
                                        np.concatenate([np.asarray(y) for y in sep], axis=1), rtol=1e-5, atol=1e-6)
             if quant != "none":  # the quantizer's int8 kernels with float32 scales, per output channel (or group)
-                q, scale = kernels[0]
-                assert q.dtype == jnp.int8 and scale.shape == ((q.shape[1],) if quant == "int8" else (2, q.shape[1]))
+                q, scale, zero = kernels[0]
+                assert q.dtype == jnp.int8 and zero is None
+                assert scale.shape == ((q.shape[1],) if quant == "int8" else (2, q.shape[1]))
                 if scale.ndim == 2:
                     scale = np.repeat(np.asarray(scale), q.shape[0] // 2, axis=0)
                 dense = gemm_probe.weights(shape, group, "none", jnp.float32, seed=1)[0]

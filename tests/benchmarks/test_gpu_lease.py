@@ -114,7 +114,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     (dsf,) = map(unenv, lease_parts(tmp_path, PARTS="scandsf", LIMIT="5000"))
     assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == parse(dsf[4], dsf[5:]).layers == ["scan"]
     assert args["attention"].attention == ["split", "cudnn", "cudnn_split", "pallas"]
-    assert args["int4"].quant == ["none", "int8", "int4-g128"]
+    assert args["int4"].quant == ["none", "int8", "int4-g128", "uint4-g128"]
     assert args["attention"].kinds == ["refresh", "dual", "prefix"]
     gqa = args["attention gqa"]  # a grouped-query 8B model's steps: the kernel's stacked heads timed
     assert gqa.attention == ["split", "pallas"] and gqa.kinds == ["dual", "prefix"] and gqa.batches == [1, 8, 32]

@@ -1,5 +1,5 @@
 """AutoAWQ checkpoints (config `quantization_config.quant_method: "awq"`, its GEMM packing) load
-as weight-only int8 (with zero points) or int4 (without) and compute what transformers
+as weight-only uint4 (with zero points) or int4 (without) and compute what transformers
 computes from the compressed-tensors checkpoint that compressed-tensors' own converter
 (`AutoAWQConverter`) makes of the same files."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -115,16 +116,20 @@ def _dequantized(path: Path, dst: Path) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind,group,zero,mode", [
-    ("qwen3", 16, True, "int8-g16"),  # AutoAWQ's default: zero points, q - zero held as int8
+    ("qwen3", 16, True, "uint4-g16"),  # AutoAWQ's default: zero points, q - 8 held as int4, zero - 8 as int8
     ("qwen3", 16, False, "int4-g16"),  # symmetric: q - 8 fits int4
-    ("qwen2", 16, True, "int8-g16"),  # q/k/v biases stored float beside qweight (Dream's layout)
+    ("qwen2", 16, True, "uint4-g16"),  # q/k/v biases stored float beside qweight (Dream's layout)
 ])
 def test_awq_checkpoint_matches_compressed_tensors_conversion(kind, group, zero, mode, tmp_path):
     path = awq_checkpoint(tmp_path / "awq", kind=kind, group=group, zero=zero)
     ref = _converted(path, tmp_path / "ct")
     model, ours = loaded_logits(path, IDS)
     assert model.quant == mode and model.quant_float == {"lm_head"}
-    assert str(model.layers[0].attn.q_proj.qkernel[...].dtype) == mode.split("-")[0]
+    q = model.layers[0].attn.q_proj
+    assert str(q.qkernel[...].dtype) == "int4" and (q.zero is not None) == zero
+    if zero:  # zero points minus 8: not all 0 (the weights are skewed, not symmetric)
+        assert q.zero[...].dtype == jnp.int8 and q.zero[...].shape == q.scale[...].shape
+        assert np.abs(np.asarray(q.zero[...])).max() > 0
     assert (model.layers[0].attn.q_proj.bias is not None) == (kind == "qwen2")
     diff = float(np.abs(ours - ref).max())
     assert diff <= TOL, diff
@@ -139,9 +144,12 @@ def test_awq_moe_experts_load_quantized(zero, tmp_path):
     array per layer; the router stays float."""
     path = awq_checkpoint(tmp_path / "awq", kind="qwen3_moe", zero=zero)
     model, ours = loaded_logits(path, IDS)
-    assert model.quant == ("int8-g16" if zero else "int4-g16") and model.quant_float == {"lm_head"}
+    assert model.quant == ("uint4-g16" if zero else "int4-g16") and model.quant_float == {"lm_head"}
     experts = model.layers[1].ffn
-    assert str(experts.gate[...].dtype) == model.quant.split("-")[0] and experts.gate_scale[...].shape == (4, 2, 16)
+    assert str(experts.gate[...].dtype) == "int4" and experts.gate_scale[...].shape == (4, 2, 16)
+    assert (getattr(experts, "gate_zero", None) is not None) == zero
+    if zero:
+        assert experts.gate_zero[...].shape == (4, 2, 16) and experts.gate_zero[...].dtype == jnp.int8
     ref = _dequantized(path, tmp_path)
     diff = float(np.abs(ours - ref).max())
     assert diff <= TOL, diff
@@ -158,14 +166,14 @@ def test_modules_awq_keeps_float_stay_float(tmp_path, capsys):
     np.testing.assert_allclose(ours, _converted(path, tmp_path / "ct"), atol=TOL)
     assert main(["inspect", "--model", str(path)]) == 0  # `inspect` says how it is stored, `plan` counts it so
     out = json.loads(capsys.readouterr().out)
-    assert (out["weight_quant"], out["weight_quant_float"]) == ("int8-g16", sorted(float_))
+    assert (out["weight_quant"], out["weight_quant_float"]) == ("uint4-g16", sorted(float_))
     assert out["weight_quant_stored"] == ("AutoAWQ (gemm): 4-bit integers with zero points, a scale per group of 16 "
-                                          "input columns; held as int8-g16 (q - zero)")
+                                          "input columns; held as uint4-g16")
     assert main(["plan", "--model", str(path), "--devices", "1", "--memory", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["meshes"][0]["weights_bytes"] == weight_bytes(model)
-    dlm_jax.save_pretrained(model, tmp_path / "saved")  # and saves as dlm-jax's int8-g16, bit for bit
+    dlm_jax.save_pretrained(model, tmp_path / "saved")  # and saves as dlm-jax's uint4-g16, bit for bit
     again, theirs = loaded_logits(tmp_path / "saved", IDS)
-    assert again.quant == "int8-g16" and again.quant_float == float_
+    assert again.quant == "uint4-g16" and again.quant_float == float_
     np.testing.assert_array_equal(ours, theirs)
 
 

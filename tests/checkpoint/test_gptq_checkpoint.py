@@ -1,6 +1,6 @@
 """GPTQ checkpoints (config `quantization_config.quant_method: "gptq"`, written here by AutoRound's
-own quantizer and packer, `format="auto_gptq"`) load as weight-only int4 (symmetric) or int8
-(`q - zero`, asymmetric 4-bit; 8-bit) and compute what transformers computes with the weights
+own quantizer and packer, `format="auto_gptq"`) load as weight-only int4 (symmetric), uint4
+(asymmetric 4-bit: with zero points) or int8 (8-bit, q - 128) and compute what transformers computes with the weights
 AutoRound's own GPTQ kernel (`QuantLinear`, torch backend) dequantises from the same files."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ SLOW = pytest.mark.slow  # (4 s each, most of it AutoRound's quantization)
 
 @pytest.mark.parametrize("kind,bits,group,sym,mode", [
     ("qwen3", 4, 16, True, "int4-g16"),  # GPTQ's default: symmetric, q - 8 fits int4
-    pytest.param("qwen3", 4, 16, False, "int8-g16", marks=SLOW),  # zero points: q - zero held as int8
+    pytest.param("qwen3", 4, 16, False, "uint4-g16", marks=SLOW),  # zero points: q - 8 as int4, zero - 8 as int8
     # 8 bits (q - 128), q/k/v biases stored float beside the qweight
     pytest.param("qwen2", 8, 16, True, "int8-g16", marks=SLOW),
     pytest.param("llama", 4, -1, True, "int4", marks=SLOW),  # group_size -1: a scale per output channel
@@ -108,7 +108,8 @@ def test_gptq_checkpoint_matches_autorounds_kernel(kind, bits, group, sym, mode,
     ref = _dequantized(path, tmp_path / "float")
     model, ours = loaded_logits(path, IDS)
     assert model.quant == mode and model.quant_float == {"lm_head"} | left
-    assert str(model.layers[0].attn.q_proj.qkernel[...].dtype) == mode.split("-")[0]
+    q = model.layers[0].attn.q_proj
+    assert str(q.qkernel[...].dtype) == ("int8" if bits == 8 else "int4") and (q.zero is not None) == (not sym)
     assert (model.layers[0].attn.q_proj.bias is not None) == (kind == "qwen2")
     diff = float(np.abs(ours - ref).max())
     assert diff <= TOL, diff
@@ -202,10 +203,10 @@ def test_gptq_v2_zero_points_and_inspect(tmp_path, capsys):
     assert main(["inspect", "--model", str(path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["weight_quant_stored"] == ("GPTQ (v2): 4-bit integers with zero points, a scale per group of 16 "
-                                          "input columns; held as int8-g16 (q - zero)")
-    dlm_jax.save_pretrained(model, tmp_path / "saved")  # saved as dlm-jax's int8-g16, bit for bit
+                                          "input columns; held as uint4-g16")
+    dlm_jax.save_pretrained(model, tmp_path / "saved")  # saved as dlm-jax's uint4-g16, bit for bit
     again, theirs = loaded_logits(tmp_path / "saved", IDS)
-    assert again.quant == "int8-g16"
+    assert again.quant == "uint4-g16"
     np.testing.assert_array_equal(v2, theirs)
 
 
@@ -231,7 +232,7 @@ def test_unpacking_is_autorounds_own():
 
 @pytest.mark.parametrize("change,match", [
     ({"bits": 3}, "bits=3: GPTQ checkpoints of 4 or 8 bits are supported"),
-    ({"bits": 8, "sym": False}, "asymmetric 8-bit weights .sym: false. are not supported: q - zero needs 9 bits"),
+    ({"bits": 8, "sym": False}, "asymmetric 8-bit weights .sym: false. are not supported: dlm-jax holds zero points"),
     ({"checkpoint_format": "marlin"}, "format 'marlin' is not supported: dlm-jax reads GPTQ's own packing"),
     ({"group_size": 0}, "group_size=0: expected -1 .a scale per output channel. or an integer of at least 2"),
     ({"dynamic": {"+:.*mlp.*": {"bits": 8}}}, r"dynamic\['\+:.\*mlp.\*'\]: per-module bits or groups are not "

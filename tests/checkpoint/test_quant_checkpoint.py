@@ -1,6 +1,7 @@
 """Weight-only quantized checkpoints: `save_pretrained` of a model loaded with `quant=...`, and
 `dlm_jax.load` of what it wrote (`dlm_jax.checkpoint._io`, docs/checkpoints.md)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,34 @@ def test_int4_moe_checkpoint_stores_int8_tensors_and_round_trips(tmp_path):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' holds values -?\d+..9, outside the int4 range"):
+        dlm_jax.load(path, executor="jax")
+
+
+def test_uint4_moe_checkpoint_stores_its_zero_points_and_round_trips(tmp_path):
+    """uint4 kernels save as int8 tensors of q - 8 within int4's range, each with its int8 zero
+    points (`.zero`, one per scale: the experts' per expert) beside its scales, and come back
+    bit for bit; zero points stored in another dtype are named."""
+    handle, path = _saved(tmp_path, ROOT / "models" / "moe-tiny", "uint4-g32")
+    tensors = load_file(path / "model.safetensors")
+    kernels = [k[:-len(".qkernel")] for k in tensors if k.endswith(".qkernel")]
+    assert any(".mlp.experts." in k for k in kernels)
+    for k in kernels:
+        q, scale, zero = tensors[k + ".qkernel"], tensors[k + ".scale"], tensors[k + ".zero"]
+        assert q.dtype == zero.dtype == np.int8 and -8 <= q.min() and q.max() <= 7 and zero.shape == scale.shape, k
+    loaded = dlm_jax.load(path, executor="jax")
+    assert loaded.model.quant == "uint4-g32" and str(loaded.model.layers[0].attn.q_proj.qkernel[...].dtype) == "int4"
+    want, got = get_params(handle.model), get_params(loaded.model)
+    assert want.keys() == got.keys() and any(k.endswith("ffn.gate_zero") for k in want)
+    for k in want:
+        assert want[k].dtype == got[k].dtype and want[k].shape == got[k].shape, k
+        np.testing.assert_array_equal(np.asarray(want[k], np.float32), np.asarray(got[k], np.float32))
+    name = next(k for k in tensors if k.endswith(".zero"))
+    tensors[name] = tensors[name].astype(np.float32)
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' is float32, expected int8 zero points"):
         dlm_jax.load(path, executor="jax")
 
 

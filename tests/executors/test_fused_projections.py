@@ -31,7 +31,8 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("name, quant", [(name, None) for name in VARIANTS] + [
-    ("swiglu, GQA, q/k/v biases", "int8"), ("MoE with a shared expert", "int8")])
+    ("swiglu, GQA, q/k/v biases", "int8"), ("MoE with a shared expert", "int8"),
+    ("swiglu, GQA, q/k/v biases", "uint4-g8")])  # (zero points beside the scales)
 def test_a_fused_model_computes_and_saves_what_it_did_before(name, quant):
     """Guards a fused linear that mixes up its parts (q's columns read as k's: plausible but
     wrong logits), drops a bias or a quantization scale, and a fused model whose checkpoint or
@@ -49,6 +50,7 @@ def test_a_fused_model_computes_and_saves_what_it_did_before(name, quant):
     assert model.layers[0].attn.q_proj is None and all(k.is_deleted() for k in kernels)  # held once
     if quant:
         assert isinstance(model.layers[0].attn.qkv_proj, QuantLinear)
+        assert (model.layers[0].attn.qkv_proj.zero is not None) == quant.startswith("uint4")
     after = dlm_jax.get_params(model)
     assert sorted(after) == sorted(before)
     for name in before:

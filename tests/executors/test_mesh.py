@@ -151,11 +151,11 @@ def test_every_preset_on_expert_and_data_parallel_meshes(cases):
 def test_int4_on_a_mesh_decodes_as_one_device():
     """int4 kernels, held as int8 on a mesh (the same values: `dlm_jax.models.quant.widen_int4`;
     split int4 arrays' packed layout is one JAX's CPU arrays do not take), a dense model's on
-    tp=2 and an MoE's experts on ep=2,tp=2: one device's tokens, and the planner's bytes per
-    device (a byte a weight)."""
+    tp=2 and an MoE's uint4 experts (zero points split as their scales) on ep=2,tp=2: one
+    device's tokens, and the planner's bytes per device (a byte a weight)."""
     report = drive({"devices": 4, "cases": [
         {"model": "models/llada-tiny", "mesh": "tp=2", "load": {"quant": "int4-g32"}, "presets": ["fast-dllm"]},
-        {"model": "models/moe-tiny", "mesh": "ep=2,tp=2", "load": {"quant": "int4-g32"},
+        {"model": "models/moe-tiny", "mesh": "ep=2,tp=2", "load": {"quant": "uint4-g32"},
          "presets": ["fast-dllm-dual"]}]})
     assert_same(report)
     assert_bytes(report)

@@ -1,4 +1,4 @@
-"""Weight-only int8 / fp8 quantization at load (`dlm_jax.models.quant`, `dlm_jax.load(quant=...)`)."""
+"""Weight-only int8 / fp8 / int4 / uint4 quantization at load (`dlm_jax.models.quant`, `dlm_jax.load(quant=...)`)."""
 
 from pathlib import Path
 
@@ -31,7 +31,7 @@ def test_int8_matches_a_numpy_reference_with_zero_columns():
     rng = np.random.default_rng(0)
     w = rng.normal(size=(64, 24)).astype(np.float32) * rng.uniform(0.01, 3, size=24).astype(np.float32)
     w[:, 5] = 0.0
-    q, scale = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8"))
+    q, scale, _ = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8"))
     want_q, want_scale = _numpy_int8(w)
     assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (24,)
     np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
@@ -45,7 +45,7 @@ def test_int8_matches_a_numpy_reference_with_zero_columns():
 def test_fp8_uses_e4m3_per_channel_with_its_bound():
     rng = np.random.default_rng(1)
     w = rng.normal(size=(48, 16)).astype(np.float32)
-    q, scale = jax.device_get(quantize_kernel(jnp.asarray(w), mode="fp8"))
+    q, scale, _ = jax.device_get(quantize_kernel(jnp.asarray(w), mode="fp8"))
     assert q.dtype == ml_dtypes.float8_e4m3fn
     np.testing.assert_allclose(scale, np.abs(w).max(axis=0) / 448.0, rtol=1e-6)
     want = (w / scale).astype(ml_dtypes.float8_e4m3fn)  # ml_dtypes' own rounding
@@ -68,17 +68,17 @@ def test_grouped_int8_matches_a_numpy_reference_and_confines_an_outlier_to_its_g
     rng = np.random.default_rng(3)
     w = rng.normal(size=(128, 24)).astype(np.float32)
     w[5, :] *= 40.0  # one outlier input row: per channel, every step of every column coarsens
-    q, scale = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8-g32"))
+    q, scale, _ = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8-g32"))
     want_q, want_scale = _numpy_grouped_int8(w, 32)
     assert q.dtype == np.int8 and scale.shape == (4, 24)
     np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
     assert np.abs(q.astype(np.int32) - want_q.astype(np.int32)).max() <= 1
     grouped = np.abs(q.astype(np.float32) * np.repeat(scale, 32, axis=0) - w)
     assert (grouped <= np.repeat(scale, 32, axis=0) / 2 * (1 + 1e-5)).all()
-    q1, s1 = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8"))
+    q1, s1, _ = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8"))
     per_channel = np.abs(q1.astype(np.float32) * s1 - w)
     assert grouped[32:].mean() < per_channel[32:].mean() / 10  # the groups without the outlier row
-    q2, s2 = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8-g256"))  # a group past the rows: one
+    q2, s2, _ = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int8-g256"))  # a group past the rows: one
     assert s2.shape == (1, 24)
     np.testing.assert_array_equal(q2, q1)
     np.testing.assert_allclose(s2[0], s1, rtol=1e-6)
@@ -89,7 +89,7 @@ def test_grouped_int4_matches_a_numpy_reference():
     rng = np.random.default_rng(4)
     w = rng.normal(size=(64, 24)).astype(np.float32)
     w[:32, 3] = 0.0  # a zero group: scale 1, q 0
-    q, scale = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int4-g32"))
+    q, scale, _ = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int4-g32"))
     assert q.dtype == ml_dtypes.int4 and scale.shape == (2, 24)
     amax = np.abs(w.reshape(2, 32, 24)).max(axis=1)
     want_scale = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)
@@ -102,9 +102,87 @@ def test_grouped_int4_matches_a_numpy_reference():
     assert (err <= np.repeat(scale, 32, axis=0) / 2 * (1 + 1e-5)).all()
 
 
+def _uint4(q, zero) -> tuple[np.ndarray, np.ndarray]:
+    """uint4's q (0 to 15) and zero points as the formats store them: held minus 8."""
+    return np.asarray(q, np.int32) + 8, np.asarray(zero, np.int32) + 8
+
+
+@pytest.mark.parametrize("group", [32, None])
+def test_uint4_matches_autorounds_asymmetric_quantizer(group):
+    """uint4 is the asymmetric 4-bit rounding of GPTQ / AutoRound (`quant_tensor_asym`: the range
+    [min(w, 0), max(w, 0)] in 15 steps, zero point round(-lo / scale)), held minus 8: q as int4,
+    the zero points as int8; a zero group keeps q at its zero point."""
+    import torch
+    from auto_round.data_type.int import quant_tensor_asym
+
+    rng = np.random.default_rng(5)
+    w = (rng.normal(size=(64, 24)) + rng.uniform(-1, 2, size=24)).astype(np.float32)  # skewed columns
+    w = w.astype(ml_dtypes.bfloat16).astype(np.float32)  # bfloat16 values: rounding ties are frequent
+    w[:32, 3] = 0.0
+    q, scale, zero = jax.device_get(quantize_kernel(jnp.asarray(w), mode="uint4" if group is None else "uint4-g32"))
+    assert q.dtype == ml_dtypes.int4 and zero.dtype == np.int8 and zero.shape == scale.shape
+    assert scale.shape == ((2, 24) if group else (24,))
+    deq, their_scale, their_zero = quant_tensor_asym(torch.from_numpy(w.T.copy()), bits=4, group_size=group or -1,
+                                                     scale_dtype=torch.float32)
+    their_scale = their_scale.reshape(24, -1).T.numpy().reshape(scale.shape)
+    their_zero = their_zero.reshape(24, -1).T.numpy().reshape(scale.shape)
+    live = their_scale > 1e-5  # (a zero group: their scale is clamped to 1e-5, ours 1; q is the zero point alike)
+    np.testing.assert_array_equal(scale[live], their_scale[live])  # divided as theirs: no reciprocal's ulp
+    q, z = _uint4(q, zero)
+    np.testing.assert_array_equal(z, their_zero)
+    np.testing.assert_array_equal(q - np.repeat(z.reshape(-1, 24), 32 if group else 64, axis=0),
+                                  np.round(deq.numpy().T / np.repeat(their_scale.reshape(-1, 24), 32 if group else 64,
+                                                                     axis=0)))
+    assert 0 <= q.min() and q.max() <= 15 and (z >= 0).all() and (z <= 15).all()
+    rows = 32 if group else 64
+    ours = (q - np.repeat(z.reshape(-1, 24), rows, axis=0)) * np.repeat(scale.reshape(-1, 24), rows, axis=0)
+    np.testing.assert_allclose(ours, deq.numpy().T, atol=1e-6)
+    if group:
+        assert (q[:32, 3] == z[0, 3]).all() and (ours[:32, 3] == 0).all()
+    # asymmetric steps fit a skewed column better than int4's symmetric ones
+    q4, s4, _ = jax.device_get(quantize_kernel(jnp.asarray(w), mode="int4" if group is None else "int4-g32"))
+    int4 = np.asarray(q4, np.float32) * (np.repeat(s4, rows, axis=0) if group else s4)
+    assert np.abs(ours - w).mean() < 0.75 * np.abs(int4 - w).mean()
+
+
+def test_uint4_is_compressed_tensors_min_max_rounding():
+    """`quantize(model, "uint4-g32")` holds what compressed-tensors' own min-max qparams and
+    quantization give a "W4A16_ASYM" scheme with groups of 32: its q and zero points (which it
+    too holds 8 lower, from -8 to 7) and its scales, the routed experts' too."""
+    import torch
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = dlm_jax.init_model(tiny_config(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=32,
+                                           tie_embeddings=False), seed=0)
+    args = preset_name_to_scheme("W4A16_ASYM", ["Linear"]).weights
+    args.group_size = 32
+    floats = {}
+    for name, module, attr in quantized_weights(model):
+        w = getattr(module, attr)
+        floats[name] = (module, attr, np.asarray((w.kernel if isinstance(w, nnx.Linear) else w)[...]))
+    quantize(model, "uint4-g32")
+    assert any(w.ndim == 3 for _, _, w in floats.values())
+    for name, (module, attr, w) in floats.items():
+        held = getattr(module, attr)
+        q, scale, zero = ((held.qkernel[...], held.scale[...], held.zero[...]) if hasattr(held, "qkernel")
+                          else (held[...], getattr(module, f"{attr}_scale")[...], getattr(module, f"{attr}_zero")[...]))
+        for e in range(w.shape[0]) if w.ndim == 3 else [None]:
+            we = torch.from_numpy(np.ascontiguousarray((w if e is None else w[e]).T))  # [out, in]
+            g = we.reshape(we.shape[0], -1, 32)
+            s, z = calculate_qparams(g.amin(-1), g.amax(-1), args)
+            theirs = ct_quantize(we, s, z, args=args, dtype=torch.int8)
+            pick = (lambda a: a) if e is None else (lambda a: a[e])  # noqa: E731
+            np.testing.assert_array_equal(np.asarray(pick(q), np.int8).T, theirs.numpy(), name)
+            np.testing.assert_array_equal(np.asarray(pick(zero)).T, z.numpy(), name)
+            np.testing.assert_allclose(np.asarray(pick(scale)).T, s.numpy(), rtol=1e-6)
+
+
 @pytest.mark.parametrize("text, parts", [("int8", ("int8", None)), ("fp8", ("fp8", None)),
                                          ("int8-g128", ("int8", 128)), ("fp8-g32", ("fp8", 32)),
-                                         ("int4-g32", ("int4", 32)), ("int4", ("int4", None))])
+                                         ("int4-g32", ("int4", 32)), ("int4", ("int4", None)),
+                                         ("uint4-g128", ("uint4", 128))])
 def test_quant_modes_parse(text, parts):
     from dlm_jax._config import weight_quant_parts
 
@@ -121,7 +199,7 @@ def test_quant_modes_refused(text, message):
         weight_quant_parts(text)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8", "int8-g8", "fp8-g16", "int4-g8"])
+@pytest.mark.parametrize("mode", ["int8", "fp8", "int8-g8", "fp8-g16", "int4-g8", "uint4-g8", "uint4"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_quant_linear_is_x_times_the_dequantised_kernel(mode, dtype):
     linear = nnx.Linear(32, 12, use_bias=True, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -129,9 +207,12 @@ def test_quant_linear_is_x_times_the_dequantised_kernel(mode, dtype):
     ql = QuantLinear.from_linear(linear, mode)
     x = jax.random.normal(jax.random.key(1), (3, 5, 32)).astype(dtype)
     scale = np.asarray(ql.scale[...])
+    zero = np.zeros_like(scale) if ql.zero is None else np.asarray(ql.zero[...], np.float32)
+    assert (ql.zero is not None) == mode.startswith("uint4")
     if scale.ndim == 2:  # grouped: [G, O], one row per group of input rows
         scale = np.repeat(scale, 32 // scale.shape[0], axis=0)
-    w = np.asarray(ql.qkernel[...]).astype(np.float32) * scale
+        zero = np.repeat(zero, 32 // zero.shape[0], axis=0)
+    w = (np.asarray(ql.qkernel[...]).astype(np.float32) - zero) * scale
     want = np.asarray(x, np.float32) @ w + np.arange(12, dtype=np.float32) / 10
     got = ql(x)
     assert got.dtype == dtype and got.shape == (3, 5, 12)
@@ -141,11 +222,11 @@ def test_quant_linear_is_x_times_the_dequantised_kernel(mode, dtype):
 
 def test_expert_einsum_matches_dequantised_experts():
     w = jax.random.normal(jax.random.key(2), (4, 16, 8))
-    q, scale = quantize_kernel(w, mode="int8")
+    q, scale, _ = quantize_kernel(w, mode="int8")
     x = jax.random.normal(jax.random.key(3), (4, 3, 16))
     dense = np.einsum("ecd,edf->ecf", np.asarray(x), np.asarray(q, np.float32) * np.asarray(scale)[:, None, :])
     np.testing.assert_allclose(expert_einsum("ecd,edf->ecf", x, QuantExperts(q, scale)), dense, rtol=1e-5, atol=1e-5)
-    q, scale = quantize_kernel(w, mode="int8-g4")  # grouped: [E, G, O] scales
+    q, scale, _ = quantize_kernel(w, mode="int8-g4")  # grouped: [E, G, O] scales
     assert scale.shape == (4, 4, 8)
     dense = np.einsum("ecd,edf->ecf", np.asarray(x),
                       np.asarray(q, np.float32) * np.repeat(np.asarray(scale), 4, axis=1))
@@ -153,6 +234,16 @@ def test_expert_einsum_matches_dequantised_experts():
     taken = QuantExperts(q, scale).take(jnp.array([2, 0]), jnp.float32)
     np.testing.assert_allclose(taken, (np.asarray(q, np.float32) * np.repeat(np.asarray(scale), 4, axis=1))[[2, 0]],
                                rtol=1e-6)
+    for mode, rep in (("uint4-g4", 4), ("uint4", None)):  # zero points [E, G, O] / [E, O] beside the scales
+        q, scale, zero = quantize_kernel(w, mode=mode)
+        s, z = np.asarray(scale), np.asarray(zero, np.float32)
+        s, z = (np.repeat(s, rep, axis=1), np.repeat(z, rep, axis=1)) if rep else (s[:, None, :], z[:, None, :])
+        deq = (np.asarray(q, np.float32) - z) * s
+        np.testing.assert_allclose(deq, np.asarray(w), atol=np.max(s) / 2 + 1e-6)  # (each within half its step)
+        got = expert_einsum("ecd,edf->ecf", x, QuantExperts(q, scale, zero))
+        np.testing.assert_allclose(got, np.einsum("ecd,edf->ecf", np.asarray(x), deq), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(QuantExperts(q, scale, zero).take(jnp.array([3]), jnp.float32), deq[[3]],
+                                   rtol=1e-6)
 
 
 def _heldout(handle, n: int) -> list[list[int]]:
@@ -181,6 +272,15 @@ def test_int8_llada_tiny_decodes_as_float32_on_most_prompts():
     got = int4.generate(prompts, cfg).texts
     same = np.mean([a == b for a, b in zip(want, got)])
     assert same >= 14 / 16, (same, want, got)  # measured 16/16 (int4 per channel: 14/16)
+    uint4 = dlm_jax.load(ROOT / "models" / "llada-tiny", executor="jax", quant="uint4-g32")
+    assert uint4.model.layers[0].ffn.down_proj.zero[...].shape == (384 // 32, 128)
+    zeros = [leaf for path, leaf in jax.tree.leaves_with_path(nnx.state(uint4.model, nnx.Param))
+             if "zero" in str(path[-2] if str(path[-1]) == ".value" else path[-1])]
+    assert zeros and all(z.dtype == jnp.int8 for z in zeros)  # int4's bytes plus a byte a zero point (one a scale)
+    assert weight_bytes(uint4.model) == weight_bytes(int4.model) + sum(z.size for z in zeros)
+    got = uint4.generate(prompts, cfg).texts
+    same = np.mean([a == b for a, b in zip(want, got)])
+    assert same >= 14 / 16, (same, want, got)
 
 
 def test_quantized_executor_leaves_are_int8_and_smaller():
