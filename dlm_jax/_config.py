@@ -30,15 +30,30 @@ WEIGHT_QUANTS: tuple[str, ...] = ("int8", "fp8", "int4", "uint4")
 # uint4 holds each unsigned 4-bit value q (0 to 15) and its zero point as q - 8 and zero - 8
 # (`dlm_jax.models.quant`): q - 8 fits JAX's int4, and the difference is unchanged.
 ZERO_OFFSET = 8
+# A grouped mode with this suffix ("int4-g128-act") holds each input row's group in a map (GPTQ's
+# act-order checkpoints: `desc_act` without `static_groups`), not as runs of consecutive rows.
+ACT_ORDER = "-act"
+
+
+def act_order(mode: str | None) -> bool:
+    """Whether the weight-only quant mode `mode` maps each input row to its group ("-act")."""
+    return isinstance(mode, str) and mode.endswith(ACT_ORDER)
 
 
 def weight_quant_parts(mode: str) -> tuple[str, int | None]:
     """(format, group) of a weight-only quant mode: "int8" / "fp8" -> (it, None), one scale per
     output channel; "int8-g128" / "fp8-g32" -> (format, 128 / 32), one scale per output channel
-    and group of that many consecutive input rows (`dlm_jax.models.quant`). A ConfigError names
-    what is wrong with any other text."""
+    and group of that many consecutive input rows (`dlm_jax.models.quant`); "int4-g128-act" ->
+    (int4, 128), its groups mapped row by row (`act_order`). A ConfigError names what is wrong
+    with any other text."""
     if not isinstance(mode, str):
         raise ConfigError(f"quant must be a string such as 'int8' or 'int8-g128', not {mode!r}")
+    if act_order(mode):
+        fmt, group = weight_quant_parts(mode[:-len(ACT_ORDER)])
+        if group is None:
+            raise ConfigError(f"quant={mode!r}: '{ACT_ORDER}' (each input row's group from a map) needs groups: "
+                              f"'{fmt}-g128{ACT_ORDER}'")
+        return fmt, group
     fmt, sep, group = mode.partition("-g")
     whole = group.isdigit() and str(int(group)) == group  # (no sign, no leading zero)
     if fmt not in WEIGHT_QUANTS or (sep and not whole) or (not sep and group):

@@ -171,6 +171,7 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
     if mesh is not None:  # checked against the config, the devices and their memory before any weight loads
         if executor not in (None, AUTO, "jax"):
             raise ConfigError(f"mesh {mesh}: mesh decoding runs on the JAX executor, not {executor!r}")
+        _refuse_act_order_mesh(quant, mesh)
         from dlm_jax.checkpoint._io import stored_quant_float
 
         keep = stored_quant_float(path) if stored is not None else frozenset()  # (a pre-quantized one's float kernels)
@@ -223,6 +224,16 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
     if placement is not None:
         return Model(model, tokenizer, executor=jax_executor(model, source=path, mesh=placement))
     return Model(model, tokenizer, executor=factory(model, source=path))
+
+
+def _refuse_act_order_mesh(quant: str | None, mesh) -> None:
+    """One line where an act-order mode (GPTQ's `desc_act`: each input row's group from a map)
+    meets a mesh: a row-parallel kernel's rows would need every group's scales (not built)."""
+    from dlm_jax._config import act_order
+
+    if act_order(quant):
+        raise ConfigError(f"quant={quant!r} on a mesh ({mesh}) is not supported: act-order groups (each input "
+                          f"row's group from GPTQ's g_idx) decode on one device")
 
 
 def _stored_quant_refusal(path, stored: str, executor: str) -> ConfigError:

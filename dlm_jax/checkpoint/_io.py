@@ -319,15 +319,16 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
                           + (f" {list(layout.block)}" if layout.block else "") + f") does not fit this model ({e})"
                           ) from None
     quantized = _quantized_kernels(specs)
-    scale_of, zero_of = {}, {}  # scale parameter -> its kernel, in the model's order; kernel -> its zero points
+    # scale parameter -> its kernel, in the model's order; kernel -> {"zero": its zero points (uint4),
+    # "g_idx": its row-to-group map (act-order)} where it has them
+    scale_of, sides = {}, {}
     for name in (n for n in specs if n in quantized):
         side = (lambda s: name[:-len(".qkernel")] + f".{s}") if name.endswith(".qkernel") else (
             lambda s: f"{name}_{s}")
         scale_of[side("scale")] = name
-        if side("zero") in specs:  # (uint4)
-            zero_of[name] = side("zero")
-    shapes = {name: tuple(s.shape) for name, s in specs.items()
-              if name not in scale_of and name not in zero_of.values()}
+        sides[name] = {s: side(s) for s in ("zero", "g_idx") if side(s) in specs}
+    held = {p for named in sides.values() for p in named.values()}
+    shapes = {name: tuple(s.shape) for name, s in specs.items() if name not in scale_of and name not in held}
 
     def bases(kernel: str) -> list[tuple[str, str]]:  # (float weight name, row block "" or "k") per source
         return [src.partition("#")[::2] for src in scheme.sources(kernel, shapes[kernel], quantized=True, qsuffix="")]
@@ -363,18 +364,17 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
         params[name] = jax.device_put(value) if place is None else place(name, jax.device_put(value))
 
     for scale, kernel in scale_of.items():
-        scales, kernels, zeros = [], [], []
-        for base, k in bases(kernel):
-            s, q, z = _prequantized.read_weight(index, base, layout=layout, rows=rows_of(base, k), where=str(path))
-            scales.append(s)
-            if q is not None:
-                kernels.append(q)
-            if z is not None:
-                zeros.append(z)
+        reads = [_prequantized.read_weight(index, base, layout=layout, rows=rows_of(base, k), where=str(path))
+                 for base, k in bases(kernel)]
+        kernels = [r.kernel for r in reads if r.kernel is not None]
         stacked = _names.layout(scale) == _names.STACKED
-        put(scale, np.stack(scales) if stacked else scales[0])
-        if kernel in zero_of:  # (the layout gives zero points exactly where the mode holds them)
-            put(zero_of[kernel], np.stack(zeros) if stacked else zeros[0])
+        put(scale, np.stack([r.scales for r in reads]) if stacked else reads[0].scales)
+        for role, param in sides[kernel].items():  # (the layout gives them exactly where the mode holds them)
+            values = [getattr(r, role) for r in reads]
+            if role == "g_idx" and any(not np.array_equal(v, values[0]) for v in values):
+                raise CheckpointError(f"{path}: the tensors of {kernel!r} map their input rows to groups "
+                                      f"differently (g_idx); dlm-jax holds one map a weight")
+            put(param, np.stack(values) if stacked else values[0])
         if layout.packed:
             put(kernel, np.ascontiguousarray(_names.from_layout(_names.layout(kernel), np.stack(kernels) if stacked
                                                                 else kernels[0]), dtype=specs[kernel].dtype))

@@ -28,12 +28,12 @@ EXPERT_KEYS = ("ffn.gate", "ffn.up", "ffn.down")
 QKERNEL_SUFFIX = ".qkernel"
 SCALE_SUFFIX = ".scale"
 ZERO_SUFFIX = ".zero"  # uint4's zero points, beside its scales
-_SIDES = ("scale", "zero")
+_SIDES = ("scale", "zero", "g_idx")  # (g_idx: an act-order mode's map of input rows to groups)
 
 
 def _quant_scale_of(suffix: str) -> tuple[str, str] | None:
-    """(the layer parameter whose scales or zero points the layer parameter `suffix` (after
-    `layers.i.`) holds, which: "scale" or "zero") if it is one: `attn.q_proj.scale` ->
+    """(the layer parameter whose scales, zero points or row-to-group map the layer parameter
+    `suffix` (after `layers.i.`) holds, which: "scale", "zero" or "g_idx") if it is one: `attn.q_proj.scale` ->
     (`attn.q_proj.kernel`, "scale"), `ffn.gate_zero` -> (`ffn.gate`, "zero")."""
     for side in _SIDES:
         if suffix.endswith(f".{side}"):

@@ -45,7 +45,8 @@ scale per output channel; a tensor's scale repeated), a group of g columns as `f
 `int8-gg` / `int4-gg`, a block [bo, bi] as `fp8-gbi` (or int) with each block's scale repeated
 over its bo output channels; AutoAWQ's as `uint4-gg` (with zero points) or `int4-gg`; GPTQ's as
 `int4-gg` (4 bits, symmetric), `uint4-gg` (asymmetric 4-bit), `int8-gg` (8-bit) or, without
-groups, `int4` / `uint4` / `int8`. Every one
+groups, `int4` / `uint4` / `int8`; act-order groups (`desc_act` without `static_groups`) with
+"-act" ("int4-g128-act"), the g_idx held beside the scales. Every one
 of those is exact: a decode computes with the checkpoint's own weights, the float32 weights
 transformers' own loading gives (dequantised on a CPU). The stored e4m3 /
 int8 bytes load as they are (packed ones are unpacked on the host); only the scales change
@@ -63,9 +64,10 @@ each in one line: another quant method (bitsandbytes, HQQ, ...), fewer or more t
 (but 4-bit integers: pack-quantized, AutoAWQ, GPTQ), AutoAWQ's packings but "gemm", its
 `group_size: -1` and llm-awq's checkpoints, GPTQ repacked for a kernel ("marlin", ...) or with
 `dynamic` rules that change a module's bits, e5m2, asymmetric 8-bit weights (dlm-jax holds
-zero points for 4-bit weights only), activation-ordered groups with a column-to-group map
-(`actorder: "group"`; a GPTQ `g_idx` other than row // g), static activation scales, ue8m0 scales, FP4 experts, several
-weight schemes in one model, sparsity and transforms, quantized embeddings, and an input width
+zero points for 4-bit weights only), compressed-tensors' activation-ordered groups
+(`actorder: "group"`), a GPTQ `g_idx` other than row // g without `desc_act`, act-order routed
+experts, static activation scales, ue8m0 scales, FP4 experts, several weight schemes in one
+model, sparsity and transforms, quantized embeddings, and an input width
 that is neither a multiple of the group nor at most it.
 
 Activations: the GPU kernels these formats were made for also quantize the activations
@@ -77,11 +79,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from dlm_jax._config import ZERO_OFFSET
+from dlm_jax._config import ACT_ORDER, ZERO_OFFSET, act_order
 from dlm_jax._errors import CheckpointError, ConfigError
 
 DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config.weight_block_size
@@ -150,7 +152,8 @@ class Layout:
                                                     else "int-quantized")))
         zero = bool(self.zero_suffix) and not self.middle_zeros
         per = {"tensor": "tensor", "channel": "output channel",
-               "group": f"group of {self.block[1] if self.block else 0} input columns",
+               "group": f"group of {self.block[1] if self.block else 0} input columns"
+                        + (" in act order (a group map, g_idx)" if act_order(self.mode) else ""),
                "block": f"block of {' x '.join(map(str, self.block or ()))}"}[self.strategy]
         return (f"{source}: {self.bits}-bit {'floats (e4m3)' if fp8 else 'integers'}"
                 f"{' with zero points' if zero else ''}, a scale per {per}; held as {self.mode}")
@@ -214,14 +217,14 @@ def _gptq_layout(qc: dict[str, Any], source: str) -> Layout:
     if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group >= 2):
         raise ConfigError(f"{key}.group_size={group!r}: expected -1 (a scale per output channel) or an integer of "
                           f"at least 2")
-    if qc.get("desc_act") and not qc.get("static_groups") and group != -1:
-        raise ConfigError(f"{key}: desc_act: true without static_groups (act-order groups: each input row's "
-                          f"group in a permuted g_idx) is not supported: dlm-jax's groups are runs of "
-                          f"{group} consecutive rows")
+    # act-order groups (desc_act without static_groups: each input row's group in a permuted
+    # g_idx) hold the map beside the scales ("-act"); with one group a column there is none
+    act = ACT_ORDER if qc.get("desc_act") and not qc.get("static_groups") and group != -1 else ""
     mode = ("int4" if sym else "uint4") if bits == 4 else "int8"  # (8 bits: symmetric, q - 128)
     if group == -1:
         return Layout(mode, "channel", None, ".scales", ".qweight", True, bits, ".qzeros", fmt, sym)
-    return Layout(f"{mode}-g{group}", "group", (1, group), ".scales", ".qweight", True, bits, ".qzeros", fmt, sym)
+    return Layout(f"{mode}-g{group}{act}", "group", (1, group), ".scales", ".qweight", True, bits, ".qzeros", fmt,
+                  sym)
 
 
 def _awq_layout(qc: dict[str, Any], source: str) -> Layout:
@@ -356,29 +359,39 @@ def expand_scales(scale: np.ndarray, *, out: int, inp: int, layout: Layout, rows
     return np.ascontiguousarray(np.repeat(s, bo, axis=0)[:out][rows].T)
 
 
-def read_weight(tensors: Mapping[str, Any], base: str, *, layout: Layout, rows: slice,
-                where: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """(scales, kernel, zero points) of rows `rows` of the quantized weight whose float weight is
-    named `base`, from `tensors` (name -> `TensorInfo`): the scales as `expand_scales` gives them;
-    the kernel, where stored packed, int8 [len(rows), in] (4-bit: q - 8, held as int4 by its
-    caller), else None (the stored weight loads as it is); a uint4 layout's zero points minus 8
-    (int8, shaped as the scales), else None. `where` (the checkpoint) begins each error."""
+class Read(NamedTuple):
+    """One quantized weight's rows as `read_weight` gives them."""
+
+    scales: np.ndarray  # as `expand_scales` gives them
+    kernel: np.ndarray | None  # stored packed: int8 [rows, in] (4-bit: q - 8, held as int4 by the caller)
+    zero: np.ndarray | None = None  # a uint4 layout's zero points minus 8, int8 shaped as the scales
+    g_idx: np.ndarray | None = None  # an act-order layout's group of each input row, int32 [in]
+
+
+def read_weight(tensors: Mapping[str, Any], base: str, *, layout: Layout, rows: slice, where: str) -> Read:
+    """Rows `rows` of the quantized weight whose float weight is named `base`, from `tensors`
+    (name -> `TensorInfo`): its scales, its kernel where stored packed (else None: the stored
+    weight loads as it is), zero points and row-to-group map where the layout has them (`Read`).
+    `where` (the checkpoint) begins each error."""
     def what(role: str) -> str:
         return f"{where}: tensor {layout.name(base, role)!r}"
 
     if layout.packing:
+        g_idx = None
         if layout.packing.startswith("gptq"):
-            q, scale, zero = _gptq_weight(*(tensors[layout.name(base, role)].read()
-                                            for role in ("weight", "scale", "zero", "g_idx")), layout=layout, what=what)
+            q, scale, zero, g_idx = _gptq_weight(*(tensors[layout.name(base, role)].read()
+                                                   for role in ("weight", "scale", "zero", "g_idx")),
+                                                 layout=layout, what=what)
         else:
             q, scale, zero = _awq_weight(tensors[layout.name(base, "weight")].read(),
                                          tensors[layout.name(base, "scale")].read(),
                                          None if not layout.zero_suffix else tensors[layout.name(base, "zero")].read(),
                                          layout=layout, what=what)
         out, inp = q.shape
-        return (expand_scales(scale, out=out, inp=inp, layout=layout, rows=rows, what=what("scale")), q[rows],
-                None if zero is None else
-                expand_scales(zero, out=out, inp=inp, layout=layout, rows=rows, what=what("zero")).astype(np.int8))
+        return Read(expand_scales(scale, out=out, inp=inp, layout=layout, rows=rows, what=what("scale")), q[rows],
+                    None if zero is None else
+                    expand_scales(zero, out=out, inp=inp, layout=layout, rows=rows, what=what("zero")).astype(np.int8),
+                    g_idx)
     if not layout.packed:
         out, inp = tensors[base].shape
     else:
@@ -386,12 +399,12 @@ def read_weight(tensors: Mapping[str, Any], base: str, *, layout: Layout, rows: 
     scales = expand_scales(tensors[layout.name(base, "scale")].read(), out=out, inp=inp, layout=layout, rows=rows,
                            what=what("scale"))
     if not layout.packed:
-        return scales, None, None
+        return Read(scales, None)
     q = unpack(tensors[layout.name(base, "weight")].read(), tensors[layout.name(base, "shape")].read(),
                bits=layout.bits, what=what("weight"))[rows]
     zero = None if not layout.zero_suffix else zero_points(tensors[layout.name(base, "zero")].read(), out=out,
                                                            inp=inp, layout=layout, rows=rows, what=what("zero"))
-    return scales, q, zero
+    return Read(scales, q, zero)
 
 
 # AutoAWQ's order of a word's eight 4-bit columns: nibble k (bits 4k..4k+3) holds column AWQ_ORDER[k]
@@ -470,23 +483,27 @@ def gptq_unpack(packed: np.ndarray, bits: int, axis: int, *, what: str) -> np.nd
 
 
 def _gptq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray, g_idx: np.ndarray, *, layout: Layout,
-                 what) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+                 what) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """(the values held as int8 [out, in], scales [out, G], uint4's zero points - 8 as int8 [out, G]
-    or None where symmetric) of a GPTQ linear's tensors: the values q - 8 (4 bits) or q - 128 (8
-    bits, symmetric: the layout refuses others); qweight [in *
-    bits / 32, out], scales [G, out], qzeros [G, out * bits / 32] (the zero points minus one in
-    the format 'gptq', as they are in 'gptq_v2') and g_idx [in] (each input row's group: row // g,
-    the only order dlm-jax's groups hold)."""
+    or None where symmetric, an act-order layout's g_idx as int32 [in] or None) of a GPTQ linear's
+    tensors: the values q - 8 (4 bits) or q - 128 (8 bits, symmetric: the layout refuses others);
+    qweight [in * bits / 32, out], scales [G, out], qzeros [G, out * bits / 32] (the zero points
+    minus one in the format 'gptq', as they are in 'gptq_v2') and g_idx [in] (each input row's
+    group: row // g without act-order; any group of the G with it)."""
     q = gptq_unpack(qweight, layout.bits, 0, what=what("weight"))  # [in, out]
     inp, out = q.shape
     g = layout.block[1] if layout.block else inp
     groups = -(-inp // g)
     _check_group_scales(scale, groups=groups, out=out, g=g, inp=inp, what=what("scale"))
     gi = np.asarray(g_idx)
-    if gi.shape != (inp,) or not np.array_equal(gi, np.arange(inp) // g):
-        raise CheckpointError(f"{what('g_idx')}: the input rows are not in groups of {g} in order (act-order "
-                              f"groups, desc_act without static_groups, are not supported: dlm-jax's groups are "
-                              f"runs of consecutive rows)")
+    act = act_order(layout.mode)
+    if act:
+        if gi.shape != (inp,) or gi.dtype.kind not in "iu" or gi.min() < 0 or gi.max() >= groups:
+            raise CheckpointError(f"{what('g_idx')}: {gi.dtype} {tuple(gi.shape)}, expected {inp} group indices from "
+                                  f"0 to {groups - 1}, one an input row")
+    elif gi.shape != (inp,) or not np.array_equal(gi, np.arange(inp) // g):
+        raise CheckpointError(f"{what('g_idx')}: the input rows are not in groups of {g} in order, and the config "
+                              f"does not say act-order (desc_act: true without static_groups)")
     zero = gptq_unpack(qzeros, layout.bits, 1, what=what("zero")).astype(np.int16)
     if zero.shape != (groups, out):
         raise CheckpointError(f"{what('zero')}: int32 {tuple(qzeros.shape)}, expected int32 ({groups}, "
@@ -501,7 +518,8 @@ def _gptq_weight(qweight: np.ndarray, scale: np.ndarray, qzeros: np.ndarray, g_i
     else:  # 4 bits: q - 8 (symmetric: q - zero itself)
         diff = _minus_offset(q)
     held_zero = None if layout.middle_zeros else (zero - ZERO_OFFSET).astype(np.int8).T  # (-8 to 8)
-    return diff.T, np.asarray(scale).T, held_zero  # ([out, in] views: the caller's layout, transposed back there)
+    # ([out, in] views: the caller's layout, transposed back there)
+    return diff.T, np.asarray(scale).T, held_zero, gi.astype(np.int32) if act else None
 
 
 def zero_points(zero: np.ndarray, *, out: int, inp: int, layout: Layout, rows: slice, what: str) -> np.ndarray:

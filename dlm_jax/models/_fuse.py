@@ -56,6 +56,8 @@ def _fused_linear(linears: list, keep: frozenset[int]):
     """One linear computing `linears` side by side, or None where they do not fuse (different
     kinds, dtypes or quantization; a bias on some only)."""
     first = linears[0]
+    if any(getattr(lin, "g_idx", None) is not None for lin in linears):
+        return None  # act-order groups (`dlm_jax.models.quant`): each linear's own row map, not joined
     quantized = isinstance(first, QuantLinear)
     if not isinstance(first, (QuantLinear, nnx.Linear)) or any(
             len({key(lin) for lin in linears}) != 1

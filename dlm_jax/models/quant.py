@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dlm_jax._config import WEIGHT_QUANTS, ZERO_OFFSET, weight_quant_parts
+from dlm_jax._config import WEIGHT_QUANTS, ZERO_OFFSET, act_order, weight_quant_parts
 from dlm_jax._errors import ConfigError
 
 QUANT_MODES = WEIGHT_QUANTS
@@ -121,11 +121,17 @@ def quantize_kernel(w: jax.Array, *, mode: str) -> tuple[jax.Array, jax.Array, j
     return q, scale, None
 
 
-def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32, zero: jax.Array | None = None) -> jax.Array:
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32, zero: jax.Array | None = None,
+               g_idx: jax.Array | None = None) -> jax.Array:
     """The weights [..., I, O] that q [..., I, O] and scale [..., O] (per output channel) or
     [..., G, O] (grouped) stand for, in `dtype`: q * scale, or (q - zero) * scale with uint4's
-    zero points (shaped as the scales)."""
+    zero points (shaped as the scales); with `g_idx` [I] (an act-order mode's map), row i's
+    scales and zero points are those of group g_idx[i] (a gather XLA fuses into the product)."""
     q32 = q.astype(jnp.float32)
+    if g_idx is not None:
+        if zero is not None:
+            q32 = q32 - jnp.take(zero, g_idx, axis=-2).astype(jnp.float32)
+        return (q32 * jnp.take(scale, g_idx, axis=-2)).astype(dtype)
     if scale.ndim == q.ndim - 1:
         if zero is not None:
             q32 = q32 - zero[..., None, :].astype(jnp.float32)
@@ -138,12 +144,14 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32, zero: jax.Arra
     return (q32 * scale[..., None, :]).reshape(q.shape).astype(dtype)
 
 
-def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None) -> jax.Array:
-    """x [..., I] @ the kernel that q [I, O], scale [O] or [G, O] (and uint4's zero points) stand
-    for -> [..., O] float32, accumulated in float32: per channel, q converted to x's dtype inside
-    the matmul, then scaled; grouped or with zero points, q dequantised to x's dtype first."""
+def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None,
+                     g_idx: jax.Array | None = None) -> jax.Array:
+    """x [..., I] @ the kernel that q [I, O], scale [O] or [G, O] (and uint4's zero points, an
+    act-order map) stand for -> [..., O] float32, accumulated in float32: per channel, q
+    converted to x's dtype inside the matmul, then scaled; grouped or with zero points, q
+    dequantised to x's dtype first."""
     if scale.ndim == q.ndim or zero is not None:
-        return jnp.einsum("...i,io->...o", x, dequantize(q, scale, x.dtype, zero),
+        return jnp.einsum("...i,io->...o", x, dequantize(q, scale, x.dtype, zero, g_idx),
                           preferred_element_type=jnp.float32)
     y = jnp.einsum("...i,io->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
     return y * scale
@@ -152,14 +160,16 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Arr
 class QuantLinear(nnx.Module):
     """A weight-only quantized `nnx.Linear`: `qkernel` [I, O] (int8, int4 or float8_e4m3fn),
     `scale` [O] (or [G, O], grouped) float32, uint4's `zero` points (int8, shaped as `scale`; None
-    for the symmetric modes) and the stored bias [O] or None; called as the Linear was, x [..., I]
-    -> [..., O] in the Linear's `dtype`."""
+    for the symmetric modes), an act-order mode's `g_idx` [I] int32 (each input row's group; None
+    for runs of consecutive rows) and the stored bias [O] or None; called as the Linear was, x
+    [..., I] -> [..., O] in the Linear's `dtype`."""
 
     def __init__(self, qkernel: jax.Array, scale: jax.Array, bias: jax.Array | None, *, dtype,
-                 zero: jax.Array | None = None):
+                 zero: jax.Array | None = None, g_idx: jax.Array | None = None):
         self.qkernel = nnx.Param(qkernel)
         self.scale = nnx.Param(scale)
         self.zero = nnx.Param(zero) if zero is not None else None
+        self.g_idx = nnx.Param(g_idx) if g_idx is not None else None
         self.bias = nnx.Param(bias) if bias is not None else None
         self.dtype = dtype
         self.in_features, self.out_features = qkernel.shape
@@ -168,13 +178,16 @@ class QuantLinear(nnx.Module):
     def from_linear(cls, linear: nnx.Linear, mode: str) -> QuantLinear:
         q, scale, zero = quantize_kernel(linear.kernel[...], mode=mode)
         bias = None if linear.bias is None else linear.bias[...]
-        return cls(q, scale, bias, dtype=linear.dtype or linear.kernel[...].dtype, zero=zero)
+        rows = linear.kernel[...].shape[0]
+        g_idx = (jnp.arange(rows, dtype=jnp.int32) // (rows // scale.shape[0])) if act_order(mode) else None
+        return cls(q, scale, bias, dtype=linear.dtype or linear.kernel[...].dtype, zero=zero, g_idx=g_idx)
 
     def product(self, x: jax.Array) -> jax.Array:
         """x [..., I] @ the dequantised kernel -> [..., O] float32 (no bias): the int8/fp8 weights
         converted to x's dtype inside the matmul, accumulated in float32, then scaled."""
         return quantized_matmul(x, self.qkernel[...], self.scale[...],
-                                None if self.zero is None else self.zero[...])
+                                None if self.zero is None else self.zero[...],
+                                None if self.g_idx is None else self.g_idx[...])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype or x.dtype
@@ -269,6 +282,10 @@ def quantize(model, mode: str, *, keep: frozenset[str] | set[str] | tuple[str, .
         raise ConfigError(f"quant={mode!r}: keep names {unknown[:4]}, which are no weights it quantizes "
                           f"(e.g. {every[0][0]!r}, 'lm_head')")
     weights = [(module, name) for n, module, name in every if n not in keep]
+    experts = [n for n, module, name in every if n not in keep and not isinstance(getattr(module, name), nnx.Linear)]
+    if act_order(mode) and experts:
+        raise ConfigError(f"quant={mode!r}: act-order groups (an input-row map) for routed experts "
+                          f"({experts[0]!r}, ...) are not supported; dense linears only")
     if any(getattr(module, "slot_of", None) is not None for module, _ in weights):
         raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
                           f"quantize before splitting is not built yet; drop one of them")

@@ -238,8 +238,6 @@ def test_unpacking_is_autorounds_own():
     ({"dynamic": {"+:.*mlp.*": {"bits": 8}}}, r"dynamic\['\+:.\*mlp.\*'\]: per-module bits or groups are not "
                                                r"supported \({'bits': 8}\)"),
     ({"pack_dtype": "int16"}, "pack_dtype='int16': dlm-jax reads weights packed in int32 words"),
-    ({"desc_act": True}, "desc_act: true without static_groups .act-order groups: each input row's group in a "
-                         "permuted g_idx. is not supported: dlm-jax's groups are runs of 16 consecutive rows"),
 ])
 def test_gptq_refusals_are_one_line(change, match, gptq):
     path = gptq
@@ -260,6 +258,105 @@ def test_act_order_with_static_groups_loads(gptq):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), before, after))
 
 
+def _act_order(path: Path, seed: int = 0) -> None:
+    """Rewrite the GPTQ checkpoint `path` (groups of consecutive rows) as an act-order one
+    (`desc_act: true`): each linear's input rows in an order of their own, its g_idx the group of
+    each row (a model of its own: the rows of W permuted, the scales and zero points unchanged)."""
+    tensors = load_file(str(path / "model.safetensors"))
+    bits = json.loads((path / "config.json").read_text())["quantization_config"]["bits"]
+    rng = np.random.default_rng(seed)
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        module = name[:-len(".qweight")]
+        q = gptq_unpack(tensors[name].numpy(), bits, 0, what=name).astype(np.uint32)  # [in, out]
+        perm = rng.permutation(q.shape[0])
+        q, per = q[perm], 32 // bits
+        words = np.zeros((q.shape[0] // per, q.shape[1]), np.uint32)
+        for j in range(per):
+            words |= q[j::per] << np.uint32(bits * j)
+        tensors[name] = torch.from_numpy(words.view(np.int32))
+        tensors[module + ".g_idx"] = tensors[module + ".g_idx"][torch.from_numpy(perm)].contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    edit_quantization_config(path, desc_act=True)
+
+
+def _dequantized_act_order(path: Path, dst: Path) -> np.ndarray:
+    """transformers' float32 logits with each act-order GPTQ linear of `path` replaced by the
+    weight AutoRound's GPTQ kernel computes through its g_idx path (`QuantLinear(g_idx=True)`),
+    which reads a linear whole where its output is no wider than its input (wider ones it cuts
+    to the input's width): it is run on slices of the output columns that wide."""
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+
+    config = json.loads((path / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    bits, group, per = qc["bits"], qc["group_size"], 32 // qc["bits"]
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        module = name[:-len(".qweight")]
+        qweight, qzeros = tensors.pop(name), tensors.pop(module + ".qzeros")
+        scales, g_idx = tensors.pop(module + ".scales").float(), tensors.pop(module + ".g_idx")
+        inp, out = qweight.shape[0] * per, qweight.shape[1]
+        parts = []
+        for c in range(0, out, inp):
+            w = min(inp, out - c)
+            layer = QuantLinear(bits, group, inp, w, bias=False, g_idx=True)
+            layer.qweight, layer.scales = qweight[:, c:c + w].contiguous(), scales[:, c:c + w].contiguous()
+            layer.qzeros, layer.g_idx = qzeros[:, c // per:(c + w) // per].contiguous(), g_idx
+            with torch.no_grad():
+                parts.append(layer(torch.eye(inp)))  # [in, w]
+        tensors[module + ".weight"] = torch.cat(parts, dim=1).T.contiguous()  # [out, in]
+    for name in tensors:
+        tensors[name] = tensors[name].float()
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config))
+    return reference_logits(dst, IDS)
+
+
+@pytest.mark.parametrize("sym", [True, pytest.param(False, marks=SLOW)])
+def test_act_order_checkpoint_matches_autorounds_g_idx_kernel(sym, symmetric, tmp_path, capsys):
+    """GPTQ's act-order groups (`desc_act: true` without `static_groups`: each input row's group
+    in a permuted g_idx) load as "-act" modes holding the map beside the scales, and compute what
+    AutoRound's kernel computes through its g_idx path; such linears stay separate under fused
+    projections, save and reload bit for bit, and a mesh is refused in one line."""
+    from dlm_jax.frontends.cli import main
+    from dlm_jax.models._fuse import fuse_projections
+
+    path = Path(shutil.copytree(symmetric, tmp_path / "gptq")) if sym else gptq_checkpoint(tmp_path / "gptq", sym=False)
+    _act_order(path)
+    ref = _dequantized_act_order(path, tmp_path / "float")
+    model, ours = loaded_logits(path, IDS)
+    mode = "int4-g16-act" if sym else "uint4-g16-act"
+    assert model.quant == mode
+    q = model.layers[0].attn.q_proj
+    g_idx = np.asarray(q.g_idx[...])
+    assert g_idx.dtype == np.int32 and not np.array_equal(g_idx, np.sort(g_idx))  # (a permuted map)
+    assert float(np.abs(ours - ref).max()) <= TOL
+    assert float(np.abs(ours - _dequantized(_trivial_copy(path, tmp_path / "plain"), tmp_path / "f2")).max()) > TOL
+    assert main(["inspect", "--model", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["weight_quant"] == mode
+    dlm_jax.save_pretrained(model, tmp_path / "saved")
+    again, theirs = loaded_logits(tmp_path / "saved", IDS)
+    assert again.quant == mode
+    np.testing.assert_array_equal(ours, theirs)
+    assert fuse_projections(again) == 0 and again.layers[0].attn.q_proj is not None  # (each its own map)
+    with pytest.raises(ConfigError, match=r"on a mesh \(tp=2\) is not supported: act-order groups") as e:
+        dlm_jax.load(path, mesh="tp=2")
+    assert "\n" not in str(e.value)
+
+
+def _trivial_copy(path: Path, dst: Path) -> Path:
+    """`path` with its act-order map replaced by groups of consecutive rows (the same stored
+    weights read in the other grouping): what the map changes."""
+    shutil.copytree(path, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    group = json.loads((dst / "config.json").read_text())["quantization_config"]["group_size"]
+    for name in [n for n in tensors if n.endswith(".g_idx")]:
+        tensors[name] = torch.arange(tensors[name].shape[0], dtype=torch.int32) // group
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    edit_quantization_config(dst, desc_act=False)
+    return dst
+
+
 def test_bad_gptq_tensors_are_named(gptq):
     path = gptq
     original = load_file(str(path / "model.safetensors"))
@@ -269,9 +366,15 @@ def test_bad_gptq_tensors_are_named(gptq):
         save_file({**original, **edits}, str(path / "model.safetensors"), metadata={"format": "pt"})
 
     save(**{name: original[name].flip(0).contiguous()})  # act-order: a permuted column-to-group map
-    with pytest.raises(CheckpointError, match=f"tensor '{name}': the input rows are not in groups of 16 in order "
-                                              f".act-order groups"):
+    with pytest.raises(CheckpointError, match=f"tensor '{name}': the input rows are not in groups of 16 in order, "
+                                              f"and the config does not say act-order"):
         dlm_jax.load_pretrained(path)
+    edit_quantization_config(path, desc_act=True)  # it does: a group index past the groups is named
+    save(**{name: torch.full_like(original[name], 4)})
+    with pytest.raises(CheckpointError, match=f"tensor '{name}': torch.int32 .64,., expected 64 group indices from "
+                                              f"0 to 3|tensor '{name}': int32 .64,., expected 64 group indices"):
+        dlm_jax.load_pretrained(path)
+    edit_quantization_config(path, desc_act=False)
     zeros = "model.layers.0.self_attn.o_proj.qzeros"
     save(**{zeros: torch.zeros_like(original[zeros])})  # symmetric, but zero points of 1
     with pytest.raises(CheckpointError, match=f"tensor '{zeros}': zero points other than 8 in a symmetric checkpoint"):

@@ -182,7 +182,7 @@ def test_uint4_is_compressed_tensors_min_max_rounding():
 @pytest.mark.parametrize("text, parts", [("int8", ("int8", None)), ("fp8", ("fp8", None)),
                                          ("int8-g128", ("int8", 128)), ("fp8-g32", ("fp8", 32)),
                                          ("int4-g32", ("int4", 32)), ("int4", ("int4", None)),
-                                         ("uint4-g128", ("uint4", 128))])
+                                         ("uint4-g128", ("uint4", 128)), ("int4-g128-act", ("int4", 128))])
 def test_quant_modes_parse(text, parts):
     from dlm_jax._config import weight_quant_parts
 
@@ -191,7 +191,8 @@ def test_quant_modes_parse(text, parts):
 
 @pytest.mark.parametrize("text, message", [("int2", "unknown quant 'int2'"), ("int8-g", "unknown quant"),
                                            ("int8-gx", "unknown quant"), ("int8g32", "unknown quant"),
-                                           ("int8-g032", "unknown quant"), ("int8-g1", "at least 2 input rows")])
+                                           ("int8-g032", "unknown quant"), ("int8-g1", "at least 2 input rows"),
+                                           ("int4-act", "needs groups: 'int4-g128-act'")])
 def test_quant_modes_refused(text, message):
     from dlm_jax._config import weight_quant_parts
 
@@ -199,7 +200,7 @@ def test_quant_modes_refused(text, message):
         weight_quant_parts(text)
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8", "int8-g8", "fp8-g16", "int4-g8", "uint4-g8", "uint4"])
+@pytest.mark.parametrize("mode", ["int8", "fp8", "int8-g8", "fp8-g16", "int4-g8", "uint4-g8", "uint4", "uint4-g8-act"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_quant_linear_is_x_times_the_dequantised_kernel(mode, dtype):
     linear = nnx.Linear(32, 12, use_bias=True, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -208,7 +209,7 @@ def test_quant_linear_is_x_times_the_dequantised_kernel(mode, dtype):
     x = jax.random.normal(jax.random.key(1), (3, 5, 32)).astype(dtype)
     scale = np.asarray(ql.scale[...])
     zero = np.zeros_like(scale) if ql.zero is None else np.asarray(ql.zero[...], np.float32)
-    assert (ql.zero is not None) == mode.startswith("uint4")
+    assert (ql.zero is not None) == mode.startswith("uint4") and (ql.g_idx is not None) == mode.endswith("-act")
     if scale.ndim == 2:  # grouped: [G, O], one row per group of input rows
         scale = np.repeat(scale, 32 // scale.shape[0], axis=0)
         zero = np.repeat(zero, 32 // zero.shape[0], axis=0)
@@ -342,6 +343,25 @@ def test_moe_experts_quantized_per_expert_and_decode(decode):
     if decode:
         out = model.generate("1 + 1 =", dlm_jax.decode_config(gen_len=8, block_len=8))
         assert out.stats.nfe > 0 and len(out.token_ids[0]) <= 8 and out.texts[0] is not None
+
+
+def test_act_order_maps_each_row_to_its_group():
+    """An act-order mode's map (`g_idx`, GPTQ's `desc_act`) picks each input row's scales and
+    zero points wherever its group is; quantizing at load gives rows their groups in order, and
+    routed experts are refused in one line."""
+    from dlm_jax.models.quant import dequantize
+
+    w = jax.random.normal(jax.random.key(4), (32, 8))
+    q, scale, zero = quantize_kernel(w, mode="uint4-g8")
+    perm = np.random.default_rng(0).permutation(32)
+    g_idx = jnp.asarray((np.arange(32) // 8)[perm], jnp.int32)  # rows stored in another order, each with its group
+    np.testing.assert_array_equal(dequantize(q[perm], scale, zero=zero, g_idx=g_idx),
+                                  dequantize(q, scale, zero=zero)[perm])
+    linear = QuantLinear.from_linear(nnx.Linear(32, 8, rngs=nnx.Rngs(0)), "int4-g8-act")
+    np.testing.assert_array_equal(linear.g_idx[...], np.arange(32) // 8)
+    moe = dlm_jax.init_model(tiny_config(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=32), seed=0)
+    with pytest.raises(ConfigError, match=r"^quant='int4-g8-act': act-order groups .* for routed experts "):
+        quantize(moe, "int4-g8-act")
 
 
 def test_quantize_refuses_before_it_swaps_anything():
