@@ -66,12 +66,28 @@ def _dequantized(path: Path, dst: Path) -> np.ndarray:
         np.testing.assert_array_equal(tensors.pop(module + ".g_idx").numpy(), np.arange(inp) // g)
         with torch.no_grad():
             tensors[module + ".weight"] = layer(torch.eye(inp)).T.contiguous()  # [out, in]
+    return _float_logits(tensors, config, dst)
+
+
+def _float_logits(tensors: dict, config: dict, dst: Path) -> np.ndarray:
+    """transformers' float32 logits of the float checkpoint that `tensors` (each linear's weight
+    dequantised) and `config` (without its quantization_config) make at `dst`."""
     for name in tensors:
         tensors[name] = tensors[name].float()
     dst.mkdir()
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(config))
     return reference_logits(dst, IDS)
+
+
+def _pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
+    """GPTQ's packing of unsigned `bits`-bit values [rows, cols] along the rows: 32 / bits a
+    word, the first in its lowest bits (int32 [rows * bits / 32, cols])."""
+    per = 32 // bits
+    words = np.zeros((values.shape[0] // per, values.shape[1]), np.uint32)
+    for j in range(per):
+        words |= values[j::per].astype(np.uint32) << np.uint32(bits * j)
+    return words.view(np.int32)
 
 
 @pytest.fixture(scope="module")
@@ -181,11 +197,7 @@ def _v2(path: Path) -> None:
     bits = config["quantization_config"]["bits"]
     for name in [n for n in tensors if n.endswith(".qzeros")]:
         zero = gptq_unpack(tensors[name].numpy(), bits, 1, what=name).astype(np.uint32) + 1
-        per = 32 // bits
-        words = np.zeros((zero.shape[0], zero.shape[1] // per), np.uint32)
-        for j in range(per):
-            words |= zero[:, j::per] << np.uint32(bits * j)
-        tensors[name] = torch.from_numpy(words.view(np.int32))
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(_pack_rows(zero.T, bits).T))  # (along the columns)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"]["checkpoint_format"] = "gptq_v2"
     (path / "config.json").write_text(json.dumps(config))
@@ -218,14 +230,11 @@ def test_unpacking_is_autorounds_own():
     for bits in (4, 8):
         u = np.random.default_rng(bits).integers(0, 1 << bits, (64, 16)).astype(np.uint8)  # [in, out]
         layer = QuantLinear(bits, 64, 64, 16, bias=False)
-        per = 32 // bits
-        words = np.zeros((64 // per, 16), np.uint32)
-        for j in range(per):
-            words |= u[j::per].astype(np.uint32) << np.uint32(bits * j)
-        layer.qweight = torch.from_numpy(words.view(np.int32))
-        layer.qzeros = torch.zeros((1, 16 // per), dtype=torch.int32)  # zero points 1 (stored minus one)
+        words = _pack_rows(u, bits)
+        layer.qweight = torch.from_numpy(words)
+        layer.qzeros = torch.zeros((1, 16 * bits // 32), dtype=torch.int32)  # zero points 1 (stored minus one)
         layer.scales = torch.ones((1, 16))
-        np.testing.assert_array_equal(gptq_unpack(words.view(np.int32), bits, 0, what="w"), u)
+        np.testing.assert_array_equal(gptq_unpack(words, bits, 0, what="w"), u)
         with torch.no_grad():
             np.testing.assert_array_equal(layer(torch.eye(64)).numpy(), u.astype(np.float32) - 1)
 
@@ -269,11 +278,7 @@ def _act_order(path: Path, seed: int = 0) -> None:
         module = name[:-len(".qweight")]
         q = gptq_unpack(tensors[name].numpy(), bits, 0, what=name).astype(np.uint32)  # [in, out]
         perm = rng.permutation(q.shape[0])
-        q, per = q[perm], 32 // bits
-        words = np.zeros((q.shape[0] // per, q.shape[1]), np.uint32)
-        for j in range(per):
-            words |= q[j::per] << np.uint32(bits * j)
-        tensors[name] = torch.from_numpy(words.view(np.int32))
+        tensors[name] = torch.from_numpy(_pack_rows(q[perm], bits))
         tensors[module + ".g_idx"] = tensors[module + ".g_idx"][torch.from_numpy(perm)].contiguous()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     edit_quantization_config(path, desc_act=True)
@@ -304,12 +309,7 @@ def _dequantized_act_order(path: Path, dst: Path) -> np.ndarray:
             with torch.no_grad():
                 parts.append(layer(torch.eye(inp)))  # [in, w]
         tensors[module + ".weight"] = torch.cat(parts, dim=1).T.contiguous()  # [out, in]
-    for name in tensors:
-        tensors[name] = tensors[name].float()
-    dst.mkdir()
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(config))
-    return reference_logits(dst, IDS)
+    return _float_logits(tensors, config, dst)
 
 
 @pytest.mark.parametrize("sym", [True, pytest.param(False, marks=SLOW)])
