@@ -128,20 +128,16 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32, zero: jax.Arra
     zero points (shaped as the scales); with `g_idx` [I] (an act-order mode's map), row i's
     scales and zero points are those of group g_idx[i] (a gather XLA fuses into the product)."""
     q32 = q.astype(jnp.float32)
-    if g_idx is not None:
-        if zero is not None:
-            q32 = q32 - jnp.take(zero, g_idx, axis=-2).astype(jnp.float32)
-        return (q32 * jnp.take(scale, g_idx, axis=-2)).astype(dtype)
-    if scale.ndim == q.ndim - 1:
-        if zero is not None:
-            q32 = q32 - zero[..., None, :].astype(jnp.float32)
-        return (q32 * scale[..., None, :]).astype(dtype)
-    *lead, rows, cols = q.shape
-    g = scale.shape[-2]
-    q32 = q32.reshape(*lead, g, rows // g, cols)
+    if g_idx is not None:  # scales and zero points [..., I, O], row by row
+        per_row = lambda a: jnp.take(a, g_idx, axis=-2)  # noqa: E731
+    else:  # broadcast over a channel's rows, or a group's ([..., G, I / G, O])
+        per_row = lambda a: a[..., None, :]  # noqa: E731
+        if scale.ndim == q.ndim:
+            *lead, rows, cols = q.shape
+            q32 = q32.reshape(*lead, scale.shape[-2], rows // scale.shape[-2], cols)
     if zero is not None:
-        q32 = q32 - zero[..., None, :].astype(jnp.float32)
-    return (q32 * scale[..., None, :]).reshape(q.shape).astype(dtype)
+        q32 = q32 - per_row(zero).astype(jnp.float32)
+    return (q32 * per_row(scale)).reshape(q.shape).astype(dtype)
 
 
 def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None,
