@@ -16,6 +16,12 @@ axis), a vocabulary-parallel embedding and output head, routed experts split by 
 `EXPERT` and by neuron over `MODEL`. A parameter no rule names, or a dimension the axis does
 not divide, is replicated (`leaf_axes`): the norms, the router, the biases of row-parallel
 layers, quantization scales of row-parallel kernels.
+
+An act-order quantized model (GPTQ's `desc_act`, `dlm_jax.models.quant`: each input row's
+group read from a map `g_idx` [I]) splits its row-parallel kernels' maps as their rows, and
+keeps those kernels' grouped scales and zero points whole on every device (`ACT_ORDER_RULES`):
+a device's share of rows may belong to any group. (The maps of column-parallel kernels are
+whole on every device, their scales split as the output channels, as without act-order.)
 """
 
 from __future__ import annotations
@@ -54,6 +60,11 @@ PARTITION_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"lm_head\.(scale|zero)$", (None, MODEL)),
     (r"embed\.embedding$", (MODEL, None)),
 )
+_ROW_PARALLEL = r"(attn\.o_proj|(ffn|shared)\.down_proj)\."
+ACT_ORDER_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (_ROW_PARALLEL + r"g_idx$", (MODEL,)),  # each device's rows' groups
+    (_ROW_PARALLEL + r"(scale|zero)$", (None, None)),  # every group's [G, O], whole
+)
 
 
 def param_name(path: Sequence) -> str:
@@ -66,27 +77,29 @@ def param_name(path: Sequence) -> str:
 _STACKED = "layers.block."  # a scanned stack's parameters (`dlm_jax.models._scan.StackedLayers`): [L, ...]
 
 
-def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
+def logical_axes(name: str, ndim: int, *, act_order: bool = False) -> tuple[str | None, ...]:
     """The logical axis of each dimension of parameter `name` (None: not split), by the first
     rule whose pattern matches and whose rank is `ndim`; a scanned stack's parameter
     (`layers.block.*`) by its layer's rule after its leading [L] axis, never split. (A weight-only
-    quantized kernel's scales are [O] per output channel or [G, O] grouped, each with its rules.)"""
+    quantized kernel's scales are [O] per output channel or [G, O] grouped, each with its rules;
+    `act_order`: a model quantized with act-order groups, whose `ACT_ORDER_RULES` come first.)"""
     if name.startswith(_STACKED) or f".{_STACKED}" in name:
-        return (None, *logical_axes(name.replace(_STACKED, "layers.0.", 1), ndim - 1))
-    for pattern, spec in PARTITION_RULES:
+        return (None, *logical_axes(name.replace(_STACKED, "layers.0.", 1), ndim - 1, act_order=act_order))
+    for pattern, spec in (ACT_ORDER_RULES + PARTITION_RULES) if act_order else PARTITION_RULES:
         if len(spec) == ndim and re.search(pattern, name):
             return spec
     return (None,) * ndim
 
 
 def leaf_axes(name: str, shape: Sequence[int], axes: Mapping[str, tuple[str, int]], *,
-              transposed: bool = False) -> tuple[str | None, ...]:
+              transposed: bool = False, act_order: bool = False) -> tuple[str | None, ...]:
     """The mesh axis splitting each dimension of parameter `name` of `shape` on a mesh whose
     logical axes map to (mesh axis, size) in `axes` (a logical axis absent splits
     nothing; one of size 1 is named, as training's one-device mesh names `model`); a dimension
     the size does not divide stays whole. `transposed`: a 2-D leaf held
-    [out, in] (the JAX executor's CPU layout), whose rule is read reversed."""
-    logical = logical_axes(name, len(shape))
+    [out, in] (the JAX executor's CPU layout), whose rule is read reversed; `act_order` as in
+    `logical_axes`."""
+    logical = logical_axes(name, len(shape), act_order=act_order)
     if transposed:
         logical = logical[::-1]
     out = []

@@ -171,7 +171,6 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
     if mesh is not None:  # checked against the config, the devices and their memory before any weight loads
         if executor not in (None, AUTO, "jax"):
             raise ConfigError(f"mesh {mesh}: mesh decoding runs on the JAX executor, not {executor!r}")
-        _refuse_act_order_mesh(quant, mesh)
         from dlm_jax.checkpoint._io import stored_quant_float
 
         keep = stored_quant_float(path) if stored is not None else frozenset()  # (a pre-quantized one's float kernels)
@@ -226,16 +225,6 @@ def load(path: str | os.PathLike, *, strict: bool = False, verify: bool | str = 
     return Model(model, tokenizer, executor=factory(model, source=path))
 
 
-def _refuse_act_order_mesh(quant: str | None, mesh) -> None:
-    """One line where an act-order mode (GPTQ's `desc_act`: each input row's group from a map)
-    meets a mesh: a row-parallel kernel's rows would need every group's scales (not built)."""
-    from dlm_jax._config import act_order
-
-    if act_order(quant):
-        raise ConfigError(f"quant={quant!r} on a mesh ({mesh}) is not supported: act-order groups (each input "
-                          f"row's group from GPTQ's g_idx) decode on one device")
-
-
 def _stored_quant_refusal(path, stored: str, executor: str) -> ConfigError:
     return ConfigError(f"{path} is stored weight-only quantized as {stored!r}: it decodes on the JAX executor, "
                        f"not {executor!r} (executor='jax' or 'auto'; --executor jax)")
@@ -261,7 +250,7 @@ def mesh_placement(path, mesh, *, expert_slots: int | None = None, quant: str | 
     from dlm_jax.executors.sharding import MeshPlacement, device_memory
     from dlm_jax.planner import check_fits
 
-    placement = (mesh if hasattr(mesh, "mesh") else MeshPlacement(shape)).for_model(config)
+    placement = (mesh if hasattr(mesh, "mesh") else MeshPlacement(shape)).for_model(config, quant)
     memory = device_memory(placement)
     if memory is not None:
         check_fits(config, shape, memory_bytes=memory, batch=batch,

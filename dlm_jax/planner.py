@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from dlm_jax._config import ModelConfig
+from dlm_jax._config import ModelConfig, act_order
 from dlm_jax._errors import ConfigError
 from dlm_jax._partition import (MESH_AXES, MeshShape, cache_axes, kv_heads_split, leaf_axes, logical_axes,
                                 split_factor)
@@ -82,15 +82,18 @@ def _grouped(config: ModelConfig, quant: str | None, quant_float: frozenset[str]
                    for name, s in param_shapes(config, quant=quant, quant_float=quant_float).items())
 
 
-def _weights(config: ModelConfig, groups: Counter, mesh: MeshShape) -> tuple[int, tuple[str, ...]]:
-    """(bytes per device, names whose rule splits a dimension the mesh does not divide)."""
+def _weights(config: ModelConfig, groups: Counter, mesh: MeshShape, quant: str | None
+             ) -> tuple[int, tuple[str, ...]]:
+    """(bytes per device, names whose rule splits a dimension the mesh does not divide), the
+    weights quantized to `quant` (act-order: `ACT_ORDER_RULES`' whole scales)."""
     total, replicated = 0, []
     logical = mesh.axes_for(config)
+    act = act_order(quant)
     for (name, shape, dtype), count in groups.items():
-        spec = leaf_axes(name, shape, logical)
+        spec = leaf_axes(name, shape, logical, act_order=act)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         total += count * nbytes // split_factor(spec, mesh.sizes)  # a split dimension divides exactly
-        wanted = logical_axes(name, len(shape))
+        wanted = logical_axes(name, len(shape), act_order=act)
         if any(ax is not None and logical.get(ax, (None, 1))[1] > 1 and got is None
                for ax, got in zip(wanted, spec)):
             replicated.append(name)
@@ -102,7 +105,7 @@ def weight_bytes_per_device(config: ModelConfig, mesh: MeshShape | str, *, quant
     """The parameter bytes each device of `mesh` holds: every parameter of `param_shapes` (in its
     stored dtype; `quant`: int8 / fp8 kernels and their float32 scales, but the weights named in
     `quant_float`) divided by how many ways `leaf_axes` splits it."""
-    return _weights(config, _grouped(config, quant, quant_float), MeshShape.parse(mesh))[0]
+    return _weights(config, _grouped(config, quant, quant_float), MeshShape.parse(mesh), quant)[0]
 
 
 def _local_rows(mesh: MeshShape, batch: int) -> int:
@@ -274,7 +277,7 @@ def _check_request(config: ModelConfig, *, batch: int, context: int) -> None:
 
 def _mesh_plan(config: ModelConfig, groups: Counter, mesh: MeshShape, *, usable: int, batch: int, context: int,
                quant: str | None) -> MeshPlan:
-    weights, replicated = _weights(config, groups, mesh)
+    weights, replicated = _weights(config, groups, mesh, quant)
     if mesh.dp > 1 and batch % mesh.dp:
         replicated += (f"K/V rows (dp={mesh.dp} does not divide batch {batch})",)
     if mesh.tp > 1 and not kv_heads_split(mesh, config):

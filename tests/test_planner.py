@@ -256,3 +256,31 @@ def test_grouped_scales_split_as_their_kernels_and_stacks_never_split_their_laye
     assert logical_axes("layers.1.ffn.down_scale", 3) == (EXPERT, MODEL, None)
     assert logical_axes("layers.block.ffn.gate_scale", 3) == (None, EXPERT, MODEL)  # [L, E, O]
     assert logical_axes("lm_head.scale", 2) == (None, MODEL)
+
+
+def test_act_order_maps_split_as_rows_and_their_scales_stay_whole_by_hand():
+    """Act-order groups (`"-act"`, each input row's group from `g_idx`): a row-parallel kernel's
+    map splits as its rows and its grouped scales stay whole (a device's rows may be in any
+    group); a column-parallel kernel's map is whole and its scales split as without act-order.
+    llada-tiny at int4-g32-act on tp=2, against int4-g32 counted by hand."""
+    from dlm_jax._partition import MODEL, logical_axes
+
+    act = dict(act_order=True)
+    assert logical_axes("layers.0.attn.o_proj.scale", 2, **act) == (None, None)
+    assert logical_axes("layers.0.ffn.down_proj.zero", 2, **act) == (None, None)
+    assert logical_axes("layers.block.shared.down_proj.scale", 3, **act) == (None, None, None)
+    assert logical_axes("layers.0.attn.o_proj.g_idx", 1, **act) == (MODEL,)
+    assert logical_axes("layers.block.ffn.down_proj.g_idx", 2, **act) == (None, MODEL)
+    assert logical_axes("layers.0.attn.q_proj.g_idx", 1, **act) == (None,)
+    assert logical_axes("layers.0.attn.q_proj.scale", 2, **act) == (None, MODEL)
+    assert logical_axes("layers.0.ffn.up_proj.scale", 2, **act) == (None, MODEL)
+    cfg = read_config(ROOT / "models" / "llada-tiny")[0]
+    d, f, L = cfg.d_model, cfg.ffn_hidden, cfg.n_layers
+    q = cfg.n_heads * cfg.head_dim
+    row_scales = L * (q // 32 + f // 32) * d * 4  # o's and down's [G, d] float32, split over tp=2 without -act
+    whole_maps = (L * 5 + 1) * d * 4  # q, k, v, gate, up and the head read d rows each (int32)
+    split_maps = L * (q + f) * 4  # o and down read q and f rows
+    for mesh, ways in (("tp=1", 1), ("tp=2", 2)):
+        assert (weight_bytes_per_device(cfg, mesh, quant="int4-g32-act")
+                == weight_bytes_per_device(cfg, mesh, quant="int4-g32") + row_scales - row_scales // ways
+                + whole_maps + split_maps // ways), mesh

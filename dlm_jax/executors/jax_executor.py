@@ -35,7 +35,7 @@ from flax import nnx
 from dlm_jax._errors import ConfigError
 from dlm_jax.executors._compile import CompiledBuckets, choose_compile, target_platform
 from dlm_jax.executors._logits import DeviceLogits
-from dlm_jax._config import ModelConfig, act_order
+from dlm_jax._config import ModelConfig
 from dlm_jax.models import _attention_kernel
 from dlm_jax.models.quant import widen_int4
 from dlm_jax.models._fuse import PROJECTIONS_ENV, choose_projections, fuse_projections, is_fused
@@ -354,7 +354,7 @@ def _placement(mesh, model: Transformer, slots: dict):
     from dlm_jax.executors.sharding import MeshPlacement
 
     placement = (mesh if isinstance(mesh, MeshPlacement) else MeshPlacement(MeshShape.parse(mesh))).for_model(
-        model.config)
+        model.config, getattr(model, "quant", None))
     shape = placement.shape
     slot_count = next(iter(slots.values())).resident.size if slots else None
     shape.check(model.config, devices=placement.mesh.devices.size, expert_slots=slot_count)
@@ -756,9 +756,6 @@ class JaxExecutor(Executor):
         self._capabilities = dataclasses.replace(self._capabilities,
                                                  outputs=self._capabilities.outputs | model_outputs(self.config))
         if mesh is not None:  # int4 kernels held as int8 on a mesh (`widen_int4`: split int4's layout)
-            if act_order(getattr(model, "quant", None)):  # (a model quantized after `load`)
-                raise ConfigError(f"quant={model.quant!r} on a mesh is not supported: act-order groups decode on "
-                                  f"one device")
             widen_int4(model)
         self._graphdef, state = nnx.split(ScannedTransformer(model) if self.layers == "scan" else model)
         # Flattened once: the state pytree is not re-walked on every step.

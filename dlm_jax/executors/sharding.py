@@ -44,6 +44,7 @@ class MeshPlacement:
                               f"({devices[0].platform})")
         self.shape = shape
         self.config = config  # the model's (`for_model`): whether tp splits its K/V heads
+        self.act_order = False  # its weights quantized with act-order groups (`for_model`'s quant)
         grid = np.asarray(devices[: shape.size], dtype=object).reshape([getattr(shape, ax) for ax in MESH_ORDER])
         self.mesh = Mesh(grid, MESH_ORDER)
         self.replicated = NamedSharding(self.mesh, P())
@@ -52,17 +53,23 @@ class MeshPlacement:
     def __repr__(self) -> str:
         return f"MeshPlacement({self.shape}, {self.mesh.devices.size} devices)"
 
-    def for_model(self, config) -> MeshPlacement:
-        """This placement for a model of `config` (set once; another model's is refused)."""
+    def for_model(self, config, quant: str | None = None) -> MeshPlacement:
+        """This placement for a model of `config` (set once; another model's is refused), its
+        weights quantized to `quant` (an act-order mode's row-parallel scales stay whole:
+        `dlm_jax._partition.ACT_ORDER_RULES`)."""
+        from dlm_jax._config import act_order
+
         if self.config is not None and self.config != config:
             raise ValueError("this MeshPlacement is for another model's config")
         self.config = config
+        self.act_order = act_order(quant)
         return self
 
     def leaf(self, name: str, shape: Sequence[int], *, transposed: bool = False) -> NamedSharding:
         """A parameter's sharding (`leaf_axes` of the shared rules)."""
         axes = self.shape.axes_for(self.config)
-        return NamedSharding(self.mesh, P(*leaf_axes(name, shape, axes, transposed=transposed)))
+        return NamedSharding(self.mesh, P(*leaf_axes(name, shape, axes, transposed=transposed,
+                                                     act_order=self.act_order)))
 
     def cache(self, rows: int) -> NamedSharding:
         """One layer's K or V [rows, Hkv, S, Dh] (`cache_axes` without the layer axis)."""

@@ -317,7 +317,7 @@ def test_act_order_checkpoint_matches_autorounds_g_idx_kernel(sym, symmetric, tm
     """GPTQ's act-order groups (`desc_act: true` without `static_groups`: each input row's group
     in a permuted g_idx) load as "-act" modes holding the map beside the scales, and compute what
     AutoRound's kernel computes through its g_idx path; such linears stay separate under fused
-    projections, save and reload bit for bit, and a mesh is refused in one line."""
+    projections, and save and reload bit for bit."""
     from dlm_jax.frontends.cli import main
     from dlm_jax.models._fuse import fuse_projections
 
@@ -339,9 +339,26 @@ def test_act_order_checkpoint_matches_autorounds_g_idx_kernel(sym, symmetric, tm
     assert again.quant == mode
     np.testing.assert_array_equal(ours, theirs)
     assert fuse_projections(again) == 0 and again.layers[0].attn.q_proj is not None  # (each its own map)
-    with pytest.raises(ConfigError, match=r"on a mesh \(tp=2\) is not supported: act-order groups") as e:
-        dlm_jax.load(path, mesh="tp=2")
-    assert "\n" not in str(e.value)
+
+
+@SLOW
+def test_act_order_checkpoint_on_a_mesh_decodes_as_one_device(symmetric, tmp_path):
+    """An act-order checkpoint on tp=2 (tests/executors/mesh_driver.py, a process with two host
+    devices): one device's tokens; each device holds its share of a row-parallel kernel's rows
+    with their groups (g_idx split as the rows) and every group's scales, so a step moves what the
+    same weights in consecutive groups move (no scales gathered: split by their groups, as
+    without act-order, a step gathered 2 KB of them here), and the planner counts those bytes."""
+    from tests.executors.test_mesh import assert_bytes, assert_same, drive
+
+    path = Path(shutil.copytree(symmetric, tmp_path / "gptq"))
+    _act_order(path)
+    case = {"mesh": "tp=2", "presets": ["ar", "isd"], "fixed": False, "collectives": True}
+    report = drive({"devices": 2, "cases": [{**case, "model": str(path)},
+                                            {**case, "model": str(_trivial_copy(path, tmp_path / "plain"))}]})
+    assert_same(report)
+    assert_bytes(report)
+    act, plain = report["cases"]
+    assert act["collectives"] == plain["collectives"], (act["collectives"], plain["collectives"])
 
 
 def _trivial_copy(path: Path, dst: Path) -> Path:
