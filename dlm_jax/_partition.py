@@ -64,6 +64,9 @@ _ROW_PARALLEL = r"(attn\.o_proj|(ffn|shared)\.down_proj)\."
 ACT_ORDER_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (_ROW_PARALLEL + r"g_idx$", (MODEL,)),  # each device's rows' groups
     (_ROW_PARALLEL + r"(scale|zero)$", (None, None)),  # every group's [G, O], whole
+    (r"ffn\.(gate|up)_g_idx$", (EXPERT, None)),  # routed experts' maps [E, I]
+    (r"ffn\.down_g_idx$", (EXPERT, MODEL)),
+    (r"ffn\.down_(scale|zero)$", (EXPERT, None, None)),  # [E, G, O]: each expert's groups whole
 )
 
 

@@ -263,9 +263,14 @@ def test_act_order_maps_split_as_rows_and_their_scales_stay_whole_by_hand():
     map splits as its rows and its grouped scales stay whole (a device's rows may be in any
     group); a column-parallel kernel's map is whole and its scales split as without act-order.
     llada-tiny at int4-g32-act on tp=2, against int4-g32 counted by hand."""
-    from dlm_jax._partition import MODEL, logical_axes
+    from dlm_jax._partition import EXPERT, MODEL, logical_axes
 
     act = dict(act_order=True)
+    assert logical_axes("layers.1.ffn.down_g_idx", 2, **act) == (EXPERT, MODEL)  # routed experts' [E, I]
+    assert logical_axes("layers.1.ffn.gate_g_idx", 2, **act) == (EXPERT, None)
+    assert logical_axes("layers.1.ffn.down_scale", 3, **act) == (EXPERT, None, None)
+    assert logical_axes("layers.1.ffn.down_scale", 3) == (EXPERT, MODEL, None)
+    assert logical_axes("layers.1.ffn.up_scale", 3, **act) == (EXPERT, None, MODEL)
     assert logical_axes("layers.0.attn.o_proj.scale", 2, **act) == (None, None)
     assert logical_axes("layers.0.ffn.down_proj.zero", 2, **act) == (None, None)
     assert logical_axes("layers.block.shared.down_proj.scale", 3, **act) == (None, None, None)

@@ -371,7 +371,7 @@ def _load_prequantized(path: Path, cfg: ModelConfig, family: Family, layout: _pr
         put(scale, np.stack([r.scales for r in reads]) if stacked else reads[0].scales)
         for role, param in sides[kernel].items():  # (the layout gives them exactly where the mode holds them)
             values = [getattr(r, role) for r in reads]
-            if role == "g_idx" and any(not np.array_equal(v, values[0]) for v in values):
+            if role == "g_idx" and not stacked and any(not np.array_equal(v, values[0]) for v in values):
                 raise CheckpointError(f"{path}: the tensors of {kernel!r} map their input rows to groups "
                                       f"differently (g_idx); dlm-jax holds one map a weight")
             put(param, np.stack(values) if stacked else values[0])

@@ -46,7 +46,8 @@ scale per output channel; a tensor's scale repeated), a group of g columns as `f
 over its bo output channels; AutoAWQ's as `uint4-gg` (with zero points) or `int4-gg`; GPTQ's as
 `int4-gg` (4 bits, symmetric), `uint4-gg` (asymmetric 4-bit), `int8-gg` (8-bit) or, without
 groups, `int4` / `uint4` / `int8`; act-order groups (`desc_act` without `static_groups`) with
-"-act" ("int4-g128-act"), the g_idx held beside the scales. Every one
+"-act" ("int4-g128-act"), the g_idx held beside the scales (a routed expert's with it: each
+expert its own map). Every one
 of those is exact: a decode computes with the checkpoint's own weights, the float32 weights
 transformers' own loading gives (dequantised on a CPU). The stored e4m3 /
 int8 bytes load as they are (packed ones are unpacked on the host); only the scales change
@@ -65,9 +66,9 @@ each in one line: another quant method (bitsandbytes, HQQ, ...), fewer or more t
 `group_size: -1` and llm-awq's checkpoints, GPTQ repacked for a kernel ("marlin", ...) or with
 `dynamic` rules that change a module's bits, e5m2, asymmetric 8-bit weights (dlm-jax holds
 zero points for 4-bit weights only), compressed-tensors' activation-ordered groups
-(`actorder: "group"`), a GPTQ `g_idx` other than row // g without `desc_act`, act-order routed
-experts, static activation scales, ue8m0 scales, FP4 experts, several weight schemes in one
-model, sparsity and transforms, quantized embeddings, and an input width
+(`actorder: "group"`), a GPTQ `g_idx` other than row // g without `desc_act`, static
+activation scales, ue8m0 scales, FP4 experts, several weight schemes in one model, sparsity
+and transforms, quantized embeddings, and an input width
 that is neither a multiple of the group nor at most it.
 
 Activations: the GPU kernels these formats were made for also quantize the activations

@@ -632,18 +632,22 @@ def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Arr
             return jax.lax.psum(out, axes) if axes else out
 
     # quantized experts: the [E, O] scales split as their weights' expert and output axes, grouped
-    # [E, G, O] ones their groups as the input rows too (the partition rules of their names)
+    # [E, G, O] ones their groups as the input rows too (the partition rules of their names); with
+    # act-order maps [E, I] (g_idx), the maps split as the input rows and the groups stay whole
     weight_specs = []
     for s, (name, w) in zip(specs, (("gate", gate), ("up", up), ("down", down))):
         if not isinstance(w, QuantExperts):
             weight_specs.append(P(*s))
             continue
-        scale_spec = leaf_axes(f"ffn.{name}_scale", w.scale.shape, logical)
-        if w.scale.ndim == 3 and scale_spec[1] != s[1]:
+        act = w.g_idx is not None
+        scale_spec = leaf_axes(f"ffn.{name}_scale", w.scale.shape, logical, act_order=act)
+        if w.scale.ndim == 3 and scale_spec[1] != s[1] and not act:
             raise ConfigError(f"the experts' {name} weights split their {w.q.shape[1]} input rows over "
                               f"{s[1]} but not their {w.scale.shape[1]} groups of scales: pick a quant group "
                               f"size whose group count the mesh axis divides")
-        weight_specs.append(QuantExperts(P(*s), P(*scale_spec), None if w.zero is None else P(*scale_spec)))
+        weight_specs.append(QuantExperts(P(*s), P(*scale_spec), None if w.zero is None else P(*scale_spec),
+                                         None if not act else P(*leaf_axes(f"ffn.{name}_g_idx", w.g_idx.shape,
+                                                                           logical, act_order=True))))
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *weight_specs), out_specs=P(),
                          axis_names=set(free), check_vma=False)(x, routing.experts, routing.weights, gate, up, down)
 
@@ -704,10 +708,11 @@ class MoEFFN(nnx.Module):
         """The routed experts' `name` ("gate", "up", "down") weights: [E, I, O] in `dtype`, or
         their `QuantExperts` once quantized (`dlm_jax.models.quant.quantize` adds the scales, and
         uint4's zero points)."""
-        scale = getattr(self, f"{name}_scale", None)
-        zero = getattr(self, f"{name}_zero", None)
         w = getattr(self, name)[...]
-        return w.astype(dtype) if scale is None else QuantExperts(w, scale[...], None if zero is None else zero[...])
+        scale, zero, g_idx = (getattr(self, f"{name}_{side}", None) for side in ("scale", "zero", "g_idx"))
+        if scale is None:
+            return w.astype(dtype)
+        return QuantExperts(w, scale[...], *(None if a is None else a[...] for a in (zero, g_idx)))
 
     def routing(self, flat: jax.Array) -> Routing:
         logits = flat.astype(jnp.float32) @ self.router.kernel[...].astype(jnp.float32)

@@ -33,6 +33,11 @@ table, the norms, the router and the biases stay as stored, and so does any weig
   range, its own zero point), so that one large weight coarsens
   only its group's steps (the layout of GPTQ / AWQ groups and GGUF's Q8_0 blocks, K = 32).
   Scales are [G, O] (G = I / K; a kernel with I <= K is one group; K must divide a larger I).
+- "...-gK-act" (act-order, GPTQ's `desc_act`): a grouped mode whose rows are not in runs of K:
+  each quantized kernel holds `g_idx` (int32 [I], a routed expert's [E, I]: each its own), the
+  group of each input row, read as the kernel is dequantised. Quantizing at load gives the rows
+  their groups in order; an act-order checkpoint's maps replace them
+  (`dlm_jax.checkpoint._prequantized`).
 
 A per-channel product is `(x @ q.astype(x.dtype)) * scale`, accumulated in float32
 (`preferred_element_type`) and cast back to x's dtype: on a GPU, XLA fuses the convert into the
@@ -125,10 +130,13 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32, zero: jax.Arra
                g_idx: jax.Array | None = None) -> jax.Array:
     """The weights [..., I, O] that q [..., I, O] and scale [..., O] (per output channel) or
     [..., G, O] (grouped) stand for, in `dtype`: q * scale, or (q - zero) * scale with uint4's
-    zero points (shaped as the scales); with `g_idx` [I] (an act-order mode's map), row i's
-    scales and zero points are those of group g_idx[i] (a gather XLA fuses into the product)."""
+    zero points (shaped as the scales); with `g_idx` [I] (an act-order mode's map; [..., I], one
+    per expert, for routed experts), row i's scales and zero points are those of group g_idx[i]
+    (a gather XLA fuses into the product)."""
     q32 = q.astype(jnp.float32)
-    if g_idx is not None:  # scales and zero points [..., I, O], row by row
+    if g_idx is not None and g_idx.ndim > 1:  # each leading index (expert) its own map
+        per_row = lambda a: jnp.take_along_axis(a, g_idx[..., None], axis=-2)  # noqa: E731
+    elif g_idx is not None:  # scales and zero points [..., I, O], row by row
         per_row = lambda a: jnp.take(a, g_idx, axis=-2)  # noqa: E731
     else:  # broadcast over a channel's rows, or a group's ([..., G, I / G, O])
         per_row = lambda a: a[..., None, :]  # noqa: E731
@@ -195,13 +203,15 @@ class QuantLinear(nnx.Module):
 
 class QuantExperts(NamedTuple):
     """Routed experts' weights quantized per expert and output channel: q [E, I, O] int8 or
-    float8_e4m3fn, scale [E, O] (or [E, G, O], grouped) float32 and uint4's zero points (int8,
-    shaped as the scales) or None (`dlm_jax.models._transformer.dispatch_experts` and
+    float8_e4m3fn, scale [E, O] (or [E, G, O], grouped) float32, uint4's zero points (int8,
+    shaped as the scales) or None, and an act-order mode's maps of each expert's input rows to
+    its groups (int32 [E, I]) or None (`dlm_jax.models._transformer.dispatch_experts` and
     `dense_experts` take it where they take a dense [E, I, O] array)."""
 
     q: jax.Array
     scale: jax.Array
     zero: jax.Array | None = None
+    g_idx: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -210,8 +220,8 @@ class QuantExperts(NamedTuple):
     def take(self, experts: jax.Array, dtype) -> jax.Array:
         """The dense [U, I, O] weights of the experts [U] in `dtype` (dequantised as gathered:
         one fused gather, no copy of the others)."""
-        return dequantize(jnp.take(self.q, experts, axis=0), jnp.take(self.scale, experts, axis=0), dtype,
-                          None if self.zero is None else jnp.take(self.zero, experts, axis=0))
+        some = lambda a: None if a is None else jnp.take(a, experts, axis=0)  # noqa: E731
+        return dequantize(some(self.q), some(self.scale), dtype, some(self.zero), some(self.g_idx))
 
 
 def expert_einsum(spec: str, x: jax.Array, w: jax.Array | QuantExperts) -> jax.Array:
@@ -222,8 +232,8 @@ def expert_einsum(spec: str, x: jax.Array, w: jax.Array | QuantExperts) -> jax.A
     if not isinstance(w, QuantExperts):
         return jnp.einsum(spec, x, w)
     if w.scale.ndim == w.q.ndim or w.zero is not None:  # grouped or zero points: dequantised first
-        return jnp.einsum(spec, x, dequantize(w.q, w.scale, x.dtype, w.zero), preferred_element_type=jnp.float32
-                          ).astype(x.dtype)
+        return jnp.einsum(spec, x, dequantize(w.q, w.scale, x.dtype, w.zero, w.g_idx),
+                          preferred_element_type=jnp.float32).astype(x.dtype)
     ins, out = spec.split("->")
     wspec = ins.split(",")[1]
     e, o = wspec[0], wspec[-1]
@@ -278,10 +288,6 @@ def quantize(model, mode: str, *, keep: frozenset[str] | set[str] | tuple[str, .
         raise ConfigError(f"quant={mode!r}: keep names {unknown[:4]}, which are no weights it quantizes "
                           f"(e.g. {every[0][0]!r}, 'lm_head')")
     weights = [(module, name) for n, module, name in every if n not in keep]
-    experts = [n for n, module, name in every if n not in keep and not isinstance(getattr(module, name), nnx.Linear)]
-    if act_order(mode) and experts:
-        raise ConfigError(f"quant={mode!r}: act-order groups (an input-row map) for routed experts "
-                          f"({experts[0]!r}, ...) are not supported; dense linears only")
     if any(getattr(module, "slot_of", None) is not None for module, _ in weights):
         raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
                           f"quantize before splitting is not built yet; drop one of them")
@@ -299,6 +305,10 @@ def quantize(model, mode: str, *, keep: frozenset[str] | set[str] | tuple[str, .
         setattr(module, f"{name}_scale", nnx.Param(scale))
         if zero is not None:
             setattr(module, f"{name}_zero", nnx.Param(zero))
+        if act_order(mode):  # each expert's rows in groups in order (a checkpoint's own maps replace them)
+            *lead, rows, _ = q.shape
+            setattr(module, f"{name}_g_idx", nnx.Param(jnp.broadcast_to(
+                jnp.arange(rows, dtype=jnp.int32) // (rows // scale.shape[-2]), (*lead, rows))))
     model.quant = mode
     model.quant_float = keep  # (`model.quant_head` reads it)
     return model

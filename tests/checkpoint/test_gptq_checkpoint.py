@@ -190,6 +190,37 @@ def test_gptq_moe_experts_load_quantized(head, tmp_path):
     assert diff <= TOL, diff
 
 
+@SLOW
+def test_act_order_moe_experts_match_autorounds_kernel_and_decode_on_a_mesh(tmp_path):
+    """A Qwen3-MoE whose every GPTQ linear, each routed expert's too, is in act order (rows
+    permuted, g_idx with them): the experts stack with one map each ([E, I]) and compute what
+    AutoRound's kernel computes through its g_idx path; saved and reloaded bit for bit; on
+    ep=2,tp=2 (both expert exchanges) one device's tokens, and a step moves what the same weights
+    in consecutive groups move (the down projections' groups whole on every device)."""
+    from tests.executors.test_mesh import assert_bytes, assert_same, drive
+
+    path = gptq_moe_checkpoint(tmp_path / "gptq")
+    _act_order(path)
+    word_tokenizer(path)  # (the mesh driver's prompts are text)
+    ref = _dequantized_act_order(path, tmp_path / "float")
+    model, ours = loaded_logits(path, IDS)
+    assert model.quant == "int4-g16-act"
+    maps = np.asarray(model.layers[1].ffn.down_g_idx[...])
+    assert maps.shape == (4, 32) and len({m.tobytes() for m in maps}) == 4  # (each expert its own)
+    assert float(np.abs(ours - ref).max()) <= TOL
+    dlm_jax.save_pretrained(model, tmp_path / "saved")
+    np.testing.assert_array_equal(ours, loaded_logits(tmp_path / "saved", IDS)[1])
+    plain = _trivial_copy(path, tmp_path / "plain")
+    assert float(np.abs(ours - _dequantized(plain, tmp_path / "f2")).max()) > TOL
+    case = {"mesh": "ep=2,tp=2", "presets": ["ar"], "fixed": False, "collectives": True}
+    report = drive({"devices": 4, "cases": [{**case, "model": str(path)}, {**case, "model": str(plain)},
+                                            {**case, "model": str(path), "exchange": "all_to_all"}]})
+    assert_same(report)
+    assert_bytes(report)
+    act, in_order, _ = report["cases"]
+    assert act["collectives"] == in_order["collectives"], (act["collectives"], in_order["collectives"])
+
+
 def _v2(path: Path) -> None:
     """Rewrite `path` in GPTQModel's format "gptq_v2": the zero points as they are (not minus one)."""
     tensors = load_file(str(path / "model.safetensors"))

@@ -347,8 +347,8 @@ def test_moe_experts_quantized_per_expert_and_decode(decode):
 
 def test_act_order_maps_each_row_to_its_group():
     """An act-order mode's map (`g_idx`, GPTQ's `desc_act`) picks each input row's scales and
-    zero points wherever its group is; quantizing at load gives rows their groups in order, and
-    routed experts are refused in one line."""
+    zero points wherever its group is, each routed expert through its own map; quantizing at
+    load gives rows their groups in order (the same logits as without the maps)."""
     from dlm_jax.models.quant import dequantize
 
     w = jax.random.normal(jax.random.key(4), (32, 8))
@@ -359,9 +359,20 @@ def test_act_order_maps_each_row_to_its_group():
                                   dequantize(q, scale, zero=zero)[perm])
     linear = QuantLinear.from_linear(nnx.Linear(32, 8, rngs=nnx.Rngs(0)), "int4-g8-act")
     np.testing.assert_array_equal(linear.g_idx[...], np.arange(32) // 8)
-    moe = dlm_jax.init_model(tiny_config(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=32), seed=0)
-    with pytest.raises(ConfigError, match=r"^quant='int4-g8-act': act-order groups .* for routed experts "):
-        quantize(moe, "int4-g8-act")
+    qe, se, ze = quantize_kernel(jax.random.normal(jax.random.key(5), (3, 32, 8)), mode="uint4-g8")  # 3 experts
+    perms = np.stack([np.random.default_rng(e).permutation(32) for e in range(3)])
+    maps = jnp.asarray((np.arange(32) // 8)[perms], jnp.int32)  # [E, I]
+    stored = jnp.take_along_axis(qe, jnp.asarray(perms)[..., None], axis=1)
+    want = np.stack([np.asarray(dequantize(qe[e], se[e], zero=ze[e]))[perms[e]] for e in range(3)])
+    np.testing.assert_array_equal(dequantize(stored, se, zero=ze, g_idx=maps), want)
+    experts = QuantExperts(stored, se, ze, maps)
+    np.testing.assert_array_equal(experts.take(jnp.asarray([2, 0]), jnp.float32), want[[2, 0]])
+    cfg = tiny_config(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=32)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)))
+    plain, act = (quantize(dlm_jax.init_model(cfg, seed=0), mode) for mode in ("int4-g8", "int4-g8-act"))
+    ffn = act.layers[cfg.moe_layers[0]].ffn
+    assert ffn.down_g_idx[...].shape == (4, 32) and ffn.gate_g_idx[...].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(act(ids)[0]), np.asarray(plain(ids)[0]))
 
 
 def test_quantize_refuses_before_it_swaps_anything():
