@@ -14,6 +14,10 @@ stacks do (q/k/v and gate/up are merged at load in vLLM and TensorRT-LLM). The J
 The product is the same per output column: column j of `x @ [Wq Wk Wv]` is column j of the
 projection it came from, and the fused linear keeps each kernel's dtype, bias and weight-only
 quantization (scales, and uint4's zero points, are per output column, so they concatenate too).
+Act-order linears (GPTQ's `desc_act`: a map `g_idx` of input rows to groups) fuse where their
+maps are equal, as a GPTQ checkpoint's are for projections of one input (their rows are ordered
+by the same input statistics): the fused linear holds the map once. Linears with maps of their
+own stay separate.
 
 Ownership of the weights, as `dlm_jax.models._scan.stack_layers` does it: `fuse_projections`
 concatenates one group at a time and deletes the arrays it joined, so at most one group's
@@ -28,7 +32,9 @@ from __future__ import annotations
 import os
 import re
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dlm_jax._errors import ConfigError
@@ -41,7 +47,8 @@ PROJECTIONS_ENV = "DLM_JAX_PROJECTIONS"
 
 # A fused parameter's dotted name -> (owner prefix, fused linear, leaf): `get_params` splits it
 # back into the names of the projections it holds.
-_FUSED_NAME = re.compile(r"^(?P<owner>.*)\.(?P<fused>qkv_proj|gate_up_proj)\.(?P<leaf>kernel|bias|qkernel|scale|zero)$")
+_FUSED_NAME = re.compile(r"^(?P<owner>.*)\.(?P<fused>qkv_proj|gate_up_proj)\."
+                         r"(?P<leaf>kernel|bias|qkernel|scale|zero|g_idx)$")
 _PARTS = {"qkv_proj": Attention.QKV, "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -54,9 +61,10 @@ def _joined(arrays: list, keep: frozenset[int]):
 
 def _fused_linear(linears: list, keep: frozenset[int]):
     """One linear computing `linears` side by side, or None where they do not fuse (different
-    kinds, dtypes or quantization; a bias on some only)."""
+    kinds, dtypes or quantization; a bias on some only; act-order maps that differ)."""
     first = linears[0]
-    if any(getattr(lin, "g_idx", None) is not None for lin in linears):
+    maps = [getattr(lin, "g_idx", None) for lin in linears]
+    if any(m is not None for m in maps) and not _same_maps(maps):
         return None  # act-order groups (`dlm_jax.models.quant`): each linear's own row map, not joined
     quantized = isinstance(first, QuantLinear)
     if not isinstance(first, (QuantLinear, nnx.Linear)) or any(
@@ -70,7 +78,7 @@ def _fused_linear(linears: list, keep: frozenset[int]):
         zero = None if first.zero is None else _joined([lin.zero.get_value() for lin in linears], keep)
         return QuantLinear(_joined([lin.qkernel.get_value() for lin in linears], keep),
                            _joined([lin.scale.get_value() for lin in linears], keep), bias, dtype=first.dtype,
-                           zero=zero)
+                           zero=zero, g_idx=None if maps[0] is None else maps[0].get_value())
     kernel = _joined([lin.kernel.get_value() for lin in linears], keep)
     fused = nnx.eval_shape(lambda: nnx.Linear(kernel.shape[0], kernel.shape[1], use_bias=bias is not None,
                                               dtype=first.dtype, param_dtype=kernel.dtype,
@@ -79,6 +87,17 @@ def _fused_linear(linears: list, keep: frozenset[int]):
     if bias is not None:
         fused.bias = nnx.Param(bias)
     return fused
+
+
+def _same_maps(maps: list) -> bool:
+    """Whether every linear has an act-order map and they are equal (abstract ones: equal shapes)."""
+    if any(m is None for m in maps):
+        return False
+    values = [m.get_value() for m in maps]
+    if any(isinstance(v, jax.ShapeDtypeStruct) for v in values):
+        return len({(v.shape, v.dtype) for v in values}) == 1
+    first = np.asarray(values[0])
+    return all(np.array_equal(first, np.asarray(v)) for v in values[1:])
 
 
 def fuse_refusal(model: Transformer) -> str | None:
@@ -153,8 +172,8 @@ def split_fused_params(params: dict, config) -> dict:
         fused, parts = m["fused"], _PARTS[m["fused"]]
         cols = widths.get(fused) or (value.shape[-1] // 2,) * 2
         start = 0
-        for part, width in zip(parts, cols):
-            out[f"{m['owner']}.{part}.{m['leaf']}"] = value[..., start:start + width]
+        for part, width in zip(parts, cols):  # (an act-order map [in] is each part's, whole)
+            out[f"{m['owner']}.{part}.{m['leaf']}"] = value if m["leaf"] == "g_idx" else value[..., start:start + width]
             start += width
     return out
 

@@ -6,10 +6,12 @@ AutoRound's own GPTQ kernel (`QuantLinear`, torch backend) dequantises from the 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -300,15 +302,19 @@ def test_act_order_with_static_groups_loads(gptq):
 
 def _act_order(path: Path, seed: int = 0) -> None:
     """Rewrite the GPTQ checkpoint `path` (groups of consecutive rows) as an act-order one
-    (`desc_act: true`): each linear's input rows in an order of their own, its g_idx the group of
-    each row (a model of its own: the rows of W permuted, the scales and zero points unchanged)."""
+    (`desc_act: true`): each linear's input rows in an order, its g_idx the group of each row (a
+    model of its own: the rows of W permuted, the scales and zero points unchanged). Linears of
+    one input (q/k/v, gate/up) share their order, as GPTQ's, which orders the rows by the input's
+    statistics; the others each have their own."""
     tensors = load_file(str(path / "model.safetensors"))
     bits = json.loads((path / "config.json").read_text())["quantization_config"]["bits"]
     rng = np.random.default_rng(seed)
+    orders: dict[str, np.ndarray] = {}
     for name in [n for n in tensors if n.endswith(".qweight")]:
         module = name[:-len(".qweight")]
         q = gptq_unpack(tensors[name].numpy(), bits, 0, what=name).astype(np.uint32)  # [in, out]
-        perm = rng.permutation(q.shape[0])
+        same_input = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", module))
+        perm = orders.setdefault(same_input, rng.permutation(q.shape[0]))
         tensors[name] = torch.from_numpy(_pack_rows(q[perm], bits))
         tensors[module + ".g_idx"] = tensors[module + ".g_idx"][torch.from_numpy(perm)].contiguous()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -347,8 +353,8 @@ def _dequantized_act_order(path: Path, dst: Path) -> np.ndarray:
 def test_act_order_checkpoint_matches_autorounds_g_idx_kernel(sym, symmetric, tmp_path, capsys):
     """GPTQ's act-order groups (`desc_act: true` without `static_groups`: each input row's group
     in a permuted g_idx) load as "-act" modes holding the map beside the scales, and compute what
-    AutoRound's kernel computes through its g_idx path; such linears stay separate under fused
-    projections, and save and reload bit for bit."""
+    AutoRound's kernel computes through its g_idx path; fused projections hold the map q/k/v
+    (and gate/up) share once, and save and reload bit for bit."""
     from dlm_jax.frontends.cli import main
     from dlm_jax.models._fuse import fuse_projections
 
@@ -369,7 +375,8 @@ def test_act_order_checkpoint_matches_autorounds_g_idx_kernel(sym, symmetric, tm
     again, theirs = loaded_logits(tmp_path / "saved", IDS)
     assert again.quant == mode
     np.testing.assert_array_equal(ours, theirs)
-    assert fuse_projections(again) == 0 and again.layers[0].attn.q_proj is not None  # (each its own map)
+    assert fuse_projections(again) == 2 * len(again.layers)  # (q/k/v's and gate/up's maps are equal)
+    np.testing.assert_allclose(np.asarray(again(jnp.asarray(IDS))[0]), ours, atol=1e-5)
 
 
 @SLOW

@@ -32,7 +32,8 @@ VARIANTS = {
 
 @pytest.mark.parametrize("name, quant", [(name, None) for name in VARIANTS] + [
     ("swiglu, GQA, q/k/v biases", "int8"), ("MoE with a shared expert", "int8"),
-    ("swiglu, GQA, q/k/v biases", "uint4-g8")])  # (zero points beside the scales)
+    ("swiglu, GQA, q/k/v biases", "uint4-g8"),  # (zero points beside the scales)
+    ("MoE with a shared expert", "int4-g8-act")])  # (act-order maps, equal: held once)
 def test_a_fused_model_computes_and_saves_what_it_did_before(name, quant):
     """Guards a fused linear that mixes up its parts (q's columns read as k's: plausible but
     wrong logits), drops a bias or a quantization scale, and a fused model whose checkpoint or
@@ -51,6 +52,7 @@ def test_a_fused_model_computes_and_saves_what_it_did_before(name, quant):
     if quant:
         assert isinstance(model.layers[0].attn.qkv_proj, QuantLinear)
         assert (model.layers[0].attn.qkv_proj.zero is not None) == quant.startswith("uint4")
+        assert (model.layers[0].attn.qkv_proj.g_idx is not None) == quant.endswith("-act")
     after = dlm_jax.get_params(model)
     assert sorted(after) == sorted(before)
     for name in before:
@@ -217,6 +219,22 @@ def test_code_that_walks_the_checkpoint_layout_refuses_a_changed_model():
                           model=model)
         with pytest.raises(ConfigError, match=f"^activation statistics name the checkpoint's linears, and {why}"):
             activation_stats(model, [[1, 2, 3]])
+
+
+def test_act_order_projections_fuse_only_where_their_maps_are_equal():
+    """Guards fused act-order linears reading every part's rows through one part's map (q's
+    groups for k's rows): q/k/v whose maps differ stay separate, gate/up with equal ones fuse, and
+    the model computes what it did."""
+    ref, model = tiny_model(seed=6), tiny_model(seed=6)
+    for m in (ref, model):
+        quantize(m, "int4-g8-act")
+        for block in m.layers:
+            q = block.attn.q_proj
+            q.g_idx = nnx.Param(q.g_idx.get_value()[::-1])  # (another map: q's rows in another order)
+    assert fuse_projections(model) == model.config.n_layers  # the FFNs only
+    assert model.layers[0].attn.qkv_proj is None and model.layers[0].ffn.gate_up_proj.g_idx is not None
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 60, (1, 7)), jnp.int32)
+    np.testing.assert_allclose(model(tokens).logits, ref(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_projections_that_differ_stay_separate_and_whole():
