@@ -162,7 +162,9 @@
 #                and 8 (8 programs, four sets of weights made): whether int4 weights in groups of 128
 #                (the "-W4A16" releases' layout) halve int8's batch-1 step, as their bytes would, and
 #                whether uint4's zero points (the "-AWQ" releases') cost anything more (never run;
-#                whether XLA packs int4 two to a byte and fuses its convert into the GEMM is the question).
+#                compiled for an H200 here, the grouped and uint4 steps write every kernel dequantised
+#                in bfloat16, 15.0 GB a step more than int8, where per-channel int4's convert is fused:
+#                benchmarks/results/gpu_target.md; the times say what that costs).
 #   cudnn    40  benchmarks/gpu_step.py --attention cudnn, batch 1 and 8, dual and prefix.
 #   scan     45  benchmarks/gpu_step.py --layers scan, batch 1 and 8, dual and prefix.
 #   scandsf  40  the same, dual only, with XLA_FLAGS --xla_gpu_enable_dynamic_slice_fusion=true:

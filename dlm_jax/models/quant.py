@@ -43,10 +43,13 @@ A per-channel product is `(x @ q.astype(x.dtype)) * scale`, accumulated in float
 (`preferred_element_type`) and cast back to x's dtype: on a GPU, XLA fuses the convert into the
 GEMM's operand read, so a step reads 1 byte per weight instead of 2 (bfloat16) or 4. A grouped
 product cannot scale after the sum (each group's partial sum has its own scale): the kernel is
-dequantised to x's dtype first, `x @ (q * scale[g])`, a convert and a multiply XLA can fuse into
-the operand read the same way; in bfloat16 the dequantised weights are rounded to bfloat16 too.
-uint4 (per channel or grouped) is dequantised first the same way, `x @ ((q - z) * scale)`, the
-subtraction exact in float32.
+dequantised to x's dtype first, `x @ (q * scale[g])`; in bfloat16 the dequantised weights are
+rounded to bfloat16 too. uint4 (per channel or grouped) is dequantised first the same way,
+`x @ ((q - z) * scale)`, the subtraction exact in float32. XLA:GPU does not fuse that
+dequantisation into its GEMMs (compiled for an H200 without one:
+`benchmarks/results/gpu_target.md`): each such kernel is written out in x's dtype every step and
+read again, so on a GPU those modes save memory, not time; int8, fp8 and int4 per output
+channel are read at their own bytes.
 
 Scales are computed at load, in float32, one kernel at a time on the device the weights live on,
 and each stored kernel is dropped as its quantized twin replaces it: quantizing needs the
@@ -132,7 +135,7 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32, zero: jax.Arra
     [..., G, O] (grouped) stand for, in `dtype`: q * scale, or (q - zero) * scale with uint4's
     zero points (shaped as the scales); with `g_idx` [I] (an act-order mode's map; [..., I], one
     per expert, for routed experts), row i's scales and zero points are those of group g_idx[i]
-    (a gather XLA fuses into the product)."""
+    (a gather, done as the kernel is dequantised)."""
     q32 = q.astype(jnp.float32)
     if g_idx is not None and g_idx.ndim > 1:  # each leading index (expert) its own map
         per_row = lambda a: jnp.take_along_axis(a, g_idx[..., None], axis=-2)  # noqa: E731
