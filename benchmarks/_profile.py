@@ -12,8 +12,9 @@ from typing import Any
 # cuDNN's attention; on a CPU, XLA's op names, its dots in YNNPACK / XNNPACK fusions), first
 # match wins: where a step's time goes besides the GEMMs that read the weights. "gemm" holds every matrix product XLA emits as one,
 # the split attention's score and value products among them; "attention" is a fused kernel's
-# (cuDNN's, or dlm-jax's Pallas kernel: a Triton custom call in the HLO, `dlm_jax_attention` on
-# the device, the project's only Pallas kernel).
+# (cuDNN's, or dlm-jax's Pallas attention kernel: a Triton custom call in the HLO,
+# `dlm_jax_attention` on the device; its grouped quantized GEMM, `dlm_jax_grouped_matmul`, is a
+# "gemm", by its name in the HLO's metadata, `hlo_kernels`).
 KINDS = (("attention", re.compile(r"fmha|flash|sdpa|cudnn|attention|pallas_call|xla\.gpu\.triton", re.I)),
          ("gemm", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|matmul|onednn|ynn_fusion|xnn_fusion|"
                              r"\bdot|_dot|^dot", re.I)),
@@ -84,7 +85,7 @@ _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"body=%?([\w.-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_GEMM = re.compile(r'"kind":"__triton_(nested_)?gemm_fusion"|__cublas|__cudnn\$?matmul')
+_GEMM = re.compile(r'"kind":"__triton_(nested_)?gemm_fusion"|__cublas|__cudnn\$?matmul|dlm_jax_grouped_matmul')
 _CALLS = re.compile(r"calls=%?([\w.-]+)")
 _NAME = re.compile(r"%[\w.-]+")
 _DETAILS = re.compile(r", (metadata|backend_config|frontend_attributes)=.*$")

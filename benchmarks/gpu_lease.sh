@@ -165,6 +165,12 @@
 #                compiled for an H200 here, the grouped and uint4 steps write every kernel dequantised
 #                in bfloat16, 15.0 GB a step more than int8, where per-channel int4's convert is fused:
 #                benchmarks/results/gpu_target.md; the times say what that costs).
+#   qkernel  90  benchmarks/gpu_step.py --quant none int8 int8-g128 int8-g128+pallas fp8-g128
+#                fp8-g128+pallas, dual steps at batch 1 and 8 (12 programs, four sets of weights): the
+#                grouped products in XLA's form (each kernel written dequantised every step, compiled
+#                for an H200 here) against dlm-jax's Pallas kernel that dequantises each group inside
+#                the GEMM (dlm_jax.models._quant_kernel: no weight-sized buffer; never timed), with
+#                per-channel int8 and bfloat16 beside them.
 #   cudnn    40  benchmarks/gpu_step.py --attention cudnn, batch 1 and 8, dual and prefix.
 #   scan     45  benchmarks/gpu_step.py --layers scan, batch 1 and 8, dual and prefix.
 #   scandsf  40  the same, dual only, with XLA_FLAGS --xla_gpu_enable_dynamic_slice_fusion=true:
@@ -220,7 +226,7 @@
 #     (GPU_ATTENTION, GPU_PROJECTIONS in dlm_jax/executors/jax_executor.py) and say so in docs/architecture.md
 #   cp $LEASE/kernel_sweep.json benchmarks/results/gpu_parts/h200_kernel_sweep.json, its .md and .png to benchmarks/results/kernel_sweep.*
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/fused.json $LEASE/cmdbuf_off.json --out benchmarks/results/gpu_step_fused
-#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/attention_gqa.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json $LEASE/int4.json --out benchmarks/results/gpu_step_lease
+#   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/attention_gqa.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json $LEASE/int4.json $LEASE/qkernel.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
 #     $LEASE/first_decode.json --out benchmarks/results/first_decode
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode_tiered.json \
@@ -241,7 +247,7 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-DEFAULT_PARTS="target attncheck decide dual tiered probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small logits large probecache cacheload probeserial int4 cudnn scan first"
+DEFAULT_PARTS="target attncheck decide dual tiered probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small logits large probecache cacheload probeserial int4 qkernel cudnn scan first"
 PARTS=${PARTS:-$DEFAULT_PARTS}    # or rest: what the calls before this one on this machine left
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=() SWEEP_X=() LOGITS_X=(--repeats 3)
@@ -444,6 +450,8 @@ want cacheload && needs "probe cache" "cache load" && part "cache load" 75 30 $P
 want probeserial && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$RES/probe_serial"
 want int4 && part int4 75 30 $PY $S --batches 1 8 --kinds dual --quant none int8 int4-g128 uint4-g128 --reps 10 "${STEP_X[@]}" \
   --out "$RES/int4"
+want qkernel && part qkernel 90 30 $PY $S --batches 1 8 --kinds dual --quant none int8 int8-g128 int8-g128+pallas \
+  fp8-g128 fp8-g128+pallas --reps 10 "${STEP_X[@]}" --out "$RES/qkernel"
 want cudnn && part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" \
   --out "$RES/cudnn"
 want scan && part scan 45 25 $PY $S --batches 1 8 --kinds dual prefix --layers scan --reps 10 "${STEP_X[@]}" \

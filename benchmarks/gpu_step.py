@@ -94,6 +94,7 @@ try:  # (a tree from before fused projections: separate ones only)
 except ImportError:
     PROJECTIONS = ("separate",)
 from dlm_jax.models._params import _abstract_model, model_from_params, param_shapes  # noqa: E402
+from dlm_jax.models._quant_kernel import QUANT_KERNEL_ENV  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey, pad_axis  # noqa: E402
 from dlm_jax.runtime.step import SlotStep  # noqa: E402
 
@@ -368,21 +369,32 @@ def _run(args: argparse.Namespace, target) -> dict[str, Any]:
                 for lay in sorted(args.layers, key=lambda x: x == "scan")]
     models: dict[tuple, Any] = {}
     for attention, quant, layers, projections in variants:
-        weights = (quant, projections)
+        stored, _, kernel = quant.partition("+")  # ("int8-g128+pallas": the weights of int8-g128)
+        if kernel and target is None and jax.default_backend() != "gpu":
+            report["cases"].append({"attention": attention, "quant": quant, "layers": layers,
+                                    "projections": projections,
+                                    "error": f"{quant}: the Pallas kernel is compiled by Triton for a GPU "
+                                             f"(or --target)"})
+            continue
+        if kernel:
+            os.environ[QUANT_KERNEL_ENV] = kernel  # (read as each program is traced: `_quant_kernel.enabled`)
+        else:
+            os.environ.pop(QUANT_KERNEL_ENV, None)
+        weights = (stored, projections)
         if weights not in models:
             models.clear()  # one set of weights on the device at a time
             if args.abstract:  # a fresh abstract model (the cached one is shared, and stays as built)
-                models[weights] = _abstract_model.__wrapped__(cfg, None if quant == "none" else quant)
+                models[weights] = _abstract_model.__wrapped__(cfg, None if stored == "none" else stored)
             else:
                 t0 = time.perf_counter()
                 m = random_model(cfg, args.seed)
-                if quant != "none":
+                if stored != "none":
                     from dlm_jax.models.quant import quantize  # the weight-only quantizer of `dlm_jax.load(quant=...)`
 
-                    quantize(m, quant)
+                    quantize(m, stored)
                 jax.block_until_ready(jax.tree.leaves(nnx.state(m)))
                 models[weights] = m
-                log(f"weights ({quant}) made in {time.perf_counter() - t0:.1f}s")
+                log(f"weights ({stored}) made in {time.perf_counter() - t0:.1f}s")
         model = models[weights]
         if model is None:
             continue
@@ -684,7 +696,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xla-cache", type=Path, help="JAX's persistent compilation cache here, as the executor "
                    "enables it (default: none)")
     p.add_argument("--attention", nargs="+", choices=RESIDENT_ATTENTION, default=[RESIDENT_ATTENTION[0]])
-    p.add_argument("--quant", nargs="+", default=["none"], help="none, int8, fp8 (dlm_jax.models.quant)")
+    p.add_argument("--quant", nargs="+", default=["none"],
+                   help="none, or a dlm_jax.models.quant mode (int8, fp8-g128, ...); '+pallas' after a grouped "
+                   "int8 / fp8 mode (int8-g128+pallas): its products in the Pallas kernel of "
+                   "dlm_jax.models._quant_kernel ($DLM_JAX_QUANT_KERNEL=pallas while its programs are traced)")
     p.add_argument("--layers", nargs="+", default=[None], help="the executor's layer loop (unrolled, scan)")
     p.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=["separate"],
                    help="separate, or fused: q/k/v and gate/up each one GEMM (the executor's projections=)")

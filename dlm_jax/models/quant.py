@@ -49,7 +49,9 @@ rounded to bfloat16 too. uint4 (per channel or grouped) is dequantised first the
 dequantisation into its GEMMs (compiled for an H200 without one:
 `benchmarks/results/gpu_target.md`): each such kernel is written out in x's dtype every step and
 read again, so on a GPU those modes save memory, not time; int8, fp8 and int4 per output
-channel are read at their own bytes.
+channel are read at their own bytes. `$DLM_JAX_QUANT_KERNEL=pallas` runs grouped int8 / fp8
+products in a Pallas kernel that dequantises each group inside the GEMM
+(`dlm_jax.models._quant_kernel`; never timed on a GPU).
 
 Scales are computed at load, in float32, one kernel at a time on the device the weights live on,
 and each stored kernel is dropped as its quantized twin replaces it: quantizing needs the
@@ -156,8 +158,13 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Arr
     """x [..., I] @ the kernel that q [I, O], scale [O] or [G, O] (and uint4's zero points, an
     act-order map) stand for -> [..., O] float32, accumulated in float32: per channel, q
     converted to x's dtype inside the matmul, then scaled; grouped or with zero points, q
-    dequantised to x's dtype first."""
+    dequantised to x's dtype first (or, grouped int8 / fp8 with `$DLM_JAX_QUANT_KERNEL=pallas`
+    on a GPU, each group's tile inside one Pallas kernel: `dlm_jax.models._quant_kernel`)."""
     if scale.ndim == q.ndim or zero is not None:
+        from dlm_jax.models import _quant_kernel
+
+        if _quant_kernel.use(q, scale, zero, g_idx):  # (`$DLM_JAX_QUANT_KERNEL=pallas`: each group's tile in it)
+            return _quant_kernel.grouped_matmul(x, q, scale, zero)
         return jnp.einsum("...i,io->...o", x, dequantize(q, scale, x.dtype, zero, g_idx),
                           preferred_element_type=jnp.float32)
     y = jnp.einsum("...i,io->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)

@@ -88,7 +88,8 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
                                      "probe load", "probe no autotuning", "gemm", "attention", "probe kernel",
                                      "attention gqa", "sweep", "table",
                                      "small", "logits", "large",
-                                     "probe cache", "probe cache again", "cache load", "probe serial", "int4", "cudnn",
+                                     "probe cache", "probe cache again", "cache load", "probe serial", "int4",
+                                     "qkernel", "cudnn",
                                      "scan", "first cold", "first cache"]  # (scandsf by name only)
     for name, limit, least, py, script, *argv in parts:
         assert int(least) <= int(limit), name

@@ -212,6 +212,22 @@ def test_hlo_kernels_tells_alike_gemms_from_distinct_ones():
     assert kernels["by_kind"]["gemm"]["kernels"] == 3 and kernels["distinct_gemms"] == 2
 
 
+def test_hlo_kernels_tells_the_grouped_gemm_kernel_from_the_attention_kernel():
+    """Both Pallas kernels are Triton custom calls in XLA:GPU's HLO; the grouped quantized GEMM
+    (`dlm_jax.models._quant_kernel`, as an H200 compile shows it) counts as a GEMM by its name
+    in the call's metadata, the attention kernel as attention."""
+    from _profile import hlo_kernels
+
+    call = ('  %{0} = f32[32,12288]{{1,0}} custom-call(%x, %q), custom_call_target="__gpu$xla.gpu.triton", '
+            'metadata={{op_name="jit(step)/{1}/pallas_call"}}')
+    text = "\n".join(["ENTRY %main (x: bf16[32,4096]) -> f32[32,12288] {",
+                      call.format("pallas_call.1", "dlm_jax_grouped_matmul"),
+                      call.format("pallas_call.2", "dlm_jax_attention"), "}"])
+    kinds = hlo_kernels(text)["by_kind"]
+    assert kinds["gemm"]["kernels"] == 1 and kinds["attention"]["kernels"] == 1
+    assert kinds["gemm"]["bytes_written"] == 32 * 12288 * 4
+
+
 def test_target_compiles_for_a_gpu_this_machine_lacks_or_says_what_it_needs(tmp_path):
     """`--target h200` compiles the step with XLA:GPU's compile-only client and counts the
     kernels it launches; the split attention's two score products stay two (XLA's dot merger
