@@ -19,7 +19,8 @@ Shapes it takes (`fits`; Triton's loads are powers of two and its products at le
 group size that is a power of two from 16, an output width that a power of two from 16 divides,
 int8 or float8_e4m3fn weights (JAX's int4 has no Triton load here). On a machine without a GPU
 it runs in Pallas's interpreter (`_attention_kernel.interpret()`), which is how the tests check
-it against `quantized_matmul` on a CPU.
+it on a CPU (against NumPy's product of the dequantised weights, and a model's logits and a
+decode's tokens against XLA's form).
 
 Used where `$DLM_JAX_QUANT_KERNEL` is `pallas` when a program is traced (`enabled`): an
 experiment switch until a GPU has timed it against XLA's form (never run on one).
