@@ -57,7 +57,7 @@ def use(q: jax.Array, scale: jax.Array, zero: jax.Array | None = None, g_idx: ja
     (`dlm_jax.executors._compile.target_platform`) or Pallas's interpreter on."""
     if not enabled() or not fits(q, scale, zero, g_idx):
         return False
-    from dlm_jax.models._transformer import traced_mesh
+    from dlm_jax.models._tracing import traced_mesh
 
     if traced_mesh() is not None:
         return False

@@ -30,6 +30,8 @@ from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
 from dlm_jax._masks import attention_rule
 from dlm_jax.models import _attention_kernel
+from dlm_jax.models._tracing import (  # noqa: F401  (re-exported: the executor's names)
+    _EXPERT_MESH, EXPERT_EXCHANGES, _scoped, expert_mesh, traced_mesh)
 from dlm_jax.models.quant import QuantExperts, QuantLinear, expert_einsum
 
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -176,14 +178,6 @@ def joint_rope(on: bool = True) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _scoped(var: contextvars.ContextVar, value) -> Iterator[None]:
-    """`var` set to `value` inside the context (what a trace inside it reads), reset after."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
 
 
 def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
@@ -557,38 +551,6 @@ def _top_k(x: jax.Array, k: int) -> jax.Array:
     return jnp.stack(picked, axis=-1)
 
 
-# The mesh the routed experts are split over while a program is traced, and how routed rows
-# reach their experts there (`expert_mesh`): None on one device.
-_EXPERT_MESH = contextvars.ContextVar("dlm_jax_expert_mesh", default=None)
-# How an expert-parallel step brings rows to their experts (`sharded_experts`): "psum" (every
-# device computes its own experts for all rows, the partial outputs summed) or "all_to_all"
-# (each device's share of the rows sent to the experts' devices and the results sent back).
-EXPERT_EXCHANGES = ("psum", "all_to_all")
-
-
-@contextlib.contextmanager
-def expert_mesh(mesh, exchange: str = "psum") -> Iterator[None]:
-    """Trace MoE layers inside this context with their routed experts split over `mesh` (a
-    `jax.sharding.Mesh` with axes "ep" and "tp", as the partition rules split them:
-    `dlm_jax._partition`), computed by `sharded_experts` with `exchange`. The executor traces
-    every program on a mesh inside it, so it also names the mesh that the attention kernel's
-    `shard_map` runs on (`traced_mesh`)."""
-    if exchange not in EXPERT_EXCHANGES:
-        raise ValueError(f"unknown expert exchange {exchange!r}; known: {', '.join(EXPERT_EXCHANGES)}")
-    with _scoped(_EXPERT_MESH, (mesh, exchange)):
-        yield
-
-
-def traced_mesh():
-    """The mesh of the program being traced (`expert_mesh`: the executor traces every program on
-    a mesh inside it), or None on one device. Inside a `shard_map` already manual over some of
-    its axes (the executor's per-replica steps, manual over "dp"), the abstract mesh of that
-    context: a `shard_map` nested there splits over the other axes (`_attention_kernel.free_axes`)."""
-    on_mesh = _EXPERT_MESH.get()
-    if on_mesh is None:
-        return None
-    context = jax.sharding.get_abstract_mesh()
-    return context if not context.empty and context.manual_axes else on_mesh[0]
 
 
 def sharded_experts(mesh, experts, x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,
