@@ -348,7 +348,7 @@ def test_moe_experts_quantized_per_expert_and_decode(decode):
 def test_act_order_maps_each_row_to_its_group():
     """An act-order mode's map (`g_idx`, GPTQ's `desc_act`) picks each input row's scales and
     zero points wherever its group is, each routed expert through its own map; quantizing at
-    load gives rows their groups in order (the same logits as without the maps)."""
+    load gives rows their groups in order."""
     from dlm_jax.models.quant import dequantize
 
     w = jax.random.normal(jax.random.key(4), (32, 8))
@@ -367,6 +367,12 @@ def test_act_order_maps_each_row_to_its_group():
     np.testing.assert_array_equal(dequantize(stored, se, zero=ze, g_idx=maps), want)
     experts = QuantExperts(stored, se, ze, maps)
     np.testing.assert_array_equal(experts.take(jnp.asarray([2, 0]), jnp.float32), want[[2, 0]])
+
+
+@pytest.mark.slow  # (7 s: two MoE models quantized, kernel by kernel)
+def test_act_order_at_load_gives_the_plain_groups_logits():
+    """Quantizing at load with "-act" gives every kernel, routed experts' too (one map each), its
+    rows' groups in order: the logits of the mode without "-act", exactly."""
     cfg = tiny_config(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=32)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)))
     plain, act = (quantize(dlm_jax.init_model(cfg, seed=0), mode) for mode in ("int4-g8", "int4-g8-act"))
