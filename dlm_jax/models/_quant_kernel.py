@@ -83,14 +83,6 @@ def fits(q: jax.Array, scale: jax.Array, zero: jax.Array | None = None, g_idx: j
     return rows % groups == 0 and _pow2(rows // groups) and rows // groups >= 16 and cols % 16 == 0
 
 
-def _block(n: int, most: int) -> int:
-    """The largest power of two up to `most` that divides n (n a multiple of 16)."""
-    b = most
-    while n % b:
-        b //= 2
-    return b
-
-
 def _kernel(x_ref, q_ref, s_ref, *refs, group: int, groups: int, zero: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
@@ -129,7 +121,7 @@ def grouped_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     padded = -(-m // block_m) * block_m
     if padded != m:
         flat = jnp.pad(flat, ((0, padded - m), (0, 0)))
-    block_n = _block(cols, 128)
+    block_n = _attention_kernel._block(cols, 128)  # (16 or more: `fits`)
     in_specs = [pl.BlockSpec((block_m, rows), lambda i, j: (i, 0)),
                 pl.BlockSpec((rows, block_n), lambda i, j: (0, j)),
                 pl.BlockSpec((groups, block_n), lambda i, j: (0, j))]
