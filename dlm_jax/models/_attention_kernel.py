@@ -49,6 +49,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,28 +88,27 @@ _tiling = DEFAULT_TILING
 
 
 @contextlib.contextmanager
-def tiled(tiling: Tiling) -> Iterator[None]:
-    """Inside: the kernel is traced with `tiling`'s blocks and launch settings (process-wide,
-    as `interpret`; only programs traced inside take it)."""
-    global _tiling
-    saved, _tiling = _tiling, tiling
+def swapped(namespace: dict[str, Any], name: str, value: Any) -> Iterator[None]:
+    """Inside: the module global `name` of `namespace` (a module's `globals()`) is `value`,
+    process-wide (the executors' compile threads trace with it too); the one before after."""
+    saved, namespace[name] = namespace[name], value
     try:
         yield
     finally:
-        _tiling = saved
+        namespace[name] = saved
 
 
-@contextlib.contextmanager
-def interpret(on: bool = True) -> Iterator[None]:
+def tiled(tiling: Tiling) -> contextlib.AbstractContextManager[None]:
+    """Inside: the kernel is traced with `tiling`'s blocks and launch settings (process-wide,
+    as `interpret`; only programs traced inside take it)."""
+    return swapped(globals(), "_tiling", tiling)
+
+
+def interpret(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Inside: the kernel is traced for Pallas's interpreter (any backend, a CPU's included):
     the same blocks, loops and arithmetic, as XLA ops instead of one Triton kernel. Only
     programs traced inside take it."""
-    global _interpret
-    saved, _interpret = _interpret, on
-    try:
-        yield
-    finally:
-        _interpret = saved
+    return swapped(globals(), "_interpret", on)
 
 
 def _block(n: int, most: int = 64) -> int:

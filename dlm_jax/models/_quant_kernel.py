@@ -1,33 +1,54 @@
-"""A grouped weight-only quantized product in Pallas (Triton on a GPU): each group's tile of
-int8 or float8 weights dequantised inside the GEMM, never written out.
+"""A weight-only quantized product in Pallas (Triton on a GPU) for the layouts XLA does not
+fuse: int8, float8 or int4 weights in groups of input rows, with zero points (uint4) or an
+act-order map, each block of weights dequantised inside the GEMM, never written out.
 
 Why: XLA:GPU converts a per-channel int8 / fp8 / int4 kernel inside its GEMMs, but a grouped
-kernel's dequantisation, `q * scale[g]` with scales that change along the contracting axis, it
-computes in a fusion of its own and writes out in the activations' dtype, which the GEMM then
-reads: compiled for an H200 at the LLaDA-8B shape, a grouped step writes 15.0 GB a step more
-than an int8 one (`benchmarks/results/gpu_target.md`), where the bfloat16 weights are 16.03 GB.
-This kernel reads each weight once, at its stored byte:
+kernel's dequantisation, `q * scale[g]` with scales that change along the contracting axis (or
+a zero point's subtraction, or act-order's gather of scales), it computes in a fusion of its
+own and writes out in the activations' dtype, which the GEMM then reads: compiled for an H200 at
+the LLaDA-8B shape, a grouped step writes 15.0 GB a step more than an int8 one
+(`benchmarks/results/gpu_target.md`), where the bfloat16 weights are 16.03 GB. This kernel
+reads each weight once, at its stored bytes (int4: two a byte, as XLA stores them):
 
-- grid (M / block_m, O / block_n): one program per block of rows and of output columns;
-- it loops over the G groups of input rows: loads x's [block_m, g] columns and the group's
-  [g, block_n] weights, dequantises them in float32 as `dlm_jax.models.quant.dequantize` does,
-  `(q - zero) * scale` (the zero points where given), rounds them to x's dtype, and accumulates
-  their product in float32.
+- grid (M / block_m, O / block_n, split): one program per block of rows, of output columns
+  and share of the input rows (`Tiling.split`, by default `auto_split`: at 1 a program sums all
+  of them; more shares give a product of few rows, a batch-1 decode's, more programs than 32 of
+  128 columns at d 4096, at the price of float32 partial sums [split, M, O] added in a fusion of
+  their own, in a fixed order, so the results stay deterministic);
+- it loops over blocks of `block_k` input rows (a group, or 128 rows of a larger group or of a
+  kernel with one scale a channel): loads x's [block_m, block_k] columns and the block's
+  [block_k, block_n] weights, dequantises them in float32 as `dlm_jax.models.quant.dequantize`
+  does, `(q - zero) * scale` (the zero points where given; with an act-order map each row's
+  scales gathered by its group), rounds them to x's dtype, and accumulates their product in
+  float32; the sums are stored in the caller's dtype (`out_dtype`), one rounding as XLA's
+  `einsum(..., preferred_element_type=float32).astype(dtype)`.
 
-The products are `quantized_matmul`'s up to the order of the float32 sums (group by group).
-Shapes it takes (`fits`; Triton's loads are powers of two and its products at least 16 wide): a
-group size that is a power of two from 16, an output width that a power of two from 16 divides,
-int8 or float8_e4m3fn weights (JAX's int4 has no Triton load here). On a machine without a GPU
-it runs in Pallas's interpreter (`_attention_kernel.interpret()`), which is how the tests check
-it on a CPU (against NumPy's product of the dequantised weights, and a model's logits and a
-decode's tokens against XLA's form).
+Routed experts (`expert_matmul`): the same kernel over weights [E, I, O] and the ids of the
+experts [U] a product uses, read inside it, each program's expert's blocks read where they lie
+in the stacked array (XLA's form gathers the used experts and dequantises them first): rows
+[M, I] through each of the U experts, each expert its own rows [U, M, I] (the forms of
+`dlm_jax.models._transformer.dispatch_experts`), or the experts' inputs side by side
+[M, U * I] summed into one product (its few-experts form's down projection).
+
+The products are `quantized_matmul`'s up to the order of the float32 sums (block by block).
+Shapes it takes (`fits`; Triton's loads are powers of two and its products at least 16 wide):
+blocks of rows of a power of two from 16 that divides the group size (the input width for one
+scale a channel or an act-order map), an output width that 16 divides, int8, float8_e4m3fn or
+int4 weights. Symmetric per-channel kernels are
+left to XLA (fused there). On a machine without a GPU it runs in Pallas's interpreter
+(`_attention_kernel.interpret()`), which is how the tests check it on a CPU (against NumPy's
+product of the dequantised weights, and a model's logits and a decode's tokens against XLA's
+form).
 
 Used where `$DLM_JAX_QUANT_KERNEL` is `pallas` when a program is traced (`enabled`): an
-experiment switch until a GPU has timed it against XLA's form (never run on one).
+experiment switch until a GPU has timed it against XLA's form (never run on one), in the
+tiling `DEFAULT_TILING` (`tiled` sets another; `benchmarks/quant_sweep.py` times them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import os
 
@@ -37,7 +58,61 @@ import jax.numpy as jnp
 from dlm_jax.models import _attention_kernel
 
 QUANT_KERNEL_ENV = "DLM_JAX_QUANT_KERNEL"
-_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int4))
+_BLOCK_K = 128  # rows of a group (or of a kernel) dequantised at a time, at most
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """The kernel's blocks and launch settings. `block_m`: the most activation rows a program
+    takes (fewer rows: the power of two from 16 that holds them); `block_n`: the output
+    columns a program takes (a width it does not divide: the largest power of two that does);
+    `split`: the shares of the input rows, each a program's (a power of two that divides the
+    kernel's blocks of rows, else the largest one that does; 0: `auto_split`); `warps`,
+    `stages`: Triton's warps and software-pipelining stages a program."""
+
+    block_m: int = 64
+    block_n: int = 128
+    split: int = 0
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            n = getattr(self, name)
+            if n < 16 or n & (n - 1):
+                raise ValueError(f"Tiling.{name}={n}: a power of two from 16")
+        if self.split < 0 or self.split & (self.split - 1):
+            raise ValueError(f"Tiling.split={self.split}: 0 (auto) or a power of two")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
+            raise ValueError(f"Tiling warps={self.warps} (1, 2, 4, 8 or 16), stages={self.stages} (at least 1)")
+
+
+DEFAULT_TILING = Tiling()
+_tiling = DEFAULT_TILING
+_PROGRAMS = 128  # `auto_split` splits until a product has this many programs (an H200 has 132 SMs)
+_MAX_SPLIT = 8
+_SHARE_BLOCKS = 4  # the fewest blocks of rows a share keeps (512 rows at 128)
+
+
+def auto_split(programs: int, blocks: int) -> int:
+    """The shares a product of `programs` programs (row and column blocks) over `blocks` blocks
+    of input rows is split into by default: doubled, up to 8, while it has fewer than 128
+    programs and each share keeps at least 4 blocks. XLA's own GEMMs split so at a few rows
+    (its bfloat16 GEMM of 32 rows at d 4096, compiled for an H200, sums 4 shares apart); a
+    decode step's products have few rows: at batch 1 a q kernel's 32 rows in 128 columns a
+    program are 32 programs, a quarter of an H200's multiprocessors."""
+    split = 1
+    while programs * split < _PROGRAMS and split < _MAX_SPLIT and blocks % (2 * split) == 0 \
+            and blocks // (2 * split) >= _SHARE_BLOCKS:
+        split *= 2
+    return split
+
+
+def tiled(tiling: Tiling) -> contextlib.AbstractContextManager[None]:
+    """Inside: the kernel is traced with `tiling`'s blocks and launch settings (process-wide,
+    as `_attention_kernel.interpret`; only programs traced inside take it)."""
+    return _attention_kernel.swapped(globals(), "_tiling", tiling)
 
 
 def enabled() -> bool:
@@ -68,72 +143,170 @@ def use(q: jax.Array, scale: jax.Array, zero: jax.Array | None = None, g_idx: ja
     return target_platform() == "gpu"
 
 
-def _pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
+def _block_k(rows: int, groups: int, act: bool) -> int:
+    """Input rows dequantised at a time (0: none fits): a power of two from 16 up to `_BLOCK_K`
+    within one group (act-order: any rows, their scales gathered row by row)."""
+    if rows % groups:
+        return 0
+    return _attention_kernel._block(rows if act else rows // groups, _BLOCK_K)
 
 
 def fits(q: jax.Array, scale: jax.Array, zero: jax.Array | None = None, g_idx: jax.Array | None = None) -> bool:
-    """Whether the kernel takes weights q [I, O] with grouped scales [G, O] (and zero points):
-    int8 / float8 weights, a group size I / G that is a power of two from 16, an output width
-    that 16 divides, no act-order map."""
-    if q.ndim != 2 or scale.ndim != 2 or g_idx is not None or jnp.dtype(q.dtype) not in _DTYPES:
+    """Whether the kernel takes weights q [I, O] (int8, float8_e4m3fn, int4) with grouped
+    scales [G, O] (and zero points, and an act-order map [I]), or one scale a channel [O] with
+    zero points (uint4; symmetric per-channel kernels are XLA's, fused there): blocks of rows
+    (`_block_k`) and an output width that 16 divides. Routed experts' weights take a leading
+    expert axis on each: q [E, I, O], scales [E, G, O] or [E, O] (zero points or not: XLA
+    gathers the experts a step uses and dequantises them, symmetric or not), maps [E, I]."""
+    lead = q.ndim - 2
+    if lead not in (0, 1) or jnp.dtype(q.dtype) not in _DTYPES or scale.ndim - lead not in (1, 2):
         return False
-    rows, cols = q.shape
-    groups = scale.shape[0]
-    return rows % groups == 0 and _pow2(rows // groups) and rows // groups >= 16 and cols % 16 == 0
+    if scale.ndim - lead == 1 and ((zero is None and not lead) or g_idx is not None):
+        return False
+    if g_idx is not None and g_idx.shape != q.shape[:-1]:
+        return False
+    rows, cols = q.shape[-2:]
+    groups = 1 if scale.ndim - lead == 1 else scale.shape[-2]
+    return bool(_block_k(rows, groups, g_idx is not None)) and cols % 16 == 0
 
 
-def _kernel(x_ref, q_ref, s_ref, *refs, group: int, groups: int, zero: bool):
+def _kernel(ids_ref, x_ref, q_ref, s_ref, *refs, block_k: int, steps: int, per_group: int, per_expert: int,
+            row_blocks: int, zero: bool, act: bool, summed: bool):
+    """One program: `steps` blocks of input rows from its share's first (grid axis 2), of the
+    expert `ids_ref[u]` (u: the program's, grid axis 0 over row blocks; `summed`: each block's,
+    the blocks of the experts one after another along x's columns)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    z_ref, o_ref = refs if zero else (None, *refs)
+    refs = list(refs)
+    o_ref = refs.pop()
+    g_ref = refs.pop() if act else None
+    z_ref = refs.pop() if zero else None
     f32 = x_ref.dtype == jnp.float32
+    mine = None if summed else ids_ref[pl.program_id(0) // row_blocks]
 
-    def step(k, acc):
-        rows = pl.ds(k * group, group)
-        w = q_ref[rows, :].astype(jnp.float32)  # [g, block_n]
+    def step(t, acc):
+        k = t % per_expert if summed else t  # (the block among its expert's)
+        e = ids_ref[t // per_expert] if summed else mine
+        rows = pl.ds(k * block_k, block_k)
+        w = q_ref[e, rows, :].astype(jnp.float32)  # [block_k, block_n]
+        # the block's scales (and zero points): its group's row, or each row's group's (act-order)
+        at = (e, g_ref[e, rows], slice(None)) if act else (e, pl.ds(k // per_group, 1), slice(None))
         if zero:
-            w = w - z_ref[pl.ds(k, 1), :].astype(jnp.float32)
-        w = (w * s_ref[pl.ds(k, 1), :]).astype(x_ref.dtype)
-        return acc + plgpu.dot(x_ref[:, rows], w, allow_tf32=False if f32 else None)
+            w = w - z_ref[at].astype(jnp.float32)
+        w = (w * s_ref[at]).astype(x_ref.dtype)
+        return acc + plgpu.dot(x_ref[:, pl.ds(t * block_k, block_k)], w, allow_tf32=False if f32 else None)
 
-    acc = jax.lax.fori_loop(0, groups, step, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc
+    first = pl.program_id(2) * steps
+    acc = jax.lax.fori_loop(first, first + steps, step, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def grouped_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None) -> jax.Array:
-    """x [..., I] @ the kernel q [I, O] (int8 / float8) with scales [G, O] (float32) and zero
-    points [G, O] (int8, or None) stand for -> [..., O] float32, as `quantized_matmul` computes
-    it; the shapes must `fit`."""
+def _call(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, g_idx: jax.Array | None,
+          ids: jax.Array, *, per_expert_x: bool, summed: bool, out_dtype) -> jax.Array:
+    """The kernel over experts' weights q [E, I, O] (scales [E, G, O], zero points, maps [E, I])
+    for the experts `ids` [U]: x [U, M, I] (`per_expert_x`) or [M, I] -> [U, M, O]; `summed`:
+    x [M, U * I] -> [M, O], the experts' products added."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    if not fits(q, scale, zero):
-        raise ValueError(f"the grouped kernel takes int8 / float8 weights [I, O] in groups of a power of two from "
-                         f"16 and O a multiple of 16; got {q.dtype} {tuple(q.shape)} with scales {tuple(scale.shape)}")
-    *lead, rows = x.shape
-    cols = q.shape[1]
-    groups = scale.shape[0]
-    flat = x.reshape(-1, rows)
-    m = flat.shape[0]
-    block_m = min(64, max(16, 1 << max(m - 1, 0).bit_length()))
+    n_exp, rows, cols = q.shape
+    groups = scale.shape[1]
+    act = g_idx is not None
+    block_k = _block_k(rows, groups, act)
+    per_expert = rows // block_k
+    users = ids.shape[0]
+    tiling = _tiling
+    m = x.shape[-2]
+    block_m = min(tiling.block_m, max(16, 1 << max(m - 1, 0).bit_length()))
     padded = -(-m // block_m) * block_m
     if padded != m:
-        flat = jnp.pad(flat, ((0, padded - m), (0, 0)))
-    block_n = _attention_kernel._block(cols, 128)  # (16 or more: `fits`)
-    in_specs = [pl.BlockSpec((block_m, rows), lambda i, j: (i, 0)),
-                pl.BlockSpec((rows, block_n), lambda i, j: (0, j)),
-                pl.BlockSpec((groups, block_n), lambda i, j: (0, j))]
-    operands = [flat, q, scale.astype(jnp.float32)]
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, padded - m), (0, 0)])
+    row_blocks = padded // block_m
+    block_n = _attention_kernel._block(cols, tiling.block_n)  # (16 or more: `fits`)
+    blocks = per_expert * (users if summed else 1)  # (the blocks of rows a program's sum runs over)
+    outer = row_blocks if summed else users * row_blocks  # grid axis 0: (expert, row block) pairs, or row blocks
+    programs = outer * (cols // block_n)
+    split = min(tiling.split or auto_split(programs, blocks), blocks & -blocks)  # (a power of two dividing them)
+    rb = row_blocks
+    if per_expert_x:
+        x_spec = pl.BlockSpec((None, block_m, rows), lambda p, j, s: (p // rb, p % rb, 0))
+    else:
+        x_spec = pl.BlockSpec((block_m, x.shape[-1]), lambda p, j, s: (p % rb, 0))
+    whole = lambda *shape: pl.BlockSpec(shape, lambda p, j, s: (0,) * len(shape))  # noqa: E731
+    columns = lambda *shape: pl.BlockSpec((*shape, block_n), lambda p, j, s: (0,) * len(shape) + (j,))  # noqa: E731
+    in_specs = [whole(users), x_spec, columns(n_exp, rows), columns(n_exp, groups)]
+    operands = [ids.astype(jnp.int32), x, q, scale.astype(jnp.float32)]
     if zero is not None:
-        in_specs.append(pl.BlockSpec((groups, block_n), lambda i, j: (0, j)))
+        in_specs.append(columns(n_exp, groups))
         operands.append(zero)
+    if act:
+        in_specs.append(whole(n_exp, rows))
+        operands.append(g_idx.astype(jnp.int32))
     interpret = _attention_kernel._interpret
-    params = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=4, num_stages=3)}
-    kernel = functools.partial(_kernel, group=rows // groups, groups=groups, zero=zero is not None)
-    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((padded, cols), jnp.float32),
-                         grid=(padded // block_m, cols // block_n), in_specs=in_specs,
-                         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-                         interpret=interpret, name="dlm_jax_grouped_matmul", **params)(*operands)
-    return out[:m].reshape(*lead, cols)
+    params = {} if interpret else {
+        "compiler_params": plgpu.CompilerParams(num_warps=tiling.warps, num_stages=tiling.stages)}
+    kernel = functools.partial(_kernel, block_k=block_k, steps=blocks // split, per_group=max(1, per_expert // groups),
+                               per_expert=per_expert, row_blocks=rb, zero=zero is not None, act=act, summed=summed)
+    if summed:
+        shape, block, at = (padded, cols), (block_m, block_n), lambda p, j: (p, j)
+    else:
+        shape, block, at = (users, padded, cols), (None, block_m, block_n), lambda p, j: (p // rb, p % rb, j)
+    if split == 1:
+        out_shape = jax.ShapeDtypeStruct(shape, out_dtype)
+        out_spec = pl.BlockSpec(block, lambda p, j, s: at(p, j))
+    else:  # float32 partial sums, one a share, added below in a fixed order
+        out_shape = jax.ShapeDtypeStruct((split, *shape), jnp.float32)
+        out_spec = pl.BlockSpec((None, *block), lambda p, j, s: (s, *at(p, j)))
+    out = pl.pallas_call(kernel, out_shape=out_shape, grid=(outer, cols // block_n, split), in_specs=in_specs,
+                         out_specs=out_spec, interpret=interpret, name="dlm_jax_grouped_matmul", **params)(*operands)
+    if split > 1:  # share by share, left to right (one elementwise fusion; no reduction's own order)
+        out = functools.reduce(jnp.add, [out[s] for s in range(split)]).astype(out_dtype)
+    return out[..., :m, :]
+
+
+def _as_experts(scale, zero, g_idx, lead: int):
+    """Scales [.., O] (one a channel) as one group [.., 1, O], and their zero points."""
+    if scale.ndim - lead == 1:
+        scale, zero = scale[..., None, :], None if zero is None else zero[..., None, :]
+    return scale, zero, g_idx
+
+
+def grouped_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None,
+                   g_idx: jax.Array | None = None, *, out_dtype=jnp.float32) -> jax.Array:
+    """x [..., I] @ the kernel q [I, O] (int8, float8, int4) with scales [G, O] (float32; [O]
+    with zero points), zero points shaped as the scales (int8, or None) and an act-order map
+    [I] (int32, or None) stand for -> [..., O] in `out_dtype` (summed in float32), as
+    `quantized_matmul` computes it; the shapes must `fit`."""
+    if q.ndim != 2 or not fits(q, scale, zero, g_idx):
+        raise ValueError(f"the quantized kernel takes int8 / float8 / int4 weights [I, O] in blocks of rows of a power "
+                         f"of two from 16 and O a multiple of 16; got {q.dtype} {tuple(q.shape)} with scales "
+                         f"{tuple(scale.shape)}")
+    scale, zero, g_idx = _as_experts(scale, zero, g_idx, 0)
+    *lead, rows = x.shape
+    some = lambda a: None if a is None else a[None]  # noqa: E731  (one expert)
+    out = _call(x.reshape(-1, rows), q[None], scale[None], some(zero), some(g_idx), jnp.zeros((1,), jnp.int32),
+                per_expert_x=False, summed=False, out_dtype=out_dtype)
+    return out[0].reshape(*lead, q.shape[1])
+
+
+def expert_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, g_idx: jax.Array | None,
+                  experts: jax.Array, *, summed: bool = False, out_dtype=jnp.float32) -> jax.Array:
+    """Routed experts' products with their weights q [E, I, O] (scales [E, G, O] or [E, O] with
+    zero points, zero points, act-order maps [E, I]) of the experts `experts` [U] (int32; any
+    order, repeats allowed), each expert's weights read where they lie:
+    x [U, M, I] (each expert its rows) or [M, I] (the same rows through each) -> [U, M, O];
+    `summed`: x [M, U * I] (expert u's inputs in columns u * I .. (u + 1) * I) -> [M, O], the
+    experts' products added. In `out_dtype`, summed in float32; the shapes must `fit`."""
+    if q.ndim != 3 or not fits(q, scale, zero, g_idx):
+        raise ValueError(f"the quantized kernel takes experts' int8 / float8 / int4 weights [E, I, O] in blocks of "
+                         f"rows of a power of two from 16 and O a multiple of 16; got {q.dtype} {tuple(q.shape)} "
+                         f"with scales {tuple(scale.shape)}")
+    scale, zero, g_idx = _as_experts(scale, zero, g_idx, 1)
+    rows = q.shape[1]
+    users = experts.shape[0]
+    if summed and (x.ndim != 2 or x.shape[-1] != users * rows):
+        raise ValueError(f"expert_matmul(summed=True): x {tuple(x.shape)} is not [M, {users} experts x {rows}]")
+    if not summed and (x.ndim not in (2, 3) or x.shape[-1] != rows or (x.ndim == 3 and x.shape[0] != users)):
+        raise ValueError(f"expert_matmul: x {tuple(x.shape)} is neither [M, {rows}] nor [{users} experts, M, {rows}]")
+    return _call(x, q, scale, zero, g_idx, experts, per_expert_x=x.ndim == 3, summed=summed, out_dtype=out_dtype)

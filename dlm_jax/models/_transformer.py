@@ -32,7 +32,7 @@ from dlm_jax._masks import attention_rule
 from dlm_jax.models import _attention_kernel
 from dlm_jax.models._tracing import (  # noqa: F401  (re-exported: the executor's names)
     _EXPERT_MESH, EXPERT_EXCHANGES, _scoped, expert_mesh, traced_mesh)
-from dlm_jax.models.quant import QuantExperts, QuantLinear, expert_einsum
+from dlm_jax.models.quant import QuantExperts, QuantLinear, expert_einsum, expert_kernel, experts_matmul
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 _init = nnx.initializers.normal(stddev=0.02)
@@ -477,10 +477,14 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
         # The used experts first, their weights gathered (at U = E too: LiteRT 2.3's compiled
         # model refuses an IF branch that reads the captured weights directly).
         experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
-        g, v, o = (w.take(experts, x.dtype) if isinstance(w, QuantExperts) else jnp.take(w, experts, axis=0)
-                   for w in (gate, up, down))  # [U, D, F], [U, F, D]
         ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
         combine = jnp.einsum("nk,nku->nu", weights, jax.nn.one_hot(ids, u, dtype=x.dtype))
+        if all(map(expert_kernel, (gate, up, down))):  # each used expert's weights read where they lie
+            h = jax.nn.silu(experts_matmul(x, gate, experts)) * experts_matmul(x, up, experts)  # [U, N, F]
+            h = h.transpose(1, 0, 2) * combine[..., None]
+            return experts_matmul(h.reshape(n, u * f), down, experts, summed=True)
+        g, v, o = (w.take(experts, x.dtype) if isinstance(w, QuantExperts) else jnp.take(w, experts, axis=0)
+                   for w in (gate, up, down))  # [U, D, F], [U, F, D]
         h = (jax.nn.silu(x @ g.transpose(1, 0, 2).reshape(d, u * f)) * (x @ v.transpose(1, 0, 2).reshape(d, u * f)))
         return (h.reshape(n, u, f) * combine[..., None]).reshape(n, u * f) @ o.reshape(u * f, d)
 

@@ -49,8 +49,9 @@ rounded to bfloat16 too. uint4 (per channel or grouped) is dequantised first the
 dequantisation into its GEMMs (compiled for an H200 without one:
 `benchmarks/results/gpu_target.md`): each such kernel is written out in x's dtype every step and
 read again, so on a GPU those modes save memory, not time; int8, fp8 and int4 per output
-channel are read at their own bytes. `$DLM_JAX_QUANT_KERNEL=pallas` runs grouped int8 / fp8
-products in a Pallas kernel that dequantises each group inside the GEMM
+channel are read at their own bytes. `$DLM_JAX_QUANT_KERNEL=pallas` runs the grouped, uint4
+and act-order products (int8, fp8 and int4 weights; routed experts' too, `expert_kernel`) in a
+Pallas kernel that dequantises each block of weights inside the GEMM
 (`dlm_jax.models._quant_kernel`; never timed on a GPU).
 
 Scales are computed at load, in float32, one kernel at a time on the device the weights live on,
@@ -62,6 +63,7 @@ quantized, as its divisions are kept whole, `quantize_kernel`).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -154,21 +156,21 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32, zero: jax.Arra
 
 
 def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None,
-                     g_idx: jax.Array | None = None) -> jax.Array:
+                     g_idx: jax.Array | None = None, dtype=jnp.float32) -> jax.Array:
     """x [..., I] @ the kernel that q [I, O], scale [O] or [G, O] (and uint4's zero points, an
-    act-order map) stand for -> [..., O] float32, accumulated in float32: per channel, q
+    act-order map) stand for -> [..., O] in `dtype`, accumulated in float32: per channel, q
     converted to x's dtype inside the matmul, then scaled; grouped or with zero points, q
-    dequantised to x's dtype first (or, grouped int8 / fp8 with `$DLM_JAX_QUANT_KERNEL=pallas`
-    on a GPU, each group's tile inside one Pallas kernel: `dlm_jax.models._quant_kernel`)."""
+    dequantised to x's dtype first (or, with `$DLM_JAX_QUANT_KERNEL=pallas` on a GPU, block by
+    block inside one Pallas kernel: `dlm_jax.models._quant_kernel`)."""
     if scale.ndim == q.ndim or zero is not None:
         from dlm_jax.models import _quant_kernel
 
-        if _quant_kernel.use(q, scale, zero, g_idx):  # (`$DLM_JAX_QUANT_KERNEL=pallas`: each group's tile in it)
-            return _quant_kernel.grouped_matmul(x, q, scale, zero)
+        if _quant_kernel.use(q, scale, zero, g_idx):  # (`$DLM_JAX_QUANT_KERNEL=pallas`: dequantised in it)
+            return _quant_kernel.grouped_matmul(x, q, scale, zero, g_idx, out_dtype=dtype)
         return jnp.einsum("...i,io->...o", x, dequantize(q, scale, x.dtype, zero, g_idx),
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=jnp.float32).astype(dtype)
     y = jnp.einsum("...i,io->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
-    return y * scale
+    return (y * scale).astype(dtype)
 
 
 class QuantLinear(nnx.Module):
@@ -196,16 +198,17 @@ class QuantLinear(nnx.Module):
         g_idx = (jnp.arange(rows, dtype=jnp.int32) // (rows // scale.shape[0])) if act_order(mode) else None
         return cls(q, scale, bias, dtype=linear.dtype or linear.kernel[...].dtype, zero=zero, g_idx=g_idx)
 
-    def product(self, x: jax.Array) -> jax.Array:
-        """x [..., I] @ the dequantised kernel -> [..., O] float32 (no bias): the int8/fp8 weights
-        converted to x's dtype inside the matmul, accumulated in float32, then scaled."""
+    def product(self, x: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """x [..., I] @ the dequantised kernel -> [..., O] in `dtype` (no bias): the int8/fp8
+        weights converted to x's dtype inside the matmul, accumulated in float32, then scaled
+        (`quantized_matmul`)."""
         return quantized_matmul(x, self.qkernel[...], self.scale[...],
                                 None if self.zero is None else self.zero[...],
-                                None if self.g_idx is None else self.g_idx[...])
+                                None if self.g_idx is None else self.g_idx[...], dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype or x.dtype
-        y = self.product(x.astype(dt)).astype(dt)
+        y = self.product(x.astype(dt), dt)
         if self.bias is not None:
             y = y + self.bias[...].astype(dt)
         return y
@@ -242,6 +245,8 @@ def expert_einsum(spec: str, x: jax.Array, w: jax.Array | QuantExperts) -> jax.A
     if not isinstance(w, QuantExperts):
         return jnp.einsum(spec, x, w)
     if w.scale.ndim == w.q.ndim or w.zero is not None:  # grouped or zero points: dequantised first
+        if expert_kernel(w):  # (`$DLM_JAX_QUANT_KERNEL=pallas`: each expert's blocks dequantised in it)
+            return _kernel_einsum(spec, x, w)
         return jnp.einsum(spec, x, dequantize(w.q, w.scale, x.dtype, w.zero, w.g_idx),
                           preferred_element_type=jnp.float32).astype(x.dtype)
     ins, out = spec.split("->")
@@ -252,6 +257,45 @@ def expert_einsum(spec: str, x: jax.Array, w: jax.Array | QuantExperts) -> jax.A
     y = jnp.einsum(spec, x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
     s = w.scale.reshape([w.scale.shape[0] if c == e else w.scale.shape[1] if c == o else 1 for c in out])
     return (y * s).astype(x.dtype)
+
+
+def expert_kernel(w) -> bool:
+    """Whether routed experts' weights `w` run in dlm-jax's Pallas kernel
+    (`dlm_jax.models._quant_kernel`, `$DLM_JAX_QUANT_KERNEL=pallas` on a GPU): quantized
+    `QuantExperts` of shapes it takes (per channel too: `dispatch_experts`' few-experts form
+    reads the used experts in place, where XLA's gathers and dequantises them; `expert_einsum`
+    keeps XLA's fused per-channel form)."""
+    if not isinstance(w, QuantExperts):
+        return False
+    from dlm_jax.models import _quant_kernel
+
+    return _quant_kernel.use(w.q, w.scale, w.zero, w.g_idx)
+
+
+def experts_matmul(x: jax.Array, w: QuantExperts, experts: jax.Array, *, summed: bool = False) -> jax.Array:
+    """The experts `experts` [U] of `w` in the kernel (`expert_kernel(w)` must hold), in x's
+    dtype: x [M, I] or [U, M, I] -> [U, M, O]; `summed`: x [M, U * I] -> [M, O]
+    (`_quant_kernel.expert_matmul`)."""
+    from dlm_jax.models import _quant_kernel
+
+    return _quant_kernel.expert_matmul(x, w.q, w.scale, w.zero, w.g_idx, experts, summed=summed, out_dtype=x.dtype)
+
+
+def _kernel_einsum(spec: str, x: jax.Array, w: QuantExperts) -> jax.Array:
+    """`expert_einsum(spec, x, w)` through the kernel, every expert in order: x's axes moved to
+    [E, M, I] (or [M, I] without the expert axis), the product [E, M, O] moved to `spec`'s
+    output."""
+    ins, out = spec.split("->")
+    xs, (e, i, o) = ins.split(",")
+    rest = [c for c in xs if c not in (e, i)]
+    lead = ([e] if e in xs else []) + rest
+    xt = jnp.transpose(x, [xs.index(c) for c in lead + [i]])
+    sizes = [xt.shape[lead.index(c)] for c in rest]
+    m = math.prod(sizes)
+    xt = xt.reshape(((w.q.shape[0],) if e in xs else ()) + (m, xt.shape[-1]))
+    y = experts_matmul(xt, w, jnp.arange(w.q.shape[0], dtype=jnp.int32))  # [E, M, O]
+    y = y.reshape(w.q.shape[0], *sizes, y.shape[-1])
+    return jnp.transpose(y, [([e] + rest + [o]).index(c) for c in out])
 
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -338,7 +382,14 @@ def widen_int4(model) -> int:
     return n
 
 
+def gpu_bytes(tree) -> int:
+    """Bytes of the arrays (or shape-dtype structs) of `tree` as a GPU holds them: int4 two a
+    byte, as XLA:GPU packs it (a CPU holds one a byte, as NumPy's itemsize says: `weight_bytes`)."""
+    return int(sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) // 8 for leaf in jax.tree.leaves(tree)))
+
+
 def weight_bytes(model) -> int:
-    """Bytes of every parameter of `model` as held (quantized weights and their scales included)."""
+    """Bytes of every parameter of `model` as held (quantized weights and their scales included;
+    int4 a byte each, as a CPU holds it and the planner counts it)."""
     state = nnx.state(model, nnx.Param)
     return int(sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)))
