@@ -84,6 +84,8 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w-]+)\((.*)$
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"body=%?([\w.-]+)")
+_BRANCHES = re.compile(r"(?:branch_computations=\{([^}]*)\}"
+                       r"|true_computation=%?([\w.-]+), false_computation=%?([\w.-]+))")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _GEMM = re.compile(r'"kind":"__triton_(nested_)?gemm_fusion"|__cublas|__cudnn\$?matmul|dlm_jax_grouped_matmul')
 _CALLS = re.compile(r"calls=%?([\w.-]+)")
@@ -101,8 +103,8 @@ def _array_bytes(shape: str) -> int:
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        bits = 1 if dtype == "pred" else 16 if dtype == "bf16" else 8 if dtype.startswith("f8") else int(dtype[1:])
-        total += n * max(bits, 8) // 8
+        bits = 8 if dtype == "pred" else 16 if dtype == "bf16" else 8 if dtype.startswith("f8") else int(dtype[1:])
+        total += (n * bits + 7) // 8  # (s4 / u4: two a byte, as XLA:GPU packs them)
     return total
 
 
@@ -128,7 +130,10 @@ def hlo_kernels(text: str) -> dict[str, Any]:
     apart; and how many of the GEMMs are distinct (`distinct_gemms`: fusions whose bodies
     differ beyond their names, which XLA:GPU's autotuner tunes one by one, where identical
     ones share one tuning). A compile-only view of the step's launches, for a GPU this machine
-    lacks (`gpu_step.py --target`); a device profile counts the kernels that ran.
+    lacks (`gpu_step.py --target`); a device profile counts the kernels that ran. A conditional
+    counts as its costliest branch (by the bytes it writes): one branch runs, which one is the
+    data's choice (an MoE layer's expert forms, `dispatch_experts`), so the count is a step's
+    most.
 
     An asynchronous pair is one kernel: an `async-start` counts as the op it wraps (its called
     computation's root: a scanned step's slice of a layer's weights out of the stack, for one),
@@ -145,8 +150,6 @@ def hlo_kernels(text: str) -> dict[str, Any]:
                 entry = m.group(2)
         elif current is not None and (m := _INSTRUCTION.match(line)):
             current.append(m.groups())
-    kinds: dict[str, list[int]] = {}
-    largest: list[tuple[int, str, str]] = []
     gemms: set[tuple] = set()
 
     def signature(op: str, shape: str, rest: str) -> tuple:
@@ -157,13 +160,28 @@ def hlo_kernels(text: str) -> dict[str, Any]:
         return (shape, op, _NAME.sub("%", _DETAILS.sub("", rest)) if not body else "",
                 tuple((s, o, _NAME.sub("%", _DETAILS.sub("", r))) for _, s, o, r in body))
 
-    def visit(name: str, times: int, depth: int = 0) -> None:
+    def visit(name: str, times: int, kinds: dict[str, list[int]], largest: list, depth: int = 0) -> None:
         for inst, shape, op, rest in comps.get(name, []):
             if op == "while" and depth < 8:
                 body = _BODY.search(rest)
                 trips = _TRIPS.search(rest)
                 if body:
-                    visit(body.group(1), times * (int(trips.group(1)) if trips else 1), depth + 1)
+                    visit(body.group(1), times * (int(trips.group(1)) if trips else 1), kinds, largest, depth + 1)
+                continue
+            if op == "conditional" and depth < 8 and (found := _BRANCHES.search(rest)):
+                names = [b.strip().lstrip("%") for b in found.group(1).split(",")] if found.group(1) else \
+                    [found.group(2), found.group(3)]
+                branches = []
+                for branch in names:
+                    sub: tuple[dict[str, list[int]], list] = ({}, [])
+                    visit(branch, times, *sub, depth + 1)
+                    branches.append((sum(b for _, b in sub[0].values()), sub))
+                _, (sub_kinds, sub_largest) = max(branches, key=lambda b: b[0])
+                for kind, (c, b) in sub_kinds.items():
+                    count = kinds.setdefault(kind, [0, 0])
+                    count[0] += c
+                    count[1] += b
+                largest.extend(sub_largest)
                 continue
             if op in _NO_KERNEL or op.endswith("-done"):
                 continue
@@ -185,8 +203,10 @@ def hlo_kernels(text: str) -> dict[str, Any]:
             count[1] += times * size
             largest.append((size, label, shape[:80]))
 
+    kinds: dict[str, list[int]] = {}
+    largest: list[tuple[int, str, str]] = []
     if entry is not None:
-        visit(entry, 1)
+        visit(entry, 1, kinds, largest)
     largest.sort(reverse=True)
     return {"kernels": sum(c for c, _ in kinds.values()), "distinct_gemms": len(gemms),
             "by_kind": {k: {"kernels": c, "bytes_written": b} for k, (c, b) in sorted(kinds.items())},

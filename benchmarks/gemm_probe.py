@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 from _plots import png_bytes  # noqa: E402
 from gpu_step import copy_bandwidth  # noqa: E402  (the same measure as the step's weight-read limit)
 from dlm_jax._integrity import atomic_write  # noqa: E402
-from dlm_jax.models.quant import quantize_kernel, quantized_matmul  # noqa: E402
+from dlm_jax.models.quant import gpu_bytes, quantize_kernel, quantized_matmul  # noqa: E402
 
 SHAPES = {"llada-8b": dict(d_model=4096, heads=32, kv_heads=32, head_dim=128, ffn_hidden=12288),
           "small": dict(d_model=256, heads=4, kv_heads=4, head_dim=64, ffn_hidden=768)}
@@ -103,7 +103,7 @@ def program(form: str, quant: str):
 
 
 def weight_bytes(w: Any) -> int:
-    return int(sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(w)))
+    return gpu_bytes(w)
 
 
 def time_calls(fn, args, *, calls: int, reps: int) -> float:

@@ -158,13 +158,28 @@
 #                with the blocks traced once (the executor's default) and one by one. On 2 CPU
 #                cores the load was 0.65 of it at the 8B shape (benchmarks/results/cache_load.md).
 #   probeserial 120  the probe on 1 thread (the autotuner alone on the device).
-#   int4     75  benchmarks/gpu_step.py --quant none int8 int4-g128 uint4-g128, dual steps at batch 1
-#                and 8 (8 programs, four sets of weights made): whether int4 weights in groups of 128
-#                (the "-W4A16" releases' layout) halve int8's batch-1 step, as their bytes would, and
-#                whether uint4's zero points (the "-AWQ" releases') cost anything more (never run;
-#                compiled for an H200 here, the grouped and uint4 steps write every kernel dequantised
-#                in bfloat16, 15.0 GB a step more than int8, where per-channel int4's convert is fused:
-#                benchmarks/results/gpu_target.md; the times say what that costs).
+#   qsweep  120  benchmarks/quant_sweep.py --quant int4-g128 int8-g128: one layer's q / gate / down
+#                kernels (8 copies each, out of the L2) at 32 and 256 rows, bfloat16, XLA's form of
+#                the grouped product against dlm-jax's Pallas kernel under 9 tilings (the default,
+#                whose split auto_split picks, 64 / 32 columns a program, the input rows summed
+#                whole or split 2 / 4 / 8 ways, 64 columns split 4 ways, 8 warps): which tiling to
+#                make the default, and whether the kernel beats XLA's form at all (132 small
+#                programs; compiled for an H200 here, every tiling compiles in under a second:
+#                benchmarks/results/gpu_target_parts/h200_quant_sweep.md). At 32 rows a layer's q
+#                kernel in 128 columns a program is 32 programs for the GPU's 132
+#                multiprocessors unless split: whether the splits pay for their partial sums.
+#                Written case by case, the q kernel's first.
+#   int4    100  benchmarks/gpu_step.py --quant none int8 int4-g128 int4-g128+pallas uint4-g128
+#                uint4-g128+pallas, dual steps at batch 1 and 8 (12 programs, four sets of weights
+#                made): whether int4 weights in groups of 128 (the "-W4A16" releases' layout) halve
+#                int8's batch-1 step, as their bytes would, and whether uint4's zero points (the
+#                "-AWQ" releases') cost anything more (never run; compiled for an H200 here, the
+#                grouped and uint4 steps write every kernel dequantised in bfloat16, 15.0 GB a step
+#                more than int8, where per-channel int4's convert is fused:
+#                benchmarks/results/gpu_target.md; the times say what that costs), in XLA's form
+#                and in dlm-jax's Pallas kernel (dlm_jax.models._quant_kernel), which reads the
+#                int4 weights two a byte and dequantises them inside the GEMM (no weight-sized
+#                buffer when compiled for an H200; never timed).
 #   qkernel  90  benchmarks/gpu_step.py --quant none int8 int8-g128 int8-g128+pallas fp8-g128
 #                fp8-g128+pallas, dual steps at batch 1 and 8 (12 programs, four sets of weights): the
 #                grouped products in XLA's form (each kernel written dequantised every step, compiled
@@ -225,6 +240,8 @@
 #     $LEASE/decide.md to benchmarks/results/gpu_decide.md; then make the choice the executor's default on a GPU
 #     (GPU_ATTENTION, GPU_PROJECTIONS in dlm_jax/executors/jax_executor.py) and say so in docs/architecture.md
 #   cp $LEASE/kernel_sweep.json benchmarks/results/gpu_parts/h200_kernel_sweep.json, its .md and .png to benchmarks/results/kernel_sweep.*
+#   cp $LEASE/quant_sweep.json benchmarks/results/gpu_parts/h200_quant_sweep.json, its .md and .png to benchmarks/results/quant_sweep.*;
+#     then make its fastest tiling _quant_kernel.DEFAULT_TILING (and the kernel the GPU's default where it beats XLA's form)
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/fused.json $LEASE/cmdbuf_off.json --out benchmarks/results/gpu_step_fused
 #   .venv/bin/python benchmarks/gpu_step.py --render $LEASE/attention.json $LEASE/attention_gqa.json $LEASE/cudnn.json $LEASE/scan.json $LEASE/scan_dsf.json $LEASE/int4.json $LEASE/qkernel.json --out benchmarks/results/gpu_step_lease
 #   .venv/bin/python benchmarks/first_decode.py --render benchmarks/results/first_decode.json \
@@ -247,10 +264,11 @@ DUAL_BATCHES=${DUAL_BATCHES:-1 16 32 8} DUAL_QUANTS=${DUAL_QUANTS:-none int8}
 TABLE_S=${TABLE_S:-400} LARGE_S=${LARGE_S:-300} PEER_S=${PEER_S:-125} SECOND_S=${SECOND_S:-30} DUAL_S=${DUAL_S:-330}
 # The parts this lease runs, in this order's priority (the table's both sides were measured on
 # 2026-11-28: benchmarks/results/gpu_parts/); e.g. PARTS="table small" for the table alone.
-DEFAULT_PARTS="target attncheck decide dual tiered probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small logits large probecache cacheload probeserial int4 qkernel cudnn scan first"
+DEFAULT_PARTS="target attncheck decide dual tiered probe fused cmdbuf probeload probe0 gemm attention probekernel attngqa sweep table small logits large probecache cacheload probeserial qsweep int4 qkernel cudnn scan first"
 PARTS=${PARTS:-$DEFAULT_PARTS}    # or rest: what the calls before this one on this machine left
 MARGIN_S=55                   # of a gpu.py part's limit, not in its --budget-s
 SHAPE=llada-8b GPU_X=() STEP_X=() FIRST_X=() GEMM_X=() CACHE_X=() CHECK_X=() SWEEP_X=() LOGITS_X=(--repeats 3)
+QSWEEP_X=(--tilings default n64 n32 split1 split2 split4 split8 n64split4 warps8)
 if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the same code paths
   SHAPE=small BATCHES=1 LARGE_BATCHES=2 DUAL_BATCHES="1 2"
   GPU_X=(--shape small --dtype float32 --prompt-len 32 --gen-len 64)
@@ -258,6 +276,7 @@ if [ -n "${DRY:-}" ]; then  # a CPU: the tiny float32 twin, small batches, the s
   GEMM_X=(--shape small --dtype float32) CACHE_X=(--shape small --dtype float32) LOGITS_X=(--vocab 4096 --repeats 3)
   CHECK_X=(--shape small --stand-in)  # (a CPU has no cuDNN: JAX's XLA attention in its place)
   SWEEP_X=(--shape small --stand-in --layers 2 --tilings default k32)  # (the interpreter ignores warps, stages)
+  QSWEEP_X=(--shape small --stand-in --layers 2 --rows 8 --calls 2 --reps 2 --tilings default split4)
   # One thread per process: torch's OpenMP threads spin against whatever else shares the CPU
   # (their tiny decodes went from 0.05 s to 2-7 s on two shared cores).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -448,8 +467,10 @@ want probecache && needs "probe cache" "probe cache again" && part "probe cache 
 want cacheload && needs "probe cache" "cache load" && part "cache load" 75 30 $PY benchmarks/cache_load.py --kinds refresh prefix --at 0 1 2 3 4 5 6 7 \
   --repeats 1 --xla-cache "$WORK/xla-probe" "${CACHE_X[@]}" --out "$RES/cache_load"
 want probeserial && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$RES/probe_serial"
-want int4 && part int4 75 30 $PY $S --batches 1 8 --kinds dual --quant none int8 int4-g128 uint4-g128 --reps 10 "${STEP_X[@]}" \
-  --out "$RES/int4"
+want qsweep && part qsweep 120 30 $PY benchmarks/quant_sweep.py --quant int4-g128 int8-g128 "${QSWEEP_X[@]}" \
+  --out "$RES/quant_sweep"
+want int4 && part int4 100 30 $PY $S --batches 1 8 --kinds dual --quant none int8 int4-g128 int4-g128+pallas uint4-g128 \
+  uint4-g128+pallas --reps 10 "${STEP_X[@]}" --out "$RES/int4"
 want qkernel && part qkernel 90 30 $PY $S --batches 1 8 --kinds dual --quant none int8 int8-g128 int8-g128+pallas \
   fp8-g128 fp8-g128+pallas --reps 10 "${STEP_X[@]}" --out "$RES/qkernel"
 want cudnn && part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" \

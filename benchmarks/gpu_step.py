@@ -95,6 +95,7 @@ except ImportError:
     PROJECTIONS = ("separate",)
 from dlm_jax.models._params import _abstract_model, model_from_params, param_shapes  # noqa: E402
 from dlm_jax.models._quant_kernel import QUANT_KERNEL_ENV  # noqa: E402
+from dlm_jax.models.quant import gpu_bytes  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey, pad_axis  # noqa: E402
 from dlm_jax.runtime.step import SlotStep  # noqa: E402
 
@@ -112,6 +113,14 @@ SHAPES = {
 # LLaDA-8B's shape with its 32 query heads over 8 K/V heads (grouped as Llama 3 8B's are): a
 # quarter of the K/V projections and cache, and the attention kernel's programs take 4 heads.
 SHAPES["gqa-8b"] = {**SHAPES["llada-8b"], "n_kv_heads": 8}
+# LLaDA2.0-mini's shape (16B parameters, 1.4B a token): 256 routed experts of width 512 a layer,
+# 8 a token in 4 of 8 groups, one shared, the first layer dense (dlm_jax/checkpoint/_families.py).
+SHAPES["moe-mini"] = dict(vocab_size=157184, d_model=2048, n_layers=20, n_heads=16, n_kv_heads=4, head_dim=128,
+                          ffn_hidden=5120, ffn="moe", n_experts=256, n_experts_per_tok=8, moe_ffn_hidden=512,
+                          n_shared_experts=1, router="sigmoid", router_bias=True, routed_scaling=2.5,
+                          n_expert_groups=8, topk_groups=4, dense_layers=(0,), qk_norm=True,
+                          partial_rotary_factor=0.5, mask_token_id=156895, max_seq_len=4096, rope_theta=600000.0,
+                          norm_eps=1e-6)
 # HBM TB/s and dense bf16 TFLOP/s by device name (datasheet; the copy bandwidth is measured).
 DEVICES = (("H200", 4.8, 989.0), ("H100", 3.35, 989.0), ("A100", 2.0, 312.0))
 TARGETS = Path(__file__).resolve().parent / "targets"  # GPU target configs by name (`--target`)
@@ -407,7 +416,7 @@ def _run(args: argparse.Namespace, target) -> dict[str, Any]:
             continue
         variant = variant_name({"attention": attention, "quant": quant, "layers": layers or "unrolled",
                                 "projections": projections})
-        weight_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(executor._leaves))
+        weight_bytes = gpu_bytes(executor._leaves)  # (int4 two a byte, as a GPU holds it)
         slots = executor.capacity(Geometry(args.kinds[0]).total)
         steps = probe_steps(executor, args.batches, args.kinds, args.at, seed=args.seed)
         cases = list(steps)
@@ -697,8 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "enables it (default: none)")
     p.add_argument("--attention", nargs="+", choices=RESIDENT_ATTENTION, default=[RESIDENT_ATTENTION[0]])
     p.add_argument("--quant", nargs="+", default=["none"],
-                   help="none, or a dlm_jax.models.quant mode (int8, fp8-g128, ...); '+pallas' after a grouped "
-                   "int8 / fp8 mode (int8-g128+pallas): its products in the Pallas kernel of "
+                   help="none, or a dlm_jax.models.quant mode (int8, fp8-g128, ...); '+pallas' after a grouped, "
+                   "uint4 or act-order mode (int4-g128+pallas): its products in the Pallas kernel of "
                    "dlm_jax.models._quant_kernel ($DLM_JAX_QUANT_KERNEL=pallas while its programs are traced)")
     p.add_argument("--layers", nargs="+", default=[None], help="the executor's layer loop (unrolled, scan)")
     p.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=["separate"],

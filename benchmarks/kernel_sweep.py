@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -54,6 +53,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import _sweep  # noqa: E402
 from _plots import png_bytes  # noqa: E402
 from _profile import hlo_kernels  # noqa: E402
 from attention_check import MAX_MARGIN, MEAN_MARGIN, SHAPES, STEPS, errors, inputs  # noqa: E402
@@ -75,22 +75,7 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def tiling(spec: str) -> tuple[str, Tiling]:
-    """A preset's name, or `rows=32,stacked=64,k=128,warps=8,stages=2` (any of them; the rest
-    the default's), as (name, Tiling)."""
-    if spec in TILINGS:
-        return spec, TILINGS[spec]
-    values = {}
-    for part in spec.split(","):
-        key, _, value = part.partition("=")
-        if key not in _FIELDS or not value.isdigit():
-            raise argparse.ArgumentTypeError(f"{spec!r}: a preset ({', '.join(TILINGS)}) or key=value pairs of "
-                                             f"{', '.join(_FIELDS)}")
-        values[_FIELDS[key]] = int(value)
-    try:
-        return spec, Tiling(**values)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+tiling = _sweep.tiling_type(TILINGS, _FIELDS, Tiling)  # (the --tilings type: a preset, or key=value pairs)
 
 
 def program(form: str, tile: Tiling | None):
@@ -120,13 +105,6 @@ def case_inputs(batch: int, kind: str, window: int, slots: int, start: int, head
     return (q, kcs, vcs, k, v, mask)
 
 
-def copy_gbps() -> float:
-    """The device's copy bandwidth (`gpu_step.copy_bandwidth`: a large array copied), GB/s."""
-    from gpu_step import copy_bandwidth
-
-    return copy_bandwidth() / 1e9
-
-
 def run(args: argparse.Namespace, target=None) -> dict[str, Any]:
     dev = target if target is not None else jax.devices()[0]
     rep: dict[str, Any] = {
@@ -143,7 +121,7 @@ def run(args: argparse.Namespace, target=None) -> dict[str, Any]:
         "default_tiling": dataclasses.asdict(_attention_kernel.DEFAULT_TILING), "notes": list(args.note),
         "complete": False, "cases": []}
     if target is None and not args.stand_in:
-        rep["device"]["copy_gbps"] = copy_gbps()
+        rep["device"]["copy_gbps"] = _sweep.copy_gbps()
         log(f"copy bandwidth {rep['device']['copy_gbps']:.0f} GB/s on {rep['device']['kind']}")
     forms = [("split", None)] + [(f"pallas:{name}", t) for name, t in args.tilings]
     with contextlib.ExitStack() as context:
@@ -292,11 +270,7 @@ def plot(rep: dict[str, Any], path: Path) -> None:
 
 
 def write(rep: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out.with_suffix(".json"), json.dumps(rep, indent=1) + "\n")
-    atomic_write(out.with_suffix(".md"), markdown(rep))
-    if rep["mode"] != "compile only":
-        plot(rep, out.with_suffix(".png"))
+    _sweep.write(rep, out, markdown, plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,36 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["llada-8b", "gqa-8b"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--kinds", nargs="+", choices=("dual", "prefix"), default=["dual", "prefix"])
-    p.add_argument("--tilings", type=tiling, nargs="+", default=[(n, t) for n, t in TILINGS.items()],
-                   help=f"presets ({', '.join(TILINGS)}) or key=value lists (rows, stacked, k, warps, stages)")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--calls", type=int, default=10)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--stand-in", action="store_true", help="the kernel in Pallas's interpreter (any device)")
-    p.add_argument("--target", metavar="GPU", help="compile for this GPU without one, no timing (as gpu_step.py "
-                   "--target: h200 or a GpuTargetConfigProto text file; needs JAX's CUDA plugin)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--note", action="append", default=[], metavar="TEXT")
-    p.add_argument("--out", type=Path, required=True)
+    _sweep.add_flags(p, TILINGS, _FIELDS, Tiling, layers=32)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.layers < 1 or args.calls < 1 or args.reps < 1 or min(args.batches) < 1:
-        p.error("--layers, --calls, --reps and --batches take positive numbers")
-    if len({n for n, _ in args.tilings}) < len(args.tilings):
-        p.error("--tilings: each at most once")
-    target = None
-    if args.target:
-        from gpu_step import compile_only_device
-
-        target = compile_only_device(args.target)
-    elif not args.stand_in and jax.default_backend() != "gpu":
-        p.error(f"the kernel needs a GPU and JAX's backend here is {jax.default_backend()!r}; --stand-in runs it in "
-                "Pallas's interpreter, --target compiles it for a GPU without one")
+    args, target = _sweep.parse(p, argv, ("layers", "calls", "reps", "batches"))
     run(args, target)  # (written case by case)
     print(f"wrote {args.out.with_suffix('.json')}")
     return 0

@@ -448,16 +448,24 @@ def test_gpu_commands_install_extras_that_exist_and_parse():
     # The stand-in's runs in tests/benchmarks/test_kernel_sweep.py; the kernel's speed needs a GPU.
     sweeps = [line for line in bench if "benchmarks/kernel_sweep.py" in line]
     assert len(sweeps) == 2
+    # The stand-in's runs in tests/benchmarks/test_quant_sweep.py; the kernel's speed needs a GPU.
+    qsweeps = [line for line in bench if "benchmarks/quant_sweep.py" in line]
+    assert len(qsweeps) == 2
     # Runs as written in tests/benchmarks/test_first_decode.py.
     firsts = [line for line in bench if "benchmarks/first_decode.py" in line]
     assert len(firsts) == 3
     assert len(steps) == 3 and len(peers) + len(steps) + len(leases) + len(loads) + len(checks) + len(sweeps) \
-        + len(firsts) == len(bench), bench
+        + len(qsweeps) + len(firsts) == len(bench), bench
     import kernel_sweep
 
     for line in sweeps:
         argv = shlex.split(line)
         kernel_sweep.build_parser().parse_args(argv[argv.index("benchmarks/kernel_sweep.py") + 1:])
+    import quant_sweep
+
+    for line in qsweeps:
+        argv = shlex.split(line)
+        quant_sweep.build_parser().parse_args(argv[argv.index("benchmarks/quant_sweep.py") + 1:])
     import attention_check
 
     for line in checks:

@@ -88,7 +88,7 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
                                      "probe load", "probe no autotuning", "gemm", "attention", "probe kernel",
                                      "attention gqa", "sweep", "table",
                                      "small", "logits", "large",
-                                     "probe cache", "probe cache again", "cache load", "probe serial", "int4",
+                                     "probe cache", "probe cache again", "cache load", "probe serial", "qsweep", "int4",
                                      "qkernel", "cudnn",
                                      "scan", "first cold", "first cache"]  # (scandsf by name only)
     for name, limit, least, py, script, *argv in parts:
@@ -115,7 +115,11 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     (dsf,) = map(unenv, lease_parts(tmp_path, PARTS="scandsf", LIMIT="5000"))
     assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == parse(dsf[4], dsf[5:]).layers == ["scan"]
     assert args["attention"].attention == ["split", "cudnn", "cudnn_split", "pallas"]
-    assert args["int4"].quant == ["none", "int8", "int4-g128", "uint4-g128"]
+    assert args["int4"].quant == ["none", "int8", "int4-g128", "int4-g128+pallas", "uint4-g128", "uint4-g128+pallas"]
+    qsweep = args["qsweep"]  # the quantized GEMM kernel's tilings against XLA's form, 4-bit and 8-bit groups
+    assert qsweep.quant == ["int4-g128", "int8-g128"] and [n for n, _ in qsweep.tilings][0] == "default"
+    assert len(qsweep.tilings) == (2 if dry else 9) and qsweep.rows == ([8] if dry else [32, 256])
+    assert (qsweep.shape, qsweep.stand_in) == (("small", True) if dry else ("llada-8b", False))
     assert args["attention"].kinds == ["refresh", "dual", "prefix"]
     gqa = args["attention gqa"]  # a grouped-query 8B model's steps: the kernel's stacked heads timed
     assert gqa.attention == ["split", "pallas"] and gqa.kinds == ["dual", "prefix"] and gqa.batches == [1, 8, 32]

@@ -195,6 +195,29 @@ def test_hlo_kernels_counts_a_loops_body_as_often_as_it_runs():
     assert five["largest_outputs"][0]["bytes"] == 8 * 8 * 4
 
 
+def test_hlo_kernels_counts_a_conditional_as_its_costliest_branch():
+    """One branch of a conditional runs (an MoE layer's expert forms: which one is the data's
+    choice): its kernels count, the costliest's by the bytes they write, not all of them (the
+    HLO as XLA:GPU prints a `lax.switch` of three branches)."""
+    from _profile import hlo_kernels
+
+    fusion = "  %{0} = {1} fusion(%p), kind=kLoop, calls=%c"
+    text = "\n".join([
+        "%small (p: f32[64,64]) -> f32[4,64] {", fusion.format("a", "f32[4,64]{1,0}"), "}",
+        "%big (p: f32[64,64]) -> f32[64,64] {", fusion.format("b", "f32[64,64]{1,0}"),
+        fusion.format("c", "f32[64,64]{1,0}"), "}",
+        "ENTRY %main (i: s32[], p: f32[64,64]) -> f32[64,64] {",
+        fusion.format("d", "f32[8]{0}"),
+        "  ROOT %conditional = f32[64,64]{1,0} conditional(s32[] %i, %p, %p, %p), "
+        "branch_computations={%small, %big, %small}", "}"])
+    kernels = hlo_kernels(text)
+    assert kernels["kernels"] == 3  # the entry's fusion and the big branch's two
+    assert kernels["by_kind"]["other"]["bytes_written"] == 8 * 4 + 2 * 64 * 64 * 4
+    assert [o["bytes"] for o in kernels["largest_outputs"]] == [64 * 64 * 4, 64 * 64 * 4, 8 * 4]
+    two = text.replace("branch_computations={%small, %big, %small}", "true_computation=%small, false_computation=%big")
+    assert hlo_kernels(two)["kernels"] == 3  # (a boolean predicate's form)
+
+
 def test_hlo_kernels_tells_alike_gemms_from_distinct_ones():
     """`distinct_gemms`: GEMMs alike but for their names count once (XLA:GPU's autotuner
     tunes them once), and one that reads its operand through a slice of its own is another,
