@@ -144,9 +144,11 @@ def activation_bytes_per_device(config: ModelConfig, mesh: MeshShape | str, *, b
     - the residual stream in and out (float32) and the layer's q, k, v rows and attention output;
     - the attention scores and probabilities over the S slots and the window (float32);
     - the larger FFN of the model's layers: a dense layer's gate, up and product rows; an MoE
-      layer's dispatch at its largest branch (`dispatch_experts`: every local expert's weights
-      gathered, in the stored dtype, or the compute dtype when quantized, and their gate, up
-      and product rows), plus the shared experts' rows;
+      layer's dispatch at the larger of its two largest branches (`dispatch_experts`): every
+      local expert's gate, up and product rows, their weights read where they lie (quantized:
+      dequantised whole, in the compute dtype), or the most experts under half whose weights it
+      gathers (a quarter: in the stored dtype, or the compute dtype when quantized) and their
+      rows; plus the shared experts' rows;
     - the step's logit rows over the whole vocabulary (float32).
     Not counted: XLA's scratch buffers, the compiled programs, TIDE's expert slots."""
     mesh = MeshShape.parse(mesh)
@@ -165,9 +167,12 @@ def activation_bytes_per_device(config: ModelConfig, mesh: MeshShape | str, *, b
     if cfg.moe_layers:
         experts = _part(cfg.n_experts, mesh.ep)
         width = _part(cfg.moe_ffn_hidden, mesh.tp)
-        gathered = 3 * experts * cfg.d_model * width * (it if quant else np.dtype(cfg.param_dtype).itemsize)
+        weights = 3 * cfg.d_model * width * (it if quant else np.dtype(cfg.param_dtype).itemsize)  # an expert's
+        few = max((u for u in {max(1, experts // 4), max(1, experts // 2)} if 2 * u < experts), default=0)
+        dispatch = max((experts * weights if quant else 0) + 3 * n * experts * width * it,  # every expert, in place
+                       few * weights + 3 * n * few * width * it)  # the most gathered (a quarter)
         shared = 3 * n * _part(cfg.n_shared_experts * cfg.moe_ffn_hidden, mesh.tp) * it
-        ffn = max(ffn, gathered + 3 * n * experts * width * it + shared)
+        ffn = max(ffn, dispatch + shared)
     residual = 2 * n * cfg.d_model * 4
     logits = rows * WINDOW * cfg.vocab_size * 4
     return int(residual + attention + ffn + logits)

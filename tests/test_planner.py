@@ -179,7 +179,7 @@ def test_plan_command_text_and_json(capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert "pick: tp=1,ep=8,dp=1" in lines and lines[0].endswith("(102.9B parameters, bfloat16 weights)")
     row = next(line for line in lines if line.startswith("tp=1,ep=4,dp=2"))
-    assert row.split()[1:6] == ["52.15", "4.00", "1.79", "57.94", "yes"]
+    assert row.split()[1:6] == ["52.15", "4.00", "0.65", "56.80", "yes"]
 
     moe = str(ROOT / "models" / "moe-tiny")
     assert main(["plan", "--model", moe, "--devices", "4", "--memory", "1", "--batch", "2", "--json"]) == 0

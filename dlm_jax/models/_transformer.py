@@ -32,7 +32,7 @@ from dlm_jax._masks import attention_rule
 from dlm_jax.models import _attention_kernel
 from dlm_jax.models._tracing import (  # noqa: F401  (re-exported: the executor's names)
     _EXPERT_MESH, EXPERT_EXCHANGES, _scoped, expert_mesh, traced_mesh)
-from dlm_jax.models.quant import QuantExperts, QuantLinear, expert_einsum, expert_kernel, experts_matmul
+from dlm_jax.models.quant import QuantExperts, QuantLinear, dequantize, expert_einsum, expert_kernel, experts_matmul
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 _init = nnx.initializers.normal(stddev=0.02)
@@ -456,7 +456,11 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
     FLOPs follow the step's routing:
     - every row through the U experts the step uses (their weights gathered), as two
       matmuls, the unselected (row, expert) pairs weighted zero; cheapest where rows
-      crowd onto a few experts, as a decode window of [MASK] rows does;
+      crowd onto a few experts, as a decode window of [MASK] rows does. From U = E / 2 up
+      every expert is read where its weights lie instead (a gathered copy, written and read
+      again, would move more bytes), but under `litert_lowering`; with
+      `$DLM_JAX_QUANT_KERNEL=pallas` on a GPU, quantized experts run in the Pallas kernel,
+      which reads the used experts' weights in place at every U;
     - many experts with few rows each (a varied batch): the N*k assignments are ordered by
       expert and packed into an [E, C, D] buffer, C the busiest expert's rows rounded up to a
       capacity level below N.
@@ -474,19 +478,35 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
     slot = jnp.cumsum(used) - 1  # a used expert's place among the used ones
 
     def few(u: int) -> jax.Array:
-        # The used experts first, their weights gathered (at U = E too: LiteRT 2.3's compiled
-        # model refuses an IF branch that reads the captured weights directly).
-        experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
-        ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
+        # The used experts first, their weights gathered. From half the experts up, every expert
+        # where its weights lie instead (the unused ones weighted zero): a gathered copy would be
+        # written and read again, more bytes than reading all E (at half: 1.5 E against E). But for
+        # LiteRT, whose 2.3 compiled model refuses an IF branch that reads the captured weights
+        # directly.
+        in_place = 2 * u >= e and not _LITERT.get()
+        if in_place:
+            u, experts, ids = e, jnp.arange(e, dtype=flat.dtype), routing.experts  # (-1: one_hot gives zeros)
+        else:
+            experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
+            ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
         combine = jnp.einsum("nk,nku->nu", weights, jax.nn.one_hot(ids, u, dtype=x.dtype))
         if all(map(expert_kernel, (gate, up, down))):  # each used expert's weights read where they lie
             h = jax.nn.silu(experts_matmul(x, gate, experts)) * experts_matmul(x, up, experts)  # [U, N, F]
             h = h.transpose(1, 0, 2) * combine[..., None]
             return experts_matmul(h.reshape(n, u * f), down, experts, summed=True)
-        g, v, o = (w.take(experts, x.dtype) if isinstance(w, QuantExperts) else jnp.take(w, experts, axis=0)
-                   for w in (gate, up, down))  # [U, D, F], [U, F, D]
-        h = (jax.nn.silu(x @ g.transpose(1, 0, 2).reshape(d, u * f)) * (x @ v.transpose(1, 0, 2).reshape(d, u * f)))
-        return (h.reshape(n, u, f) * combine[..., None]).reshape(n, u * f) @ o.reshape(u * f, d)
+        if in_place:
+            g, v, o = (dequantize(w.q, w.scale, x.dtype, w.zero, w.g_idx) if isinstance(w, QuantExperts) else w
+                       for w in (gate, up, down))  # (quantized: dequantised whole, XLA's form)
+            # a GEMM batched over the experts, x broadcast to each: the [E, D, F] weights read as
+            # they lie (as one GEMM of [D, E * F] they would be transposed into a copy first)
+            xs = jnp.broadcast_to(x, (e, n, d))
+            h = (jax.nn.silu(jnp.einsum("end,edf->enf", xs, g)) * jnp.einsum("end,edf->enf", xs, v)).transpose(1, 0, 2)
+        else:
+            g, v, o = (w.take(experts, x.dtype) if isinstance(w, QuantExperts) else jnp.take(w, experts, axis=0)
+                       for w in (gate, up, down))  # [U, D, F], [U, F, D]
+            h = (jax.nn.silu(x @ g.transpose(1, 0, 2).reshape(d, u * f))
+                 * (x @ v.transpose(1, 0, 2).reshape(d, u * f))).reshape(n, u, f)
+        return (h * combine[..., None]).reshape(n, u * f) @ o.reshape(u * f, d)
 
     def packed(c: int) -> jax.Array:
         starts = jnp.cumsum(counts) - counts

@@ -63,6 +63,19 @@ def test_dispatch_equals_dense(n, skew, pool):
                                dense_experts(x, routing, *w), rtol=1e-5, atol=1e-6)
 
 
+def test_every_expert_used_reads_the_weights_in_place_and_skips_misses():
+    """A step whose rows use every expert and send each one row to one expert (the branch of all
+    E experts over all N rows, which reads the weights where they lie, without a gathered copy):
+    the dense form's result, an assignment of -1 (split execution's misses) contributing nothing."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((32, D)), jnp.float32)
+    routing, w = _routing(32, seed=3, skew=3), _weights()
+    assert set(np.asarray(routing.experts).ravel()) == set(range(E))
+    missed = Routing(routing.experts.at[::3, 1].set(-1), routing.weights)
+    for r in (routing, missed):
+        got = jax.jit(dispatch_experts)(x, r, *w)
+        np.testing.assert_allclose(got, dense_experts(x, r, *w), rtol=1e-5, atol=1e-6)
+
+
 def test_dispatch_by_sorting_equals_dense(monkeypatch):
     """Above `_SORT_FREE_MAX` assignments the expert order comes from a sort (training)."""
     monkeypatch.setattr(tr, "_SORT_FREE_MAX", 8)
