@@ -79,6 +79,21 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None, positive: tuple[st
     return args, target
 
 
+def rank(case: dict[str, Any], good: dict[str, dict], baseline: str, time: str) -> None:
+    """The fastest of the passing kernel forms `good` (by `time`) into `case`: its name
+    (`best`), its time over the `baseline` form's (`best_over_<baseline>`), and, where the
+    default tiling passed, over the default's and the default's over the baseline's."""
+    if not good:
+        return
+    base = case["forms"][baseline][time]
+    best = min(good, key=lambda n: good[n][time])
+    case["best"] = best
+    case[f"best_over_{baseline}"] = good[best][time] / base
+    if "pallas:default" in good:
+        case["best_over_default"] = good[best][time] / good["pallas:default"][time]
+        case[f"default_over_{baseline}"] = good["pallas:default"][time] / base
+
+
 def copy_gbps() -> float:
     """The device's copy bandwidth (`gpu_step.copy_bandwidth`: a large array copied), GB/s."""
     from gpu_step import copy_bandwidth

@@ -191,14 +191,7 @@ def summarize(case: dict[str, Any]) -> None:
     for name, r in case["forms"].items():
         r["pass"] = "error" not in r and r["finite"] and r["mean_error"] <= MEAN_MARGIN * split["mean_error"] \
             and r["max_error"] <= MAX_MARGIN * split["max_error"] if name != "split" else "error" not in r
-    good = {n: r for n, r in case["forms"].items() if n != "split" and r["pass"]}
-    if good:
-        best = min(good, key=lambda n: good[n]["us_per_layer"])
-        case["best"] = best
-        case["best_over_split"] = good[best]["us_per_layer"] / split["us_per_layer"]
-        if "pallas:default" in good:
-            case["best_over_default"] = good[best]["us_per_layer"] / good["pallas:default"]["us_per_layer"]
-            case["default_over_split"] = good["pallas:default"]["us_per_layer"] / split["us_per_layer"]
+    _sweep.rank(case, {n: r for n, r in case["forms"].items() if n != "split" and r["pass"]}, "split", "us_per_layer")
 
 
 def markdown(rep: dict[str, Any]) -> str:

@@ -217,15 +217,9 @@ def summarize(case: dict[str, Any]) -> None:
         if name.startswith("pallas:"):
             r["pass"] = "error" not in r and r.get("max_diff", np.inf) <= MARGIN
     good = {n: r for n, r in case["forms"].items() if n.startswith("pallas:") and r["pass"]}
-    if good:
-        best = min(good, key=lambda n: good[n]["us"])
-        case["best"] = best
-        case["best_over_xla"] = good[best]["us"] / xla["us"]
-        if "us" in case["forms"].get("bf16", {}):
-            case["best_over_bf16"] = good[best]["us"] / case["forms"]["bf16"]["us"]
-        if "pallas:default" in good:
-            case["best_over_default"] = good[best]["us"] / good["pallas:default"]["us"]
-            case["default_over_xla"] = good["pallas:default"]["us"] / xla["us"]
+    _sweep.rank(case, good, "xla", "us")
+    if good and "us" in case["forms"].get("bf16", {}):
+        case["best_over_bf16"] = good[case["best"]]["us"] / case["forms"]["bf16"]["us"]
 
 
 def markdown(rep: dict[str, Any]) -> str:
