@@ -838,7 +838,8 @@ class JaxExecutor(Executor):
             options = dict(options[0]) if options else {}
 
             def traced(*args):
-                with expert_mesh(placement.mesh, self.expert_exchange):
+                with expert_mesh(placement.mesh, self.expert_exchange,
+                                 (placement.shape.axes_for(placement.config), placement.act_order)):
                     return fn(*args)
 
             specs = tuple(placement.spec(s) if isinstance(s, jax.ShapeDtypeStruct) and s.sharding is None else s

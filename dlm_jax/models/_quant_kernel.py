@@ -40,6 +40,12 @@ left to XLA (fused there). On a machine without a GPU it runs in Pallas's interp
 product of the dequantised weights, and a model's logits and a decode's tokens against XLA's
 form).
 
+On a mesh (`sharded`, `sharded_matmul`) each device runs it over its own shards under a
+`jax.shard_map`, as the partition rules place the parameter (`dlm_jax._partition`): a
+column-parallel kernel over its output columns, a row-parallel one over its input rows (their
+groups, or an act-order map's rows with the whole scales), its float32 partial products summed
+over the axis; routed experts inside their own `shard_map` (`use`).
+
 Used where `$DLM_JAX_QUANT_KERNEL` is `pallas` when a program is traced (`enabled`): an
 experiment switch until a GPU has timed it against XLA's form (never run on one), in the
 tiling `DEFAULT_TILING` (`tiled` sets another; `benchmarks/quant_sweep.py` times them).
@@ -126,21 +132,121 @@ def enabled() -> bool:
     return value == "pallas"
 
 
-def use(q: jax.Array, scale: jax.Array, zero: jax.Array | None = None, g_idx: jax.Array | None = None) -> bool:
-    """Whether the product of these weights traces as the kernel: `enabled`, the shapes `fit`,
-    off a mesh (a Pallas call has no partitioning rule: XLA's form there), and a GPU program
-    (`dlm_jax.executors._compile.target_platform`) or Pallas's interpreter on."""
-    if not enabled() or not fits(q, scale, zero, g_idx):
-        return False
-    from dlm_jax.models._tracing import traced_mesh
-
-    if traced_mesh() is not None:
+def _runs_here() -> bool:
+    """`enabled`, and a GPU program (`dlm_jax.executors._compile.target_platform`) or Pallas's
+    interpreter on."""
+    if not enabled():
         return False
     if _attention_kernel._interpret:
         return True
     from dlm_jax.executors._compile import target_platform
 
     return target_platform() == "gpu"
+
+
+def use(q: jax.Array, scale: jax.Array, zero: jax.Array | None = None, g_idx: jax.Array | None = None) -> bool:
+    """Whether the product of these weights traces as the kernel over the arrays as they are:
+    `enabled`, the shapes `fit`, a GPU program or Pallas's interpreter on, and one device, or a
+    `shard_map` manual over every axis of the mesh that splits anything (each device's own
+    arrays: `dlm_jax.models._transformer.sharded_experts`' routed experts). On a mesh a product
+    of parameters placed by the partition rules runs in the kernel under a `shard_map` of its own
+    (`sharded`); a Pallas call has no partitioning rule of its own."""
+    if not _runs_here() or not fits(q, scale, zero, g_idx):
+        return False
+    from dlm_jax.models._tracing import traced_mesh
+
+    mesh = traced_mesh()
+    if mesh is None:
+        return True
+    free, sizes = _attention_kernel.free_axes(mesh)
+    return all(sizes[ax] == 1 for ax in free)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A product's shards on the traced mesh (`sharded`): the partition specs of q [I, O], its
+    scales, zero points and act-order map as the partition rules place the parameter, the mesh
+    axis splitting its input rows (its partial products summed over it; None: whole) and the one
+    splitting its output columns, and the axis splitting a product's leading rows ("dp" where a
+    step's batch rows are split, as `MeshPlacement.batch` splits them)."""
+
+    mesh: object
+    free: tuple[str, ...]
+    specs: tuple
+    rows_axis: str | None
+    cols_axis: str | None
+    batch_axis: str | None
+
+
+def sharded(name: str | None, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None,
+            g_idx: jax.Array | None = None) -> Placed | None:
+    """Where the product of parameter `name`'s weights ("layers.0.attn.o_proj") runs in the
+    kernel on the traced mesh, each device over its own shards (`sharded_matmul`): `enabled`, a
+    GPU program or the interpreter, a program the executor traced on its mesh with its placement
+    (`dlm_jax.models._tracing.traced_placement`), and each device's shards `fit` (groups split
+    as the rows they scale, or an act-order map split as its rows with the scales whole, as the
+    rules place them). None: XLA's form (and its partitioner) instead."""
+    if name is None or q.ndim != 2 or not _runs_here():
+        return None
+    from dlm_jax._partition import leaf_axes
+    from dlm_jax.models._tracing import traced_mesh, traced_placement
+
+    mesh, placed = traced_mesh(), traced_placement()
+    if mesh is None or placed is None:
+        return None
+    axes, act_order = placed
+    free, sizes = _attention_kernel.free_axes(mesh)
+
+    def spec(leaf: str, a):
+        if a is None:
+            return None
+        return tuple(ax if ax in free and sizes[ax] > 1 else None  # (an axis of one device splits nothing)
+                     for ax in leaf_axes(f"{name}.{leaf}", a.shape, axes, act_order=act_order))
+
+    specs = (spec("qkernel", q), spec("scale", scale), spec("zero", zero), spec("g_idx", g_idx))
+    rows_axis, cols_axis = specs[0]
+    if any(ax not in free for ax in specs[0] if ax is not None):
+        return None
+
+    def local(a, s):
+        return None if a is None else jax.ShapeDtypeStruct(
+            tuple(n // (sizes[ax] if ax else 1) for n, ax in zip(a.shape, s)), a.dtype)
+
+    shards = [local(a, s) for a, s in zip((q, scale, zero, g_idx), specs)]
+    grouped = scale.ndim == 2 and g_idx is None  # (groups of consecutive rows: split with them or not at all)
+    if grouped and specs[1][0] != rows_axis:
+        return None
+    if g_idx is not None and specs[1][0] is not None:  # (an act-order map's groups are the whole kernel's)
+        return None
+    if not fits(*shards):
+        return None
+    dp = sizes.get("dp", 1)
+    return Placed(mesh, free, specs, rows_axis, cols_axis, "dp" if "dp" in free and dp > 1 else None)
+
+
+def sharded_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, g_idx: jax.Array | None,
+                   placed: Placed, *, out_dtype=jnp.float32) -> jax.Array:
+    """`grouped_matmul` on `placed`'s mesh (`sharded`) under `jax.shard_map`: each device's
+    product over its shards of the weights and of x's input columns, the partial products of a
+    kernel split by its input rows (a row-parallel one's) summed in float32 over that axis
+    (`psum`) and rounded to `out_dtype` after, x's leading rows split as a step's batch rows
+    where their axis divides them."""
+    from jax.sharding import PartitionSpec as P
+
+    lead = x.ndim - 1
+    batch = placed.batch_axis if lead and placed.batch_axis and x.shape[0] % dict(placed.mesh.shape)[
+        placed.batch_axis] == 0 else None
+    rows = (batch,) + (None,) * (lead - 1) if lead else ()
+    summed = placed.rows_axis is not None
+
+    def product(x, q, scale, zero, g_idx):
+        y = grouped_matmul(x, q, scale, zero, g_idx, out_dtype=jnp.float32 if summed else out_dtype)
+        return jax.lax.psum(y, placed.rows_axis).astype(out_dtype) if summed else y
+
+    some = lambda s: None if s is None else P(*s)  # noqa: E731
+    in_specs = (P(*rows, placed.rows_axis), *(some(s) for s in placed.specs))
+    return jax.shard_map(product, mesh=placed.mesh, in_specs=in_specs, out_specs=P(*rows, placed.cols_axis),
+                         axis_names=set(placed.free), check_vma=False)(x, q, scale, zero, g_idx)
 
 
 def _block_k(rows: int, groups: int, act: bool) -> int:

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import NamedTuple
 
 import jax
@@ -156,17 +157,21 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32, zero: jax.Arra
 
 
 def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None,
-                     g_idx: jax.Array | None = None, dtype=jnp.float32) -> jax.Array:
+                     g_idx: jax.Array | None = None, dtype=jnp.float32, *, name: str | None = None) -> jax.Array:
     """x [..., I] @ the kernel that q [I, O], scale [O] or [G, O] (and uint4's zero points, an
     act-order map) stand for -> [..., O] in `dtype`, accumulated in float32: per channel, q
     converted to x's dtype inside the matmul, then scaled; grouped or with zero points, q
     dequantised to x's dtype first (or, with `$DLM_JAX_QUANT_KERNEL=pallas` on a GPU, block by
-    block inside one Pallas kernel: `dlm_jax.models._quant_kernel`)."""
+    block inside one Pallas kernel: `dlm_jax.models._quant_kernel`; on a mesh each device over
+    its shards of the parameter `name`, "layers.0.attn.q_proj", as the partition rules place it)."""
     if scale.ndim == q.ndim or zero is not None:
         from dlm_jax.models import _quant_kernel
 
         if _quant_kernel.use(q, scale, zero, g_idx):  # (`$DLM_JAX_QUANT_KERNEL=pallas`: dequantised in it)
             return _quant_kernel.grouped_matmul(x, q, scale, zero, g_idx, out_dtype=dtype)
+        placed = _quant_kernel.sharded(name, q, scale, zero, g_idx)
+        if placed is not None:  # (the same, on a mesh: each device its shards)
+            return _quant_kernel.sharded_matmul(x, q, scale, zero, g_idx, placed, out_dtype=dtype)
         return jnp.einsum("...i,io->...o", x, dequantize(q, scale, x.dtype, zero, g_idx),
                           preferred_element_type=jnp.float32).astype(dtype)
     y = jnp.einsum("...i,io->...o", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -178,25 +183,31 @@ class QuantLinear(nnx.Module):
     `scale` [O] (or [G, O], grouped) float32, uint4's `zero` points (int8, shaped as `scale`; None
     for the symmetric modes), an act-order mode's `g_idx` [I] int32 (each input row's group; None
     for runs of consecutive rows) and the stored bias [O] or None; called as the Linear was, x
-    [..., I] -> [..., O] in the Linear's `dtype`."""
+    [..., I] -> [..., O] in the Linear's `dtype`. `param_name`: the Linear's name as the partition
+    rules read it, without its layer ("attn.q_proj" in every block, so that identical blocks stay
+    one structure, traced once: `dlm_jax.models._transformer.layers_traced_once`), by which they
+    place it on a mesh (the Pallas kernel's shards there: `quantized_matmul`); None for one the
+    rules do not name."""
 
     def __init__(self, qkernel: jax.Array, scale: jax.Array, bias: jax.Array | None, *, dtype,
-                 zero: jax.Array | None = None, g_idx: jax.Array | None = None):
+                 zero: jax.Array | None = None, g_idx: jax.Array | None = None, param_name: str | None = None):
         self.qkernel = nnx.Param(qkernel)
         self.scale = nnx.Param(scale)
         self.zero = nnx.Param(zero) if zero is not None else None
         self.g_idx = nnx.Param(g_idx) if g_idx is not None else None
         self.bias = nnx.Param(bias) if bias is not None else None
         self.dtype = dtype
+        self.param_name = param_name
         self.in_features, self.out_features = qkernel.shape
 
     @classmethod
-    def from_linear(cls, linear: nnx.Linear, mode: str) -> QuantLinear:
+    def from_linear(cls, linear: nnx.Linear, mode: str, param_name: str | None = None) -> QuantLinear:
         q, scale, zero = quantize_kernel(linear.kernel[...], mode=mode)
         bias = None if linear.bias is None else linear.bias[...]
         rows = linear.kernel[...].shape[0]
         g_idx = (jnp.arange(rows, dtype=jnp.int32) // (rows // scale.shape[0])) if act_order(mode) else None
-        return cls(q, scale, bias, dtype=linear.dtype or linear.kernel[...].dtype, zero=zero, g_idx=g_idx)
+        return cls(q, scale, bias, dtype=linear.dtype or linear.kernel[...].dtype, zero=zero, g_idx=g_idx,
+                   param_name=param_name)
 
     def product(self, x: jax.Array, dtype=jnp.float32) -> jax.Array:
         """x [..., I] @ the dequantised kernel -> [..., O] in `dtype` (no bias): the int8/fp8
@@ -204,7 +215,7 @@ class QuantLinear(nnx.Module):
         (`quantized_matmul`)."""
         return quantized_matmul(x, self.qkernel[...], self.scale[...],
                                 None if self.zero is None else self.zero[...],
-                                None if self.g_idx is None else self.g_idx[...], dtype)
+                                None if self.g_idx is None else self.g_idx[...], dtype, name=self.param_name)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype or x.dtype
@@ -341,18 +352,18 @@ def quantize(model, mode: str, *, keep: frozenset[str] | set[str] | tuple[str, .
     if unknown:
         raise ConfigError(f"quant={mode!r}: keep names {unknown[:4]}, which are no weights it quantizes "
                           f"(e.g. {every[0][0]!r}, 'lm_head')")
-    weights = [(module, name) for n, module, name in every if n not in keep]
-    if any(getattr(module, "slot_of", None) is not None for module, _ in weights):
+    weights = [(module, name, n) for n, module, name in every if n not in keep]
+    if any(getattr(module, "slot_of", None) is not None for module, _, _ in weights):
         raise ConfigError(f"quant={mode!r} with split expert execution (expert_slots) is not supported: "
                           f"quantize before splitting is not built yet; drop one of them")
-    for module, name in weights:  # every group size checked before anything is swapped
+    for module, name, _ in weights:  # every group size checked before anything is swapped
         weight = getattr(module, name)
         rows = weight.in_features if isinstance(weight, nnx.Linear) else weight[...].shape[-2]
         groups(mode, rows, f"{type(module).__name__}.{name}")
-    for module, name in weights:
+    for module, name, full in weights:
         weight = getattr(module, name)
         if isinstance(weight, nnx.Linear):
-            setattr(module, name, QuantLinear.from_linear(weight, mode))
+            setattr(module, name, QuantLinear.from_linear(weight, mode, re.sub(r"^(.*\.)?layers\.\d+\.", "", full)))
             continue
         q, scale, zero = quantize_kernel(weight[...], mode=mode)
         setattr(module, name, nnx.Param(q))  # the stored weights are dropped here, one tensor at a time

@@ -12,7 +12,9 @@ models' steps in the attention kernel, run in Pallas's interpreter: the executor
 on a CPU, so it is set after loading; the report counts the kernel's traces on the mesh), "rows":
 "batched" (both executors' row form, set after loading), "collectives": true (report the
 collectives of the mesh executor's step programs after the decodes: the largest program's bytes
-by kind, and one cache row's K/V bytes)}],
+by kind, and one cache row's K/V bytes), "quant_kernel": true (the mesh model's quantized products in
+`dlm_jax.models._quant_kernel`, run in Pallas's interpreter, one device's in XLA's form; the report
+counts the kernel's traces on the mesh by each call's weight shape)}],
 "processes": [coordinator, N, rank] (optional: join a run of N processes)}.
 
 For each case the model loads twice through `dlm_jax.load` (once on the default device, once
@@ -128,8 +130,33 @@ def main() -> None:
                     kernel.callback(setattr, _attention_kernel, "_on_mesh", on_mesh)
                 if case.get("rows"):
                     one.executor.rows = mesh.executor.rows = case["rows"]
+                around_mesh = contextlib.nullcontext  # (what the mesh model's decodes run in)
+                if case.get("quant_kernel"):
+                    from dlm_jax.models import _attention_kernel, _quant_kernel
+
+                    kernel.enter_context(_attention_kernel.interpret())
+                    call, shapes = _quant_kernel._call, row.setdefault("quant_kernel_traces", [])
+
+                    def counted(x, q, *args, call=call, shapes=shapes, **kw):
+                        shapes.append(list(q.shape))  # (the weights each device's kernel reads: [E, I, O])
+                        return call(x, q, *args, **kw)
+
+                    _quant_kernel._call = counted
+                    kernel.callback(setattr, _quant_kernel, "_call", call)
+
+                    @contextlib.contextmanager
+                    def kernel_on():  # (read where a program is traced: the mesh model's only)
+                        os.environ[_quant_kernel.QUANT_KERNEL_ENV] = "pallas"
+                        try:
+                            yield
+                        finally:
+                            os.environ.pop(_quant_kernel.QUANT_KERNEL_ENV)
+
+                    around_mesh = kernel_on
                 for preset in case["presets"]:
-                    a, b = decode(one, preset, case), decode(mesh, preset, case)
+                    a = decode(one, preset, case)
+                    with around_mesh():
+                        b = decode(mesh, preset, case)
                     row["presets"][json.dumps(preset)] = {"one": a, "mesh": b}
             if case.get("collectives"):
                 ex, mc = mesh.executor, mesh.config

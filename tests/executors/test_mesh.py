@@ -393,3 +393,27 @@ def test_the_attention_kernel_on_a_mesh_decodes_one_device_s_tokens():
     assert_same(report)
     traces = report["cases"][0]["kernel_traces"]
     assert traces and set(traces) == {8}, traces  # the mesh's steps took the kernel (8 query heads split)
+
+
+@pytest.mark.slow  # (by default tests/models/test_quant_kernel.py runs the kernel on meshes of host devices)
+def test_the_quantized_kernel_on_a_mesh_decodes_one_device_s_tokens():
+    """`$DLM_JAX_QUANT_KERNEL=pallas` on meshes (each device runs the quantized kernel over its
+    shards under `shard_map`, in Pallas's interpreter here) against one device's decode in XLA's
+    form: grouped int8 on tp=2; an act-order int4 model in bfloat16 on tp=2,dp=2 (row-parallel
+    maps split, their scales whole); an MoE's uint4 experts on ep=2,tp=2 (each device's experts
+    in the kernel inside the experts' own `shard_map`). The same tokens and NFE, and the kernel's
+    weights each device's shards: the q projection's columns halved, the o projection's rows,
+    half the experts with half their neurons."""
+    bf16 = {"dtype": "bfloat16", "param_dtype": "bfloat16"}
+    report = drive({"devices": 4, "cases": [
+        {"model": "models/llada-tiny", "mesh": "tp=2", "load": {"quant": "int8-g32"}, "presets": ["fast-dllm"],
+         "quant_kernel": True},
+        {"model": "models/llada-tiny", "mesh": "tp=2,dp=2", "load": {"quant": "int4-g32-act", **bf16},
+         "presets": ["fast-dllm-dual"], "prompts": 2, "quant_kernel": True},
+        {"model": "models/moe-tiny", "mesh": "ep=2,tp=2", "load": {"quant": "uint4-g32"}, "presets": ["fast-dllm"],
+         "prompts": 2, "quant_kernel": True}]})
+    assert_same(report)
+    dense, act, moe = ({tuple(s) for s in case["quant_kernel_traces"]} for case in report["cases"])
+    # llada-tiny: d 128, 4 query heads of 32 over 2 K/V heads, FFN 384 (the head's 264 columns stay XLA's)
+    assert dense == act == {(1, 128, 64), (1, 128, 32), (1, 64, 128), (1, 128, 192), (1, 192, 128)}, dense
+    assert {(16, 128, 32), (16, 32, 128)} <= moe, moe  # 32 experts over ep, their FFN of 64 over tp

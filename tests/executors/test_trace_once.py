@@ -36,6 +36,7 @@ def lowered(spec, build):
     ("llada-tiny", {"dtype": "bfloat16"}),  # bfloat16: where XLA's rounding would show a different program
     pytest.param("moe-tiny", {}, marks=pytest.mark.slow),  # routed experts, with their outputs (about 5.5 s)
     ("idlm-tiny", {"lora": "models/idlm-tiny/risd"}),  # LoRA gates, an extra input
+    ("llada-tiny", {"quant": "int8-g32"}),  # quantized projections (their rule names: one per block structure)
 ])
 def test_blocks_are_traced_once_into_the_programs_of_the_plain_trace(monkeypatch, name, load_options):
     m = dlm_jax.load(f"models/{name}", executor="jax", **load_options)

@@ -304,3 +304,84 @@ def test_a_quantized_moe_load_with_the_kernel_decodes_as_without(monkeypatch):
         again = dlm_jax.load("models/moe-tiny", quant="int4-g32", executor="jax")
         assert again.generate("564+894=", cfg).token_ids == want
     assert calls  # (traced in the executor's programs)
+
+
+_ON_A_MESH = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["DLM_JAX_QUANT_KERNEL"] = "pallas"
+sys.path.insert(0, sys.argv[1])
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from test_quant_kernel import numpy_product
+from dlm_jax._partition import EXPERT, KV_HEADS, MODEL, leaf_axes
+from dlm_jax.executors.sharding import collective_bytes
+from dlm_jax.models import _attention_kernel, _quant_kernel
+from dlm_jax.models._tracing import expert_mesh
+from dlm_jax.models.quant import quantize_kernel, quantized_matmul
+
+calls = []
+call = _quant_kernel._call
+_quant_kernel._call = lambda x, q, *a, **k: calls.append([list(x.shape), list(q.shape)]) or call(x, q, *a, **k)
+rng = np.random.default_rng(0)
+out = []
+for grid, name, mode in [((1, 1, 2), "layers.0.attn.q_proj", "int8-g16"),  # column-parallel
+                         ((1, 1, 2), "layers.0.attn.o_proj", "int4-g16"),  # row-parallel: partial sums added
+                         ((2, 1, 2), "layers.1.ffn.down_proj", "uint4"),  # rows over dp too; [O] scales whole
+                         ((2, 1, 2), "layers.1.ffn.down_proj", "int4-g16-act"),  # the map split, the scales whole
+                         ((1, 1, 4), "layers.0.attn.o_proj", "int8-g32"),  # 2 groups over 4 devices: XLA's form
+                         ((1, 1, 2), None, "int8-g16")]:  # a product the rules do not name: XLA's form
+    mesh = Mesh(np.asarray(jax.devices()[:int(np.prod(grid))]).reshape(grid), ("dp", "ep", "tp"))
+    axes = {MODEL: ("tp", grid[2]), EXPERT: ("ep", 1), KV_HEADS: ("tp", grid[2])}
+    act = mode.endswith("-act")
+    q, scale, zero = quantize_kernel(jnp.asarray(rng.standard_normal((64, 96)), jnp.float32), mode=mode)
+    g_idx = jnp.asarray(rng.permutation(np.arange(64) // 16), jnp.int32) if act else None
+    x = jnp.asarray(rng.standard_normal((4, 3, 64)), jnp.float32)
+    put = lambda leaf, a: None if a is None else jax.device_put(a, NamedSharding(mesh, P(*leaf_axes(
+        f"{name}.{leaf}", a.shape, axes, act_order=act))))
+    args = [put("qkernel", q), put("scale", scale), put("zero", zero), put("g_idx", g_idx)]
+
+    def product(x, *w):
+        with expert_mesh(mesh, "psum", (axes, act)):
+            return quantized_matmul(x, *w, jnp.float32, name=name)
+
+    calls.clear()
+    with _attention_kernel.interpret():
+        fn = jax.jit(product)
+        got = np.asarray(fn(x, *args))
+        hlo = fn.lower(x, *args).compile().as_text()
+    err = float(np.abs(got - numpy_product(x.reshape(-1, 64), q, scale, zero, g_idx).reshape(got.shape)).max())
+    out.append({"calls": calls[:], "err": err, "collectives": collective_bytes(hlo)})
+print(json.dumps(out))
+"""
+
+
+def test_on_a_mesh_each_device_runs_the_kernel_over_its_shards():
+    """On 4 host devices (a process of its own: this one keeps one device), a product of
+    parameters placed by the partition rules runs the kernel under `shard_map`, each device over
+    its shards: a column-parallel q projection over its columns (no collective), row-parallel o
+    and down projections over their rows, their float32 partial products summed by one
+    all-reduce of the output (and nothing else: no weights gathered), rows over dp too, uint4's
+    per-channel scales and an act-order map's whole scales; NumPy's product each time. Shards
+    the kernel cannot take (2 groups of rows over 4 devices) and a product the rules do not name
+    stay in XLA's form."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(here.parents[1])}
+    proc = subprocess.run([sys.executable, "-c", _ON_A_MESH, str(here)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert max(c["err"] for c in cases) < 1e-4, [c["err"] for c in cases]
+    # each device's x [rows, I] and weights [1, I, O]: columns halved, rows halved (and x's rows over dp)
+    assert [c["calls"] for c in cases] == [[[[12, 64], [1, 64, 48]]], [[[12, 32], [1, 32, 96]]],
+                                           [[[6, 32], [1, 32, 96]]], [[[6, 32], [1, 32, 96]]], [], []]
+    assert cases[0]["collectives"] == {}
+    for c, rows in zip(cases[1:4], (12, 6, 6)):  # one all-reduce of each device's float32 [rows, 96]
+        assert c["collectives"] == {"all-reduce": {"ops": 1, "bytes": rows * 96 * 4}}, c["collectives"]
