@@ -28,7 +28,12 @@ experts [U] a product uses, read inside it, each program's expert's blocks read 
 in the stacked array (XLA's form gathers the used experts and dequantises them first): rows
 [M, I] through each of the U experts, each expert its own rows [U, M, I] (the forms of
 `dlm_jax.models._transformer.dispatch_experts`), or the experts' inputs side by side
-[M, U * I] summed into one product (its few-experts form's down projection).
+[M, U * I] summed into one product (its few-experts form's down projection). Unquantized
+experts (bfloat16, float16 or float32, no scales) take it too, their blocks read as they lie:
+XLA's form gathers a quarter of the experts into a copy first, or reads all of them in place
+from half up (compiled for an H200 at LLaDA2.0-mini's shape, the costliest form of a batch-1
+dual step writes 8.26 GB in XLA's form, 7.71 GB of it that copy, and 1.82 GB in the kernel:
+`benchmarks/results/gpu_target.md`).
 
 The products are `quantized_matmul`'s up to the order of the float32 sums (block by block).
 Shapes it takes (`fits`; Triton's loads are powers of two and its products at least 16 wide):
@@ -65,6 +70,7 @@ from dlm_jax.models import _attention_kernel
 
 QUANT_KERNEL_ENV = "DLM_JAX_QUANT_KERNEL"
 _DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int4))
+_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))  # (unquantized experts)
 _BLOCK_K = 128  # rows of a group (or of a kernel) dequantised at a time, at most
 
 
@@ -144,7 +150,7 @@ def _runs_here() -> bool:
     return target_platform() == "gpu"
 
 
-def use(q: jax.Array, scale: jax.Array, zero: jax.Array | None = None, g_idx: jax.Array | None = None) -> bool:
+def use(q: jax.Array, scale: jax.Array | None, zero: jax.Array | None = None, g_idx: jax.Array | None = None) -> bool:
     """Whether the product of these weights traces as the kernel over the arrays as they are:
     `enabled`, the shapes `fit`, a GPU program or Pallas's interpreter on, and one device, or a
     `shard_map` manual over every axis of the mesh that splits anything (each device's own
@@ -257,14 +263,19 @@ def _block_k(rows: int, groups: int, act: bool) -> int:
     return _attention_kernel._block(rows if act else rows // groups, _BLOCK_K)
 
 
-def fits(q: jax.Array, scale: jax.Array, zero: jax.Array | None = None, g_idx: jax.Array | None = None) -> bool:
+def fits(q: jax.Array, scale: jax.Array | None, zero: jax.Array | None = None,
+         g_idx: jax.Array | None = None) -> bool:
     """Whether the kernel takes weights q [I, O] (int8, float8_e4m3fn, int4) with grouped
     scales [G, O] (and zero points, and an act-order map [I]), or one scale a channel [O] with
     zero points (uint4; symmetric per-channel kernels are XLA's, fused there): blocks of rows
     (`_block_k`) and an output width that 16 divides. Routed experts' weights take a leading
     expert axis on each: q [E, I, O], scales [E, G, O] or [E, O] (zero points or not: XLA
-    gathers the experts a step uses and dequantises them, symmetric or not), maps [E, I]."""
+    gathers the experts a step uses and dequantises them, symmetric or not), maps [E, I]; or
+    unquantized (bfloat16, float16, float32) without scales (XLA gathers those experts too)."""
     lead = q.ndim - 2
+    if scale is None:  # (unquantized: routed experts only; a dense product is XLA's own GEMM)
+        return (lead == 1 and jnp.dtype(q.dtype) in _FLOATS and zero is None and g_idx is None
+                and bool(_block_k(q.shape[1], 1, False)) and q.shape[2] % 16 == 0)
     if lead not in (0, 1) or jnp.dtype(q.dtype) not in _DTYPES or scale.ndim - lead not in (1, 2):
         return False
     if scale.ndim - lead == 1 and ((zero is None and not lead) or g_idx is not None):
@@ -276,11 +287,12 @@ def fits(q: jax.Array, scale: jax.Array, zero: jax.Array | None = None, g_idx: j
     return bool(_block_k(rows, groups, g_idx is not None)) and cols % 16 == 0
 
 
-def _kernel(ids_ref, x_ref, q_ref, s_ref, *refs, block_k: int, steps: int, per_group: int, per_expert: int,
-            row_blocks: int, zero: bool, act: bool, summed: bool):
+def _kernel(ids_ref, x_ref, q_ref, *refs, block_k: int, steps: int, per_group: int, per_expert: int,
+            row_blocks: int, scaled: bool, zero: bool, act: bool, summed: bool):
     """One program: `steps` blocks of input rows from its share's first (grid axis 2), of the
     expert `ids_ref[u]` (u: the program's, grid axis 0 over row blocks; `summed`: each block's,
-    the blocks of the experts one after another along x's columns)."""
+    the blocks of the experts one after another along x's columns). Unquantized weights
+    (`scaled` false) are read in x's dtype as they are."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -288,6 +300,7 @@ def _kernel(ids_ref, x_ref, q_ref, s_ref, *refs, block_k: int, steps: int, per_g
     o_ref = refs.pop()
     g_ref = refs.pop() if act else None
     z_ref = refs.pop() if zero else None
+    s_ref = refs.pop() if scaled else None
     f32 = x_ref.dtype == jnp.float32
     mine = None if summed else ids_ref[pl.program_id(0) // row_blocks]
 
@@ -295,6 +308,9 @@ def _kernel(ids_ref, x_ref, q_ref, s_ref, *refs, block_k: int, steps: int, per_g
         k = t % per_expert if summed else t  # (the block among its expert's)
         e = ids_ref[t // per_expert] if summed else mine
         rows = pl.ds(k * block_k, block_k)
+        if not scaled:
+            w = q_ref[e, rows, :].astype(x_ref.dtype)  # [block_k, block_n]
+            return acc + plgpu.dot(x_ref[:, pl.ds(t * block_k, block_k)], w, allow_tf32=False if f32 else None)
         w = q_ref[e, rows, :].astype(jnp.float32)  # [block_k, block_n]
         # the block's scales (and zero points): its group's row, or each row's group's (act-order)
         at = (e, g_ref[e, rows], slice(None)) if act else (e, pl.ds(k // per_group, 1), slice(None))
@@ -308,16 +324,16 @@ def _kernel(ids_ref, x_ref, q_ref, s_ref, *refs, block_k: int, steps: int, per_g
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _call(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, g_idx: jax.Array | None,
+def _call(x: jax.Array, q: jax.Array, scale: jax.Array | None, zero: jax.Array | None, g_idx: jax.Array | None,
           ids: jax.Array, *, per_expert_x: bool, summed: bool, out_dtype) -> jax.Array:
-    """The kernel over experts' weights q [E, I, O] (scales [E, G, O], zero points, maps [E, I])
-    for the experts `ids` [U]: x [U, M, I] (`per_expert_x`) or [M, I] -> [U, M, O]; `summed`:
-    x [M, U * I] -> [M, O], the experts' products added."""
+    """The kernel over experts' weights q [E, I, O] (scales [E, G, O], zero points, maps [E, I];
+    no scales: unquantized) for the experts `ids` [U]: x [U, M, I] (`per_expert_x`) or [M, I] ->
+    [U, M, O]; `summed`: x [M, U * I] -> [M, O], the experts' products added."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     n_exp, rows, cols = q.shape
-    groups = scale.shape[1]
+    groups = 1 if scale is None else scale.shape[1]
     act = g_idx is not None
     block_k = _block_k(rows, groups, act)
     per_expert = rows // block_k
@@ -341,8 +357,11 @@ def _call(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, 
         x_spec = pl.BlockSpec((block_m, x.shape[-1]), lambda p, j, s: (p % rb, 0))
     whole = lambda *shape: pl.BlockSpec(shape, lambda p, j, s: (0,) * len(shape))  # noqa: E731
     columns = lambda *shape: pl.BlockSpec((*shape, block_n), lambda p, j, s: (0,) * len(shape) + (j,))  # noqa: E731
-    in_specs = [whole(users), x_spec, columns(n_exp, rows), columns(n_exp, groups)]
-    operands = [ids.astype(jnp.int32), x, q, scale.astype(jnp.float32)]
+    in_specs = [whole(users), x_spec, columns(n_exp, rows)]
+    operands = [ids.astype(jnp.int32), x, q]
+    if scale is not None:
+        in_specs.append(columns(n_exp, groups))
+        operands.append(scale.astype(jnp.float32))
     if zero is not None:
         in_specs.append(columns(n_exp, groups))
         operands.append(zero)
@@ -353,7 +372,8 @@ def _call(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, 
     params = {} if interpret else {
         "compiler_params": plgpu.CompilerParams(num_warps=tiling.warps, num_stages=tiling.stages)}
     kernel = functools.partial(_kernel, block_k=block_k, steps=blocks // split, per_group=max(1, per_expert // groups),
-                               per_expert=per_expert, row_blocks=rb, zero=zero is not None, act=act, summed=summed)
+                               per_expert=per_expert, row_blocks=rb, scaled=scale is not None, zero=zero is not None,
+                               act=act, summed=summed)
     if summed:
         shape, block, at = (padded, cols), (block_m, block_n), lambda p, j: (p, j)
     else:
@@ -373,7 +393,7 @@ def _call(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, 
 
 def _as_experts(scale, zero, g_idx, lead: int):
     """Scales [.., O] (one a channel) as one group [.., 1, O], and their zero points."""
-    if scale.ndim - lead == 1:
+    if scale is not None and scale.ndim - lead == 1:
         scale, zero = scale[..., None, :], None if zero is None else zero[..., None, :]
     return scale, zero, g_idx
 
@@ -396,18 +416,20 @@ def grouped_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array
     return out[0].reshape(*lead, q.shape[1])
 
 
-def expert_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None, g_idx: jax.Array | None,
-                  experts: jax.Array, *, summed: bool = False, out_dtype=jnp.float32) -> jax.Array:
+def expert_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None, zero: jax.Array | None,
+                  g_idx: jax.Array | None, experts: jax.Array, *, summed: bool = False,
+                  out_dtype=jnp.float32) -> jax.Array:
     """Routed experts' products with their weights q [E, I, O] (scales [E, G, O] or [E, O] with
-    zero points, zero points, act-order maps [E, I]) of the experts `experts` [U] (int32; any
+    zero points, zero points, act-order maps [E, I]; or unquantized, bfloat16 / float16 / float32
+    without scales) of the experts `experts` [U] (int32; any
     order, repeats allowed), each expert's weights read where they lie:
     x [U, M, I] (each expert its rows) or [M, I] (the same rows through each) -> [U, M, O];
     `summed`: x [M, U * I] (expert u's inputs in columns u * I .. (u + 1) * I) -> [M, O], the
     experts' products added. In `out_dtype`, summed in float32; the shapes must `fit`."""
     if q.ndim != 3 or not fits(q, scale, zero, g_idx):
-        raise ValueError(f"the quantized kernel takes experts' int8 / float8 / int4 weights [E, I, O] in blocks of "
-                         f"rows of a power of two from 16 and O a multiple of 16; got {q.dtype} {tuple(q.shape)} "
-                         f"with scales {tuple(scale.shape)}")
+        raise ValueError(f"the quantized kernel takes experts' int8 / float8 / int4 weights [E, I, O] (or float ones "
+                         f"without scales) in blocks of rows of a power of two from 16 and O a multiple of 16; got "
+                         f"{q.dtype} {tuple(q.shape)} with scales {None if scale is None else tuple(scale.shape)}")
     scale, zero, g_idx = _as_experts(scale, zero, g_idx, 1)
     rows = q.shape[1]
     users = experts.shape[0]

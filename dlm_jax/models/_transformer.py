@@ -459,8 +459,9 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
       crowd onto a few experts, as a decode window of [MASK] rows does. From U = E / 2 up
       every expert is read where its weights lie instead (a gathered copy, written and read
       again, would move more bytes), but under `litert_lowering`; with
-      `$DLM_JAX_QUANT_KERNEL=pallas` on a GPU, quantized experts run in the Pallas kernel,
-      which reads the used experts' weights in place at every U;
+      `$DLM_JAX_QUANT_KERNEL=pallas` on a GPU the experts (quantized or not) run in the Pallas
+      kernel, which reads the U experts' weights in place at every U (from half up too: the
+      used ones first, the others only to fill the branch's U);
     - many experts with few rows each (a varied batch): the N*k assignments are ordered by
       expert and packed into an [E, C, D] buffer, C the busiest expert's rows rounded up to a
       capacity level below N.
@@ -482,15 +483,17 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
         # where its weights lie instead (the unused ones weighted zero): a gathered copy would be
         # written and read again, more bytes than reading all E (at half: 1.5 E against E). But for
         # LiteRT, whose 2.3 compiled model refuses an IF branch that reads the captured weights
-        # directly.
-        in_place = 2 * u >= e and not _LITERT.get()
+        # directly. The kernel reads the used experts first where they lie at every U (and the
+        # others only to fill U).
+        kernel = all(map(expert_kernel, (gate, up, down)))
+        in_place = 2 * u >= e and not _LITERT.get() and not kernel
         if in_place:
             u, experts, ids = e, jnp.arange(e, dtype=flat.dtype), routing.experts  # (-1: one_hot gives zeros)
         else:
             experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
             ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
         combine = jnp.einsum("nk,nku->nu", weights, jax.nn.one_hot(ids, u, dtype=x.dtype))
-        if all(map(expert_kernel, (gate, up, down))):  # each used expert's weights read where they lie
+        if kernel:  # each used expert's weights read where they lie
             h = jax.nn.silu(experts_matmul(x, gate, experts)) * experts_matmul(x, up, experts)  # [U, N, F]
             h = h.transpose(1, 0, 2) * combine[..., None]
             return experts_matmul(h.reshape(n, u * f), down, experts, summed=True)

@@ -272,23 +272,27 @@ def expert_einsum(spec: str, x: jax.Array, w: jax.Array | QuantExperts) -> jax.A
 
 def expert_kernel(w) -> bool:
     """Whether routed experts' weights `w` run in dlm-jax's Pallas kernel
-    (`dlm_jax.models._quant_kernel`, `$DLM_JAX_QUANT_KERNEL=pallas` on a GPU): quantized
-    `QuantExperts` of shapes it takes (per channel too: `dispatch_experts`' few-experts form
-    reads the used experts in place, where XLA's gathers and dequantises them; `expert_einsum`
-    keeps XLA's fused per-channel form)."""
-    if not isinstance(w, QuantExperts):
-        return False
+    (`dlm_jax.models._quant_kernel`, `$DLM_JAX_QUANT_KERNEL=pallas` on a GPU) in
+    `dispatch_experts`' few-experts form, which reads the used experts in place there, where
+    XLA's form gathers (and dequantises) them into a copy: quantized `QuantExperts` of shapes it
+    takes (per channel too), or unquantized [E, I, O] arrays (`expert_einsum` keeps XLA's
+    per-channel and unquantized forms, over every expert in place)."""
     from dlm_jax.models import _quant_kernel
 
+    if not isinstance(w, QuantExperts):
+        return isinstance(w, jax.Array) and _quant_kernel.use(w, None)
     return _quant_kernel.use(w.q, w.scale, w.zero, w.g_idx)
 
 
-def experts_matmul(x: jax.Array, w: QuantExperts, experts: jax.Array, *, summed: bool = False) -> jax.Array:
-    """The experts `experts` [U] of `w` in the kernel (`expert_kernel(w)` must hold), in x's
-    dtype: x [M, I] or [U, M, I] -> [U, M, O]; `summed`: x [M, U * I] -> [M, O]
-    (`_quant_kernel.expert_matmul`)."""
+def experts_matmul(x: jax.Array, w: QuantExperts | jax.Array, experts: jax.Array, *,
+                   summed: bool = False) -> jax.Array:
+    """The experts `experts` [U] of `w` (quantized, or unquantized [E, I, O]) in the kernel
+    (`expert_kernel(w)` must hold), in x's dtype: x [M, I] or [U, M, I] -> [U, M, O]; `summed`:
+    x [M, U * I] -> [M, O] (`_quant_kernel.expert_matmul`)."""
     from dlm_jax.models import _quant_kernel
 
+    if not isinstance(w, QuantExperts):
+        return _quant_kernel.expert_matmul(x, w, None, None, None, experts, summed=summed, out_dtype=x.dtype)
     return _quant_kernel.expert_matmul(x, w.q, w.scale, w.zero, w.g_idx, experts, summed=summed, out_dtype=x.dtype)
 
 

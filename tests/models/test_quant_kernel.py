@@ -183,6 +183,61 @@ def test_experts_products_read_each_expert_s_weights_where_they_lie(mode):
         expert_matmul(own[:3], q, scale, zero, g_idx, jnp.asarray(ids))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unquantized_experts_products_read_each_expert_s_weights_where_they_lie(dtype):
+    """Routed experts' float weights without scales (an unquantized MoE's): the experts named,
+    out of order and one twice, in the three forms, each against NumPy's product of that expert's
+    weights; no other float kernel is taken (a dense product is XLA's GEMM)."""
+    e, rows, cols, m = 5, 64, 32, 6
+    rng = np.random.default_rng(8)
+    w = jnp.asarray(rng.normal(size=(e, rows, cols)), dtype)
+    ids = np.array([4, 1, 4])
+    shared = jnp.asarray(rng.normal(size=(m, rows)), dtype)
+    own = jnp.asarray(rng.normal(size=(len(ids), m, rows)), dtype)
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    assert fits(w, None) and not fits(w[0], None) and not fits(w[..., :24], None)
+    with _attention_kernel.interpret():
+        got_shared = expert_matmul(shared, w, None, None, None, jnp.asarray(ids), out_dtype=dtype)
+        got_own = expert_matmul(own, w, None, None, None, jnp.asarray(ids))
+        got_sum = expert_matmul(own.transpose(1, 0, 2).reshape(m, -1), w, None, None, None, jnp.asarray(ids),
+                                summed=True)
+    assert got_shared.dtype == dtype and got_own.dtype == jnp.float32
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # (bfloat16: its outputs rounded once)
+    for u, i in enumerate(ids):
+        np.testing.assert_allclose(f64(got_shared[u]), f64(shared) @ f64(w[i]), rtol=tol, atol=tol * 8)
+        np.testing.assert_allclose(f64(got_own[u]), f64(own[u]) @ f64(w[i]), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(f64(got_sum), sum(f64(own[u]) @ f64(w[i]) for u, i in enumerate(ids)),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("pool", [2, 4, 8])
+def test_the_few_experts_form_reads_only_the_branch_s_experts_in_the_kernel(monkeypatch, pool):
+    """`dispatch_experts` over unquantized experts with the kernel asked for: steps that use 2, 4
+    and 8 of 8 experts run the branches of a quarter, half and all the experts, each of which
+    reads its U experts, the used ones first (from half up XLA's form reads all 8 in place
+    instead), with the dense form's result in XLA's, an assignment of -1 contributing nothing."""
+    from dlm_jax.models._transformer import Routing, dense_experts, dispatch_experts
+
+    e, d, f, n, k = 8, 32, 16, 12, 2
+    rng = np.random.default_rng(pool)
+    w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    experts = np.stack([rng.permutation(pool)[:k] for _ in range(n)]) * (e // pool)  # every (e / pool)-th expert
+    experts[::5, 1] = -1  # (split execution's misses)
+    routing = Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(rng.random((n, k)), jnp.float32))
+    want = np.asarray(dense_experts(x, routing, *w))
+    reads = []
+    traced = _quant_kernel.expert_matmul
+    monkeypatch.setattr(_quant_kernel, "expert_matmul",
+                        lambda *a, **kw: reads.append(a[5].shape[0]) or traced(*a, **kw))  # (a[5]: the experts)
+    monkeypatch.setenv(QUANT_KERNEL_ENV, "pallas")
+    with _attention_kernel.interpret():
+        got = np.asarray(jax.jit(lambda *a: dispatch_experts(*a))(x, routing, *w))  # (traced afresh)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # every branch is traced (the step picks one at run time): gate, up and down over its U experts
+    assert sorted(reads) == [2] * 3 + [4] * 3 + [8] * 3, reads
+
+
 @pytest.mark.parametrize("spec, x_shape", [("nd,edf->nef", (6, 64)), ("nef,efd->ned", (6, 3, 64)),
                                            ("ecd,edf->ecf", (3, 5, 64)), ("bnd,edf->ebnf", (2, 4, 64))])
 def test_expert_einsum_through_the_kernel_is_its_xla_form(monkeypatch, spec, x_shape):
@@ -241,19 +296,20 @@ def test_a_model_s_grouped_products_take_the_kernel_only_where_asked(monkeypatch
 
 
 @pytest.mark.parametrize("mode", ["int4-g16", pytest.param("uint4-g16-act", marks=pytest.mark.slow),
-                                  pytest.param("int8", marks=pytest.mark.slow)])  # (7 s each)
+                                  pytest.param("int8", marks=pytest.mark.slow), None])  # (7 s each)
 def test_an_moe_model_s_routed_experts_take_the_kernel(monkeypatch, mode):
-    """A MoE model's routed experts quantized in groups (or per channel): with the kernel asked
-    for (its interpreter standing in for a GPU), the expert products run in it, the used
-    experts' weights read where they lie (the few-experts form: gate and up through each used
-    expert, down summed over them; the packed form, grouped: each expert its rows), with XLA's
-    logits."""
+    """A MoE model's routed experts quantized in groups (or per channel, or unquantized): with
+    the kernel asked for (its interpreter standing in for a GPU), the expert products run in it,
+    the used experts' weights read where they lie (the few-experts form: gate and up through each
+    used expert, down summed over them; the packed form, grouped: each expert its rows), with
+    XLA's logits."""
     from dlm_jax.models import quant as quant_module
     from dlm_jax.testing import tiny_config
 
     model = dlm_jax.init_model(tiny_config(ffn="moe", n_experts=4, n_experts_per_tok=2, moe_ffn_hidden=32,
                                            tie_embeddings=False), seed=1)
-    quantize(model, mode)
+    if mode is not None:
+        quantize(model, mode)
     tokens = jnp.asarray(np.random.default_rng(7).integers(0, 60, (2, 9)), jnp.int32)
     want = np.asarray(model(tokens).logits)
     calls = []
@@ -267,8 +323,9 @@ def test_an_moe_model_s_routed_experts_take_the_kernel(monkeypatch, mode):
         assert quant_module.expert_kernel(gate)
         got = np.asarray(model(tokens).logits)
     assert (2, True) in calls and (2, False) in calls  # the few-experts form: the same rows through each, summed
-    # the packed form (each expert its rows): in the kernel where grouped; per channel XLA fuses it
-    assert ((3, False) in calls) == (mode != "int8")
+    # the packed form (each expert its rows): in the kernel where grouped; per channel XLA fuses it, and
+    # unquantized it is XLA's batched GEMM over every expert in place
+    assert ((3, False) in calls) == (mode not in ("int8", None))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
