@@ -158,7 +158,7 @@
 #                with the blocks traced once (the executor's default) and one by one. On 2 CPU
 #                cores the load was 0.65 of it at the 8B shape (benchmarks/results/cache_load.md).
 #   probeserial 120  the probe on 1 thread (the autotuner alone on the device).
-#   qsweep  120  benchmarks/quant_sweep.py --quant int4-g128 int8-g128: one layer's q / gate / down
+#   qsweep  160  benchmarks/quant_sweep.py --quant int4-g128 int8-g128 none: one layer's q / gate / down
 #                kernels (8 copies each, out of the L2) at 32 and 256 rows, bfloat16, XLA's form of
 #                the grouped product against dlm-jax's Pallas kernel under 9 tilings (the default,
 #                whose split auto_split picks, 64 / 32 columns a program, the input rows summed
@@ -168,7 +168,11 @@
 #                benchmarks/results/gpu_target_parts/h200_quant_sweep.md). At 32 rows a layer's q
 #                kernel in 128 columns a program is 32 programs for the GPU's 132
 #                multiprocessors unless split: whether the splits pay for their partial sums.
-#                Written case by case, the q kernel's first.
+#                none: the bfloat16 kernels in XLA's GEMM against the same kernel reading them as
+#                they are (60 more programs): whether a weight-streaming kernel of dlm-jax's own
+#                beats XLA's GEMMs at a batch-1 step's 32 rows (the bf16 steps ran at 28-41% of
+#                the bandwidth; gpu_target_parts/h200_quant_sweep_bf16.md: XLA splits its 32-row
+#                q GEMM 4 ways too). Written case by case, the q kernel's first.
 #   int4    100  benchmarks/gpu_step.py --quant none int8 int4-g128 int4-g128+pallas uint4-g128
 #                uint4-g128+pallas, dual steps at batch 1 and 8 (12 programs, four sets of weights
 #                made): whether int4 weights in groups of 128 (the "-W4A16" releases' layout) halve
@@ -467,7 +471,7 @@ want probecache && needs "probe cache" "probe cache again" && part "probe cache 
 want cacheload && needs "probe cache" "cache load" && part "cache load" 75 30 $PY benchmarks/cache_load.py --kinds refresh prefix --at 0 1 2 3 4 5 6 7 \
   --repeats 1 --xla-cache "$WORK/xla-probe" "${CACHE_X[@]}" --out "$RES/cache_load"
 want probeserial && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$RES/probe_serial"
-want qsweep && part qsweep 120 30 $PY benchmarks/quant_sweep.py --quant int4-g128 int8-g128 "${QSWEEP_X[@]}" \
+want qsweep && part qsweep 160 30 $PY benchmarks/quant_sweep.py --quant int4-g128 int8-g128 none "${QSWEEP_X[@]}" \
   --out "$RES/quant_sweep"
 want int4 && part int4 100 30 $PY $S --batches 1 8 --kinds dual --quant none int8 int4-g128 int4-g128+pallas uint4-g128 \
   uint4-g128+pallas --reps 10 "${STEP_X[@]}" --out "$RES/int4"

@@ -19,6 +19,11 @@ uint4-g128, int4-g128-act, ...) in these forms:
                `Tiling`: rows and columns a program takes, the shares of the input rows summed
                apart, Triton's warps and stages).
 
+`--quant none`: the unquantized bfloat16 kernel, XLA's GEMM (xla) against the same Pallas
+kernel reading the bfloat16 weights as they are (pallas:NAME): whether a weight-streaming kernel
+of dlm-jax's own reads a batch-1 step's weights faster than XLA's GEMMs do (the measured 8B
+steps ran at 28-41% of the memory bandwidth; the model's unquantized products are XLA's).
+
 `--tilings` names presets (`TILINGS`) or gives its own as `m=64,n=64,split=4,warps=4,stages=3`.
 Per case and form: the median over `--reps` rounds of `--calls` calls back to back, per kernel
 (microseconds); the kernel's stored bytes over that time, against the device's copy bandwidth
@@ -111,7 +116,7 @@ def program(form: str):
     """x [M, I], the kernels -> each kernel's product [M, O] in bfloat16. A new function per
     form, so each is traced anew under its own tiling."""
     def one(x, w):
-        if form == "bf16":
+        if form == "bf16" or (form == "xla" and len(w) == 1):  # (--quant none: xla is the bfloat16 GEMM)
             return jnp.dot(x, w[0], preferred_element_type=jnp.float32).astype(x.dtype)
         if form == "xla":
             return quantized_matmul(x, *w, dtype=x.dtype)
@@ -145,7 +150,8 @@ def run(args: argparse.Namespace, target=None) -> dict[str, Any]:
             rows, cols = SHAPES[args.shape][kernel]
             bf16 = None if target is not None else weights(rows, cols, "none", args.layers, args.seed)
             for mode in args.quant:
-                ws = None if target is not None else weights(rows, cols, mode, args.layers, args.seed)
+                ws = bf16 if mode == "none" else None if target is not None else weights(
+                    rows, cols, mode, args.layers, args.seed)
                 for m in args.rows:
                     rep["cases"].append(one_case(args, rep, target, kernel, mode, m, rows, cols, ws, bf16))
                     write(rep, args.out)  # (after every case: a part cut by its time limit keeps what it has)
@@ -156,15 +162,17 @@ def run(args: argparse.Namespace, target=None) -> dict[str, Any]:
 
 def one_case(args, rep, target, kernel, mode, m, rows, cols, ws, bf16) -> dict[str, Any]:
     case: dict[str, Any] = {"kernel": kernel, "quant": mode, "rows": m, "shape": [rows, cols], "forms": {}}
-    forms = [("bf16", None), ("xla", None)] + [(f"pallas:{name}", t) for name, t in args.tilings]
+    unquantized = mode == "none"  # (xla: the bfloat16 GEMM, and the kernel reads the bfloat16 weights)
+    forms = [("bf16", None)] * (not unquantized) + [("xla", None)] + [(f"pallas:{n}", t) for n, t in args.tilings]
     if target is not None:
         from gpu_step import on_device
 
-        q, scale, zero = jax.eval_shape(lambda: quantize_kernel(jnp.zeros((rows, cols)), mode=mode))
-        g_idx = jax.ShapeDtypeStruct((rows,), jnp.int32) if act_order(mode) else None
         x = jax.ShapeDtypeStruct((m, rows), jnp.bfloat16)
-        specs = {"quant": on_device((x, [(q, scale, zero, g_idx)] * args.layers), target),
-                 "none": on_device((x, [(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16),)] * args.layers), target)}
+        specs = {"none": on_device((x, [(jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16),)] * args.layers), target)}
+        if not unquantized:
+            q, scale, zero = jax.eval_shape(lambda: quantize_kernel(jnp.zeros((rows, cols)), mode=mode))
+            g_idx = jax.ShapeDtypeStruct((rows,), jnp.int32) if act_order(mode) else None
+            specs["quant"] = on_device((x, [(q, scale, zero, g_idx)] * args.layers), target)
     else:
         x = jax.random.normal(jax.random.key(args.seed + m), (m, rows), jnp.float32).astype(jnp.bfloat16)
         values = {"quant": (x, ws), "none": (x, bf16)}
@@ -172,7 +180,7 @@ def one_case(args, rep, target, kernel, mode, m, rows, cols, ws, bf16) -> dict[s
     ref = None
     inputs = specs if target is not None else values
     for name, tile in forms:
-        kind = "none" if name == "bf16" else "quant"
+        kind = "none" if name == "bf16" or unquantized else "quant"
         row: dict[str, Any] = {}
         if name.startswith("pallas:") and not _quant_kernel.fits(*inputs[kind][1][0]):
             row["error"] = f"{mode} [{rows}, {cols}]: not a shape the kernel takes"
@@ -301,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", nargs="+", choices=("qkvo", "gate_up", "down"), default=["qkvo", "gate_up", "down"])
     p.add_argument("--quant", nargs="+", default=["int8-g128", "int4-g128"],
                    help="weight-only modes of dlm_jax.models.quant (int8-g128, int4-g128, uint4-g128, "
-                   "int4-g128-act, ...)")
+                   "int4-g128-act, ...), or none: the bfloat16 kernel in XLA's GEMM and in dlm-jax's kernel")
     p.add_argument("--rows", type=int, nargs="+", default=[32, 256])
     _sweep.add_flags(p, TILINGS, _FIELDS, Tiling, layers=8, layers_help="copies of each kernel a program (kept out of "
                      "the L2)")
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     args, target = _sweep.parse(p, argv, ("layers", "calls", "reps", "rows"))
     try:
         for mode in args.quant:
-            check_quant(mode)
+            check_quant(None if mode == "none" else mode)
     except Exception as e:  # noqa: BLE001 - a ConfigError naming the mode
         p.error(f"--quant: {e}")
     os.environ.pop(QUANT_KERNEL_ENV, None)  # (the xla form is XLA's: the kernel only where named)

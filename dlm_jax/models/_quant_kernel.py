@@ -263,7 +263,7 @@ def _block_k(rows: int, groups: int, act: bool) -> int:
     return _attention_kernel._block(rows if act else rows // groups, _BLOCK_K)
 
 
-def fits(q: jax.Array, scale: jax.Array | None, zero: jax.Array | None = None,
+def fits(q: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = None,
          g_idx: jax.Array | None = None) -> bool:
     """Whether the kernel takes weights q [I, O] (int8, float8_e4m3fn, int4) with grouped
     scales [G, O] (and zero points, and an act-order map [I]), or one scale a channel [O] with
@@ -271,11 +271,13 @@ def fits(q: jax.Array, scale: jax.Array | None, zero: jax.Array | None = None,
     (`_block_k`) and an output width that 16 divides. Routed experts' weights take a leading
     expert axis on each: q [E, I, O], scales [E, G, O] or [E, O] (zero points or not: XLA
     gathers the experts a step uses and dequantises them, symmetric or not), maps [E, I]; or
-    unquantized (bfloat16, float16, float32) without scales (XLA gathers those experts too)."""
+    unquantized (bfloat16, float16, float32) without scales (XLA gathers those experts too; a
+    model's unquantized dense products are XLA's own GEMMs, a dense one here is
+    `benchmarks/quant_sweep.py --quant none`'s, to time it against them)."""
     lead = q.ndim - 2
-    if scale is None:  # (unquantized: routed experts only; a dense product is XLA's own GEMM)
-        return (lead == 1 and jnp.dtype(q.dtype) in _FLOATS and zero is None and g_idx is None
-                and bool(_block_k(q.shape[1], 1, False)) and q.shape[2] % 16 == 0)
+    if scale is None:
+        return (lead in (0, 1) and jnp.dtype(q.dtype) in _FLOATS and zero is None and g_idx is None
+                and bool(_block_k(q.shape[-2], 1, False)) and q.shape[-1] % 16 == 0)
     if lead not in (0, 1) or jnp.dtype(q.dtype) not in _DTYPES or scale.ndim - lead not in (1, 2):
         return False
     if scale.ndim - lead == 1 and ((zero is None and not lead) or g_idx is not None):
@@ -398,20 +400,21 @@ def _as_experts(scale, zero, g_idx, lead: int):
     return scale, zero, g_idx
 
 
-def grouped_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array | None = None,
+def grouped_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = None,
                    g_idx: jax.Array | None = None, *, out_dtype=jnp.float32) -> jax.Array:
     """x [..., I] @ the kernel q [I, O] (int8, float8, int4) with scales [G, O] (float32; [O]
     with zero points), zero points shaped as the scales (int8, or None) and an act-order map
     [I] (int32, or None) stand for -> [..., O] in `out_dtype` (summed in float32), as
-    `quantized_matmul` computes it; the shapes must `fit`."""
+    `quantized_matmul` computes it (no scales: q unquantized, read as it is); the shapes must
+    `fit`."""
     if q.ndim != 2 or not fits(q, scale, zero, g_idx):
         raise ValueError(f"the quantized kernel takes int8 / float8 / int4 weights [I, O] in blocks of rows of a power "
                          f"of two from 16 and O a multiple of 16; got {q.dtype} {tuple(q.shape)} with scales "
-                         f"{tuple(scale.shape)}")
+                         f"{None if scale is None else tuple(scale.shape)}")
     scale, zero, g_idx = _as_experts(scale, zero, g_idx, 0)
     *lead, rows = x.shape
     some = lambda a: None if a is None else a[None]  # noqa: E731  (one expert)
-    out = _call(x.reshape(-1, rows), q[None], scale[None], some(zero), some(g_idx), jnp.zeros((1,), jnp.int32),
+    out = _call(x.reshape(-1, rows), q[None], some(scale), some(zero), some(g_idx), jnp.zeros((1,), jnp.int32),
                 per_expert_x=False, summed=False, out_dtype=out_dtype)
     return out[0].reshape(*lead, q.shape[1])
 

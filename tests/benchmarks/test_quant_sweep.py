@@ -106,3 +106,16 @@ def test_a_sweep_cut_short_keeps_the_cases_it_finished(tmp_path, monkeypatch):
     rep = json.loads(out.with_suffix(".json").read_text())
     assert [c["kernel"] for c in rep["cases"]] == ["qkvo"] and not rep["complete"]
     assert "(cut short after 1 cases)" in out.with_suffix(".md").read_text()
+
+
+def test_the_unquantized_kernel_is_timed_against_xla_s_gemm(tmp_path):
+    """`--quant none`: the bfloat16 weights in XLA's GEMM (the xla form) and in the kernel read as
+    they are (no bf16 row: it would be the xla one again), its product XLA's within the margin."""
+    out = tmp_path / "qsweep"
+    assert quant_sweep.main(["--shape", "small", "--stand-in", "--kernels", "qkvo", "--quant", "none", "--rows", "4",
+                             "--layers", "1", "--calls", "1", "--reps", "1", "--tilings", "default", "split2",
+                             "--out", str(out)]) == 0
+    (case,) = json.loads(out.with_suffix(".json").read_text())["cases"]
+    assert list(case["forms"]) == ["xla", "pallas:default", "pallas:split2"]
+    assert all(r["pass"] and r["max_diff"] < 1e-2 for n, r in case["forms"].items() if n != "xla")
+    assert case["weight_bytes"] == 256 * 256 * 2 and case["best"] in ("pallas:default", "pallas:split2")

@@ -186,8 +186,8 @@ def test_experts_products_read_each_expert_s_weights_where_they_lie(mode):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_unquantized_experts_products_read_each_expert_s_weights_where_they_lie(dtype):
     """Routed experts' float weights without scales (an unquantized MoE's): the experts named,
-    out of order and one twice, in the three forms, each against NumPy's product of that expert's
-    weights; no other float kernel is taken (a dense product is XLA's GEMM)."""
+    out of order and one twice, in the three forms, and one dense kernel, each against NumPy's
+    product of those weights; shapes Triton cannot load are refused."""
     e, rows, cols, m = 5, 64, 32, 6
     rng = np.random.default_rng(8)
     w = jnp.asarray(rng.normal(size=(e, rows, cols)), dtype)
@@ -195,12 +195,14 @@ def test_unquantized_experts_products_read_each_expert_s_weights_where_they_lie(
     shared = jnp.asarray(rng.normal(size=(m, rows)), dtype)
     own = jnp.asarray(rng.normal(size=(len(ids), m, rows)), dtype)
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
-    assert fits(w, None) and not fits(w[0], None) and not fits(w[..., :24], None)
+    assert fits(w, None) and fits(w[0], None) and not fits(w[..., :24], None) and not fits(w[:, :40], None)
     with _attention_kernel.interpret():
         got_shared = expert_matmul(shared, w, None, None, None, jnp.asarray(ids), out_dtype=dtype)
         got_own = expert_matmul(own, w, None, None, None, jnp.asarray(ids))
         got_sum = expert_matmul(own.transpose(1, 0, 2).reshape(m, -1), w, None, None, None, jnp.asarray(ids),
                                 summed=True)
+        dense = grouped_matmul(own[0], w[2])  # (one kernel [I, O], as benchmarks/quant_sweep.py --quant none times it)
+    np.testing.assert_allclose(f64(dense), f64(own[0]) @ f64(w[2]), rtol=1e-5, atol=1e-4)
     assert got_shared.dtype == dtype and got_own.dtype == jnp.float32
     tol = 1e-5 if dtype == jnp.float32 else 1e-2  # (bfloat16: its outputs rounded once)
     for u, i in enumerate(ids):
