@@ -173,11 +173,13 @@
 #                beats XLA's GEMMs at a batch-1 step's 32 rows (the bf16 steps ran at 28-41% of
 #                the bandwidth; gpu_target_parts/h200_quant_sweep_bf16.md: XLA splits its 32-row
 #                q GEMM 4 ways too). Written case by case, the q kernel's first.
-#   int4    100  benchmarks/gpu_step.py --quant none int8 int4-g128 int4-g128+pallas uint4-g128
-#                uint4-g128+pallas, dual steps at batch 1 and 8 (12 programs, four sets of weights
-#                made): whether int4 weights in groups of 128 (the "-W4A16" releases' layout) halve
-#                int8's batch-1 step, as their bytes would, and whether uint4's zero points (the
-#                "-AWQ" releases') cost anything more (never run; compiled for an H200 here, the
+#   int4    115  benchmarks/gpu_step.py --quant none none+dense int8 int4-g128 int4-g128+pallas
+#                uint4-g128 uint4-g128+pallas, dual steps at batch 1 and 8 (14 programs, four sets of
+#                weights made; none+dense: the bfloat16 step's dense products in dlm-jax's kernel,
+#                reading the weights as they are, against XLA's GEMMs): whether int4 weights in
+#                groups of 128 (the "-W4A16" releases' layout) halve int8's batch-1 step, as their
+#                bytes would, and whether uint4's zero points (the "-AWQ" releases') cost anything
+#                more (never run; compiled for an H200 here, the
 #                grouped and uint4 steps write every kernel dequantised in bfloat16, 15.0 GB a step
 #                more than int8, where per-channel int4's convert is fused:
 #                benchmarks/results/gpu_target.md; the times say what that costs), in XLA's form
@@ -473,8 +475,8 @@ want cacheload && needs "probe cache" "cache load" && part "cache load" 75 30 $P
 want probeserial && part "probe serial" 120 40 $PY $S "${PROBE[@]}" --threads 1 --out "$RES/probe_serial"
 want qsweep && part qsweep 160 30 $PY benchmarks/quant_sweep.py --quant int4-g128 int8-g128 none "${QSWEEP_X[@]}" \
   --out "$RES/quant_sweep"
-want int4 && part int4 100 30 $PY $S --batches 1 8 --kinds dual --quant none int8 int4-g128 int4-g128+pallas uint4-g128 \
-  uint4-g128+pallas --reps 10 "${STEP_X[@]}" --out "$RES/int4"
+want int4 && part int4 115 30 $PY $S --batches 1 8 --kinds dual --quant none none+dense int8 int4-g128 \
+  int4-g128+pallas uint4-g128 uint4-g128+pallas --reps 10 "${STEP_X[@]}" --out "$RES/int4"
 want qkernel && part qkernel 90 30 $PY $S --batches 1 8 --kinds dual --quant none int8 int8-g128 int8-g128+pallas \
   fp8-g128 fp8-g128+pallas --reps 10 "${STEP_X[@]}" --out "$RES/qkernel"
 want cudnn && part cudnn 40 25 $PY $S --batches 1 8 --kinds dual prefix --attention cudnn --reps 10 "${STEP_X[@]}" \

@@ -94,7 +94,7 @@ try:  # (a tree from before fused projections: separate ones only)
 except ImportError:
     PROJECTIONS = ("separate",)
 from dlm_jax.models._params import _abstract_model, model_from_params, param_shapes  # noqa: E402
-from dlm_jax.models._quant_kernel import QUANT_KERNEL_ENV  # noqa: E402
+from dlm_jax.models._quant_kernel import DENSE_KERNEL_ENV, QUANT_KERNEL_ENV  # noqa: E402
 from dlm_jax.models.quant import gpu_bytes  # noqa: E402
 from dlm_jax.runtime.buckets import BucketKey, pad_axis  # noqa: E402
 from dlm_jax.runtime.step import SlotStep  # noqa: E402
@@ -378,17 +378,21 @@ def _run(args: argparse.Namespace, target) -> dict[str, Any]:
                 for lay in sorted(args.layers, key=lambda x: x == "scan")]
     models: dict[tuple, Any] = {}
     for attention, quant, layers, projections in variants:
-        stored, _, kernel = quant.partition("+")  # ("int8-g128+pallas": the weights of int8-g128)
-        if kernel and target is None and jax.default_backend() != "gpu":
+        stored, *kernels = quant.split("+")  # ("int8-g128+pallas": the weights of int8-g128)
+        unknown = sorted(set(kernels) - {"pallas", "dense"})
+        if unknown:
+            raise SystemExit(f"--quant {quant}: unknown kernel {unknown[0]!r} (after '+': pallas, dense)")
+        if kernels and target is None and jax.default_backend() != "gpu":
             report["cases"].append({"attention": attention, "quant": quant, "layers": layers,
                                     "projections": projections,
                                     "error": f"{quant}: the Pallas kernel is compiled by Triton for a GPU "
                                              f"(or --target)"})
             continue
-        if kernel:
-            os.environ[QUANT_KERNEL_ENV] = kernel  # (read as each program is traced: `_quant_kernel.enabled`)
-        else:
-            os.environ.pop(QUANT_KERNEL_ENV, None)
+        for env, name in ((QUANT_KERNEL_ENV, "pallas"), (DENSE_KERNEL_ENV, "dense")):
+            if name in kernels:
+                os.environ[env] = "pallas"  # (read as each program is traced: `_quant_kernel.enabled`)
+            else:
+                os.environ.pop(env, None)
         weights = (stored, projections)
         if weights not in models:
             models.clear()  # one set of weights on the device at a time
@@ -708,7 +712,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", nargs="+", default=["none"],
                    help="none, or a dlm_jax.models.quant mode (int8, fp8-g128, ...); '+pallas' after a grouped, "
                    "uint4 or act-order mode (int4-g128+pallas): its products in the Pallas kernel of "
-                   "dlm_jax.models._quant_kernel ($DLM_JAX_QUANT_KERNEL=pallas while its programs are traced)")
+                   "dlm_jax.models._quant_kernel ($DLM_JAX_QUANT_KERNEL=pallas while its programs are traced); "
+                   "'+dense' (none+dense): the unquantized dense products in it ($DLM_JAX_DENSE_KERNEL=pallas)")
     p.add_argument("--layers", nargs="+", default=[None], help="the executor's layer loop (unrolled, scan)")
     p.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=["separate"],
                    help="separate, or fused: q/k/v and gate/up each one GEMM (the executor's projections=)")

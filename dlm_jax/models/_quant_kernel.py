@@ -69,6 +69,7 @@ import jax.numpy as jnp
 from dlm_jax.models import _attention_kernel
 
 QUANT_KERNEL_ENV = "DLM_JAX_QUANT_KERNEL"
+DENSE_KERNEL_ENV = "DLM_JAX_DENSE_KERNEL"  # (a model's unquantized dense products: `use_dense`)
 _DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int4))
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))  # (unquantized experts)
 _BLOCK_K = 128  # rows of a group (or of a kernel) dequantised at a time, at most
@@ -127,21 +128,22 @@ def tiled(tiling: Tiling) -> contextlib.AbstractContextManager[None]:
     return _attention_kernel.swapped(globals(), "_tiling", tiling)
 
 
-def enabled() -> bool:
+def enabled(env: str = QUANT_KERNEL_ENV) -> bool:
     """Whether grouped products trace as this kernel: `$DLM_JAX_QUANT_KERNEL` is `pallas` (unset
-    or `xla`: XLA's form; anything else is refused in one line)."""
-    value = os.environ.get(QUANT_KERNEL_ENV, "")
+    or `xla`: XLA's form; anything else is refused in one line); `env=DENSE_KERNEL_ENV`: whether
+    a model's unquantized dense products do (`$DLM_JAX_DENSE_KERNEL`, the same values)."""
+    value = os.environ.get(env, "")
     if value not in ("", "xla", "pallas"):
         from dlm_jax._errors import ConfigError
 
-        raise ConfigError(f"{QUANT_KERNEL_ENV}={value!r}: expected xla or pallas")
+        raise ConfigError(f"{env}={value!r}: expected xla or pallas")
     return value == "pallas"
 
 
-def _runs_here() -> bool:
-    """`enabled`, and a GPU program (`dlm_jax.executors._compile.target_platform`) or Pallas's
-    interpreter on."""
-    if not enabled():
+def _runs_here(env: str = QUANT_KERNEL_ENV) -> bool:
+    """`enabled(env)`, and a GPU program (`dlm_jax.executors._compile.target_platform`) or
+    Pallas's interpreter on."""
+    if not enabled(env):
         return False
     if _attention_kernel._interpret:
         return True
@@ -157,8 +159,21 @@ def use(q: jax.Array, scale: jax.Array | None, zero: jax.Array | None = None, g_
     arrays: `dlm_jax.models._transformer.sharded_experts`' routed experts). On a mesh a product
     of parameters placed by the partition rules runs in the kernel under a `shard_map` of its own
     (`sharded`); a Pallas call has no partitioning rule of its own."""
-    if not _runs_here() or not fits(q, scale, zero, g_idx):
-        return False
+    return _runs_here() and fits(q, scale, zero, g_idx) and _local()
+
+
+def use_dense(w: jax.Array) -> bool:
+    """Whether a model's unquantized dense product x @ w [I, O] (a projection's, the untied
+    head's) traces as the kernel, reading w as it is: `$DLM_JAX_DENSE_KERNEL=pallas`, a GPU
+    program or Pallas's interpreter on, one device (`use`'s rule; on a mesh XLA's GEMMs), and a
+    shape it takes. An experiment switch (XLA's GEMMs are the default), for the lease to time
+    whole steps with it (`benchmarks/gpu_step.py --quant none+dense`)."""
+    return w.ndim == 2 and _runs_here(DENSE_KERNEL_ENV) and fits(w) and _local()
+
+
+def _local() -> bool:
+    """One device, or a `shard_map` manual over every axis of the traced mesh that splits
+    anything: the arrays a trace sees are the device's own."""
     from dlm_jax.models._tracing import traced_mesh
 
     mesh = traced_mesh()

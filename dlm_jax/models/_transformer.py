@@ -29,7 +29,7 @@ from flax import nnx
 from dlm_jax._config import ModelConfig
 from dlm_jax._errors import ConfigError
 from dlm_jax._masks import attention_rule
-from dlm_jax.models import _attention_kernel
+from dlm_jax.models import _attention_kernel, _quant_kernel
 from dlm_jax.models._tracing import (  # noqa: F401  (re-exported: the executor's names)
     _EXPERT_MESH, EXPERT_EXCHANGES, _scoped, expert_mesh, traced_mesh)
 from dlm_jax.models.quant import QuantExperts, QuantLinear, dequantize, expert_einsum, expert_kernel, experts_matmul
@@ -72,10 +72,23 @@ def _project(linear: nnx.Linear, adapters, name: str, x: jax.Array, gate: jax.Ar
     """`linear(x)`, plus the gated LoRA delta `adapters[name](x, gate)` when there is a gate and
     an adapter of that name. The base product is computed exactly as without adapters and the
     delta added to it: a row whose gate is 0 adds (+-)0 and keeps the base output's bits."""
-    y = linear(x)
+    y = _apply(linear, x)
     if gate is None or adapters is None or name not in adapters:
         return y
     return y + adapters[name](x, gate)
+
+
+def _apply(linear, x: jax.Array) -> jax.Array:
+    """`linear(x)`; an unquantized `nnx.Linear`'s product in dlm-jax's Pallas kernel where
+    `$DLM_JAX_DENSE_KERNEL=pallas` asks on a GPU (`_quant_kernel.use_dense`: the kernel reading
+    its weights as they are, summed in float32 and rounded once to the Linear's dtype, as XLA's
+    GEMM computes it up to the order of the sums)."""
+    if not isinstance(linear, nnx.Linear) or not _quant_kernel.use_dense(linear.kernel[...]):
+        return linear(x)  # (no op traced before this: an exported program is the Linear's alone)
+    w = linear.kernel[...]
+    dt = linear.dtype or jnp.result_type(x.dtype, w.dtype)
+    y = _quant_kernel.grouped_matmul(x.astype(dt), w.astype(dt), out_dtype=dt)
+    return y if linear.bias is None else y + linear.bias[...].astype(dt)
 
 
 def _project_fused(linear, adapters, names: tuple[str, ...], widths: tuple[int, ...], x: jax.Array,
@@ -83,7 +96,7 @@ def _project_fused(linear, adapters, names: tuple[str, ...], widths: tuple[int, 
     """The projections `names` of x from one fused linear (`dlm_jax.models._fuse`: their
     kernels side by side, `widths` output columns each): one product, split in order, each
     part then given its gated LoRA delta as `_project` adds it."""
-    y = linear(x)
+    y = _apply(linear, x)
     cuts = [sum(widths[:i + 1]) for i in range(len(widths) - 1)]
     parts = jnp.split(y, cuts, axis=-1)
     if gate is None or adapters is None:
@@ -899,6 +912,8 @@ class Transformer(nnx.Module):
         if isinstance(self.lm_head, QuantLinear):  # weight-only quantized: dequantised inside the matmul
             return self.lm_head.product(x)[..., : self.config.vocab_size]
         w = self.embed.embedding[...] if tied else self.lm_head.kernel[...]
+        if not tied and w.dtype == x.dtype and _quant_kernel.use_dense(w):  # (`_apply`'s switch)
+            return _quant_kernel.grouped_matmul(x, w)[..., : self.config.vocab_size]
         if w.dtype == x.dtype and x.dtype != jnp.float32:
             logits = jnp.einsum("...d,vd->...v" if tied else "...d,dv->...v", x, w,
                                 preferred_element_type=jnp.float32)

@@ -115,7 +115,8 @@ def test_every_part_of_the_lease_names_a_script_that_takes_its_arguments(tmp_pat
     (dsf,) = map(unenv, lease_parts(tmp_path, PARTS="scandsf", LIMIT="5000"))
     assert args["cudnn"].attention == ["cudnn"] and args["scan"].layers == parse(dsf[4], dsf[5:]).layers == ["scan"]
     assert args["attention"].attention == ["split", "cudnn", "cudnn_split", "pallas"]
-    assert args["int4"].quant == ["none", "int8", "int4-g128", "int4-g128+pallas", "uint4-g128", "uint4-g128+pallas"]
+    assert args["int4"].quant == ["none", "none+dense", "int8", "int4-g128", "int4-g128+pallas", "uint4-g128",
+                                  "uint4-g128+pallas"]
     qsweep = args["qsweep"]  # the kernel's tilings against XLA's form, 4-bit and 8-bit groups, and unquantized
     assert qsweep.quant == ["int4-g128", "int8-g128", "none"] and [n for n, _ in qsweep.tilings][0] == "default"
     assert len(qsweep.tilings) == (2 if dry else 9) and qsweep.rows == ([8] if dry else [32, 256])

@@ -44,6 +44,20 @@ def test_abstract_mode_lowers_from_shapes(tmp_path):
     assert int8["weight_bytes"] < 0.6 * case["weight_bytes"]
 
 
+def test_a_kernel_suffix_is_pallas_or_dense_and_needs_a_gpu(tmp_path):
+    """'+pallas' and '+dense' (the quantized and the dense products in dlm-jax's kernel) are a
+    row's error off a GPU without --target; any other suffix stops the run in one line."""
+    out = tmp_path / "k"
+    assert gpu_step.main(["--shape", "small", "--abstract", "--batches", "1", "--kinds", "dual", "--threads", "1",
+                          "--quant", "none+dense", "int8-g16+pallas+dense", "--out", str(out)]) == 0
+    dense, both = json.loads(out.with_suffix(".json").read_text())["cases"]
+    assert dense["error"] == "none+dense: the Pallas kernel is compiled by Triton for a GPU (or --target)"
+    assert both["quant"] == "int8-g16+pallas+dense" and "Triton" in both["error"]
+    with pytest.raises(SystemExit, match=r"^--quant none\+triton: unknown kernel 'triton' \(after '\+': pallas, "
+                                         r"dense\)$"):
+        gpu_step.main(["--shape", "small", "--abstract", "--quant", "none+triton", "--out", str(out)])
+
+
 @pytest.mark.slow  # (5 s: the script's timing path on a CPU; its cost-analysis and --target paths run by default)
 def test_a_backend_without_cost_analysis_still_times_the_step(tmp_path, monkeypatch):
     """XLA:GPU answers `cost_analysis()` of a lowered program with None (jax 0.11.2 on an H200):

@@ -297,6 +297,40 @@ def test_a_model_s_grouped_products_take_the_kernel_only_where_asked(monkeypatch
     assert calls == []
 
 
+@pytest.mark.parametrize("dtype, fused", [("float32", False), ("bfloat16", True)])
+def test_a_model_s_dense_products_take_the_kernel_only_where_asked(monkeypatch, dtype, fused):
+    """`$DLM_JAX_DENSE_KERNEL=pallas` routes an unquantized model's dense products (q/k/v/o or
+    their fused q/k/v, gate/up or fused, down, the untied head) to the kernel, which reads their
+    weights as they are, where the program is a GPU's (the interpreter stands in), with XLA's
+    logits; a CPU program ignores it, and so does the quantized kernel's switch."""
+    from dlm_jax.models._fuse import fuse_projections
+    from dlm_jax.models._quant_kernel import DENSE_KERNEL_ENV
+
+    model = tiny_model(seed=3, dtype=dtype, param_dtype=dtype)
+    if fused:
+        fuse_projections(model)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 60, (2, 9)), jnp.int32)
+    want = np.asarray(model(tokens).logits, np.float32)
+    calls = []
+    traced = _quant_kernel.grouped_matmul
+    monkeypatch.setattr(_quant_kernel, "grouped_matmul", lambda *a, **k: calls.append(a[1].shape) or traced(*a, **k))
+    monkeypatch.setenv(QUANT_KERNEL_ENV, "pallas")
+    with _attention_kernel.interpret():
+        np.testing.assert_array_equal(np.asarray(model(tokens).logits, np.float32), want)  # not this switch
+    monkeypatch.setenv(DENSE_KERNEL_ENV, "pallas")
+    np.testing.assert_array_equal(np.asarray(model(tokens).logits, np.float32), want)  # a CPU program: XLA's
+    assert calls == []
+    with _attention_kernel.interpret():
+        got = np.asarray(model(tokens).logits, np.float32)
+    cfg = model.config
+    assert len(calls) == cfg.n_layers * (4 if fused else 7) + 1  # a layer's projections, and the head
+    tol = 1e-5 if dtype == "float32" else 5e-2  # (bfloat16: each product rounded once, in another order)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    monkeypatch.setenv(DENSE_KERNEL_ENV, "triton")
+    with pytest.raises(dlm_jax.ConfigError, match=r"^DLM_JAX_DENSE_KERNEL='triton': expected xla or pallas$"):
+        model(tokens)
+
+
 @pytest.mark.parametrize("mode", ["int4-g16", pytest.param("uint4-g16-act", marks=pytest.mark.slow),
                                   pytest.param("int8", marks=pytest.mark.slow), None])  # (7 s each)
 def test_an_moe_model_s_routed_experts_take_the_kernel(monkeypatch, mode):
@@ -345,6 +379,14 @@ def test_load_with_the_kernel_decodes_as_without(monkeypatch):
         again = dlm_jax.load("models/llada-tiny", quant="int8-g16", executor="jax")
         assert again.generate("564+894=", cfg).token_ids == want
     assert calls  # (traced in the executor's programs)
+    calls.clear()
+    monkeypatch.delenv(QUANT_KERNEL_ENV)
+    monkeypatch.setenv(_quant_kernel.DENSE_KERNEL_ENV, "pallas")  # the unquantized model's products in it
+    with _attention_kernel.interpret():
+        dense = dlm_jax.load("models/llada-tiny", executor="jax")
+        assert dense.generate("564+894=", cfg).token_ids == dlm_jax.load(
+            "models/llada-tiny", executor="jax").generate("564+894=", cfg).token_ids
+    assert calls
 
 
 @pytest.mark.slow
