@@ -305,11 +305,13 @@ def fits(q: jax.Array, scale: jax.Array | None = None, zero: jax.Array | None = 
 
 
 def _kernel(ids_ref, x_ref, q_ref, *refs, block_k: int, steps: int, per_group: int, per_expert: int,
-            row_blocks: int, scaled: bool, zero: bool, act: bool, summed: bool):
+            row_blocks: int, users: int, padded: bool, scaled: bool, zero: bool, act: bool, summed: bool):
     """One program: `steps` blocks of input rows from its share's first (grid axis 2), of the
     expert `ids_ref[u]` (u: the program's, grid axis 0 over row blocks; `summed`: each block's,
-    the blocks of the experts one after another along x's columns). Unquantized weights
-    (`scaled` false) are read in x's dtype as they are."""
+    the blocks of the experts one after another along x's columns). `padded`: `ids_ref[users]`
+    says how many of the experts are real, the rest pads whose blocks are not read (their
+    products zeros).
+    Unquantized weights (`scaled` false) are read in x's dtype as they are."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -337,15 +339,23 @@ def _kernel(ids_ref, x_ref, q_ref, *refs, block_k: int, steps: int, per_group: i
         return acc + plgpu.dot(x_ref[:, pl.ds(t * block_k, block_k)], w, allow_tf32=False if f32 else None)
 
     first = pl.program_id(2) * steps
-    acc = jax.lax.fori_loop(first, first + steps, step, jnp.zeros(o_ref.shape, jnp.float32))
+    last = first + steps
+    if padded:
+        real = ids_ref[users]  # (the experts before it are read; those from it on are pads)
+        if summed:  # the share's blocks up to the pads' first
+            last = jnp.maximum(first, jnp.minimum(last, real * per_expert))
+        else:  # all of them, or none for a pad's program
+            last = jnp.where(pl.program_id(0) // row_blocks < real, last, first)
+    acc = jax.lax.fori_loop(first, last, step, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def _call(x: jax.Array, q: jax.Array, scale: jax.Array | None, zero: jax.Array | None, g_idx: jax.Array | None,
-          ids: jax.Array, *, per_expert_x: bool, summed: bool, out_dtype) -> jax.Array:
+          ids: jax.Array, *, per_expert_x: bool, summed: bool, out_dtype, real: jax.Array | None = None) -> jax.Array:
     """The kernel over experts' weights q [E, I, O] (scales [E, G, O], zero points, maps [E, I];
     no scales: unquantized) for the experts `ids` [U]: x [U, M, I] (`per_expert_x`) or [M, I] ->
-    [U, M, O]; `summed`: x [M, U * I] -> [M, O], the experts' products added."""
+    [U, M, O]; `summed`: x [M, U * I] -> [M, O], the experts' products added. `real`: only the
+    first `real` of the U experts are read, the others pads (zeros; default all)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -374,8 +384,11 @@ def _call(x: jax.Array, q: jax.Array, scale: jax.Array | None, zero: jax.Array |
         x_spec = pl.BlockSpec((block_m, x.shape[-1]), lambda p, j, s: (p % rb, 0))
     whole = lambda *shape: pl.BlockSpec(shape, lambda p, j, s: (0,) * len(shape))  # noqa: E731
     columns = lambda *shape: pl.BlockSpec((*shape, block_n), lambda p, j, s: (0,) * len(shape) + (j,))  # noqa: E731
-    in_specs = [whole(users), x_spec, columns(n_exp, rows)]
-    operands = [ids.astype(jnp.int32), x, q]
+    ids = ids.astype(jnp.int32)
+    if real is not None:  # (its count after the ids)
+        ids = jnp.concatenate([ids, jnp.reshape(real, (1,)).astype(jnp.int32)])
+    in_specs = [whole(ids.shape[0]), x_spec, columns(n_exp, rows)]
+    operands = [ids, x, q]
     if scale is not None:
         in_specs.append(columns(n_exp, groups))
         operands.append(scale.astype(jnp.float32))
@@ -389,8 +402,9 @@ def _call(x: jax.Array, q: jax.Array, scale: jax.Array | None, zero: jax.Array |
     params = {} if interpret else {
         "compiler_params": plgpu.CompilerParams(num_warps=tiling.warps, num_stages=tiling.stages)}
     kernel = functools.partial(_kernel, block_k=block_k, steps=blocks // split, per_group=max(1, per_expert // groups),
-                               per_expert=per_expert, row_blocks=rb, scaled=scale is not None, zero=zero is not None,
-                               act=act, summed=summed)
+                               per_expert=per_expert, row_blocks=rb, users=users, padded=real is not None,
+                               scaled=scale is not None,
+                               zero=zero is not None, act=act, summed=summed)
     if summed:
         shape, block, at = (padded, cols), (block_m, block_n), lambda p, j: (p, j)
     else:
@@ -436,14 +450,16 @@ def grouped_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None = None, z
 
 def expert_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None, zero: jax.Array | None,
                   g_idx: jax.Array | None, experts: jax.Array, *, summed: bool = False,
-                  out_dtype=jnp.float32) -> jax.Array:
+                  out_dtype=jnp.float32, real: jax.Array | None = None) -> jax.Array:
     """Routed experts' products with their weights q [E, I, O] (scales [E, G, O] or [E, O] with
     zero points, zero points, act-order maps [E, I]; or unquantized, bfloat16 / float16 / float32
     without scales) of the experts `experts` [U] (int32; any
     order, repeats allowed), each expert's weights read where they lie:
     x [U, M, I] (each expert its rows) or [M, I] (the same rows through each) -> [U, M, O];
     `summed`: x [M, U * I] (expert u's inputs in columns u * I .. (u + 1) * I) -> [M, O], the
-    experts' products added. In `out_dtype`, summed in float32; the shapes must `fit`."""
+    experts' products added. In `out_dtype`, summed in float32; the shapes must `fit`. `real`
+    (an int32 scalar, traced or not): only the first `real` experts are read, the others pads
+    (a branch of U experts filled past the step's used ones) whose products are zeros."""
     if q.ndim != 3 or not fits(q, scale, zero, g_idx):
         raise ValueError(f"the quantized kernel takes experts' int8 / float8 / int4 weights [E, I, O] (or float ones "
                          f"without scales) in blocks of rows of a power of two from 16 and O a multiple of 16; got "
@@ -455,4 +471,5 @@ def expert_matmul(x: jax.Array, q: jax.Array, scale: jax.Array | None, zero: jax
         raise ValueError(f"expert_matmul(summed=True): x {tuple(x.shape)} is not [M, {users} experts x {rows}]")
     if not summed and (x.ndim not in (2, 3) or x.shape[-1] != rows or (x.ndim == 3 and x.shape[0] != users)):
         raise ValueError(f"expert_matmul: x {tuple(x.shape)} is neither [M, {rows}] nor [{users} experts, M, {rows}]")
-    return _call(x, q, scale, zero, g_idx, experts, per_expert_x=x.ndim == 3, summed=summed, out_dtype=out_dtype)
+    return _call(x, q, scale, zero, g_idx, experts, per_expert_x=x.ndim == 3, summed=summed, out_dtype=out_dtype,
+                 real=real)

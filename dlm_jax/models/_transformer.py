@@ -473,8 +473,8 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
       every expert is read where its weights lie instead (a gathered copy, written and read
       again, would move more bytes), but under `litert_lowering`; with
       `$DLM_JAX_QUANT_KERNEL=pallas` on a GPU the experts (quantized or not) run in the Pallas
-      kernel, which reads the U experts' weights in place at every U (from half up too: the
-      used ones first, the others only to fill the branch's U);
+      kernel, which reads the used experts' weights in place at every U (the experts that
+      fill the branch's U past them are not read);
     - many experts with few rows each (a varied batch): the N*k assignments are ordered by
       expert and packed into an [E, C, D] buffer, C the busiest expert's rows rounded up to a
       capacity level below N.
@@ -496,8 +496,8 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
         # where its weights lie instead (the unused ones weighted zero): a gathered copy would be
         # written and read again, more bytes than reading all E (at half: 1.5 E against E). But for
         # LiteRT, whose 2.3 compiled model refuses an IF branch that reads the captured weights
-        # directly. The kernel reads the used experts first where they lie at every U (and the
-        # others only to fill U).
+        # directly. The kernel reads the used experts where they lie at every U (the others that
+        # fill U are not read).
         kernel = all(map(expert_kernel, (gate, up, down)))
         in_place = 2 * u >= e and not _LITERT.get() and not kernel
         if in_place:
@@ -506,10 +506,12 @@ def dispatch_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Ar
             experts = _inverse_permutation(jnp.where(used > 0, slot, used.sum() + jnp.cumsum(1 - used) - 1))[:u]
             ids = jnp.where(routing.experts >= 0, slot[routing.experts], -1)  # -1: no slot (one_hot gives zeros)
         combine = jnp.einsum("nk,nku->nu", weights, jax.nn.one_hot(ids, u, dtype=x.dtype))
-        if kernel:  # each used expert's weights read where they lie
-            h = jax.nn.silu(experts_matmul(x, gate, experts)) * experts_matmul(x, up, experts)  # [U, N, F]
+        if kernel:  # each used expert's weights read where they lie (the pads filling U not at all)
+            real = used.sum()  # (the used experts come first)
+            h = (jax.nn.silu(experts_matmul(x, gate, experts, real=real))
+                 * experts_matmul(x, up, experts, real=real))  # [U, N, F]
             h = h.transpose(1, 0, 2) * combine[..., None]
-            return experts_matmul(h.reshape(n, u * f), down, experts, summed=True)
+            return experts_matmul(h.reshape(n, u * f), down, experts, summed=True, real=real)
         if in_place:
             g, v, o = (dequantize(w.q, w.scale, x.dtype, w.zero, w.g_idx) if isinstance(w, QuantExperts) else w
                        for w in (gate, up, down))  # (quantized: dequantised whole, XLA's form)

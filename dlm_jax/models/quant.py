@@ -285,15 +285,14 @@ def expert_kernel(w) -> bool:
 
 
 def experts_matmul(x: jax.Array, w: QuantExperts | jax.Array, experts: jax.Array, *,
-                   summed: bool = False) -> jax.Array:
+                   summed: bool = False, real: jax.Array | None = None) -> jax.Array:
     """The experts `experts` [U] of `w` (quantized, or unquantized [E, I, O]) in the kernel
     (`expert_kernel(w)` must hold), in x's dtype: x [M, I] or [U, M, I] -> [U, M, O]; `summed`:
-    x [M, U * I] -> [M, O] (`_quant_kernel.expert_matmul`)."""
+    x [M, U * I] -> [M, O]; only the first `real` read (`_quant_kernel.expert_matmul`)."""
     from dlm_jax.models import _quant_kernel
 
-    if not isinstance(w, QuantExperts):
-        return _quant_kernel.expert_matmul(x, w, None, None, None, experts, summed=summed, out_dtype=x.dtype)
-    return _quant_kernel.expert_matmul(x, w.q, w.scale, w.zero, w.g_idx, experts, summed=summed, out_dtype=x.dtype)
+    parts = (w, None, None, None) if not isinstance(w, QuantExperts) else (w.q, w.scale, w.zero, w.g_idx)
+    return _quant_kernel.expert_matmul(x, *parts, experts, summed=summed, out_dtype=x.dtype, real=real)
 
 
 def _kernel_einsum(spec: str, x: jax.Array, w: QuantExperts) -> jax.Array:

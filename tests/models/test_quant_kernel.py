@@ -202,7 +202,14 @@ def test_unquantized_experts_products_read_each_expert_s_weights_where_they_lie(
         got_sum = expert_matmul(own.transpose(1, 0, 2).reshape(m, -1), w, None, None, None, jnp.asarray(ids),
                                 summed=True)
         dense = grouped_matmul(own[0], w[2])  # (one kernel [I, O], as benchmarks/quant_sweep.py --quant none times it)
+        # only the first `real` experts read: the pads' products zeros (a branch's U filled past the used ones)
+        pads_own = expert_matmul(own, w, None, None, None, jnp.asarray(ids), real=jnp.int32(2))
+        pads_sum = expert_matmul(own.transpose(1, 0, 2).reshape(m, -1), w, None, None, None, jnp.asarray(ids),
+                                 summed=True, real=jnp.int32(1))
     np.testing.assert_allclose(f64(dense), f64(own[0]) @ f64(w[2]), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(pads_own[2]), 0.0)
+    np.testing.assert_allclose(f64(pads_own[:2]), f64(got_own[:2]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(f64(pads_sum), f64(own[0]) @ f64(w[4]), rtol=1e-5, atol=1e-4)
     assert got_shared.dtype == dtype and got_own.dtype == jnp.float32
     tol = 1e-5 if dtype == jnp.float32 else 1e-2  # (bfloat16: its outputs rounded once)
     for u, i in enumerate(ids):
@@ -212,19 +219,21 @@ def test_unquantized_experts_products_read_each_expert_s_weights_where_they_lie(
                                rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("pool", [2, 4, 8])
+@pytest.mark.parametrize("pool", [2, 3, 5, 8])
 def test_the_few_experts_form_reads_only_the_branch_s_experts_in_the_kernel(monkeypatch, pool):
-    """`dispatch_experts` over unquantized experts with the kernel asked for: steps that use 2, 4
-    and 8 of 8 experts run the branches of a quarter, half and all the experts, each of which
-    reads its U experts, the used ones first (from half up XLA's form reads all 8 in place
-    instead), with the dense form's result in XLA's, an assignment of -1 contributing nothing."""
+    """`dispatch_experts` over unquantized experts with the kernel asked for: steps that use 2,
+    3, 5 and 8 of 8 experts run the branches of a quarter, half and all the experts (the used
+    ones first, the pads that fill U not read), each branch over its U experts (from half up
+    XLA's form reads all 8 in place instead), with the dense form's result in XLA's, an
+    assignment of -1 contributing nothing."""
     from dlm_jax.models._transformer import Routing, dense_experts, dispatch_experts
 
     e, d, f, n, k = 8, 32, 16, 12, 2
     rng = np.random.default_rng(pool)
     w = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
     x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-    experts = np.stack([rng.permutation(pool)[:k] for _ in range(n)]) * (e // pool)  # every (e / pool)-th expert
+    chosen = np.array([0, 5, 2, 7, 1, 6, 3, 4])[:pool]  # (spread over the ids)
+    experts = np.stack([chosen[rng.permutation(pool)[:k]] for _ in range(n)])
     experts[::5, 1] = -1  # (split execution's misses)
     routing = Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(rng.random((n, k)), jnp.float32))
     want = np.asarray(dense_experts(x, routing, *w))
