@@ -28,7 +28,8 @@ experts [U] a product uses, read inside it, each program's expert's blocks read 
 in the stacked array (XLA's form gathers the used experts and dequantises them first): rows
 [M, I] through each of the U experts, each expert its own rows [U, M, I] (the forms of
 `dlm_jax.models._transformer.dispatch_experts`), or the experts' inputs side by side
-[M, U * I] summed into one product (its few-experts form's down projection). Unquantized
+[M, U * I] summed into one product (its few-experts form's down projection); of the U, only
+the first `real` are read (a branch's experts past the step's used ones are pads). Unquantized
 experts (bfloat16, float16 or float32, no scales) take it too, their blocks read as they lie:
 XLA's form gathers a quarter of the experts into a copy first, or reads all of them in place
 from half up (compiled for an H200 at LLaDA2.0-mini's shape, the costliest form of a batch-1
